@@ -1,0 +1,112 @@
+"""Model configuration: a Hugging Face ``config.json`` parsed into one frozen ``ModelConfig``.
+
+The engine only needs the family-independent facts (which layers are recurrent, which hold
+KV, the state shapes); each family keeps its own details in ``arch``, a frozen dataclass
+defined next to the family's model code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Per-layer roles the engine cares about.
+RECURRENT = "recurrent"  # holds conv + ssm state in the slot pools
+ATTENTION = "attention"  # holds KV in the page pool
+STATELESS = "stateless"  # MLP / MoE-only layer (Nemotron-H), no cache at all
+
+SUPPORTED_ARCHITECTURES = {
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine must know about a model, family details in ``arch``."""
+
+    family: str  # "qwen3_next" | "nemotron_h"
+    vocab_size: int
+    hidden_size: int
+    layer_roles: tuple[str, ...]  # one of RECURRENT / ATTENTION / STATELESS per layer
+    # attention layers
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    # recurrent layers: conv window [conv_dim, conv_kernel - 1], state [H, d_a, d_b]
+    conv_dim: int
+    conv_kernel: int
+    ssm_heads: int
+    ssm_dim_a: int
+    ssm_dim_b: int
+    # tokens
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    num_mtp_layers: int  # 0 when the checkpoint has no MTP head
+    arch: Any  # the family's frozen dataclass
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_roles)
+
+    @property
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.layer_roles) if r == RECURRENT)
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.layer_roles) if r == ATTENTION)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.ssm_heads, self.ssm_dim_a, self.ssm_dim_b)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_mtp_layers > 0
+
+
+def require(hf: dict[str, Any], key: str, family: str) -> Any:
+    """Return ``hf[key]`` or raise a ValueError naming the missing field."""
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"{family} config.json is missing the required field {key!r}")
+    return hf[key]
+
+
+def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
+    """Parse a Hugging Face config dict; unknown architectures raise ValueError."""
+    model_type = hf.get("model_type")
+    if model_type == "qwen3_next":
+        from lazyspec.models.qwen3_next import parse_config
+    elif model_type == "nemotron_h":
+        from lazyspec.models.nemotron_h import parse_config
+    else:
+        archs = hf.get("architectures")
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (architectures={archs!r}); "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES.values())}"
+        )
+    return parse_config(hf)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read ``config.json`` from a model folder and parse it."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
+    with open(config_path) as f:
+        return parse_hf_config(json.load(f))

@@ -1,0 +1,65 @@
+"""The device-side contract between the engine and a model family.
+
+Every family module (``qwen3_next.py``, ``nemotron_h.py``) exposes the same functions over
+these pytrees, so the runner never branches on the family:
+
+``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, backend="xla")``
+    -> ``(hidden, kv, RecurrentOut)``
+
+* ``inputs`` is a ``ForwardInputs``: B rows of T token slots; row b's new tokens are
+  ``tokens[b, :num_new[b]]`` (the rest is padding and must not change any state).
+* ``kv`` is a ``KVPools``: one (k, v) pair per attention layer, each
+  ``[num_kv_rows, n_kv_heads, head_dim]``; row 0 is the null row and is never written.
+  New tokens' K/V are scattered to ``kv_write_idx`` (out-of-range sentinel = dropped), then
+  each query attends to the row's context through ``kv_read_idx`` (positions 0..ctx_len-1,
+  causal by absolute position).
+* ``rec`` is a ``RecurrentState`` gathered by the runner from the slot pools: the state
+  *before* the new tokens, one entry per recurrent layer and row.
+* ``mode`` (static): ``"extend"`` (prefill chunk; also returns the state after every
+  ``chunk_size`` tokens of the row), ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the
+  state after every position).
+* ``hidden`` is the residual stream after the last layer, *before* the final norm
+  ([B, T, hidden]); ``compute_logits(params, cfg, hidden)`` applies the final norm and lm_head.
+
+``mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)`` -> ``(mtp_hidden, mtp_kv)``:
+the draft head (attention-only, its own KV pools); logits via ``compute_mtp_logits``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ForwardInputs:
+    tokens: jax.Array  # [B, T] int32
+    positions: jax.Array  # [B, T] int32, absolute positions of the new tokens
+    num_new: jax.Array  # [B] int32, valid new tokens per row (0 = padding row)
+    kv_write_idx: jax.Array  # [B, T] int32, KV row per new token; out of range = dropped
+    kv_read_idx: jax.Array  # [B, C] int32, KV rows of context positions 0..C-1
+    ctx_len: jax.Array  # [B] int32, context length incl. the new tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVPools:
+    k: list[jax.Array]  # per attention layer [num_kv_rows, n_kv_heads, head_dim]
+    v: list[jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RecurrentState:
+    conv: jax.Array  # [L_rec, B, conv_dim, K-1] (extra axis after B for steps / chunks)
+    ssm: jax.Array  # [L_rec, B, H, d_a, d_b]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RecurrentOut:
+    final: RecurrentState  # after each row's num_new tokens
+    steps: RecurrentState | None  # verify: [L_rec, B, T, ...], state after each position
+    chunks: RecurrentState | None  # extend: [L_rec, B, T // chunk, ...], after (j+1)*chunk tokens
