@@ -1,0 +1,176 @@
+"""EngineConfig: every engine / server flag, validated in one place.
+
+Flag names follow SGLang's ``ServerArgs`` so its users find what they know.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields, replace
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy")
+DTYPES = ("float32", "bfloat16")
+SPEC_ALGORITHMS = (None, "NEXTN", "MTP")
+KERNEL_BACKENDS = (None, "xla", "pallas")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None
+    dtype: str = "float32"
+    page_size: int = 1
+    max_running_requests: int | None = None
+    max_total_tokens: int = 16384  # KV token capacity (rounded up to whole pages)
+    max_mamba_cache_size: int | None = None  # state slots; None = sized from max_running_requests
+    mamba_scheduler_strategy: str = "auto"
+    mamba_track_interval: int = 256
+    mamba_ssm_dtype: str = "float32"
+    mamba_chunk_size: int = 64
+    chunked_prefill_size: int = 512
+    context_length: int | None = None
+    disable_overlap_schedule: bool = False
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    kernel_backend: str | None = None
+    skip_warmup: bool = False
+    # Fault injection / experiments (tests and benchmarks only).
+    debug_fail_spare_alloc: bool = False
+    debug_lazy_evict_on_failure: bool = False
+    # Alias accepted for SGLang's newer flag name; folded into mamba_scheduler_strategy.
+    mamba_radix_cache_strategy: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mamba_radix_cache_strategy is not None:
+            object.__setattr__(self, "mamba_scheduler_strategy", self.mamba_radix_cache_strategy)
+            object.__setattr__(self, "mamba_radix_cache_strategy", None)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("mamba_ssm_dtype", self.mamba_ssm_dtype, DTYPES)
+        _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGIES)
+        _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
+        _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        for name in ("page_size", "max_total_tokens", "mamba_track_interval", "mamba_chunk_size",
+                     "chunked_prefill_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.mamba_track_interval % self.page_size:
+            raise ValueError(
+                f"mamba_track_interval={self.mamba_track_interval} must be a multiple of "
+                f"page_size={self.page_size}"
+            )
+        if self.mamba_track_interval % self.mamba_chunk_size:
+            raise ValueError(
+                f"mamba_track_interval={self.mamba_track_interval} must be a multiple of "
+                f"mamba_chunk_size={self.mamba_chunk_size} (prefill checkpoints are chunk states)"
+            )
+        if self.chunked_prefill_size % self.mamba_chunk_size:
+            raise ValueError(
+                f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
+                f"mamba_chunk_size={self.mamba_chunk_size}"
+            )
+        self._resolve_spec()
+        self._resolve_strategy()
+
+    # ------------------------------------------------------------------ resolution
+
+    def _resolve_spec(self) -> None:
+        if self.speculative_algorithm is None:
+            for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is set but speculative_algorithm is None")
+            return
+        object.__setattr__(self, "speculative_algorithm", "NEXTN")
+        steps = self.speculative_num_steps if self.speculative_num_steps is not None else 3
+        _check_positive("speculative_num_steps", steps)
+        topk = self.speculative_eagle_topk if self.speculative_eagle_topk is not None else 1
+        if topk != 1:
+            raise ValueError(f"speculative_eagle_topk={topk}: only chain drafting (topk=1) is supported")
+        draft = self.speculative_num_draft_tokens
+        if draft is None:
+            draft = steps + 1
+        if draft != steps + 1:
+            raise ValueError(
+                f"speculative_num_draft_tokens={draft} must equal speculative_num_steps + 1 "
+                f"= {steps + 1} for chain drafting"
+            )
+        object.__setattr__(self, "speculative_num_steps", steps)
+        object.__setattr__(self, "speculative_eagle_topk", topk)
+        object.__setattr__(self, "speculative_num_draft_tokens", draft)
+
+    def _resolve_strategy(self) -> None:
+        strategy = self.mamba_scheduler_strategy
+        if strategy == "auto":
+            strategy = "extra_buffer"
+            logger.info("mamba_scheduler_strategy=auto resolved to extra_buffer")
+            object.__setattr__(self, "mamba_scheduler_strategy", strategy)
+        if self.disable_radix_cache:
+            return
+        if strategy == "no_buffer":
+            if self.page_size != 1:
+                raise ValueError(
+                    f"mamba_scheduler_strategy=no_buffer needs page_size=1, got {self.page_size} "
+                    "(it inserts checkpoints at arbitrary lengths); use extra_buffer"
+                )
+            if self.speculative_algorithm is not None:
+                raise ValueError(
+                    "mamba_scheduler_strategy=no_buffer cannot run speculative decoding with the "
+                    "radix cache (it has no checkpoint slots); use extra_buffer or "
+                    "extra_buffer_lazy, or disable_radix_cache"
+                )
+            if not self.disable_overlap_schedule:
+                logger.warning(
+                    "mamba_scheduler_strategy=no_buffer donates the working slot at finish, "
+                    "which the overlapped next step may still write: disabling the overlap schedule"
+                )
+                object.__setattr__(self, "disable_overlap_schedule", True)
+        draft = self.num_verify_tokens
+        if strategy != "no_buffer" and self.mamba_track_interval < 2 * draft:
+            raise ValueError(
+                f"mamba_track_interval={self.mamba_track_interval} must be >= 2 * "
+                f"verify tokens per step ({draft}): two overlapped steps may not both cross a "
+                "checkpoint boundary"
+            )
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def strategy(self) -> str:
+        return "none" if self.disable_radix_cache else self.mamba_scheduler_strategy
+
+    @property
+    def spec_enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def num_verify_tokens(self) -> int:
+        """Tokens a decode step processes per request: D with speculation, else 1."""
+        return self.speculative_num_draft_tokens if self.spec_enabled else 1
+
+    @property
+    def checkpoint_slots_per_request(self) -> int:
+        """Slots a running request pins besides its working slot."""
+        return {"none": 0, "no_buffer": 0, "extra_buffer": 2, "extra_buffer_lazy": 1}[self.strategy]
+
+    def with_overrides(self, **kwargs) -> "EngineConfig":
+        return replace(self, **kwargs)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,102 @@
+"""Host-side request state. Plain Python: never enters jit."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+NO_SLOT = 0  # the null slot: "none" for every slot field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+        params = dict(params or {})
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos",
+                 "stop_token_ids", "seed"}
+        unknown = set(params) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "stop_token_ids" in params and params["stop_token_ids"] is not None:
+            params["stop_token_ids"] = tuple(int(t) for t in params["stop_token_ids"])
+        elif "stop_token_ids" in params:
+            params["stop_token_ids"] = ()
+        out = cls(**params)
+        out.validate()
+        return out
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 0")
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k={self.top_k!r} must be -1 (off) or >= 1")
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"  # some prompt tokens not yet scheduled
+    DECODE = "decode"  # all prompt tokens scheduled; decode steps run
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    """One request. Slot fields hold pool ids (NO_SLOT = none).
+
+    Checkpoint bookkeeping (DESIGN §6-§7): ``keep_slot`` holds the state after exactly
+    ``last_track_len`` tokens once a checkpoint has settled (``last_track_len`` None = no
+    checkpoint of this request yet); ``spare_slot`` is the ping-pong scratch (extra_buffer)
+    or the lazily borrowed spare (extra_buffer_lazy).
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    finish_reason: dict[str, Any] | None = None
+    # resources
+    req_row: int = 0
+    working_slot: int = NO_SLOT
+    keep_slot: int = NO_SLOT
+    spare_slot: int = NO_SLOT
+    last_track_len: int | None = None
+    keep_clobbered: bool = False  # an in-place write left keep past last_track_len
+    prefix_node: Any = None
+    prefix_len: int = 0
+    cached_tokens: int = 0
+    own_pages: Any = None  # np.ndarray of the KV pages this request allocated
+    # progress
+    fill_len: int = 0  # tokens of ``fill_ids`` scheduled for prefill
+    seq_len: int = 0  # tokens whose state + KV are committed (processed results)
+    inflight_decode: int = 0  # decode steps launched but not yet processed
+    state_src_slot: int = NO_SLOT  # where the next extend reads its initial state
+    spec_verify_ct: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+
+    fill_ids: list[int] = field(default_factory=list)  # tokens the prefill covers (fixed at admission)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED

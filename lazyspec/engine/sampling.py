@@ -1,0 +1,115 @@
+"""Device-side sampling: greedy, temperature, top-k, top-p, per-request seeds, and the
+speculative accept rule (greedy match, or rejection sampling against a one-hot draft).
+
+Randomness is a pure function of (request seed, absolute position, purpose), so a request's
+samples do not depend on how it was batched or on the checkpoint strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+PURPOSE_SAMPLE = 0
+PURPOSE_ACCEPT = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingArrays:
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_p: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32, <= 0 = off
+    seed: jax.Array  # [B] uint32
+
+
+def _filtered_logits(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
+    """Temperature-scaled logits with top-k / top-p masked to -inf ([..., V], per-row params)."""
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)
+    scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+    probs_sorted = jax.nn.softmax(jnp.where(sorted_desc < kth, NEG_INF, sorted_desc), axis=-1)
+    cumulative = jnp.cumsum(probs_sorted, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least one token)
+    keep_sorted = (cumulative - probs_sorted) < top_p[..., None]
+    num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[..., None], axis=-1)
+    return jnp.where(scaled < threshold, NEG_INF, scaled)
+
+
+def _key(seed, position, purpose):
+    key = jax.random.fold_in(jax.random.PRNGKey(0), seed)
+    key = jax.random.fold_in(key, position)
+    return jax.random.fold_in(key, purpose)
+
+
+def target_probs(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """The sampling distribution per position: [B, T, V] logits -> probs (greedy rows: one-hot)."""
+    t = params.temperature[:, None]
+    filtered = _filtered_logits(logits, t, params.top_p[:, None], params.top_k[:, None])
+    probs = jax.nn.softmax(filtered, axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=probs.dtype)
+    return jnp.where((t == 0)[..., None], one_hot, probs)
+
+
+def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE) -> jax.Array:
+    """Sample one token per row from probs [B, V] with keys from (seed, position)."""
+    keys = jax.vmap(_key, in_axes=(0, 0, None))(seed, position, purpose)
+    logp = jnp.log(jnp.maximum(probs, 1e-30))
+    logp = jnp.where(probs > 0, logp, NEG_INF)
+    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
+
+
+def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
+    """Accept a chain of drafts against the target and sample the bonus token.
+
+    logits [B, D, V] at the D verify positions; drafts [B, D-1] (the proposals for positions
+    1..D-1); positions [B, D] absolute positions of the verify inputs. The draft is one-hot
+    (argmax of the draft head), so rejection sampling accepts draft d at step i with
+    probability p_i(d) and, on rejection, resamples from p_i with d removed; greedy rows
+    accept iff d is the target argmax. Returns (tokens [B, D], accept_len [B]) where
+    tokens[b, :accept_len[b]] are the emitted tokens (accepted drafts then the bonus).
+    """
+    batch, num_pos, _ = logits.shape
+    probs = target_probs(logits, params)  # [B, D, V]
+    num_drafts = num_pos - 1
+    greedy = (params.temperature == 0)[:, None]
+    if num_drafts > 0:
+        p_draft = jnp.take_along_axis(probs[:, :num_drafts], drafts[..., None], axis=-1)[..., 0]
+        keys = jax.vmap(jax.vmap(_key, in_axes=(None, 0, None)), in_axes=(0, 0, None))(
+            params.seed, positions[:, :num_drafts], PURPOSE_ACCEPT
+        )
+        u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys)
+        target_argmax = jnp.argmax(logits[:, :num_drafts], axis=-1)
+        ok = jnp.where(greedy, target_argmax == drafts, u < p_draft)
+        num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    else:
+        num_accepted = jnp.zeros((batch,), jnp.int32)
+    rows = jnp.arange(batch)
+    bonus_probs = probs[rows, num_accepted]  # [B, V]
+    if num_drafts > 0:
+        rejected = num_accepted < num_drafts
+        rejected_draft = drafts[rows, jnp.minimum(num_accepted, num_drafts - 1)]
+        removed = bonus_probs.at[rows, rejected_draft].set(0.0)
+        removed = removed / jnp.maximum(jnp.sum(removed, axis=-1, keepdims=True), 1e-30)
+        use_removed = rejected & ~greedy[:, 0]
+        bonus_probs = jnp.where(use_removed[:, None], removed, bonus_probs)
+    bonus = sample_from(bonus_probs, params.seed, positions[rows, num_accepted])
+    padded_drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)
+    idx = jnp.arange(num_pos)[None, :]
+    tokens = jnp.where(idx < num_accepted[:, None], padded_drafts, -1)
+    tokens = jnp.where(idx == num_accepted[:, None], bonus[:, None], tokens)
+    return tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log softmax(logits)[token] per position (raw logits, temperature 1); [B, T]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    safe = jnp.maximum(tokens, 0)
+    return jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]

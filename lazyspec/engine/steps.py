@@ -1,0 +1,244 @@
+"""The jitted device steps: ``(params, pools, batch) -> (outputs, pools)``, pools donated.
+
+Two step kinds, both written for an overlapped host loop (the host never needs step n's
+results to build step n+1):
+* ``extend``: a prefill chunk per row. Reads the initial recurrent state from
+  ``state_src_slot`` (slot 0 = zeros, the node slot of a cache hit = copy-on-write, or the
+  row's own working slot for a later chunk), writes the final state into ``working_slot``
+  and the in-prompt checkpoint (a chunk-boundary state) into ``track_slot``.
+* ``decode``: D tokens per row (D=1 without speculation; D = draft tokens + 1 with it), read
+  from device-side per-request arrays (``last_token``, ``drafts``, ``seq_len``), so accepted
+  tokens feed the next step without a host round trip. Recurrent layers write the state
+  after every position into per-row scratch; the commit is two masked scatters (DESIGN §7).
+
+Every scatter uses an out-of-range sentinel with ``mode="drop"`` for rows that must not
+write, so slot 0, page 0 and request row 0 are never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lazyspec.engine.sampling import (
+    SamplingArrays,
+    sample_from,
+    target_probs,
+    token_logprobs,
+    verify_and_sample,
+)
+from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Pools:
+    kv: KVPools
+    mtp_kv: KVPools | None
+    conv: jax.Array  # [L_rec, num_slots + 1, conv_dim, K-1]
+    ssm: jax.Array  # [L_rec, num_slots + 1, H, d_a, d_b]
+    seq_len: jax.Array  # [max_reqs + 1] int32, tokens covered by the working state
+    last_token: jax.Array  # [max_reqs + 1] int32, next input token
+    drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ExtendBatch:
+    req_row: jax.Array  # [B] (sentinel = padding)
+    tokens: jax.Array  # [B, T]
+    start_pos: jax.Array  # [B]
+    num_new: jax.Array  # [B]
+    kv_read_idx: jax.Array  # [B, C]
+    state_src_slot: jax.Array  # [B]
+    working_slot: jax.Array  # [B] (sentinel = padding)
+    track_slot: jax.Array  # [B] (sentinel = no checkpoint)
+    track_chunk: jax.Array  # [B] chunk index of the checkpoint state
+    is_last_chunk: jax.Array  # [B] bool: the prompt ends in this chunk (sample + draft)
+    next_token: jax.Array  # [B] first token of the next chunk (MTP input), when not last
+    sampling: SamplingArrays
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeBatch:
+    req_row: jax.Array  # [B] (sentinel = padding)
+    kv_read_idx: jax.Array  # [B, C]
+    working_slot: jax.Array  # [B] (sentinel = padding)
+    track_slot: jax.Array  # [B] checkpoint target if a boundary is crossed (sentinel = none)
+    sampling: SamplingArrays
+
+
+@dataclass(frozen=True)
+class StepStatic:
+    """Static (compile-time) settings shared by all steps of one engine."""
+
+    num_slots: int  # sentinel slot id = num_slots + 1
+    max_reqs: int  # sentinel request row = max_reqs + 1
+    num_kv_rows: int  # sentinel KV row = num_kv_rows
+    chunk_size: int
+    track_interval: int
+    num_verify: int  # D
+    spec: bool
+    backend: str
+
+
+def _gather_state(pools: Pools, slots: jax.Array) -> RecurrentState:
+    return RecurrentState(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
+
+
+def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
+    """pool[:, slots[b]] = state[:, b]; out-of-range slots are dropped."""
+    pools_conv = pools_conv.at[:, slots].set(conv.astype(pools_conv.dtype), mode="drop")
+    pools_ssm = pools_ssm.at[:, slots].set(ssm.astype(pools_ssm.dtype), mode="drop")
+    return pools_conv, pools_ssm
+
+
+def _pick(stacked: jax.Array, index: jax.Array) -> jax.Array:
+    """stacked [L, B, N, ...], index [B] -> [L, B, ...] (entry index[b] of row b)."""
+    rows = jnp.arange(stacked.shape[1])
+    return stacked[:, rows, jnp.clip(index, 0, stacked.shape[2] - 1)]
+
+
+def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools,
+                batch: ExtendBatch):
+    num_rows, num_tokens = batch.tokens.shape
+    real = batch.num_new > 0
+    t_idx = jnp.arange(num_tokens)[None, :]
+    positions = batch.start_pos[:, None] + t_idx
+    valid = t_idx < batch.num_new[:, None]
+    write_idx = jnp.take_along_axis(batch.kv_read_idx, jnp.where(valid, positions, 0), axis=1)
+    write_idx = jnp.where(valid, write_idx, static.num_kv_rows)
+    inputs = ForwardInputs(
+        tokens=batch.tokens, positions=positions, num_new=batch.num_new,
+        kv_write_idx=write_idx, kv_read_idx=batch.kv_read_idx,
+        ctx_len=batch.start_pos + batch.num_new,
+    )
+    rec = _gather_state(pools, batch.state_src_slot)
+    with jax.named_scope("target_extend"):
+        hidden, kv, out = fam.forward(params, cfg, inputs, pools.kv, rec, mode="extend",
+                                      chunk_size=static.chunk_size, backend=static.backend)
+    conv, ssm = _scatter_state(pools.conv, pools.ssm, batch.working_slot,
+                               out.final.conv, out.final.ssm)
+    conv, ssm = _scatter_state(conv, ssm, batch.track_slot,
+                               _pick(out.chunks.conv, batch.track_chunk),
+                               _pick(out.chunks.ssm, batch.track_chunk))
+    rows = jnp.arange(num_rows)
+    last = jnp.maximum(batch.num_new - 1, 0)
+    logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
+    probs = target_probs(logits, batch.sampling)[:, 0]
+    last_pos = batch.start_pos + last
+    token = sample_from(probs, batch.sampling.seed, last_pos)
+    logprob = token_logprobs(logits, token[:, None])[:, 0]
+    sentinel_row = static.max_reqs + 1
+    row = jnp.where(real, batch.req_row, sentinel_row)
+    seq_len = pools.seq_len.at[row].set(batch.start_pos + batch.num_new, mode="drop")
+    done_row = jnp.where(real & batch.is_last_chunk, batch.req_row, sentinel_row)
+    last_token = pools.last_token.at[done_row].set(token, mode="drop")
+    drafts, mtp_kv = pools.drafts, pools.mtp_kv
+    if static.spec:
+        next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
+        tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
+        next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
+        with jax.named_scope("draft_extend"):
+            mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
+        new_drafts, mtp_kv = _draft_chain(fam, cfg, static, params, mtp_kv,
+                                          mtp_hidden[rows, last], tail, last_pos,
+                                          batch.kv_read_idx, real & batch.is_last_chunk)
+        drafts = drafts.at[done_row].set(new_drafts, mode="drop")
+    new_pools = Pools(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, seq_len=seq_len,
+                      last_token=last_token, drafts=drafts)
+    outputs = {"token": token, "logprob": logprob}
+    return outputs, new_pools
+
+
+def _draft_chain(fam, cfg, static: StepStatic, params, mtp_kv, hidden0, token0, pos0,
+                 kv_read_idx, real):
+    """Greedy chain drafting with the MTP head.
+
+    ``hidden0`` is the MTP hidden at position ``pos0`` (whose input token's successor is
+    ``token0``); its logits give draft 1. Each further draft runs the MTP layer one position
+    ahead on (previous MTP hidden, previous draft). Returns (drafts [B, S], mtp_kv).
+    """
+    num_steps = static.num_verify - 1
+    drafts = []
+    hidden, pos = hidden0, pos0
+    for step in range(num_steps):
+        logits = fam.compute_mtp_logits(params, cfg, hidden[:, None])[:, 0]
+        draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(draft)
+        if step == num_steps - 1:
+            break
+        pos = pos + 1
+        write = jnp.take_along_axis(kv_read_idx, pos[:, None], axis=1)
+        write = jnp.where(real[:, None], write, static.num_kv_rows)
+        inputs = ForwardInputs(
+            tokens=draft[:, None], positions=pos[:, None], num_new=real.astype(jnp.int32),
+            kv_write_idx=write, kv_read_idx=kv_read_idx, ctx_len=pos + 1,
+        )
+        out_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden[:, None], draft[:, None],
+                                             inputs, mtp_kv)
+        hidden = out_hidden[:, 0]
+    return jnp.stack(drafts, axis=1), mtp_kv
+
+
+def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools,
+                batch: DecodeBatch):
+    num_rows = batch.req_row.shape[0]
+    num_pos = static.num_verify
+    real = batch.req_row <= static.max_reqs
+    row = jnp.minimum(batch.req_row, static.max_reqs)
+    pre = pools.seq_len[row]
+    drafts = pools.drafts[row][:, : num_pos - 1]
+    tokens = jnp.concatenate([pools.last_token[row][:, None], drafts], axis=1)
+    positions = pre[:, None] + jnp.arange(num_pos)[None, :]
+    write_idx = jnp.take_along_axis(batch.kv_read_idx, positions, axis=1)
+    write_idx = jnp.where(real[:, None], write_idx, static.num_kv_rows)
+    inputs = ForwardInputs(
+        tokens=tokens, positions=positions, num_new=jnp.where(real, num_pos, 0),
+        kv_write_idx=write_idx, kv_read_idx=batch.kv_read_idx, ctx_len=pre + num_pos,
+    )
+    rec = _gather_state(pools, jnp.where(real, batch.working_slot, 0))
+    with jax.named_scope("target_verify"):
+        hidden, kv, out = fam.forward(params, cfg, inputs, pools.kv, rec, mode="verify",
+                                      chunk_size=static.chunk_size, backend=static.backend)
+    logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
+    out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)
+    logprobs = token_logprobs(logits, out_tokens)
+    # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
+    interval = static.track_interval
+    post = pre + accept_len
+    crossed = real & (pre // interval != post // interval)
+    t_cross = (post // interval) * interval - pre - 1
+    sentinel_slot = static.num_slots + 1
+    working = jnp.where(real, batch.working_slot, sentinel_slot)
+    conv, ssm = _scatter_state(pools.conv, pools.ssm, working,
+                               _pick(out.steps.conv, accept_len - 1),
+                               _pick(out.steps.ssm, accept_len - 1))
+    track = jnp.where(crossed, batch.track_slot, sentinel_slot)
+    conv, ssm = _scatter_state(conv, ssm, track, _pick(out.steps.conv, t_cross),
+                               _pick(out.steps.ssm, t_cross))
+    sentinel_row = static.max_reqs + 1
+    dest = jnp.where(real, batch.req_row, sentinel_row)
+    rows = jnp.arange(num_rows)
+    bonus = out_tokens[rows, accept_len - 1]
+    seq_len = pools.seq_len.at[dest].set(post, mode="drop")
+    last_token = pools.last_token.at[dest].set(bonus, mode="drop")
+    new_drafts, mtp_kv = pools.drafts, pools.mtp_kv
+    if static.spec:
+        next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
+        with jax.named_scope("draft_extend"):
+            mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
+        chain, mtp_kv = _draft_chain(fam, cfg, static, params, mtp_kv,
+                                     mtp_hidden[rows, accept_len - 1], bonus, post - 1,
+                                     batch.kv_read_idx, real)
+        new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
+    new_pools = Pools(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, seq_len=seq_len,
+                      last_token=last_token, drafts=new_drafts)
+    outputs = {"tokens": out_tokens, "accept_len": accept_len, "logprobs": logprobs,
+               "crossed": crossed, "pre": pre}
+    return outputs, new_pools
