@@ -1,0 +1,66 @@
+"""Tiny random-weight models for engine tests (no torch needed) and their greedy oracle."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyspec.models.config import parse_hf_config
+
+NEMOTRON_HF = dict(
+    model_type="nemotron_h", vocab_size=128, hidden_size=32, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+    mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=64,
+    layer_norm_epsilon=1e-5, eos_token_id=2, max_position_embeddings=4096,
+    layers_block_type=["mamba", "attention", "mamba", "mlp"],
+)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(family: str = "nemotron_h", seed: int = 0):
+    if family != "nemotron_h":
+        raise ValueError(family)
+    from lazyspec.models import nemotron_h
+
+    cfg = parse_hf_config(dict(NEMOTRON_HF))
+    params = nemotron_h.init_params(cfg, jax.random.PRNGKey(seed))
+    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_fn(model_id: int, pad_len: int):
+    model = _MODELS[model_id]
+    fam, cfg = model.family, model.config
+
+    @jax.jit
+    def logits_at(params, tokens, index):
+        hidden = fam.reference_forward(params, cfg, tokens)
+        return fam.compute_logits(params, cfg, hidden[:, index])
+
+    return logits_at
+
+
+_MODELS: dict[int, object] = {}
+
+
+def reference_greedy(model, prompt: list[int], num_new: int, pad_len: int = 512) -> tuple[list[int], list[float]]:
+    """Greedy continuation by full cache-free recompute (the oracle), with logprobs."""
+    _MODELS[id(model)] = model
+    fn = _reference_fn(id(model), pad_len)
+    ids = list(prompt)
+    out, logprobs = [], []
+    for _ in range(num_new):
+        tokens = np.zeros((1, pad_len), np.int32)
+        tokens[0, : len(ids)] = ids
+        logits = np.asarray(fn(model.params, jnp.asarray(tokens), len(ids) - 1))[0]
+        token = int(np.argmax(logits))
+        logp = logits - np.max(logits)
+        logp = logp - np.log(np.sum(np.exp(logp)))
+        out.append(token)
+        logprobs.append(float(logp[token]))
+        ids.append(token)
+    return out, logprobs
