@@ -210,6 +210,7 @@ class Scheduler:
                 continue
             self.tracker.settle_extend(record)
             if record.is_last_chunk:
+                self._cache_prefill_checkpoint(req)
                 if req.sampling.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0})
                     continue
@@ -258,6 +259,38 @@ class Scheduler:
             if len(req.fill_ids) + len(req.output_ids) >= self.limits.context_len - 3 * self.limits.num_verify:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
                 return
+
+    def _cache_prefill_checkpoint(self, req: Req) -> None:
+        """Insert the prompt up to its in-prompt checkpoint while the request keeps running.
+
+        The keep slot goes to the tree and the request continues with a fresh one, but only
+        if no in-flight step may still write the keep slot (the first decode after a prefill
+        is launched before the prefill result is processed).
+        """
+        length = req.last_track_len
+        if length is None or length <= req.prefix_len:
+            return
+        if not self.tracker.keep_is_donatable(req, self.inflight):
+            return
+        fresh = self.slots.alloc(1)
+        if fresh is None:
+            self.tree.evict_state(1)
+            fresh = self.slots.alloc(1)
+        if fresh is None:
+            return
+        row = self.req_to_token[req.req_row]
+        result = self.tree.insert(req.fill_ids[:length], row[:length].copy(), req.keep_slot)
+        if not result.state_taken:
+            self.slots.free([req.keep_slot])
+        match = self.tree.match_prefix(req.fill_ids[:length])
+        assert match.prefix_len == length, (match.prefix_len, length)
+        row[:length] = match.kv_indices  # our duplicate pages may have been freed
+        self.tree.inc_lock(match.node)
+        self.tree.dec_lock(req.prefix_node)
+        req.own_pages = req.own_pages[(length - req.prefix_len) // self.page_size:]
+        req.prefix_node, req.prefix_len = match.node, length
+        req.keep_slot = fresh[0]
+        req.last_track_len = None
 
     # ------------------------------------------------------------------ finishing
 

@@ -1,0 +1,97 @@
+"""Turn 2 of a conversation hits the checkpoint the rules predict, and the output and
+logprobs equal those after a cache flush; forced spare-allocation failure changes only
+which checkpoint is cached; serving compiles nothing new after warm-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lazyspec.engine.engine import Engine
+from tests.engine.tiny_engine_models import tiny_model
+
+INTERVAL = 64
+
+
+def _engine(strategy: str, overlap: bool = True, **kw) -> Engine:
+    return Engine(model=tiny_model(), mamba_scheduler_strategy=strategy,
+                  disable_overlap_schedule=not overlap, mamba_track_interval=INTERVAL,
+                  chunked_prefill_size=128, max_running_requests=4, max_total_tokens=4096,
+                  context_length=512, skip_warmup=kw.pop("skip_warmup", True), **kw)
+
+
+def _turns(engine: Engine, prompt: list[int], num_new: int, extra: list[int]):
+    params = {"max_new_tokens": num_new, "ignore_eos": True}
+    first = engine.generate(input_ids=prompt, sampling_params=params)
+    turn2 = prompt + first["output_ids"] + extra
+    hit = engine.generate(input_ids=turn2, sampling_params=params, return_logprob=True)
+    assert engine.flush_cache()
+    miss = engine.generate(input_ids=turn2, sampling_params=params, return_logprob=True)
+    return first, hit, miss
+
+
+@pytest.mark.parametrize("strategy,fail,expected_hit", [
+    ("extra_buffer", False, 128),
+    ("extra_buffer_lazy", False, 128),
+    ("extra_buffer_lazy", True, 128),  # crossing at 128 settled in place while running
+    ("no_buffer", False, 100 + 59),  # the working slot at the exact final length
+])
+def test_turn2_hits_expected_checkpoint(strategy, fail, expected_hit):
+    rng = np.random.default_rng(1)
+    prompt = list(rng.integers(3, 128, size=100))
+    extra = list(rng.integers(3, 128, size=9))
+    engine = _engine(strategy, debug_fail_spare_alloc=fail)
+    first, hit, miss = _turns(engine, prompt, 60, extra)
+    assert hit["meta_info"]["cached_tokens"] == expected_hit
+    assert miss["meta_info"]["cached_tokens"] == 0
+    assert hit["output_ids"] == miss["output_ids"]
+    lp_hit = np.array([lp for lp, _ in hit["meta_info"]["output_token_logprobs"]])
+    lp_miss = np.array([lp for lp, _ in miss["meta_info"]["output_token_logprobs"]])
+    assert np.max(np.abs(lp_hit - lp_miss)) <= 1e-4
+    if fail:
+        assert engine.tracker.num_spare_failures > 0
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("finish_offset,expected_hit", [(-2, 64), (-1, 64), (0, 64), (1, 128)])
+def test_forced_failure_changes_checkpoint_not_output(finish_offset, expected_hit):
+    """Finishing around the 128 boundary (D = 1): a crossing in the finishing step is never
+    promoted, and with every spare allocation failing an in-flight step inside the window
+    may write the keep slot in place, so the insert is skipped; either way only the
+    in-prompt checkpoint (64, inserted at prefill end) serves turn 2. A crossing settled
+    one step before the finish (+1) is cached (128) with and without free slots."""
+    rng = np.random.default_rng(2)
+    prompt = list(rng.integers(3, 128, size=100))
+    extra = list(rng.integers(3, 128, size=5))
+    num_new = 128 - 100 + 1 + finish_offset  # final committed length = 128 + offset
+    results = {}
+    for fail in (False, True):
+        engine = _engine("extra_buffer_lazy", debug_fail_spare_alloc=fail)
+        first, hit, miss = _turns(engine, prompt, num_new, extra)
+        assert hit["output_ids"] == miss["output_ids"]
+        results[fail] = (first["output_ids"], hit["output_ids"], hit["meta_info"]["cached_tokens"])
+        engine.check_integrity()
+    assert results[False][:2] == results[True][:2]
+    assert results[True][2] == expected_hit
+    assert results[False][2] == expected_hit
+
+
+def test_zero_recompiles_after_warmup():
+    engine = _engine("extra_buffer_lazy", skip_warmup=False)
+    compiled = engine.runner.num_compiled()
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, 128, size=int(n))) for n in rng.integers(5, 300, size=6)]
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    assert engine.runner.num_compiled() == compiled
+
+
+def test_host_modules_import_without_jax():
+    code = (
+        "import sys; sys.modules['jax'] = None; sys.modules['jax.numpy'] = None\n"
+        "import lazyspec.engine.scheduler, lazyspec.engine.tracking, lazyspec.engine.request\n"
+        "import lazyspec.config, lazyspec.cache.radix_cache, lazyspec.cache.allocators\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
