@@ -1,0 +1,108 @@
+"""Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates.
+
+``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPU and TPU and "xla" on
+CPU (where Pallas only runs in interpret mode, which is for tests). The dispatch functions
+have the contracts of the functions they call (``state_update``, ``conv_update``,
+``state_scatter`` modules); tile sizes are passed through to Pallas and ignored by XLA.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+
+from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, conv_update_xla
+from lazyspec.kernels.state_scatter import state_scatter_pallas, state_scatter_xla
+from lazyspec.kernels.state_update import (
+    GdnTokens,
+    Mamba2Tokens,
+    StateUpdateResult,
+    gdn_state_update_pallas,
+    gdn_state_update_xla,
+    mamba2_state_update_pallas,
+    mamba2_state_update_xla,
+)
+
+KernelBackend = Literal["pallas", "xla"]
+KERNEL_BACKENDS: tuple[str, ...] = ("pallas", "xla")
+_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+_TRITON_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def default_backend(platform: str | None = None) -> str:
+    """"pallas" on a GPU/TPU platform, else "xla" (platform defaults to JAX's default)."""
+    platform = jax.default_backend() if platform is None else platform
+    return "pallas" if platform in _ACCELERATORS else "xla"
+
+
+def resolve_backend(name: str | None, platform: str | None = None) -> str:
+    """The backend to use: ``name`` if given (validated), else the platform default."""
+    if name is None:
+        return default_backend(platform)
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {name!r}")
+    return name
+
+
+def pallas_compiler_params(platform: str | None = None, num_warps: int = 4,
+                           num_stages: int = 1) -> Any:
+    """Compiler params for a compiled (not interpreted) launch: Triton on GPUs, where the
+    in-kernel pool indexing is measured to work; None (the default lowering) elsewhere."""
+    platform = jax.default_backend() if platform is None else platform
+    if platform not in _TRITON_PLATFORMS:
+        return None
+    from jax.experimental.pallas import triton as pallas_triton
+
+    return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _pallas_options(interpret: bool, compiler_params: Any) -> dict[str, Any]:
+    if interpret:
+        return {"interpret": True, "compiler_params": None}
+    params = pallas_compiler_params() if compiler_params is None else compiler_params
+    return {"interpret": False, "compiler_params": params}
+
+
+def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tokens, *,
+                 mode: str, kernel_backend: str | None = None, block_heads: int = 1,
+                 block_value: int | None = None, interpret: bool = False,
+                 compiler_params: Any = None) -> StateUpdateResult:
+    """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend."""
+    if isinstance(tokens, GdnTokens):
+        pallas_fn, xla_fn = gdn_state_update_pallas, gdn_state_update_xla
+    elif isinstance(tokens, Mamba2Tokens):
+        pallas_fn, xla_fn = mamba2_state_update_pallas, mamba2_state_update_xla
+    else:
+        raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
+    if resolve_backend(kernel_backend) == "xla":
+        return xla_fn(pool, slot, tokens, mode=mode)
+    return pallas_fn(pool, slot, tokens, mode=mode, block_heads=block_heads,
+                     block_value=block_value, **_pallas_options(interpret, compiler_params))
+
+
+def conv_update(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
+                bias: jax.Array | None = None, *, mode: str, silu: bool = True,
+                kernel_backend: str | None = None, block_channels: int | None = None,
+                interpret: bool = False, compiler_params: Any = None) -> ConvUpdateResult:
+    """Causal conv update for T tokens per row on the chosen backend."""
+    if resolve_backend(kernel_backend) == "xla":
+        return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu)
+    return conv_update_pallas(pool, slot, x, weight, bias, mode=mode, silu=silu,
+                              block_channels=block_channels,
+                              **_pallas_options(interpret, compiler_params))
+
+
+def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
+                  conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array, *,
+                  kernel_backend: str | None = None, block_heads: int = 1,
+                  block_rows: int | None = None, block_channels: int | None = None,
+                  interpret: bool = False,
+                  compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend."""
+    args = (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
+    if resolve_backend(kernel_backend) == "xla":
+        return state_scatter_xla(*args)
+    return state_scatter_pallas(*args, block_heads=block_heads, block_rows=block_rows,
+                                block_channels=block_channels,
+                                **_pallas_options(interpret, compiler_params))

@@ -1,0 +1,147 @@
+"""Causal depthwise conv for T new tokens per row against the conv pool: Pallas and XLA forms.
+
+Contract. Row b reads its window from ``pool[slot[b]]`` (pool ``[num_slots + 1, C, K-1]``,
+the raw inputs of the last K-1 tokens, oldest first, in the pool's dtype) and runs
+``recurrence.conv_step`` over its T tokens ``x [B, T, C]``, giving outputs ``[B, T, C]``
+(float32 math, silu unless ``silu=False``, stored in x's dtype). ``slot[b] == 0`` marks a
+padding row (outputs from slot 0, nothing written); real rows name distinct slots. Modes as
+in ``state_update``: decode writes the final window back into ``pool[slot[b]]`` in place
+(aliased), verify leaves the pool alone and returns the window after every token,
+``step_windows [B, T, C, K-1]``.
+
+Pallas layout: grid ``(row, channel tile)``. The window is held as K-1 column vectors of
+``block_channels`` each, so every load and store is a 1-D ``[block_channels]`` array
+(Triton needs power-of-two sizes and K-1 = 3 is not). Untested on TPU: blocks keep their
+last two dims full or aligned when ``block_channels`` is C or a multiple of 128, but the
+whole-array pool would be staged into VMEM (see ``state_update``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels import recurrence
+from lazyspec.kernels.state_update import check_mode, check_tile, whole
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ConvUpdateResult:
+    """outputs [B, T, C]; pool: updated pool (decode) or None; step_windows [B, T, C, K-1]
+    (verify) or None."""
+
+    outputs: jax.Array
+    pool: jax.Array | None
+    step_windows: jax.Array | None
+
+
+def conv_tile_step(columns: list[jax.Array], x: jax.Array, weight_columns: list[jax.Array],
+                   bias: jax.Array,
+                   silu: bool = True) -> tuple[list[jax.Array], jax.Array]:
+    """``recurrence.conv_step`` on a channel tile with the window as K-1 column vectors.
+
+    columns: K-1 arrays [bc] in the window dtype, oldest first; x [bc]; weight_columns: K
+    arrays [bc] (the last multiplies x); bias [bc] float32. Returns (new columns, y [bc])."""
+    newest = x.astype(columns[0].dtype) if columns else x
+    taps = list(columns) + [newest]
+    y = bias
+    for tap, w in zip(taps, weight_columns):
+        y = y + tap.astype(jnp.float32) * w.astype(jnp.float32)
+    if silu:
+        y = y / (1.0 + jnp.exp(-y))
+    return taps[1:], y
+
+
+def _check_inputs(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
+                  bias: jax.Array | None) -> None:
+    if pool.ndim != 3 or x.ndim != 3 or x.shape[2] != pool.shape[1]:
+        raise ValueError(f"pool {pool.shape} and x {x.shape} must be [S+1, C, K-1] and [B, T, C]")
+    if weight.shape != (pool.shape[1], pool.shape[2] + 1):
+        raise ValueError(f"weight shape {weight.shape} must be (C, K) = "
+                         f"{(pool.shape[1], pool.shape[2] + 1)}")
+    if bias is not None and bias.shape != (pool.shape[1],):
+        raise ValueError(f"bias shape {bias.shape} must be ({pool.shape[1]},)")
+    if slot.shape != (x.shape[0],):
+        raise ValueError(f"slot shape {slot.shape} must be ({x.shape[0]},)")
+
+
+def _conv_kernel(slot_ref, x_ref, weight_ref, bias_ref, pool_ref, out_ref, window_ref, *,
+                 mode, block_channels, silu):
+    slot = slot_ref[pl.program_id(0)]
+    chans = pl.ds(pl.program_id(1) * block_channels, block_channels)
+    width = weight_ref.shape[1] - 1
+    columns = [pool_ref[slot, chans, j] for j in range(width)]
+    weights = [weight_ref[:, j] for j in range(width + 1)]
+    bias = bias_ref[...].astype(jnp.float32)
+    for t in range(x_ref.shape[0]):
+        columns, y = conv_tile_step(columns, x_ref[t], weights, bias, silu)
+        out_ref[t] = y.astype(out_ref.dtype)
+        if mode == "verify":
+            for j in range(width):
+                window_ref[t, :, j] = columns[j].astype(window_ref.dtype)
+    if mode == "decode":
+        @pl.when(slot != 0)
+        def _write_back():
+            for j in range(width):
+                window_ref[slot, chans, j] = columns[j].astype(window_ref.dtype)
+
+
+def conv_update_pallas(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
+                       bias: jax.Array | None = None, *, mode: str, silu: bool = True,
+                       block_channels: int | None = None, interpret: bool = False,
+                       compiler_params: Any = None) -> ConvUpdateResult:
+    """Pallas conv update (module docstring has the contract). Decode mutates ``pool`` only
+    through the returned (aliased) array."""
+    check_mode(mode)
+    _check_inputs(pool, slot, x, weight, bias)
+    batch, num_tokens, channels = x.shape
+    width = pool.shape[2]
+    bc = check_tile("block_channels", channels, block_channels)
+    if bias is None:
+        bias = jnp.zeros((channels,), jnp.float32)  # y + 0.0 == y: same result as no bias
+    tokens = pl.BlockSpec((None, num_tokens, bc), lambda b, j: (b, 0, j))
+    if mode == "decode":
+        window_shape, window_spec = jax.ShapeDtypeStruct(pool.shape, pool.dtype), whole()
+    else:
+        window_shape = jax.ShapeDtypeStruct((batch, num_tokens, channels, width), pool.dtype)
+        window_spec = pl.BlockSpec((None, num_tokens, bc, width), lambda b, j: (b, 0, j, 0))
+
+    def kernel(*refs):
+        _conv_kernel(*refs, mode=mode, block_channels=bc, silu=silu)
+
+    outputs, windows = pl.pallas_call(
+        kernel, grid=(batch, channels // bc),
+        in_specs=[whole(), tokens, pl.BlockSpec((bc, width + 1), lambda b, j: (j, 0)),
+                  pl.BlockSpec((bc,), lambda b, j: (j,)), whole()],
+        out_specs=(tokens, window_spec),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), window_shape),
+        input_output_aliases={4: 1} if mode == "decode" else {},
+        interpret=interpret, compiler_params=compiler_params,
+    )(slot, x, weight, bias, pool)
+    if mode == "decode":
+        return ConvUpdateResult(outputs=outputs, pool=windows, step_windows=None)
+    return ConvUpdateResult(outputs=outputs, pool=None, step_windows=windows)
+
+
+def conv_update_xla(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
+                    bias: jax.Array | None = None, *, mode: str,
+                    silu: bool = True) -> ConvUpdateResult:
+    """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter."""
+    check_mode(mode)
+    _check_inputs(pool, slot, x, weight, bias)
+
+    def one_row(window, row_x):
+        return recurrence.conv_scan(window, row_x, weight, bias, silu=silu)
+
+    outputs, final, windows = jax.vmap(one_row)(pool[slot], x)
+    outputs = outputs.astype(x.dtype)
+    if mode == "decode":
+        target = jnp.where(slot != 0, slot, pool.shape[0])  # out of range: dropped
+        new_pool = pool.at[target].set(final.astype(pool.dtype), mode="drop")
+        return ConvUpdateResult(outputs=outputs, pool=new_pool, step_windows=None)
+    return ConvUpdateResult(outputs=outputs, pool=None, step_windows=windows.astype(pool.dtype))

@@ -1,0 +1,120 @@
+"""Masked commit / checkpoint copy from the verify scratch into the state pools.
+
+Contract. For every recurrent layer l and batch row b with ``step[b] >= 0`` and
+``dst_slot[b] != 0``:
+    ssm_pool[l, dst_slot[b]]  = ssm_steps[l, b, step[b]]
+    conv_pool[l, dst_slot[b]] = conv_steps[l, b, step[b]]
+Other rows write nothing (slot 0 is never written). Shapes: ``ssm_pool [L, S+1, H, d_a,
+d_b]``, ``ssm_steps [L, R, T, H, d_a, d_b]``, ``conv_pool [L, S+1, C, K-1]``, ``conv_steps
+[L, R, T, C, K-1]``, ``dst_slot`` and ``step`` ``[B]`` with B <= R (row b reads scratch row
+b). Caller contract: written rows name distinct slots and ``step[b] < T`` (larger steps are
+clamped to T-1). The commit of a verify step is one call with ``step = accept_len - 1``;
+a checkpoint copy is another with ``step = t_cross`` or -1 where nothing crossed.
+
+Pallas layout: one launch for both pools and all layers, grid ``(layer, row, tile)`` where
+the first ``(H / block_heads) * (d_a / block_rows)`` tiles copy a ``[block_heads,
+block_rows, d_b]`` tile of the ssm state and the remaining ``C / block_channels`` tiles copy
+a channel tile of the conv window (column by column, so every moved conv array is
+``[block_channels]``). Pools and
+scratch are whole-array refs indexed inside the kernel; the pools are aliased in place.
+Untested on TPU (whole-array refs would be staged into VMEM; see ``state_update``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels.state_update import check_tile, whole
+
+
+def _check_inputs(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
+                  conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array) -> None:
+    if ssm_pool.ndim != 5 or ssm_steps.ndim != 6 or ssm_steps.shape[3:] != ssm_pool.shape[2:]:
+        raise ValueError(f"ssm_steps {ssm_steps.shape} does not match ssm_pool {ssm_pool.shape}")
+    if conv_pool.ndim != 4 or conv_steps.ndim != 5 or conv_steps.shape[3:] != conv_pool.shape[2:]:
+        raise ValueError(f"conv_steps {conv_steps.shape} does not match conv_pool "
+                         f"{conv_pool.shape}")
+    layers = {ssm_pool.shape[0], conv_pool.shape[0], ssm_steps.shape[0], conv_steps.shape[0]}
+    if len(layers) != 1 or ssm_pool.shape[1] != conv_pool.shape[1]:
+        raise ValueError(f"layer / slot counts differ: ssm_pool {ssm_pool.shape}, conv_pool "
+                         f"{conv_pool.shape}, ssm_steps {ssm_steps.shape}, conv_steps "
+                         f"{conv_steps.shape}")
+    if ssm_steps.shape[1:3] != conv_steps.shape[1:3]:
+        raise ValueError(f"scratch rows/steps differ: {ssm_steps.shape} vs {conv_steps.shape}")
+    rows = dst_slot.shape[0]
+    if dst_slot.ndim != 1 or step.shape != dst_slot.shape or rows > ssm_steps.shape[1]:
+        raise ValueError(f"dst_slot {dst_slot.shape} and step {step.shape} must be [B] with "
+                         f"B <= {ssm_steps.shape[1]}")
+
+
+def _scatter_kernel(dst_ref, step_ref, ssm_src_ref, conv_src_ref, ssm_in_ref, conv_in_ref,
+                    ssm_ref, conv_ref, *, block_heads, block_rows, block_channels,
+                    num_state_tiles):
+    del ssm_in_ref, conv_in_ref  # aliased to ssm_ref / conv_ref; only written through those
+    layer, row, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dst = dst_ref[row]
+    raw_step = step_ref[row]
+    step = jnp.minimum(raw_step, ssm_src_ref.shape[2] - 1)
+    write = (raw_step >= 0) & (dst != 0)
+
+    @pl.when(write & (tile < num_state_tiles))
+    def _copy_ssm():
+        row_tiles = ssm_ref.shape[3] // block_rows
+        heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
+        rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
+        state = ssm_src_ref[layer, row, step, heads, rows, :]
+        ssm_ref[layer, dst, heads, rows, :] = state.astype(ssm_ref.dtype)
+
+    @pl.when(write & (tile >= num_state_tiles))
+    def _copy_conv():
+        chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
+        for j in range(conv_ref.shape[-1]):
+            column = conv_src_ref[layer, row, step, chans, j]
+            conv_ref[layer, dst, chans, j] = column.astype(conv_ref.dtype)
+
+
+def state_scatter_pallas(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
+                         conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array, *,
+                         block_heads: int = 1, block_rows: int | None = None,
+                         block_channels: int | None = None,
+                         interpret: bool = False,
+                         compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
+    """Pallas masked copy (module docstring has the contract). Returns the updated
+    (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
+    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
+    bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
+    br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
+    bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
+    num_state_tiles = (ssm_pool.shape[2] // bh) * (ssm_pool.shape[3] // br)
+    grid = (ssm_pool.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
+
+    def kernel(*refs):
+        _scatter_kernel(*refs, block_heads=bh, block_rows=br, block_channels=bc,
+                        num_state_tiles=num_state_tiles)
+
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=[whole()] * 6, out_specs=(whole(), whole()),
+        out_shape=(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
+                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
+        input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=compiler_params,
+    )(dst_slot, step, ssm_steps, conv_steps, ssm_pool, conv_pool)
+
+
+def state_scatter_xla(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
+                      conv_steps: jax.Array, dst_slot: jax.Array,
+                      step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Same contract as ``state_scatter_pallas``: one ``.at[].set(mode="drop")`` per pool,
+    masked rows sent to an out-of-range slot."""
+    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
+    rows = jnp.arange(dst_slot.shape[0])
+    picked_step = jnp.clip(step, 0, ssm_steps.shape[2] - 1)
+    target = jnp.where((step >= 0) & (dst_slot != 0), dst_slot, ssm_pool.shape[1])
+
+    def commit(pool: jax.Array, steps: jax.Array) -> jax.Array:
+        return pool.at[:, target].set(steps[:, rows, picked_step].astype(pool.dtype), mode="drop")
+
+    return commit(ssm_pool, ssm_steps), commit(conv_pool, conv_steps)

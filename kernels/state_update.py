@@ -1,0 +1,314 @@
+"""T-step recurrent state update for a padded batch: GDN and Mamba2, Pallas and XLA forms.
+
+Contract (both mixers, both forms). A batch of B rows with T new tokens each reads its
+initial state from ``pool[slot[b]]`` (pool ``[num_slots + 1, H, d_a, d_b]``, one layer) and
+runs the token-by-token recurrence of ``recurrence.gdn_scan`` / ``recurrence.mamba2_scan``
+in float32. ``slot[b] == 0`` marks a padding row: its outputs are computed from slot 0 and
+ignored by the caller, and nothing is ever written to slot 0. Real rows must name distinct
+slots. Two modes:
+  decode  the state after the last token is written back into ``pool[slot[b]]`` in place
+          (the Pallas form aliases the pool; donate it under jit to avoid a copy);
+  verify  the pool is only read; the state after every token goes to
+          ``step_states [B, T, H, d_a, d_b]`` (row-indexed scratch for the commit).
+Outputs are ``[B, T, H, d_v]`` (GDN) or ``[B, T, H, P]`` (Mamba2) in the value dtype.
+
+Pallas layout: grid ``(row, head tile, value tile)``. The value axis is GDN's d_v (the state's
+last axis) and Mamba2's head dim P (second-to-last): the update is independent per value
+column, so a tile needs only its own columns. The slot id comes from a whole-array operand
+(Triton lowering has no scalar prefetch) and indexes the whole-array pool ref inside the
+kernel (aliased to the output in decode). Loads and stores are per token, so every moved
+array is ``[block_heads, ...]``-shaped (Triton needs power-of-two sizes).
+
+Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through Triton
+``CompilerParams`` (``backend.pallas_compiler_params``; the tests lower to Triton IR on CPU).
+Untested on TPU: per-row blocks are (8, 128)-legal when ``block_heads`` is H or a multiple of
+8 and ``block_value`` is full or a multiple of 128 (Mamba2: 8), but Mosaic TPU would stage
+the whole-array pool into VMEM; TPU needs the pool in ``pl.ANY`` with a manual DMA, or a
+scalar-prefetch index map on slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels import recurrence
+
+MODES = ("decode", "verify")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GdnTokens:
+    """Prepared GDN inputs: q, k [B, T, H, d_k] (normalised, q scaled, repeated to H heads),
+    v [B, T, H, d_v], g [B, T, H] (log decay), beta [B, T, H]."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mamba2Tokens:
+    """Prepared Mamba2 inputs: x [B, T, H, P], b, c [B, T, G, N], dt [B, T, H] (after
+    softplus and clamping), a [H] (negative), d [H]."""
+
+    x: jax.Array
+    b: jax.Array
+    c: jax.Array
+    dt: jax.Array
+    a: jax.Array
+    d: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateUpdateResult:
+    """outputs [B, T, H, d_v | P]; pool: the updated pool (decode) or None (verify);
+    step_states: [B, T, H, d_a, d_b] state after every token (verify) or None (decode)."""
+
+    outputs: jax.Array
+    pool: jax.Array | None
+    step_states: jax.Array | None
+
+
+# ---------------------------------------------------------------- tile-level math
+
+
+def gdn_tile_step(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                  beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``recurrence.gdn_step`` on a tile: h [bh, d_k, bv], q, k [bh, d_k], v [bh, bv],
+    g, beta [bh]. Written with broadcasts and sums only, so it lowers without batched dots."""
+    h = h * jnp.exp(g)[:, None, None]
+    predicted = jnp.sum(h * k[:, :, None], axis=1)
+    delta = (v - predicted) * beta[:, None]
+    h = h + k[:, :, None] * delta[:, None, :]
+    return h, jnp.sum(h * q[:, :, None], axis=1)
+
+
+def mamba2_tile_step(h: jax.Array, x: jax.Array, b: jax.Array, c: jax.Array, dt: jax.Array,
+                     a: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``recurrence.mamba2_step`` on a tile: h [bh, bp, N], x [bh, bp], b, c [bh, N] (already
+    per head), dt, a, d [bh]."""
+    decay = jnp.exp(dt * a)
+    h = h * decay[:, None, None] + (dt[:, None] * x)[:, :, None] * b[:, None, :]
+    return h, jnp.sum(h * c[:, None, :], axis=2) + d[:, None] * x
+
+
+# ---------------------------------------------------------------- shared checks and specs
+
+
+def check_mode(mode: str) -> None:
+    """Raise ValueError unless mode is "decode" or "verify"."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def check_tile(name: str, size: int, block: int | None) -> int:
+    """The tile size for an axis of ``size`` (None = whole axis); ValueError unless it divides."""
+    block = size if block is None else block
+    if block <= 0 or size % block:
+        raise ValueError(f"{name}={block} must be a positive divisor of {size}")
+    return block
+
+
+def _check_pool(pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...]) -> None:
+    if pool.ndim != 4 or pool.shape[1:] != state_shape:
+        raise ValueError(f"pool shape {pool.shape} does not match state {state_shape}")
+    if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
+        raise ValueError(f"slot must be a 1-D integer array, got {slot.shape} {slot.dtype}")
+
+
+def whole() -> pl.BlockSpec:
+    """A block that is the whole array (indexed inside the kernel)."""
+    return pl.BlockSpec()
+
+
+def _run_update(kernel, mode: str, pool: jax.Array, grid: tuple[int, ...], in_specs: list,
+                args: tuple, out_like: jax.Array, out_spec: pl.BlockSpec, state_block: tuple,
+                state_index, interpret: bool, compiler_params: Any) -> StateUpdateResult:
+    """Launch an update kernel whose refs are (*args, out, state): ``state`` is the pool (the
+    last arg, aliased) in decode and the ``[B, T, *state]`` step states in verify."""
+    batch, num_tokens = out_like.shape[:2]
+    if mode == "decode":
+        state_shape, state_spec = jax.ShapeDtypeStruct(pool.shape, pool.dtype), whole()
+    else:
+        state_shape = jax.ShapeDtypeStruct((batch, num_tokens) + pool.shape[1:], pool.dtype)
+        state_spec = pl.BlockSpec(state_block, state_index)
+    outputs, states = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=(out_spec, state_spec),
+        out_shape=(jax.ShapeDtypeStruct(out_like.shape, out_like.dtype), state_shape),
+        input_output_aliases={len(args) - 1: 1} if mode == "decode" else {},
+        interpret=interpret, compiler_params=compiler_params,
+    )(*args)
+    if mode == "decode":
+        return StateUpdateResult(outputs=outputs, pool=states, step_states=None)
+    return StateUpdateResult(outputs=outputs, pool=None, step_states=states)
+
+
+# ---------------------------------------------------------------- GDN
+
+
+def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_ref, state_ref,
+                *, mode, block_heads, block_value):
+    slot = slot_ref[pl.program_id(0)]
+    heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
+    cols = pl.ds(pl.program_id(2) * block_value, block_value)
+    h = pool_ref[slot, heads, :, cols].astype(jnp.float32)
+    f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
+    for t in range(q_ref.shape[0]):
+        h, out = gdn_tile_step(h, f32(q_ref, t), f32(k_ref, t), f32(v_ref, t),
+                               f32(g_ref, t, heads), f32(beta_ref, t, heads))
+        out_ref[t] = out.astype(out_ref.dtype)
+        if mode == "verify":
+            state_ref[t] = h.astype(state_ref.dtype)
+    if mode == "decode":
+        @pl.when(slot != 0)
+        def _write_back():
+            state_ref[slot, heads, :, cols] = h.astype(state_ref.dtype)
+
+
+def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str,
+                            block_heads: int = 1, block_value: int | None = None,
+                            interpret: bool = False,
+                            compiler_params: Any = None) -> StateUpdateResult:
+    """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
+    through the returned (aliased) array."""
+    check_mode(mode)
+    batch, num_tokens, num_heads, key_dim = tokens.q.shape
+    value_dim = tokens.v.shape[-1]
+    _check_pool(pool, slot, (num_heads, key_dim, value_dim))
+    bh = check_tile("block_heads", num_heads, block_heads)
+    bv = check_tile("block_value", value_dim, block_value)
+    keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
+    values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
+    per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
+
+    def kernel(*refs):
+        _gdn_kernel(*refs, mode=mode, block_heads=bh, block_value=bv)
+
+    return _run_update(
+        kernel, mode, pool, (batch, num_heads // bh, value_dim // bv),
+        [whole(), keys, keys, values, per_head, per_head, whole()],
+        (slot, tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool), tokens.v, values,
+        (None, num_tokens, bh, key_dim, bv), lambda b, i, j: (b, 0, i, 0, j), interpret,
+        compiler_params)
+
+
+# ---------------------------------------------------------------- Mamba2
+
+
+def _heads_from_groups(bc_ref, t: int, head_start: jax.Array, block_heads: int,
+                       heads_per_group: int) -> jax.Array:
+    """The [block_heads, N] rows of b or c read by heads head_start.. (head i -> group
+    i // heads_per_group); the tile never straddles a group partially."""
+    group = jax.lax.div(head_start, heads_per_group)  # truncating: no sign fix-ups to lower
+    if block_heads <= heads_per_group:
+        row = bc_ref[t, group, :].astype(jnp.float32)
+        return jnp.broadcast_to(row[None, :], (block_heads, row.shape[0]))
+    groups = bc_ref[t, pl.ds(group, block_heads // heads_per_group), :]
+    return jnp.repeat(groups.astype(jnp.float32), heads_per_group, axis=0)
+
+
+def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref,
+                   state_ref, *, mode, block_heads, block_value, heads_per_group):
+    slot = slot_ref[pl.program_id(0)]
+    head_start = pl.program_id(1) * block_heads
+    heads = pl.ds(head_start, block_heads)
+    rows = pl.ds(pl.program_id(2) * block_value, block_value)
+    h = pool_ref[slot, heads, rows, :].astype(jnp.float32)
+    a = a_ref[heads].astype(jnp.float32)
+    d = d_ref[heads].astype(jnp.float32)
+    for t in range(x_ref.shape[0]):
+        b = _heads_from_groups(b_ref, t, head_start, block_heads, heads_per_group)
+        c = _heads_from_groups(c_ref, t, head_start, block_heads, heads_per_group)
+        h, y = mamba2_tile_step(h, x_ref[t].astype(jnp.float32), b, c,
+                                dt_ref[t, heads].astype(jnp.float32), a, d)
+        out_ref[t] = y.astype(out_ref.dtype)
+        if mode == "verify":
+            state_ref[t] = h.astype(state_ref.dtype)
+    if mode == "decode":
+        @pl.when(slot != 0)
+        def _write_back():
+            state_ref[slot, heads, rows, :] = h.astype(state_ref.dtype)
+
+
+def _check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
+    if num_groups <= 0 or num_heads % num_groups:
+        raise ValueError(f"num_groups={num_groups} must divide num_heads={num_heads}")
+    per_group = num_heads // num_groups
+    if per_group % block_heads and block_heads % per_group:
+        raise ValueError(f"block_heads={block_heads} must divide or be a multiple of the "
+                         f"{per_group} heads per group")
+    return per_group
+
+
+def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
+                               mode: str, block_heads: int = 1, block_value: int | None = None,
+                               interpret: bool = False,
+                               compiler_params: Any = None) -> StateUpdateResult:
+    """Pallas Mamba2 update (module docstring has the contract); value tiles split P."""
+    check_mode(mode)
+    batch, num_tokens, num_heads, head_dim = tokens.x.shape
+    num_groups, state_dim = tokens.b.shape[2:]
+    _check_pool(pool, slot, (num_heads, head_dim, state_dim))
+    bh = check_tile("block_heads", num_heads, block_heads)
+    bp = check_tile("block_value", head_dim, block_value)
+    per_group = _check_groups(num_heads, num_groups, bh)
+    values = pl.BlockSpec((None, num_tokens, bh, bp), lambda b, i, j: (b, 0, i, j))
+    groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, j: (b, 0, 0, 0))
+    per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
+
+    def kernel(*refs):
+        _mamba2_kernel(*refs, mode=mode, block_heads=bh, block_value=bp,
+                       heads_per_group=per_group)
+
+    return _run_update(
+        kernel, mode, pool, (batch, num_heads // bh, head_dim // bp),
+        [whole(), values, groups, groups, per_head, whole(), whole(), whole()],
+        (slot, tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d, pool), tokens.x,
+        values, (None, num_tokens, bh, bp, state_dim), lambda b, i, j: (b, 0, i, j, 0),
+        interpret, compiler_params)
+
+
+# ---------------------------------------------------------------- XLA forms
+
+
+def _xla_finish(pool: jax.Array, slot: jax.Array, mode: str, outputs: jax.Array,
+                final: jax.Array, states: jax.Array) -> StateUpdateResult:
+    if mode == "decode":
+        target = jnp.where(slot != 0, slot, pool.shape[0])  # out of range: dropped
+        new_pool = pool.at[target].set(final.astype(pool.dtype), mode="drop")
+        return StateUpdateResult(outputs=outputs, pool=new_pool, step_states=None)
+    return StateUpdateResult(outputs=outputs, pool=None, step_states=states.astype(pool.dtype))
+
+
+def gdn_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *,
+                         mode: str) -> StateUpdateResult:
+    """Same contract as ``gdn_state_update_pallas``: gather, vmapped ``gdn_scan``, masked
+    scatter."""
+    check_mode(mode)
+    _check_pool(pool, slot, (tokens.q.shape[2], tokens.q.shape[3], tokens.v.shape[3]))
+    f32 = [x.astype(jnp.float32) for x in (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)]
+    outs, final, states = jax.vmap(recurrence.gdn_scan)(pool[slot].astype(jnp.float32), *f32)
+    return _xla_finish(pool, slot, mode, outs.astype(tokens.v.dtype), final, states)
+
+
+def mamba2_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
+                            mode: str) -> StateUpdateResult:
+    """Same contract as ``mamba2_state_update_pallas``, through a vmapped ``mamba2_scan``."""
+    check_mode(mode)
+    _check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]))
+    _check_groups(tokens.x.shape[2], tokens.b.shape[2], 1)
+    f32 = [t.astype(jnp.float32) for t in (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a,
+                                           tokens.d)]
+    scan = jax.vmap(recurrence.mamba2_scan, in_axes=(0, 0, 0, 0, 0, None, None))
+    outs, final, states = scan(pool[slot].astype(jnp.float32), *f32)
+    return _xla_finish(pool, slot, mode, outs.astype(tokens.x.dtype), final, states)

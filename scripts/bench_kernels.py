@@ -1,0 +1,420 @@
+"""Benchmark the recurrent-state kernels (Pallas vs XLA) and write a markdown table.
+
+Per kernel, model shape, batch B and token count T (T = 1: decode, in-place pool write;
+T > 1: verify, state after every token to scratch) it first checks the Pallas result against
+the XLA form (vmapped ``recurrence`` scans, float32 dots) on the device, then times both:
+median of many calls after warm-up, each ended by ``block_until_ready``, in-place pools
+donated. It reports the bytes that must move (state read once and written once per written
+step, plus inputs and outputs), achieved GB/s, and that as a fraction of the copy bandwidth
+measured in the same run (``x + 1`` over a large float32 array).
+
+    python scripts/bench_kernels.py --out bench.md           # on a GPU
+    python scripts/bench_kernels.py --smoke --out smoke.md   # CPU: tiny shapes, interpret
+
+Shapes: Qwen3-Next-80B GDN at TP1 (32 value heads, d_k = d_v = 128, conv 8192 channels) and
+Nemotron-H-8B Mamba2 (128 heads, head dim 64, state 128, 8 groups, conv 10240 channels;
+from its published config). The scatter runs over 4 layers (time scales with layers).
+flash-linear-attention's ``fused_recurrent_gated_delta_rule`` and mamba_ssm's
+``selective_state_update`` are timed when they import. A failing case prints its error and
+the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+try:
+    import lazyspec.kernels  # noqa: E402,F401  (installed package)
+except ImportError:
+    import conftest  # noqa: E402,F401  (maps kernels/ to lazyspec.kernels in a source checkout)
+from lazyspec.kernels import backend, conv_update, state_scatter, state_update  # noqa: E402
+
+COLUMNS = ("kernel", "model", "B", "T", "impl", "tiles", "check", "time us", "MB moved",
+           "GB/s", "% copy")
+SCATTER_LAYERS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    mixer: str  # "gdn" | "mamba2"
+    heads: int
+    d_a: int  # GDN d_k, Mamba2 head dim P
+    d_b: int  # GDN d_v, Mamba2 state N
+    groups: int  # Mamba2 B/C groups (unused by GDN)
+    channels: int  # conv channels
+    state_tiles: tuple
+    conv_tiles: tuple
+    scatter_tiles: tuple
+
+
+def models(smoke: bool) -> list[Model]:
+    if smoke:
+        return [Model("tiny-gdn", "gdn", 4, 16, 16, 1, 24, ({"block_heads": 2, "block_value": 8},),
+                      ({"block_channels": 8},), ({"block_rows": 8, "block_channels": 8},)),
+                Model("tiny-mamba2", "mamba2", 4, 8, 16, 2, 40, ({"block_value": 4},),
+                      ({"block_channels": 8},), ({"block_rows": 4, "block_channels": 8},))]
+    conv = ({"block_channels": 256}, {"block_channels": 1024})
+    scatter = ({"block_rows": 32, "block_channels": 1024},
+               {"block_rows": 8, "block_channels": 2048})
+    return [Model("qwen3-next-80b", "gdn", 32, 128, 128, 1, 8192,
+                  ({"block_value": 32}, {"block_value": 64}), conv, scatter),
+            Model("nemotron-h-8b", "mamba2", 128, 64, 128, 8, 10240,
+                  ({"block_value": 16}, {"block_value": 32}), conv, scatter)]
+
+
+@dataclasses.dataclass
+class Bench:
+    """One kernel at one shape. ``make_args()`` builds fresh device inputs; ``fn(impl, tiles)``
+    returns a function of them giving a tuple of arrays; ``thread`` maps output index -> the
+    (donated) argument it replaces on the next call."""
+
+    kernel: str
+    bytes_moved: int
+    make_args: Callable[[], tuple]
+    fn: Callable[[str, dict], Callable]
+    thread: dict
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def nbytes(*arrays) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
+
+
+def normal(key, shape, dtype=jnp.float32, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def slots_for(key, batch: int) -> tuple[int, jax.Array]:
+    num_slots = 2 * batch + 1
+    return num_slots, (jax.random.permutation(key, num_slots)[:batch] + 1).astype(jnp.int32)
+
+
+def pallas_options(interpret: bool, tiles: dict) -> dict:
+    tiles = dict(tiles)
+    warps = tiles.pop("num_warps", 4)
+    params = None if interpret else backend.pallas_compiler_params(num_warps=warps)
+    return {**tiles, "interpret": interpret, "compiler_params": params}
+
+
+def state_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
+    mode = "decode" if tokens == 1 else "verify"
+    keys = jax.random.split(jax.random.key(batch * 10 + tokens), 8)
+    num_slots, slot = slots_for(keys[0], batch)
+    shape, bf16 = (batch, tokens, model.heads), jnp.bfloat16
+    if model.mixer == "gdn":
+        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+        tokens_in = state_update.GdnTokens(
+            q=(unit(normal(keys[1], shape + (model.d_a,))) / model.d_a**0.5).astype(bf16),
+            k=unit(normal(keys[2], shape + (model.d_a,))).astype(bf16),
+            v=normal(keys[3], shape + (model.d_b,), bf16),
+            g=-jax.nn.softplus(normal(keys[4], shape)), beta=jax.nn.sigmoid(normal(keys[5], shape)))
+        pallas, xla, out = (state_update.gdn_state_update_pallas,
+                            state_update.gdn_state_update_xla, tokens_in.v)
+    else:
+        group_shape = (batch, tokens, model.groups, model.d_b)
+        tokens_in = state_update.Mamba2Tokens(
+            x=normal(keys[1], shape + (model.d_a,), bf16), b=normal(keys[2], group_shape, bf16),
+            c=normal(keys[3], group_shape, bf16), dt=jax.nn.softplus(normal(keys[4], shape)),
+            a=-jnp.exp(normal(keys[5], (model.heads,))), d=normal(keys[6], (model.heads,)))
+        pallas, xla, out = (state_update.mamba2_state_update_pallas,
+                            state_update.mamba2_state_update_xla, tokens_in.x)
+    pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
+    state_bytes = model.heads * model.d_a * model.d_b * 4
+    moved = batch * state_bytes * (1 + tokens) + nbytes(slot, out, *jax.tree.leaves(tokens_in))
+
+    def fn(impl, tiles):
+        def run(pool, slot, tokens_in):
+            if impl == "xla":
+                r = xla(pool, slot, tokens_in, mode=mode)
+            else:
+                r = pallas(pool, slot, tokens_in, mode=mode, **pallas_options(interpret, tiles))
+            return (r.outputs, r.pool) if mode == "decode" else (r.outputs, r.step_states)
+        return run
+
+    make = lambda: (normal(keys[7], pool_shape, scale=0.1), slot, tokens_in)  # noqa: E731
+    return Bench(model.mixer, moved, make, fn, {1: 0} if mode == "decode" else {})
+
+
+def conv_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
+    mode = "decode" if tokens == 1 else "verify"
+    keys = jax.random.split(jax.random.key(batch * 10 + tokens + 1), 5)
+    num_slots, slot = slots_for(keys[0], batch)
+    x = normal(keys[1], (batch, tokens, model.channels), jnp.bfloat16)
+    weight, bias = normal(keys[2], (model.channels, 4)), normal(keys[3], (model.channels,))
+    window_bytes = model.channels * 3 * 2
+    moved = batch * window_bytes * (1 + tokens) + 2 * nbytes(x) + nbytes(slot, weight, bias)
+
+    def fn(impl, tiles):
+        def run(pool, slot, x, weight, bias):
+            if impl == "xla":
+                r = conv_update.conv_update_xla(pool, slot, x, weight, bias, mode=mode)
+            else:
+                r = conv_update.conv_update_pallas(pool, slot, x, weight, bias, mode=mode,
+                                                   **pallas_options(interpret, tiles))
+            return (r.outputs, r.pool) if mode == "decode" else (r.outputs, r.step_windows)
+        return run
+
+    pool_shape = (num_slots + 1, model.channels, 3)
+    make = lambda: (normal(keys[4], pool_shape, jnp.bfloat16), slot, x, weight, bias)  # noqa: E731
+    return Bench("conv", moved, make, fn, {1: 0} if mode == "decode" else {})
+
+
+def scatter_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
+    keys = jax.random.split(jax.random.key(batch * 10 + tokens + 2), 6)
+    num_slots, dst = slots_for(keys[0], batch)
+    step = jax.random.randint(keys[1], (batch,), 0, tokens).astype(jnp.int32)
+    state, conv = (model.heads, model.d_a, model.d_b), (model.channels, 3)
+    layers = SCATTER_LAYERS
+    moved = 2 * batch * layers * (np.prod(state) * 4 + np.prod(conv) * 2)
+
+    def make():
+        return (normal(keys[2], (layers, num_slots + 1) + state),
+                normal(keys[3], (layers, num_slots + 1) + conv, jnp.bfloat16),
+                normal(keys[4], (layers, batch, tokens) + state),
+                normal(keys[5], (layers, batch, tokens) + conv, jnp.bfloat16), dst, step)
+
+    def fn(impl, tiles):
+        if impl == "xla":
+            return state_scatter.state_scatter_xla
+        return lambda *args: state_scatter.state_scatter_pallas(
+            *args, **pallas_options(interpret, tiles))
+
+    return Bench("scatter", int(moved), make, fn, {0: 0, 1: 1})
+
+
+def check(bench: Bench, tiles: dict) -> str:
+    """Worst error of the Pallas outputs vs the XLA form, each relative to that output's max;
+    "MISMATCH" past 1e-2 for bf16 outputs (one rounding) or 1e-4 for float32 states/pools."""
+    args = bench.make_args()
+    got = jax.jit(bench.fn("pallas", tiles))(*args)
+    want = jax.jit(bench.fn("xla", {}))(*args)
+    worst, bad = 0.0, False
+    for g, w in zip(got, want):
+        tol = 1e-2 if w.dtype == jnp.bfloat16 else 1e-4
+        g, w = g.astype(jnp.float32), w.astype(jnp.float32)
+        error = float(jnp.max(jnp.abs(g - w)) / jnp.maximum(jnp.max(jnp.abs(w)), 1e-30))
+        worst, bad = max(worst, error), bad or not error <= tol
+    return f"{'MISMATCH' if bad else 'ok'} {worst:.1e}"
+
+
+def time_calls(run: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median seconds of ``run()``; run must block until its result is ready."""
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples))
+
+
+def time_bench(bench: Bench, impl: str, tiles: dict, iters: int, warmup: int) -> float:
+    """Median seconds per call, donated outputs fed back as the next call's inputs."""
+    args = list(bench.make_args())
+    fn = jax.jit(bench.fn(impl, tiles), donate_argnums=tuple(bench.thread.values()))
+
+    def run():
+        outs = jax.block_until_ready(fn(*args))
+        for out_index, arg_index in bench.thread.items():
+            args[arg_index] = outs[out_index]
+
+    return time_calls(run, iters, warmup)
+
+
+def copy_bandwidth(num_bytes: int, iters: int, warmup: int) -> float:
+    """GB/s of ``x + 1`` over num_bytes of float32 (read once, written once)."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    add_one = jax.jit(lambda a: a + 1.0)
+    return 2 * num_bytes / time_calls(lambda: add_one(x).block_until_ready(), iters, warmup) / 1e9
+
+
+# ---------------------------------------------------------------- optional external kernels
+
+
+def torch_time(run: Callable[[], object], iters: int, warmup: int) -> float:
+    import torch
+
+    def synced():
+        run()
+        torch.cuda.synchronize()
+
+    return time_calls(synced, iters, warmup)
+
+
+def fla_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) -> float:
+    """flash-linear-attention's fused recurrent GDN; reads the state, writes the final one."""
+    import torch
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    shape, dev = (batch, tokens, model.heads), "cuda"
+    q = torch.nn.functional.normalize(torch.randn(*shape, model.d_a, device=dev), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(*shape, model.d_a, device=dev), dim=-1)
+    v = torch.randn(*shape, model.d_b, device=dev, dtype=torch.bfloat16)
+    g = -torch.nn.functional.softplus(torch.randn(*shape, device=dev))
+    beta = torch.sigmoid(torch.randn(*shape, device=dev))
+    h0 = torch.randn(batch, model.heads, model.d_a, model.d_b, device=dev) * 0.1
+    q, k = (q / model.d_a**0.5).bfloat16(), k.bfloat16()
+    return torch_time(lambda: fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=1.0, initial_state=h0, output_final_state=True), iters, warmup)
+
+
+def mamba_ssm_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) -> float:
+    """mamba_ssm's selective_state_update (one token, in place on a pool by slot index)."""
+    import torch
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+    if tokens != 1:
+        raise ValueError("selective_state_update takes one token per call")
+    dev, h, p, n = "cuda", model.heads, model.d_a, model.d_b
+    pool = torch.randn(2 * batch + 2, h, p, n, device=dev) * 0.1
+    slot = (torch.randperm(2 * batch + 1, device=dev)[:batch] + 1).to(torch.int32)
+    x = torch.randn(batch, h, p, device=dev, dtype=torch.bfloat16)
+    dt = torch.nn.functional.softplus(torch.randn(batch, h, device=dev))
+    dt = dt[:, :, None].expand(-1, -1, p)
+    a = -torch.rand(h, device=dev)[:, None, None].expand(-1, p, n)
+    b, c = (torch.randn(batch, model.groups, n, device=dev, dtype=torch.bfloat16) for _ in "bc")
+    d = torch.randn(h, device=dev)[:, None].expand(-1, p)
+    return torch_time(lambda: selective_state_update(
+        pool, x, dt, a, b, c, D=d, state_batch_indices=slot), iters, warmup)
+
+
+EXTERNAL = {  # mixer -> (row label, package to find, timing function)
+    "gdn": ("fla fused_recurrent (final state only)", "fla", fla_seconds),
+    "mamba2": ("mamba_ssm selective_state_update", "mamba_ssm", mamba_ssm_seconds)}
+
+
+# ---------------------------------------------------------------- driver
+
+
+class Table:
+    """Markdown rows, rewritten to ``path`` after every row so a partial run leaves a file."""
+
+    def __init__(self, path: Path, header: str):
+        self.path, self.header, self.rows = path, header, []
+
+    def add(self, row: dict) -> None:
+        log("  " + "  ".join(f"{c}={row.get(c, '')}" for c in COLUMNS))
+        self.rows.append("| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |")
+        lines = [self.header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        self.path.write_text("\n".join(lines + self.rows) + "\n")
+
+
+def measure(row: dict, moved: int, copy_gbs: float, seconds_fn: Callable[[], float]) -> dict:
+    """Fill the timing columns of ``row``; an error becomes the row's check column."""
+    try:
+        seconds = seconds_fn()
+        gbs = moved / seconds / 1e9
+        row.update({"time us": f"{seconds * 1e6:.1f}", "MB moved": f"{moved / 1e6:.2f}",
+                    "GB/s": f"{gbs:.1f}", "% copy": f"{100 * gbs / copy_gbs:.1f}"})
+    except Exception as error:  # one failing kernel must not end the run
+        traceback.print_exc(limit=4)
+        row["check"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
+    return row
+
+
+def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Table) -> None:
+    base = {"model": model.name, "B": batch, "T": tokens}
+    if kind == "external":
+        label, package, seconds_of = EXTERNAL[model.mixer]
+        if importlib.util.find_spec(package) is None:
+            log(f"  {package} is not installed: skipped")
+            return
+        state_bytes = model.heads * model.d_a * model.d_b * 4
+        row = {**base, "kernel": model.mixer, "impl": label, "tiles": "-", "check": "not checked"}
+        table.add(measure(row, 2 * batch * state_bytes, opts.copy_gbs,
+                          lambda: seconds_of(model, batch, tokens, opts.iters, opts.warmup)))
+        return
+    builder, tile_list = {"state": (state_bench, model.state_tiles),
+                          "conv": (conv_bench, model.conv_tiles),
+                          "scatter": (scatter_bench, model.scatter_tiles)}[kind]
+    try:
+        bench = builder(model, batch, tokens, opts.interpret)
+    except Exception as error:
+        traceback.print_exc(limit=4)
+        table.add({**base, "kernel": kind, "check": f"error building inputs: {error}"[:120]})
+        return
+    for impl, tiles in [("pallas", t) for t in tile_list] + [("xla", {})]:
+        row = {**base, "kernel": bench.kernel, "impl": impl,
+               "tiles": ",".join(f"{k}={v}" for k, v in tiles.items()) or "-"}
+        if impl == "pallas":
+            try:
+                row["check"] = check(bench, tiles)
+            except Exception as error:
+                traceback.print_exc(limit=4)
+                row["check"] = f"check error: {type(error).__name__}"
+        table.add(measure(row, bench.bytes_moved, opts.copy_gbs,
+                          lambda: time_bench(bench, impl, tiles, opts.iters, opts.warmup)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_kernels.md"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls (default 50)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 5)")
+    parser.add_argument("--kernels", default="state,conv,scatter,external",
+                        help="comma list of state, conv, scatter, external")
+    parser.add_argument("--models", default=None, help="comma list of model names")
+    parser.add_argument("--batches", default=None, help="comma list (default 1,16,64,256)")
+    parser.add_argument("--tokens", default=None, help="comma list (default 1,4)")
+    args = parser.parse_args(argv)
+    args.interpret = args.smoke or jax.default_backend() == "cpu"
+    args.iters = args.iters or (3 if args.smoke else 50)
+    args.warmup = args.warmup or (1 if args.smoke else 5)
+    batches = args.batches or ("3" if args.smoke else "1,16,64,256")
+    args.batches = [int(b) for b in batches.split(",")]
+    args.tokens = [int(t) for t in (args.tokens or ("1,2" if args.smoke else "1,4")).split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    device = jax.devices()[0]
+    log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"interpret={opts.interpret}")
+    opts.copy_gbs = copy_bandwidth((1 << 22) if opts.smoke else (2 << 30), opts.iters, opts.warmup)
+    log(f"copy bandwidth: {opts.copy_gbs:.1f} GB/s")
+    table = Table(opts.out, (
+        f"# Kernel benchmark\n\ndevice {device.device_kind} ({jax.default_backend()}), jax "
+        f"{jax.__version__}, interpret={opts.interpret}; copy bandwidth {opts.copy_gbs:.1f} "
+        f"GB/s; median of {opts.iters} calls after {opts.warmup}; T=1 decode (in place), "
+        f"T>1 verify (every step to scratch); scatter over {SCATTER_LAYERS} layers; check = "
+        "max |pallas - xla| / max |xla| over every output."))
+    kinds = [k for k in opts.kernels.split(",") if k]
+    if opts.smoke or jax.default_backend() != "gpu":
+        kinds = [k for k in kinds if k != "external"]  # torch kernels need CUDA
+    for model in models(opts.smoke):
+        if opts.models and model.name not in opts.models.split(","):
+            continue
+        for kind in kinds:
+            for batch in opts.batches:
+                for tokens in opts.tokens:
+                    log(f"== {kind} {model.name} B={batch} T={tokens}")
+                    with jax.default_matmul_precision("highest"):  # float32 dots in XLA forms
+                        run_shape(kind, model, batch, tokens, opts, table)
+    log(f"wrote {opts.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Conv-update kernels (Pallas in interpret mode and XLA) against ``recurrence.conv_scan``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend, recurrence
+from lazyspec.kernels import conv_update as cu
+
+pytestmark = pytest.mark.pallas
+
+FP32_TOL = 1e-5
+# bf16 x and windows are upcast exactly; a bf16 output is the float32 result rounded once:
+# half a bf16 ulp, at most 2**-8 of the value, apart.
+BF16_OUT_TOL = 2.0**-8
+
+
+def assert_close(actual, expected, tol: float, what: str) -> None:
+    """Every element finite (unwritten outputs stay NaN in interpret mode) and within tol."""
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert actual.shape == expected.shape, what
+    assert np.isfinite(actual).all(), f"{what}: {np.sum(~np.isfinite(actual))} non-finite"
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def draw_slots(rng, batch: int, num_slots: int) -> np.ndarray:
+    """Distinct real slots, with padding rows (slot 0) at random positions (at least one)."""
+    slot = rng.choice(np.arange(1, num_slots + 1), size=batch, replace=False)
+    padding = rng.random(batch) < 0.3
+    padding[rng.integers(batch)] = True
+    return np.where(padding, 0, slot).astype(np.int32)
+
+
+def conv_case(rng, batch, tokens, channels, kernel, num_slots, pool_dtype, x_dtype, with_bias):
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    pool = jnp.asarray(normal(num_slots + 1, channels, kernel - 1)).astype(pool_dtype)
+    x = jnp.asarray(normal(batch, tokens, channels)).astype(x_dtype)
+    weight = jnp.asarray(normal(channels, kernel) * 0.5)
+    bias = jnp.asarray(normal(channels)) if with_bias else None
+    return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), x, weight, bias
+
+
+def reference(pool, slot, x, weight, bias):
+    """Per-row ``conv_scan`` from pool[slot]; the expected pool written with numpy."""
+    scan = lambda w0, xs: recurrence.conv_scan(w0, xs, weight, bias)  # noqa: E731
+    outs, final, windows = jax.vmap(scan)(pool[slot], x)
+    expected_pool = np.array(pool.astype(jnp.float32))
+    for row, s in enumerate(np.asarray(slot)):
+        if s:
+            expected_pool[s] = np.asarray(final[row].astype(jnp.float32))
+    return outs, expected_pool, windows
+
+
+def check_result(result, pool, slot, mode, outs, expected_pool, windows, out_tol):
+    assert_close(result.outputs, outs, out_tol, "outputs")
+    if mode == "verify":
+        assert result.pool is None and result.step_windows.dtype == pool.dtype
+        # windows hold raw inputs: copies, so they must match exactly
+        np.testing.assert_array_equal(np.asarray(result.step_windows.astype(jnp.float32)),
+                                      np.asarray(windows.astype(jnp.float32)))
+        return
+    assert result.step_windows is None and result.pool.dtype == pool.dtype
+    new_pool = np.asarray(result.pool.astype(jnp.float32))
+    written = np.asarray(slot)[np.asarray(slot) != 0]
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), written)
+    assert 0 in untouched and len(untouched) > 1
+    np.testing.assert_array_equal(new_pool[untouched],
+                                  np.asarray(pool.astype(jnp.float32))[untouched])
+    np.testing.assert_array_equal(new_pool[written], expected_pool[written])
+
+
+CASES = [  # seed, batch, tokens, channels, K, slots, block, mode, pool dtype, x dtype, bias
+    (1, 3, 1, 12, 4, 6, 4, "decode", jnp.float32, jnp.float32, True),
+    (2, 5, 4, 20, 4, 7, None, "verify", jnp.float32, jnp.float32, False),
+    (3, 6, 3, 24, 3, 9, 8, "decode", jnp.bfloat16, jnp.bfloat16, True),
+    (4, 3, 2, 18, 4, 5, 6, "verify", jnp.bfloat16, jnp.float32, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"conv{c[0]}-{c[7]}")
+def test_conv_pallas_and_xla_match_scan(case):
+    seed, batch, tokens, channels, kernel, slots, block, mode, pool_dtype, x_dtype, bias = case
+    rng = np.random.default_rng(seed)
+    pool, slot, x, weight, bias = conv_case(rng, batch, tokens, channels, kernel, slots,
+                                            pool_dtype, x_dtype, bias)
+    expected = reference(pool, slot, x, weight, bias)
+    out_tol = FP32_TOL if x_dtype == jnp.float32 else BF16_OUT_TOL
+    got = cu.conv_update_pallas(pool, slot, x, weight, bias, mode=mode, block_channels=block,
+                                interpret=True)
+    check_result(got, pool, slot, mode, *expected, out_tol)
+    got = jax.jit(cu.conv_update_xla, static_argnames="mode")(pool, slot, x, weight, bias,
+                                                              mode=mode)
+    check_result(got, pool, slot, mode, *expected, out_tol)
+
+
+def test_conv_tile_step_matches_conv_step_pallas():
+    rng = np.random.default_rng(5)
+    channels, kernel = 7, 4
+    window = jnp.asarray(rng.standard_normal((channels, kernel - 1)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal(channels), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal((channels, kernel)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(channels), jnp.float32)
+    for silu in (True, False):
+        columns, y = cu.conv_tile_step([window[:, j] for j in range(kernel - 1)], x,
+                                       [weight[:, j] for j in range(kernel)], bias, silu)
+        want_window, want_y = recurrence.conv_step(window, x, weight, bias, silu)
+        assert_close(y, want_y, 1e-6, "conv tile output")
+        np.testing.assert_array_equal(np.stack(columns, axis=1), np.asarray(want_window))
+
+
+def test_conv_bad_arguments_and_dispatch_pallas():
+    rng = np.random.default_rng(6)
+    pool, slot, x, weight, bias = conv_case(rng, 3, 2, 12, 4, 5, jnp.float32, jnp.float32, True)
+    with pytest.raises(ValueError, match="block_channels=5"):
+        cu.conv_update_pallas(pool, slot, x, weight, bias, mode="decode", block_channels=5)
+    with pytest.raises(ValueError, match="weight shape"):
+        cu.conv_update_xla(pool, slot, x, weight[:, :3], bias, mode="decode")
+    with pytest.raises(ValueError, match="mode"):
+        cu.conv_update_xla(pool, slot, x, weight, bias, mode="draft")
+    via_pallas = backend.conv_update(pool, slot, x, weight, bias, mode="decode",
+                                     kernel_backend="pallas", block_channels=6, interpret=True)
+    via_xla = backend.conv_update(pool, slot, x, weight, bias, mode="decode",
+                                  kernel_backend="xla")
+    assert_close(via_pallas.outputs, via_xla.outputs, FP32_TOL, "dispatch outputs")
+    np.testing.assert_array_equal(np.asarray(via_pallas.pool), np.asarray(via_xla.pool))
+
+
+def test_conv_update_lowers_to_triton_at_model_shapes_pallas():
+    """Nemotron-H's 10240 conv channels (not a power of two) lower through Pallas-Triton in
+    1024-channel tiles, with a bf16 pool; Triton IR is built here, not compiled."""
+    spec = jax.ShapeDtypeStruct
+    params = backend.pallas_compiler_params("gpu")
+    channels = 10240
+    args = (spec((9, channels, 3), jnp.bfloat16), spec((4,), jnp.int32),
+            spec((4, 4, channels), jnp.bfloat16), spec((channels, 4), jnp.float32),
+            spec((channels,), jnp.float32))
+    for mode in ("decode", "verify"):
+        lowered = jax.jit(lambda *a: cu.conv_update_pallas(
+            *a, mode=mode, block_channels=1024, compiler_params=params)).trace(*args)
+        assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()

@@ -1,0 +1,114 @@
+"""Masked commit / checkpoint copy (Pallas in interpret mode and XLA) against a numpy model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend
+from lazyspec.kernels import state_scatter as ss
+
+pytestmark = pytest.mark.pallas
+
+
+def scatter_case(rng, layers, slots, scratch_rows, rows, tokens, heads, d_a, d_b, channels,
+                 kernel, conv_dtype):
+    """Random pools and scratch; rows with distinct slots, some masked by step = -1 and some
+    by dst_slot = 0 (with a valid step), at least one of each."""
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    pools = (normal(layers, slots + 1, heads, d_a, d_b),
+             normal(layers, slots + 1, channels, kernel - 1).astype(conv_dtype))
+    steps = (normal(layers, scratch_rows, tokens, heads, d_a, d_b),
+             normal(layers, scratch_rows, tokens, channels, kernel - 1).astype(conv_dtype))
+    dst = rng.choice(np.arange(1, slots + 1), size=rows, replace=False).astype(np.int32)
+    step = rng.integers(0, tokens, size=rows).astype(np.int32)
+    masked = rng.permutation(rows)[:2]
+    step[masked[0]] = -1
+    dst[masked[1]] = 0
+    return pools, steps, jnp.asarray(dst), jnp.asarray(step)
+
+
+def expected_pools(pools, steps, dst, step):
+    out = [np.array(p.astype(jnp.float32)) for p in pools]
+    for row, (d, t) in enumerate(zip(np.asarray(dst), np.asarray(step))):
+        if t >= 0 and d != 0:
+            for pool, src in zip(out, steps):
+                pool[:, d] = np.asarray(src[:, row, t].astype(jnp.float32))
+    return out
+
+
+def check(got, pools, expected, dst, step):
+    written = np.asarray(dst)[(np.asarray(step) >= 0) & (np.asarray(dst) != 0)]
+    untouched = np.setdiff1d(np.arange(pools[0].shape[1]), written)
+    assert 0 in untouched and len(untouched) > 1 and len(written) > 0
+    for new, old, want in zip(got, pools, expected):
+        assert new.shape == old.shape and new.dtype == old.dtype
+        new = np.asarray(new.astype(jnp.float32))
+        # copies are exact; every slot is compared, written or not
+        np.testing.assert_array_equal(new, want)
+        np.testing.assert_array_equal(new[:, untouched],
+                                      np.asarray(old.astype(jnp.float32))[:, untouched])
+
+
+CASES = [  # seed, L, slots, scratch rows, rows, T, H, d_a, d_b, C, K, conv dtype, tiles
+    (1, 2, 7, 6, 5, 3, 3, 4, 8, 12, 4, jnp.bfloat16, (1, 2, 4)),
+    (2, 3, 9, 4, 4, 1, 5, 8, 4, 10, 4, jnp.float32, (5, None, None)),
+    (3, 1, 12, 9, 7, 4, 2, 4, 4, 6, 3, jnp.float32, (1, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"scatter{c[0]}")
+def test_state_scatter_pallas_and_xla_match_numpy(case):
+    seed, *shape, conv_dtype, (bh, br, bc) = case
+    rng = np.random.default_rng(seed)
+    pools, steps, dst, step = scatter_case(rng, *shape, conv_dtype)
+    expected = expected_pools(pools, steps, dst, step)
+    got = ss.state_scatter_pallas(*pools, *steps, dst, step, block_heads=bh, block_rows=br,
+                                  block_channels=bc, interpret=True)
+    check(got, pools, expected, dst, step)
+    got = jax.jit(ss.state_scatter_xla)(*pools, *steps, dst, step)
+    check(got, pools, expected, dst, step)
+
+
+def test_state_scatter_donated_under_jit_pallas():
+    """The engine calls it inside a jitted step with the pools donated (aliased in place)."""
+    rng = np.random.default_rng(4)
+    pools, steps, dst, step = scatter_case(rng, 2, 6, 5, 5, 2, 2, 4, 4, 8, 4, jnp.float32)
+    expected = expected_pools(pools, steps, dst, step)
+    originals = [jnp.array(p, copy=True) for p in pools]
+    commit = jax.jit(lambda s, c, *rest: backend.state_scatter(
+        s, c, *rest, kernel_backend="pallas", block_channels=4, interpret=True),
+        donate_argnums=(0, 1))
+    got = commit(*pools, *steps, dst, step)
+    check(got, originals, expected, dst, step)
+
+
+def test_state_scatter_bad_arguments_pallas():
+    rng = np.random.default_rng(5)
+    pools, steps, dst, step = scatter_case(rng, 2, 6, 4, 4, 2, 2, 4, 4, 8, 4, jnp.float32)
+    with pytest.raises(ValueError, match="block_rows=3"):
+        ss.state_scatter_pallas(*pools, *steps, dst, step, block_rows=3)
+    with pytest.raises(ValueError, match="ssm_steps"):
+        ss.state_scatter_xla(pools[0], pools[1], steps[0][:, :, :, :1], steps[1], dst, step)
+    with pytest.raises(ValueError, match="B <= 4"):
+        ss.state_scatter_xla(*pools, *steps, jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32))
+    with pytest.raises(ValueError, match="kernel_backend"):
+        backend.state_scatter(*pools, *steps, dst, step, kernel_backend="cuda")
+
+
+def test_state_scatter_lowers_to_triton_at_model_shapes_pallas():
+    """Nemotron-H-sized pools (128 x 64 x 128 fp32 state, 10240 x 3 bf16 conv) lower through
+    Pallas-Triton with the benchmark's tiles; Triton IR is built here, not compiled."""
+    spec = jax.ShapeDtypeStruct
+    layers, slots, rows, tokens, channels = 4, 9, 4, 4, 10240
+    args = (spec((layers, slots, 128, 64, 128), jnp.float32),
+            spec((layers, slots, channels, 3), jnp.bfloat16),
+            spec((layers, rows, tokens, 128, 64, 128), jnp.float32),
+            spec((layers, rows, tokens, channels, 3), jnp.bfloat16),
+            spec((rows,), jnp.int32), spec((rows,), jnp.int32))
+    lowered = jax.jit(lambda *a: ss.state_scatter_pallas(
+        *a, block_rows=32, block_channels=1024,
+        compiler_params=backend.pallas_compiler_params("gpu"))).trace(*args)
+    assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()

@@ -1,0 +1,254 @@
+"""State-update kernels (GDN, Mamba2; Pallas in interpret mode and XLA) against the scans."""
+
+from __future__ import annotations
+
+import dataclasses
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels import backend, recurrence
+from lazyspec.kernels import state_update as su
+
+pytestmark = pytest.mark.pallas
+
+FP32_TOL = 1e-5
+# bf16 inputs are upcast exactly, so the float32 state matches to FP32_TOL; bf16 outputs are
+# the float32 result rounded once: half a bf16 ulp, at most 2**-8 of the value, apart.
+BF16_OUT_TOL = 2.0**-8
+
+
+def assert_close(actual, expected, tol: float, what: str) -> None:
+    """Every element finite (unwritten outputs stay NaN) and within tol, relative to the
+    element and to the array's largest magnitude."""
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert actual.shape == expected.shape, what
+    assert np.isfinite(actual).all(), f"{what}: {np.sum(~np.isfinite(actual))} non-finite"
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def draw_slots(rng, batch: int, num_slots: int) -> np.ndarray:
+    """Distinct real slots, with padding rows (slot 0) at random positions (at least one)."""
+    slot = rng.choice(np.arange(1, num_slots + 1), size=batch, replace=False)
+    padding = rng.random(batch) < 0.3
+    padding[rng.integers(batch)] = True
+    return np.where(padding, 0, slot).astype(np.int32)
+
+
+def normal(rng, *shape) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x).astype(np.float32)
+
+
+def as_jax(dtype, *arrays):
+    return [jnp.asarray(a).astype(dtype) for a in arrays]
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + recurrence.L2_EPS)
+
+
+def gdn_case(rng, batch, tokens, heads, key_dim, value_dim, num_slots, dtype):
+    shape = (batch, tokens, heads)
+    q = unit(normal(rng, *shape, key_dim)) / np.float32(np.sqrt(key_dim))
+    g = -np.exp(0.5 * normal(rng, heads)) * softplus(normal(rng, *shape))
+    beta = 1.0 / (1.0 + np.exp(-normal(rng, *shape)))
+    inputs = su.GdnTokens(*as_jax(dtype, q, unit(normal(rng, *shape, key_dim)),
+                                  normal(rng, *shape, value_dim), g, beta))
+    pool = jnp.asarray(0.5 * normal(rng, num_slots + 1, heads, key_dim, value_dim))
+    return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), inputs
+
+
+def mamba2_case(rng, batch, tokens, heads, groups, head_dim, state_dim, num_slots, dtype):
+    shape = (batch, tokens)
+    dt = np.clip(softplus(normal(rng, *shape, heads)), 1e-3, 2.0)
+    x, b, c, dt = as_jax(dtype, normal(rng, *shape, heads, head_dim),
+                         normal(rng, *shape, groups, state_dim),
+                         normal(rng, *shape, groups, state_dim), dt)
+    a, d = as_jax(jnp.float32, -np.exp(0.5 * normal(rng, heads)), normal(rng, heads))
+    pool = jnp.asarray(0.5 * normal(rng, num_slots + 1, heads, head_dim, state_dim))
+    return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), su.Mamba2Tokens(x, b, c, dt, a, d)
+
+
+def reference(pool, slot, scan, fields, shared=()):
+    """Per-row scans from pool[slot]; the expected pool written with numpy."""
+    f32 = [jnp.asarray(f, jnp.float32) for f in fields]
+    in_axes = (0,) * (1 + len(f32)) + (None,) * len(shared)
+    outs, final, states = jax.vmap(scan, in_axes=in_axes)(pool[slot], *f32, *shared)
+    expected_pool = np.array(pool)
+    for row, s in enumerate(np.asarray(slot)):
+        if s:
+            expected_pool[s] = np.asarray(final[row])
+    return outs, expected_pool, states
+
+
+def check_result(result, pool, slot, mode, outs, expected_pool, states, out_tol):
+    assert_close(result.outputs, outs, out_tol, "outputs")
+    if mode == "verify":
+        assert result.pool is None
+        assert_close(result.step_states, states, FP32_TOL, "step states")
+        return
+    assert result.step_states is None
+    written = np.asarray(slot)[np.asarray(slot) != 0]
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), written)
+    assert 0 in untouched and len(untouched) > 1
+    new_pool = np.asarray(result.pool)
+    np.testing.assert_array_equal(new_pool[untouched], np.asarray(pool)[untouched])
+    assert_close(new_pool[written], expected_pool[written], FP32_TOL, "written slots")
+
+
+GDN_CASES = [  # seed, batch, tokens, heads, key_dim, value_dim, slots, bh, bv, mode, dtype
+    (1, 3, 1, 3, 8, 16, 6, 1, 8, "decode", jnp.float32),
+    (2, 5, 4, 6, 16, 8, 9, 2, None, "verify", jnp.float32),
+    (3, 7, 2, 5, 8, 8, 10, 5, 4, "decode", jnp.float32),
+    (4, 3, 3, 6, 8, 16, 5, 3, 8, "verify", jnp.bfloat16),
+    (5, 2, 1, 2, 16, 16, 4, 2, None, "decode", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", GDN_CASES, ids=lambda c: f"gdn{c[0]}-{c[9]}")
+def test_gdn_pallas_and_xla_match_scan(case):
+    seed, batch, tokens, heads, dk, dv, slots, bh, bv, mode, dtype = case
+    rng = np.random.default_rng(seed)
+    pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
+    outs, expected_pool, states = reference(
+        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    got = su.gdn_state_update_pallas(pool, slot, inputs, mode=mode, block_heads=bh,
+                                     block_value=bv, interpret=True)
+    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+    got = jax.jit(su.gdn_state_update_xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
+    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+
+
+MAMBA2_CASES = [  # seed, batch, tokens, heads, groups, P, N, slots, bh, bp, mode, dtype
+    (11, 3, 1, 6, 2, 8, 16, 5, 1, 4, "decode", jnp.float32),
+    (12, 5, 4, 6, 2, 8, 16, 8, 3, None, "verify", jnp.float32),
+    (13, 6, 3, 6, 3, 4, 8, 9, 6, 2, "decode", jnp.float32),
+    (14, 3, 2, 4, 4, 8, 16, 4, 2, 8, "verify", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", MAMBA2_CASES, ids=lambda c: f"mamba{c[0]}-{c[10]}")
+def test_mamba2_pallas_and_xla_match_scan(case):
+    seed, batch, tokens, heads, groups, p, n, slots, bh, bp, mode, dtype = case
+    rng = np.random.default_rng(seed)
+    pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
+    outs, expected_pool, states = reference(
+        pool, slot, recurrence.mamba2_scan, (inputs.x, inputs.b, inputs.c, inputs.dt),
+        shared=(inputs.a, inputs.d))
+    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    got = su.mamba2_state_update_pallas(pool, slot, inputs, mode=mode, block_heads=bh,
+                                        block_value=bp, interpret=True)
+    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+    got = jax.jit(su.mamba2_state_update_xla, static_argnames="mode")(pool, slot, inputs,
+                                                                      mode=mode)
+    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+
+
+def test_tile_steps_match_recurrence_steps_pallas():
+    rng = np.random.default_rng(21)
+    heads, dk, dv = 3, 8, 5
+    h, q, k, v, g, beta = as_jax(jnp.float32, normal(rng, heads, dk, dv), normal(rng, heads, dk),
+                                 normal(rng, heads, dk), normal(rng, heads, dv),
+                                 -softplus(normal(rng, heads)), softplus(normal(rng, heads)) / 4)
+    for got, want in zip(su.gdn_tile_step(h, q, k, v, g, beta),
+                         recurrence.gdn_step(h, q, k, v, g, beta)):
+        assert_close(got, want, 1e-6, "gdn tile step")
+    heads, groups, p, n = 4, 2, 3, 6
+    h, x, b, c, dt, a, d = as_jax(jnp.float32, normal(rng, heads, p, n), normal(rng, heads, p),
+                                  normal(rng, groups, n), normal(rng, groups, n),
+                                  softplus(normal(rng, heads)), -np.exp(normal(rng, heads)),
+                                  normal(rng, heads))
+    per_head = lambda m: jnp.repeat(m, heads // groups, axis=0)  # noqa: E731
+    for got, want in zip(su.mamba2_tile_step(h, x, per_head(b), per_head(c), dt, a, d),
+                         recurrence.mamba2_step(h, x, b, c, dt, a, d)):
+        assert_close(got, want, 1e-6, "mamba2 tile step")
+
+
+def test_interpret_mode_leaves_unwritten_outputs_nan_pallas():
+    """The premise of the NaN checks above: interpret mode poisons fresh outputs."""
+
+    def kernel(x_ref, out_ref):
+        out_ref[0] = x_ref[0]
+
+    x = jnp.asarray(np.random.default_rng(22).standard_normal((2, 4)), jnp.float32)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         interpret=True)(x)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(x[0]))
+    assert np.isnan(np.asarray(out[1])).all()
+
+
+def test_bad_arguments_raise_value_error_pallas():
+    rng = np.random.default_rng(23)
+    pool, slot, inputs = gdn_case(rng, 2, 1, 6, 8, 8, 3, jnp.float32)
+    with pytest.raises(ValueError, match="prefill"):
+        su.gdn_state_update_pallas(pool, slot, inputs, mode="prefill", interpret=True)
+    with pytest.raises(ValueError, match="block_heads=4"):
+        su.gdn_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=4)
+    with pytest.raises(ValueError, match="pool shape"):
+        su.gdn_state_update_xla(pool[:, :, :4], slot, inputs, mode="decode")
+    pool, slot, inputs = mamba2_case(rng, 2, 1, 6, 2, 4, 8, 3, jnp.float32)
+    with pytest.raises(ValueError, match="heads per group"):
+        su.mamba2_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=2)
+
+
+def test_backend_resolution_and_dispatch_pallas():
+    assert backend.resolve_backend(None, "cpu") == "xla"
+    assert backend.resolve_backend(None, "gpu") == "pallas"
+    assert backend.resolve_backend(None, "tpu") == "pallas"
+    assert backend.resolve_backend("xla", "gpu") == "xla"
+    with pytest.raises(ValueError, match="triton"):
+        backend.resolve_backend("triton")
+    assert backend.pallas_compiler_params("cpu") is None
+    assert backend.pallas_compiler_params("gpu", num_warps=8).num_warps == 8
+    rng = np.random.default_rng(24)
+    pool, slot, inputs = mamba2_case(rng, 3, 2, 4, 2, 4, 8, 4, jnp.float32)
+    via_pallas = backend.state_update(pool, slot, inputs, mode="verify", kernel_backend="pallas",
+                                      block_heads=2, interpret=True)
+    via_xla = backend.state_update(pool, slot, inputs, mode="verify", kernel_backend="xla")
+    assert_close(via_pallas.outputs, via_xla.outputs, FP32_TOL, "dispatch outputs")
+    assert_close(via_pallas.step_states, via_xla.step_states, FP32_TOL, "dispatch states")
+    with pytest.raises(ValueError, match="GdnTokens"):
+        backend.state_update(pool, slot, (inputs.x,), mode="verify", kernel_backend="xla")
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_state_updates_lower_to_triton_at_model_shapes_pallas():
+    """Qwen3-Next GDN (32 heads, 128 x 128) and Nemotron-H Mamba2 (128 heads, 64 x 128, 8
+    groups) lower through Pallas-Triton with the benchmark's tiles; a non-power-of-two tile
+    is rejected, which shows the lowering checks really ran."""
+    spec = jax.ShapeDtypeStruct
+    params = backend.pallas_compiler_params("gpu")
+    batch, tokens, slot = 4, 4, spec((4,), jnp.int32)
+    gdn = su.GdnTokens(*(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
+                       *(spec((batch, tokens, 32), jnp.float32),) * 2)
+    mamba = su.Mamba2Tokens(spec((batch, tokens, 128, 64), jnp.bfloat16),
+                            *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
+                            spec((batch, tokens, 128), jnp.float32),
+                            *(spec((128,), jnp.float32),) * 2)
+    for mode in su.MODES:
+        text = lower_for_cuda(lambda p, s, t: su.gdn_state_update_pallas(
+            p, s, t, mode=mode, block_value=32, compiler_params=params),
+            spec((9, 32, 128, 128), jnp.float32), slot, gdn)
+        assert "triton" in text.lower()
+        text = lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
+            p, s, t, mode=mode, block_value=16, compiler_params=params),
+            spec((9, 128, 64, 128), jnp.float32), slot, mamba)
+        assert "triton" in text.lower()
+    with pytest.raises(ValueError, match="power of 2"):
+        lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
+            p, s, t, mode="decode", block_value=48, compiler_params=params),
+            spec((9, 128, 96, 128), jnp.float32), slot,
+            dataclasses.replace(mamba, x=spec((batch, tokens, 128, 96), jnp.bfloat16)))
