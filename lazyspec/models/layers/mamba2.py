@@ -1,0 +1,276 @@
+"""The Mamba2 mixer of Nemotron-H: in_proj, causal conv, SSD recurrence, gated norm, out_proj.
+
+Parameters are a plain dict; ``in_proj`` and ``out_proj`` are linear layers in the layout of
+``layers/mlp.linear`` (``{"weight": [in, out]}`` plus an optional ``"bias"``):
+  ``in_proj`` D -> I + conv_dim + H, ``conv_weight`` [conv_dim, K] (+ ``conv_bias`` [conv_dim]),
+  ``dt_bias``, ``A_log``, ``D`` [H], ``norm`` [I], ``out_proj`` I -> D,
+with I = H * P and conv_dim = I + 2 * G * N.
+
+The projection splits, in order, into the gate z [I], the conv input xBC [conv_dim] and the
+raw time step [H]; after the conv (with silu) xBC splits into x [H, P], B [G, N], C [G, N].
+``dt = clamp(softplus(dt + dt_bias), dt_min, dt_max)`` and ``A = -exp(A_log)``. The output
+``y = scan(x) + D * x`` is multiplied by ``silu(z)``, RMS-normalised per group of I / G
+channels, scaled by ``norm`` and projected back to D.
+
+Three forms of the same math (they must agree; the tests hold them to 1e-5 in float32):
+``"reference"`` the token-by-token ``lax.scan`` oracles of ``recurrence.py`` (conv scan, then
+SSM scan; per-token trace), ``"chunked"`` the SSD prefill form (trace = state after every full
+chunk), ``"steps"`` the T-step update for decode / verify: one fused conv + SSM step per token,
+unrolled for short T (trace = state after every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lazyspec.kernels.mamba2_chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
+from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba2_step
+from lazyspec.models.layers.mlp import linear
+from lazyspec.models.layers.norms import gated_rms_norm
+
+FORMS = ("reference", "chunked", "steps")
+MAX_UNROLL = 8  # the steps form unrolls decode / verify windows up to this length
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """Static shapes and constants of one Mamba2 mixer."""
+
+    hidden_size: int
+    num_heads: int  # H
+    head_dim: int  # P
+    state_size: int  # N
+    n_groups: int  # G
+    conv_kernel: int  # K
+    norm_eps: float
+    dt_min: float = 0.0
+    dt_max: float = float("inf")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def projection_size(self) -> int:
+        return self.intermediate_size + self.conv_dim + self.num_heads
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class MixerStates:
+    """States a mixer call leaves behind (per row); ``trace_*`` depend on the form."""
+
+    conv: jax.Array  # [B, conv_dim, K-1] after each row's valid tokens
+    ssm: jax.Array  # [B, H, P, N]
+    trace_conv: jax.Array  # [B, S, conv_dim, K-1]: per token / per chunk / per step
+    trace_ssm: jax.Array  # [B, S, H, P, N]
+
+
+def split_projection(dims: Mamba2Dims,
+                     projected: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split in_proj's output [..., projection_size] into (gate, xbc, raw dt)."""
+    inter, conv_dim = dims.intermediate_size, dims.conv_dim
+    gate = projected[..., :inter]
+    xbc = projected[..., inter : inter + conv_dim]
+    dt_raw = projected[..., inter + conv_dim :]
+    return gate, xbc, dt_raw
+
+
+def split_xbc(dims: Mamba2Dims, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split the conv output [..., conv_dim] into x [..., H, P], b and c [..., G, N]."""
+    inter, group_width = dims.intermediate_size, dims.n_groups * dims.state_size
+    lead = xbc.shape[:-1]
+    x = xbc[..., :inter].reshape(lead + (dims.num_heads, dims.head_dim))
+    b = xbc[..., inter : inter + group_width].reshape(lead + (dims.n_groups, dims.state_size))
+    c = xbc[..., inter + group_width :].reshape(lead + (dims.n_groups, dims.state_size))
+    return x, b, c
+
+
+def time_steps(dims: Mamba2Dims, dt_raw: jax.Array, dt_bias: jax.Array) -> jax.Array:
+    """dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) in float32."""
+    dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return jnp.clip(dt, dims.dt_min, dims.dt_max)
+
+
+class _Recurrence(NamedTuple):
+    """The per-row constants every form needs (float32 decay and skip)."""
+
+    conv_weight: jax.Array  # [conv_dim, K]
+    conv_bias: jax.Array | None  # [conv_dim]
+    a: jax.Array  # [H] = -exp(A_log)
+    d: jax.Array  # [H]
+
+
+# (y [T, H, P], final conv window, final ssm state, conv trace, ssm trace) of one row.
+RowResult = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def _row_reference(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.Array,
+                   xbc: jax.Array, dt: jax.Array, num_valid: jax.Array,
+                   chunk_size: int) -> RowResult:
+    """Token-by-token scans over one row; the trace is the state after every token."""
+    valid = jnp.arange(xbc.shape[0]) < num_valid
+    conv_out, conv_final, conv_trace = conv_scan(conv0, xbc, rec.conv_weight, rec.conv_bias, valid)
+    x, b, c = split_xbc(dims, conv_out)
+    y, ssm_final, ssm_trace = mamba2_scan(ssm0.astype(jnp.float32), x, b, c, dt, rec.a, rec.d,
+                                          valid)
+    return y, conv_final, ssm_final, conv_trace, ssm_trace
+
+
+def _row_chunked(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.Array,
+                 xbc: jax.Array, dt: jax.Array, num_valid: jax.Array,
+                 chunk_size: int) -> RowResult:
+    """Chunked SSD over one row; the trace is the state after every full chunk."""
+    conv_out, conv_final, conv_trace = conv_windowed(
+        conv0, xbc, rec.conv_weight, rec.conv_bias, num_valid, chunk_size
+    )
+    x, b, c = split_xbc(dims, conv_out)
+    y, ssm_final, ssm_trace = mamba2_chunked(ssm0, x, b, c, dt, rec.a, rec.d, num_valid,
+                                             chunk_size)
+    return y, conv_final, ssm_final, conv_trace, ssm_trace
+
+
+def _row_steps(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.Array,
+               xbc: jax.Array, dt: jax.Array, num_valid: jax.Array,
+               chunk_size: int) -> RowResult:
+    """T fused single-token updates (conv then SSM) over one row; the trace is the state
+    after each step. Short T (decode, verify) is fully unrolled."""
+
+    def step(carry, inputs):
+        window, h = carry
+        xbc_t, dt_t, ok = inputs
+        new_window, conv_out = conv_step(window, xbc_t, rec.conv_weight, rec.conv_bias)
+        x, b, c = split_xbc(dims, conv_out)
+        new_h, y = mamba2_step(h, x, b, c, dt_t, rec.a, rec.d)
+        window = jnp.where(ok, new_window, window)
+        h = jnp.where(ok, new_h, h)
+        return (window, h), (y, window, h)
+
+    num_tokens = xbc.shape[0]
+    valid = jnp.arange(num_tokens) < num_valid
+    unroll = num_tokens if num_tokens <= MAX_UNROLL else 1
+    (window, h), (ys, windows, states) = jax.lax.scan(
+        step, (conv0, ssm0.astype(jnp.float32)), (xbc, dt, valid), unroll=unroll
+    )
+    return ys, window, h, windows, states
+
+
+_ROW_FORMS = {"reference": _row_reference, "chunked": _row_chunked, "steps": _row_steps}
+
+
+def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.Array,
+                 ssm0: jax.Array, num_new: jax.Array, *, form: str,
+                 chunk_size: int = DEFAULT_CHUNK) -> tuple[jax.Array, MixerStates]:
+    """Run the mixer over B rows of T tokens; row b's real tokens are ``hidden[b, :num_new[b]]``.
+
+    ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] are the states before the tokens.
+    Returns (output [B, T, D] in hidden's dtype, MixerStates). Padding tokens never change a
+    state; their outputs are finite but meaningless. Pure; never mutates.
+    """
+    if form not in _ROW_FORMS:
+        raise ValueError(f"unknown Mamba2 form {form!r}; expected one of {FORMS}")
+    projected = linear(params["in_proj"], hidden)
+    gate, xbc, dt_raw = split_projection(dims, projected)
+    dt = time_steps(dims, dt_raw, params["dt_bias"])
+
+    rec = _Recurrence(
+        conv_weight=params["conv_weight"],
+        conv_bias=params.get("conv_bias"),
+        a=-jnp.exp(params["A_log"].astype(jnp.float32)),
+        d=params["D"].astype(jnp.float32),
+    )
+    row_fn = _ROW_FORMS[form]
+
+    def row(conv_row, ssm_row, xbc_row, dt_row, count):
+        return row_fn(dims, rec, conv_row, ssm_row, xbc_row, dt_row, count, chunk_size)
+
+    y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(
+        conv0, ssm0, xbc, dt, num_new
+    )
+    y = y.reshape(y.shape[:2] + (dims.intermediate_size,))
+    group_size = dims.intermediate_size // dims.n_groups
+    normed = gated_rms_norm(
+        y, gate, params["norm"], dims.norm_eps, group_size=group_size, norm_before_gate=False
+    )
+    out = linear(params["out_proj"], normed)
+    states = MixerStates(
+        conv=conv_final.astype(conv0.dtype),
+        ssm=ssm_final.astype(ssm0.dtype),
+        trace_conv=conv_trace.astype(conv0.dtype),
+        trace_ssm=ssm_trace.astype(ssm0.dtype),
+    )
+    return out.astype(hidden.dtype), states
+
+
+# ---------------------------------------------------------------- parameters
+
+# Kept in float32 whatever the model dtype: tiny, and they set decay rates.
+FLOAT32_KEYS = ("dt_bias", "A_log", "D")
+
+
+def init_mamba2_params(dims: Mamba2Dims, key: jax.Array, dtype, *, use_bias: bool = False,
+                       use_conv_bias: bool = True, dt_init: tuple[float, float] = (1e-3, 0.1),
+                       out_scale: float = 1.0) -> dict:
+    """Random mixer params: normal(0.02) projections, A in [1, 16], dt log-uniform in dt_init."""
+    keys = jax.random.split(key, 6)
+    kernel = dims.conv_kernel
+    heads = dims.num_heads
+    dt = jnp.exp(jax.random.uniform(keys[0], (heads,), minval=jnp.log(dt_init[0]),
+                                    maxval=jnp.log(dt_init[1])))
+    params = {
+        "in_proj": {"weight": 0.02 * jax.random.normal(
+            keys[1], (dims.hidden_size, dims.projection_size), dtype)},
+        "conv_weight": jax.random.uniform(keys[2], (dims.conv_dim, kernel), dtype,
+                                          -kernel**-0.5, kernel**-0.5),
+        "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # inverse softplus
+        "A_log": jnp.log(jax.random.uniform(keys[3], (heads,), minval=1.0, maxval=16.0)),
+        "D": jnp.ones((heads,), jnp.float32),
+        "norm": jnp.ones((dims.intermediate_size,), dtype),
+        "out_proj": {"weight": 0.02 * out_scale * jax.random.normal(
+            keys[4], (dims.intermediate_size, dims.hidden_size), dtype)},
+    }
+    if use_conv_bias:
+        params["conv_bias"] = jnp.zeros((dims.conv_dim,), dtype)
+    if use_bias:
+        params["in_proj"]["bias"] = jnp.zeros((dims.projection_size,), dtype)
+        params["out_proj"]["bias"] = jnp.zeros((dims.hidden_size,), dtype)
+    return params
+
+
+def load_mamba2_params(dims: Mamba2Dims, get, prefix: str, dtype, *, use_bias: bool,
+                       use_conv_bias: bool) -> dict:
+    """Mixer params from checkpoint tensors named as transformers saves them.
+
+    ``get(name, shape)`` returns the float32 numpy tensor or raises an error naming the tensor
+    (missing, or both shapes when misshapen). Linear weights are transposed to [in, out].
+    """
+    proj, inter, hidden = dims.projection_size, dims.intermediate_size, dims.hidden_size
+    heads, conv_dim = dims.num_heads, dims.conv_dim
+
+    def read(name: str, shape: tuple[int, ...]) -> jax.Array:
+        target = jnp.float32 if name in FLOAT32_KEYS else dtype
+        return jnp.asarray(get(prefix + name, shape), target)
+
+    params = {
+        "in_proj": {"weight": read("in_proj.weight", (proj, hidden)).T},
+        "conv_weight": read("conv1d.weight", (conv_dim, 1, dims.conv_kernel))[:, 0],
+        "dt_bias": read("dt_bias", (heads,)),
+        "A_log": read("A_log", (heads,)),
+        "D": read("D", (heads,)),
+        "norm": read("norm.weight", (inter,)),
+        "out_proj": {"weight": read("out_proj.weight", (hidden, inter)).T},
+    }
+    if use_conv_bias:
+        params["conv_bias"] = read("conv1d.bias", (conv_dim,))
+    if use_bias:
+        params["in_proj"]["bias"] = read("in_proj.bias", (proj,))
+        params["out_proj"]["bias"] = read("out_proj.bias", (hidden,))
+    return params
