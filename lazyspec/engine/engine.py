@@ -48,7 +48,7 @@ class Engine:
             model = load_model(self.config.model_path, dtype=self.config.dtype)
         self.model = model
         cfg = model.config
-        if self.config.spec_enabled and not cfg.has_mtp:
+        if self.config.spec_enabled and "mtp" not in model.params:
             raise ValueError(
                 f"speculative_algorithm={self.config.speculative_algorithm} needs an MTP head, "
                 f"but the checkpoint at {self.config.model_path!r} has no mtp.* weights"

@@ -44,12 +44,25 @@ class PoolSizes:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_steps(family: Any, static: StepStatic, cfg_key: "_CfgKey"):
+def _compiled_steps(family_key: "_ById", static: StepStatic, cfg_key: "_CfgKey"):
     """Jitted steps shared by every runner with the same model config and static settings."""
-    cfg = cfg_key.cfg
+    family, cfg = family_key.obj, cfg_key.cfg
     extend = jax.jit(functools.partial(extend_step, family, cfg, static), donate_argnums=(1,))
     decode = jax.jit(functools.partial(decode_step, family, cfg, static), donate_argnums=(1,))
     return extend, decode
+
+
+class _ById:
+    """Hash any object (a family module or namespace) by identity."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.obj is self.obj
 
 
 class _CfgKey:
@@ -75,7 +88,7 @@ class Runner:
         self.sizes = sizes
         self.static = static
         self.pools = self._allocate(kv_dtype, ssm_dtype)
-        extend, decode = _compiled_steps(self.family, static, _CfgKey(self.cfg))
+        extend, decode = _compiled_steps(_ById(self.family), static, _CfgKey(self.cfg))
         self._extend, self._decode = extend, decode
 
     # ------------------------------------------------------------------ pools

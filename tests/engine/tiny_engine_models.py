@@ -20,15 +20,35 @@ NEMOTRON_HF = dict(
 )
 
 
+QWEN_HF = dict(
+    model_type="qwen3_next", vocab_size=128, hidden_size=32, intermediate_size=48,
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
+                                      "linear_attention", "linear_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+    shared_expert_intermediate_size=32, rms_norm_eps=1e-6, eos_token_id=2,
+    max_position_embeddings=4096, num_nextn_predict_layers=1, partial_rotary_factor=0.25,
+    rope_theta=10000.0,
+)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_model(family: str = "nemotron_h", seed: int = 0):
-    if family != "nemotron_h":
-        raise ValueError(family)
-    from lazyspec.models import nemotron_h
+    """A random-weight tiny model of ``family`` (the Qwen3-Next one has an MTP head)."""
+    if family == "nemotron_h":
+        from lazyspec.models import nemotron_h as module
 
-    cfg = parse_hf_config(dict(NEMOTRON_HF))
-    params = nemotron_h.init_params(cfg, jax.random.PRNGKey(seed))
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
+        hf = NEMOTRON_HF
+    elif family == "qwen3_next":
+        from lazyspec.models import qwen3_next as module
+
+        hf = QWEN_HF
+    else:
+        raise ValueError(family)
+    cfg = parse_hf_config(dict(hf))
+    params = module.init_params(cfg, jax.random.PRNGKey(seed))
+    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
 @functools.lru_cache(maxsize=None)
