@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 tensors can be read)
 import numpy as np
 from safetensors import safe_open
 

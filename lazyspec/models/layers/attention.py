@@ -1,0 +1,179 @@
+"""Causal self-attention over the flat KV pools of ``interface.py`` (and a pool-free form).
+
+One function family serves every model: options in ``AttentionSpec`` switch on the q/k
+RMSNorm, the per-head sigmoid output gate folded into ``q_proj`` (Qwen3-Next), partial or
+no rotary embedding, projection biases and GQA.
+
+Params (see ``mlp.linear`` for the linear layout): ``q_proj``, ``k_proj``, ``v_proj``,
+``o_proj`` and, with ``qk_norm``, the weight vectors ``q_norm`` / ``k_norm`` ``[head_dim]``.
+With ``output_gate``, ``q_proj`` emits ``[num_heads, 2 * head_dim]`` per token: the query
+then the gate of each head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec
+from lazyspec.models.layers.norms import rms_norm
+from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
+
+MASK_VALUE = -1e30  # finite, so a fully masked (padding) query gives no NaN
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static shape and option facts of one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int = 0  # 0 = no rotary embedding
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    zero_centered_qk_norm: bool = False  # Qwen3-Next q/k norms scale by (1 + w)
+    output_gate: bool = False
+    norm_eps: float = 1e-6
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+def attention_plan(prefix: str, hidden_size: int, spec: AttentionSpec) -> Params:
+    """Checkpoint plan of one attention layer whose modules sit under ``prefix``."""
+    q_width = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1)
+    kv_width = spec.num_kv_heads * spec.head_dim
+    plan = {
+        "q_proj": linear_spec(f"{prefix}.q_proj", hidden_size, q_width),
+        "k_proj": linear_spec(f"{prefix}.k_proj", hidden_size, kv_width),
+        "v_proj": linear_spec(f"{prefix}.v_proj", hidden_size, kv_width),
+        "o_proj": linear_spec(f"{prefix}.o_proj", spec.num_heads * spec.head_dim, hidden_size),
+    }
+    if spec.qk_norm:
+        init = "zeros" if spec.zero_centered_qk_norm else "ones"
+        for name in ("q_norm", "k_norm"):
+            plan[name] = TensorSpec(f"{prefix}.{name}.weight", (spec.head_dim,), init=init)
+    return plan
+
+
+def project_qkv(
+    params: Params, spec: AttentionSpec, x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (normed and rotated) and the gate.
+
+    The gate is ``[B, T, Hq * D]`` (pre-sigmoid) with ``output_gate``, else None.
+    """
+    lead = x.shape[:-1]
+    q_out = linear(params["q_proj"], x)
+    gate = None
+    if spec.output_gate:
+        q_out = q_out.reshape(*lead, spec.num_heads, 2 * spec.head_dim)
+        q, gate = q_out[..., : spec.head_dim], q_out[..., spec.head_dim :]
+        gate = gate.reshape(*lead, spec.num_heads * spec.head_dim)
+    else:
+        q = q_out.reshape(*lead, spec.num_heads, spec.head_dim)
+    k = linear(params["k_proj"], x).reshape(*lead, spec.num_kv_heads, spec.head_dim)
+    v = linear(params["v_proj"], x).reshape(*lead, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm:
+        zc = spec.zero_centered_qk_norm
+        q = rms_norm(q, params["q_norm"], spec.norm_eps, zero_centered=zc)
+        k = rms_norm(k, params["k_norm"], spec.norm_eps, zero_centered=zc)
+    if spec.rotary_dim:
+        cos, sin = rope_cos_sin(positions, spec.rotary_dim, spec.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v, gate
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+) -> jax.Array:
+    """Masked softmax attention with GQA.
+
+    q ``[B, T, Hq, D]``, k/v ``[B, C, Hkv, D]``, mask ``[B, T, C]`` (True = may attend).
+    Scores and softmax in float32; returns ``[B, T, Hq, D]`` in v's dtype.
+    """
+    batch, num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    groups = num_heads // num_kv_heads
+    q = q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim)
+    scores = jnp.einsum("btkgd,bckd->bkgtc", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * scale, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgtc,bckd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(batch, num_tokens, num_heads, head_dim).astype(v.dtype)
+
+
+def _output(params: Params, attn: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """Flatten heads, apply the sigmoid output gate if any, then ``o_proj``."""
+    attn = attn.reshape(*attn.shape[:-2], -1)
+    if gate is not None:
+        attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+    return linear(params["o_proj"], attn)
+
+
+def write_kv(
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    write_idx: jax.Array,
+    num_new: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V ``[B, T, Hkv, D]`` to pool rows ``write_idx [B, T]``.
+
+    Tokens at ``t >= num_new[b]`` and out-of-range indices are dropped; returns new pools.
+    """
+    num_rows = k_pool.shape[0]
+    t = jnp.arange(write_idx.shape[1])[None, :]
+    idx = jnp.where(t < num_new[:, None], write_idx, num_rows).reshape(-1)
+    k_flat = k.reshape(-1, *k.shape[2:]).astype(k_pool.dtype)
+    v_flat = v.reshape(-1, *v.shape[2:]).astype(v_pool.dtype)
+    k_pool = k_pool.at[idx].set(k_flat, mode="drop")
+    v_pool = v_pool.at[idx].set(v_flat, mode="drop")
+    return k_pool, v_pool
+
+
+def attention_forward(
+    params: Params,
+    spec: AttentionSpec,
+    x: jax.Array,
+    positions: jax.Array,
+    num_new: jax.Array,
+    kv_write_idx: jax.Array,
+    kv_read_idx: jax.Array,
+    ctx_len: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One attention layer over the pools: write the new K/V, then attend to the context.
+
+    x ``[B, T, hidden]``; query t of row b sees context positions ``c < ctx_len[b]`` with
+    ``c <= positions[b, t]``. Returns (output ``[B, T, hidden]``, k_pool, v_pool).
+    """
+    q, k, v, gate = project_qkv(params, spec, x, positions)
+    k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
+    k_ctx = k_pool[kv_read_idx].astype(q.dtype)  # [B, C, Hkv, D]
+    v_ctx = v_pool[kv_read_idx].astype(q.dtype)
+    c = jnp.arange(kv_read_idx.shape[1])[None, None, :]
+    mask = (c < ctx_len[:, None, None]) & (c <= positions[:, :, None])
+    out = attend(q, k_ctx, v_ctx, mask, spec.scale)
+    return _output(params, out, gate), k_pool, v_pool
+
+
+def attention_reference(
+    params: Params, spec: AttentionSpec, x: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """Dense causal attention over the full sequence, no pools: x ``[B, T, hidden]``.
+
+    Token t attends to tokens ``s <= t`` of its own row. Returns ``[B, T, hidden]``.
+    """
+    q, k, v, gate = project_qkv(params, spec, x, positions)
+    num_tokens = x.shape[1]
+    causal = jnp.tril(jnp.ones((num_tokens, num_tokens), dtype=bool))
+    mask = jnp.broadcast_to(causal, (x.shape[0], num_tokens, num_tokens))
+    return _output(params, attend(q, k, v, mask, spec.scale), gate)

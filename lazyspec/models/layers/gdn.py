@@ -1,0 +1,180 @@
+"""The Gated DeltaNet mixer of Qwen3-Next, in three forms that agree.
+
+* ``"reference"`` / ``"steps"``: token by token (``recurrence.conv_scan`` / ``gdn_scan``);
+  ``"steps"`` also returns the conv window and state after every token (decode / verify).
+* ``"chunked"``: ``gdn_chunked.conv_chunked`` / ``gdn_chunked`` for prefill, returning the
+  window and state after every full chunk of the row.
+
+Params: ``in_proj_qkvz``, ``in_proj_ba``, ``out_proj`` (linear), ``conv1d [conv_dim, K]``,
+``dt_bias [Hv]``, ``A_log [Hv]``, ``norm [d_v]`` (gated RMSNorm weight, not zero-centred).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
+from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
+from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec
+from lazyspec.models.layers.norms import gated_rms_norm
+
+FORMS = ("reference", "steps", "chunked")
+
+
+@dataclass(frozen=True)
+class GDNSpec:
+    """Static shapes of one GDN layer."""
+
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    norm_eps: float
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def heads_per_key(self) -> int:
+        return self.num_v_heads // self.num_k_heads
+
+
+class GDNStates(NamedTuple):
+    """States a GDN call returns; ``conv_trace``/``ssm_trace`` are per step or per chunk."""
+
+    conv: jax.Array  # [B, conv_dim, K-1]
+    ssm: jax.Array  # [B, Hv, d_k, d_v]
+    conv_trace: jax.Array | None  # [B, S, conv_dim, K-1]
+    ssm_trace: jax.Array | None  # [B, S, Hv, d_k, d_v]
+
+
+def gdn_plan(prefix: str, spec: GDNSpec) -> Params:
+    """Checkpoint plan of one GDN mixer whose modules sit under ``prefix``."""
+    qkvz = 2 * spec.key_dim + 2 * spec.value_dim
+    return {
+        "in_proj_qkvz": linear_spec(f"{prefix}.in_proj_qkvz", spec.hidden_size, qkvz),
+        "in_proj_ba": linear_spec(f"{prefix}.in_proj_ba", spec.hidden_size, 2 * spec.num_v_heads),
+        "out_proj": linear_spec(f"{prefix}.out_proj", spec.value_dim, spec.hidden_size),
+        "conv1d": TensorSpec(
+            f"{prefix}.conv1d.weight",
+            (spec.conv_dim, 1, spec.conv_kernel),
+            reshape=(spec.conv_dim, spec.conv_kernel),
+            init="fan_in_uniform",
+        ),
+        "dt_bias": TensorSpec(f"{prefix}.dt_bias", (spec.num_v_heads,), init="ones"),
+        "A_log": TensorSpec(f"{prefix}.A_log", (spec.num_v_heads,), init="a_log"),
+        "norm": TensorSpec(f"{prefix}.norm.weight", (spec.head_v_dim,), init="ones"),
+    }
+
+
+def _project(params: Params, spec: GDNSpec, x: jax.Array):
+    """x ``[B, T, hidden]`` -> (conv input ``[B, T, conv_dim]``, z ``[B, T, Hv, d_v]``, b, a).
+
+    The projections are grouped per key head: ``[q, k, v-group, z-group]`` and ``[b, a]``.
+    """
+    lead = x.shape[:-1]
+    r, dk, dv = spec.heads_per_key, spec.head_k_dim, spec.head_v_dim
+    qkvz = linear(params["in_proj_qkvz"], x).reshape(*lead, spec.num_k_heads, 2 * dk + 2 * r * dv)
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+    v, z = qkvz[..., 2 * dk : 2 * dk + r * dv], qkvz[..., 2 * dk + r * dv :]
+    ba = linear(params["in_proj_ba"], x).reshape(*lead, spec.num_k_heads, 2 * r)
+    b = ba[..., :r].reshape(*lead, spec.num_v_heads)
+    a = ba[..., r:].reshape(*lead, spec.num_v_heads)
+    mixed = jnp.concatenate(
+        [q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1
+    )
+    return mixed, z.reshape(*lead, spec.num_v_heads, dv), b, a
+
+
+def _heads(spec: GDNSpec, conv_out: jax.Array):
+    """Conv output -> q, k ``[..., Hv, d_k]`` (L2-normed, q scaled, repeated), v ``[..., Hv, d_v]``."""
+    lead = conv_out.shape[:-1]
+    kd = spec.key_dim
+    q = conv_out[..., :kd].reshape(*lead, spec.num_k_heads, spec.head_k_dim)
+    k = conv_out[..., kd : 2 * kd].reshape(*lead, spec.num_k_heads, spec.head_k_dim)
+    v = conv_out[..., 2 * kd :].reshape(*lead, spec.num_v_heads, spec.head_v_dim)
+    q = l2_normalize(q.astype(jnp.float32)) * spec.head_k_dim**-0.5
+    k = l2_normalize(k.astype(jnp.float32))
+    # value head i reads key head i // heads_per_key
+    q = jnp.repeat(q, spec.heads_per_key, axis=-2)
+    k = jnp.repeat(k, spec.heads_per_key, axis=-2)
+    return q, k, v.astype(jnp.float32)
+
+
+def _gates(params: Params, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), in float32."""
+    a_log = params["A_log"].astype(jnp.float32)
+    dt = jax.nn.softplus(a.astype(jnp.float32) + params["dt_bias"].astype(jnp.float32))
+    return -jnp.exp(a_log) * dt, jax.nn.sigmoid(b.astype(jnp.float32))
+
+
+def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
+    """Token-by-token form over rows; traces hold the state after every token."""
+    valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
+    conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, params["conv1d"], None, ok))
+    conv_out, conv_final, conv_trace = conv(conv0, mixed, valid)
+    q, k, v = _heads(spec, conv_out)
+    g, beta = _gates(params, a, b)
+    outs, ssm_final, ssm_trace = jax.vmap(gdn_scan)(ssm0, q, k, v, g, beta, valid)
+    return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
+
+
+def _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size):
+    """Chunked form over rows; traces hold the state after every full chunk."""
+    conv = jax.vmap(lambda w, x, n: conv_chunked(w, x, params["conv1d"], None, n, chunk_size))
+    conv_out, conv_final, conv_trace = conv(conv0, mixed, num_new)
+    q, k, v = _heads(spec, conv_out)
+    g, beta = _gates(params, a, b)
+    rows = jax.vmap(lambda *xs: gdn_chunked(*xs, chunk_size=chunk_size))
+    outs, ssm_final, ssm_trace = rows(ssm0, q, k, v, g, beta, num_new)
+    return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
+
+
+def gdn_mixer(
+    params: Params,
+    spec: GDNSpec,
+    x: jax.Array,
+    conv0: jax.Array,
+    ssm0: jax.Array,
+    num_new: jax.Array,
+    *,
+    form: str,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, GDNStates]:
+    """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
+
+    conv0 ``[B, conv_dim, K-1]`` and ssm0 ``[B, Hv, d_k, d_v]`` are the states before the
+    tokens; only the first ``num_new[b]`` tokens of row b change them. Returns (output
+    ``[B, T, hidden]``, ``GDNStates`` in the dtypes of conv0 / ssm0). Pure; mutates nothing.
+    """
+    if form not in FORMS:
+        raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
+    mixed, z, b, a = _project(params, spec, x)
+    if form == "chunked":
+        outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)
+    else:
+        outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
+    outs = gated_rms_norm(outs.astype(x.dtype), z, params["norm"], spec.norm_eps)
+    out = linear(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim))
+    states = GDNStates(
+        states.conv.astype(conv0.dtype),
+        states.ssm.astype(ssm0.dtype),
+        states.conv_trace.astype(conv0.dtype),
+        states.ssm_trace.astype(ssm0.dtype),
+    )
+    return out, states

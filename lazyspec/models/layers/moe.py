@@ -1,0 +1,133 @@
+"""Sparse mixture of experts with a gated shared expert (Qwen3-Next), as pure functions.
+
+Params: ``gate`` ``[hidden, E]`` (router), ``experts`` ``{"gate_proj": [E, hidden, I],
+"up_proj": [E, hidden, I], "down_proj": [E, I, hidden]}``, ``shared_expert`` (a SwiGLU MLP)
+and ``shared_expert_gate`` (linear hidden -> 1). Tokens are dispatched by sorting the
+(token, expert) pairs by expert and running grouped matmuls (``lax.ragged_dot``), so the
+cost grows with top_k, not with the number of experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec, mlp_plan, swiglu_mlp
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Static facts of one sparse MoE block."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """Plan leaf: one projection of every expert, stacked to ``[E, in, out]``.
+
+    Reads either per-expert tensors ``{prefix}.{e}.{proj}.weight`` (the layout of released
+    Qwen3-Next checkpoints and of transformers' ``save_pretrained``) or the fused tensors
+    ``{prefix}.gate_up_proj [E, 2I, hidden]`` / ``{prefix}.down_proj [E, hidden, I]``.
+    """
+
+    prefix: str  # e.g. "model.layers.0.mlp.experts"
+    proj: str  # "gate_proj" | "up_proj" | "down_proj"
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    def _expert_shape(self) -> tuple[int, int]:
+        """Per-expert checkpoint shape ``[out, in]``."""
+        h, i = self.hidden_size, self.intermediate_size
+        return (h, i) if self.proj == "down_proj" else (i, h)
+
+    def _load_fused(self, reader, dtype) -> np.ndarray:
+        name = f"{self.prefix}.{'down_proj' if self.proj == 'down_proj' else 'gate_up_proj'}"
+        out, inp = self._expert_shape()
+        rows = out if self.proj == "down_proj" else 2 * out
+        array = TensorSpec(name, (self.num_experts, rows, inp)).load(reader, dtype)
+        if self.proj == "gate_proj":
+            array = array[:, :out]
+        elif self.proj == "up_proj":
+            array = array[:, out:]
+        return np.ascontiguousarray(np.swapaxes(array, 1, 2))
+
+    def load(self, reader, dtype) -> np.ndarray:
+        """``[E, in, out]`` from whichever layout the checkpoint has."""
+        if f"{self.prefix}.0.{self.proj}.weight" not in reader:
+            fused = "down_proj" if self.proj == "down_proj" else "gate_up_proj"
+            if f"{self.prefix}.{fused}" in reader:
+                return self._load_fused(reader, dtype)
+        per_expert = [
+            TensorSpec(f"{self.prefix}.{e}.{self.proj}.weight", self._expert_shape(), True)
+            for e in range(self.num_experts)
+        ]
+        return np.stack([s.load(reader, dtype) for s in per_expert])
+
+    def random(self, rng: np.random.Generator, scale: float) -> np.ndarray:
+        out, inp = self._expert_shape()
+        return (scale * rng.standard_normal((self.num_experts, inp, out))).astype(np.float32)
+
+
+def moe_plan(prefix: str, spec: MoESpec) -> Params:
+    """Checkpoint plan of one sparse MoE block under ``prefix`` (e.g. ``model.layers.0.mlp``)."""
+    h, e = spec.hidden_size, spec.num_experts
+    experts = {
+        proj: ExpertStack(f"{prefix}.experts", proj, e, h, spec.intermediate_size)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    return {
+        "gate": TensorSpec(f"{prefix}.gate.weight", (e, h), transpose=True),
+        "experts": experts,
+        "shared_expert": mlp_plan(f"{prefix}.shared_expert", h, spec.shared_intermediate_size),
+        "shared_expert_gate": linear_spec(f"{prefix}.shared_expert_gate", h, 1),
+    }
+
+
+def route(params: Params, spec: MoESpec, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Softmax router then top-k: (weights ``[N, k]`` float32, expert ids ``[N, k]``)."""
+    logits = jnp.matmul(x.astype(jnp.float32), params["gate"].astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, expert_ids = jax.lax.top_k(probs, spec.top_k)
+    if spec.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, expert_ids
+
+
+def _routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
+    """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``."""
+    weights, expert_ids = route(params, spec, x)
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of = order // spec.top_k
+    group_sizes = jnp.bincount(flat_ids, length=spec.num_experts).astype(jnp.int32)
+    experts = params["experts"]
+    xs = x[token_of].astype(experts["gate_proj"].dtype)
+    gate = jax.lax.ragged_dot(xs, experts["gate_proj"], group_sizes)
+    up = jax.lax.ragged_dot(xs, experts["up_proj"], group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"], group_sizes)
+    ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_of].add(ys)
+    return out.astype(x.dtype)
+
+
+def sparse_moe(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
+    """The MoE block: routed experts plus ``sigmoid(shared_gate(x)) * shared_expert(x)``.
+
+    x ``[..., hidden]`` -> same shape and dtype.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    routed = _routed_experts(params, spec, flat)
+    shared = swiglu_mlp(params["shared_expert"], flat)
+    shared_gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], flat).astype(jnp.float32))
+    out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)
+    return out.astype(x.dtype).reshape(x.shape)

@@ -1,0 +1,366 @@
+"""The Qwen3-Next family (Qwen3NextForCausalLM): Gated DeltaNet + gated attention + MoE.
+
+Every layer is ``x = x + mixer(norm(x)); x = x + mlp(norm(x))`` with zero-centred RMSNorms
+(scale ``1 + w``); the mixer is a GDN layer (``layers/gdn.py``) or gated full attention with
+q/k norms and partial RoPE (``layers/attention.py``); the MLP is a sparse MoE with a shared
+expert (``layers/moe.py``) or a dense SwiGLU MLP. The optional MTP head (``mtp.*``) is one
+more attention decoder layer fed ``fc([norm(embed(next_token)), norm(hidden)])``.
+
+The module exposes the family contract of ``interface.py``: ``parse_config``,
+``load_params``, ``init_params``, ``forward``, ``reference_forward``, ``compute_logits``,
+``mtp_forward`` and ``compute_mtp_logits``.
+
+Params (HF module names, linears as in ``layers/mlp.linear``): ``{"embed_tokens": [V, H],
+"norm": [H], "lm_head": linear (absent when tied), "layers": [{"input_layernorm",
+"post_attention_layernorm", "linear_attn" | "self_attn", "mlp"}, ...], "mtp": {...}}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
+from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentOut, RecurrentState
+from lazyspec.models.layers.attention import (
+    AttentionSpec, attention_forward, attention_plan, attention_reference,
+)
+from lazyspec.models.layers.gdn import GDNSpec, gdn_mixer, gdn_plan
+from lazyspec.models.layers.mlp import (
+    Params, TensorSpec, init_plan, linear, linear_spec, load_plan, mlp_plan, swiglu_mlp,
+)
+from lazyspec.models.layers.moe import MoESpec, moe_plan, sparse_moe
+from lazyspec.models.layers.norms import rms_norm
+
+FAMILY = "qwen3_next"
+MODES = ("extend", "decode", "verify")
+BACKENDS = ("xla",)
+MTP_PROBE = "mtp.fc.weight"  # present in checkpoints that ship the MTP head
+_ROLES = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
+
+
+# ---------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class Qwen3NextArch:
+    """Qwen3-Next details beyond ModelConfig (``ModelConfig.arch``)."""
+
+    rms_norm_eps: float
+    attention: AttentionSpec
+    gdn: GDNSpec
+    moe: MoESpec | None  # None when num_experts == 0
+    intermediate_size: int  # dense MLP width
+    mlp_kinds: tuple[str, ...]  # "moe" | "dense" per layer
+    mtp_mlp_kind: str  # the MTP layer's MLP: "moe" whenever the model has experts
+
+
+def _layer_roles(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Roles from ``layer_types``, else transformers' ``full_attention_interval`` rule."""
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
+    unknown = sorted(set(types) - set(_ROLES))
+    if unknown:
+        raise ValueError(f"unknown layer_types {unknown}; expected {sorted(_ROLES)}")
+    return tuple(_ROLES[t] for t in types)
+
+
+def _mlp_kinds(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """"moe" unless in mlp_only_layers, off the decoder_sparse_step grid, or no experts."""
+    num_experts = int(require(hf, "num_experts", FAMILY))
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    step = int(hf.get("decoder_sparse_step", 1))
+    return tuple(
+        "moe" if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 else "dense"
+        for i in range(num_layers)
+    )
+
+
+def _rope(hf: dict[str, Any], head_dim: int) -> tuple[float, int]:
+    """(theta, rotary_dim) from ``rope_parameters`` or the older top-level fields."""
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r}; only 'default' is implemented")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    return theta, int(head_dim * factor)
+
+
+def _moe_spec(hf: dict[str, Any], hidden: int) -> MoESpec | None:
+    if int(require(hf, "num_experts", FAMILY)) == 0:
+        return None
+    return MoESpec(
+        hidden_size=hidden,
+        num_experts=int(hf["num_experts"]),
+        top_k=int(require(hf, "num_experts_per_tok", FAMILY)),
+        intermediate_size=int(require(hf, "moe_intermediate_size", FAMILY)),
+        shared_intermediate_size=int(require(hf, "shared_expert_intermediate_size", FAMILY)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+    )
+
+
+def parse_config(hf: dict[str, Any]) -> ModelConfig:
+    """A Qwen3-Next ``config.json`` dict -> ModelConfig; ValueError names a missing field."""
+    req = lambda key: require(hf, key, FAMILY)  # noqa: E731
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+        raise ValueError(f"unsupported hidden_act={hf.get('hidden_act')!r} / attention_bias")
+    hidden, num_layers = int(req("hidden_size")), int(req("num_hidden_layers"))
+    heads, kv_heads = int(req("num_attention_heads")), int(req("num_key_value_heads"))
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    eps = float(hf.get("rms_norm_eps", 1e-6))
+    theta, rotary_dim = _rope(hf, head_dim)
+    attention = AttentionSpec(heads, kv_heads, head_dim, rotary_dim, theta, qk_norm=True,
+                              zero_centered_qk_norm=True, output_gate=True, norm_eps=eps)
+    gdn = GDNSpec(hidden, int(req("linear_num_key_heads")), int(req("linear_num_value_heads")),
+                  int(req("linear_key_head_dim")), int(req("linear_value_head_dim")),
+                  int(hf.get("linear_conv_kernel_dim", 4)), eps)
+    if heads % kv_heads or gdn.num_v_heads % gdn.num_k_heads:
+        raise ValueError(f"head counts do not divide: {heads}/{kv_heads}, "
+                         f"{gdn.num_v_heads}/{gdn.num_k_heads}")
+    kinds = _mlp_kinds(hf, num_layers)
+    arch = Qwen3NextArch(
+        rms_norm_eps=eps, attention=attention, gdn=gdn, moe=_moe_spec(hf, hidden),
+        intermediate_size=int(req("intermediate_size")) if "dense" in kinds else 0,
+        mlp_kinds=kinds, mtp_mlp_kind="moe" if int(hf["num_experts"]) > 0 else "dense",
+    )
+    return ModelConfig(
+        family=FAMILY, vocab_size=int(req("vocab_size")), hidden_size=hidden,
+        layer_roles=_layer_roles(hf, num_layers), num_attention_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        conv_dim=gdn.conv_dim, conv_kernel=gdn.conv_kernel, ssm_heads=gdn.num_v_heads,
+        ssm_dim_a=gdn.head_k_dim, ssm_dim_b=gdn.head_v_dim, eos_token_ids=eos_ids(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0), arch=arch,
+    )
+
+
+# ---------------------------------------------------------------- checkpoint plans
+
+
+def _norm_spec(name: str, size: int) -> TensorSpec:
+    return TensorSpec(f"{name}.weight", (size,), init="zeros")  # zero-centred: scale 1 + w
+
+
+def _layer_plan(cfg: ModelConfig, prefix: str, recurrent: bool, mlp_kind: str) -> Params:
+    arch: Qwen3NextArch = cfg.arch
+    h = cfg.hidden_size
+    plan = {
+        "input_layernorm": _norm_spec(f"{prefix}.input_layernorm", h),
+        "post_attention_layernorm": _norm_spec(f"{prefix}.post_attention_layernorm", h),
+    }
+    if recurrent:
+        plan["linear_attn"] = gdn_plan(f"{prefix}.linear_attn", arch.gdn)
+    else:
+        plan["self_attn"] = attention_plan(f"{prefix}.self_attn", h, arch.attention)
+    if mlp_kind == "moe":
+        plan["mlp"] = moe_plan(f"{prefix}.mlp", arch.moe)
+    else:
+        plan["mlp"] = mlp_plan(f"{prefix}.mlp", h, arch.intermediate_size)
+    return plan
+
+
+def _mtp_plan(cfg: ModelConfig) -> Params:
+    h = cfg.hidden_size
+    return {
+        "pre_fc_norm_embedding": _norm_spec("mtp.pre_fc_norm_embedding", h),
+        "pre_fc_norm_hidden": _norm_spec("mtp.pre_fc_norm_hidden", h),
+        "fc": linear_spec("mtp.fc", 2 * h, h),
+        "layers": [
+            _layer_plan(cfg, f"mtp.layers.{j}", False, cfg.arch.mtp_mlp_kind)
+            for j in range(cfg.num_mtp_layers)
+        ],
+        "norm": _norm_spec("mtp.norm", h),
+    }
+
+
+def param_plan(cfg: ModelConfig, with_mtp: bool) -> Params:
+    """The checkpoint plan of the whole model (``mtp`` only when ``with_mtp``)."""
+    plan = {
+        "embed_tokens": TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
+        "norm": _norm_spec("model.norm", cfg.hidden_size),
+        "layers": [
+            _layer_plan(cfg, f"model.layers.{i}", role == RECURRENT, cfg.arch.mlp_kinds[i])
+            for i, role in enumerate(cfg.layer_roles)
+        ],
+    }
+    if not cfg.tie_word_embeddings:
+        plan["lm_head"] = linear_spec("lm_head", cfg.hidden_size, cfg.vocab_size)
+    if with_mtp:
+        plan["mtp"] = _mtp_plan(cfg)
+    return plan
+
+
+def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> Params:
+    """Params read tensor by tensor from a ``SafetensorsReader`` and cast to ``dtype``.
+
+    The MTP head is loaded when the config declares one and the checkpoint has it; the
+    result then holds ``"mtp"``. Missing or misshapen tensors raise ValueError.
+    """
+    with_mtp = cfg.has_mtp and MTP_PROBE in reader
+    return load_plan(param_plan(cfg, with_mtp), reader, dtype)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+    """Random params (normal(0, scale) matrices, HF-style norms and GDN gates)."""
+    return init_plan(param_plan(cfg, cfg.has_mtp), key, dtype, scale)
+
+
+# ---------------------------------------------------------------- forward passes
+
+
+def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
+
+
+def _mlp_block(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array) -> jax.Array:
+    """Residual MLP / MoE half of a decoder layer."""
+    h = _norm(x, lp["post_attention_layernorm"], cfg)
+    if kind == "moe":
+        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h)
+    return x + swiglu_mlp(lp["mlp"], h)
+
+
+def _attention_layer(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array,
+                     inputs: ForwardInputs, k_pool: jax.Array, v_pool: jax.Array):
+    """A full attention decoder layer over the pools: (x, k_pool, v_pool)."""
+    h, k_pool, v_pool = attention_forward(
+        lp["self_attn"], cfg.arch.attention, _norm(x, lp["input_layernorm"], cfg),
+        inputs.positions, inputs.num_new, inputs.kv_write_idx, inputs.kv_read_idx,
+        inputs.ctx_len, k_pool, v_pool,
+    )
+    return _mlp_block(lp, cfg, kind, x + h), k_pool, v_pool
+
+
+def _check_mode(mode: str, backend: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _recurrent_out(states: list, rec: RecurrentState, mode: str) -> RecurrentOut:
+    """Stack per-layer GDN states into the ``RecurrentOut`` the mode promises."""
+    if not states:
+        return RecurrentOut(final=rec, steps=None, chunks=None)
+    final = RecurrentState(jnp.stack([s.conv for s in states]), jnp.stack([s.ssm for s in states]))
+    trace = RecurrentState(
+        jnp.stack([s.conv_trace for s in states]), jnp.stack([s.ssm_trace for s in states])
+    )
+    return RecurrentOut(
+        final=final,
+        steps=trace if mode == "verify" else None,
+        chunks=trace if mode == "extend" else None,
+    )
+
+
+def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
+            rec: RecurrentState, *, mode: str, chunk_size: int = 64,
+            backend: str = "xla") -> tuple[jax.Array, KVPools, RecurrentOut]:
+    """The device contract of ``interface.py``: (hidden before the final norm, kv, states).
+
+    ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
+    ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
+    (``verify`` also fills ``RecurrentOut.steps``). Pure: returns new pools.
+    """
+    _check_mode(mode, backend)
+    form = "chunked" if mode == "extend" else "steps"
+    x = params["embed_tokens"][inputs.tokens]
+    k_pools, v_pools = list(kv.k), list(kv.v)
+    states, r, a = [], 0, 0
+    for i, role in enumerate(cfg.layer_roles):
+        lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
+        with jax.named_scope(f"layer_{i}"):
+            if role == RECURRENT:
+                h, st = gdn_mixer(
+                    lp["linear_attn"], cfg.arch.gdn, _norm(x, lp["input_layernorm"], cfg),
+                    rec.conv[r], rec.ssm[r], inputs.num_new, form=form, chunk_size=chunk_size,
+                )
+                states.append(st)
+                x, r = _mlp_block(lp, cfg, kind, x + h), r + 1
+            else:
+                x, k_pools[a], v_pools[a] = _attention_layer(
+                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
+                )
+                a += 1
+    return x, KVPools(k_pools, v_pools), _recurrent_out(states, rec, mode)
+
+
+def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Whole sequences ``[B, T]`` from empty states with no cache machinery at all.
+
+    Token-by-token GDN scans and dense causal attention. Returns the hidden stream before
+    the final norm ``[B, T, hidden]``.
+    """
+    batch, num_tokens = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(num_tokens), (batch, num_tokens))
+    num_new = jnp.full((batch,), num_tokens, jnp.int32)
+    gdn = cfg.arch.gdn
+    x = params["embed_tokens"][tokens]
+    for i, role in enumerate(cfg.layer_roles):
+        lp = params["layers"][i]
+        h = _norm(x, lp["input_layernorm"], cfg)
+        if role == RECURRENT:
+            conv0 = jnp.zeros((batch, gdn.conv_dim, gdn.conv_kernel - 1), jnp.float32)
+            ssm0 = jnp.zeros((batch, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), jnp.float32)
+            h, _ = gdn_mixer(lp["linear_attn"], gdn, h, conv0, ssm0, num_new, form="reference")
+        else:
+            h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
+        x = _mlp_block(lp, cfg, cfg.arch.mlp_kinds[i], x + h)
+    return x
+
+
+def _lm_head(params: Params, h: jax.Array) -> jax.Array:
+    if "lm_head" in params:
+        return linear(params["lm_head"], h).astype(jnp.float32)
+    embed = params["embed_tokens"]
+    return jnp.matmul(h.astype(embed.dtype), embed.T).astype(jnp.float32)
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final norm then lm_head (the embedding when tied): float32 ``[..., vocab]``."""
+    return _lm_head(params, _norm(hidden, params["norm"], cfg))
+
+
+def mtp_forward(params: Params, cfg: ModelConfig, hidden: jax.Array, next_tokens: jax.Array,
+                inputs: ForwardInputs, mtp_kv: KVPools, *, step: int = 0
+                ) -> tuple[jax.Array, KVPools]:
+    """The MTP draft layer: position t combines ``hidden[t]`` with ``next_tokens[t]``.
+
+    ``hidden`` is the target's stream before its final norm ``[B, T, H]``; the layer's
+    attention uses ``inputs`` (positions, KV indices) over its own pools ``mtp_kv`` (one per
+    MTP layer; layer ``step % num_mtp_layers`` runs). Returns (MTP hidden before
+    ``mtp.norm``, mtp_kv).
+    """
+    if "mtp" not in params:
+        raise ValueError("these params have no MTP head (checkpoint without mtp.* tensors)")
+    mp = params["mtp"]
+    layer = step % len(mp["layers"])
+    embeds = params["embed_tokens"][next_tokens]
+    combined = jnp.concatenate(
+        [_norm(embeds, mp["pre_fc_norm_embedding"], cfg),
+         _norm(hidden.astype(embeds.dtype), mp["pre_fc_norm_hidden"], cfg)], axis=-1
+    )
+    x = linear(mp["fc"], combined)
+    k_pools, v_pools = list(mtp_kv.k), list(mtp_kv.v)
+    with jax.named_scope("mtp_layer"):
+        x, k_pools[layer], v_pools[layer] = _attention_layer(
+            mp["layers"][layer], cfg, cfg.arch.mtp_mlp_kind, x, inputs,
+            k_pools[layer], v_pools[layer],
+        )
+    return x, KVPools(k_pools, v_pools)
+
+
+def compute_mtp_logits(params: Params, cfg: ModelConfig, mtp_hidden: jax.Array) -> jax.Array:
+    """``mtp.norm`` then the shared lm_head: float32 ``[..., vocab]``."""
+    return _lm_head(params, _norm(mtp_hidden, params["mtp"]["norm"], cfg))

@@ -1,0 +1,103 @@
+"""Qwen3-Next config.json parsing: layer roles, MLP kinds, state shapes, rope, errors."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_qwen import config_dict
+
+from lazyspec.models.config import ATTENTION, RECURRENT, load_model_config, parse_hf_config
+from lazyspec.models.qwen3_next import Qwen3NextArch
+
+
+def _base(**overrides):
+    config = config_dict("moe")
+    config.update(overrides)
+    return config
+
+
+def test_roles_and_state_shapes_follow_layer_types():
+    cfg = parse_hf_config(_base())
+    assert cfg.family == "qwen3_next"
+    assert cfg.layer_roles == (RECURRENT, RECURRENT, RECURRENT, ATTENTION)
+    assert cfg.recurrent_layer_ids == (0, 1, 2) and cfg.attention_layer_ids == (3,)
+    # GDN: Hk=2, Hv=4, d_k=8, d_v=16, K=4 -> conv_dim = 2*2*8 + 4*16
+    assert cfg.conv_state_shape == (2 * 2 * 8 + 4 * 16, 3)
+    assert cfg.ssm_state_shape == (4, 8, 16)
+    assert (cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert isinstance(cfg.arch, Qwen3NextArch)
+    assert cfg.arch.attention.rotary_dim == 4  # 16 * 0.25
+    assert cfg.eos_token_ids == (2,)
+    assert cfg.num_mtp_layers == 0 and not cfg.has_mtp
+
+
+def test_interval_rule_when_layer_types_absent():
+    config = _base(num_hidden_layers=6, full_attention_interval=3)
+    del config["layer_types"]
+    cfg = parse_hf_config(config)
+    assert cfg.layer_roles == (RECURRENT, RECURRENT, ATTENTION) * 2
+    del config["full_attention_interval"]  # transformers' default interval is 4
+    config["num_hidden_layers"] = 5
+    assert parse_hf_config(config).layer_roles == (RECURRENT,) * 3 + (ATTENTION, RECURRENT)
+
+
+def test_mlp_kinds():
+    lt = ["linear_attention"] * 6
+    kinds = parse_hf_config(_base(num_hidden_layers=6, layer_types=lt, mlp_only_layers=[0, 4],
+                                  decoder_sparse_step=2)).arch.mlp_kinds
+    assert kinds == ("dense", "moe", "dense", "moe", "dense", "moe")
+    dense = parse_hf_config(_base(num_experts=0)).arch
+    assert dense.mlp_kinds == ("dense",) * 4 and dense.moe is None
+    assert dense.mtp_mlp_kind == "dense"
+    moe = parse_hf_config(_base()).arch
+    assert moe.moe.num_experts == 4 and moe.moe.top_k == 2 and moe.mtp_mlp_kind == "moe"
+
+
+def test_rope_from_new_and_legacy_fields():
+    cfg = parse_hf_config(_base(rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                 "partial_rotary_factor": 0.5}))
+    assert cfg.arch.attention.rope_theta == 5e6 and cfg.arch.attention.rotary_dim == 8
+    legacy = _base(rope_theta=1e7, partial_rotary_factor=0.25, rope_scaling=None)
+    del legacy["rope_parameters"]
+    cfg = parse_hf_config(legacy)
+    assert cfg.arch.attention.rope_theta == 1e7 and cfg.arch.attention.rotary_dim == 4
+    with pytest.raises(ValueError, match="yarn"):
+        parse_hf_config(_base(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
+
+
+def test_mtp_layers_from_config():
+    assert parse_hf_config(_base(num_nextn_predict_layers=1)).num_mtp_layers == 1
+    assert parse_hf_config(_base(num_nextn_predict_layers=None)).num_mtp_layers == 0
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_key_value_heads", "linear_num_value_heads",
+                                   "linear_key_head_dim", "num_experts", "vocab_size"])
+def test_missing_field_is_named(field):
+    config = _base()
+    del config[field]
+    with pytest.raises(ValueError, match=field):
+        parse_hf_config(config)
+
+
+def test_moe_fields_required_only_with_experts():
+    config = _base()
+    del config["moe_intermediate_size"]
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        parse_hf_config(config)
+    config["num_experts"] = 0
+    assert parse_hf_config(config).arch.moe is None
+
+
+def test_bad_values_raise():
+    with pytest.raises(ValueError, match="layer_types"):
+        parse_hf_config(_base(layer_types=["linear_attention", "sliding_attention"] * 2))
+    with pytest.raises(ValueError, match="layer_types"):
+        parse_hf_config(_base(layer_types=["linear_attention"] * 3))
+    with pytest.raises(ValueError, match="hidden_act"):
+        parse_hf_config(_base(hidden_act="gelu"))
+
+
+def test_unknown_architecture(tmp_path):
+    with pytest.raises(ValueError, match="llama"):
+        parse_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(FileNotFoundError):
+        load_model_config(tmp_path)
