@@ -1,4 +1,4 @@
-"""Tiny random-weight models for engine tests (no torch needed) and their greedy oracle."""
+"""Tiny random-weight models (no torch needed) and their cache-free greedy oracle."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lazyspec.engine.engine import Engine
-from tests.engine.tiny_engine_models import tiny_model
+from lazyspec.testing.tiny_models import tiny_model
 
 INTERVAL = 64
 

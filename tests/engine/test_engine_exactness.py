@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lazyspec.engine.engine import Engine
-from tests.engine.tiny_engine_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 
 INTERVAL = 64
 NUM_NEW = (12, 20, 7, 16)
