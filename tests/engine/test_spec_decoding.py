@@ -1,0 +1,139 @@
+"""Speculative decoding (NEXTN, chain) on a hybrid model: exact against non-speculative
+greedy decoding for every strategy with overlap on and off, every accept length and
+crossing offset driven by a scripted draft head, and the checkpoint-boundary finish grid."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lazyspec.engine.engine import Engine
+from lazyspec.testing.scripted_drafter import make_script, scripted_model
+from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+
+SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+D = 4
+
+
+def _engine(model, strategy: str, overlap: bool, spec: bool, **kw) -> Engine:
+    return Engine(model=model, mamba_scheduler_strategy=strategy,
+                  disable_overlap_schedule=not overlap,
+                  mamba_track_interval=kw.pop("interval", 16), mamba_chunk_size=16,
+                  chunked_prefill_size=64, max_running_requests=kw.pop("max_running_requests", 4),
+                  max_total_tokens=4096, context_length=256, skip_warmup=True,
+                  **(SPEC if spec else {}), **kw)
+
+
+@pytest.fixture(scope="module")
+def batch_case():
+    model = tiny_model("qwen3_next")
+    rng = np.random.default_rng(5)
+    shared = list(rng.integers(3, 128, size=40))
+    prompts = [shared + list(rng.integers(3, 128, size=int(n))) for n in (3, 30, 17, 50, 9, 1)]
+    lengths = [10, 25, 6, 18, 12, 20]
+    want = [reference_greedy(model, p, n, pad_len=256)[0] for p, n in zip(prompts, lengths)]
+    return model, prompts, lengths, want
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_spec_batch_equals_greedy(batch_case, strategy, overlap):
+    model, prompts, lengths, want = batch_case
+    engine = _engine(model, strategy, overlap, spec=True)
+    reqs = [engine.add_request(input_ids=p, sampling_params={"max_new_tokens": n, "ignore_eos": True})
+            for p, n in zip(prompts, lengths)]
+    engine.run_until_done(reqs, check=Engine.check_integrity)
+    assert [r.output_ids for r in reqs] == want
+    assert all(r.spec_verify_ct > 0 for r in reqs)
+    assert engine.flush_cache()
+    assert engine.slot_allocator.num_free == engine.sizes.num_slots
+    assert engine.kv_allocator.num_free_pages == engine.sizes.num_pages
+
+
+@pytest.fixture(scope="module")
+def scripted_case():
+    model = tiny_model("qwen3_next")
+    rng = np.random.default_rng(7)
+    prompt = list(rng.integers(3, 128, size=37))
+    num_new = 90
+    greedy = reference_greedy(model, prompt, num_new, pad_len=256)[0]
+    return model, prompt, num_new, greedy
+
+
+def _crossing_offsets(prompt_len: int, accept_hist: list[int], interval: int) -> set[int]:
+    pre, offsets = prompt_len, set()
+    for n in accept_hist:
+        post = pre + n
+        if pre // interval != post // interval:
+            offsets.add((post // interval) * interval - pre - 1)
+        pre = post
+    return offsets
+
+
+@pytest.mark.parametrize("strategy,overlap,fail", [
+    ("extra_buffer", True, False), ("extra_buffer", False, False),
+    ("extra_buffer_lazy", True, False), ("extra_buffer_lazy", False, False),
+    ("extra_buffer_lazy", True, True),
+])
+def test_scripted_drafts_every_accept_length(scripted_case, strategy, overlap, fail):
+    model, prompt, num_new, greedy = scripted_case
+    script = make_script(prompt + greedy, 512, corrupt_prob=0.3, vocab=128, seed=3)
+    engine = _engine(scripted_model(model, script), strategy, overlap, spec=True,
+                     debug_fail_spare_alloc=fail)
+    req = engine.add_request(input_ids=prompt, sampling_params={"max_new_tokens": num_new,
+                                                                 "ignore_eos": True})
+    engine.run_until_done([req], check=Engine.check_integrity)
+    assert req.output_ids == greedy
+    assert set(req.accept_hist) == set(range(1, D + 1)), np.bincount(req.accept_hist)
+    assert _crossing_offsets(len(prompt), req.accept_hist, 16) == set(range(D))
+    # accept lengths never depend on the checkpoint strategy or on allocation failures
+    assert req.accept_hist == _ACCEPT.setdefault("hist", req.accept_hist)
+    turn2 = prompt + greedy[:60] + [9, 10, 11]
+    hit = engine.generate(input_ids=turn2, sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+    assert hit["meta_info"]["cached_tokens"] % 16 == 0 and hit["meta_info"]["cached_tokens"] > 0
+    assert hit["output_ids"] == reference_greedy(model, turn2, 6, pad_len=256)[0]
+
+
+_ACCEPT: dict[str, list[int]] = {}
+
+
+def test_no_buffer_with_spec_is_rejected():
+    with pytest.raises(ValueError, match="no_buffer"):
+        _engine(tiny_model("qwen3_next"), "no_buffer", False, spec=True)
+
+
+def test_spec_needs_mtp_head():
+    with pytest.raises(ValueError, match="MTP"):
+        _engine(tiny_model("nemotron_h"), "extra_buffer", True, spec=True)
+
+
+def _load_bench_boundary():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_boundary.py"
+    spec = importlib.util.spec_from_file_location("bench_boundary", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_boundary"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_boundary_finish_grid_small():
+    """The source document's grid, scaled down: prompt 100, I = 32, boundary 160."""
+    bench = _load_bench_boundary()
+    args = bench.parse_args(["--prompt-len", "100", "--interval", "32", "--chunk", "32",
+                             "--chunked-prefill", "64", "--boundary", "160", "--cont", "8",
+                             "--context", "256", "--offsets=-2,-1,0,1,2,16"])
+    cells = bench.run_grid(args)
+    assert len(cells) == 24
+    for c in cells:
+        assert c.identical == c.total, c
+        assert c.max_dlogprob <= 1e-3, c
+        if c.offset >= 16:
+            assert c.served == 160, c
+        elif c.spec:
+            assert c.served == (96 if c.exhausted else 128), c
+        else:
+            assert c.served in (96, 128, 160), c
