@@ -1,0 +1,6 @@
+"""The HTTP server: OpenAI-compatible and SGLang-native endpoints over the engine.
+
+``worker.EngineWorker`` owns the engine in one thread, ``app.create_app`` builds the FastAPI
+app, ``protocol`` parses requests, ``metrics`` exports Prometheus metrics. Launch with
+``python -m lazyspec.serve``.
+"""

@@ -1,0 +1,403 @@
+"""Request parsing for the OpenAI (/v1/completions, /v1/chat/completions) and SGLang
+(/generate) endpoints, and the text side of outputs.
+
+Every parser takes the decoded JSON body and returns a ``GenerationSpec`` (token-id prompts +
+validated sampling), or raises ``ApiError`` naming the offending field. Nothing here touches
+the engine. ``TextStream`` turns a growing list of token ids into text deltas that never
+split a UTF-8 character and never show any part of a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lazyspec.engine.request import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """An error answered to the client as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.code, self.error_type = code, error_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_context: int  # prompt + max new tokens, at most
+    model_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What every generation endpoint boils down to: one engine request per prompt."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    sampling: list[SamplingParams]
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool = False
+    logprobs: int | None = None  # None: off; else how many alternatives were asked for
+    echo: bool = False
+    batched: bool = False
+
+
+# ---------------------------------------------------------------- field readers
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or ApiError."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
+    try:  # JSON escapes can smuggle in unpaired surrogates, which no tokenizer accepts
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("the body holds a string that is not valid Unicode "
+                       "(an unpaired surrogate)") from None
+    return body
+
+
+def _integer(body: dict, name: str, default: int | None, low: int | None = None,
+             high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(f"{name}={value!r} must be an integer", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(f"{name}={value!r} must be in [{low}, {high}]", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(f"{name}={value!r} must be a finite number", param=name)
+    return float(value)
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name}={value!r} must be true or false", param=name)
+    return value
+
+
+def _stop_strings(body: dict, name: str = "stop") -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (not isinstance(items, list) or len(items) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in items)):
+        raise ApiError(f"{name}={value!r} must be a non-empty string or a list of at most "
+                       f"{MAX_STOP_STRINGS} non-empty strings", param=name)
+    return tuple(items)
+
+
+def _check_model(body: dict, limits: Limits) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if model not in limits.model_names:
+        raise ApiError(f"the model {model!r} does not exist; served: {list(limits.model_names)}",
+                       status=404, param="model", code="model_not_found")
+
+
+def _token_ids(value: list, limits: Limits, param: str) -> list[int]:
+    if not value:
+        raise ApiError("the prompt is empty", param=param)
+    for token in value:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise ApiError(f"token id {token!r} is not an integer", param=param)
+        if not 0 <= token < limits.vocab_size:
+            raise ApiError(f"token id {token} is outside the vocabulary [0, {limits.vocab_size})",
+                           param=param)
+    return list(value)
+
+
+def _encode(text: str, tokenizer: Any, param: str, special: bool = True) -> list[int]:
+    if tokenizer is None:
+        raise ApiError("this model has no tokenizer.json: send token ids", param=param)
+    ids = tokenizer.encode(text, add_special_tokens=special).ids
+    if not ids:
+        raise ApiError("the prompt is empty", param=param)
+    return list(ids)
+
+
+def parse_prompts(value: Any, tokenizer: Any, limits: Limits,
+                  param: str) -> tuple[list[list[int]], list[str | None], bool]:
+    """A text, a token-id list, or a list of either -> (id lists, texts, batched)."""
+    if isinstance(value, str):
+        if not value:
+            raise ApiError("the prompt is empty", param=param)
+        return [_encode(value, tokenizer, param)], [value], False
+    if not isinstance(value, list) or not value:
+        raise ApiError(f"{param} must be a non-empty string, token-id list, or a list of them",
+                       param=param)
+    if all(isinstance(v, str) for v in value):
+        if not all(value):
+            raise ApiError("the prompt is empty", param=param)
+        return [_encode(v, tokenizer, param) for v in value], list(value), True
+    if all(isinstance(v, list) for v in value):
+        return [_token_ids(v, limits, param) for v in value], [None] * len(value), True
+    return [_token_ids(value, limits, param)], [None], False
+
+
+def _sampling(body: dict, max_new: int | None, prompts: list[list[int]], limits: Limits,
+              max_param: str) -> list[SamplingParams]:
+    """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context."""
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    if temperature < 0:
+        raise ApiError(f"temperature={temperature} must be >= 0", param="temperature")
+    if not 0 < top_p <= 1:
+        raise ApiError(f"top_p={top_p} must be in (0, 1]", param="top_p")
+    top_k = _integer(body, "top_k", -1)
+    if top_k < 1 and top_k != -1:
+        raise ApiError(f"top_k={top_k} must be -1 (off) or >= 1", param="top_k")
+    seed = _integer(body, "seed", None)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise ApiError(f"stop_token_ids={stop_ids!r} must be a list of token ids",
+                       param="stop_token_ids")
+    stop_ids = _token_ids(stop_ids, limits, "stop_token_ids") if stop_ids else []
+    out = []
+    for ids in prompts:
+        room = limits.max_context - len(ids)
+        wanted = room if max_new is None else max_new
+        if wanted > room:
+            raise ApiError(f"prompt ({len(ids)} tokens) + {max_param} ({wanted}) exceeds the "
+                           f"context limit {limits.max_context}", param=max_param)
+        out.append(SamplingParams(max_new_tokens=wanted, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, ignore_eos=_boolean(body, "ignore_eos", False),
+                                  stop_token_ids=tuple(stop_ids), seed=seed))
+    return out
+
+
+def _unsupported(body: dict) -> None:
+    if _integer(body, "n", 1) != 1 or _integer(body, "best_of", 1) != 1:
+        raise ApiError("only n=1 (and best_of=1) is supported", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0) != 0.0:
+            raise ApiError(f"{name} is not supported (must be 0)", param=name)
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(f"stream_options={options!r} must be an object", param="stream_options")
+    return _boolean(options, "include_usage", False)
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
+    """POST /v1/completions."""
+    _check_model(body, limits)
+    _unsupported(body)
+    if "prompt" not in body:
+        raise ApiError("prompt is required", param="prompt")
+    prompts, texts, _ = parse_prompts(body["prompt"], tokenizer, limits, "prompt")
+    max_new = _integer(body, "max_tokens", 16, 1, limits.max_context)
+    return GenerationSpec(
+        prompts, texts, _sampling(body, max_new, prompts, limits, "max_tokens"),
+        _stop_strings(body), _boolean(body, "stream", False), _include_usage(body),
+        _integer(body, "logprobs", None, 0, MAX_LOGPROBS), _boolean(body, "echo", False))
+
+
+def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> GenerationSpec:
+    """POST /v1/chat/completions; ``template`` renders the messages (a ChatTemplate)."""
+    _check_model(body, limits)
+    _unsupported(body)
+    messages = parse_messages(body.get("messages"))
+    prompt = _encode(template.render(messages), tokenizer, "messages", special=False)
+    max_new = _integer(body, "max_completion_tokens", None, 1, limits.max_context)
+    if max_new is None:
+        max_new = _integer(body, "max_tokens", None, 1, limits.max_context)
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    want = _boolean(body, "logprobs", False)
+    if top is not None and not want:
+        raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+    return GenerationSpec(
+        [prompt], [None], _sampling(body, max_new, [prompt], limits, "max_tokens"),
+        _stop_strings(body), _boolean(body, "stream", False), _include_usage(body),
+        (top or 0) if want else None)
+
+
+def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
+    """POST /generate (SGLang): text or input_ids, sampling_params, stream, return_logprob."""
+    if (body.get("text") is None) == (body.get("input_ids") is None):
+        raise ApiError("give exactly one of text and input_ids", param="text")
+    param = "text" if body.get("text") is not None else "input_ids"
+    if param == "text" and not (isinstance(body["text"], str) or isinstance(body["text"], list)
+                                and all(isinstance(t, str) for t in body["text"])):
+        raise ApiError(f"text={body['text']!r} must be a string or a list of strings", param=param)
+    prompts, texts, batched = parse_prompts(body[param], tokenizer, limits, param)
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ApiError(f"sampling_params={params!r} must be an object", param="sampling_params")
+    known = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop",
+             "stop_token_ids", "seed", "skip_special_tokens", "no_stop_trim", "n"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
+    _unsupported(params)
+    max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
+    return GenerationSpec(
+        prompts, texts, _sampling(params, max_new, prompts, limits, "max_new_tokens"),
+        _stop_strings(params), _boolean(body, "stream", False),
+        logprobs=0 if _boolean(body, "return_logprob", False) else None, batched=batched)
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    """Chat messages -> [{"role", "content"}] with text content (parts joined)."""
+    if not isinstance(value, list) or not value:
+        raise ApiError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(f"messages[{i}] must be an object with a role in {list(ROLES)}",
+                           param="messages")
+        out.append({"role": message["role"], "content": _content(message.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise ApiError(f"messages[{i}].content must be a string or a list of text parts",
+                   param="messages")
+
+
+# ---------------------------------------------------------------- text output
+
+
+class TextStream:
+    """Incremental detokenization with stop strings. ``push`` returns the new text that is
+    safe to show: no incomplete UTF-8 tail, no prefix of a stop string; at the first stop
+    string the text is cut before it and ``stopped`` names it."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stopped: str | None = None
+
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        if self.stopped is not None or self.tokenizer is None:
+            return ""
+        self.token_ids.extend(token_ids)
+        full = self.tokenizer.decode(self.token_ids)
+        start = len(self.text)
+        cut = self._first_stop(full, max(0, start - self.hold))
+        if cut is not None:
+            end = cut
+        elif final:
+            end = len(full)
+        else:
+            end = len(full) - self.hold
+            while end > start and full[end - 1] == "\ufffd":
+                end -= 1
+        delta = full[start:end] if end > start else ""
+        self.text += delta
+        return delta
+
+    def _first_stop(self, full: str, search_from: int) -> int | None:
+        best = None
+        for s in self.stop:
+            at = full.find(s, search_from)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        self.stopped = best[1]
+        return max(best[0], len(self.text))
+
+
+class ChatTemplate:
+    """Renders chat messages with the model's jinja2 chat template (sandboxed, no
+    transformers), or as ``role: content`` lines ending in ``assistant:`` without one."""
+
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "") -> None:
+        self.source = source
+        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self._template = None
+        if source is not None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                                      indent=indent)
+            env.globals["raise_exception"] = _template_exception
+            self._template = env.from_string(source)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ChatTemplate":
+        """From ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``."""
+        folder = Path(folder)
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        jinja_path = folder / "chat_template.jinja"
+        if source is None and jinja_path.is_file():
+            source = jinja_path.read_text()
+        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         **self.specials)
+        except ApiError:
+            raise
+        except Exception as exc:  # a template error is the request's fault or the model's
+            raise ApiError(f"the chat template failed on these messages: {exc}",
+                           param="messages") from None
+
+
+def _template_exception(message: str) -> None:
+    raise ApiError(f"chat template: {message}", param="messages")
+
+
+def _token_text(token: Any) -> str:
+    if isinstance(token, dict):
+        return str(token.get("content", ""))
+    return token if isinstance(token, str) else ""
