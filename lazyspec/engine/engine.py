@@ -251,7 +251,9 @@ class Engine:
         assert total_slots == self.sizes.num_slots, (total_slots, self.sizes.num_slots)
 
     def get_server_info(self) -> dict:
-        hist = [n for r in self.scheduler.finished + self.scheduler.running for n in r.accept_hist]
+        sched = self.scheduler
+        steps, counts = sched.num_verify_steps, sched.accept_counts
+        mean_accept = float(np.dot(np.arange(len(counts)), counts) / steps) if steps else None
         info = dict(self.memory_plan)
         info.update({
             "num_running_requests": len(self.scheduler.running),
@@ -263,12 +265,15 @@ class Engine:
             "spare_alloc_failures": self.tracker.num_spare_failures,
             "speculative_algorithm": self.config.speculative_algorithm,
             "num_verify_tokens": self.config.num_verify_tokens,
-            "avg_accept_length": float(np.mean(hist)) if hist else None,
+            "num_verify_steps": steps,
+            "avg_accept_length": mean_accept,
+            "cache_hit_tokens": self.tree.stats.num_matched_tokens,
+            "cache_queried_tokens": self.tree.stats.num_queried_tokens,
         })
-        if hist and self.config.spec_enabled:
-            d = self.config.num_verify_tokens
-            arr = np.asarray(hist)
-            info["per_position_acceptance"] = [float(np.mean(arr > i + 1)) for i in range(d - 1)]
+        if steps and self.config.spec_enabled:
+            # fraction of verify steps that accepted the draft at position i (1-based)
+            info["per_position_acceptance"] = [
+                float(counts[i + 2:].sum() / steps) for i in range(len(counts) - 2)]
         return info
 
     def shutdown(self) -> None:

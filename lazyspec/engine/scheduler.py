@@ -64,7 +64,9 @@ class Scheduler:
         self.decode_buckets = decode_buckets
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.finished: list[Req] = []
+        # accept-length statistics (bounded: counters, not request lists)
+        self.num_verify_steps = 0
+        self.accept_counts = np.zeros(limits.num_verify + 1, np.int64)  # [k] = steps accepting k
         self.req_to_token = np.zeros((limits.max_reqs + 1, limits.context_len), np.int32)
         self.free_rows = list(range(limits.max_reqs, 0, -1))
         self.inflight: list[RowRecord] = []  # records of the launched, unprocessed step
@@ -228,6 +230,8 @@ class Scheduler:
             req.seq_len = pre + n
             req.spec_verify_ct += 1
             req.accept_hist.append(n)
+            self.num_verify_steps += 1
+            self.accept_counts[n] += 1
             tokens = [int(t) for t in results["tokens"][b, :n]]
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval
@@ -295,16 +299,24 @@ class Scheduler:
     # ------------------------------------------------------------------ finishing
 
     def abort(self, rid: str) -> bool:
+        """Drop a request; nothing of it enters the cache. False if it is unknown."""
+        return self._end(rid, {"type": "abort"})
+
+    def stop(self, rid: str, reason: dict[str, Any] | None = None) -> bool:
+        """Finish a request early (e.g. a stop string matched on the text side); its safe
+        checkpoint is cached as for any finish. False if it is unknown."""
+        return self._end(rid, reason or {"type": "stop"})
+
+    def _end(self, rid: str, reason: dict[str, Any]) -> bool:
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
                 req.phase = Phase.FINISHED
-                req.finish_reason = {"type": "abort"}
-                self.finished.append(req)
+                req.finish_reason = reason
                 return True
         for req in self.running:
             if req.rid == rid:
-                self._finish(req, {"type": "abort"})
+                self._finish(req, reason)
                 return True
         return False
 
@@ -314,7 +326,6 @@ class Scheduler:
             self.running.remove(req)
             self._release(req, insert=reason.get("type") != "abort")
         req.phase = Phase.FINISHED
-        self.finished.append(req)
 
     def _release(self, req: Req, insert: bool) -> None:
         """Return the request's slots and pages; donate its safe checkpoint to the tree."""

@@ -109,6 +109,10 @@ class EngineWorker:
         self._commands.put(("add", (submissions, loop, sink, time.perf_counter()), future))
         return future
 
+    def finish_early(self, rids: list[str]) -> None:
+        """Finish requests early (stop string matched) from any thread; they are cached."""
+        self._commands.put(("stop", list(rids), None))
+
     def abort(self, rids: list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their slots and pages free."""
         self._commands.put(("abort", list(rids), None))
@@ -156,6 +160,10 @@ class EngineWorker:
             elif kind == "abort":
                 for rid in payload:
                     self.engine.scheduler.abort(rid)
+                result = None
+            elif kind == "stop":
+                for rid in payload:
+                    self.engine.scheduler.stop(rid)
                 result = None
             elif kind == "call":
                 result = payload(self.engine)
@@ -319,11 +327,11 @@ class RequestGroup:
         return not self._open
 
     def finish(self, index: int) -> None:
-        """Stop request ``index`` early (a stop string matched): abort it in the engine."""
+        """Stop request ``index`` early (a stop string matched); its checkpoint is cached."""
         rid = self.submissions[index].rid
         if rid in self._open:
             self._open.discard(rid)
-            self.worker.abort([rid])
+            self.worker.finish_early([rid])
 
     def close(self) -> None:
         """Abort every request of the group that has not finished (client gone, error)."""
