@@ -52,8 +52,8 @@ def _engine(model, spec: bool, exhausted: bool, args) -> "Engine":
     kw = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.steps) if spec else {}
     return Engine(model=model, mamba_scheduler_strategy="extra_buffer_lazy",
                   mamba_track_interval=args.interval, mamba_chunk_size=args.chunk,
-                  chunked_prefill_size=args.chunked_prefill, max_running_requests=2,
-                  max_total_tokens=4 * args.context, context_length=args.context,
+                  chunked_prefill_size=args.chunked_prefill, max_running_requests=4,
+                  max_total_tokens=args.kv_tokens, context_length=args.context,
                   debug_fail_spare_alloc=exhausted, skip_warmup=True, **kw)
 
 
@@ -141,6 +141,7 @@ def parse_args(argv=None):
     p.add_argument("--cont", type=int, default=32, help="continuation tokens")
     p.add_argument("--steps", type=int, default=3, help="speculative_num_steps (D = steps + 1)")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--kv-tokens", type=int, default=8192, help="max_total_tokens")
     p.add_argument("--drafter", choices=("scripted", "mtp"), default="scripted")
     p.add_argument("--corrupt", type=float, default=0.3, help="scripted drafter corruption rate")
     p.add_argument("--seed", type=int, default=0)

@@ -67,7 +67,9 @@ class Engine:
         c = self.config
         slots_per_req = 1 + c.checkpoint_slots_per_request
         max_running = c.max_running_requests or 16
-        num_slots = c.max_mamba_cache_size or max_running * (slots_per_req + 2)
+        # default pool: room for extra_buffer's 3 pinned slots per request plus as many
+        # cached checkpoints again (independent of the strategy, so shapes are shared)
+        num_slots = c.max_mamba_cache_size or max_running * 6
         cap = num_slots // (slots_per_req + (1 if c.strategy == "extra_buffer_lazy" else 0))
         if cap < max_running:
             logger.warning("max_running_requests capped from %d to %d by %d state slots "
@@ -83,7 +85,7 @@ class Engine:
                                num_draft_positions=max(1, c.num_verify_tokens - 1))
         static = StepStatic(num_slots=num_slots, max_reqs=max_running,
                             num_kv_rows=(num_pages + 1) * c.page_size,
-                            chunk_size=c.mamba_chunk_size, track_interval=c.mamba_track_interval,
+                            chunk_size=c.mamba_chunk_size,
                             num_verify=c.num_verify_tokens, spec=c.spec_enabled, backend=backend)
         self.runner = Runner(self.model, self.sizes, static, c.dtype, c.mamba_ssm_dtype)
         self.kv_allocator = KVAllocator(num_pages, c.page_size)
@@ -135,7 +137,8 @@ class Engine:
                 arrays = _extend_arrays(rows, length, sizes.context_len, sizes.num_slots, sizes.max_reqs)
                 self.runner.fetch(self.runner.launch("extend", arrays))
         for rows in self.decode_buckets:
-            arrays = _decode_arrays(rows, sizes.context_len, sizes.num_slots, sizes.max_reqs)
+            arrays = _decode_arrays(rows, sizes.context_len, sizes.num_slots, sizes.max_reqs,
+                                    self.config.mamba_track_interval)
             self.runner.fetch(self.runner.launch("decode", arrays))
 
     # ------------------------------------------------------------------ requests

@@ -182,7 +182,7 @@ class Scheduler:
     def _plan_decode(self, reqs: list[Req]) -> StepPlan:
         rows = bucket(len(reqs), self.decode_buckets)
         a = _decode_arrays(rows, self.limits.context_len, self.tracker.slots.num_slots,
-                           self.limits.max_reqs)
+                           self.limits.max_reqs, self.tracker.interval)
         records = []
         for b, req in enumerate(reqs):
             record = self.tracker.plan_decode(req)
@@ -373,9 +373,10 @@ def _extend_arrays(rows: int, length: int, ctx: int, num_slots: int, max_reqs: i
     return a
 
 
-def _decode_arrays(rows: int, ctx: int, num_slots: int, max_reqs: int):
+def _decode_arrays(rows: int, ctx: int, num_slots: int, max_reqs: int, interval: int):
     sentinel_slot = num_slots + 1
     a = {
+        "track_interval": np.asarray(interval, np.int32),
         "req_row": np.full(rows, max_reqs + 1, np.int32),
         "kv_read_idx": np.zeros((rows, ctx), np.int32),
         "working_slot": np.full(rows, sentinel_slot, np.int32),

@@ -70,6 +70,7 @@ class DecodeBatch:
     kv_read_idx: jax.Array  # [B, C]
     working_slot: jax.Array  # [B] (sentinel = padding)
     track_slot: jax.Array  # [B] checkpoint target if a boundary is crossed (sentinel = none)
+    track_interval: jax.Array  # [] int32, mamba_track_interval (traced: no recompile per value)
     sampling: SamplingArrays
 
 
@@ -81,7 +82,6 @@ class StepStatic:
     max_reqs: int  # sentinel request row = max_reqs + 1
     num_kv_rows: int  # sentinel KV row = num_kv_rows
     chunk_size: int
-    track_interval: int
     num_verify: int  # D
     spec: bool
     backend: str
@@ -210,7 +210,7 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
     out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)
     logprobs = token_logprobs(logits, out_tokens)
     # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
-    interval = static.track_interval
+    interval = batch.track_interval
     post = pre + accept_len
     crossed = real & (pre // interval != post // interval)
     t_cross = (post // interval) * interval - pre - 1

@@ -19,7 +19,7 @@ INTERVAL = 64
 def _engine(strategy: str, overlap: bool = True, **kw) -> Engine:
     return Engine(model=tiny_model(), mamba_scheduler_strategy=strategy,
                   disable_overlap_schedule=not overlap, mamba_track_interval=INTERVAL,
-                  chunked_prefill_size=128, max_running_requests=4, max_total_tokens=4096,
+                  chunked_prefill_size=128, max_running_requests=4, max_total_tokens=8192,
                   context_length=512, skip_warmup=kw.pop("skip_warmup", True), **kw)
 
 

@@ -123,9 +123,10 @@ def _load_bench_boundary():
 def test_boundary_finish_grid_small():
     """The source document's grid, scaled down: prompt 100, I = 32, boundary 160."""
     bench = _load_bench_boundary()
-    args = bench.parse_args(["--prompt-len", "100", "--interval", "32", "--chunk", "32",
+    args = bench.parse_args(["--prompt-len", "100", "--interval", "32", "--chunk", "16",
                              "--chunked-prefill", "64", "--boundary", "160", "--cont", "8",
-                             "--context", "256", "--offsets=-2,-1,0,1,2,16"])
+                             "--context", "256", "--kv-tokens", "4096",
+                             "--offsets=-2,-1,0,1,2,16"])
     cells = bench.run_grid(args)
     assert len(cells) == 24
     for c in cells:
