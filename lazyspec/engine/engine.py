@@ -129,15 +129,15 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every bucket shape now, so serving compiles nothing new."""
-        from lazyspec.engine.scheduler import _decode_arrays, _extend_arrays
+        from lazyspec.engine.batch import decode_arrays, extend_arrays
 
         sizes = self.sizes
         for rows in self.extend_buckets[0]:
             for length in self.extend_buckets[1]:
-                arrays = _extend_arrays(rows, length, sizes.context_len, sizes.num_slots, sizes.max_reqs)
+                arrays = extend_arrays(rows, length, sizes.context_len, sizes.num_slots, sizes.max_reqs)
                 self.runner.fetch(self.runner.launch("extend", arrays))
         for rows in self.decode_buckets:
-            arrays = _decode_arrays(rows, sizes.context_len, sizes.num_slots, sizes.max_reqs,
+            arrays = decode_arrays(rows, sizes.context_len, sizes.num_slots, sizes.max_reqs,
                                     self.config.mamba_track_interval)
             self.runner.fetch(self.runner.launch("decode", arrays))
 

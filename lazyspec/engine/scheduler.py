@@ -9,7 +9,6 @@ consults the in-flight plan before donating anything to the tree.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator
+from lazyspec.engine.batch import decode_arrays, extend_arrays, fill_sampling
 from lazyspec.engine.request import NO_SLOT, Phase, Req
 from lazyspec.engine.tracking import CheckpointTracker, RowRecord
 
@@ -151,7 +151,7 @@ class Scheduler:
             pieces.append((req, req.fill_len, num_new))
         rows = bucket(len(pieces), self.extend_row_buckets)
         length = bucket(max(n for _, _, n in pieces), self.extend_len_buckets)
-        a = _extend_arrays(rows, length, self.limits.context_len, self.tracker.slots.num_slots,
+        a = extend_arrays(rows, length, self.limits.context_len, self.tracker.slots.num_slots,
                            self.limits.max_reqs)
         records = []
         for b, (req, start, num_new) in enumerate(pieces):
@@ -171,7 +171,7 @@ class Scheduler:
             a["is_last_chunk"][b] = is_last
             if not is_last:
                 a["next_token"][b] = req.fill_ids[start + num_new]
-            _fill_sampling(a, b, req)
+            fill_sampling(a, b, req)
             req.fill_len = start + num_new
             req.state_src_slot = req.working_slot  # later chunks continue from it
             if is_last:
@@ -181,7 +181,7 @@ class Scheduler:
 
     def _plan_decode(self, reqs: list[Req]) -> StepPlan:
         rows = bucket(len(reqs), self.decode_buckets)
-        a = _decode_arrays(rows, self.limits.context_len, self.tracker.slots.num_slots,
+        a = decode_arrays(rows, self.limits.context_len, self.tracker.slots.num_slots,
                            self.limits.max_reqs, self.tracker.interval)
         records = []
         for b, req in enumerate(reqs):
@@ -192,7 +192,7 @@ class Scheduler:
             a["working_slot"][b] = req.working_slot
             if record.target_slot != NO_SLOT:
                 a["track_slot"][b] = record.target_slot
-            _fill_sampling(a, b, req)
+            fill_sampling(a, b, req)
             req.inflight_decode += 1
         return StepPlan("decode", records, a)
 
@@ -352,52 +352,3 @@ class Scheduler:
         self.tree.dec_lock(req.prefix_node)
         self.free_rows.append(req.req_row)
         req.working_slot = req.keep_slot = req.spare_slot = NO_SLOT
-
-
-def _extend_arrays(rows: int, length: int, ctx: int, num_slots: int, max_reqs: int):
-    sentinel_slot = num_slots + 1
-    a = {
-        "req_row": np.full(rows, max_reqs + 1, np.int32),
-        "tokens": np.zeros((rows, length), np.int32),
-        "start_pos": np.zeros(rows, np.int32),
-        "num_new": np.zeros(rows, np.int32),
-        "kv_read_idx": np.zeros((rows, ctx), np.int32),
-        "state_src_slot": np.zeros(rows, np.int32),
-        "working_slot": np.full(rows, sentinel_slot, np.int32),
-        "track_slot": np.full(rows, sentinel_slot, np.int32),
-        "track_chunk": np.zeros(rows, np.int32),
-        "is_last_chunk": np.zeros(rows, bool),
-        "next_token": np.zeros(rows, np.int32),
-    }
-    a.update(_sampling_arrays(rows))
-    return a
-
-
-def _decode_arrays(rows: int, ctx: int, num_slots: int, max_reqs: int, interval: int):
-    sentinel_slot = num_slots + 1
-    a = {
-        "track_interval": np.asarray(interval, np.int32),
-        "req_row": np.full(rows, max_reqs + 1, np.int32),
-        "kv_read_idx": np.zeros((rows, ctx), np.int32),
-        "working_slot": np.full(rows, sentinel_slot, np.int32),
-        "track_slot": np.full(rows, sentinel_slot, np.int32),
-    }
-    a.update(_sampling_arrays(rows))
-    return a
-
-
-def _sampling_arrays(rows: int) -> dict[str, np.ndarray]:
-    return {
-        "temperature": np.zeros(rows, np.float32),
-        "top_p": np.ones(rows, np.float32),
-        "top_k": np.full(rows, -1, np.int32),
-        "seed": np.zeros(rows, np.uint32),
-    }
-
-
-def _fill_sampling(a: dict[str, np.ndarray], b: int, req: Req) -> None:
-    a["temperature"][b] = req.sampling.temperature
-    a["top_p"][b] = req.sampling.top_p
-    a["top_k"][b] = req.sampling.top_k
-    seed = req.sampling.seed if req.sampling.seed is not None else zlib.crc32(req.rid.encode())
-    a["seed"][b] = np.uint32(seed & 0xFFFFFFFF)
