@@ -79,7 +79,9 @@ class Engine:
         context = c.context_length or min(cfg.max_position_embeddings, c.max_total_tokens)
         context = -(-context // c.page_size) * c.page_size
         num_pages = -(-c.max_total_tokens // c.page_size)
-        backend = c.kernel_backend or "xla"
+        from lazyspec.kernels.backend import resolve_backend
+
+        backend = resolve_backend(c.kernel_backend)  # pallas on GPU/TPU, xla on CPU
         self.sizes = PoolSizes(num_slots=num_slots, max_reqs=max_running, num_pages=num_pages,
                                page_size=c.page_size, context_len=context,
                                num_draft_positions=max(1, c.num_verify_tokens - 1))

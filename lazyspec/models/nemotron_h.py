@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 FAMILY = "nemotron_h"
 MODES = ("extend", "decode", "verify")
-BACKENDS = ("xla",)
+BACKENDS = ("xla", "pallas")
 
 # Block names of layers_block_type and of the legacy hybrid_override_pattern characters.
 _BLOCK_KINDS = {
@@ -440,7 +440,8 @@ def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
     def mamba_fn(mixer, x):
         r = len(states)
         out, state = mamba2_mixer(mixer, arch.mamba, x, rec.conv[r], rec.ssm[r],
-                                  inputs.num_new, form=form, chunk_size=chunk_size)
+                                  inputs.num_new, form=form, chunk_size=chunk_size,
+                                  backend=backend)
         states.append(state)
         return out
 

@@ -37,7 +37,7 @@ from lazyspec.models.layers.norms import rms_norm
 
 FAMILY = "qwen3_next"
 MODES = ("extend", "decode", "verify")
-BACKENDS = ("xla",)
+BACKENDS = ("xla", "pallas")
 MTP_PROBE = "mtp.fc.weight"  # present in checkpoints that ship the MTP head
 _ROLES = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
 
@@ -271,7 +271,8 @@ def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools
 
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
     ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
-    (``verify`` also fills ``RecurrentOut.steps``). Pure: returns new pools.
+    (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in the Pallas
+    kernel when ``backend="pallas"``. Pure: returns new pools.
     """
     _check_mode(mode, backend)
     form = "chunked" if mode == "extend" else "steps"
@@ -285,6 +286,7 @@ def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools
                 h, st = gdn_mixer(
                     lp["linear_attn"], cfg.arch.gdn, _norm(x, lp["input_layernorm"], cfg),
                     rec.conv[r], rec.ssm[r], inputs.num_new, form=form, chunk_size=chunk_size,
+                    backend=backend,
                 )
                 states.append(st)
                 x, r = _mlp_block(lp, cfg, kind, x + h), r + 1

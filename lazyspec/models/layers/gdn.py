@@ -134,6 +134,19 @@ def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
+def _mix_steps_pallas(params, spec, mixed, a, b, conv0, ssm0, num_new):
+    """T-step form with the state update in the Pallas kernel (conv stays in jnp)."""
+    from lazyspec.models.layers.state_kernels import gdn_tokens, pallas_steps
+
+    valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
+    conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, params["conv1d"], None, ok))
+    conv_out, conv_final, conv_trace = conv(conv0, mixed, valid)
+    q, k, v = _heads(spec, conv_out)
+    g, beta = _gates(params, a, b)
+    outs, ssm_final, ssm_trace = pallas_steps(ssm0, gdn_tokens(q, k, v, g, beta, num_new), num_new)
+    return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
+
+
 def _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size):
     """Chunked form over rows; traces hold the state after every full chunk."""
     conv = jax.vmap(lambda w, x, n: conv_chunked(w, x, params["conv1d"], None, n, chunk_size))
@@ -155,6 +168,7 @@ def gdn_mixer(
     *,
     form: str,
     chunk_size: int = 64,
+    backend: str = "xla",
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
@@ -167,6 +181,8 @@ def gdn_mixer(
     mixed, z, b, a = _project(params, spec, x)
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)
+    elif backend == "pallas":
+        outs, states = _mix_steps_pallas(params, spec, mixed, a, b, conv0, ssm0, num_new)
     else:
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
     outs = gated_rms_norm(outs.astype(x.dtype), z, params["norm"], spec.norm_eps)

@@ -166,9 +166,23 @@ def _row_steps(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.A
 _ROW_FORMS = {"reference": _row_reference, "chunked": _row_chunked, "steps": _row_steps}
 
 
+def _steps_pallas(dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_new):
+    """T-step form with the SSM update in the Pallas kernel (conv stays in jnp)."""
+    from lazyspec.models.layers.state_kernels import mamba2_tokens, pallas_steps
+
+    valid = jnp.arange(xbc.shape[1])[None, :] < num_new[:, None]
+    conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, rec.conv_weight, rec.conv_bias, ok))
+    conv_out, conv_final, conv_trace = conv(conv0, xbc, valid)
+    x, b, c = split_xbc(dims, conv_out)
+    tokens = mamba2_tokens(x, b, c, dt, rec.a, rec.d, num_new)
+    y, ssm_final, ssm_trace = pallas_steps(ssm0, tokens, num_new)
+    return y, conv_final, ssm_final, conv_trace, ssm_trace
+
+
 def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.Array,
                  ssm0: jax.Array, num_new: jax.Array, *, form: str,
-                 chunk_size: int = DEFAULT_CHUNK) -> tuple[jax.Array, MixerStates]:
+                 chunk_size: int = DEFAULT_CHUNK,
+                 backend: str = "xla") -> tuple[jax.Array, MixerStates]:
     """Run the mixer over B rows of T tokens; row b's real tokens are ``hidden[b, :num_new[b]]``.
 
     ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] are the states before the tokens.
@@ -192,9 +206,13 @@ def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.A
     def row(conv_row, ssm_row, xbc_row, dt_row, count):
         return row_fn(dims, rec, conv_row, ssm_row, xbc_row, dt_row, count, chunk_size)
 
-    y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(
-        conv0, ssm0, xbc, dt, num_new
-    )
+    if backend == "pallas" and form == "steps":
+        y, conv_final, ssm_final, conv_trace, ssm_trace = _steps_pallas(
+            dims, rec, conv0, ssm0, xbc, dt, num_new)
+    else:
+        y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(
+            conv0, ssm0, xbc, dt, num_new
+        )
     y = y.reshape(y.shape[:2] + (dims.intermediate_size,))
     group_size = dims.intermediate_size // dims.n_groups
     normed = gated_rms_norm(
