@@ -271,6 +271,7 @@ class Engine:
             "speculative_algorithm": self.config.speculative_algorithm,
             "num_verify_tokens": self.config.num_verify_tokens,
             "num_verify_steps": steps,
+            "num_compiled_programs": self.runner.num_compiled(),
             "avg_accept_length": mean_accept,
             "cache_hit_tokens": self.tree.stats.num_matched_tokens,
             "cache_queried_tokens": self.tree.stats.num_queried_tokens,
