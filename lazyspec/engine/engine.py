@@ -17,6 +17,7 @@ from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
 from lazyspec.engine.request import Req, SamplingParams
 from lazyspec.engine.runner import PoolSizes, Runner
+from lazyspec.engine.sampling import TOP_LOGPROBS
 from lazyspec.engine.scheduler import Scheduler, SchedulerLimits
 from lazyspec.engine.steps import StepStatic
 from lazyspec.engine.tracking import CheckpointTracker
@@ -206,7 +207,7 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False) -> dict | list[dict]:
+                 return_logprob: bool = False, top_logprobs_num: int = 0) -> dict | list[dict]:
         batched = isinstance(prompt, list) or (input_ids is not None and input_ids
                                                 and isinstance(input_ids[0], list))
         prompts = prompt if isinstance(prompt, list) else [prompt]
@@ -217,11 +218,13 @@ class Engine:
                                  prompt=prompts[i] if prompt is not None else None,
                                  sampling_params=params[i], return_logprob=return_logprob)
                 for i in range(count)]
+        if not 0 <= top_logprobs_num <= TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
         self.run_until_done(reqs)
-        results = [self.result(r) for r in reqs]
+        results = [self.result(r, top_logprobs_num) for r in reqs]
         return results if batched else results[0]
 
-    def result(self, req: Req) -> dict:
+    def result(self, req: Req, top_logprobs_num: int = 0) -> dict:
         meta = {
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
@@ -232,6 +235,9 @@ class Engine:
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
+            if top_logprobs_num:
+                meta["output_top_logprobs"] = [top[:top_logprobs_num]
+                                               for top in req.output_top_logprobs]
         text = ""
         if self.model.tokenizer is not None:
             text = self.model.tokenizer.decode(req.output_ids)

@@ -70,6 +70,7 @@ class Req:
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     finish_reason: dict[str, Any] | None = None
     # resources

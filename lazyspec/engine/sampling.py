@@ -108,6 +108,16 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
     return tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
 
 
+TOP_LOGPROBS = 5  # alternatives returned per position (top_logprobs_num <= this)
+
+
+def top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The TOP_LOGPROBS most likely tokens per position: (logprobs, ids), each [..., K]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(logp, TOP_LOGPROBS)
+    return values, ids.astype(jnp.int32)
+
+
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """log softmax(logits)[token] per position (raw logits, temperature 1); [B, T]."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -216,7 +216,8 @@ class Scheduler:
                 if req.sampling.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0})
                     continue
-                self._append(req, [int(results["token"][b])], [float(results["logprob"][b])])
+                self._append(req, [int(results["token"][b])], [float(results["logprob"][b])],
+                             [_top(results, b, None)])
 
     def _process_decode(self, plan: StepPlan, results) -> None:
         interval = self.tracker.interval
@@ -236,7 +237,8 @@ class Scheduler:
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval
             self.tracker.settle_decode(record, bool(results["crossed"][b]), boundary, finishing)
-            self._append(req, tokens, [float(x) for x in results["logprobs"][b, :n]])
+            self._append(req, tokens, [float(x) for x in results["logprobs"][b, :n]],
+                         [_top(results, b, i) for i in range(n)])
 
     def _would_finish(self, req: Req, tokens: list[int]) -> bool:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
@@ -249,10 +251,13 @@ class Scheduler:
             return True
         return not req.sampling.ignore_eos and token in self.limits.eos_ids
 
-    def _append(self, req: Req, tokens: list[int], logprobs: list[float]) -> None:
-        for token, logprob in zip(tokens, logprobs):
+    def _append(self, req: Req, tokens: list[int], logprobs: list[float],
+                tops: list[list[tuple[float, int]]]) -> None:
+        for token, logprob, top in zip(tokens, logprobs, tops):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
+            if req.return_logprob:
+                req.output_top_logprobs.append(top)
             if self._is_stop(req, token):
                 kind = "stop"
                 self._finish(req, {"type": kind, "matched": token})
@@ -352,3 +357,10 @@ class Scheduler:
         self.tree.dec_lock(req.prefix_node)
         self.free_rows.append(req.req_row)
         req.working_slot = req.keep_slot = req.spare_slot = NO_SLOT
+
+
+def _top(results: dict[str, np.ndarray], b: int, i: int | None) -> list[tuple[float, int]]:
+    """The step's top-k (logprob, token id) pairs of row b (position i of a decode step)."""
+    values = results["top_logprobs"][b] if i is None else results["top_logprobs"][b, i]
+    ids = results["top_ids"][b] if i is None else results["top_ids"][b, i]
+    return [(float(v), int(t)) for v, t in zip(values, ids)]

@@ -29,6 +29,7 @@ from lazyspec.engine.sampling import (
     sample_from,
     target_probs,
     token_logprobs,
+    top_logprobs,
     verify_and_sample,
 )
 from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
@@ -152,7 +153,8 @@ def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
         drafts = drafts.at[done_row].set(new_drafts, mode="drop")
     new_pools = Pools(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, seq_len=seq_len,
                       last_token=last_token, drafts=drafts)
-    outputs = {"token": token, "logprob": logprob}
+    top_values, top_ids = top_logprobs(logits[:, 0])
+    outputs = {"token": token, "logprob": logprob, "top_logprobs": top_values, "top_ids": top_ids}
     return outputs, new_pools
 
 
@@ -239,6 +241,8 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
         new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
     new_pools = Pools(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, seq_len=seq_len,
                       last_token=last_token, drafts=new_drafts)
+    top_values, top_ids = top_logprobs(logits)
     outputs = {"tokens": out_tokens, "accept_len": accept_len, "logprobs": logprobs,
+               "top_logprobs": top_values, "top_ids": top_ids,
                "crossed": crossed, "pre": pre}
     return outputs, new_pools

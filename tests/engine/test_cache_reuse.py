@@ -79,6 +79,30 @@ def test_forced_failure_changes_checkpoint_not_output(finish_offset, expected_hi
     assert results[False][2] == expected_hit
 
 
+def test_top_logprobs_match_the_reference_distribution():
+    model = tiny_model()
+    rng = np.random.default_rng(4)
+    prompt = list(rng.integers(3, 128, size=30))
+    engine = _engine("extra_buffer")
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 3, "ignore_eos": True},
+                          return_logprob=True, top_logprobs_num=3)
+    from lazyspec.models import reference_logits
+
+    ids = prompt + out["output_ids"]
+    logits = reference_logits(model, ids)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    for i, top in enumerate(out["meta_info"]["output_top_logprobs"]):
+        row = logp[len(prompt) - 1 + i]
+        want = np.argsort(-row)[:3]
+        assert [t for _, t in top] == list(want)
+        assert np.allclose([v for v, _ in top], row[want], atol=1e-4)
+        assert top[0][1] == out["output_ids"][i]  # greedy picks the most likely token
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1},
+                        return_logprob=True, top_logprobs_num=9)
+
+
 def test_zero_recompiles_after_warmup():
     engine = _engine("extra_buffer_lazy", skip_warmup=False)
     compiled = engine.runner.num_compiled()
