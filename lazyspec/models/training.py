@@ -3,7 +3,10 @@
 The forward runs whole sequences ``[B, T]`` from empty states with no cache machinery: the
 chunked GDN form (``layers/gdn.py``, form ``"chunked"``) and dense causal attention. It
 computes the same function as ``qwen3_next.reference_forward`` (the token-by-token oracle),
-only faster, and is differentiable end to end.
+only faster, and is differentiable end to end. ``gdn_form="scan"`` runs the token-by-token
+GDN instead: on jaxlib 0.10's CPU backend two concurrent batched triangular solves (the
+chunked form issues two per layer) can deadlock the 2-thread intra-op pool (LAPACK batches
+are fanned out to the same pool and waited on), so CPU training runs use the scan.
 
 The MTP loss trains the head exactly as the engine runs it (``qwen3_next.mtp_forward``):
 the head's input at position t combines the target's hidden stream at t (before the final
@@ -29,6 +32,7 @@ from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.qwen3_next import compute_logits, compute_mtp_logits
 
 DEFAULT_MTP_WEIGHT = 0.3
+GDN_FORMS = {"chunked": "chunked", "scan": "reference"}  # training name -> gdn_mixer form
 # Leaves kept in float32 under mixed precision: the embedding (so the residual stream stays
 # float32) and the small conv taps; every other matrix is cast for the matmuls.
 _KEEP_FP32 = ("embed_tokens", "conv1d")
@@ -62,22 +66,25 @@ def _mlp_half(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array) -> jax.Arra
     return x + swiglu_mlp(lp["mlp"], h)
 
 
-def _gdn_full(lp: Params, cfg: ModelConfig, h: jax.Array, chunk_size: int) -> jax.Array:
-    """A GDN mixer over whole rows from zero states (chunked form)."""
+def _gdn_full(lp: Params, cfg: ModelConfig, h: jax.Array, gdn_form: str,
+              chunk_size: int) -> jax.Array:
+    """A GDN mixer over whole rows from zero states."""
     gdn = cfg.arch.gdn
     batch, num_tokens = h.shape[:2]
     conv0 = jnp.zeros((batch, gdn.conv_dim, gdn.conv_kernel - 1), jnp.float32)
     ssm0 = jnp.zeros((batch, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), jnp.float32)
     num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    out, _ = gdn_mixer(lp, gdn, h, conv0, ssm0, num_new, form="chunked", chunk_size=chunk_size)
+    out, _ = gdn_mixer(lp, gdn, h, conv0, ssm0, num_new, form=GDN_FORMS[gdn_form],
+                       chunk_size=chunk_size)
     return out
 
 
 def _decoder_layer(lp: Params, cfg: ModelConfig, kind: str, recurrent: bool, x: jax.Array,
-                   positions: jax.Array, chunk_size: int) -> jax.Array:
+                   positions: jax.Array, gdn_form: str = "chunked",
+                   chunk_size: int = 64) -> jax.Array:
     h = _norm(x, lp["input_layernorm"], cfg)
     if recurrent:
-        h = _gdn_full(lp["linear_attn"], cfg, h, chunk_size)
+        h = _gdn_full(lp["linear_attn"], cfg, h, gdn_form, chunk_size)
     else:
         h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
     return _mlp_half(lp, cfg, kind, x + h)
@@ -89,19 +96,22 @@ def _positions(tokens: jax.Array) -> jax.Array:
 
 
 def training_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
-                     chunk_size: int = 64) -> jax.Array:
+                     gdn_form: str = "chunked", chunk_size: int = 64) -> jax.Array:
     """Hidden stream before the final norm ``[B, T, hidden]`` of whole sequences ``[B, T]``.
 
-    Equals ``qwen3_next.reference_forward`` (same params, same tokens); pure.
+    Equals ``qwen3_next.reference_forward`` (same params, same tokens) with either
+    ``gdn_form`` ("chunked" or "scan"); pure.
     """
     if cfg.family != "qwen3_next":
         raise ValueError(f"training_forward supports qwen3_next models, got {cfg.family!r}")
+    if gdn_form not in GDN_FORMS:
+        raise ValueError(f"unknown gdn_form {gdn_form!r}; expected one of {sorted(GDN_FORMS)}")
     positions = _positions(tokens)
     x = params["embed_tokens"][tokens]
     for i, role in enumerate(cfg.layer_roles):
         with jax.named_scope(f"layer_{i}"):
             x = _decoder_layer(params["layers"][i], cfg, cfg.arch.mlp_kinds[i],
-                               role == RECURRENT, x, positions, chunk_size)
+                               role == RECURRENT, x, positions, gdn_form, chunk_size)
     return x
 
 
@@ -130,7 +140,7 @@ def mtp_training_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array,
     x = linear(mp["fc"], combined)
     with jax.named_scope("mtp_layer"):
         return _decoder_layer(mp["layers"][0], cfg, cfg.arch.mtp_mlp_kind, False, x,
-                              _positions(tokens), chunk_size=64)
+                              _positions(tokens))
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -157,7 +167,7 @@ def mtp_loss(params: Params, cfg: ModelConfig, hidden: jax.Array,
 
 def total_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
                mtp_weight: float = DEFAULT_MTP_WEIGHT, compute_dtype: Any = None,
-               chunk_size: int = 64) -> tuple[jax.Array, dict[str, jax.Array]]:
+               gdn_form: str = "chunked") -> tuple[jax.Array, dict[str, jax.Array]]:
     """``lm + mtp_weight * mtp`` and the parts ``{"loss", "lm", "mtp"}``.
 
     With ``compute_dtype`` the matmuls run in that dtype (``cast_for_compute``); params
@@ -166,7 +176,7 @@ def total_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
     if tokens.shape[1] < 3:
         raise ValueError(f"sequences need at least 3 tokens for the MTP loss, got {tokens.shape}")
     run = params if compute_dtype is None else cast_for_compute(params, compute_dtype)
-    hidden = training_forward(run, cfg, tokens, chunk_size=chunk_size)
+    hidden = training_forward(run, cfg, tokens, gdn_form=gdn_form)
     lm = lm_loss(run, cfg, hidden, tokens)
     mtp = mtp_loss(run, cfg, hidden, tokens) if "mtp" in run else jnp.zeros((), jnp.float32)
     loss = lm + mtp_weight * mtp
@@ -198,7 +208,8 @@ def make_optimizer(learning_rate: float, num_steps: int, *, warmup_steps: int = 
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
-                    mtp_weight: float = DEFAULT_MTP_WEIGHT, compute_dtype: Any = None):
+                    mtp_weight: float = DEFAULT_MTP_WEIGHT, compute_dtype: Any = None,
+                    gdn_form: str = "chunked"):
     """A jitted ``(params, opt_state, tokens) -> (params, opt_state, metrics)``.
 
     ``params`` and ``opt_state`` are donated; ``metrics`` holds the loss parts and the
@@ -208,7 +219,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
     def step(params, opt_state, tokens):
         grad_fn = jax.value_and_grad(total_loss, has_aux=True)
         (_, metrics), grads = grad_fn(params, cfg, tokens, mtp_weight=mtp_weight,
-                                      compute_dtype=compute_dtype)
+                                      compute_dtype=compute_dtype, gdn_form=gdn_form)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads))
@@ -217,12 +228,12 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
 
 
 def make_eval_step(cfg: ModelConfig, *, mtp_weight: float = DEFAULT_MTP_WEIGHT,
-                   compute_dtype: Any = None):
+                   compute_dtype: Any = None, gdn_form: str = "chunked"):
     """A jitted ``(params, tokens) -> metrics`` (the loss parts, no update)."""
 
     def step(params, tokens):
         return total_loss(params, cfg, tokens, mtp_weight=mtp_weight,
-                          compute_dtype=compute_dtype)[1]
+                          compute_dtype=compute_dtype, gdn_form=gdn_form)[1]
 
     return jax.jit(step)
 
@@ -234,7 +245,8 @@ def sample_windows(tokens: np.ndarray, num_windows: int, seq_len: int,
                    rng: np.random.Generator) -> np.ndarray:
     """``num_windows`` random windows ``[num_windows, seq_len]`` (int32) of a token stream."""
     if tokens.size < seq_len:
-        raise ValueError(f"the token stream ({tokens.size} tokens) is shorter than seq_len={seq_len}")
+        raise ValueError(f"the token stream ({tokens.size} tokens) is shorter than "
+                         f"seq_len={seq_len}")
     starts = rng.integers(0, tokens.size - seq_len + 1, num_windows)
     return tokens[starts[:, None] + np.arange(seq_len)].astype(np.int32)
 
