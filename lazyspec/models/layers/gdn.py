@@ -123,14 +123,20 @@ def _gates(params: Params, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.A
     return -jnp.exp(a_log) * dt, jax.nn.sigmoid(b.astype(jnp.float32))
 
 
-def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
-    """Token-by-token form over rows; traces hold the state after every token."""
-    valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
+def _conv_tokens(params, spec, mixed, a, b, conv0, valid):
+    """Token-by-token conv, then the recurrence inputs: ((q, k, v, g, beta), conv final, trace)."""
     conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, params["conv1d"], None, ok))
     conv_out, conv_final, conv_trace = conv(conv0, mixed, valid)
     q, k, v = _heads(spec, conv_out)
     g, beta = _gates(params, a, b)
-    outs, ssm_final, ssm_trace = jax.vmap(gdn_scan)(ssm0, q, k, v, g, beta, valid)
+    return (q, k, v, g, beta), conv_final, conv_trace
+
+
+def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
+    """Token-by-token form over rows; traces hold the state after every token."""
+    valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
+    tokens, conv_final, conv_trace = _conv_tokens(params, spec, mixed, a, b, conv0, valid)
+    outs, ssm_final, ssm_trace = jax.vmap(gdn_scan)(ssm0, *tokens, valid)
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
@@ -139,11 +145,8 @@ def _mix_steps_pallas(params, spec, mixed, a, b, conv0, ssm0, num_new):
     from lazyspec.models.layers.state_kernels import gdn_tokens, pallas_steps
 
     valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
-    conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, params["conv1d"], None, ok))
-    conv_out, conv_final, conv_trace = conv(conv0, mixed, valid)
-    q, k, v = _heads(spec, conv_out)
-    g, beta = _gates(params, a, b)
-    outs, ssm_final, ssm_trace = pallas_steps(ssm0, gdn_tokens(q, k, v, g, beta, num_new), num_new)
+    tokens, conv_final, conv_trace = _conv_tokens(params, spec, mixed, a, b, conv0, valid)
+    outs, ssm_final, ssm_trace = pallas_steps(ssm0, gdn_tokens(*tokens, num_new), num_new)
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
