@@ -76,13 +76,14 @@ def gdn_chunked(
     strict = decay * (1.0 - jnp.eye(chunk_size, dtype=f32))
     system = jnp.eye(chunk_size, dtype=f32) + beta[..., :, None] * kk * strict
 
-    def solve(rhs: jax.Array) -> jax.Array:
-        return jax.lax.linalg.triangular_solve(
-            system, rhs, left_side=True, lower=True, unit_diagonal=True
-        )
-
-    u_base = solve(beta[..., None] * v)  # [N, H, C, d_v]
-    w = solve((beta * jnp.exp(cum))[..., None] * k)  # [N, H, C, d_k]
+    # One solve over both right-hand sides: jaxlib's CPU backend can deadlock when two
+    # independent batched triangular solves run concurrently on a small thread pool.
+    d_v = v.shape[-1]
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(
+        system, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+    u_base, w = solved[..., :d_v], solved[..., d_v:]  # [N, H, C, d_v], [N, H, C, d_k]
     qk = jnp.einsum("nhtd,nhsd->nhts", q, k, precision=HIGHEST) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(diff[..., -1, :])[..., None]  # exp(G_C - G_t)
