@@ -26,10 +26,8 @@ import optax
 from lazyspec.models.config import RECURRENT, ModelConfig
 from lazyspec.models.layers.attention import attention_reference
 from lazyspec.models.layers.gdn import gdn_mixer
-from lazyspec.models.layers.mlp import Params, linear, swiglu_mlp
-from lazyspec.models.layers.moe import sparse_moe
-from lazyspec.models.layers.norms import rms_norm
-from lazyspec.models.qwen3_next import compute_logits, compute_mtp_logits
+from lazyspec.models.layers.mlp import Params, linear
+from lazyspec.models.qwen3_next import _mlp_block, _norm, compute_logits, compute_mtp_logits
 
 DEFAULT_MTP_WEIGHT = 0.3
 GDN_FORMS = {"chunked": "chunked", "scan": "reference"}  # training name -> gdn_mixer form
@@ -54,18 +52,6 @@ def cast_for_compute(params: Params, dtype: Any) -> Params:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
-
-
-def _mlp_half(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array) -> jax.Array:
-    """Residual MLP (dense SwiGLU or sparse MoE) half of a decoder layer."""
-    h = _norm(x, lp["post_attention_layernorm"], cfg)
-    if kind == "moe":
-        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h)
-    return x + swiglu_mlp(lp["mlp"], h)
-
-
 def _gdn_full(lp: Params, cfg: ModelConfig, h: jax.Array, gdn_form: str,
               chunk_size: int) -> jax.Array:
     """A GDN mixer over whole rows from zero states."""
@@ -87,7 +73,7 @@ def _decoder_layer(lp: Params, cfg: ModelConfig, kind: str, recurrent: bool, x: 
         h = _gdn_full(lp["linear_attn"], cfg, h, gdn_form, chunk_size)
     else:
         h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
-    return _mlp_half(lp, cfg, kind, x + h)
+    return _mlp_block(lp, cfg, kind, x + h)
 
 
 def _positions(tokens: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ import pytest
 
 from lazyspec.kernels import backend, recurrence
 from lazyspec.kernels import conv_update as cu
+from tests.kernels.kernel_checks import assert_close, draw_slots
 
 pytestmark = pytest.mark.pallas
 
@@ -16,24 +17,6 @@ FP32_TOL = 1e-5
 # bf16 x and windows are upcast exactly; a bf16 output is the float32 result rounded once:
 # half a bf16 ulp, at most 2**-8 of the value, apart.
 BF16_OUT_TOL = 2.0**-8
-
-
-def assert_close(actual, expected, tol: float, what: str) -> None:
-    """Every element finite (unwritten outputs stay NaN in interpret mode) and within tol."""
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    assert actual.shape == expected.shape, what
-    assert np.isfinite(actual).all(), f"{what}: {np.sum(~np.isfinite(actual))} non-finite"
-    scale = float(np.abs(expected).max())
-    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
-
-
-def draw_slots(rng, batch: int, num_slots: int) -> np.ndarray:
-    """Distinct real slots, with padding rows (slot 0) at random positions (at least one)."""
-    slot = rng.choice(np.arange(1, num_slots + 1), size=batch, replace=False)
-    padding = rng.random(batch) < 0.3
-    padding[rng.integers(batch)] = True
-    return np.where(padding, 0, slot).astype(np.int32)
 
 
 def conv_case(rng, batch, tokens, channels, kernel, num_slots, pool_dtype, x_dtype, with_bias):
