@@ -1,9 +1,10 @@
 """Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates.
 
-``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPU and TPU and "xla" on
-CPU (where Pallas only runs in interpret mode, which is for tests). The dispatch functions
-have the contracts of the functions they call (``state_update``, ``conv_update``,
-``state_scatter`` modules); tile sizes are passed through to Pallas and ignored by XLA.
+``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
+(where Pallas only runs in interpret mode, which is for tests) and on TPU (untested there).
+The dispatch functions have the contracts of the functions they call (``state_update``,
+``conv_update``, ``state_scatter`` modules); tile sizes are passed through to Pallas and
+ignored by XLA.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ from lazyspec.kernels.state_update import (
 
 KernelBackend = Literal["pallas", "xla"]
 KERNEL_BACKENDS: tuple[str, ...] = ("pallas", "xla")
-_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 _TRITON_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def default_backend(platform: str | None = None) -> str:
-    """"pallas" on a GPU/TPU platform, else "xla" (platform defaults to JAX's default)."""
+    """"pallas" on a GPU platform, else "xla" (platform defaults to JAX's default). TPU
+    defaults to "xla" too: the kernels index a whole-array pool ref, which Mosaic TPU would
+    stage into VMEM, and no TPU run has been made (``kernel_backend="pallas"`` still asks
+    for them)."""
     platform = jax.default_backend() if platform is None else platform
-    return "pallas" if platform in _ACCELERATORS else "xla"
+    return "pallas" if platform in _TRITON_PLATFORMS else "xla"
 
 
 def resolve_backend(name: str | None, platform: str | None = None) -> str:
@@ -57,28 +60,44 @@ def pallas_compiler_params(platform: str | None = None, num_warps: int = 4,
     return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _pallas_options(interpret: bool, compiler_params: Any) -> dict[str, Any]:
+# Value tile and warps per program of the state update, per mixer: the fastest measured on an
+# H200 at the model shapes (BENCHMARKS.md, "Recurrent-state kernels"). A tile that does not
+# divide a model's axis falls back to the whole axis.
+DEFAULT_STATE_TILES = {"gdn": {"block_value": 64, "num_warps": 4},
+                       "mamba2": {"block_value": 16, "num_warps": 4}}
+
+
+def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -> dict[str, Any]:
     if interpret:
         return {"interpret": True, "compiler_params": None}
-    params = pallas_compiler_params() if compiler_params is None else compiler_params
-    return {"interpret": False, "compiler_params": params}
+    if compiler_params is None:
+        compiler_params = pallas_compiler_params(num_warps=num_warps)
+    return {"interpret": False, "compiler_params": compiler_params}
 
 
 def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tokens, *,
                  mode: str, kernel_backend: str | None = None, block_heads: int = 1,
                  block_value: int | None = None, interpret: bool = False,
                  compiler_params: Any = None) -> StateUpdateResult:
-    """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend."""
+    """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
+    ``block_value=None`` and ``compiler_params=None`` take ``DEFAULT_STATE_TILES``."""
     if isinstance(tokens, GdnTokens):
-        pallas_fn, xla_fn = gdn_state_update_pallas, gdn_state_update_xla
+        pallas_fn, xla_fn, mixer = gdn_state_update_pallas, gdn_state_update_xla, "gdn"
+        value_dim = tokens.v.shape[-1]
     elif isinstance(tokens, Mamba2Tokens):
-        pallas_fn, xla_fn = mamba2_state_update_pallas, mamba2_state_update_xla
+        pallas_fn, xla_fn, mixer = mamba2_state_update_pallas, mamba2_state_update_xla, "mamba2"
+        value_dim = tokens.x.shape[-1]
     else:
         raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
     if resolve_backend(kernel_backend) == "xla":
         return xla_fn(pool, slot, tokens, mode=mode)
+    tiles = DEFAULT_STATE_TILES[mixer]
+    if block_value is None:
+        preferred = tiles["block_value"]
+        block_value = preferred if value_dim % preferred == 0 else value_dim
     return pallas_fn(pool, slot, tokens, mode=mode, block_heads=block_heads,
-                     block_value=block_value, **_pallas_options(interpret, compiler_params))
+                     block_value=block_value,
+                     **_pallas_options(interpret, compiler_params, tiles["num_warps"]))
 
 
 def conv_update(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,

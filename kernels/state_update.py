@@ -191,11 +191,11 @@ def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens,
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
 
-    def kernel(*refs):
+    def gdn_update(*refs):  # the kernel's name in profiles
         _gdn_kernel(*refs, mode=mode, block_heads=bh, block_value=bv)
 
     return _run_update(
-        kernel, mode, pool, (batch, num_heads // bh, value_dim // bv),
+        gdn_update, mode, pool, (batch, num_heads // bh, value_dim // bv),
         [whole(), keys, keys, values, per_head, per_head, whole()],
         (slot, tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool), tokens.v, values,
         (None, num_tokens, bh, key_dim, bv), lambda b, i, j: (b, 0, i, 0, j), interpret,
@@ -266,12 +266,12 @@ def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2T
     groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, j: (b, 0, 0, 0))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
 
-    def kernel(*refs):
+    def mamba2_update(*refs):  # the kernel's name in profiles
         _mamba2_kernel(*refs, mode=mode, block_heads=bh, block_value=bp,
                        heads_per_group=per_group)
 
     return _run_update(
-        kernel, mode, pool, (batch, num_heads // bh, head_dim // bp),
+        mamba2_update, mode, pool, (batch, num_heads // bh, head_dim // bp),
         [whole(), values, groups, groups, per_head, whole(), whole(), whole()],
         (slot, tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d, pool), tokens.x,
         values, (None, num_tokens, bh, bp, state_dim), lambda b, i, j: (b, 0, i, j, 0),

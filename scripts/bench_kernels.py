@@ -1,12 +1,15 @@
-"""Benchmark the recurrent-state kernels (Pallas vs XLA) and write a markdown table.
+"""Benchmark the recurrent-state kernels (Pallas vs XLA vs peers) and write a markdown table.
 
 Per kernel, model shape, batch B and token count T (T = 1: decode, in-place pool write;
 T > 1: verify, state after every token to scratch) it first checks the Pallas result against
-the XLA form (vmapped ``recurrence`` scans, float32 dots) on the device, then times both:
-median of many calls after warm-up, each ended by ``block_until_ready``, in-place pools
-donated. It reports the bytes that must move (state read once and written once per written
-step, plus inputs and outputs), achieved GB/s, and that as a fraction of the copy bandwidth
-measured in the same run (``x + 1`` over a large float32 array).
+the XLA form (vmapped ``recurrence`` scans, float32 dots) on the device, every output
+element, then times both. Device time per call is the difference of the median times of
+chains of 2 and 10 launches inside one jitted program (``chain_seconds``), so dispatch,
+launch and sync costs cancel; call i of a chain uses slot set i % 8 of a pool of at least
+512 MiB, so the L2 holds no state between calls. It reports the bytes that must move (state
+read once and written once per written step, plus inputs and outputs), achieved GB/s, and
+that as a fraction of the copy bandwidth measured in the same run (the larger of torch's
+device-to-device ``copy_`` and XLA's ``x + 1``).
 
     python scripts/bench_kernels.py --out bench.md           # on a GPU
     python scripts/bench_kernels.py --smoke --out smoke.md   # CPU: tiny shapes, interpret
@@ -14,17 +17,19 @@ measured in the same run (``x + 1`` over a large float32 array).
 Shapes: Qwen3-Next-80B GDN at TP1 (32 value heads, d_k = d_v = 128, conv 8192 channels) and
 Nemotron-H-8B Mamba2 (128 heads, head dim 64, state 128, 8 groups, conv 10240 channels;
 from its published config). The scatter runs over 4 layers (time scales with layers).
-flash-linear-attention's ``fused_recurrent_gated_delta_rule`` and mamba_ssm's
-``selective_state_update`` are timed when they import. A failing case prints its error and
+Peers, timed when they import (each in a child process, over CUDA graphs of the same
+chains): flash-linear-attention's ``fused_recurrent_gated_delta_rule`` (``fla-core``) and
+mamba_ssm's ``selective_state_update`` (T = 1 only). A failing case prints its error and
 the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import dataclasses
+import importlib.util
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -69,13 +74,13 @@ def models(smoke: bool) -> list[Model]:
                       ({"block_channels": 8},), ({"block_rows": 8, "block_channels": 8},)),
                 Model("tiny-mamba2", "mamba2", 4, 8, 16, 2, 40, ({"block_value": 4},),
                       ({"block_channels": 8},), ({"block_rows": 4, "block_channels": 8},))]
-    conv = ({"block_channels": 256}, {"block_channels": 1024})
-    scatter = ({"block_rows": 32, "block_channels": 1024},
-               {"block_rows": 8, "block_channels": 2048})
+    conv = ({"block_channels": 256},)
+    scatter = ({"block_rows": 8, "block_channels": 2048},)
+    gdn, mamba2 = backend.DEFAULT_STATE_TILES["gdn"], backend.DEFAULT_STATE_TILES["mamba2"]
     return [Model("qwen3-next-80b", "gdn", 32, 128, 128, 1, 8192,
-                  ({"block_value": 32}, {"block_value": 64}), conv, scatter),
+                  (gdn, {"block_value": 32, "num_warps": 4}), conv, scatter),
             Model("nemotron-h-8b", "mamba2", 128, 64, 128, 8, 10240,
-                  ({"block_value": 16}, {"block_value": 32}), conv, scatter)]
+                  (mamba2, {"block_value": 32, "num_warps": 8}), conv, scatter)]
 
 
 @dataclasses.dataclass
@@ -89,6 +94,9 @@ class Bench:
     make_args: Callable[[], tuple]
     fn: Callable[[str, dict], Callable]
     thread: dict
+    slot_arg: int  # the argument holding the slot (or destination) vector
+    slot_sets: jax.Array  # [R, B]: call i of a timed chain uses slot_sets[i % R]
+    reference: tuple | None = None  # the XLA form's outputs on make_args(), once computed
 
 
 def log(message: str) -> None:
@@ -103,22 +111,34 @@ def normal(key, shape, dtype=jnp.float32, scale=1.0):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def slots_for(key, batch: int) -> tuple[int, jax.Array]:
-    num_slots = 2 * batch + 1
-    return num_slots, (jax.random.permutation(key, num_slots)[:batch] + 1).astype(jnp.int32)
+POOL_BYTES = 1 << 29  # pools of at least 512 MiB (~8x the H200's L2) for timed chains
+SLOT_SETS = 8
+
+
+def slots_for(key, batch: int, slot_bytes: int, smoke: bool = False) -> tuple[int, jax.Array]:
+    """(number of slots, [SLOT_SETS, batch] distinct non-null slot sets). The pool holds at
+    least 2 * batch + 1 slots and POOL_BYTES, so consecutive calls of a timed chain touch
+    different slots and the pool does not fit in the L2."""
+    num_slots = 2 * batch + 1 if smoke else max(2 * batch + 1, -(-POOL_BYTES // slot_bytes))
+    keys = jax.random.split(key, SLOT_SETS)
+    sets = [jax.random.permutation(k, num_slots)[:batch] + 1 for k in keys]
+    return num_slots, jnp.stack(sets).astype(jnp.int32)
 
 
 def pallas_options(interpret: bool, tiles: dict) -> dict:
     tiles = dict(tiles)
-    warps = tiles.pop("num_warps", 4)
-    params = None if interpret else backend.pallas_compiler_params(num_warps=warps)
+    warps, stages = tiles.pop("num_warps", 4), tiles.pop("num_stages", 1)
+    params = None if interpret else backend.pallas_compiler_params(num_warps=warps,
+                                                                   num_stages=stages)
     return {**tiles, "interpret": interpret, "compiler_params": params}
 
 
-def state_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
+def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     mode = "decode" if tokens == 1 else "verify"
     keys = jax.random.split(jax.random.key(batch * 10 + tokens), 8)
-    num_slots, slot = slots_for(keys[0], batch)
+    state_bytes = model.heads * model.d_a * model.d_b * 4
+    num_slots, slot_sets = slots_for(keys[0], batch, state_bytes, opts.smoke)
+    slot, interpret = slot_sets[0], opts.interpret
     shape, bf16 = (batch, tokens, model.heads), jnp.bfloat16
     if model.mixer == "gdn":
         unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
@@ -138,7 +158,6 @@ def state_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench
         pallas, xla, out = (state_update.mamba2_state_update_pallas,
                             state_update.mamba2_state_update_xla, tokens_in.x)
     pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
-    state_bytes = model.heads * model.d_a * model.d_b * 4
     moved = batch * state_bytes * (1 + tokens) + nbytes(slot, out, *jax.tree.leaves(tokens_in))
 
     def fn(impl, tiles):
@@ -151,16 +170,18 @@ def state_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench
         return run
 
     make = lambda: (normal(keys[7], pool_shape, scale=0.1), slot, tokens_in)  # noqa: E731
-    return Bench(model.mixer, moved, make, fn, {1: 0} if mode == "decode" else {})
+    return Bench(model.mixer, moved, make, fn, {1: 0} if mode == "decode" else {}, 1,
+                 slot_sets)
 
 
-def conv_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
+def conv_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     mode = "decode" if tokens == 1 else "verify"
     keys = jax.random.split(jax.random.key(batch * 10 + tokens + 1), 5)
-    num_slots, slot = slots_for(keys[0], batch)
+    window_bytes = model.channels * 3 * 2
+    num_slots, slot_sets = slots_for(keys[0], batch, window_bytes, opts.smoke)
+    slot, interpret = slot_sets[0], opts.interpret
     x = normal(keys[1], (batch, tokens, model.channels), jnp.bfloat16)
     weight, bias = normal(keys[2], (model.channels, 4)), normal(keys[3], (model.channels,))
-    window_bytes = model.channels * 3 * 2
     moved = batch * window_bytes * (1 + tokens) + 2 * nbytes(x) + nbytes(slot, weight, bias)
 
     def fn(impl, tiles):
@@ -175,15 +196,17 @@ def conv_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
 
     pool_shape = (num_slots + 1, model.channels, 3)
     make = lambda: (normal(keys[4], pool_shape, jnp.bfloat16), slot, x, weight, bias)  # noqa: E731
-    return Bench("conv", moved, make, fn, {1: 0} if mode == "decode" else {})
+    return Bench("conv", moved, make, fn, {1: 0} if mode == "decode" else {}, 1, slot_sets)
 
 
-def scatter_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Bench:
+def scatter_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     keys = jax.random.split(jax.random.key(batch * 10 + tokens + 2), 6)
-    num_slots, dst = slots_for(keys[0], batch)
-    step = jax.random.randint(keys[1], (batch,), 0, tokens).astype(jnp.int32)
     state, conv = (model.heads, model.d_a, model.d_b), (model.channels, 3)
-    layers = SCATTER_LAYERS
+    layers, interpret = SCATTER_LAYERS, opts.interpret
+    slot_bytes = layers * (np.prod(state) * 4 + np.prod(conv) * 2)
+    num_slots, dst_sets = slots_for(keys[0], batch, int(slot_bytes), opts.smoke)
+    dst = dst_sets[0]
+    step = jax.random.randint(keys[1], (batch,), 0, tokens).astype(jnp.int32)
     moved = 2 * batch * layers * (np.prod(state) * 4 + np.prod(conv) * 2)
 
     def make():
@@ -198,22 +221,38 @@ def scatter_bench(model: Model, batch: int, tokens: int, interpret: bool) -> Ben
         return lambda *args: state_scatter.state_scatter_pallas(
             *args, **pallas_options(interpret, tiles))
 
-    return Bench("scatter", int(moved), make, fn, {0: 0, 1: 1})
+    return Bench("scatter", int(moved), make, fn, {0: 0, 1: 1}, 4, dst_sets)
 
 
 def check(bench: Bench, tiles: dict) -> str:
     """Worst error of the Pallas outputs vs the XLA form, each relative to that output's max;
-    "MISMATCH" past 1e-2 for bf16 outputs (one rounding) or 1e-4 for float32 states/pools."""
+    "MISMATCH" past 1e-2 for bf16 outputs (one rounding) or 1e-4 for float32 states/pools.
+    The XLA result is computed once per bench (the inputs are the same for every call)."""
     args = bench.make_args()
     got = jax.jit(bench.fn("pallas", tiles))(*args)
-    want = jax.jit(bench.fn("xla", {}))(*args)
+    if bench.reference is None:
+        bench.reference = jax.jit(bench.fn("xla", {}))(*bench.make_args())
     worst, bad = 0.0, False
-    for g, w in zip(got, want):
+    for g, w in zip(got, bench.reference):
         tol = 1e-2 if w.dtype == jnp.bfloat16 else 1e-4
-        g, w = g.astype(jnp.float32), w.astype(jnp.float32)
-        error = float(jnp.max(jnp.abs(g - w)) / jnp.maximum(jnp.max(jnp.abs(w)), 1e-30))
+        error = max_abs_diff(g, w) / max(max_abs_diff(w, jnp.zeros((), w.dtype)), 1e-30)
         worst, bad = max(worst, error), bad or not error <= tol
     return f"{'MISMATCH' if bad else 'ok'} {worst:.1e}"
+
+
+@jax.jit
+def _max_abs_diff(a: jax.Array, b: jax.Array) -> jax.Array:
+    diff = jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))
+    return jnp.where(jnp.all(jnp.isfinite(diff)), jnp.max(diff), jnp.inf)  # max drops NaN on CPU
+
+
+def max_abs_diff(a: jax.Array, b: jax.Array) -> float:
+    """max |a - b| in float32, slice by slice along the first axis (a few-GiB pool or scratch
+    must not need float32 temporaries of its whole size); inf where anything is not finite."""
+    if a.ndim == 0 or a.size < (1 << 26):
+        return float(_max_abs_diff(a, b))
+    b = jnp.broadcast_to(b, a.shape)
+    return max(max_abs_diff(a[i], b[i]) for i in range(a.shape[0]))
 
 
 def time_calls(run: Callable[[], object], iters: int, warmup: int) -> float:
@@ -228,41 +267,138 @@ def time_calls(run: Callable[[], object], iters: int, warmup: int) -> float:
     return float(np.median(samples))
 
 
-def time_bench(bench: Bench, impl: str, tiles: dict, iters: int, warmup: int) -> float:
-    """Median seconds per call, donated outputs fed back as the next call's inputs."""
-    args = list(bench.make_args())
-    fn = jax.jit(bench.fn(impl, tiles), donate_argnums=tuple(bench.thread.values()))
+CHAIN_CALLS = (2, 10)
+
+
+def chain_seconds(make_chain: Callable[[int], Callable[[], None]], iters: int,
+                  warmup: int) -> float:
+    """Device seconds per call: chains of n1 and n2 back-to-back calls (CHAIN_CALLS) are
+    timed (median of ``iters`` runs each, every run ending in a device sync), and the
+    difference of the medians over n2 - n1 cancels dispatch, launch and sync costs."""
+    n1, n2 = CHAIN_CALLS
+    medians = [time_calls(make_chain(n), iters, warmup) for n in (n1, n2)]
+    return (medians[1] - medians[0]) / (n2 - n1)
+
+
+def jax_chain(bench: Bench, impl: str, tiles: dict, calls: int) -> Callable[[], None]:
+    """One jitted program of ``calls`` launches: call i uses slot set i % R, threaded outputs
+    (in-place pools) feed the next call, and one element of every other output goes into a
+    sink so that no launch is dead code. The arguments are donated and carried over."""
+    one = bench.fn(impl, tiles)
+
+    def many(args, slot_sets):
+        args, sink = list(args), jnp.zeros((), jnp.float32)
+        for i in range(calls):
+            args[bench.slot_arg] = slot_sets[i % slot_sets.shape[0]]
+            outs = one(*args)
+            for out_index, arg_index in bench.thread.items():
+                args[arg_index] = outs[out_index]
+            for out_index, out in enumerate(outs):
+                if out_index not in bench.thread:
+                    sink = sink + out.reshape(-1)[0].astype(jnp.float32)
+        return tuple(args), sink
+
+    many = jax.jit(many, donate_argnums=0)
+    fresh = jax.tree.map(lambda a: jnp.array(a, copy=True), bench.make_args())  # donated
+    state = {"args": fresh}
 
     def run():
-        outs = jax.block_until_ready(fn(*args))
-        for out_index, arg_index in bench.thread.items():
-            args[arg_index] = outs[out_index]
+        state["args"], sink = many(state["args"], bench.slot_sets)
+        sink.block_until_ready()
 
-    return time_calls(run, iters, warmup)
+    return run
 
 
-def copy_bandwidth(num_bytes: int, iters: int, warmup: int) -> float:
-    """GB/s of ``x + 1`` over num_bytes of float32 (read once, written once)."""
+def copy_bandwidths(num_bytes: int, iters: int, warmup: int) -> dict[str, float]:
+    """GB/s (bytes read + written) of a device-to-device copy through torch (cudaMemcpy;
+    when torch sees a GPU) and of XLA's ``x + 1`` over ``num_bytes`` of float32."""
+    results = {}
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     add_one = jax.jit(lambda a: a + 1.0)
-    return 2 * num_bytes / time_calls(lambda: add_one(x).block_until_ready(), iters, warmup) / 1e9
+    results["xla x+1"] = 2 * num_bytes / time_calls(
+        lambda: add_one(x).block_until_ready(), iters, warmup) / 1e9
+    del x
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            src = torch.ones(num_bytes // 4, device="cuda")
+            dst = torch.empty_like(src)
+            results["torch copy_"] = 2 * num_bytes / torch_event_seconds(
+                lambda: dst.copy_(src), iters, warmup) / 1e9
+            del src, dst
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    return results
 
 
-# ---------------------------------------------------------------- optional external kernels
+# ---------------------------------------------------------------- peers (torch / Triton)
 
 
-def torch_time(run: Callable[[], object], iters: int, warmup: int) -> float:
+def torch_event_seconds(fn: Callable[[], object], iters: int, warmup: int,
+                        calls: int = 10) -> float:
+    """Median over ``iters`` of CUDA-event time for ``calls`` eager calls, per call."""
     import torch
 
-    def synced():
-        run()
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
+    return float(np.median(samples))
+
+
+def torch_chain(make_call: Callable[[int], Callable[[], object]],
+                calls: int) -> Callable[[], None]:
+    """``calls`` calls (call i made by ``make_call(i)``) captured in one CUDA graph; run()
+    replays it and synchronises. Falls back to eager calls if capture fails."""
+    import torch
+
+    fns = [make_call(i) for i in range(calls)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:  # compile and autotune outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for fn in fns:
+                fn()
+    except Exception as error:  # some Python-side checks are not capturable
+        log(f"  CUDA graph capture failed ({type(error).__name__}); timing eager calls")
         torch.cuda.synchronize()
 
-    return time_calls(synced, iters, warmup)
+        def eager():
+            for fn in fns:
+                fn()
+            torch.cuda.synchronize()
+        return eager
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+    return replay
+
+
+def torch_seconds(make_call: Callable[[int], Callable[[], object]], iters: int,
+                  warmup: int) -> float:
+    """Device seconds per call of a torch function, by ``chain_seconds`` over CUDA graphs."""
+    return chain_seconds(lambda n: torch_chain(make_call, n), iters, warmup)
 
 
 def fla_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) -> float:
-    """flash-linear-attention's fused recurrent GDN; reads the state, writes the final one."""
+    """flash-linear-attention's fused recurrent GDN; reads the state, writes the final one
+    (call i reads initial state i % R, so the L2 holds none of them)."""
     import torch
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
@@ -272,30 +408,37 @@ def fla_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) 
     v = torch.randn(*shape, model.d_b, device=dev, dtype=torch.bfloat16)
     g = -torch.nn.functional.softplus(torch.randn(*shape, device=dev))
     beta = torch.sigmoid(torch.randn(*shape, device=dev))
-    h0 = torch.randn(batch, model.heads, model.d_a, model.d_b, device=dev) * 0.1
     q, k = (q / model.d_a**0.5).bfloat16(), k.bfloat16()
-    return torch_time(lambda: fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale=1.0, initial_state=h0, output_final_state=True), iters, warmup)
+    states = [torch.randn(batch, model.heads, model.d_a, model.d_b, device=dev) * 0.1
+              for _ in range(SLOT_SETS)]
+    return torch_seconds(lambda i: (lambda: fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=1.0, initial_state=states[i % SLOT_SETS],
+        output_final_state=True)), iters, warmup)
 
 
 def mamba_ssm_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) -> float:
-    """mamba_ssm's selective_state_update (one token, in place on a pool by slot index)."""
+    """mamba_ssm's selective_state_update (one token, in place on a pool by slot index; dt,
+    A and dt_bias tied across the head dim as SGLang calls it)."""
     import torch
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
 
     if tokens != 1:
         raise ValueError("selective_state_update takes one token per call")
     dev, h, p, n = "cuda", model.heads, model.d_a, model.d_b
-    pool = torch.randn(2 * batch + 2, h, p, n, device=dev) * 0.1
-    slot = (torch.randperm(2 * batch + 1, device=dev)[:batch] + 1).to(torch.int32)
+    num_slots = max(2 * batch + 1, -(-POOL_BYTES // (h * p * n * 4)))
+    pool = torch.randn(num_slots + 1, h, p, n, device=dev) * 0.1
+    slot_sets = [(torch.randperm(num_slots, device=dev)[:batch] + 1).to(torch.int32)
+                 for _ in range(SLOT_SETS)]
     x = torch.randn(batch, h, p, device=dev, dtype=torch.bfloat16)
     dt = torch.nn.functional.softplus(torch.randn(batch, h, device=dev))
     dt = dt[:, :, None].expand(-1, -1, p)
+    dt_bias = torch.zeros(h, device=dev)[:, None].expand(-1, p)
     a = -torch.rand(h, device=dev)[:, None, None].expand(-1, p, n)
     b, c = (torch.randn(batch, model.groups, n, device=dev, dtype=torch.bfloat16) for _ in "bc")
     d = torch.randn(h, device=dev)[:, None].expand(-1, p)
-    return torch_time(lambda: selective_state_update(
-        pool, x, dt, a, b, c, D=d, state_batch_indices=slot), iters, warmup)
+    return torch_seconds(lambda i: (lambda: selective_state_update(
+        pool, x, dt, a, b, c, D=d, dt_bias=dt_bias,
+        state_batch_indices=slot_sets[i % SLOT_SETS])), iters, warmup)
 
 
 EXTERNAL = {  # mixer -> (row label, package to find, timing function)
@@ -335,20 +478,23 @@ def measure(row: dict, moved: int, copy_gbs: float, seconds_fn: Callable[[], flo
 def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Table) -> None:
     base = {"model": model.name, "B": batch, "T": tokens}
     if kind == "external":
-        label, package, seconds_of = EXTERNAL[model.mixer]
+        label, package, _ = EXTERNAL[model.mixer]
         if importlib.util.find_spec(package) is None:
             log(f"  {package} is not installed: skipped")
             return
+        if model.mixer == "mamba2" and tokens != 1:
+            log("  selective_state_update takes one token per call: skipped")
+            return
         state_bytes = model.heads * model.d_a * model.d_b * 4
-        row = {**base, "kernel": model.mixer, "impl": label, "tiles": "-", "check": "not checked"}
+        row = {**base, "kernel": model.mixer, "impl": label, "tiles": "-", "check": "timed only"}
         table.add(measure(row, 2 * batch * state_bytes, opts.copy_gbs,
-                          lambda: seconds_of(model, batch, tokens, opts.iters, opts.warmup)))
+                          lambda: peer_seconds(model, batch, tokens, opts)))
         return
     builder, tile_list = {"state": (state_bench, model.state_tiles),
                           "conv": (conv_bench, model.conv_tiles),
                           "scatter": (scatter_bench, model.scatter_tiles)}[kind]
     try:
-        bench = builder(model, batch, tokens, opts.interpret)
+        bench = builder(model, batch, tokens, opts)
     except Exception as error:
         traceback.print_exc(limit=4)
         table.add({**base, "kernel": kind, "check": f"error building inputs: {error}"[:120]})
@@ -362,8 +508,31 @@ def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Tab
             except Exception as error:
                 traceback.print_exc(limit=4)
                 row["check"] = f"check error: {type(error).__name__}"
-        table.add(measure(row, bench.bytes_moved, opts.copy_gbs,
-                          lambda: time_bench(bench, impl, tiles, opts.iters, opts.warmup)))
+        table.add(measure(row, bench.bytes_moved, opts.copy_gbs, lambda: chain_seconds(
+            lambda n: jax_chain(bench, impl, tiles, n), opts.iters, opts.warmup)))
+
+
+def peer_seconds(model: Model, batch: int, tokens: int, opts) -> float:
+    """Time a peer kernel in a child process (``--peer``), so that a fault in it (an illegal
+    address poisons the CUDA context) cannot end this run."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--peer",
+               f"{model.name},{batch},{tokens}", "--iters", str(opts.iters),
+               "--warmup", str(opts.warmup)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    for line in done.stdout.splitlines():
+        if line.startswith("PEER_SECONDS "):
+            return float(line.split()[1])
+    lines = (done.stderr or done.stdout or "no output").strip().splitlines()
+    raise RuntimeError(f"peer exited {done.returncode}: {lines[-1][:100]}")
+
+
+def run_peer(spec: str, opts) -> int:
+    """The child side of ``peer_seconds``: prints PEER_SECONDS for model,batch,tokens."""
+    name, batch, tokens = spec.split(",")
+    model = next(m for m in models(False) if m.name == name)
+    seconds_of = EXTERNAL[model.mixer][2]
+    print(f"PEER_SECONDS {seconds_of(model, int(batch), int(tokens), opts.iters, opts.warmup)}")
+    return 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -377,6 +546,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help="comma list of model names")
     parser.add_argument("--batches", default=None, help="comma list (default 1,16,64,256)")
     parser.add_argument("--tokens", default=None, help="comma list (default 1,4)")
+    parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args(argv)
     args.interpret = args.smoke or jax.default_backend() == "cpu"
     args.iters = args.iters or (3 if args.smoke else 50)
@@ -389,15 +559,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    if opts.peer:
+        return run_peer(opts.peer, opts)
     device = jax.devices()[0]
     log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"interpret={opts.interpret}")
-    opts.copy_gbs = copy_bandwidth((1 << 22) if opts.smoke else (2 << 30), opts.iters, opts.warmup)
-    log(f"copy bandwidth: {opts.copy_gbs:.1f} GB/s")
+    copies = copy_bandwidths((1 << 22) if opts.smoke else (2 << 30), opts.iters, opts.warmup)
+    opts.copy_gbs = max(copies.values())
+    copy_text = ", ".join(f"{name} {gbs:.1f}" for name, gbs in copies.items())
+    log(f"copy bandwidth (GB/s): {copy_text}; using {opts.copy_gbs:.1f}")
     table = Table(opts.out, (
         f"# Kernel benchmark\n\ndevice {device.device_kind} ({jax.default_backend()}), jax "
         f"{jax.__version__}, interpret={opts.interpret}; copy bandwidth {opts.copy_gbs:.1f} "
-        f"GB/s; median of {opts.iters} calls after {opts.warmup}; T=1 decode (in place), "
+        f"GB/s (the best of: {copy_text}); per-call device time from chains of "
+        f"{CHAIN_CALLS[0]} and {CHAIN_CALLS[1]} calls (median of {opts.iters} after "
+        f"{opts.warmup} each); T=1 decode (in place), "
         f"T>1 verify (every step to scratch); scatter over {SCATTER_LAYERS} layers; check = "
         "max |pallas - xla| / max |xla| over every output."))
     kinds = [k for k in opts.kernels.split(",") if k]

@@ -185,7 +185,7 @@ def test_bad_arguments_raise_value_error_pallas():
 def test_backend_resolution_and_dispatch_pallas():
     assert backend.resolve_backend(None, "cpu") == "xla"
     assert backend.resolve_backend(None, "gpu") == "pallas"
-    assert backend.resolve_backend(None, "tpu") == "pallas"
+    assert backend.resolve_backend(None, "tpu") == "xla"  # untested on TPU: opt in
     assert backend.resolve_backend("xla", "gpu") == "xla"
     with pytest.raises(ValueError, match="triton"):
         backend.resolve_backend("triton")
@@ -200,6 +200,24 @@ def test_backend_resolution_and_dispatch_pallas():
     assert_close(via_pallas.step_states, via_xla.step_states, FP32_TOL, "dispatch states")
     with pytest.raises(ValueError, match="GdnTokens"):
         backend.state_update(pool, slot, (inputs.x,), mode="verify", kernel_backend="xla")
+
+
+@pytest.mark.parametrize("value_dim", [128, 24])
+def test_dispatch_default_tiles_pallas(value_dim):
+    """Without tile arguments the dispatch takes DEFAULT_STATE_TILES: GDN value tiles of 64
+    (two tiles over d_v = 128) or, when 64 does not divide d_v (24), the whole axis."""
+    assert 128 % backend.DEFAULT_STATE_TILES["gdn"]["block_value"] == 0
+    assert 64 % backend.DEFAULT_STATE_TILES["mamba2"]["block_value"] == 0  # Nemotron-H P
+    rng = np.random.default_rng(value_dim)
+    pool, slot, inputs = gdn_case(rng, 3, 2, 2, 8, value_dim, 5, jnp.float32)
+    for mode in su.MODES:
+        got = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="pallas",
+                                   interpret=True)
+        want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+        assert_close(got.outputs, want.outputs, FP32_TOL, f"{mode} outputs")
+        states = (got.pool, want.pool) if mode == "decode" else (got.step_states,
+                                                                 want.step_states)
+        assert_close(*states, FP32_TOL, f"{mode} states")
 
 
 def lower_for_cuda(fn, *args) -> str:
