@@ -60,11 +60,21 @@ def pallas_compiler_params(platform: str | None = None, num_warps: int = 4,
     return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-# Value tile and warps per program of the state update, per mixer: the fastest measured on an
-# H200 at the model shapes (BENCHMARKS.md, "Recurrent-state kernels"). A tile that does not
-# divide a model's axis falls back to the whole axis.
+# Tiles and warps per program: the fastest measured on an H200 at the model shapes
+# (BENCHMARKS.md, "Recurrent-state kernels"). Where a preferred tile does not divide a
+# model's axis, the largest power of two below it that does is used (Triton needs powers
+# of two).
 DEFAULT_STATE_TILES = {"gdn": {"block_value": 64, "num_warps": 4},
                        "mamba2": {"block_value": 16, "num_warps": 4}}
+DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
+
+
+def fitted_tile(size: int, preferred: int) -> int:
+    """The largest power of two <= ``preferred`` that divides ``size`` (at least 1)."""
+    tile = 1
+    while tile * 2 <= preferred and size % (tile * 2) == 0:
+        tile *= 2
+    return tile
 
 
 def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -> dict[str, Any]:
@@ -93,8 +103,7 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
         return xla_fn(pool, slot, tokens, mode=mode)
     tiles = DEFAULT_STATE_TILES[mixer]
     if block_value is None:
-        preferred = tiles["block_value"]
-        block_value = preferred if value_dim % preferred == 0 else value_dim
+        block_value = fitted_tile(value_dim, tiles["block_value"])
     return pallas_fn(pool, slot, tokens, mode=mode, block_heads=block_heads,
                      block_value=block_value,
                      **_pallas_options(interpret, compiler_params, tiles["num_warps"]))
@@ -118,10 +127,15 @@ def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Arra
                   block_rows: int | None = None, block_channels: int | None = None,
                   interpret: bool = False,
                   compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
-    """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend."""
+    """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend;
+    tiles left as None take ``DEFAULT_SCATTER_TILES``."""
     args = (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
     if resolve_backend(kernel_backend) == "xla":
         return state_scatter_xla(*args)
+    if block_rows is None:
+        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
+    if block_channels is None:
+        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
     return state_scatter_pallas(*args, block_heads=block_heads, block_rows=block_rows,
                                 block_channels=block_channels,
                                 **_pallas_options(interpret, compiler_params))

@@ -32,6 +32,7 @@ from lazyspec.engine.sampling import (
     top_logprobs,
     verify_and_sample,
 )
+from lazyspec.kernels.backend import state_scatter
 from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
 
 
@@ -99,10 +100,18 @@ def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
     return pools_conv, pools_ssm
 
 
-def _pick(stacked: jax.Array, index: jax.Array) -> jax.Array:
-    """stacked [L, B, N, ...], index [B] -> [L, B, ...] (entry index[b] of row b)."""
-    rows = jnp.arange(stacked.shape[1])
-    return stacked[:, rows, jnp.clip(index, 0, stacked.shape[2] - 1)]
+def _commit_picked(static: StepStatic, pools_conv, pools_ssm, stacked: RecurrentState,
+                   dst_slot: jax.Array, index: jax.Array):
+    """pool[:, dst_slot[b]] = stacked[:, b, index[b]] (stacked ``[L, B, N, ...]``: states
+    after each verify position or prefill chunk) for rows whose dst_slot is a real slot;
+    sentinel rows write nothing. One ``state_scatter`` launch for both pools and all
+    recurrent layers, on the engine's kernel backend. Returns (conv, ssm)."""
+    write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
+    ssm, conv = state_scatter(pools_ssm, pools_conv, stacked.ssm, stacked.conv,
+                              jnp.where(write, dst_slot, 0), jnp.where(write, index, -1),
+                              kernel_backend=static.backend,
+                              interpret=jax.default_backend() == "cpu")
+    return conv, ssm
 
 
 def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools,
@@ -125,9 +134,8 @@ def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
                                       chunk_size=static.chunk_size, backend=static.backend)
     conv, ssm = _scatter_state(pools.conv, pools.ssm, batch.working_slot,
                                out.final.conv, out.final.ssm)
-    conv, ssm = _scatter_state(conv, ssm, batch.track_slot,
-                               _pick(out.chunks.conv, batch.track_chunk),
-                               _pick(out.chunks.ssm, batch.track_chunk))
+    conv, ssm = _commit_picked(static, conv, ssm, out.chunks, batch.track_slot,
+                               batch.track_chunk)
     rows = jnp.arange(num_rows)
     last = jnp.maximum(batch.num_new - 1, 0)
     logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
@@ -218,12 +226,10 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
     t_cross = (post // interval) * interval - pre - 1
     sentinel_slot = static.num_slots + 1
     working = jnp.where(real, batch.working_slot, sentinel_slot)
-    conv, ssm = _scatter_state(pools.conv, pools.ssm, working,
-                               _pick(out.steps.conv, accept_len - 1),
-                               _pick(out.steps.ssm, accept_len - 1))
+    conv, ssm = _commit_picked(static, pools.conv, pools.ssm, out.steps, working,
+                               accept_len - 1)
     track = jnp.where(crossed, batch.track_slot, sentinel_slot)
-    conv, ssm = _scatter_state(conv, ssm, track, _pick(out.steps.conv, t_cross),
-                               _pick(out.steps.ssm, t_cross))
+    conv, ssm = _commit_picked(static, conv, ssm, out.steps, track, t_cross)
     sentinel_row = static.max_reqs + 1
     dest = jnp.where(real, batch.req_row, sentinel_row)
     rows = jnp.arange(num_rows)

@@ -205,9 +205,11 @@ def test_backend_resolution_and_dispatch_pallas():
 @pytest.mark.parametrize("value_dim", [128, 24])
 def test_dispatch_default_tiles_pallas(value_dim):
     """Without tile arguments the dispatch takes DEFAULT_STATE_TILES: GDN value tiles of 64
-    (two tiles over d_v = 128) or, when 64 does not divide d_v (24), the whole axis."""
-    assert 128 % backend.DEFAULT_STATE_TILES["gdn"]["block_value"] == 0
-    assert 64 % backend.DEFAULT_STATE_TILES["mamba2"]["block_value"] == 0  # Nemotron-H P
+    (two tiles over d_v = 128) or, when 64 does not divide d_v (24), the largest power of
+    two that does (8)."""
+    assert backend.fitted_tile(128, backend.DEFAULT_STATE_TILES["gdn"]["block_value"]) == 64
+    assert backend.fitted_tile(24, 64) == 8 and backend.fitted_tile(10240, 2048) == 2048
+    assert backend.fitted_tile(7, 64) == 1
     rng = np.random.default_rng(value_dim)
     pool, slot, inputs = gdn_case(rng, 3, 2, 2, 8, value_dim, 5, jnp.float32)
     for mode in su.MODES:
