@@ -3,9 +3,9 @@
 Contract (both mixers, both forms). A batch of B rows with T new tokens each reads its
 initial state from ``pool[slot[b]]`` (pool ``[num_slots + 1, H, d_a, d_b]``, one layer) and
 runs the token-by-token recurrence of ``recurrence.gdn_scan`` / ``recurrence.mamba2_scan``
-in float32. ``slot[b] == 0`` marks a padding row: its outputs are computed from slot 0 and
-ignored by the caller, and nothing is ever written to slot 0. Real rows must name distinct
-slots. Two modes:
+in float32. ``slot[b] == 0`` marks a padding row: its outputs are computed from slot 0 like
+any row's, and nothing is ever written to slot 0 (so verify, which writes no slot, may use
+slot 0 for real data). Real rows must name distinct slots in decode. Two modes:
   decode  the state after the last token is written back into ``pool[slot[b]]`` in place
           (the Pallas form aliases the pool; donate it under jit to avoid a copy);
   verify  the pool is only read; the state after every token goes to

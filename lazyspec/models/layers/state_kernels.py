@@ -1,9 +1,10 @@
 """Runs a mixer's T-step state update (decode / verify) through the Pallas state_update
 kernel instead of the jnp scan.
 
-The layer has already gathered each row's state; the kernel wants a pool and slot ids, so
-the rows become slots 1..B of a small pool whose slot 0 is the null row (padding rows read
-it and write nothing). Tokens past a row's ``num_new`` are made identity steps (GDN: no
+The layer has already gathered each row's state; the kernel wants a pool and slot ids. In
+verify mode the kernel only reads the pool, so the gathered states serve as the pool as
+they are (row b is slot b; no copy), slot 0 included: its row's outputs and step states are
+computed like any other. Tokens past a row's ``num_new`` are made identity steps (GDN: no
 decay and beta 0; Mamba2: dt 0), so ragged rows stay exact.
 """
 
@@ -29,11 +30,9 @@ def _final(step_states: jax.Array, ssm0: jax.Array, num_new: jax.Array) -> jax.A
 
 def pallas_steps(ssm0: jax.Array, tokens: GdnTokens | Mamba2Tokens, num_new: jax.Array):
     """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...])."""
-    batch = ssm0.shape[0]
-    pool = jnp.concatenate([jnp.zeros_like(ssm0[:1]), ssm0], axis=0).astype(jnp.float32)
-    slot = jnp.where(num_new > 0, jnp.arange(1, batch + 1), 0).astype(jnp.int32)
-    result = state_update(pool, slot, tokens, mode="verify", kernel_backend="pallas",
-                          interpret=_interpret())
+    slot = jnp.arange(ssm0.shape[0], dtype=jnp.int32)
+    result = state_update(ssm0.astype(jnp.float32), slot, tokens, mode="verify",
+                          kernel_backend="pallas", interpret=_interpret())
     return result.outputs, _final(result.step_states, ssm0, num_new), result.step_states
 
 
