@@ -493,6 +493,7 @@ def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Tab
     builder, tile_list = {"state": (state_bench, model.state_tiles),
                           "conv": (conv_bench, model.conv_tiles),
                           "scatter": (scatter_bench, model.scatter_tiles)}[kind]
+    tile_list = opts.tiles.get(kind, tile_list)
     try:
         bench = builder(model, batch, tokens, opts)
     except Exception as error:
@@ -546,6 +547,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help="comma list of model names")
     parser.add_argument("--batches", default=None, help="comma list (default 1,16,64,256)")
     parser.add_argument("--tokens", default=None, help="comma list (default 1,4)")
+    parser.add_argument("--tiles", action="append", default=[], metavar="KIND:SPEC",
+                        help="replace the Pallas tile list of a kernel kind (state, conv, "
+                             "scatter) for every model, e.g. 'state:block_value=64,num_warps=4;"
+                             "block_value=32,num_warps=8,num_stages=2'; repeatable")
     parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args(argv)
     args.interpret = args.smoke or jax.default_backend() == "cpu"
@@ -554,7 +559,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     batches = args.batches or ("3" if args.smoke else "1,16,64,256")
     args.batches = [int(b) for b in batches.split(",")]
     args.tokens = [int(t) for t in (args.tokens or ("1,2" if args.smoke else "1,4")).split(",")]
+    args.tiles = dict(parse_tiles(spec) for spec in args.tiles)
     return args
+
+
+def parse_tiles(spec: str) -> tuple[str, tuple[dict, ...]]:
+    """'state:block_value=64,num_warps=4;block_value=32' -> ("state", ({...}, {...}));
+    values are ints (true/false for flags). ValueError names what is wrong."""
+    kind, sep, body = spec.partition(":")
+    if not sep or kind not in ("state", "conv", "scatter") or not body:
+        raise ValueError(f"--tiles wants KIND:k=v,...;k=v,... with KIND state|conv|scatter, "
+                         f"got {spec!r}")
+    tile_list = []
+    for entry in body.split(";"):
+        tiles = {}
+        for item in entry.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"--tiles entry {item!r} in {spec!r} is not key=value")
+            value = value.strip().lower()
+            tiles[key.strip()] = value == "true" if value in ("true", "false") else int(value)
+        tile_list.append(tiles)
+    return kind, tuple(tile_list)
 
 
 def main(argv=None) -> int:
