@@ -186,6 +186,7 @@ class Choice:
         self.rid, self.prompt_tokens = rid, prompt_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []
         self.cached_tokens = self.spec_verify_ct = 0
         self.finish_reason: dict[str, Any] | None = None
         self.error: str | None = None
@@ -194,6 +195,7 @@ class Choice:
         """Take one event; returns the new text that may be shown."""
         self.token_ids += event.token_ids
         self.logprobs += event.logprobs
+        self.top_logprobs += event.top_logprobs
         self.cached_tokens, self.spec_verify_ct = event.cached_tokens, event.spec_verify_ct
         final = event.finish_reason is not None
         delta = self.text.push(event.token_ids, final=final)
@@ -254,19 +256,26 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
-    """/v1/completions bodies. top_logprobs hold only the sampled token (the engine does
-    not compute top-k alternatives); echoed prompt tokens have logprob null."""
+    """/v1/completions bodies. ``logprobs: N`` gives each position's N most likely tokens
+    plus the sampled one in ``top_logprobs``; echoed prompt tokens have logprob null."""
 
     object_name = "text_completion"
 
-    def logprobs(self, token_ids: list[int], logprobs: list, offset: int) -> dict[str, Any]:
+    def logprobs(self, token_ids: list[int], logprobs: list, tops: list,
+                 offset: int) -> dict[str, Any]:
         tokens = [_token_text(self.tokenizer, t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": list(logprobs),
-                "top_logprobs": [None if lp is None else {t: lp} for t, lp in zip(tokens, logprobs)],
+        top_dicts = []
+        for token, lp, top in zip(tokens, logprobs, tops):
+            if lp is None:
+                top_dicts.append(None)
+                continue
+            alternatives = {_token_text(self.tokenizer, t): v for v, t in top[: self.spec.logprobs]}
+            top_dicts.append({**alternatives, token: lp})
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
                 "text_offset": offsets}
 
     def prompt_text(self, index: int) -> str:
@@ -281,10 +290,12 @@ class CompletionRenderer(_Renderer):
             prefix = self.prompt_text(i) if self.spec.echo else ""
             logprobs = None
             if self.spec.logprobs is not None:
-                ids, lps = c.token_ids, list(c.logprobs)
+                ids, lps, tops = c.token_ids, list(c.logprobs), list(c.top_logprobs)
                 if self.spec.echo:
-                    ids, lps = self.spec.prompts[i] + ids, [None] * len(self.spec.prompts[i]) + lps
-                logprobs = self.logprobs(ids, lps, 0)
+                    echoed = len(self.spec.prompts[i])
+                    ids, lps = self.spec.prompts[i] + ids, [None] * echoed + lps
+                    tops = [[]] * echoed + tops
+                logprobs = self.logprobs(ids, lps, tops, 0)
             out.append({"index": i, "text": prefix + c.text.text, "logprobs": logprobs,
                         "finish_reason": _openai_finish(c)})
         return {**self.envelope(out), "usage": usage(choices)}
@@ -297,7 +308,8 @@ class CompletionRenderer(_Renderer):
             c = choices[i]
             logprobs = None
             if self.spec.logprobs is not None:
-                logprobs = self.logprobs(event.token_ids, event.logprobs, len(c.text.text) - len(delta))
+                logprobs = self.logprobs(event.token_ids, event.logprobs, event.top_logprobs,
+                                         len(c.text.text) - len(delta))
             if delta or c.finished or logprobs is not None:
                 yield sse(self.envelope([self._chunk(i, delta, logprobs, _openai_finish(c))]))
         if self.spec.include_usage:
@@ -309,26 +321,30 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    """/v1/chat/completions bodies; top_logprobs as in CompletionRenderer (sampled token)."""
+    """/v1/chat/completions bodies; ``top_logprobs: N`` lists each position's N most likely
+    tokens, most likely first."""
 
     object_name = "chat.completion"
 
-    def logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    def _item(self, token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(self.tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, token_ids: list[int], logprobs: list[float],
+                 tops: list[list[tuple[float, int]]]) -> dict[str, Any]:
         content = []
-        for token, lp in zip(token_ids, logprobs):
-            text = _token_text(self.tokenizer, token)
-            item = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-            top = [dict(item)] if self.spec.logprobs else []
-            content.append({**item, "top_logprobs": top})
+        for token, lp, top in zip(token_ids, logprobs, tops):
+            alternatives = [self._item(t, v) for v, t in top[: self.spec.logprobs]]
+            content.append({**self._item(token, lp), "top_logprobs": alternatives})
         return {"content": content}
 
-    def _logprobs_or_none(self, token_ids, logprobs):
-        return None if self.spec.logprobs is None else self.logprobs(token_ids, logprobs)
+    def _logprobs_or_none(self, token_ids, logprobs, tops):
+        return None if self.spec.logprobs is None else self.logprobs(token_ids, logprobs, tops)
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         c = choices[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text.text},
-                  "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs),
+                  "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
                   "finish_reason": _openai_finish(c)}
         return {**self.envelope([choice]), "usage": usage(choices)}
 
@@ -339,7 +355,8 @@ class ChatRenderer(_Renderer):
         yield sse(self.envelope([first], chunk))
         async for i, delta, event in events:
             c = choices[i]
-            logprobs = self._logprobs_or_none(event.token_ids, event.logprobs)
+            logprobs = self._logprobs_or_none(event.token_ids, event.logprobs,
+                                              event.top_logprobs)
             if delta or c.finished or logprobs is not None:
                 body = {"index": i, "delta": {"content": delta} if delta else {},
                         "logprobs": logprobs, "finish_reason": _openai_finish(c)}
@@ -359,6 +376,9 @@ def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:
             "spec_verify_ct": c.spec_verify_ct}
     if spec.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
+        if spec.logprobs:
+            meta["output_top_logprobs"] = [[[v, t, None] for v, t in top[: spec.logprobs]]
+                                           for top in c.top_logprobs]
     return {"text": c.text.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 

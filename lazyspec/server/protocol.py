@@ -18,7 +18,7 @@ from typing import Any
 from lazyspec.engine.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 5  # alternatives per position the engine computes (engine.sampling.TOP_LOGPROBS)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -253,7 +253,8 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
 
 
 def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
-    """POST /generate (SGLang): text or input_ids, sampling_params, stream, return_logprob."""
+    """POST /generate (SGLang): text or input_ids, sampling_params, stream, return_logprob,
+    top_logprobs_num."""
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise ApiError("give exactly one of text and input_ids", param="text")
     param = "text" if body.get("text") is not None else "input_ids"
@@ -271,10 +272,11 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
     _unsupported(params)
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
+    top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
     return GenerationSpec(
         prompts, texts, _sampling(params, max_new, prompts, limits, "max_new_tokens"),
         _stop_strings(params), _boolean(body, "stream", False),
-        logprobs=0 if _boolean(body, "return_logprob", False) else None, batched=batched)
+        logprobs=top if _boolean(body, "return_logprob", False) else None, batched=batched)
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:

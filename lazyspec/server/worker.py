@@ -44,6 +44,7 @@ class TokenEvent:
     index: int
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[float, int]]]  # per token: the top (logprob, id) pairs
     cached_tokens: int
     spec_verify_ct: int
     finish_reason: dict[str, Any] | None = None  # set on the request's last event
@@ -202,7 +203,8 @@ class EngineWorker:
             if num == stream.sent and not req.finished:
                 continue
             event = TokenEvent(stream.index, req.output_ids[stream.sent:num],
-                               req.output_logprobs[stream.sent:num], req.cached_tokens,
+                               req.output_logprobs[stream.sent:num],
+                               req.output_top_logprobs[stream.sent:num], req.cached_tokens,
                                req.spec_verify_ct, req.finish_reason if req.finished else None)
             self._observe_latency(stream, num - stream.sent, now)
             self._observe_accepts(stream)
@@ -257,7 +259,7 @@ class EngineWorker:
             except Exception:
                 logger.exception("abort of %s failed", rid)
             del self._streams[rid]
-            event = TokenEvent(stream.index, [], [], stream.req.cached_tokens,
+            event = TokenEvent(stream.index, [], [], [], stream.req.cached_tokens,
                                stream.req.spec_verify_ct, {"type": "abort"}, error=message)
             self._deliver(stream, event)
 

@@ -64,6 +64,9 @@ BAD_BODIES = [
     ("/generate", {"text": "a", "sampling_params": {"warp": 9}}, "sampling_params"),
     ("/generate", {"text": "a", "sampling_params": [1]}, "sampling_params"),
     ("/generate", {"text": "a", "return_logprob": "yes"}, "return_logprob"),
+    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 6},
+     "top_logprobs_num"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
 ]
 
 
@@ -116,7 +119,7 @@ BAD_FIELDS = {
                         st.dictionaries(st.text(max_size=3), st.text(max_size=3)), st.booleans()),
     "stop": st.one_of(st.integers(), st.lists(st.integers(), min_size=1), st.just([""])),
     "model": st.text(min_size=1, max_size=8).filter(lambda s: s != SERVED_NAME),
-    "logprobs": st.one_of(st.integers(min_value=21), st.integers(max_value=-1), st.text()),
+    "logprobs": st.one_of(st.integers(min_value=6), st.integers(max_value=-1), st.text()),
 }
 
 

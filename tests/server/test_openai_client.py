@@ -126,6 +126,56 @@ def test_chat_logprobs_match_generate(server, client):
     assert np.max(np.abs(served - reference)) <= 1e-6
 
 
+def test_top_logprobs_match_cache_free_recompute(server, client):
+    """/generate's top_logprobs_num=3 alternatives are the 3 largest log-probabilities of a
+    cache-free recompute, most likely first; completions (logprobs=3) and chat
+    (top_logprobs=3) serve the same alternatives."""
+    from lazyspec.models import load_model, reference_logits
+
+    prompt = random_ids(np.random.default_rng(12), 30, _vocab(server))
+    num_new = 6
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": num_new, "temperature": 0, "ignore_eos": True}}
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    ids, tops = out["output_ids"], out["meta_info"]["output_top_logprobs"]
+    assert len(tops) == num_new and all(len(top) == 3 for top in tops)
+    logits = reference_logits(load_model(server.model_dir), prompt + ids)[len(prompt) - 1:-1]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    for position, top in enumerate(tops):
+        values = np.array([v for v, _, _ in top])
+        assert np.all(np.diff(values) <= 0)
+        assert top[0][1] == ids[position]  # greedy: the sampled token is the most likely
+        want = np.sort(logp[position])[::-1][:3]
+        assert np.max(np.abs(values - want)) <= 1e-4
+        assert np.max(np.abs(logp[position, [t for _, t, _ in top]] - values)) <= 1e-4
+
+    wait_idle(server)
+    completion = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=num_new,
+                                           temperature=0, logprobs=3, extra_body=IGNORE_EOS)
+    decode = lambda t: server.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    compared = 0
+    for position, served in enumerate(completion.choices[0].logprobs.top_logprobs):
+        texts = [decode(t) for _, t, _ in tops[position]]
+        assert served.keys() == set(texts)
+        for text, (value, _, _) in zip(texts, tops[position]):
+            if texts.count(text) == 1:  # distinct ids can share a text (partial UTF-8 bytes)
+                assert abs(served[text] - value) <= 1e-6, (position, text)
+                compared += 1
+    assert compared >= num_new
+    wait_idle(server)
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "alternatives"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body=IGNORE_EOS)
+    for item in chat.choices[0].logprobs.content:
+        assert len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].token == item.token
+        assert [alt.logprob for alt in item.top_logprobs] == sorted(
+            (alt.logprob for alt in item.top_logprobs), reverse=True)
+
+
 def test_same_long_prompt_twice_hits_the_checkpoint(server, client):
     """Interval 64, prompt 150 tokens: the second request reuses the checkpoint at 128."""
     prompt = random_ids(np.random.default_rng(12), 150, _vocab(server))
