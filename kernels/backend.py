@@ -1,7 +1,9 @@
 """Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates.
 
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
-(where Pallas only runs in interpret mode, which is for tests) and on TPU (untested there).
+(where Pallas only runs in interpret mode, which is for tests) and on TPU (never run there:
+``kernel_backend="pallas"`` opts in to the scalar-prefetch state update of
+``state_update_tpu``; the conv update and the scatter stay on their XLA forms on TPU).
 The dispatch functions have the contracts of the functions they call (``state_update``,
 ``conv_update``, ``state_scatter`` modules); tile sizes are passed through to Pallas and
 ignored by XLA.
@@ -88,9 +90,12 @@ def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -
 def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tokens, *,
                  mode: str, kernel_backend: str | None = None, block_heads: int = 1,
                  block_value: int | None = None, interpret: bool = False,
-                 compiler_params: Any = None) -> StateUpdateResult:
+                 compiler_params: Any = None, platform: str | None = None) -> StateUpdateResult:
     """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
-    ``block_value=None`` and ``compiler_params=None`` take ``DEFAULT_STATE_TILES``."""
+    ``block_value=None`` and ``compiler_params=None`` take ``DEFAULT_STATE_TILES``. On a TPU
+    platform (``platform`` defaults to JAX's default) Pallas means the scalar-prefetch
+    kernels of ``state_update_tpu`` with their own default tiles (the tile arguments, meant
+    for the Triton layout, are ignored there)."""
     if isinstance(tokens, GdnTokens):
         pallas_fn, xla_fn, mixer = gdn_state_update_pallas, gdn_state_update_xla, "gdn"
         value_dim = tokens.v.shape[-1]
@@ -99,8 +104,13 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
         value_dim = tokens.x.shape[-1]
     else:
         raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
-    if resolve_backend(kernel_backend) == "xla":
+    if resolve_backend(kernel_backend, platform) == "xla":
         return xla_fn(pool, slot, tokens, mode=mode)
+    if (jax.default_backend() if platform is None else platform) == "tpu":
+        from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
+
+        tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
+        return tpu_fn(pool, slot, tokens, mode=mode, interpret=interpret)
     tiles = DEFAULT_STATE_TILES[mixer]
     if block_value is None:
         block_value = fitted_tile(value_dim, tiles["block_value"])
@@ -113,8 +123,8 @@ def conv_update(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Arra
                 bias: jax.Array | None = None, *, mode: str, silu: bool = True,
                 kernel_backend: str | None = None, block_channels: int | None = None,
                 interpret: bool = False, compiler_params: Any = None) -> ConvUpdateResult:
-    """Causal conv update for T tokens per row on the chosen backend."""
-    if resolve_backend(kernel_backend) == "xla":
+    """Causal conv update for T tokens per row on the chosen backend (XLA on TPU)."""
+    if resolve_backend(kernel_backend) == "xla" or jax.default_backend() == "tpu":
         return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu)
     return conv_update_pallas(pool, slot, x, weight, bias, mode=mode, silu=silu,
                               block_channels=block_channels,
@@ -127,10 +137,11 @@ def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Arra
                   block_rows: int | None = None, block_channels: int | None = None,
                   interpret: bool = False,
                   compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
-    """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend;
+    """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend (XLA
+    on TPU);
     tiles left as None take ``DEFAULT_SCATTER_TILES``."""
     args = (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
-    if resolve_backend(kernel_backend) == "xla":
+    if resolve_backend(kernel_backend) == "xla" or jax.default_backend() == "tpu":
         return state_scatter_xla(*args)
     if block_rows is None:
         block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])

@@ -119,7 +119,8 @@ def check_tile(name: str, size: int, block: int | None) -> int:
     return block
 
 
-def _check_pool(pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...]) -> None:
+def check_pool(pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...]) -> None:
+    """ValueError unless pool is ``[S+1, *state_shape]`` and slot a 1-D integer vector."""
     if pool.ndim != 4 or pool.shape[1:] != state_shape:
         raise ValueError(f"pool shape {pool.shape} does not match state {state_shape}")
     if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
@@ -131,26 +132,38 @@ def whole() -> pl.BlockSpec:
     return pl.BlockSpec()
 
 
+def state_output(mode: str, pool: jax.Array, out_like: jax.Array, decode_spec: pl.BlockSpec,
+                 verify_spec: pl.BlockSpec) -> tuple[jax.ShapeDtypeStruct, pl.BlockSpec]:
+    """Shape and spec of an update kernel's state output: the (aliased) pool in decode, the
+    ``[B, T, *state]`` step states in verify."""
+    if mode == "decode":
+        return jax.ShapeDtypeStruct(pool.shape, pool.dtype), decode_spec
+    batch, num_tokens = out_like.shape[:2]
+    steps = jax.ShapeDtypeStruct((batch, num_tokens) + pool.shape[1:], pool.dtype)
+    return steps, verify_spec
+
+
+def update_result(mode: str, outputs: jax.Array, states: jax.Array) -> StateUpdateResult:
+    """The result of a launch whose state output is ``state_output``'s."""
+    if mode == "decode":
+        return StateUpdateResult(outputs=outputs, pool=states, step_states=None)
+    return StateUpdateResult(outputs=outputs, pool=None, step_states=states)
+
+
 def _run_update(kernel, mode: str, pool: jax.Array, grid: tuple[int, ...], in_specs: list,
                 args: tuple, out_like: jax.Array, out_spec: pl.BlockSpec, state_block: tuple,
                 state_index, interpret: bool, compiler_params: Any) -> StateUpdateResult:
     """Launch an update kernel whose refs are (*args, out, state): ``state`` is the pool (the
     last arg, aliased) in decode and the ``[B, T, *state]`` step states in verify."""
-    batch, num_tokens = out_like.shape[:2]
-    if mode == "decode":
-        state_shape, state_spec = jax.ShapeDtypeStruct(pool.shape, pool.dtype), whole()
-    else:
-        state_shape = jax.ShapeDtypeStruct((batch, num_tokens) + pool.shape[1:], pool.dtype)
-        state_spec = pl.BlockSpec(state_block, state_index)
+    state_shape, state_spec = state_output(mode, pool, out_like, whole(),
+                                           pl.BlockSpec(state_block, state_index))
     outputs, states = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=(out_spec, state_spec),
         out_shape=(jax.ShapeDtypeStruct(out_like.shape, out_like.dtype), state_shape),
         input_output_aliases={len(args) - 1: 1} if mode == "decode" else {},
         interpret=interpret, compiler_params=compiler_params,
     )(*args)
-    if mode == "decode":
-        return StateUpdateResult(outputs=outputs, pool=states, step_states=None)
-    return StateUpdateResult(outputs=outputs, pool=None, step_states=states)
+    return update_result(mode, outputs, states)
 
 
 # ---------------------------------------------------------------- GDN
@@ -184,7 +197,7 @@ def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens,
     check_mode(mode)
     batch, num_tokens, num_heads, key_dim = tokens.q.shape
     value_dim = tokens.v.shape[-1]
-    _check_pool(pool, slot, (num_heads, key_dim, value_dim))
+    check_pool(pool, slot, (num_heads, key_dim, value_dim))
     bh = check_tile("block_heads", num_heads, block_heads)
     bv = check_tile("block_value", value_dim, block_value)
     keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
@@ -258,7 +271,7 @@ def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2T
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
-    _check_pool(pool, slot, (num_heads, head_dim, state_dim))
+    check_pool(pool, slot, (num_heads, head_dim, state_dim))
     bh = check_tile("block_heads", num_heads, block_heads)
     bp = check_tile("block_value", head_dim, block_value)
     per_group = _check_groups(num_heads, num_groups, bh)
@@ -295,7 +308,7 @@ def gdn_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *,
     """Same contract as ``gdn_state_update_pallas``: gather, vmapped ``gdn_scan``, masked
     scatter."""
     check_mode(mode)
-    _check_pool(pool, slot, (tokens.q.shape[2], tokens.q.shape[3], tokens.v.shape[3]))
+    check_pool(pool, slot, (tokens.q.shape[2], tokens.q.shape[3], tokens.v.shape[3]))
     f32 = [x.astype(jnp.float32) for x in (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)]
     outs, final, states = jax.vmap(recurrence.gdn_scan)(pool[slot].astype(jnp.float32), *f32)
     return _xla_finish(pool, slot, mode, outs.astype(tokens.v.dtype), final, states)
@@ -305,7 +318,7 @@ def mamba2_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: Mamba2Toke
                             mode: str) -> StateUpdateResult:
     """Same contract as ``mamba2_state_update_pallas``, through a vmapped ``mamba2_scan``."""
     check_mode(mode)
-    _check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]))
+    check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]))
     _check_groups(tokens.x.shape[2], tokens.b.shape[2], 1)
     f32 = [t.astype(jnp.float32) for t in (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a,
                                            tokens.d)]

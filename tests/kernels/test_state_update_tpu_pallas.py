@@ -1,0 +1,111 @@
+"""The TPU-layout state updates (scalar-prefetched slots) against the scans, in interpret
+mode on CPU, and their lowering to Mosaic at the model shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend, recurrence
+from lazyspec.kernels import state_update as su
+from lazyspec.kernels import state_update_tpu as tpu
+from tests.kernels.test_state_update_pallas import (
+    BF16_OUT_TOL,
+    FP32_TOL,
+    check_result,
+    gdn_case,
+    mamba2_case,
+    reference,
+)
+
+pytestmark = pytest.mark.pallas
+
+GDN_CASES = [  # seed, batch, tokens, heads, key_dim, value_dim, slots, bh, mode, dtype
+    (31, 3, 1, 16, 8, 16, 6, 8, "decode", jnp.float32),
+    (32, 5, 4, 24, 16, 8, 9, 8, "verify", jnp.float32),
+    (33, 7, 2, 6, 8, 8, 10, 8, "decode", jnp.float32),  # fewer heads than 8: one whole tile
+    (34, 3, 3, 16, 8, 16, 5, 16, "verify", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", GDN_CASES, ids=lambda c: f"gdn{c[0]}-{c[8]}")
+def test_gdn_tpu_layout_matches_scan(case):
+    seed, batch, tokens, heads, dk, dv, slots, bh, mode, dtype = case
+    rng = np.random.default_rng(seed)
+    pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
+    outs, expected_pool, states = reference(
+        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+    got = tpu.gdn_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh,
+                                   interpret=True)
+    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+
+
+MAMBA2_CASES = [  # seed, batch, tokens, heads, groups, P, N, slots, bh, mode, dtype
+    (41, 3, 1, 16, 2, 8, 16, 5, 8, "decode", jnp.float32),
+    (42, 5, 4, 32, 2, 8, 16, 8, 8, "verify", jnp.float32),
+    (43, 6, 3, 48, 3, 4, 8, 9, 8, "decode", jnp.float32),
+    (44, 3, 2, 8, 1, 8, 16, 4, 8, "verify", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", MAMBA2_CASES, ids=lambda c: f"mamba{c[0]}-{c[9]}")
+def test_mamba2_tpu_layout_matches_scan(case):
+    seed, batch, tokens, heads, groups, p, n, slots, bh, mode, dtype = case
+    rng = np.random.default_rng(seed)
+    pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
+    outs, expected_pool, states = reference(
+        pool, slot, recurrence.mamba2_scan, (inputs.x, inputs.b, inputs.c, inputs.dt),
+        (inputs.a, inputs.d))
+    got = tpu.mamba2_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh,
+                                      interpret=True)
+    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+
+
+def test_tpu_layout_rejects_illegal_tiles():
+    rng = np.random.default_rng(45)
+    pool, slot, inputs = gdn_case(rng, 2, 1, 16, 8, 256, 3, jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_heads=4)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_value=64)
+    pool, slot, inputs = mamba2_case(rng, 2, 1, 16, 4, 4, 8, 3, jnp.float32)
+    with pytest.raises(ValueError, match="heads per group"):
+        tpu.mamba2_state_update_tpu(pool, slot, inputs, mode="verify", block_heads=8)
+
+
+def test_dispatch_on_tpu_takes_the_tpu_layout():
+    """With platform="tpu" the default is XLA and kernel_backend="pallas" runs the TPU
+    layout (here in interpret mode); both agree with the scan."""
+    rng = np.random.default_rng(46)
+    pool, slot, inputs = mamba2_case(rng, 4, 2, 16, 2, 8, 16, 6, jnp.float32)
+    assert backend.resolve_backend(None, "tpu") == "xla"
+    outs, _, states = reference(pool, slot, recurrence.mamba2_scan,
+                                (inputs.x, inputs.b, inputs.c, inputs.dt), (inputs.a, inputs.d))
+    for kernel_backend in (None, "pallas"):
+        got = backend.state_update(pool, slot, inputs, mode="verify", platform="tpu",
+                                   kernel_backend=kernel_backend, interpret=True)
+        check_result(got, pool, slot, "verify", outs, None, states, FP32_TOL)
+
+
+def test_tpu_layout_lowers_to_mosaic_at_model_shapes():
+    """Qwen3-Next GDN (32 heads, 128 x 128) and Nemotron-H Mamba2 (128 heads, 64 x 128, 8
+    groups) lower to Mosaic (block legality and scalar prefetch are checked by that step;
+    the TPU compiler itself is not run here)."""
+    spec = jax.ShapeDtypeStruct
+    batch, slot = 6, spec((6,), jnp.int32)
+    for tokens, mode in ((1, "decode"), (4, "verify")):
+        gdn = su.GdnTokens(*(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
+                           *(spec((batch, tokens, 32), jnp.float32),) * 2)
+        mamba = su.Mamba2Tokens(spec((batch, tokens, 128, 64), jnp.bfloat16),
+                                *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
+                                spec((batch, tokens, 128), jnp.float32),
+                                *(spec((128,), jnp.float32),) * 2)
+        for fn, pool, inputs in ((tpu.gdn_state_update_tpu, (9, 32, 128, 128), gdn),
+                                 (tpu.mamba2_state_update_tpu, (9, 128, 64, 128), mamba)):
+            lowered = jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode)).trace(
+                spec(pool, jnp.float32), slot, inputs).lower(lowering_platforms=("tpu",))
+            assert "tpu_custom_call" in lowered.as_text()
