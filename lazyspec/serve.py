@@ -50,8 +50,8 @@ HELP = {
     "speculative_num_steps": "Draft tokens per step (default 3 when speculation is on).",
     "speculative_eagle_topk": "Draft branching; only 1 (chain drafting) is supported.",
     "speculative_num_draft_tokens": "Verify positions per step; must be num-steps + 1.",
-    "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU/TPU, "
-                      "xla on CPU).",
+    "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
+                      "on CPU and TPU; pallas on TPU is untested).",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "

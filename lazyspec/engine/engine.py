@@ -82,7 +82,7 @@ class Engine:
         num_pages = -(-c.max_total_tokens // c.page_size)
         from lazyspec.kernels.backend import resolve_backend
 
-        backend = resolve_backend(c.kernel_backend)  # pallas on GPU/TPU, xla on CPU
+        backend = resolve_backend(c.kernel_backend)  # pallas on GPU, xla on CPU and TPU
         self.sizes = PoolSizes(num_slots=num_slots, max_reqs=max_running, num_pages=num_pages,
                                page_size=c.page_size, context_len=context,
                                num_draft_positions=max(1, c.num_verify_tokens - 1))
