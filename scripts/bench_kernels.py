@@ -14,6 +14,10 @@ device-to-device ``copy_`` and XLA's ``x + 1``).
     python scripts/bench_kernels.py --out bench.md           # on a GPU
     python scripts/bench_kernels.py --smoke --out smoke.md   # CPU: tiny shapes, interpret
 
+The ``chunk`` kind times prefill instead: T tokens per row from slot states, ragged rows,
+the chunked XLA forms (``gdn_chunked`` / ``mamba2_chunked``: outputs, final state and the
+state after every chunk) checked against and timed beside the token-by-token scans.
+
 Shapes: Qwen3-Next-80B GDN at TP1 (32 value heads, d_k = d_v = 128, conv 8192 channels) and
 Nemotron-H-8B Mamba2 (128 heads, head dim 64, state 128, 8 groups, conv 10240 channels;
 from its published config). The scatter runs over 4 layers (time scales with layers).
@@ -47,7 +51,9 @@ try:
     import lazyspec.kernels  # noqa: E402,F401  (installed package)
 except ImportError:
     import conftest  # noqa: E402,F401  (maps kernels/ to lazyspec.kernels in a source checkout)
-from lazyspec.kernels import backend, conv_update, state_scatter, state_update  # noqa: E402
+from lazyspec.kernels import (  # noqa: E402
+    backend, conv_update, gdn_chunked, mamba2_chunked, recurrence, state_scatter, state_update,
+)
 
 COLUMNS = ("kernel", "model", "B", "T", "impl", "tiles", "check", "time us", "MB moved",
            "GB/s", "% copy")
@@ -96,7 +102,8 @@ class Bench:
     thread: dict
     slot_arg: int  # the argument holding the slot (or destination) vector
     slot_sets: jax.Array  # [R, B]: call i of a timed chain uses slot_sets[i % R]
-    reference: tuple | None = None  # the XLA form's outputs on make_args(), once computed
+    reference: tuple | None = None  # the reference form's outputs on make_args(), once computed
+    impls: tuple[str, str] = ("pallas", "xla")  # (checked candidate, reference)
 
 
 def log(message: str) -> None:
@@ -133,28 +140,35 @@ def pallas_options(interpret: bool, tiles: dict) -> dict:
     return {**tiles, "interpret": interpret, "compiler_params": params}
 
 
+def token_inputs(model: Model, keys, batch: int, tokens: int):
+    """Random per-token inputs of the model's mixer (keys[1..6]): bf16 activations, float32
+    gates, normalised GDN keys/queries, negative Mamba2 A."""
+    shape, bf16 = (batch, tokens, model.heads), jnp.bfloat16
+    if model.mixer == "gdn":
+        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+        return state_update.GdnTokens(
+            q=(unit(normal(keys[1], shape + (model.d_a,))) / model.d_a**0.5).astype(bf16),
+            k=unit(normal(keys[2], shape + (model.d_a,))).astype(bf16),
+            v=normal(keys[3], shape + (model.d_b,), bf16),
+            g=-jax.nn.softplus(normal(keys[4], shape)), beta=jax.nn.sigmoid(normal(keys[5], shape)))
+    group_shape = (batch, tokens, model.groups, model.d_b)
+    return state_update.Mamba2Tokens(
+        x=normal(keys[1], shape + (model.d_a,), bf16), b=normal(keys[2], group_shape, bf16),
+        c=normal(keys[3], group_shape, bf16), dt=jax.nn.softplus(normal(keys[4], shape)),
+        a=-jnp.exp(normal(keys[5], (model.heads,))), d=normal(keys[6], (model.heads,)))
+
+
 def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     mode = "decode" if tokens == 1 else "verify"
     keys = jax.random.split(jax.random.key(batch * 10 + tokens), 8)
     state_bytes = model.heads * model.d_a * model.d_b * 4
     num_slots, slot_sets = slots_for(keys[0], batch, state_bytes, opts.smoke)
     slot, interpret = slot_sets[0], opts.interpret
-    shape, bf16 = (batch, tokens, model.heads), jnp.bfloat16
+    tokens_in = token_inputs(model, keys, batch, tokens)
     if model.mixer == "gdn":
-        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-        tokens_in = state_update.GdnTokens(
-            q=(unit(normal(keys[1], shape + (model.d_a,))) / model.d_a**0.5).astype(bf16),
-            k=unit(normal(keys[2], shape + (model.d_a,))).astype(bf16),
-            v=normal(keys[3], shape + (model.d_b,), bf16),
-            g=-jax.nn.softplus(normal(keys[4], shape)), beta=jax.nn.sigmoid(normal(keys[5], shape)))
         pallas, xla, out = (state_update.gdn_state_update_pallas,
                             state_update.gdn_state_update_xla, tokens_in.v)
     else:
-        group_shape = (batch, tokens, model.groups, model.d_b)
-        tokens_in = state_update.Mamba2Tokens(
-            x=normal(keys[1], shape + (model.d_a,), bf16), b=normal(keys[2], group_shape, bf16),
-            c=normal(keys[3], group_shape, bf16), dt=jax.nn.softplus(normal(keys[4], shape)),
-            a=-jnp.exp(normal(keys[5], (model.heads,))), d=normal(keys[6], (model.heads,)))
         pallas, xla, out = (state_update.mamba2_state_update_pallas,
                             state_update.mamba2_state_update_xla, tokens_in.x)
     pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
@@ -172,6 +186,51 @@ def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     make = lambda: (normal(keys[7], pool_shape, scale=0.1), slot, tokens_in)  # noqa: E731
     return Bench(model.mixer, moved, make, fn, {1: 0} if mode == "decode" else {}, 1,
                  slot_sets)
+
+
+def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
+    """Prefill of ``tokens`` per row from slot states, ragged (row b's real length is drawn
+    from [tokens / 2, tokens]): the chunked XLA form ("chunked": outputs, final state and the
+    state after every chunk) against the token-by-token scan ("scan"). Bytes moved: inputs,
+    initial states, outputs, final and chunk states."""
+    keys = jax.random.split(jax.random.key(batch * 10 + tokens + 3), 9)
+    state_bytes = model.heads * model.d_a * model.d_b * 4
+    num_slots, slot_sets = slots_for(keys[0], batch, state_bytes, opts.smoke)
+    tokens_in = token_inputs(model, keys, batch, tokens)
+    num_valid = jax.random.randint(keys[8], (batch,), tokens // 2, tokens + 1)
+    chunk = opts.chunk_size
+    gdn = model.mixer == "gdn"
+    if gdn:
+        per_row = (tokens_in.q, tokens_in.k, tokens_in.v, tokens_in.g, tokens_in.beta)
+        shared, out = (), tokens_in.v
+    else:
+        per_row = (tokens_in.x, tokens_in.b, tokens_in.c, tokens_in.dt)
+        shared, out = (tokens_in.a, tokens_in.d), tokens_in.x
+    chunk_states = batch * (tokens // chunk) * state_bytes
+    moved = (2 * batch * state_bytes + chunk_states + 2 * nbytes(out)
+             + nbytes(*jax.tree.leaves(tokens_in)))
+    chunked_form = gdn_chunked.gdn_chunked if gdn else mamba2_chunked.mamba2_chunked
+    scan_form = recurrence.gdn_scan if gdn else recurrence.mamba2_scan
+    axes = (0,) * (1 + len(per_row)) + (None,) * len(shared) + (0,)
+
+    def fn(impl, tiles):
+        def run(pool, slot, per_row, shared, num_valid):
+            h0 = pool[slot].astype(jnp.float32)
+            inputs = [x.astype(jnp.float32) for x in per_row + shared]
+            valid = jnp.arange(tokens)[None, :] < num_valid[:, None]
+            if impl == "chunked":
+                form = lambda *a: chunked_form(*a, chunk_size=chunk)  # noqa: E731
+                outs, final, chunks = jax.vmap(form, in_axes=axes)(h0, *inputs, num_valid)
+            else:
+                outs, final, states = jax.vmap(scan_form, in_axes=axes)(h0, *inputs, valid)
+                chunks = states[:, chunk - 1::chunk]
+            return jnp.where(valid[:, :, None, None], outs, 0.0), final, chunks
+        return run
+
+    make = lambda: (normal(keys[7], (num_slots + 1,) + (model.heads, model.d_a, model.d_b),  # noqa: E731
+                           scale=0.1), slot_sets[0], per_row, shared, num_valid)
+    return Bench("chunk-" + model.mixer, int(moved), make, fn, {}, 1, slot_sets,
+                 impls=("chunked", "scan"))
 
 
 def conv_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
@@ -225,13 +284,15 @@ def scatter_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
 
 
 def check(bench: Bench, tiles: dict) -> str:
-    """Worst error of the Pallas outputs vs the XLA form, each relative to that output's max;
-    "MISMATCH" past 1e-2 for bf16 outputs (one rounding) or 1e-4 for float32 states/pools.
-    The XLA result is computed once per bench (the inputs are the same for every call)."""
+    """Worst error of the candidate's outputs (Pallas; the chunked form for prefill) vs the
+    reference form's (XLA; the scan), each relative to that output's max; "MISMATCH" past
+    1e-2 for bf16 outputs (one rounding) or 1e-4 for float32. The reference result is
+    computed once per bench (the inputs are the same for every call)."""
+    candidate, reference = bench.impls
     args = bench.make_args()
-    got = jax.jit(bench.fn("pallas", tiles))(*args)
+    got = jax.jit(bench.fn(candidate, tiles))(*args)
     if bench.reference is None:
-        bench.reference = jax.jit(bench.fn("xla", {}))(*bench.make_args())
+        bench.reference = jax.jit(bench.fn(reference, {}))(*bench.make_args())
     worst, bad = 0.0, False
     for g, w in zip(got, bench.reference):
         tol = 1e-2 if w.dtype == jnp.bfloat16 else 1e-4
@@ -309,15 +370,17 @@ def jax_chain(bench: Bench, impl: str, tiles: dict, calls: int) -> Callable[[], 
     return run
 
 
+def xla_add_one_seconds(num_bytes: int, iters: int, warmup: int) -> float:
+    """Median seconds of a jitted ``x + 1`` over ``num_bytes`` of float32."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    add_one = jax.jit(lambda a: a + 1.0)
+    return time_calls(lambda: add_one(x).block_until_ready(), iters, warmup)
+
+
 def copy_bandwidths(num_bytes: int, iters: int, warmup: int) -> dict[str, float]:
     """GB/s (bytes read + written) of a device-to-device copy through torch (cudaMemcpy;
     when torch sees a GPU) and of XLA's ``x + 1`` over ``num_bytes`` of float32."""
-    results = {}
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    add_one = jax.jit(lambda a: a + 1.0)
-    results["xla x+1"] = 2 * num_bytes / time_calls(
-        lambda: add_one(x).block_until_ready(), iters, warmup) / 1e9
-    del x
+    results = {"xla x+1": 2 * num_bytes / xla_add_one_seconds(num_bytes, iters, warmup) / 1e9}
     try:
         import torch
 
@@ -491,6 +554,7 @@ def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Tab
                           lambda: peer_seconds(model, batch, tokens, opts)))
         return
     builder, tile_list = {"state": (state_bench, model.state_tiles),
+                          "chunk": (chunk_bench, ({},)),
                           "conv": (conv_bench, model.conv_tiles),
                           "scatter": (scatter_bench, model.scatter_tiles)}[kind]
     tile_list = opts.tiles.get(kind, tile_list)
@@ -500,10 +564,11 @@ def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Tab
         traceback.print_exc(limit=4)
         table.add({**base, "kernel": kind, "check": f"error building inputs: {error}"[:120]})
         return
-    for impl, tiles in [("pallas", t) for t in tile_list] + [("xla", {})]:
+    candidate, reference = bench.impls
+    for impl, tiles in [(candidate, t) for t in tile_list] + [(reference, {})]:
         row = {**base, "kernel": bench.kernel, "impl": impl,
                "tiles": ",".join(f"{k}={v}" for k, v in tiles.items()) or "-"}
-        if impl == "pallas":
+        if impl == candidate:
             try:
                 row["check"] = check(bench, tiles)
             except Exception as error:
@@ -542,8 +607,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default 50)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 5)")
-    parser.add_argument("--kernels", default="state,conv,scatter,external",
-                        help="comma list of state, conv, scatter, external")
+    parser.add_argument("--kernels", default="state,chunk,conv,scatter,external",
+                        help="comma list of state, chunk (prefill forms), conv, scatter, "
+                             "external")
+    parser.add_argument("--prefill-len", type=int, default=None,
+                        help="tokens per row of the chunk benchmark (default 4096)")
+    parser.add_argument("--prefill-batches", default=None,
+                        help="comma list of rows for the chunk benchmark (default 1,8)")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="chunk of the chunked prefill forms (default 64)")
     parser.add_argument("--models", default=None, help="comma list of model names")
     parser.add_argument("--batches", default=None, help="comma list (default 1,16,64,256)")
     parser.add_argument("--tokens", default=None, help="comma list (default 1,4)")
@@ -560,6 +632,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batches = [int(b) for b in batches.split(",")]
     args.tokens = [int(t) for t in (args.tokens or ("1,2" if args.smoke else "1,4")).split(",")]
     args.tiles = dict(parse_tiles(spec) for spec in args.tiles)
+    args.prefill_len = args.prefill_len or (40 if args.smoke else 4096)
+    prefill_batches = args.prefill_batches or ("2" if args.smoke else "1,8")
+    args.prefill_batches = [int(b) for b in prefill_batches.split(",")]
+    args.chunk_size = args.chunk_size or (16 if args.smoke else 64)
     return args
 
 
@@ -600,8 +676,9 @@ def main(argv=None) -> int:
         f"GB/s (the best of: {copy_text}); per-call device time from chains of "
         f"{CHAIN_CALLS[0]} and {CHAIN_CALLS[1]} calls (median of {opts.iters} after "
         f"{opts.warmup} each); T=1 decode (in place), "
-        f"T>1 verify (every step to scratch); scatter over {SCATTER_LAYERS} layers; check = "
-        "max |pallas - xla| / max |xla| over every output."))
+        f"T>1 verify (every step to scratch); chunk: prefill of T tokens per row (chunk size "
+        f"{opts.chunk_size}), the chunked XLA form checked against the scan; scatter over "
+        f"{SCATTER_LAYERS} layers; check = max |pallas - xla| / max |xla| over every output."))
     kinds = [k for k in opts.kernels.split(",") if k]
     if opts.smoke or jax.default_backend() != "gpu":
         kinds = [k for k in kinds if k != "external"]  # torch kernels need CUDA
@@ -609,8 +686,9 @@ def main(argv=None) -> int:
         if opts.models and model.name not in opts.models.split(","):
             continue
         for kind in kinds:
-            for batch in opts.batches:
-                for tokens in opts.tokens:
+            prefill = kind == "chunk"
+            for batch in opts.prefill_batches if prefill else opts.batches:
+                for tokens in [opts.prefill_len] if prefill else opts.tokens:
                     log(f"== {kind} {model.name} B={batch} T={tokens}")
                     with jax.default_matmul_precision("highest"):  # float32 dots in XLA forms
                         run_shape(kind, model, batch, tokens, opts, table)

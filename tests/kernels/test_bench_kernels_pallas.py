@@ -1,5 +1,5 @@
-"""scripts/bench_kernels.py in its CPU smoke mode: every Pallas case is checked against the
-XLA form and timed, and the table says so."""
+"""scripts/bench_kernels.py in its CPU smoke mode: every Pallas case (and the chunked
+prefill form) is checked against its reference and timed, and the table says so."""
 
 from __future__ import annotations
 
@@ -23,16 +23,18 @@ def bench_kernels():
 
 def test_bench_kernels_smoke_checks_every_pallas_case(bench_kernels, tmp_path):
     out = tmp_path / "smoke.md"
-    argv = ["--smoke", "--kernels", "state,scatter", "--models", "tiny-gdn", "--out", str(out)]
+    argv = ["--smoke", "--kernels", "state,chunk,scatter", "--models", "tiny-gdn",
+            "--out", str(out)]
     assert bench_kernels.main(argv) == 0
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| kernel")]
     rows = [[cell.strip() for cell in row] for row in rows]
-    # {state, scatter} x 1 batch x 2 token counts x (1 Pallas tile + XLA)
-    assert len(rows) == 8
-    pallas = [row for row in rows if row[4] == "pallas"]
-    assert len(pallas) == 4
-    assert all(row[6].startswith("ok ") for row in pallas), [row[6] for row in pallas]
+    # {state, scatter} x 1 batch x 2 token counts x (1 Pallas tile + XLA), and the prefill
+    # (chunk) bench at one batch and length: chunked form + scan
+    assert len(rows) == 10
+    checked = [row for row in rows if row[4] in ("pallas", "chunked")]
+    assert len(checked) == 5
+    assert all(row[6].startswith("ok ") for row in checked), [row[6] for row in checked]
     assert all(row[7] and row[8] for row in rows)  # every case timed, bytes counted
 
 
