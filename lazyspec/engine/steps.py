@@ -131,11 +131,12 @@ def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
     rec = _gather_state(pools, batch.state_src_slot)
     with jax.named_scope("target_extend"):
         hidden, kv, out = fam.forward(params, cfg, inputs, pools.kv, rec, mode="extend",
-                                      chunk_size=static.chunk_size, backend=static.backend)
+                                      chunk_size=static.chunk_size, backend=static.backend,
+                                      keep_chunk=batch.track_chunk)
     conv, ssm = _scatter_state(pools.conv, pools.ssm, batch.working_slot,
                                out.final.conv, out.final.ssm)
     conv, ssm = _commit_picked(static, conv, ssm, out.chunks, batch.track_slot,
-                               batch.track_chunk)
+                               jnp.zeros_like(batch.track_chunk))  # the one kept chunk state
     rows = jnp.arange(num_rows)
     last = jnp.maximum(batch.num_new - 1, 0)
     logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]

@@ -3,8 +3,8 @@
 Every family module (``qwen3_next.py``, ``nemotron_h.py``) exposes the same functions over
 these pytrees, so the runner never branches on the family:
 
-``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, backend="xla")``
-    -> ``(hidden, kv, RecurrentOut)``
+``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, backend="xla",
+keep_chunk=None)`` -> ``(hidden, kv, RecurrentOut)``
 
 * ``inputs`` is a ``ForwardInputs``: B rows of T token slots; row b's new tokens are
   ``tokens[b, :num_new[b]]`` (the rest is padding and must not change any state).
@@ -18,6 +18,9 @@ these pytrees, so the runner never branches on the family:
 * ``mode`` (static): ``"extend"`` (prefill chunk; also returns the state after every
   ``chunk_size`` tokens of the row), ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the
   state after every position).
+* ``keep_chunk`` (extend only, optional ``[B]`` int): return only the state after chunk
+  ``keep_chunk[b]`` of each row (``chunks`` then has one entry per row), selected layer by
+  layer so the other chunk states of all layers never have to exist at once.
 * ``hidden`` is the residual stream after the last layer, *before* the final norm
   ([B, T, hidden]); ``compute_logits(params, cfg, hidden)`` applies the final norm and lm_head.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +59,15 @@ class KVPools:
 class RecurrentState:
     conv: jax.Array  # [L_rec, B, conv_dim, K-1] (extra axis after B for steps / chunks)
     ssm: jax.Array  # [L_rec, B, H, d_a, d_b]
+
+
+def keep_chunk_states(trace: jax.Array, keep_chunk: jax.Array | None) -> jax.Array:
+    """``[B, S, ...]`` per-chunk states -> ``[B, 1, ...]``, row b's entry ``keep_chunk[b]``
+    (clamped into range); unchanged when ``keep_chunk`` is None or there are no chunks."""
+    if keep_chunk is None or trace.shape[1] == 0:
+        return trace
+    rows = jnp.arange(trace.shape[0])
+    return trace[rows, jnp.clip(keep_chunk, 0, trace.shape[1] - 1)][:, None]
 
 
 @jax.tree_util.register_dataclass

@@ -14,6 +14,7 @@ Params: ``{"embed_tokens": [V, D], "norm": [D], "lm_head": linear (absent when t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentOut, RecurrentState,
+    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states,
 )
 from lazyspec.models.layers.attention import (
     AttentionSpec, attention_forward, attention_reference,
@@ -199,13 +200,14 @@ def _run_blocks(params: dict, cfg: ModelConfig, tokens: jax.Array, mamba_fn, att
 
 
 def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
-            rec: RecurrentState, *, mode: str, chunk_size: int = 64, backend: str = "xla"):
+            rec: RecurrentState, *, mode: str, chunk_size: int = 64, backend: str = "xla",
+            keep_chunk: jax.Array | None = None):
     """The device contract of ``interface.py``: returns (hidden, kv, RecurrentOut).
 
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
     tokens (``chunks``); ``verify`` the T-step form with the state after every position
-    (``steps``); ``decode`` the T-step form with the final state only. Pure; pools are
-    returned, not mutated.
+    (``steps``); ``decode`` the T-step form with the final state only. ``keep_chunk`` as in
+    ``interface.py``. Pure; pools are returned, not mutated.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -221,6 +223,10 @@ def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
         out, state = mamba2_mixer(mixer, arch.mamba, x, rec.conv[r], rec.ssm[r],
                                   inputs.num_new, form=form, chunk_size=chunk_size,
                                   backend=backend)
+        if mode == "extend":
+            state = dataclasses.replace(
+                state, trace_conv=keep_chunk_states(state.trace_conv, keep_chunk),
+                trace_ssm=keep_chunk_states(state.trace_ssm, keep_chunk))
         states.append(state)
         return out
 

@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
-from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentOut, RecurrentState
+from lazyspec.models.interface import (
+    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states,
+)
 from lazyspec.models.layers.attention import (
     AttentionSpec, attention_forward, attention_plan, attention_reference,
 )
@@ -265,14 +267,15 @@ def _recurrent_out(states: list, rec: RecurrentState, mode: str) -> RecurrentOut
 
 
 def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
-            rec: RecurrentState, *, mode: str, chunk_size: int = 64,
-            backend: str = "xla") -> tuple[jax.Array, KVPools, RecurrentOut]:
+            rec: RecurrentState, *, mode: str, chunk_size: int = 64, backend: str = "xla",
+            keep_chunk: jax.Array | None = None) -> tuple[jax.Array, KVPools, RecurrentOut]:
     """The device contract of ``interface.py``: (hidden before the final norm, kv, states).
 
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
     ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
     (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in the Pallas
-    kernel when ``backend="pallas"``. Pure: returns new pools.
+    kernel when ``backend="pallas"``. ``keep_chunk`` as in ``interface.py``. Pure: returns
+    new pools.
     """
     _check_mode(mode, backend)
     form = "chunked" if mode == "extend" else "steps"
@@ -288,6 +291,9 @@ def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools
                     rec.conv[r], rec.ssm[r], inputs.num_new, form=form, chunk_size=chunk_size,
                     backend=backend,
                 )
+                if mode == "extend":
+                    st = st._replace(conv_trace=keep_chunk_states(st.conv_trace, keep_chunk),
+                                     ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk))
                 states.append(st)
                 x, r = _mlp_block(lp, cfg, kind, x + h), r + 1
             else:
