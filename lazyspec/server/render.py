@@ -1,0 +1,227 @@
+"""Response bodies of the HTTP server: per-request output state (``Choice``) and the
+OpenAI completions / chat and SGLang ``/generate`` shapes, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from lazyspec.server.protocol import GenerationSpec, TextStream
+from lazyspec.server.worker import TokenEvent
+
+
+class Choice:
+    """Output state of one engine request: tokens, logprobs, text, finish."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], rid: str, prompt_tokens: int) -> None:
+        self.text = TextStream(tokenizer, stop)
+        self.rid, self.prompt_tokens = rid, prompt_tokens
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.cached_tokens = self.spec_verify_ct = 0
+        self.finish_reason: dict[str, Any] | None = None
+        self.error: str | None = None
+
+    def apply(self, event: TokenEvent) -> str:
+        """Take one event; returns the new text that may be shown."""
+        self.token_ids += event.token_ids
+        self.logprobs += event.logprobs
+        self.top_logprobs += event.top_logprobs
+        self.cached_tokens, self.spec_verify_ct = event.cached_tokens, event.spec_verify_ct
+        final = event.finish_reason is not None
+        delta = self.text.push(event.token_ids, final=final)
+        if self.text.stopped is not None:
+            self.finish_reason = {"type": "stop", "matched": self.text.stopped}
+        elif final:
+            self.finish_reason, self.error = event.finish_reason, event.error
+        return delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.text.stopped is not None
+
+    @property
+    def finish_type(self) -> str:
+        return (self.finish_reason or {}).get("type", "unknown")
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    prompt = sum(c.prompt_tokens for c in choices)
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
+
+
+def model_list(name: str, max_context: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "lazyspec", "max_model_len": max_context}]}
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
+
+
+class _Renderer:
+    object_name = ""
+
+    def __init__(self, model: str, tokenizer: Any, spec: GenerationSpec) -> None:
+        self.model, self.tokenizer, self.spec = model, tokenizer, spec
+        self.id = f"{'chatcmpl' if 'chat' in self.object_name else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, choices: list[dict], object_name: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name or self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_chunk(self, choices: list[Choice]) -> str:
+        return sse({**self.envelope([]), "usage": usage(choices)})
+
+
+class CompletionRenderer(_Renderer):
+    """/v1/completions bodies. ``logprobs: N`` gives each position's N most likely tokens
+    plus the sampled one in ``top_logprobs``; echoed prompt tokens have logprob null."""
+
+    object_name = "text_completion"
+
+    def logprobs(self, token_ids: list[int], logprobs: list, tops: list,
+                 offset: int) -> dict[str, Any]:
+        tokens = [_token_text(self.tokenizer, t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top_dicts = []
+        for token, lp, top in zip(tokens, logprobs, tops):
+            if lp is None:
+                top_dicts.append(None)
+                continue
+            alternatives = {_token_text(self.tokenizer, t): v for v, t in top[: self.spec.logprobs]}
+            top_dicts.append({**alternatives, token: lp})
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
+                "text_offset": offsets}
+
+    def prompt_text(self, index: int) -> str:
+        text = self.spec.prompt_texts[index]
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.spec.prompts[index])
+        return text or ""
+
+    def full(self, choices: list[Choice]) -> dict[str, Any]:
+        out = []
+        for i, c in enumerate(choices):
+            prefix = self.prompt_text(i) if self.spec.echo else ""
+            logprobs = None
+            if self.spec.logprobs is not None:
+                ids, lps, tops = c.token_ids, list(c.logprobs), list(c.top_logprobs)
+                if self.spec.echo:
+                    echoed = len(self.spec.prompts[i])
+                    ids, lps = self.spec.prompts[i] + ids, [None] * echoed + lps
+                    tops = [[]] * echoed + tops
+                logprobs = self.logprobs(ids, lps, tops, 0)
+            out.append({"index": i, "text": prefix + c.text.text, "logprobs": logprobs,
+                        "finish_reason": _openai_finish(c)})
+        return {**self.envelope(out), "usage": usage(choices)}
+
+    async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
+        if self.spec.echo:
+            for i in range(len(choices)):
+                yield sse(self.envelope([self._chunk(i, self.prompt_text(i), None, None)]))
+        async for i, delta, event in events:
+            c = choices[i]
+            logprobs = None
+            if self.spec.logprobs is not None:
+                logprobs = self.logprobs(event.token_ids, event.logprobs, event.top_logprobs,
+                                         len(c.text.text) - len(delta))
+            if delta or c.finished or logprobs is not None:
+                yield sse(self.envelope([self._chunk(i, delta, logprobs, _openai_finish(c))]))
+        if self.spec.include_usage:
+            yield self.usage_chunk(choices)
+
+    @staticmethod
+    def _chunk(index: int, text: str, logprobs, finish) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+class ChatRenderer(_Renderer):
+    """/v1/chat/completions bodies; ``top_logprobs: N`` lists each position's N most likely
+    tokens, most likely first."""
+
+    object_name = "chat.completion"
+
+    def _item(self, token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(self.tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, token_ids: list[int], logprobs: list[float],
+                 tops: list[list[tuple[float, int]]]) -> dict[str, Any]:
+        content = []
+        for token, lp, top in zip(token_ids, logprobs, tops):
+            alternatives = [self._item(t, v) for v, t in top[: self.spec.logprobs]]
+            content.append({**self._item(token, lp), "top_logprobs": alternatives})
+        return {"content": content}
+
+    def _logprobs_or_none(self, token_ids, logprobs, tops):
+        return None if self.spec.logprobs is None else self.logprobs(token_ids, logprobs, tops)
+
+    def full(self, choices: list[Choice]) -> dict[str, Any]:
+        c = choices[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text.text},
+                  "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
+                  "finish_reason": _openai_finish(c)}
+        return {**self.envelope([choice]), "usage": usage(choices)}
+
+    async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
+        chunk = "chat.completion.chunk"
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}
+        yield sse(self.envelope([first], chunk))
+        async for i, delta, event in events:
+            c = choices[i]
+            logprobs = self._logprobs_or_none(event.token_ids, event.logprobs,
+                                              event.top_logprobs)
+            if delta or c.finished or logprobs is not None:
+                body = {"index": i, "delta": {"content": delta} if delta else {},
+                        "logprobs": logprobs, "finish_reason": _openai_finish(c)}
+                yield sse(self.envelope([body], chunk))
+        if self.spec.include_usage:
+            yield sse({**self.envelope([], chunk), "usage": usage(choices)})
+
+
+def _openai_finish(choice: Choice) -> str | None:
+    return None if not choice.finished else choice.finish_type
+
+
+def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:
+    """One SGLang /generate result (cumulative when streamed)."""
+    meta = {"id": c.rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+            "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason,
+            "spec_verify_ct": c.spec_verify_ct}
+    if spec.logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
+        if spec.logprobs:
+            meta["output_top_logprobs"] = [[[v, t, None] for v, t in top[: spec.logprobs]]
+                                           for top in c.top_logprobs]
+    return {"text": c.text.text, "output_ids": list(c.token_ids), "meta_info": meta}
+
+
+def generate_stream(spec: GenerationSpec):
+    async def render(events, choices: list[Choice]) -> AsyncIterator[str]:
+        async for i, _, _ in events:
+            result = generate_result(choices[i], spec)
+            if spec.batched:
+                result["index"] = i
+            yield sse(result)
+
+    return render
