@@ -13,8 +13,8 @@ keeps its contents.
 Blocks follow Mosaic's rule for the last two dims (multiples of (8, 128) or whole):
 ``block_heads`` must be a multiple of 8 or all heads; GDN's value tile is all of d_v or a
 multiple of 128; Mamba2 keeps the head dim P, state N and the B/C groups whole and needs
-``block_heads`` to divide the heads of one group. Checked on CPU in interpret mode and by lowering to
-Mosaic; never compiled or run on a TPU here.
+``block_heads`` to divide the heads of one group. Checked on CPU in interpret mode and by
+lowering to Mosaic; never compiled or run on a TPU here.
 """
 
 from __future__ import annotations

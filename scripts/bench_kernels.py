@@ -227,8 +227,9 @@ def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
             return jnp.where(valid[:, :, None, None], outs, 0.0), final, chunks
         return run
 
-    make = lambda: (normal(keys[7], (num_slots + 1,) + (model.heads, model.d_a, model.d_b),  # noqa: E731
-                           scale=0.1), slot_sets[0], per_row, shared, num_valid)
+    pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
+    make = lambda: (normal(keys[7], pool_shape, scale=0.1),  # noqa: E731
+                    slot_sets[0], per_row, shared, num_valid)
     return Bench("chunk-" + model.mixer, int(moved), make, fn, {}, 1, slot_sets,
                  impls=("chunked", "scan"))
 

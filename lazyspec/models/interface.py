@@ -76,3 +76,20 @@ class RecurrentOut:
     final: RecurrentState  # after each row's num_new tokens
     steps: RecurrentState | None  # verify: [L_rec, B, T, ...], state after each position
     chunks: RecurrentState | None  # extend: [L_rec, B, T // chunk, ...], after (j+1)*chunk tokens
+
+
+def recurrent_out(layers: list[tuple[RecurrentState, RecurrentState]], rec: RecurrentState,
+                  mode: str) -> RecurrentOut:
+    """Stack per-layer ``(final, trace)`` states (``[B, ...]`` / ``[B, S, ...]``) into the
+    ``RecurrentOut`` that ``mode`` promises (``[L_rec, B, ...]``: the trace is ``steps`` in
+    verify, ``chunks`` in extend, dropped in decode); with no recurrent layer, ``rec``."""
+    if not layers:
+        return RecurrentOut(final=rec, steps=None, chunks=None)
+
+    def stack(states: list[RecurrentState]) -> RecurrentState:
+        return RecurrentState(conv=jnp.stack([s.conv for s in states]),
+                              ssm=jnp.stack([s.ssm for s in states]))
+
+    final, trace = stack([f for f, _ in layers]), stack([t for _, t in layers])
+    return RecurrentOut(final=final, steps=trace if mode == "verify" else None,
+                        chunks=trace if mode == "extend" else None)

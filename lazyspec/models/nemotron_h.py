@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states,
+    ForwardInputs, KVPools, RecurrentState, keep_chunk_states, recurrent_out,
 )
 from lazyspec.models.layers.attention import (
     AttentionSpec, attention_forward, attention_reference,
@@ -238,19 +238,9 @@ def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
         return out
 
     hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn)
-    return hidden, KVPools(k=k_pools, v=v_pools), _recurrent_out(states, rec, mode)
-
-
-def _recurrent_out(states: list, rec: RecurrentState, mode: str) -> RecurrentOut:
-    """Stack per-layer mixer states into RecurrentOut ([L_rec, B, ...])."""
-    if not states:
-        return RecurrentOut(final=rec, steps=None, chunks=None)
-    final = RecurrentState(conv=jnp.stack([s.conv for s in states]),
-                           ssm=jnp.stack([s.ssm for s in states]))
-    trace = RecurrentState(conv=jnp.stack([s.trace_conv for s in states]),
-                           ssm=jnp.stack([s.trace_ssm for s in states]))
-    return RecurrentOut(final=final, steps=trace if mode == "verify" else None,
-                        chunks=trace if mode == "extend" else None)
+    layers = [(RecurrentState(s.conv, s.ssm), RecurrentState(s.trace_conv, s.trace_ssm))
+              for s in states]
+    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, rec, mode)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states,
+    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states, recurrent_out,
 )
 from lazyspec.models.layers.attention import (
     AttentionSpec, attention_forward, attention_plan, attention_reference,
@@ -251,21 +251,6 @@ def _check_mode(mode: str, backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
-def _recurrent_out(states: list, rec: RecurrentState, mode: str) -> RecurrentOut:
-    """Stack per-layer GDN states into the ``RecurrentOut`` the mode promises."""
-    if not states:
-        return RecurrentOut(final=rec, steps=None, chunks=None)
-    final = RecurrentState(jnp.stack([s.conv for s in states]), jnp.stack([s.ssm for s in states]))
-    trace = RecurrentState(
-        jnp.stack([s.conv_trace for s in states]), jnp.stack([s.ssm_trace for s in states])
-    )
-    return RecurrentOut(
-        final=final,
-        steps=trace if mode == "verify" else None,
-        chunks=trace if mode == "extend" else None,
-    )
-
-
 def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
             rec: RecurrentState, *, mode: str, chunk_size: int = 64, backend: str = "xla",
             keep_chunk: jax.Array | None = None) -> tuple[jax.Array, KVPools, RecurrentOut]:
@@ -301,7 +286,9 @@ def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools
                     lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
                 )
                 a += 1
-    return x, KVPools(k_pools, v_pools), _recurrent_out(states, rec, mode)
+    layers = [(RecurrentState(st.conv, st.ssm), RecurrentState(st.conv_trace, st.ssm_trace))
+              for st in states]
+    return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
 
 
 def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

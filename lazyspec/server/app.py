@@ -81,7 +81,8 @@ class _Frontend:
     async def open(self, spec: GenerationSpec) -> tuple[RequestGroup, list[Choice]]:
         """Admit ``spec``'s requests (503 when the queue is full, 400 if the engine refuses)."""
         limit = self.settings.max_queued_requests
-        if limit is not None and self.num_live + len(spec.prompts) > self.worker.max_running + limit:
+        wanted = self.num_live + len(spec.prompts)
+        if limit is not None and wanted > self.worker.max_running + limit:
             raise ApiError(f"the server is at capacity ({self.num_live} requests live, "
                            f"max_queued_requests={limit}); retry later", status=503,
                            code="queue_full", error_type="server_overloaded")
