@@ -1,9 +1,9 @@
 """Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates.
 
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
-(where Pallas only runs in interpret mode, which is for tests) and on TPU (never run there:
-``kernel_backend="pallas"`` opts in to the scalar-prefetch state update of
-``state_update_tpu``; the conv update and the scatter stay on their XLA forms on TPU).
+(where Pallas runs only in interpret mode, which the dispatch then uses: for tests) and on
+TPU (never run there: ``kernel_backend="pallas"`` opts in to the scalar-prefetch state
+update of ``state_update_tpu``; the conv update and the scatter stay on XLA on TPU).
 The dispatch functions have the contracts of the functions they call (``state_update``,
 ``conv_update``, ``state_scatter`` modules); tile sizes are passed through to Pallas and
 ignored by XLA.
@@ -79,8 +79,15 @@ def fitted_tile(size: int, preferred: int) -> int:
     return tile
 
 
+def _on(platform: str | None, name: str) -> bool:
+    """Whether ``platform`` (default: JAX's default backend) is ``name``."""
+    return (jax.default_backend() if platform is None else platform) == name
+
+
 def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -> dict[str, Any]:
-    if interpret:
+    """Interpret mode when asked or on CPU (where Pallas has no compiled lowering), else
+    Triton compiler params."""
+    if interpret or _on(None, "cpu"):
         return {"interpret": True, "compiler_params": None}
     if compiler_params is None:
         compiler_params = pallas_compiler_params(num_warps=num_warps)
@@ -106,7 +113,7 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
         raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
     if resolve_backend(kernel_backend, platform) == "xla":
         return xla_fn(pool, slot, tokens, mode=mode)
-    if (jax.default_backend() if platform is None else platform) == "tpu":
+    if _on(platform, "tpu"):
         from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
 
         tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
@@ -124,7 +131,7 @@ def conv_update(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Arra
                 kernel_backend: str | None = None, block_channels: int | None = None,
                 interpret: bool = False, compiler_params: Any = None) -> ConvUpdateResult:
     """Causal conv update for T tokens per row on the chosen backend (XLA on TPU)."""
-    if resolve_backend(kernel_backend) == "xla" or jax.default_backend() == "tpu":
+    if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
         return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu)
     return conv_update_pallas(pool, slot, x, weight, bias, mode=mode, silu=silu,
                               block_channels=block_channels,
@@ -141,7 +148,7 @@ def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Arra
     on TPU);
     tiles left as None take ``DEFAULT_SCATTER_TILES``."""
     args = (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
-    if resolve_backend(kernel_backend) == "xla" or jax.default_backend() == "tpu":
+    if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
         return state_scatter_xla(*args)
     if block_rows is None:
         block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])

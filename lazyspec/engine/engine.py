@@ -15,9 +15,8 @@ import numpy as np
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.engine.request import Req, SamplingParams
+from lazyspec.engine.request import TOP_LOGPROBS, Req, SamplingParams
 from lazyspec.engine.runner import PoolSizes, Runner
-from lazyspec.engine.sampling import TOP_LOGPROBS
 from lazyspec.engine.scheduler import Scheduler, SchedulerLimits
 from lazyspec.engine.steps import StepStatic
 from lazyspec.engine.tracking import CheckpointTracker

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NO_SLOT = 0  # the null slot: "none" for every slot field
+TOP_LOGPROBS = 5  # most likely tokens reported per position (top_logprobs_num <= this)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from lazyspec.engine.request import TOP_LOGPROBS
+
 NEG_INF = -1e30
 PURPOSE_SAMPLE = 0
 PURPOSE_ACCEPT = 1
@@ -108,7 +110,6 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
     return tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
 
 
-TOP_LOGPROBS = 5  # alternatives returned per position (top_logprobs_num <= this)
 
 
 def top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -109,8 +109,7 @@ def _commit_picked(static: StepStatic, pools_conv, pools_ssm, stacked: Recurrent
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
     ssm, conv = state_scatter(pools_ssm, pools_conv, stacked.ssm, stacked.conv,
                               jnp.where(write, dst_slot, 0), jnp.where(write, index, -1),
-                              kernel_backend=static.backend,
-                              interpret=jax.default_backend() == "cpu")
+                              kernel_backend=static.backend)
     return conv, ssm
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lazyspec.engine.request import SamplingParams
+from lazyspec.engine.request import TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 5  # alternatives per position the engine computes (engine.sampling.TOP_LOGPROBS)
+MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

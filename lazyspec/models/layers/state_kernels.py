@@ -17,10 +17,6 @@ from lazyspec.kernels.backend import state_update
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
 
 
-def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
-
-
 def _final(step_states: jax.Array, ssm0: jax.Array, num_new: jax.Array) -> jax.Array:
     rows = jnp.arange(step_states.shape[0])
     last = step_states[rows, jnp.maximum(num_new - 1, 0)]
@@ -32,7 +28,7 @@ def pallas_steps(ssm0: jax.Array, tokens: GdnTokens | Mamba2Tokens, num_new: jax
     """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...])."""
     slot = jnp.arange(ssm0.shape[0], dtype=jnp.int32)
     result = state_update(ssm0.astype(jnp.float32), slot, tokens, mode="verify",
-                          kernel_backend="pallas", interpret=_interpret())
+                          kernel_backend="pallas")
     return result.outputs, _final(result.step_states, ssm0, num_new), result.step_states
 
 
