@@ -223,23 +223,22 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     async def models() -> dict:
         return model_list(name, worker.max_context)
 
+    async def openai_reply(request: Request, spec, endpoint: str, renderer_class):
+        """An OpenAI endpoint's answer: server-sent events or one body, by ``spec.stream``."""
+        renderer = renderer_class(name, front.tokenizer, spec)
+        if spec.stream:
+            return await front.stream(spec, endpoint, renderer.stream)
+        return renderer.full(await front.collect(spec, endpoint, request))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         spec = parse_completion(await body_of(request), front.tokenizer, front.limits)
-        if spec.stream:
-            return await front.stream(spec, "completions",
-                                      CompletionRenderer(name, front.tokenizer, spec).stream)
-        choices = await front.collect(spec, "completions", request)
-        return CompletionRenderer(name, front.tokenizer, spec).full(choices)
+        return await openai_reply(request, spec, "completions", CompletionRenderer)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         spec = parse_chat(await body_of(request), front.tokenizer, front.limits, front.template)
-        if spec.stream:
-            return await front.stream(spec, "chat",
-                                      ChatRenderer(name, front.tokenizer, spec).stream)
-        choices = await front.collect(spec, "chat", request)
-        return ChatRenderer(name, front.tokenizer, spec).full(choices)
+        return await openai_reply(request, spec, "chat", ChatRenderer)
 
     @app.post("/generate")
     async def generate(request: Request):
