@@ -62,12 +62,12 @@ def pallas_compiler_params(platform: str | None = None, num_warps: int = 4,
     return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-# Tiles and warps per program: the fastest measured on an H200 at the model shapes
-# (BENCHMARKS.md, "Recurrent-state kernels"). Where a preferred tile does not divide a
-# model's axis, the largest power of two below it that does is used (Triton needs powers
-# of two).
-DEFAULT_STATE_TILES = {"gdn": {"block_value": 64, "num_warps": 4},
-                       "mamba2": {"block_value": 16, "num_warps": 4}}
+# Tiles, warps per program and the decode load's cache hint: the fastest measured on an
+# H200 at the model shapes (BENCHMARKS.md, "Recurrent-state kernels"). Where a preferred
+# tile does not divide a model's axis, the largest power of two below it that does is used
+# (Triton needs powers of two).
+DEFAULT_STATE_TILES = {"gdn": {"block_value": 64, "num_warps": 4, "evict_last": False},
+                       "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True}}
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
 
 
@@ -96,10 +96,12 @@ def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -
 
 def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tokens, *,
                  mode: str, kernel_backend: str | None = None, block_heads: int = 1,
-                 block_value: int | None = None, interpret: bool = False,
-                 compiler_params: Any = None, platform: str | None = None) -> StateUpdateResult:
+                 block_value: int | None = None, evict_last: bool | None = None,
+                 interpret: bool = False, compiler_params: Any = None,
+                 platform: str | None = None) -> StateUpdateResult:
     """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
-    ``block_value=None`` and ``compiler_params=None`` take ``DEFAULT_STATE_TILES``. On a TPU
+    ``block_value``, ``evict_last`` and ``compiler_params`` left as None take
+    ``DEFAULT_STATE_TILES``. On a TPU
     platform (``platform`` defaults to JAX's default) Pallas means the scalar-prefetch
     kernels of ``state_update_tpu`` with their own default tiles (the tile arguments, meant
     for the Triton layout, are ignored there)."""
@@ -121,8 +123,10 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
     tiles = DEFAULT_STATE_TILES[mixer]
     if block_value is None:
         block_value = fitted_tile(value_dim, tiles["block_value"])
+    if evict_last is None:
+        evict_last = tiles["evict_last"]
     return pallas_fn(pool, slot, tokens, mode=mode, block_heads=block_heads,
-                     block_value=block_value,
+                     block_value=block_value, evict_last=evict_last,
                      **_pallas_options(interpret, compiler_params, tiles["num_warps"]))
 
 

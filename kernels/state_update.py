@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 from lazyspec.kernels import recurrence
 
@@ -132,6 +133,15 @@ def whole() -> pl.BlockSpec:
     return pl.BlockSpec()
 
 
+def load_state(pool_ref, idx: tuple, evict_last: bool) -> jax.Array:
+    """The state tile ``pool_ref[idx]``. ``evict_last`` asks the cache to keep its lines, so
+    that decode's write-back of the same tile finds them in L2 (Mamba2 on an H200: 3-8
+    points more of the copy bandwidth, BENCHMARKS.md)."""
+    if evict_last:
+        return pallas_triton.load(pool_ref.at[idx], eviction_policy="evict_last")
+    return pool_ref[idx]
+
+
 def state_output(mode: str, pool: jax.Array, out_like: jax.Array, decode_spec: pl.BlockSpec,
                  verify_spec: pl.BlockSpec) -> tuple[jax.ShapeDtypeStruct, pl.BlockSpec]:
     """Shape and spec of an update kernel's state output: the (aliased) pool in decode, the
@@ -170,11 +180,11 @@ def _run_update(kernel, mode: str, pool: jax.Array, grid: tuple[int, ...], in_sp
 
 
 def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_ref, state_ref,
-                *, mode, block_heads, block_value):
+                *, mode, block_heads, block_value, evict_last):
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     cols = pl.ds(pl.program_id(2) * block_value, block_value)
-    h = pool_ref[slot, heads, :, cols].astype(jnp.float32)
+    h = load_state(pool_ref, (slot, heads, slice(None), cols), evict_last).astype(jnp.float32)
     f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
     for t in range(q_ref.shape[0]):
         h, out = gdn_tile_step(h, f32(q_ref, t), f32(k_ref, t), f32(v_ref, t),
@@ -190,10 +200,10 @@ def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_re
 
 def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str,
                             block_heads: int = 1, block_value: int | None = None,
-                            interpret: bool = False,
+                            evict_last: bool = False, interpret: bool = False,
                             compiler_params: Any = None) -> StateUpdateResult:
     """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
-    through the returned (aliased) array."""
+    through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
     batch, num_tokens, num_heads, key_dim = tokens.q.shape
     value_dim = tokens.v.shape[-1]
@@ -205,7 +215,8 @@ def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens,
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
 
     def gdn_update(*refs):  # the kernel's name in profiles
-        _gdn_kernel(*refs, mode=mode, block_heads=bh, block_value=bv)
+        _gdn_kernel(*refs, mode=mode, block_heads=bh, block_value=bv,
+                    evict_last=evict_last and mode == "decode")
 
     return _run_update(
         gdn_update, mode, pool, (batch, num_heads // bh, value_dim // bv),
@@ -231,12 +242,12 @@ def _heads_from_groups(bc_ref, t: int, head_start: jax.Array, block_heads: int,
 
 
 def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref,
-                   state_ref, *, mode, block_heads, block_value, heads_per_group):
+                   state_ref, *, mode, block_heads, block_value, heads_per_group, evict_last):
     slot = slot_ref[pl.program_id(0)]
     head_start = pl.program_id(1) * block_heads
     heads = pl.ds(head_start, block_heads)
     rows = pl.ds(pl.program_id(2) * block_value, block_value)
-    h = pool_ref[slot, heads, rows, :].astype(jnp.float32)
+    h = load_state(pool_ref, (slot, heads, rows, slice(None)), evict_last).astype(jnp.float32)
     a = a_ref[heads].astype(jnp.float32)
     d = d_ref[heads].astype(jnp.float32)
     for t in range(x_ref.shape[0]):
@@ -265,9 +276,10 @@ def _check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
 
 def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
                                mode: str, block_heads: int = 1, block_value: int | None = None,
-                               interpret: bool = False,
+                               evict_last: bool = False, interpret: bool = False,
                                compiler_params: Any = None) -> StateUpdateResult:
-    """Pallas Mamba2 update (module docstring has the contract); value tiles split P."""
+    """Pallas Mamba2 update (module docstring has the contract); value tiles split P;
+    ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
@@ -281,7 +293,7 @@ def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2T
 
     def mamba2_update(*refs):  # the kernel's name in profiles
         _mamba2_kernel(*refs, mode=mode, block_heads=bh, block_value=bp,
-                       heads_per_group=per_group)
+                       heads_per_group=per_group, evict_last=evict_last and mode == "decode")
 
     return _run_update(
         mamba2_update, mode, pool, (batch, num_heads // bh, head_dim // bp),

@@ -14,6 +14,10 @@ device-to-device ``copy_`` and XLA's ``x + 1``).
     python scripts/bench_kernels.py --out bench.md           # on a GPU
     python scripts/bench_kernels.py --smoke --out smoke.md   # CPU: tiny shapes, interpret
 
+The ``ceiling`` kind times the decode kernels' memory traffic alone (``pattern_copy``: each
+state tile read, incremented and written back in place, over the same grid, tiles and cache
+hint as the state update), the bandwidth the update could reach in this lowering.
+
 The ``chunk`` kind times prefill instead: T tokens per row from slot states, ragged rows,
 the chunked XLA forms (``gdn_chunked`` / ``mamba2_chunked``: outputs, final state and the
 state after every chunk) checked against and timed beside the token-by-token scans.
@@ -51,6 +55,7 @@ try:
     import lazyspec.kernels  # noqa: E402,F401  (installed package)
 except ImportError:
     import conftest  # noqa: E402,F401  (maps kernels/ to lazyspec.kernels in a source checkout)
+from jax.experimental import pallas as pl  # noqa: E402
 from lazyspec.kernels import (  # noqa: E402
     backend, conv_update, gdn_chunked, mamba2_chunked, recurrence, state_scatter, state_update,
 )
@@ -86,7 +91,7 @@ def models(smoke: bool) -> list[Model]:
     return [Model("qwen3-next-80b", "gdn", 32, 128, 128, 1, 8192,
                   (gdn, {"block_value": 32, "num_warps": 4}), conv, scatter),
             Model("nemotron-h-8b", "mamba2", 128, 64, 128, 8, 10240,
-                  (mamba2, {"block_value": 32, "num_warps": 8}), conv, scatter)]
+                  (mamba2, {"block_value": 16, "num_warps": 4}), conv, scatter)]
 
 
 @dataclasses.dataclass
@@ -188,6 +193,52 @@ def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
                  slot_sets)
 
 
+def pattern_copy(pool: jax.Array, slot: jax.Array, *, along_last: bool, block_value: int,
+                 block_heads: int = 1, evict_last: bool = False, interpret: bool = False,
+                 compiler_params=None) -> jax.Array:
+    """``pool[slot[b], heads, tile] += 1`` in place (rows on slot 0 write nothing) over the
+    decode kernels' grid (row, head tile, value tile) and tile: [d_a, block_value] (GDN, ``along_last``)
+    or [block_value, d_b] (Mamba2), loaded with the same ``load_state``."""
+    heads, rows, cols = pool.shape[1:]
+    tiles = (cols if along_last else rows) // block_value
+
+    def pattern_copy_kernel(slot_ref, _pool, pool_ref):
+        slot = slot_ref[pl.program_id(0)]
+        head = pl.ds(pl.program_id(1) * block_heads, block_heads)
+        part = pl.ds(pl.program_id(2) * block_value, block_value)
+        idx = (slot, head, slice(None), part) if along_last else (slot, head, part, slice(None))
+        tile = state_update.load_state(pool_ref, idx, evict_last)
+
+        @pl.when(slot != 0)
+        def _write():
+            pool_ref[idx] = tile + 1.0
+
+    return pl.pallas_call(
+        pattern_copy_kernel, grid=(slot.shape[0], heads // block_heads, tiles),
+        in_specs=[pl.BlockSpec(), pl.BlockSpec()], out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={1: 0},
+        interpret=interpret, compiler_params=compiler_params)(slot, pool)
+
+
+def ceiling_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
+    """``pattern_copy`` of the decode state traffic (2 state units a row) against an XLA
+    in-place add on the same slots."""
+    keys = jax.random.split(jax.random.key(batch * 10 + 7), 2)
+    state_bytes = model.heads * model.d_a * model.d_b * 4
+    num_slots, slot_sets = slots_for(keys[0], batch, state_bytes, opts.smoke)
+    pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
+
+    def fn(impl, tiles):
+        if impl == "xla":
+            return lambda pool, slot: (pool.at[jnp.where(slot != 0, slot, pool.shape[0])].add(
+                1.0, mode="drop"),)
+        return lambda pool, slot: (pattern_copy(pool, slot, along_last=model.mixer == "gdn",
+                                                **pallas_options(opts.interpret, tiles)),)
+
+    make = lambda: (normal(keys[1], pool_shape, scale=0.1), slot_sets[0])  # noqa: E731
+    return Bench("copy-" + model.mixer, 2 * batch * state_bytes, make, fn, {0: 0}, 1, slot_sets)
+
+
 def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     """Prefill of ``tokens`` per row from slot states, ragged (row b's real length is drawn
     from [tokens / 2, tokens]): the chunked XLA form ("chunked": outputs, final state and the
@@ -222,8 +273,8 @@ def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
                 form = lambda *a: chunked_form(*a, chunk_size=chunk)  # noqa: E731
                 outs, final, chunks = jax.vmap(form, in_axes=axes)(h0, *inputs, num_valid)
             else:
-                outs, final, states = jax.vmap(scan_form, in_axes=axes)(h0, *inputs, valid)
-                chunks = states[:, chunk - 1::chunk]
+                scan = lambda *a: scan_by_chunks(scan_form, chunk, len(per_row), *a)  # noqa: E731
+                outs, final, chunks = jax.vmap(scan, in_axes=axes)(h0, *inputs, valid)
             return jnp.where(valid[:, :, None, None], outs, 0.0), final, chunks
         return run
 
@@ -232,6 +283,29 @@ def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
                     slot_sets[0], per_row, shared, num_valid)
     return Bench("chunk-" + model.mixer, int(moved), make, fn, {}, 1, slot_sets,
                  impls=("chunked", "scan"))
+
+
+def scan_by_chunks(scan_form, chunk: int, num_per_token: int, h0, *args):
+    """``scan_form`` (one row: h0, per-token inputs, shared inputs, valid) run chunk by chunk
+    with only the state at each chunk end kept: (outputs, final state, the state after each
+    of the first T // chunk chunks). The whole-sequence scan keeps the state after every
+    token (8 GiB a row for GDN at 4096 tokens)."""
+    per_token, shared, valid = args[:num_per_token], args[num_per_token:-1], args[-1]
+    tokens = valid.shape[0]
+    num_chunks = -(-tokens // chunk)
+    pad = num_chunks * chunk - tokens
+
+    def split(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape((num_chunks, chunk) + x.shape[1:])
+
+    def body(h, xs):
+        outs, h, _ = scan_form(h, *xs[:-1], *shared, xs[-1])
+        return h, (outs, h)
+
+    final, (outs, ends) = jax.lax.scan(body, h0, [split(x) for x in per_token] + [split(valid)])
+    outs = outs.reshape((num_chunks * chunk,) + outs.shape[2:])[:tokens]
+    return outs, final, ends[: tokens // chunk]
 
 
 def conv_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
@@ -535,7 +609,7 @@ def measure(row: dict, moved: int, copy_gbs: float, seconds_fn: Callable[[], flo
                     "GB/s": f"{gbs:.1f}", "% copy": f"{100 * gbs / copy_gbs:.1f}"})
     except Exception as error:  # one failing kernel must not end the run
         traceback.print_exc(limit=4)
-        row["check"] = f"error: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
+        row["check"] = f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:100]}"
     return row
 
 
@@ -555,10 +629,11 @@ def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Tab
                           lambda: peer_seconds(model, batch, tokens, opts)))
         return
     builder, tile_list = {"state": (state_bench, model.state_tiles),
+                          "ceiling": (ceiling_bench, model.state_tiles),
                           "chunk": (chunk_bench, ({},)),
                           "conv": (conv_bench, model.conv_tiles),
                           "scatter": (scatter_bench, model.scatter_tiles)}[kind]
-    tile_list = opts.tiles.get(kind, tile_list)
+    tile_list = opts.tiles.get("state" if kind == "ceiling" else kind, tile_list)
     try:
         bench = builder(model, batch, tokens, opts)
     except Exception as error:
@@ -608,9 +683,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default 50)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 5)")
-    parser.add_argument("--kernels", default="state,chunk,conv,scatter,external",
-                        help="comma list of state, chunk (prefill forms), conv, scatter, "
-                             "external")
+    parser.add_argument("--kernels", default="state,ceiling,chunk,conv,scatter,external",
+                        help="comma list of state, ceiling (the decode traffic alone), chunk "
+                             "(prefill forms), conv, scatter, external")
     parser.add_argument("--prefill-len", type=int, default=None,
                         help="tokens per row of the chunk benchmark (default 4096)")
     parser.add_argument("--prefill-batches", default=None,
@@ -621,8 +696,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", default=None, help="comma list (default 1,16,64,256)")
     parser.add_argument("--tokens", default=None, help="comma list (default 1,4)")
     parser.add_argument("--tiles", action="append", default=[], metavar="KIND:SPEC",
-                        help="replace the Pallas tile list of a kernel kind (state, conv, "
-                             "scatter) for every model, e.g. 'state:block_value=64,num_warps=4;"
+                        help="replace the Pallas tile list of a kernel kind (state, also "
+                             "used by ceiling; conv, scatter) for every model, e.g. 'state:block_value=64,num_warps=4;"
                              "block_value=32,num_warps=8,num_stages=2'; repeatable")
     parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args(argv)
@@ -688,8 +763,9 @@ def main(argv=None) -> int:
             continue
         for kind in kinds:
             prefill = kind == "chunk"
+            token_list = {"chunk": [opts.prefill_len], "ceiling": [1]}.get(kind, opts.tokens)
             for batch in opts.prefill_batches if prefill else opts.batches:
-                for tokens in [opts.prefill_len] if prefill else opts.tokens:
+                for tokens in token_list:
                     log(f"== {kind} {model.name} B={batch} T={tokens}")
                     with jax.default_matmul_precision("highest"):  # float32 dots in XLA forms
                         run_shape(kind, model, batch, tokens, opts, table)

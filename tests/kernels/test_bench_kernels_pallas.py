@@ -23,17 +23,19 @@ def bench_kernels():
 
 def test_bench_kernels_smoke_checks_every_pallas_case(bench_kernels, tmp_path):
     out = tmp_path / "smoke.md"
-    argv = ["--smoke", "--kernels", "state,chunk,scatter", "--models", "tiny-gdn",
+    argv = ["--smoke", "--kernels", "state,ceiling,chunk,scatter", "--models", "tiny-gdn",
             "--out", str(out)]
     assert bench_kernels.main(argv) == 0
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
             if line.startswith("| ") and not line.startswith("| kernel")]
     rows = [[cell.strip() for cell in row] for row in rows]
-    # {state, scatter} x 1 batch x 2 token counts x (1 Pallas tile + XLA), and the prefill
-    # (chunk) bench at one batch and length: chunked form + scan
-    assert len(rows) == 10
+    # {state, scatter} x 1 batch x 2 token counts x (1 Pallas tile + XLA), the ceiling (decode
+    # only) x (1 tile + XLA), and the prefill (chunk) bench at one batch and length: chunked
+    # form + scan
+    assert len(rows) == 12
     checked = [row for row in rows if row[4] in ("pallas", "chunked")]
-    assert len(checked) == 5
+    assert len(checked) == 6
+    assert [row[0] for row in rows].count("copy-gdn") == 2
     assert all(row[6].startswith("ok ") for row in checked), [row[6] for row in checked]
     assert all(row[7] and row[8] for row in rows)  # every case timed, bytes counted
 

@@ -222,6 +222,27 @@ def test_dispatch_default_tiles_pallas(value_dim):
         assert_close(*states, FP32_TOL, f"{mode} states")
 
 
+def test_evict_last_hint_keeps_results_pallas():
+    """The decode load's cache hint (``evict_last``, Mamba2's default) changes no value: both
+    mixers, both modes (verify ignores it), against the XLA form; the default tiles carry
+    the hint for Mamba2 only."""
+    assert backend.DEFAULT_STATE_TILES["mamba2"]["evict_last"]
+    assert not backend.DEFAULT_STATE_TILES["gdn"]["evict_last"]
+    rng = np.random.default_rng(7)
+    cases = [gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),
+             mamba2_case(rng, 3, 2, 4, 2, 8, 16, 5, jnp.bfloat16)]
+    for pool, slot, inputs in cases:
+        for mode in su.MODES:
+            got = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="pallas",
+                                       block_value=4, evict_last=True, interpret=True)
+            want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+            tol = BF16_OUT_TOL if inputs.__class__ is su.Mamba2Tokens else FP32_TOL
+            assert_close(got.outputs, want.outputs, tol, f"{mode} outputs")
+            states = (got.pool, want.pool) if mode == "decode" else (got.step_states,
+                                                                     want.step_states)
+            assert_close(*states, FP32_TOL, f"{mode} states")
+
+
 def lower_for_cuda(fn, *args) -> str:
     """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -246,7 +267,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
             spec((9, 32, 128, 128), jnp.float32), slot, gdn)
         assert "triton" in text.lower()
         text = lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
-            p, s, t, mode=mode, block_value=16, compiler_params=params),
+            p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params),
             spec((9, 128, 64, 128), jnp.float32), slot, mamba)
         assert "triton" in text.lower()
     with pytest.raises(ValueError, match="power of 2"):
