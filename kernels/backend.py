@@ -146,18 +146,18 @@ def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Arra
                   conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array, *,
                   kernel_backend: str | None = None, block_heads: int = 1,
                   block_rows: int | None = None, block_channels: int | None = None,
-                  interpret: bool = False,
+                  layer: int | None = None, interpret: bool = False,
                   compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
     """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend (XLA
-    on TPU);
-    tiles left as None take ``DEFAULT_SCATTER_TILES``."""
+    on TPU); with ``layer=l`` the scratch is that one layer's. Tiles left as None take
+    ``DEFAULT_SCATTER_TILES``."""
     args = (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
     if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
-        return state_scatter_xla(*args)
+        return state_scatter_xla(*args, layer=layer)
     if block_rows is None:
         block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
     if block_channels is None:
         block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
     return state_scatter_pallas(*args, block_heads=block_heads, block_rows=block_rows,
-                                block_channels=block_channels,
+                                block_channels=block_channels, layer=layer,
                                 **_pallas_options(interpret, compiler_params))

@@ -10,6 +10,10 @@ d_b]``, ``ssm_steps [L, R, T, H, d_a, d_b]``, ``conv_pool [L, S+1, C, K-1]``, ``
 b). Caller contract: written rows name distinct slots and ``step[b] < T`` (larger steps are
 clamped to T-1). The commit of a verify step is one call with ``step = accept_len - 1``;
 a checkpoint copy is another with ``step = t_cross`` or -1 where nothing crossed.
+With ``layer=l`` the scratch holds that one layer (``ssm_steps [R, T, H, d_a, d_b]``,
+``conv_steps [R, T, C, K-1]``) and only pool layer l is written: the engine commits layer
+by layer from the update kernels' own outputs, so the scratch of all layers is never
+stacked into one array (a copy of every step state).
 
 Pallas layout: one launch for both pools and all layers, grid ``(layer, row, tile)`` where
 the first ``(H / block_heads) * (d_a / block_rows)`` tiles copy a ``[block_heads,
@@ -31,15 +35,28 @@ from jax.experimental import pallas as pl
 from lazyspec.kernels.state_update import check_tile, whole
 
 
+def _layer_view(ssm_pool: jax.Array, ssm_steps: jax.Array, conv_steps: jax.Array,
+                layer: int | None) -> tuple[int, jax.Array, jax.Array]:
+    """(first pool layer written, ssm_steps, conv_steps with a leading layer axis): the
+    one-layer scratch of ``layer=l`` gets a unit axis (a reshape, no copy)."""
+    if layer is None:
+        return 0, ssm_steps, conv_steps
+    if not 0 <= layer < ssm_pool.shape[0]:
+        raise ValueError(f"layer={layer} is outside the pool's {ssm_pool.shape[0]} layers")
+    return layer, ssm_steps[None], conv_steps[None]
+
+
 def _check_inputs(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
-                  conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array) -> None:
+                  conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array,
+                  step_layers: int) -> None:
+    """Shapes as in the module docstring, scratch with a leading axis of ``step_layers``."""
     if ssm_pool.ndim != 5 or ssm_steps.ndim != 6 or ssm_steps.shape[3:] != ssm_pool.shape[2:]:
         raise ValueError(f"ssm_steps {ssm_steps.shape} does not match ssm_pool {ssm_pool.shape}")
     if conv_pool.ndim != 4 or conv_steps.ndim != 5 or conv_steps.shape[3:] != conv_pool.shape[2:]:
         raise ValueError(f"conv_steps {conv_steps.shape} does not match conv_pool "
                          f"{conv_pool.shape}")
-    layers = {ssm_pool.shape[0], conv_pool.shape[0], ssm_steps.shape[0], conv_steps.shape[0]}
-    if len(layers) != 1 or ssm_pool.shape[1] != conv_pool.shape[1]:
+    if (ssm_pool.shape[:2] != conv_pool.shape[:2]
+            or {ssm_steps.shape[0], conv_steps.shape[0]} != {step_layers}):
         raise ValueError(f"layer / slot counts differ: ssm_pool {ssm_pool.shape}, conv_pool "
                          f"{conv_pool.shape}, ssm_steps {ssm_steps.shape}, conv_steps "
                          f"{conv_steps.shape}")
@@ -53,9 +70,10 @@ def _check_inputs(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Arra
 
 def _scatter_kernel(dst_ref, step_ref, ssm_src_ref, conv_src_ref, ssm_in_ref, conv_in_ref,
                     ssm_ref, conv_ref, *, block_heads, block_rows, block_channels,
-                    num_state_tiles):
+                    num_state_tiles, first_layer):
     del ssm_in_ref, conv_in_ref  # aliased to ssm_ref / conv_ref; only written through those
     layer, row, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pool_layer = first_layer + layer
     dst = dst_ref[row]
     raw_step = step_ref[row]
     step = jnp.minimum(raw_step, ssm_src_ref.shape[2] - 1)
@@ -67,34 +85,36 @@ def _scatter_kernel(dst_ref, step_ref, ssm_src_ref, conv_src_ref, ssm_in_ref, co
         heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
         rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
         state = ssm_src_ref[layer, row, step, heads, rows, :]
-        ssm_ref[layer, dst, heads, rows, :] = state.astype(ssm_ref.dtype)
+        ssm_ref[pool_layer, dst, heads, rows, :] = state.astype(ssm_ref.dtype)
 
     @pl.when(write & (tile >= num_state_tiles))
     def _copy_conv():
         chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
         for j in range(conv_ref.shape[-1]):
             column = conv_src_ref[layer, row, step, chans, j]
-            conv_ref[layer, dst, chans, j] = column.astype(conv_ref.dtype)
+            conv_ref[pool_layer, dst, chans, j] = column.astype(conv_ref.dtype)
 
 
 def state_scatter_pallas(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
                          conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array, *,
                          block_heads: int = 1, block_rows: int | None = None,
-                         block_channels: int | None = None,
+                         block_channels: int | None = None, layer: int | None = None,
                          interpret: bool = False,
                          compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
     """Pallas masked copy (module docstring has the contract). Returns the updated
     (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
-    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
+    first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
+    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step,
+                  ssm_pool.shape[0] if layer is None else 1)
     bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
     br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
     bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
     num_state_tiles = (ssm_pool.shape[2] // bh) * (ssm_pool.shape[3] // br)
-    grid = (ssm_pool.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
+    grid = (ssm_steps.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
 
     def kernel(*refs):
         _scatter_kernel(*refs, block_heads=bh, block_rows=br, block_channels=bc,
-                        num_state_tiles=num_state_tiles)
+                        num_state_tiles=num_state_tiles, first_layer=first_layer)
 
     return pl.pallas_call(
         kernel, grid=grid, in_specs=[whole()] * 6, out_specs=(whole(), whole()),
@@ -105,16 +125,20 @@ def state_scatter_pallas(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: j
 
 
 def state_scatter_xla(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
-                      conv_steps: jax.Array, dst_slot: jax.Array,
-                      step: jax.Array) -> tuple[jax.Array, jax.Array]:
+                      conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array,
+                      layer: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Same contract as ``state_scatter_pallas``: one ``.at[].set(mode="drop")`` per pool,
     masked rows sent to an out-of-range slot."""
-    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
+    first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
+    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step,
+                  ssm_pool.shape[0] if layer is None else 1)
+    layers = slice(None) if layer is None else slice(first_layer, first_layer + 1)
     rows = jnp.arange(dst_slot.shape[0])
     picked_step = jnp.clip(step, 0, ssm_steps.shape[2] - 1)
     target = jnp.where((step >= 0) & (dst_slot != 0), dst_slot, ssm_pool.shape[1])
 
     def commit(pool: jax.Array, steps: jax.Array) -> jax.Array:
-        return pool.at[:, target].set(steps[:, rows, picked_step].astype(pool.dtype), mode="drop")
+        return pool.at[layers, target].set(steps[:, rows, picked_step].astype(pool.dtype),
+                                           mode="drop")
 
     return commit(ssm_pool, ssm_steps), commit(conv_pool, conv_steps)

@@ -100,16 +100,23 @@ def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
     return pools_conv, pools_ssm
 
 
-def _commit_picked(static: StepStatic, pools_conv, pools_ssm, stacked: RecurrentState,
+def _commit_picked(static: StepStatic, pools_conv, pools_ssm, states: RecurrentState,
                    dst_slot: jax.Array, index: jax.Array):
-    """pool[:, dst_slot[b]] = stacked[:, b, index[b]] (stacked ``[L, B, N, ...]``: states
-    after each verify position or prefill chunk) for rows whose dst_slot is a real slot;
-    sentinel rows write nothing. One ``state_scatter`` launch for both pools and all
-    recurrent layers, on the engine's kernel backend. Returns (conv, ssm)."""
+    """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each verify position or
+    prefill chunk: stacked ``[L, B, N, ...]`` arrays, or per-layer lists of ``[B, N, ...]``)
+    for rows whose dst_slot is a real slot; sentinel rows write nothing. ``state_scatter`` on
+    the engine's kernel backend: one launch for stacked states, one per layer for lists (so
+    the verify scratch is never stacked into one array). Returns (conv, ssm)."""
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
-    ssm, conv = state_scatter(pools_ssm, pools_conv, stacked.ssm, stacked.conv,
-                              jnp.where(write, dst_slot, 0), jnp.where(write, index, -1),
-                              kernel_backend=static.backend)
+    dst, step = jnp.where(write, dst_slot, 0), jnp.where(write, index, -1)
+    if not isinstance(states.ssm, list):
+        ssm, conv = state_scatter(pools_ssm, pools_conv, states.ssm, states.conv, dst, step,
+                                  kernel_backend=static.backend)
+        return conv, ssm
+    ssm, conv = pools_ssm, pools_conv
+    for layer, (ssm_steps, conv_steps) in enumerate(zip(states.ssm, states.conv)):
+        ssm, conv = state_scatter(ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer,
+                                  kernel_backend=static.backend)
     return conv, ssm
 
 

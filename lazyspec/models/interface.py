@@ -74,15 +74,18 @@ def keep_chunk_states(trace: jax.Array, keep_chunk: jax.Array | None) -> jax.Arr
 @dataclass
 class RecurrentOut:
     final: RecurrentState  # after each row's num_new tokens
-    steps: RecurrentState | None  # verify: [L_rec, B, T, ...], state after each position
+    # verify: state after each position, per recurrent layer: lists of [B, T, ...] (never
+    # stacked: the engine commits layer by layer from the kernels' own outputs)
+    steps: RecurrentState | None
     chunks: RecurrentState | None  # extend: [L_rec, B, T // chunk, ...], after (j+1)*chunk tokens
 
 
 def recurrent_out(layers: list[tuple[RecurrentState, RecurrentState]], rec: RecurrentState,
                   mode: str) -> RecurrentOut:
-    """Stack per-layer ``(final, trace)`` states (``[B, ...]`` / ``[B, S, ...]``) into the
-    ``RecurrentOut`` that ``mode`` promises (``[L_rec, B, ...]``: the trace is ``steps`` in
-    verify, ``chunks`` in extend, dropped in decode); with no recurrent layer, ``rec``."""
+    """Per-layer ``(final, trace)`` states (``[B, ...]`` / ``[B, S, ...]``) as the
+    ``RecurrentOut`` that ``mode`` promises: ``final`` stacked (``[L_rec, B, ...]``); the
+    trace as ``steps`` in verify (kept per layer), as stacked ``chunks`` in extend, dropped in
+    decode. With no recurrent layer, ``rec``."""
     if not layers:
         return RecurrentOut(final=rec, steps=None, chunks=None)
 
@@ -90,6 +93,8 @@ def recurrent_out(layers: list[tuple[RecurrentState, RecurrentState]], rec: Recu
         return RecurrentState(conv=jnp.stack([s.conv for s in states]),
                               ssm=jnp.stack([s.ssm for s in states]))
 
-    final, trace = stack([f for f, _ in layers]), stack([t for _, t in layers])
-    return RecurrentOut(final=final, steps=trace if mode == "verify" else None,
-                        chunks=trace if mode == "extend" else None)
+    traces = [t for _, t in layers]
+    steps = RecurrentState(conv=[t.conv for t in traces], ssm=[t.ssm for t in traces])
+    return RecurrentOut(final=stack([f for f, _ in layers]),
+                        steps=steps if mode == "verify" else None,
+                        chunks=stack(traces) if mode == "extend" else None)

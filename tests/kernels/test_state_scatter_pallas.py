@@ -85,6 +85,32 @@ def test_state_scatter_donated_under_jit_pallas():
     check(got, originals, expected, dst, step)
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_state_scatter_one_layer_pallas(layer):
+    """``layer=l`` with that layer's scratch writes pool layer l exactly as the all-layer call
+    does and leaves every other layer bit-identical; chained over the layers (as the engine
+    commits) it equals the all-layer call. Both backends."""
+    rng = np.random.default_rng(6 + layer)
+    pools, steps, dst, step = scatter_case(rng, 3, 8, 5, 4, 3, 2, 4, 8, 8, 4, jnp.bfloat16)
+    expected = expected_pools(pools, steps, dst, step)
+    pallas = lambda *a, **k: ss.state_scatter_pallas(*a, block_channels=4, interpret=True, **k)  # noqa: E731
+    for name, fn in (("pallas", pallas), ("xla", ss.state_scatter_xla)):
+        got = fn(*pools, steps[0][layer], steps[1][layer], dst, step, layer=layer)
+        for new, old, want in zip(got, pools, expected):
+            new, old = (np.asarray(a.astype(jnp.float32)) for a in (new, old))
+            np.testing.assert_array_equal(new[layer], want[layer], err_msg=name)
+            others = [i for i in range(old.shape[0]) if i != layer]
+            np.testing.assert_array_equal(new[others], old[others], err_msg=name)
+        chained = pools
+        for i in range(3):
+            chained = fn(*chained, steps[0][i], steps[1][i], dst, step, layer=i)
+        check(chained, pools, expected, dst, step)
+    with pytest.raises(ValueError, match="layer=3"):
+        ss.state_scatter_xla(*pools, steps[0][0], steps[1][0], dst, step, layer=3)
+    with pytest.raises(ValueError, match="does not match"):  # all-layer scratch, one layer
+        ss.state_scatter_xla(*pools, *steps, dst, step, layer=0)
+
+
 def test_state_scatter_bad_arguments_pallas():
     rng = np.random.default_rng(5)
     pools, steps, dst, step = scatter_case(rng, 2, 6, 4, 4, 2, 2, 4, 4, 8, 4, jnp.float32)

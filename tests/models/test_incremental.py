@@ -82,16 +82,18 @@ def test_verify_logits_and_per_step_states():
     logits, _, out = _forward(model.params, single_row_inputs(window, prompt_len, CONTEXT),
                               kv, rec, "verify")
     assert _rel_err(np.asarray(logits[0]), ref[prompt_len : prompt_len + width]) <= TOL
-    assert out.steps.ssm.shape == (len(model.config.recurrent_layer_ids), 1, width,
-                                   *model.config.ssm_state_shape)
+    assert isinstance(out.steps.ssm, list)  # per layer, never stacked
+    steps_ssm, steps_conv = np.stack(out.steps.ssm), np.stack(out.steps.conv)
+    assert steps_ssm.shape == (len(model.config.recurrent_layer_ids), 1, width,
+                               *model.config.ssm_state_shape)
     for t in range(width):
         # the same verify with only t+1 real tokens ends in the state steps[t] holds
         partial = single_row_inputs(window[: t + 1], prompt_len, CONTEXT, bucket=width,
                                     vocab_size=model.config.vocab_size)
         _, _, short = _forward(model.params, partial, kv, rec, "verify")
-        np.testing.assert_allclose(out.steps.ssm[:, 0, t], short.final.ssm[:, 0], atol=1e-6)
-        np.testing.assert_allclose(out.steps.conv[:, 0, t], short.final.conv[:, 0], atol=1e-6)
-    assert not np.allclose(out.steps.ssm[:, 0, 0], rec.ssm[:, 0], atol=1e-3)
+        np.testing.assert_allclose(steps_ssm[:, 0, t], short.final.ssm[:, 0], atol=1e-6)
+        np.testing.assert_allclose(steps_conv[:, 0, t], short.final.conv[:, 0], atol=1e-6)
+    assert not np.allclose(steps_ssm[:, 0, 0], rec.ssm[:, 0], atol=1e-3)
 
 
 def test_padding_row_changes_nothing():

@@ -182,9 +182,10 @@ def test_carried_state_equals_recompute():
         record(logits, rows)
     logits, out = pools.step(params, verify, width=4, mode="verify")
     record(logits, verify)
-    assert out.steps.ssm.shape[2] == 4 and out.chunks is None
-    np.testing.assert_array_equal(out.steps.ssm[:, 1, 3], out.final.ssm[:, 1])  # padded step
-    np.testing.assert_array_equal(out.steps.ssm[:, 0, 3], out.final.ssm[:, 0])
+    steps_ssm = np.stack(out.steps.ssm)  # per layer in the RecurrentOut
+    assert steps_ssm.shape[2] == 4 and out.chunks is None
+    np.testing.assert_array_equal(steps_ssm[:, 1, 3], out.final.ssm[:, 1])  # padded step
+    np.testing.assert_array_equal(steps_ssm[:, 0, 3], out.final.ssm[:, 0])
 
     for k, null_row in zip(pools.kv.k, null_rows):
         np.testing.assert_array_equal(k[0], null_row)  # the null KV row is never written
