@@ -11,6 +11,7 @@ ignored by XLA.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import jax
@@ -97,9 +98,11 @@ def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -
 def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tokens, *,
                  mode: str, kernel_backend: str | None = None, block_heads: int = 1,
                  block_value: int | None = None, evict_last: bool | None = None,
-                 interpret: bool = False, compiler_params: Any = None,
+                 layer: int | None = None, interpret: bool = False,
+                 compiler_params: Any = None,
                  platform: str | None = None) -> StateUpdateResult:
     """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
+    ``layer=l``: ``pool`` is the stacked pool of all layers and layer l's rows are used.
     ``block_value``, ``evict_last`` and ``compiler_params`` left as None take
     ``DEFAULT_STATE_TILES``. On a TPU
     platform (``platform`` defaults to JAX's default) Pallas means the scalar-prefetch
@@ -114,19 +117,25 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
     else:
         raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
     if resolve_backend(kernel_backend, platform) == "xla":
-        return xla_fn(pool, slot, tokens, mode=mode)
+        return xla_fn(pool, slot, tokens, mode=mode, layer=layer)
     if _on(platform, "tpu"):
         from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
 
         tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
-        return tpu_fn(pool, slot, tokens, mode=mode, interpret=interpret)
+        if layer is None:
+            return tpu_fn(pool, slot, tokens, mode=mode, interpret=interpret)
+        # the TPU kernels take one layer's pool: a copy of that layer (untested path)
+        result = tpu_fn(pool[layer], slot, tokens, mode=mode, interpret=interpret)
+        if mode == "decode":
+            result = dataclasses.replace(result, pool=pool.at[layer].set(result.pool))
+        return result
     tiles = DEFAULT_STATE_TILES[mixer]
     if block_value is None:
         block_value = fitted_tile(value_dim, tiles["block_value"])
     if evict_last is None:
         evict_last = tiles["evict_last"]
     return pallas_fn(pool, slot, tokens, mode=mode, block_heads=block_heads,
-                     block_value=block_value, evict_last=evict_last,
+                     block_value=block_value, evict_last=evict_last, layer=layer,
                      **_pallas_options(interpret, compiler_params, tiles["num_warps"]))
 
 

@@ -11,6 +11,9 @@ slot 0 for real data). Real rows must name distinct slots in decode. Two modes:
   verify  the pool is only read; the state after every token goes to
           ``step_states [B, T, H, d_a, d_b]`` (row-indexed scratch for the commit).
 Outputs are ``[B, T, H, d_v]`` (GDN) or ``[B, T, H, P]`` (Mamba2) in the value dtype.
+With ``layer=l`` the pool is the stacked pool of all recurrent layers (``[L, num_slots + 1,
+H, d_a, d_b]``) and layer l's rows are read (and, in decode, written): the engine passes
+its pools as they are, so no per-layer slice or per-row gather is copied out first.
 
 Pallas layout: grid ``(row, head tile, value tile)``. The value axis is GDN's d_v (the state's
 last axis) and Mamba2's head dim P (second-to-last): the update is independent per value
@@ -120,10 +123,16 @@ def check_tile(name: str, size: int, block: int | None) -> int:
     return block
 
 
-def check_pool(pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...]) -> None:
-    """ValueError unless pool is ``[S+1, *state_shape]`` and slot a 1-D integer vector."""
-    if pool.ndim != 4 or pool.shape[1:] != state_shape:
-        raise ValueError(f"pool shape {pool.shape} does not match state {state_shape}")
+def check_pool(pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...],
+               layer: int | None = None) -> None:
+    """ValueError unless pool is ``[S+1, *state_shape]`` (``[L, S+1, *state_shape]`` with
+    ``0 <= layer < L`` when a layer is given) and slot a 1-D integer vector."""
+    lead = 1 if layer is None else 2
+    if pool.ndim != 3 + lead or pool.shape[lead:] != state_shape:
+        raise ValueError(f"pool shape {pool.shape} does not match state {state_shape}"
+                         f"{'' if layer is None else ' with a leading layer axis'}")
+    if layer is not None and not 0 <= layer < pool.shape[0]:
+        raise ValueError(f"layer={layer} is outside the pool's {pool.shape[0]} layers")
     if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
         raise ValueError(f"slot must be a 1-D integer array, got {slot.shape} {slot.dtype}")
 
@@ -142,6 +151,12 @@ def load_state(pool_ref, idx: tuple, evict_last: bool) -> jax.Array:
     return pool_ref[idx]
 
 
+def pool_index(layer: int | None, slot, *tile) -> tuple:
+    """The index of a state tile of row ``slot`` in the pool ref (of ``layer`` when given)."""
+    # the layer as an int32 scalar: a Python int in a ref view (``.at``) does not lower
+    return ((slot,) if layer is None else (jnp.int32(layer), slot)) + tile
+
+
 def state_output(mode: str, pool: jax.Array, out_like: jax.Array, decode_spec: pl.BlockSpec,
                  verify_spec: pl.BlockSpec) -> tuple[jax.ShapeDtypeStruct, pl.BlockSpec]:
     """Shape and spec of an update kernel's state output: the (aliased) pool in decode, the
@@ -149,7 +164,7 @@ def state_output(mode: str, pool: jax.Array, out_like: jax.Array, decode_spec: p
     if mode == "decode":
         return jax.ShapeDtypeStruct(pool.shape, pool.dtype), decode_spec
     batch, num_tokens = out_like.shape[:2]
-    steps = jax.ShapeDtypeStruct((batch, num_tokens) + pool.shape[1:], pool.dtype)
+    steps = jax.ShapeDtypeStruct((batch, num_tokens) + pool.shape[-3:], pool.dtype)
     return steps, verify_spec
 
 
@@ -180,11 +195,12 @@ def _run_update(kernel, mode: str, pool: jax.Array, grid: tuple[int, ...], in_sp
 
 
 def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_ref, state_ref,
-                *, mode, block_heads, block_value, evict_last):
+                *, mode, block_heads, block_value, evict_last, layer):
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     cols = pl.ds(pl.program_id(2) * block_value, block_value)
-    h = load_state(pool_ref, (slot, heads, slice(None), cols), evict_last).astype(jnp.float32)
+    tile = pool_index(layer, slot, heads, slice(None), cols)
+    h = load_state(pool_ref, tile, evict_last).astype(jnp.float32)
     f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
     for t in range(q_ref.shape[0]):
         h, out = gdn_tile_step(h, f32(q_ref, t), f32(k_ref, t), f32(v_ref, t),
@@ -195,19 +211,20 @@ def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_re
     if mode == "decode":
         @pl.when(slot != 0)
         def _write_back():
-            state_ref[slot, heads, :, cols] = h.astype(state_ref.dtype)
+            state_ref[tile] = h.astype(state_ref.dtype)
 
 
 def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str,
                             block_heads: int = 1, block_value: int | None = None,
-                            evict_last: bool = False, interpret: bool = False,
+                            evict_last: bool = False, layer: int | None = None,
+                            interpret: bool = False,
                             compiler_params: Any = None) -> StateUpdateResult:
     """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
     through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
     batch, num_tokens, num_heads, key_dim = tokens.q.shape
     value_dim = tokens.v.shape[-1]
-    check_pool(pool, slot, (num_heads, key_dim, value_dim))
+    check_pool(pool, slot, (num_heads, key_dim, value_dim), layer)
     bh = check_tile("block_heads", num_heads, block_heads)
     bv = check_tile("block_value", value_dim, block_value)
     keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
@@ -216,7 +233,7 @@ def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens,
 
     def gdn_update(*refs):  # the kernel's name in profiles
         _gdn_kernel(*refs, mode=mode, block_heads=bh, block_value=bv,
-                    evict_last=evict_last and mode == "decode")
+                    evict_last=evict_last and mode == "decode", layer=layer)
 
     return _run_update(
         gdn_update, mode, pool, (batch, num_heads // bh, value_dim // bv),
@@ -242,12 +259,14 @@ def _heads_from_groups(bc_ref, t: int, head_start: jax.Array, block_heads: int,
 
 
 def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref,
-                   state_ref, *, mode, block_heads, block_value, heads_per_group, evict_last):
+                   state_ref, *, mode, block_heads, block_value, heads_per_group, evict_last,
+                   layer):
     slot = slot_ref[pl.program_id(0)]
     head_start = pl.program_id(1) * block_heads
     heads = pl.ds(head_start, block_heads)
     rows = pl.ds(pl.program_id(2) * block_value, block_value)
-    h = load_state(pool_ref, (slot, heads, rows, slice(None)), evict_last).astype(jnp.float32)
+    tile = pool_index(layer, slot, heads, rows, slice(None))
+    h = load_state(pool_ref, tile, evict_last).astype(jnp.float32)
     a = a_ref[heads].astype(jnp.float32)
     d = d_ref[heads].astype(jnp.float32)
     for t in range(x_ref.shape[0]):
@@ -261,7 +280,7 @@ def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref
     if mode == "decode":
         @pl.when(slot != 0)
         def _write_back():
-            state_ref[slot, heads, rows, :] = h.astype(state_ref.dtype)
+            state_ref[tile] = h.astype(state_ref.dtype)
 
 
 def _check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
@@ -276,14 +295,15 @@ def _check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
 
 def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
                                mode: str, block_heads: int = 1, block_value: int | None = None,
-                               evict_last: bool = False, interpret: bool = False,
+                               evict_last: bool = False, layer: int | None = None,
+                               interpret: bool = False,
                                compiler_params: Any = None) -> StateUpdateResult:
     """Pallas Mamba2 update (module docstring has the contract); value tiles split P;
     ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
-    check_pool(pool, slot, (num_heads, head_dim, state_dim))
+    check_pool(pool, slot, (num_heads, head_dim, state_dim), layer)
     bh = check_tile("block_heads", num_heads, block_heads)
     bp = check_tile("block_value", head_dim, block_value)
     per_group = _check_groups(num_heads, num_groups, bh)
@@ -293,7 +313,8 @@ def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2T
 
     def mamba2_update(*refs):  # the kernel's name in profiles
         _mamba2_kernel(*refs, mode=mode, block_heads=bh, block_value=bp,
-                       heads_per_group=per_group, evict_last=evict_last and mode == "decode")
+                       heads_per_group=per_group, evict_last=evict_last and mode == "decode",
+                       layer=layer)
 
     return _run_update(
         mamba2_update, mode, pool, (batch, num_heads // bh, head_dim // bp),
@@ -306,34 +327,41 @@ def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2T
 # ---------------------------------------------------------------- XLA forms
 
 
+def _rows(pool: jax.Array, slot: jax.Array, layer: int | None) -> jax.Array:
+    """Row b's state ``pool[slot[b]]`` (of ``layer`` when given) in float32."""
+    return (pool if layer is None else pool[layer])[slot].astype(jnp.float32)
+
+
 def _xla_finish(pool: jax.Array, slot: jax.Array, mode: str, outputs: jax.Array,
-                final: jax.Array, states: jax.Array) -> StateUpdateResult:
+                final: jax.Array, states: jax.Array, layer: int | None) -> StateUpdateResult:
     if mode == "decode":
-        target = jnp.where(slot != 0, slot, pool.shape[0])  # out of range: dropped
-        new_pool = pool.at[target].set(final.astype(pool.dtype), mode="drop")
+        slots = pool.shape[0 if layer is None else 1]
+        target = jnp.where(slot != 0, slot, slots)  # out of range: dropped
+        index = target if layer is None else (layer, target)
+        new_pool = pool.at[index].set(final.astype(pool.dtype), mode="drop")
         return StateUpdateResult(outputs=outputs, pool=new_pool, step_states=None)
     return StateUpdateResult(outputs=outputs, pool=None, step_states=states.astype(pool.dtype))
 
 
 def gdn_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *,
-                         mode: str) -> StateUpdateResult:
+                         mode: str, layer: int | None = None) -> StateUpdateResult:
     """Same contract as ``gdn_state_update_pallas``: gather, vmapped ``gdn_scan``, masked
     scatter."""
     check_mode(mode)
-    check_pool(pool, slot, (tokens.q.shape[2], tokens.q.shape[3], tokens.v.shape[3]))
+    check_pool(pool, slot, (tokens.q.shape[2], tokens.q.shape[3], tokens.v.shape[3]), layer)
     f32 = [x.astype(jnp.float32) for x in (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)]
-    outs, final, states = jax.vmap(recurrence.gdn_scan)(pool[slot].astype(jnp.float32), *f32)
-    return _xla_finish(pool, slot, mode, outs.astype(tokens.v.dtype), final, states)
+    outs, final, states = jax.vmap(recurrence.gdn_scan)(_rows(pool, slot, layer), *f32)
+    return _xla_finish(pool, slot, mode, outs.astype(tokens.v.dtype), final, states, layer)
 
 
 def mamba2_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
-                            mode: str) -> StateUpdateResult:
+                            mode: str, layer: int | None = None) -> StateUpdateResult:
     """Same contract as ``mamba2_state_update_pallas``, through a vmapped ``mamba2_scan``."""
     check_mode(mode)
-    check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]))
+    check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]), layer)
     _check_groups(tokens.x.shape[2], tokens.b.shape[2], 1)
     f32 = [t.astype(jnp.float32) for t in (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a,
                                            tokens.d)]
     scan = jax.vmap(recurrence.mamba2_scan, in_axes=(0, 0, 0, 0, 0, None, None))
-    outs, final, states = scan(pool[slot].astype(jnp.float32), *f32)
-    return _xla_finish(pool, slot, mode, outs.astype(tokens.x.dtype), final, states)
+    outs, final, states = scan(_rows(pool, slot, layer), *f32)
+    return _xla_finish(pool, slot, mode, outs.astype(tokens.x.dtype), final, states, layer)

@@ -219,7 +219,10 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
         tokens=tokens, positions=positions, num_new=jnp.where(real, num_pos, 0),
         kv_write_idx=write_idx, kv_read_idx=batch.kv_read_idx, ctx_len=pre + num_pos,
     )
-    rec = _gather_state(pools, jnp.where(real, batch.working_slot, 0))
+    # the pools themselves, each row at its working slot: the Pallas update reads them in
+    # place (the XLA forms gather inside the layer); padding rows read the null slot
+    rec = RecurrentState(conv=pools.conv, ssm=pools.ssm,
+                         slot=jnp.where(real, batch.working_slot, 0))
     with jax.named_scope("target_verify"):
         hidden, kv, out = fam.forward(params, cfg, inputs, pools.kv, rec, mode="verify",
                                       chunk_size=static.chunk_size, backend=static.backend)

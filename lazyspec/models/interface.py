@@ -13,8 +13,10 @@ keep_chunk=None)`` -> ``(hidden, kv, RecurrentOut)``
   New tokens' K/V are scattered to ``kv_write_idx`` (out-of-range sentinel = dropped), then
   each query attends to the row's context through ``kv_read_idx`` (positions 0..ctx_len-1,
   causal by absolute position).
-* ``rec`` is a ``RecurrentState`` gathered by the runner from the slot pools: the state
-  *before* the new tokens, one entry per recurrent layer and row.
+* ``rec`` is a ``RecurrentState``: the state *before* the new tokens, one entry per
+  recurrent layer and row, either gathered by the runner from the slot pools or, with
+  ``rec.slot`` set, the pools themselves with row b at slot ``slot[b]`` (``layer_state``
+  hands a layer its rows; the Pallas update then reads them in place, ungathered).
 * ``mode`` (static): ``"extend"`` (prefill chunk; also returns the state after every
   ``chunk_size`` tokens of the row), ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the
   state after every position).
@@ -59,6 +61,38 @@ class KVPools:
 class RecurrentState:
     conv: jax.Array  # [L_rec, B, conv_dim, K-1] (extra axis after B for steps / chunks)
     ssm: jax.Array  # [L_rec, B, H, d_a, d_b]
+    # when set ([B] int): conv / ssm are the slot pools [L_rec, S+1, ...], row b at slot[b]
+    slot: jax.Array | None = None
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """Rows ``pool[layer, slot[b]]`` of a stacked state pool, not gathered yet: the Pallas
+    update reads them in place; every other form calls ``rows()``."""
+
+    pool: jax.Array  # [L_rec, S+1, ...]
+    slot: jax.Array  # [B]
+    layer: int
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+    def rows(self) -> jax.Array:
+        return self.pool[self.layer][self.slot]
+
+
+def layer_state(rec: RecurrentState, layer: int) -> tuple[jax.Array, jax.Array | PoolRows]:
+    """(conv rows [B, ...], ssm rows [B, ...] or their ``PoolRows``) of recurrent layer
+    ``layer``; the conv window (small) is always gathered."""
+    if rec.slot is None:
+        return rec.conv[layer], rec.ssm[layer]
+    return rec.conv[layer][rec.slot], PoolRows(rec.ssm, rec.slot, layer)
+
+
+def gathered(ssm0: jax.Array | PoolRows) -> jax.Array:
+    """The rows as an array (gathering ``PoolRows``)."""
+    return ssm0.rows() if isinstance(ssm0, PoolRows) else ssm0
 
 
 def keep_chunk_states(trace: jax.Array, keep_chunk: jax.Array | None) -> jax.Array:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentState, keep_chunk_states, recurrent_out,
+    ForwardInputs, KVPools, RecurrentState, keep_chunk_states, layer_state, recurrent_out,
 )
 from lazyspec.models.layers.attention import (
     AttentionSpec, attention_forward, attention_reference,
@@ -220,7 +220,7 @@ def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
 
     def mamba_fn(mixer, x):
         r = len(states)
-        out, state = mamba2_mixer(mixer, arch.mamba, x, rec.conv[r], rec.ssm[r],
+        out, state = mamba2_mixer(mixer, arch.mamba, x, *layer_state(rec, r),
                                   inputs.num_new, form=form, chunk_size=chunk_size,
                                   backend=backend)
         if mode == "extend":

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states, recurrent_out,
+    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states, layer_state,
+    recurrent_out,
 )
 from lazyspec.models.layers.attention import (
     AttentionSpec, attention_forward, attention_plan, attention_reference,
@@ -273,7 +274,7 @@ def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools
             if role == RECURRENT:
                 h, st = gdn_mixer(
                     lp["linear_attn"], cfg.arch.gdn, _norm(x, lp["input_layernorm"], cfg),
-                    rec.conv[r], rec.ssm[r], inputs.num_new, form=form, chunk_size=chunk_size,
+                    *layer_state(rec, r), inputs.num_new, form=form, chunk_size=chunk_size,
                     backend=backend,
                 )
                 if mode == "extend":

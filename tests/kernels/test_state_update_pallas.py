@@ -243,6 +243,39 @@ def test_evict_last_hint_keeps_results_pallas():
             assert_close(*states, FP32_TOL, f"{mode} states")
 
 
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_layer_of_a_stacked_pool_pallas(platform):
+    """``layer=l`` on the stacked pool of all layers equals the update on layer l's own pool
+    (outputs, step states; decode writes layer l only, every other layer bit-identical),
+    through the dispatch: the Triton-layout kernels ("gpu") and the TPU ones (a copy of the
+    layer), both in interpret mode, and XLA."""
+    rng = np.random.default_rng(17)
+    cases = [gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),  # one group: a TPU-legal tile
+             mamba2_case(rng, 3, 2, 4, 1, 8, 16, 5, jnp.float32)]
+    for pool, slot, inputs in cases:
+        stacked = jnp.stack([pool * 0.5, pool, pool * 2.0])
+        for mode in su.MODES:
+            want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+            for name in ("pallas", "xla"):
+                got = backend.state_update(stacked, slot, inputs, mode=mode, layer=1,
+                                           kernel_backend=name, interpret=True,
+                                           platform=platform)
+                assert_close(got.outputs, want.outputs, FP32_TOL, f"{name} {mode} outputs")
+                if mode == "verify":
+                    assert_close(got.step_states, want.step_states, FP32_TOL, f"{name} steps")
+                    continue
+                assert_close(got.pool[1], want.pool, FP32_TOL, f"{name} layer 1")
+                for other in (0, 2):
+                    np.testing.assert_array_equal(np.asarray(got.pool[other]),
+                                                  np.asarray(stacked[other]))
+        with pytest.raises(ValueError, match="layer=3"):
+            backend.state_update(stacked, slot, inputs, mode="verify", layer=3,
+                                 kernel_backend="xla")
+        with pytest.raises(ValueError, match="leading layer axis"):
+            backend.state_update(pool, slot, inputs, mode="verify", layer=0,
+                                 kernel_backend="xla")
+
+
 def lower_for_cuda(fn, *args) -> str:
     """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -269,6 +302,15 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
         text = lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
             p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params),
             spec((9, 128, 64, 128), jnp.float32), slot, mamba)
+        assert "triton" in text.lower()
+    for mode in su.MODES:  # a layer of the stacked pool, as the engine's decode step passes it
+        text = lower_for_cuda(lambda p, s, t: su.gdn_state_update_pallas(
+            p, s, t, mode=mode, block_value=64, layer=2, compiler_params=params),
+            spec((3, 9, 32, 128, 128), jnp.float32), slot, gdn)
+        assert "triton" in text.lower()
+        text = lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
+            p, s, t, mode=mode, block_value=32, evict_last=True, layer=1,
+            compiler_params=params), spec((3, 9, 128, 64, 128), jnp.float32), slot, mamba)
         assert "triton" in text.lower()
     with pytest.raises(ValueError, match="power of 2"):
         lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(

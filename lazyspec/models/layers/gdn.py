@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
+from lazyspec.models.interface import gathered
 from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec
 from lazyspec.models.layers.norms import gated_rms_norm
 
@@ -175,12 +176,14 @@ def gdn_mixer(
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
-    conv0 ``[B, conv_dim, K-1]`` and ssm0 ``[B, Hv, d_k, d_v]`` are the states before the
-    tokens; only the first ``num_new[b]`` tokens of row b change them. Returns (output
+    conv0 ``[B, conv_dim, K-1]`` and ssm0 ``[B, Hv, d_k, d_v]`` (or ``PoolRows``, which the
+    Pallas steps form reads in place) are the states before the tokens; only the first ``num_new[b]`` tokens of row b change them. Returns (output
     ``[B, T, hidden]``, ``GDNStates`` in the dtypes of conv0 / ssm0). Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
+    if form != "steps" or backend != "pallas":
+        ssm0 = gathered(ssm0)  # only the Pallas update reads PoolRows in place
     mixed, z, b, a = _project(params, spec, x)
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)

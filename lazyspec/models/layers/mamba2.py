@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from lazyspec.kernels.mamba2_chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
 from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba2_step
+from lazyspec.models.interface import gathered
 from lazyspec.models.layers.mlp import linear
 from lazyspec.models.layers.norms import gated_rms_norm
 
@@ -185,12 +186,15 @@ def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.A
                  backend: str = "xla") -> tuple[jax.Array, MixerStates]:
     """Run the mixer over B rows of T tokens; row b's real tokens are ``hidden[b, :num_new[b]]``.
 
-    ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] are the states before the tokens.
+    ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] (or ``PoolRows``, which the Pallas
+    steps form reads in place) are the states before the tokens.
     Returns (output [B, T, D] in hidden's dtype, MixerStates). Padding tokens never change a
     state; their outputs are finite but meaningless. Pure; never mutates.
     """
     if form not in _ROW_FORMS:
         raise ValueError(f"unknown Mamba2 form {form!r}; expected one of {FORMS}")
+    if form != "steps" or backend != "pallas":
+        ssm0 = gathered(ssm0)  # only the Pallas update reads PoolRows in place
     projected = linear(params["in_proj"], hidden)
     gate, xbc, dt_raw = split_projection(dims, projected)
     dt = time_steps(dims, dt_raw, params["dt_bias"])

@@ -1,10 +1,10 @@
 """Runs a mixer's T-step state update (decode / verify) through the Pallas state_update
 kernel instead of the jnp scan.
 
-The layer has already gathered each row's state; the kernel wants a pool and slot ids. In
-verify mode the kernel only reads the pool, so the gathered states serve as the pool as
-they are (row b is slot b; no copy), slot 0 included: its row's outputs and step states are
-computed like any other. Tokens past a row's ``num_new`` are made identity steps (GDN: no
+The kernel wants a pool and slot ids. Given ``PoolRows`` (the engine's decode step) it gets
+the stacked pool, the layer and the slots as they are: nothing is gathered. Given gathered
+rows, those serve as the pool (row b is slot b; no copy), slot 0 included: its row's
+outputs and step states are computed like any other (verify mode only reads the pool). Tokens past a row's ``num_new`` are made identity steps (GDN: no
 decay and beta 0; Mamba2: dt 0), so ragged rows stay exact.
 """
 
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from lazyspec.kernels.backend import state_update
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
+from lazyspec.models.interface import PoolRows, gathered
 
 
 def _final(step_states: jax.Array, ssm0: jax.Array, num_new: jax.Array) -> jax.Array:
@@ -24,12 +25,20 @@ def _final(step_states: jax.Array, ssm0: jax.Array, num_new: jax.Array) -> jax.A
     return jnp.where(keep, last, ssm0.astype(last.dtype))
 
 
-def pallas_steps(ssm0: jax.Array, tokens: GdnTokens | Mamba2Tokens, num_new: jax.Array):
-    """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...])."""
-    slot = jnp.arange(ssm0.shape[0], dtype=jnp.int32)
-    result = state_update(ssm0.astype(jnp.float32), slot, tokens, mode="verify",
-                          kernel_backend="pallas")
-    return result.outputs, _final(result.step_states, ssm0, num_new), result.step_states
+def pallas_steps(ssm0: jax.Array | PoolRows, tokens: GdnTokens | Mamba2Tokens,
+                 num_new: jax.Array):
+    """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...]).
+    ``PoolRows`` are read in place from the stacked pool (the final state of a row with no
+    new token gathers its row; nothing does when the caller drops ``final``)."""
+    if isinstance(ssm0, PoolRows):
+        result = state_update(ssm0.pool, ssm0.slot, tokens, mode="verify",
+                              kernel_backend="pallas", layer=ssm0.layer)
+    else:
+        slot = jnp.arange(ssm0.shape[0], dtype=jnp.int32)
+        result = state_update(ssm0.astype(jnp.float32), slot, tokens, mode="verify",
+                              kernel_backend="pallas")
+    final = _final(result.step_states, gathered(ssm0), num_new)
+    return result.outputs, final, result.step_states
 
 
 def gdn_tokens(q, k, v, g, beta, num_new) -> GdnTokens:
