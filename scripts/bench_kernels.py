@@ -84,7 +84,8 @@ def measure(row: dict, moved: int, copy_gbs: float, seconds_fn: Callable[[], flo
                     "GB/s": f"{gbs:.1f}", "% copy": f"{100 * gbs / copy_gbs:.1f}"})
     except Exception as error:  # one failing kernel must not end the run
         traceback.print_exc(limit=4)
-        row["check"] = f"error: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:100]}"
+        first_line = (str(error).splitlines() or [""])[0]
+        row["check"] = f"error: {type(error).__name__}: {first_line[:100]}"
     return row
 
 
@@ -172,8 +173,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", default=None, help="comma list (default 1,4)")
     parser.add_argument("--tiles", action="append", default=[], metavar="KIND:SPEC",
                         help="replace the Pallas tile list of a kernel kind (state, also "
-                             "used by ceiling; conv, scatter) for every model, e.g. 'state:block_value=64,num_warps=4;"
-                             "block_value=32,num_warps=8,num_stages=2'; repeatable")
+                             "used by ceiling; conv, scatter) for every model, e.g. "
+                             "'state:block_value=64,num_warps=4;"
+                             "block_value=32,num_warps=8,evict_last=true'; repeatable")
     parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args(argv)
     args.interpret = args.smoke or jax.default_backend() == "cpu"

@@ -155,8 +155,8 @@ def pattern_copy(pool: jax.Array, slot: jax.Array, *, along_last: bool, block_va
                  block_heads: int = 1, evict_last: bool = False, interpret: bool = False,
                  compiler_params=None) -> jax.Array:
     """``pool[slot[b], heads, tile] += 1`` in place (rows on slot 0 write nothing) over the
-    decode kernels' grid (row, head tile, value tile) and tile: [d_a, block_value] (GDN, ``along_last``)
-    or [block_value, d_b] (Mamba2), loaded with the same ``load_state``."""
+    decode kernels' grid (row, head tile, value tile) and tile: [d_a, block_value] (GDN,
+    ``along_last``) or [block_value, d_b] (Mamba2), loaded with the same ``load_state``."""
     heads, rows, cols = pool.shape[1:]
     tiles = (cols if along_last else rows) // block_value
 

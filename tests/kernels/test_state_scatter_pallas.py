@@ -93,7 +93,9 @@ def test_state_scatter_one_layer_pallas(layer):
     rng = np.random.default_rng(6 + layer)
     pools, steps, dst, step = scatter_case(rng, 3, 8, 5, 4, 3, 2, 4, 8, 8, 4, jnp.bfloat16)
     expected = expected_pools(pools, steps, dst, step)
-    pallas = lambda *a, **k: ss.state_scatter_pallas(*a, block_channels=4, interpret=True, **k)  # noqa: E731
+    def pallas(*args, **kwargs):
+        return ss.state_scatter_pallas(*args, block_channels=4, interpret=True, **kwargs)
+
     for name, fn in (("pallas", pallas), ("xla", ss.state_scatter_xla)):
         got = fn(*pools, steps[0][layer], steps[1][layer], dst, step, layer=layer)
         for new, old, want in zip(got, pools, expected):

@@ -177,8 +177,9 @@ def gdn_mixer(
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
     conv0 ``[B, conv_dim, K-1]`` and ssm0 ``[B, Hv, d_k, d_v]`` (or ``PoolRows``, which the
-    Pallas steps form reads in place) are the states before the tokens; only the first ``num_new[b]`` tokens of row b change them. Returns (output
-    ``[B, T, hidden]``, ``GDNStates`` in the dtypes of conv0 / ssm0). Pure; mutates nothing.
+    Pallas steps form reads in place) are the states before the tokens; only the first
+    ``num_new[b]`` tokens of row b change them. Returns (output ``[B, T, hidden]``,
+    ``GDNStates`` in the dtypes of conv0 / ssm0). Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")

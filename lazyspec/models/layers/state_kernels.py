@@ -4,8 +4,9 @@ kernel instead of the jnp scan.
 The kernel wants a pool and slot ids. Given ``PoolRows`` (the engine's decode step) it gets
 the stacked pool, the layer and the slots as they are: nothing is gathered. Given gathered
 rows, those serve as the pool (row b is slot b; no copy), slot 0 included: its row's
-outputs and step states are computed like any other (verify mode only reads the pool). Tokens past a row's ``num_new`` are made identity steps (GDN: no
-decay and beta 0; Mamba2: dt 0), so ragged rows stay exact.
+outputs and step states are computed like any other (verify mode only reads the pool).
+Tokens past a row's ``num_new`` are made identity steps (GDN: no decay and beta 0; Mamba2:
+dt 0), so ragged rows stay exact.
 """
 
 from __future__ import annotations
