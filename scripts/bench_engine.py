@@ -6,6 +6,12 @@ backend. Random weights: the numbers are about speed, not text.
 
     python scripts/bench_engine.py --preset medium --backends xla,pallas --out engine.md
     python scripts/bench_engine.py --preset tiny --backends xla            # CPU smoke run
+    python scripts/bench_engine.py --memory --preset medium --backends xla --batch 16 --spec
+
+``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
+at the batch's widest shape (temporary, argument and output bytes): what one decode step
+allocates besides the donated pools. On CPU only the xla backend is meaningful (Pallas
+runs interpreted there).
 """
 
 from __future__ import annotations
@@ -55,14 +61,53 @@ def build_model(preset: str, dtype: str):
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=qwen3_next)
 
 
-def run(model, backend: str, args) -> dict:
+def make_engine(model, backend: str, args):
     from lazyspec.engine.engine import Engine
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
-    engine = Engine(model=model, kernel_backend=backend, dtype=args.dtype,
-                    max_running_requests=args.batch, mamba_track_interval=256,
-                    chunked_prefill_size=args.prompt_len, context_length=args.context,
-                    max_total_tokens=args.batch * args.context, skip_warmup=True, **spec)
+    return Engine(model=model, kernel_backend=backend, dtype=args.dtype,
+                  max_running_requests=args.batch, mamba_track_interval=256,
+                  chunked_prefill_size=args.prompt_len, context_length=args.context,
+                  max_total_tokens=args.batch * args.context, skip_warmup=True, **spec)
+
+
+class _Recorder:
+    """Stands in for a jitted step: calls it and keeps the abstract arguments of its widest
+    call (most decode rows)."""
+
+    def __init__(self, jitted):
+        self.jitted, self.args = jitted, None
+
+    def __call__(self, *args):
+        import jax
+
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+        if self.args is None or shapes[2].req_row.shape[0] > self.args[2].req_row.shape[0]:
+            self.args = shapes
+        return self.jitted(*args)
+
+
+def decode_memory(model, backend: str, args) -> dict:
+    """XLA's memory analysis of the decode step compiled at the widest shape served."""
+    engine = make_engine(model, backend, args)
+    recorder = _Recorder(engine.runner._decode)
+    engine.runner._decode = recorder
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, model.config.vocab_size, size=args.prompt_len)]
+               for _ in range(args.batch)]
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    analysis = recorder.jitted.lower(*recorder.args).compile().memory_analysis()
+    mib = lambda n: n / 2**20  # noqa: E731
+    return {"backend": backend, "batch": args.batch,
+            "rows": recorder.args[2].req_row.shape[0],
+            "temp_mib": mib(analysis.temp_size_in_bytes),
+            "argument_mib": mib(analysis.argument_size_in_bytes),
+            "output_mib": mib(analysis.output_size_in_bytes),
+            "alias_mib": mib(analysis.alias_size_in_bytes)}
+
+
+def run(model, backend: str, args) -> dict:
+    engine = make_engine(model, backend, args)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = [[int(t) for t in rng.integers(1, vocab, size=args.prompt_len)]
@@ -105,9 +150,13 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--spec", action="store_true", help="NEXTN with the (random) MTP head")
+    p.add_argument("--memory", action="store_true",
+                   help="report the compiled decode step's memory analysis instead of timing")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = build_model(args.preset, args.dtype)
+    if args.memory:
+        return memory_table(model, args)
     rows = []
     for backend in args.backends.split(","):
         row = run(model, backend, args)
@@ -119,6 +168,20 @@ def main(argv=None) -> None:
         lines.append(f"| {r['backend']} | {r['batch']} | {r['output_tok_s']:.0f} | "
                      f"{r['decode_tok_s']:.0f} | {r['median_decode_step_ms']:.2f} | "
                      f"{r['prefill_tok_s']:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+
+
+def memory_table(model, args) -> None:
+    lines = ["| backend | batch | decode rows | temp MiB | arguments MiB | outputs MiB | "
+             "aliased MiB |", "|---|---|---|---|---|---|---|"]
+    for backend in args.backends.split(","):
+        r = decode_memory(model, backend, args)
+        print(r, flush=True)
+        lines.append(f"| {r['backend']} | {r['batch']} | {r['rows']} | {r['temp_mib']:.1f} | "
+                     f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['alias_mib']:.1f} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
