@@ -103,20 +103,34 @@ def route(params: Params, spec: MoESpec, x: jax.Array) -> tuple[jax.Array, jax.A
     return weights, expert_ids
 
 
+def grouped_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                    num_experts: int, expert_fn) -> jax.Array:
+    """``sum_j weights[n, j] * expert_{ids[n, j]}(x[n])`` for x ``[N, d]``, weights and ids
+    ``[N, k]``: the (token, expert) pairs are sorted by expert and ``expert_fn(xs,
+    group_sizes)`` runs every expert on its contiguous group (``lax.ragged_dot``), so the
+    cost grows with k, not with the number of experts. Returns float32 ``[N, d_out]``."""
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    ys = expert_fn(x[token_of], group_sizes).astype(jnp.float32)
+    ys = ys * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((x.shape[0], ys.shape[1]), jnp.float32).at[token_of].add(ys)
+
+
 def _routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``."""
     weights, expert_ids = route(params, spec, x)
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    token_of = order // spec.top_k
-    group_sizes = jnp.bincount(flat_ids, length=spec.num_experts).astype(jnp.int32)
     experts = params["experts"]
-    xs = x[token_of].astype(experts["gate_proj"].dtype)
-    gate = jax.lax.ragged_dot(xs, experts["gate_proj"], group_sizes)
-    up = jax.lax.ragged_dot(xs, experts["up_proj"], group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"], group_sizes)
-    ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[token_of].add(ys)
+
+    def swiglu_experts(xs, group_sizes):
+        xs = xs.astype(experts["gate_proj"].dtype)
+        gate = jax.lax.ragged_dot(xs, experts["gate_proj"], group_sizes)
+        up = jax.lax.ragged_dot(xs, experts["up_proj"], group_sizes)
+        return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"], group_sizes)
+
+    out = grouped_experts(x, weights, expert_ids, spec.num_experts, swiglu_experts)
     return out.astype(x.dtype)
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.models.layers.mlp import linear
+from lazyspec.models.layers.moe import grouped_experts
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ def relu2_mlp(params: dict, x: jax.Array) -> jax.Array:
     return linear(params["down_proj"], up * up)
 
 
-def route(params: dict, spec: MoESpec, flat: jax.Array) -> jax.Array:
-    """Routing weights [N, E] (zero off the chosen experts) for tokens ``flat`` [N, D].
+def route(params: dict, spec: MoESpec, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weights ``[N, k]`` float32, expert ids ``[N, k]``) for tokens ``flat`` [N, D].
 
     Scores are sigmoids of the float32 router; choice adds the correction bias, keeps the
     ``top_groups`` groups with the best sum of their two best experts, then the top-k experts.
@@ -52,23 +53,23 @@ def route(params: dict, spec: MoESpec, flat: jax.Array) -> jax.Array:
     weights = jnp.take_along_axis(scores, expert_ids, axis=1)
     if spec.norm_top_k:
         weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
-    weights = weights * spec.scaling
-    rows = jnp.arange(flat.shape[0])[:, None]
-    return jnp.zeros_like(scores).at[rows, expert_ids].add(weights)
+    return weights * spec.scaling, expert_ids
 
 
 def sparse_moe(params: dict, spec: MoESpec, x: jax.Array) -> jax.Array:
-    """Routed relu^2 experts + the shared expert, for x [..., D].
-
-    Every expert runs on every token and the routing weights select (dense; fine for tests
-    and small models, a grouped matmul is the faster form).
-    """
+    """Routed relu^2 experts + the shared expert, for x [..., D]. Each token runs only its
+    top-k experts (``grouped_experts``: sorted by expert, grouped matmuls)."""
     flat = x.reshape(-1, x.shape[-1])
-    weights = route(params, spec, flat)
+    weights, expert_ids = route(params, spec, flat)
     h = linear(params["latent_in"], flat) if "latent_in" in params else flat
-    up = jax.nn.relu(jnp.einsum("nd,edi->nei", h, params["experts_up"]))
-    down = jnp.einsum("nei,eid->ned", up * up, params["experts_down"])
-    routed = jnp.einsum("ned,ne->nd", down.astype(jnp.float32), weights).astype(flat.dtype)
+
+    def relu2_experts(xs, group_sizes):
+        xs = xs.astype(params["experts_up"].dtype)
+        up = jax.nn.relu(jax.lax.ragged_dot(xs, params["experts_up"], group_sizes))
+        return jax.lax.ragged_dot(up * up, params["experts_down"], group_sizes)
+
+    routed = grouped_experts(h, weights, expert_ids, spec.num_experts, relu2_experts)
+    routed = routed.astype(flat.dtype)
     if "latent_out" in params:
         routed = linear(params["latent_out"], routed)
     out = routed + relu2_mlp(params["shared"], flat)
