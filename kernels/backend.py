@@ -11,7 +11,6 @@ ignored by XLA.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal
 
 import jax
@@ -122,13 +121,7 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
         from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
 
         tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
-        if layer is None:
-            return tpu_fn(pool, slot, tokens, mode=mode, interpret=interpret)
-        # the TPU kernels take one layer's pool: a copy of that layer (untested path)
-        result = tpu_fn(pool[layer], slot, tokens, mode=mode, interpret=interpret)
-        if mode == "decode":
-            result = dataclasses.replace(result, pool=pool.at[layer].set(result.pool))
-        return result
+        return tpu_fn(pool, slot, tokens, mode=mode, layer=layer, interpret=interpret)
     tiles = DEFAULT_STATE_TILES[mixer]
     if block_value is None:
         block_value = fitted_tile(value_dim, tiles["block_value"])

@@ -10,6 +10,9 @@ difference in how slot 0 stays untouched: a padding row's block is written back 
 values it was read with (a TPU pipeline writes every output block it visits), so slot 0
 keeps its contents.
 
+With ``layer=l`` the pool is the stacked pool of all layers and the index maps pick layer
+l's rows (no copy of the layer).
+
 Blocks follow Mosaic's rule for the last two dims (multiples of (8, 128) or whole):
 ``block_heads`` must be a multiple of 8 or all heads; GDN's value tile is all of d_v or a
 multiple of 128; Mamba2 keeps the head dim P, state N and the B/C groups whole and needs
@@ -55,6 +58,14 @@ def _store_states(mode: str, slot, h, h0, state_ref, t: int, last: bool) -> None
         state_ref[...] = jnp.where(slot != 0, h, h0).astype(state_ref.dtype)
 
 
+def _pool_block(layer: int | None, block: tuple, index_map):
+    """The pool's BlockSpec: ``block`` at ``index_map``, behind a squeezed layer axis fixed
+    at ``layer`` when the pool is stacked."""
+    if layer is None:
+        return pl.BlockSpec((None,) + block, index_map)
+    return pl.BlockSpec((None, None) + block, lambda *ids: (layer,) + index_map(*ids))
+
+
 def _launch(kernel, mode: str, pool, slot, grid, in_specs, args, out_like, out_spec,
             pool_spec, steps_spec, interpret: bool) -> StateUpdateResult:
     """pallas_call with the slot ids scalar-prefetched; refs (slot, *args, out, state)."""
@@ -91,19 +102,20 @@ def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_re
 
 def gdn_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str,
                          block_heads: int = 8, block_value: int | None = None,
+                         layer: int | None = None,
                          interpret: bool = False) -> StateUpdateResult:
     """GDN update with scalar-prefetched slots (module docstring); grid (row, head tile,
     value tile). Decode mutates ``pool`` only through the returned (aliased) array."""
     check_mode(mode)
     batch, num_tokens, num_heads, key_dim = tokens.q.shape
     value_dim = tokens.v.shape[-1]
-    check_pool(pool, slot, (num_heads, key_dim, value_dim))
+    check_pool(pool, slot, (num_heads, key_dim, value_dim), layer)
     bh = _check_tpu_tile("block_heads", num_heads, min(block_heads, num_heads), 8)
     bv = _check_tpu_tile("block_value", value_dim, block_value, 128)
     keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j, s: (b, 0, i, 0))
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j, s: (b, 0, i, j))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j, s: (b, 0, 0))
-    pool_spec = pl.BlockSpec((None, bh, key_dim, bv), lambda b, i, j, s: (s[b], i, 0, j))
+    pool_spec = _pool_block(layer, (bh, key_dim, bv), lambda b, i, j, s: (s[b], i, 0, j))
     steps_spec = pl.BlockSpec((None, num_tokens, bh, key_dim, bv),
                               lambda b, i, j, s: (b, 0, i, 0, j))
 
@@ -149,14 +161,14 @@ def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref
 
 
 def mamba2_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
-                            mode: str, block_heads: int = 8,
+                            mode: str, block_heads: int = 8, layer: int | None = None,
                             interpret: bool = False) -> StateUpdateResult:
     """Mamba2 update with scalar-prefetched slots (module docstring); grid (row, head tile).
     A head tile lies inside one B/C group (picked from the ``[T, G, N]`` block in-kernel)."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
-    check_pool(pool, slot, (num_heads, head_dim, state_dim))
+    check_pool(pool, slot, (num_heads, head_dim, state_dim), layer)
     if num_groups <= 0 or num_heads % num_groups:
         raise ValueError(f"num_groups={num_groups} must divide num_heads={num_heads}")
     per_group = num_heads // num_groups
@@ -167,7 +179,7 @@ def mamba2_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: Mamba2Toke
     groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, s: (b, 0, 0, 0))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, s: (b, 0, 0))
     vector = pl.BlockSpec((1, num_heads), lambda b, i, s: (0, 0))  # a, d as [1, H] rows
-    pool_spec = pl.BlockSpec((None, bh, head_dim, state_dim), lambda b, i, s: (s[b], i, 0, 0))
+    pool_spec = _pool_block(layer, (bh, head_dim, state_dim), lambda b, i, s: (s[b], i, 0, 0))
     steps_spec = pl.BlockSpec((None, num_tokens, bh, head_dim, state_dim),
                               lambda b, i, s: (b, 0, i, 0, 0))
 

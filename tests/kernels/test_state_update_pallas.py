@@ -247,8 +247,8 @@ def test_evict_last_hint_keeps_results_pallas():
 def test_layer_of_a_stacked_pool_pallas(platform):
     """``layer=l`` on the stacked pool of all layers equals the update on layer l's own pool
     (outputs, step states; decode writes layer l only, every other layer bit-identical),
-    through the dispatch: the Triton-layout kernels ("gpu") and the TPU ones (a copy of the
-    layer), both in interpret mode, and XLA."""
+    through the dispatch: the Triton-layout kernels ("gpu") and the TPU ones (the layer
+    picked in the index maps), both in interpret mode, and XLA."""
     rng = np.random.default_rng(17)
     cases = [gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),  # one group: a TPU-legal tile
              mamba2_case(rng, 3, 2, 4, 1, 8, 16, 5, jnp.float32)]

@@ -109,3 +109,7 @@ def test_tpu_layout_lowers_to_mosaic_at_model_shapes():
             lowered = jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode)).trace(
                 spec(pool, jnp.float32), slot, inputs).lower(lowering_platforms=("tpu",))
             assert "tpu_custom_call" in lowered.as_text()
+            # layer 2 of a stacked 3-layer pool, as the engine's decode step passes it
+            lowered = jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode, layer=2)).trace(
+                spec((3,) + pool, jnp.float32), slot, inputs).lower(lowering_platforms=("tpu",))
+            assert "tpu_custom_call" in lowered.as_text()
