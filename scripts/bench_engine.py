@@ -168,10 +168,15 @@ def main(argv=None) -> None:
         lines.append(f"| {r['backend']} | {r['batch']} | {r['output_tok_s']:.0f} | "
                      f"{r['decode_tok_s']:.0f} | {r['median_decode_step_ms']:.2f} | "
                      f"{r['prefill_tok_s']:.0f} |")
+    emit_table(lines, args.out)
+
+
+def emit_table(lines: list[str], out: str | None) -> None:
+    """Print the markdown table and, when ``out`` is given, write it there."""
     table = "\n".join(lines)
     print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    if out:
+        Path(out).write_text(table + "\n")
 
 
 def memory_table(model, args) -> None:
@@ -182,10 +187,7 @@ def memory_table(model, args) -> None:
         print(r, flush=True)
         lines.append(f"| {r['backend']} | {r['batch']} | {r['rows']} | {r['temp_mib']:.1f} | "
                      f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['alias_mib']:.1f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    emit_table(lines, args.out)
 
 
 if __name__ == "__main__":
