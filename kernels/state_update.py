@@ -24,10 +24,9 @@ array is ``[block_heads, ...]``-shaped (Triton needs power-of-two sizes).
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through Triton
 ``CompilerParams`` (``backend.pallas_compiler_params``; the tests lower to Triton IR on CPU).
-Untested on TPU: per-row blocks are (8, 128)-legal when ``block_heads`` is H or a multiple of
-8 and ``block_value`` is full or a multiple of 128 (Mamba2: 8), but Mosaic TPU would stage
-the whole-array pool into VMEM; TPU needs the pool in ``pl.ANY`` with a manual DMA, or a
-scalar-prefetch index map on slot.
+Not for TPUs: Mosaic would stage the whole-array pool into VMEM. The TPU layout, with the
+slot ids scalar-prefetched into the index maps, is ``state_update_tpu`` (the dispatch in
+``backend`` picks it on a TPU).
 """
 
 from __future__ import annotations
