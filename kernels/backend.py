@@ -33,7 +33,7 @@ _TRITON_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def default_backend(platform: str | None = None) -> str:
-    """"pallas" on a GPU platform, else "xla" (platform defaults to JAX's default). TPU
+    """ "pallas" on a GPU platform, else "xla" (platform defaults to JAX's default). TPU
     defaults to "xla" too: the kernels index a whole-array pool ref, which Mosaic TPU would
     stage into VMEM, and no TPU run has been made (``kernel_backend="pallas"`` still asks
     for them)."""
@@ -50,8 +50,9 @@ def resolve_backend(name: str | None, platform: str | None = None) -> str:
     return name
 
 
-def pallas_compiler_params(platform: str | None = None, num_warps: int = 4,
-                           num_stages: int = 1) -> Any:
+def pallas_compiler_params(
+    platform: str | None = None, num_warps: int = 4, num_stages: int = 1
+) -> Any:
     """Compiler params for a compiled (not interpreted) launch: Triton on GPUs, where the
     in-kernel pool indexing is measured to work; None (the default lowering) elsewhere."""
     platform = jax.default_backend() if platform is None else platform
@@ -66,8 +67,10 @@ def pallas_compiler_params(platform: str | None = None, num_warps: int = 4,
 # H200 at the model shapes (BENCHMARKS.md, "Recurrent-state kernels"). Where a preferred
 # tile does not divide a model's axis, the largest power of two below it that does is used
 # (Triton needs powers of two).
-DEFAULT_STATE_TILES = {"gdn": {"block_value": 64, "num_warps": 4, "evict_last": False},
-                       "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True}}
+DEFAULT_STATE_TILES = {
+    "gdn": {"block_value": 64, "num_warps": 4, "evict_last": False},
+    "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
+}
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
 
 
@@ -94,12 +97,21 @@ def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -
     return {"interpret": False, "compiler_params": compiler_params}
 
 
-def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tokens, *,
-                 mode: str, kernel_backend: str | None = None, block_heads: int = 1,
-                 block_value: int | None = None, evict_last: bool | None = None,
-                 layer: int | None = None, interpret: bool = False,
-                 compiler_params: Any = None,
-                 platform: str | None = None) -> StateUpdateResult:
+def state_update(
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens | Mamba2Tokens,
+    *,
+    mode: str,
+    kernel_backend: str | None = None,
+    block_heads: int = 1,
+    block_value: int | None = None,
+    evict_last: bool | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    platform: str | None = None,
+) -> StateUpdateResult:
     """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
     ``layer=l``: ``pool`` is the stacked pool of all layers and layer l's rows are used.
     ``block_value``, ``evict_last`` and ``compiler_params`` left as None take
@@ -127,29 +139,65 @@ def state_update(pool: jax.Array, slot: jax.Array, tokens: GdnTokens | Mamba2Tok
         block_value = fitted_tile(value_dim, tiles["block_value"])
     if evict_last is None:
         evict_last = tiles["evict_last"]
-    return pallas_fn(pool, slot, tokens, mode=mode, block_heads=block_heads,
-                     block_value=block_value, evict_last=evict_last, layer=layer,
-                     **_pallas_options(interpret, compiler_params, tiles["num_warps"]))
+    return pallas_fn(
+        pool,
+        slot,
+        tokens,
+        mode=mode,
+        block_heads=block_heads,
+        block_value=block_value,
+        evict_last=evict_last,
+        layer=layer,
+        **_pallas_options(interpret, compiler_params, tiles["num_warps"]),
+    )
 
 
-def conv_update(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
-                bias: jax.Array | None = None, *, mode: str, silu: bool = True,
-                kernel_backend: str | None = None, block_channels: int | None = None,
-                interpret: bool = False, compiler_params: Any = None) -> ConvUpdateResult:
+def conv_update(
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    mode: str,
+    silu: bool = True,
+    kernel_backend: str | None = None,
+    block_channels: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> ConvUpdateResult:
     """Causal conv update for T tokens per row on the chosen backend (XLA on TPU)."""
     if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
         return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu)
-    return conv_update_pallas(pool, slot, x, weight, bias, mode=mode, silu=silu,
-                              block_channels=block_channels,
-                              **_pallas_options(interpret, compiler_params))
+    return conv_update_pallas(
+        pool,
+        slot,
+        x,
+        weight,
+        bias,
+        mode=mode,
+        silu=silu,
+        block_channels=block_channels,
+        **_pallas_options(interpret, compiler_params),
+    )
 
 
-def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
-                  conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array, *,
-                  kernel_backend: str | None = None, block_heads: int = 1,
-                  block_rows: int | None = None, block_channels: int | None = None,
-                  layer: int | None = None, interpret: bool = False,
-                  compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
+def state_scatter(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    ssm_steps: jax.Array,
+    conv_steps: jax.Array,
+    dst_slot: jax.Array,
+    step: jax.Array,
+    *,
+    kernel_backend: str | None = None,
+    block_heads: int = 1,
+    block_rows: int | None = None,
+    block_channels: int | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> tuple[jax.Array, jax.Array]:
     """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` on the chosen backend (XLA
     on TPU); with ``layer=l`` the scratch is that one layer's. Tiles left as None take
     ``DEFAULT_SCATTER_TILES``."""
@@ -160,6 +208,11 @@ def state_scatter(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Arra
         block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
     if block_channels is None:
         block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
-    return state_scatter_pallas(*args, block_heads=block_heads, block_rows=block_rows,
-                                block_channels=block_channels, layer=layer,
-                                **_pallas_options(interpret, compiler_params))
+    return state_scatter_pallas(
+        *args,
+        block_heads=block_heads,
+        block_rows=block_rows,
+        block_channels=block_channels,
+        layer=layer,
+        **_pallas_options(interpret, compiler_params),
+    )

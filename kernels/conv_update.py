@@ -40,9 +40,13 @@ class ConvUpdateResult:
     step_windows: jax.Array | None
 
 
-def conv_tile_step(columns: list[jax.Array], x: jax.Array, weight_columns: list[jax.Array],
-                   bias: jax.Array,
-                   silu: bool = True) -> tuple[list[jax.Array], jax.Array]:
+def conv_tile_step(
+    columns: list[jax.Array],
+    x: jax.Array,
+    weight_columns: list[jax.Array],
+    bias: jax.Array,
+    silu: bool = True,
+) -> tuple[list[jax.Array], jax.Array]:
     """``recurrence.conv_step`` on a channel tile with the window as K-1 column vectors.
 
     columns: K-1 arrays [bc] in the window dtype, oldest first; x [bc]; weight_columns: K
@@ -57,21 +61,34 @@ def conv_tile_step(columns: list[jax.Array], x: jax.Array, weight_columns: list[
     return taps[1:], y
 
 
-def _check_inputs(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
-                  bias: jax.Array | None) -> None:
+def _check_inputs(
+    pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.Array | None
+) -> None:
     if pool.ndim != 3 or x.ndim != 3 or x.shape[2] != pool.shape[1]:
         raise ValueError(f"pool {pool.shape} and x {x.shape} must be [S+1, C, K-1] and [B, T, C]")
     if weight.shape != (pool.shape[1], pool.shape[2] + 1):
-        raise ValueError(f"weight shape {weight.shape} must be (C, K) = "
-                         f"{(pool.shape[1], pool.shape[2] + 1)}")
+        raise ValueError(
+            f"weight shape {weight.shape} must be (C, K) = {(pool.shape[1], pool.shape[2] + 1)}"
+        )
     if bias is not None and bias.shape != (pool.shape[1],):
         raise ValueError(f"bias shape {bias.shape} must be ({pool.shape[1]},)")
     if slot.shape != (x.shape[0],):
         raise ValueError(f"slot shape {slot.shape} must be ({x.shape[0]},)")
 
 
-def _conv_kernel(slot_ref, x_ref, weight_ref, bias_ref, pool_ref, out_ref, window_ref, *,
-                 mode, block_channels, silu):
+def _conv_kernel(
+    slot_ref,
+    x_ref,
+    weight_ref,
+    bias_ref,
+    pool_ref,
+    out_ref,
+    window_ref,
+    *,
+    mode,
+    block_channels,
+    silu,
+):
     slot = slot_ref[pl.program_id(0)]
     chans = pl.ds(pl.program_id(1) * block_channels, block_channels)
     width = weight_ref.shape[1] - 1
@@ -85,16 +102,26 @@ def _conv_kernel(slot_ref, x_ref, weight_ref, bias_ref, pool_ref, out_ref, windo
             for j in range(width):
                 window_ref[t, :, j] = columns[j].astype(window_ref.dtype)
     if mode == "decode":
+
         @pl.when(slot != 0)
         def _write_back():
             for j in range(width):
                 window_ref[slot, chans, j] = columns[j].astype(window_ref.dtype)
 
 
-def conv_update_pallas(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
-                       bias: jax.Array | None = None, *, mode: str, silu: bool = True,
-                       block_channels: int | None = None, interpret: bool = False,
-                       compiler_params: Any = None) -> ConvUpdateResult:
+def conv_update_pallas(
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    mode: str,
+    silu: bool = True,
+    block_channels: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> ConvUpdateResult:
     """Pallas conv update (module docstring has the contract). Decode mutates ``pool`` only
     through the returned (aliased) array."""
     check_mode(mode)
@@ -115,22 +142,36 @@ def conv_update_pallas(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: j
         _conv_kernel(*refs, mode=mode, block_channels=bc, silu=silu)
 
     outputs, windows = pl.pallas_call(
-        kernel, grid=(batch, channels // bc),
-        in_specs=[whole(), tokens, pl.BlockSpec((bc, width + 1), lambda b, j: (j, 0)),
-                  pl.BlockSpec((bc,), lambda b, j: (j,)), whole()],
+        kernel,
+        grid=(batch, channels // bc),
+        in_specs=[
+            whole(),
+            tokens,
+            pl.BlockSpec((bc, width + 1), lambda b, j: (j, 0)),
+            pl.BlockSpec((bc,), lambda b, j: (j,)),
+            whole(),
+        ],
         out_specs=(tokens, window_spec),
         out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), window_shape),
         input_output_aliases={4: 1} if mode == "decode" else {},
-        interpret=interpret, compiler_params=compiler_params,
+        interpret=interpret,
+        compiler_params=compiler_params,
     )(slot, x, weight, bias, pool)
     if mode == "decode":
         return ConvUpdateResult(outputs=outputs, pool=windows, step_windows=None)
     return ConvUpdateResult(outputs=outputs, pool=None, step_windows=windows)
 
 
-def conv_update_xla(pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array,
-                    bias: jax.Array | None = None, *, mode: str,
-                    silu: bool = True) -> ConvUpdateResult:
+def conv_update_xla(
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    mode: str,
+    silu: bool = True,
+) -> ConvUpdateResult:
     """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter."""
     check_mode(mode)
     _check_inputs(pool, slot, x, weight, bias)

@@ -94,9 +94,7 @@ def gdn_chunked(
         u = u_b - jnp.einsum("htk,hkv->htv", w_c, state, precision=HIGHEST)
         out = jnp.einsum("htk,hkv->htv", q_c, state, precision=HIGHEST)
         out = out + jnp.einsum("hts,hsv->htv", qk_c, u, precision=HIGHEST)
-        state = state * d_c[:, None, None] + jnp.einsum(
-            "htk,htv->hkv", k_c, u, precision=HIGHEST
-        )
+        state = state * d_c[:, None, None] + jnp.einsum("htk,htv->hkv", k_c, u, precision=HIGHEST)
         return state, (out, state)
 
     xs = (u_base, w, qk, q_decayed, k_decayed, chunk_decay)
@@ -124,8 +122,10 @@ def conv_chunked(
     num_tokens = x.shape[0]
     kernel = weight.shape[1]
     full = jnp.concatenate([window0.T, x.astype(window0.dtype)], axis=0)  # [K-1+T, C]
-    taps = [full[j : j + num_tokens].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
-            for j in range(kernel)]
+    taps = [
+        full[j : j + num_tokens].astype(jnp.float32) * weight[:, j].astype(jnp.float32)
+        for j in range(kernel)
+    ]
     y = sum(taps[1:], taps[0])
     if bias is not None:
         y = y + bias.astype(jnp.float32)

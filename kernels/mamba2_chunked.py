@@ -49,8 +49,9 @@ def _segment_sums(log_decay: jax.Array) -> jax.Array:
     return jnp.where(causal[None, :, :, None], sums, -jnp.inf)
 
 
-def _chunk_terms(x: jax.Array, b: jax.Array, c: jax.Array, dt: jax.Array,
-                 a: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _chunk_terms(
+    x: jax.Array, b: jax.Array, c: jax.Array, dt: jax.Array, a: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-chunk quantities (inputs [num_chunks, L, ...]).
 
     Returns (y_intra [nc, L, H, P], local_state [nc, H, P, N] (the chunk's own write, from a
@@ -68,9 +69,17 @@ def _chunk_terms(x: jax.Array, b: jax.Array, c: jax.Array, dt: jax.Array,
     return y_intra, local_state, jnp.exp(prefix[:, -1, :]), jnp.exp(prefix)
 
 
-def mamba2_chunked(h0: jax.Array, x: jax.Array, b: jax.Array, c: jax.Array, dt: jax.Array,
-                   a: jax.Array, d: jax.Array, num_valid: jax.Array | int,
-                   chunk_size: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array, jax.Array]:
+def mamba2_chunked(
+    h0: jax.Array,
+    x: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    d: jax.Array,
+    num_valid: jax.Array | int,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Mamba2 over T tokens of one row in the chunked SSD form.
 
     Shapes: h0 [H, P, N]; x [T, H, P]; b, c [T, G, N]; dt [T, H] (already softplus'd and
@@ -113,9 +122,15 @@ def mamba2_chunked(h0: jax.Array, x: jax.Array, b: jax.Array, c: jax.Array, dt: 
     return y, h_final, h_end[:num_full]
 
 
-def conv_windowed(window0: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.Array | None,
-                  num_valid: jax.Array | int, chunk_size: int = DEFAULT_CHUNK,
-                  silu: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+def conv_windowed(
+    window0: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    num_valid: jax.Array | int,
+    chunk_size: int = DEFAULT_CHUNK,
+    silu: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The causal depthwise conv over T tokens of one row, all tokens at once.
 
     Shapes: window0 [C, K-1] (raw inputs of the previous K-1 tokens, oldest first); x [T, C];

@@ -35,8 +35,9 @@ from jax.experimental import pallas as pl
 from lazyspec.kernels.state_update import check_tile, whole
 
 
-def _layer_view(ssm_pool: jax.Array, ssm_steps: jax.Array, conv_steps: jax.Array,
-                layer: int | None) -> tuple[int, jax.Array, jax.Array]:
+def _layer_view(
+    ssm_pool: jax.Array, ssm_steps: jax.Array, conv_steps: jax.Array, layer: int | None
+) -> tuple[int, jax.Array, jax.Array]:
     """(first pool layer written, ssm_steps, conv_steps with a leading layer axis): the
     one-layer scratch of ``layer=l`` gets a unit axis (a reshape, no copy)."""
     if layer is None:
@@ -46,31 +47,56 @@ def _layer_view(ssm_pool: jax.Array, ssm_steps: jax.Array, conv_steps: jax.Array
     return layer, ssm_steps[None], conv_steps[None]
 
 
-def _check_inputs(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
-                  conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array,
-                  step_layers: int) -> None:
+def _check_inputs(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    ssm_steps: jax.Array,
+    conv_steps: jax.Array,
+    dst_slot: jax.Array,
+    step: jax.Array,
+    step_layers: int,
+) -> None:
     """Shapes as in the module docstring, scratch with a leading axis of ``step_layers``."""
     if ssm_pool.ndim != 5 or ssm_steps.ndim != 6 or ssm_steps.shape[3:] != ssm_pool.shape[2:]:
         raise ValueError(f"ssm_steps {ssm_steps.shape} does not match ssm_pool {ssm_pool.shape}")
     if conv_pool.ndim != 4 or conv_steps.ndim != 5 or conv_steps.shape[3:] != conv_pool.shape[2:]:
-        raise ValueError(f"conv_steps {conv_steps.shape} does not match conv_pool "
-                         f"{conv_pool.shape}")
-    if (ssm_pool.shape[:2] != conv_pool.shape[:2]
-            or {ssm_steps.shape[0], conv_steps.shape[0]} != {step_layers}):
-        raise ValueError(f"layer / slot counts differ: ssm_pool {ssm_pool.shape}, conv_pool "
-                         f"{conv_pool.shape}, ssm_steps {ssm_steps.shape}, conv_steps "
-                         f"{conv_steps.shape}")
+        raise ValueError(
+            f"conv_steps {conv_steps.shape} does not match conv_pool {conv_pool.shape}"
+        )
+    if ssm_pool.shape[:2] != conv_pool.shape[:2] or {ssm_steps.shape[0], conv_steps.shape[0]} != {
+        step_layers
+    }:
+        raise ValueError(
+            f"layer / slot counts differ: ssm_pool {ssm_pool.shape}, conv_pool "
+            f"{conv_pool.shape}, ssm_steps {ssm_steps.shape}, conv_steps "
+            f"{conv_steps.shape}"
+        )
     if ssm_steps.shape[1:3] != conv_steps.shape[1:3]:
         raise ValueError(f"scratch rows/steps differ: {ssm_steps.shape} vs {conv_steps.shape}")
     rows = dst_slot.shape[0]
     if dst_slot.ndim != 1 or step.shape != dst_slot.shape or rows > ssm_steps.shape[1]:
-        raise ValueError(f"dst_slot {dst_slot.shape} and step {step.shape} must be [B] with "
-                         f"B <= {ssm_steps.shape[1]}")
+        raise ValueError(
+            f"dst_slot {dst_slot.shape} and step {step.shape} must be [B] with "
+            f"B <= {ssm_steps.shape[1]}"
+        )
 
 
-def _scatter_kernel(dst_ref, step_ref, ssm_src_ref, conv_src_ref, ssm_in_ref, conv_in_ref,
-                    ssm_ref, conv_ref, *, block_heads, block_rows, block_channels,
-                    num_state_tiles, first_layer):
+def _scatter_kernel(
+    dst_ref,
+    step_ref,
+    ssm_src_ref,
+    conv_src_ref,
+    ssm_in_ref,
+    conv_in_ref,
+    ssm_ref,
+    conv_ref,
+    *,
+    block_heads,
+    block_rows,
+    block_channels,
+    num_state_tiles,
+    first_layer,
+):
     del ssm_in_ref, conv_in_ref  # aliased to ssm_ref / conv_ref; only written through those
     layer, row, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pool_layer = first_layer + layer
@@ -95,17 +121,33 @@ def _scatter_kernel(dst_ref, step_ref, ssm_src_ref, conv_src_ref, ssm_in_ref, co
             conv_ref[pool_layer, dst, chans, j] = column.astype(conv_ref.dtype)
 
 
-def state_scatter_pallas(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
-                         conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array, *,
-                         block_heads: int = 1, block_rows: int | None = None,
-                         block_channels: int | None = None, layer: int | None = None,
-                         interpret: bool = False,
-                         compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
+def state_scatter_pallas(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    ssm_steps: jax.Array,
+    conv_steps: jax.Array,
+    dst_slot: jax.Array,
+    step: jax.Array,
+    *,
+    block_heads: int = 1,
+    block_rows: int | None = None,
+    block_channels: int | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> tuple[jax.Array, jax.Array]:
     """Pallas masked copy (module docstring has the contract). Returns the updated
     (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
     first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
-    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step,
-                  ssm_pool.shape[0] if layer is None else 1)
+    _check_inputs(
+        ssm_pool,
+        conv_pool,
+        ssm_steps,
+        conv_steps,
+        dst_slot,
+        step,
+        ssm_pool.shape[0] if layer is None else 1,
+    )
     bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
     br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
     bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
@@ -113,32 +155,59 @@ def state_scatter_pallas(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: j
     grid = (ssm_steps.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
 
     def kernel(*refs):
-        _scatter_kernel(*refs, block_heads=bh, block_rows=br, block_channels=bc,
-                        num_state_tiles=num_state_tiles, first_layer=first_layer)
+        _scatter_kernel(
+            *refs,
+            block_heads=bh,
+            block_rows=br,
+            block_channels=bc,
+            num_state_tiles=num_state_tiles,
+            first_layer=first_layer,
+        )
 
     return pl.pallas_call(
-        kernel, grid=grid, in_specs=[whole()] * 6, out_specs=(whole(), whole()),
-        out_shape=(jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
-                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
-        input_output_aliases={4: 0, 5: 1}, interpret=interpret, compiler_params=compiler_params,
+        kernel,
+        grid=grid,
+        in_specs=[whole()] * 6,
+        out_specs=(whole(), whole()),
+        out_shape=(
+            jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
+            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+        ),
+        input_output_aliases={4: 0, 5: 1},
+        interpret=interpret,
+        compiler_params=compiler_params,
     )(dst_slot, step, ssm_steps, conv_steps, ssm_pool, conv_pool)
 
 
-def state_scatter_xla(ssm_pool: jax.Array, conv_pool: jax.Array, ssm_steps: jax.Array,
-                      conv_steps: jax.Array, dst_slot: jax.Array, step: jax.Array,
-                      layer: int | None = None) -> tuple[jax.Array, jax.Array]:
+def state_scatter_xla(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    ssm_steps: jax.Array,
+    conv_steps: jax.Array,
+    dst_slot: jax.Array,
+    step: jax.Array,
+    layer: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Same contract as ``state_scatter_pallas``: one ``.at[].set(mode="drop")`` per pool,
     masked rows sent to an out-of-range slot."""
     first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
-    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step,
-                  ssm_pool.shape[0] if layer is None else 1)
+    _check_inputs(
+        ssm_pool,
+        conv_pool,
+        ssm_steps,
+        conv_steps,
+        dst_slot,
+        step,
+        ssm_pool.shape[0] if layer is None else 1,
+    )
     layers = slice(None) if layer is None else slice(first_layer, first_layer + 1)
     rows = jnp.arange(dst_slot.shape[0])
     picked_step = jnp.clip(step, 0, ssm_steps.shape[2] - 1)
     target = jnp.where((step >= 0) & (dst_slot != 0), dst_slot, ssm_pool.shape[1])
 
     def commit(pool: jax.Array, steps: jax.Array) -> jax.Array:
-        return pool.at[layers, target].set(steps[:, rows, picked_step].astype(pool.dtype),
-                                           mode="drop")
+        return pool.at[layers, target].set(
+            steps[:, rows, picked_step].astype(pool.dtype), mode="drop"
+        )
 
     return commit(ssm_pool, ssm_steps), commit(conv_pool, conv_steps)

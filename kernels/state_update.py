@@ -85,8 +85,9 @@ class StateUpdateResult:
 # ---------------------------------------------------------------- tile-level math
 
 
-def gdn_tile_step(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
-                  beta: jax.Array) -> tuple[jax.Array, jax.Array]:
+def gdn_tile_step(
+    h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """``recurrence.gdn_step`` on a tile: h [bh, d_k, bv], q, k [bh, d_k], v [bh, bv],
     g, beta [bh]. Written with broadcasts and sums only, so it lowers without batched dots."""
     h = h * jnp.exp(g)[:, None, None]
@@ -96,8 +97,15 @@ def gdn_tile_step(h: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax
     return h, jnp.sum(h * q[:, :, None], axis=1)
 
 
-def mamba2_tile_step(h: jax.Array, x: jax.Array, b: jax.Array, c: jax.Array, dt: jax.Array,
-                     a: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
+def mamba2_tile_step(
+    h: jax.Array,
+    x: jax.Array,
+    b: jax.Array,
+    c: jax.Array,
+    dt: jax.Array,
+    a: jax.Array,
+    d: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """``recurrence.mamba2_step`` on a tile: h [bh, bp, N], x [bh, bp], b, c [bh, N] (already
     per head), dt, a, d [bh]."""
     decay = jnp.exp(dt * a)
@@ -122,14 +130,17 @@ def check_tile(name: str, size: int, block: int | None) -> int:
     return block
 
 
-def check_pool(pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...],
-               layer: int | None = None) -> None:
+def check_pool(
+    pool: jax.Array, slot: jax.Array, state_shape: tuple[int, ...], layer: int | None = None
+) -> None:
     """ValueError unless pool is ``[S+1, *state_shape]`` (``[L, S+1, *state_shape]`` with
     ``0 <= layer < L`` when a layer is given) and slot a 1-D integer vector."""
     lead = 1 if layer is None else 2
     if pool.ndim != 3 + lead or pool.shape[lead:] != state_shape:
-        raise ValueError(f"pool shape {pool.shape} does not match state {state_shape}"
-                         f"{'' if layer is None else ' with a leading layer axis'}")
+        raise ValueError(
+            f"pool shape {pool.shape} does not match state {state_shape}"
+            f"{'' if layer is None else ' with a leading layer axis'}"
+        )
     if layer is not None and not 0 <= layer < pool.shape[0]:
         raise ValueError(f"layer={layer} is outside the pool's {pool.shape[0]} layers")
     if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
@@ -156,8 +167,13 @@ def pool_index(layer: int | None, slot, *tile) -> tuple:
     return ((slot,) if layer is None else (jnp.int32(layer), slot)) + tile
 
 
-def state_output(mode: str, pool: jax.Array, out_like: jax.Array, decode_spec: pl.BlockSpec,
-                 verify_spec: pl.BlockSpec) -> tuple[jax.ShapeDtypeStruct, pl.BlockSpec]:
+def state_output(
+    mode: str,
+    pool: jax.Array,
+    out_like: jax.Array,
+    decode_spec: pl.BlockSpec,
+    verify_spec: pl.BlockSpec,
+) -> tuple[jax.ShapeDtypeStruct, pl.BlockSpec]:
     """Shape and spec of an update kernel's state output: the (aliased) pool in decode, the
     ``[B, T, *state]`` step states in verify."""
     if mode == "decode":
@@ -174,18 +190,34 @@ def update_result(mode: str, outputs: jax.Array, states: jax.Array) -> StateUpda
     return StateUpdateResult(outputs=outputs, pool=None, step_states=states)
 
 
-def _run_update(kernel, mode: str, pool: jax.Array, grid: tuple[int, ...], in_specs: list,
-                args: tuple, out_like: jax.Array, out_spec: pl.BlockSpec, state_block: tuple,
-                state_index, interpret: bool, compiler_params: Any) -> StateUpdateResult:
+def _run_update(
+    kernel,
+    mode: str,
+    pool: jax.Array,
+    grid: tuple[int, ...],
+    in_specs: list,
+    args: tuple,
+    out_like: jax.Array,
+    out_spec: pl.BlockSpec,
+    state_block: tuple,
+    state_index,
+    interpret: bool,
+    compiler_params: Any,
+) -> StateUpdateResult:
     """Launch an update kernel whose refs are (*args, out, state): ``state`` is the pool (the
     last arg, aliased) in decode and the ``[B, T, *state]`` step states in verify."""
-    state_shape, state_spec = state_output(mode, pool, out_like, whole(),
-                                           pl.BlockSpec(state_block, state_index))
+    state_shape, state_spec = state_output(
+        mode, pool, out_like, whole(), pl.BlockSpec(state_block, state_index)
+    )
     outputs, states = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=(out_spec, state_spec),
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=(out_spec, state_spec),
         out_shape=(jax.ShapeDtypeStruct(out_like.shape, out_like.dtype), state_shape),
         input_output_aliases={len(args) - 1: 1} if mode == "decode" else {},
-        interpret=interpret, compiler_params=compiler_params,
+        interpret=interpret,
+        compiler_params=compiler_params,
     )(*args)
     return update_result(mode, outputs, states)
 
@@ -193,8 +225,23 @@ def _run_update(kernel, mode: str, pool: jax.Array, grid: tuple[int, ...], in_sp
 # ---------------------------------------------------------------- GDN
 
 
-def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_ref, state_ref,
-                *, mode, block_heads, block_value, evict_last, layer):
+def _gdn_kernel(
+    slot_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    pool_ref,
+    out_ref,
+    state_ref,
+    *,
+    mode,
+    block_heads,
+    block_value,
+    evict_last,
+    layer,
+):
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     cols = pl.ds(pl.program_id(2) * block_value, block_value)
@@ -202,22 +249,37 @@ def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_re
     h = load_state(pool_ref, tile, evict_last).astype(jnp.float32)
     f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
     for t in range(q_ref.shape[0]):
-        h, out = gdn_tile_step(h, f32(q_ref, t), f32(k_ref, t), f32(v_ref, t),
-                               f32(g_ref, t, heads), f32(beta_ref, t, heads))
+        h, out = gdn_tile_step(
+            h,
+            f32(q_ref, t),
+            f32(k_ref, t),
+            f32(v_ref, t),
+            f32(g_ref, t, heads),
+            f32(beta_ref, t, heads),
+        )
         out_ref[t] = out.astype(out_ref.dtype)
         if mode == "verify":
             state_ref[t] = h.astype(state_ref.dtype)
     if mode == "decode":
+
         @pl.when(slot != 0)
         def _write_back():
             state_ref[tile] = h.astype(state_ref.dtype)
 
 
-def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str,
-                            block_heads: int = 1, block_value: int | None = None,
-                            evict_last: bool = False, layer: int | None = None,
-                            interpret: bool = False,
-                            compiler_params: Any = None) -> StateUpdateResult:
+def gdn_state_update_pallas(
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens,
+    *,
+    mode: str,
+    block_heads: int = 1,
+    block_value: int | None = None,
+    evict_last: bool = False,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> StateUpdateResult:
     """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
     through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
@@ -231,22 +293,37 @@ def gdn_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: GdnTokens,
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
 
     def gdn_update(*refs):  # the kernel's name in profiles
-        _gdn_kernel(*refs, mode=mode, block_heads=bh, block_value=bv,
-                    evict_last=evict_last and mode == "decode", layer=layer)
+        _gdn_kernel(
+            *refs,
+            mode=mode,
+            block_heads=bh,
+            block_value=bv,
+            evict_last=evict_last and mode == "decode",
+            layer=layer,
+        )
 
     return _run_update(
-        gdn_update, mode, pool, (batch, num_heads // bh, value_dim // bv),
+        gdn_update,
+        mode,
+        pool,
+        (batch, num_heads // bh, value_dim // bv),
         [whole(), keys, keys, values, per_head, per_head, whole()],
-        (slot, tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool), tokens.v, values,
-        (None, num_tokens, bh, key_dim, bv), lambda b, i, j: (b, 0, i, 0, j), interpret,
-        compiler_params)
+        (slot, tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool),
+        tokens.v,
+        values,
+        (None, num_tokens, bh, key_dim, bv),
+        lambda b, i, j: (b, 0, i, 0, j),
+        interpret,
+        compiler_params,
+    )
 
 
 # ---------------------------------------------------------------- Mamba2
 
 
-def _heads_from_groups(bc_ref, t: int, head_start: jax.Array, block_heads: int,
-                       heads_per_group: int) -> jax.Array:
+def _heads_from_groups(
+    bc_ref, t: int, head_start: jax.Array, block_heads: int, heads_per_group: int
+) -> jax.Array:
     """The [block_heads, N] rows of b or c read by heads head_start.. (head i -> group
     i // heads_per_group); the tile never straddles a group partially."""
     group = jax.lax.div(head_start, heads_per_group)  # truncating: no sign fix-ups to lower
@@ -257,9 +334,25 @@ def _heads_from_groups(bc_ref, t: int, head_start: jax.Array, block_heads: int,
     return jnp.repeat(groups.astype(jnp.float32), heads_per_group, axis=0)
 
 
-def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref,
-                   state_ref, *, mode, block_heads, block_value, heads_per_group, evict_last,
-                   layer):
+def _mamba2_kernel(
+    slot_ref,
+    x_ref,
+    b_ref,
+    c_ref,
+    dt_ref,
+    a_ref,
+    d_ref,
+    pool_ref,
+    out_ref,
+    state_ref,
+    *,
+    mode,
+    block_heads,
+    block_value,
+    heads_per_group,
+    evict_last,
+    layer,
+):
     slot = slot_ref[pl.program_id(0)]
     head_start = pl.program_id(1) * block_heads
     heads = pl.ds(head_start, block_heads)
@@ -271,12 +364,14 @@ def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref
     for t in range(x_ref.shape[0]):
         b = _heads_from_groups(b_ref, t, head_start, block_heads, heads_per_group)
         c = _heads_from_groups(c_ref, t, head_start, block_heads, heads_per_group)
-        h, y = mamba2_tile_step(h, x_ref[t].astype(jnp.float32), b, c,
-                                dt_ref[t, heads].astype(jnp.float32), a, d)
+        h, y = mamba2_tile_step(
+            h, x_ref[t].astype(jnp.float32), b, c, dt_ref[t, heads].astype(jnp.float32), a, d
+        )
         out_ref[t] = y.astype(out_ref.dtype)
         if mode == "verify":
             state_ref[t] = h.astype(state_ref.dtype)
     if mode == "decode":
+
         @pl.when(slot != 0)
         def _write_back():
             state_ref[tile] = h.astype(state_ref.dtype)
@@ -287,16 +382,26 @@ def _check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
         raise ValueError(f"num_groups={num_groups} must divide num_heads={num_heads}")
     per_group = num_heads // num_groups
     if per_group % block_heads and block_heads % per_group:
-        raise ValueError(f"block_heads={block_heads} must divide or be a multiple of the "
-                         f"{per_group} heads per group")
+        raise ValueError(
+            f"block_heads={block_heads} must divide or be a multiple of the "
+            f"{per_group} heads per group"
+        )
     return per_group
 
 
-def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
-                               mode: str, block_heads: int = 1, block_value: int | None = None,
-                               evict_last: bool = False, layer: int | None = None,
-                               interpret: bool = False,
-                               compiler_params: Any = None) -> StateUpdateResult:
+def mamba2_state_update_pallas(
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: Mamba2Tokens,
+    *,
+    mode: str,
+    block_heads: int = 1,
+    block_value: int | None = None,
+    evict_last: bool = False,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> StateUpdateResult:
     """Pallas Mamba2 update (module docstring has the contract); value tiles split P;
     ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
@@ -311,16 +416,30 @@ def mamba2_state_update_pallas(pool: jax.Array, slot: jax.Array, tokens: Mamba2T
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
 
     def mamba2_update(*refs):  # the kernel's name in profiles
-        _mamba2_kernel(*refs, mode=mode, block_heads=bh, block_value=bp,
-                       heads_per_group=per_group, evict_last=evict_last and mode == "decode",
-                       layer=layer)
+        _mamba2_kernel(
+            *refs,
+            mode=mode,
+            block_heads=bh,
+            block_value=bp,
+            heads_per_group=per_group,
+            evict_last=evict_last and mode == "decode",
+            layer=layer,
+        )
 
     return _run_update(
-        mamba2_update, mode, pool, (batch, num_heads // bh, head_dim // bp),
+        mamba2_update,
+        mode,
+        pool,
+        (batch, num_heads // bh, head_dim // bp),
         [whole(), values, groups, groups, per_head, whole(), whole(), whole()],
-        (slot, tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d, pool), tokens.x,
-        values, (None, num_tokens, bh, bp, state_dim), lambda b, i, j: (b, 0, i, j, 0),
-        interpret, compiler_params)
+        (slot, tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d, pool),
+        tokens.x,
+        values,
+        (None, num_tokens, bh, bp, state_dim),
+        lambda b, i, j: (b, 0, i, j, 0),
+        interpret,
+        compiler_params,
+    )
 
 
 # ---------------------------------------------------------------- XLA forms
@@ -331,8 +450,15 @@ def _rows(pool: jax.Array, slot: jax.Array, layer: int | None) -> jax.Array:
     return (pool if layer is None else pool[layer])[slot].astype(jnp.float32)
 
 
-def _xla_finish(pool: jax.Array, slot: jax.Array, mode: str, outputs: jax.Array,
-                final: jax.Array, states: jax.Array, layer: int | None) -> StateUpdateResult:
+def _xla_finish(
+    pool: jax.Array,
+    slot: jax.Array,
+    mode: str,
+    outputs: jax.Array,
+    final: jax.Array,
+    states: jax.Array,
+    layer: int | None,
+) -> StateUpdateResult:
     if mode == "decode":
         slots = pool.shape[0 if layer is None else 1]
         target = jnp.where(slot != 0, slot, slots)  # out of range: dropped
@@ -342,8 +468,9 @@ def _xla_finish(pool: jax.Array, slot: jax.Array, mode: str, outputs: jax.Array,
     return StateUpdateResult(outputs=outputs, pool=None, step_states=states.astype(pool.dtype))
 
 
-def gdn_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *,
-                         mode: str, layer: int | None = None) -> StateUpdateResult:
+def gdn_state_update_xla(
+    pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str, layer: int | None = None
+) -> StateUpdateResult:
     """Same contract as ``gdn_state_update_pallas``: gather, vmapped ``gdn_scan``, masked
     scatter."""
     check_mode(mode)
@@ -353,14 +480,16 @@ def gdn_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *,
     return _xla_finish(pool, slot, mode, outs.astype(tokens.v.dtype), final, states, layer)
 
 
-def mamba2_state_update_xla(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
-                            mode: str, layer: int | None = None) -> StateUpdateResult:
+def mamba2_state_update_xla(
+    pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *, mode: str, layer: int | None = None
+) -> StateUpdateResult:
     """Same contract as ``mamba2_state_update_pallas``, through a vmapped ``mamba2_scan``."""
     check_mode(mode)
     check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]), layer)
     _check_groups(tokens.x.shape[2], tokens.b.shape[2], 1)
-    f32 = [t.astype(jnp.float32) for t in (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a,
-                                           tokens.d)]
+    f32 = [
+        t.astype(jnp.float32) for t in (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d)
+    ]
     scan = jax.vmap(recurrence.mamba2_scan, in_axes=(0, 0, 0, 0, 0, None, None))
     outs, final, states = scan(_rows(pool, slot, layer), *f32)
     return _xla_finish(pool, slot, mode, outs.astype(tokens.x.dtype), final, states, layer)

@@ -66,14 +66,28 @@ def _pool_block(layer: int | None, block: tuple, index_map):
     return pl.BlockSpec((None, None) + block, lambda *ids: (layer,) + index_map(*ids))
 
 
-def _launch(kernel, mode: str, pool, slot, grid, in_specs, args, out_like, out_spec,
-            pool_spec, steps_spec, interpret: bool) -> StateUpdateResult:
+def _launch(
+    kernel,
+    mode: str,
+    pool,
+    slot,
+    grid,
+    in_specs,
+    args,
+    out_like,
+    out_spec,
+    pool_spec,
+    steps_spec,
+    interpret: bool,
+) -> StateUpdateResult:
     """pallas_call with the slot ids scalar-prefetched; refs (slot, *args, out, state)."""
     state_shape, state_spec = state_output(mode, pool, out_like, pool_spec, steps_spec)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=(out_spec, state_spec))
+        num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=(out_spec, state_spec)
+    )
     outputs, states = pl.pallas_call(
-        kernel, grid_spec=grid_spec,
+        kernel,
+        grid_spec=grid_spec,
         out_shape=(jax.ShapeDtypeStruct(out_like.shape, out_like.dtype), state_shape),
         # operand 0 is the prefetched slot vector, so the pool (last arg) is len(args)
         input_output_aliases={len(args): 1} if mode == "decode" else {},
@@ -85,8 +99,20 @@ def _launch(kernel, mode: str, pool, slot, grid, in_specs, args, out_like, out_s
 # ---------------------------------------------------------------- GDN
 
 
-def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_ref, state_ref,
-                *, mode, block_heads):
+def _gdn_kernel(
+    slot_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    pool_ref,
+    out_ref,
+    state_ref,
+    *,
+    mode,
+    block_heads,
+):
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     h0 = pool_ref[...].astype(jnp.float32)
@@ -94,16 +120,29 @@ def _gdn_kernel(slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_re
     f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
     num_tokens = q_ref.shape[0]
     for t in range(num_tokens):
-        h, out = gdn_tile_step(h, f32(q_ref, t), f32(k_ref, t), f32(v_ref, t),
-                               f32(g_ref, t, heads), f32(beta_ref, t, heads))
+        h, out = gdn_tile_step(
+            h,
+            f32(q_ref, t),
+            f32(k_ref, t),
+            f32(v_ref, t),
+            f32(g_ref, t, heads),
+            f32(beta_ref, t, heads),
+        )
         out_ref[t] = out.astype(out_ref.dtype)
         _store_states(mode, slot, h, h0, state_ref, t, t == num_tokens - 1)
 
 
-def gdn_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *, mode: str,
-                         block_heads: int = 8, block_value: int | None = None,
-                         layer: int | None = None,
-                         interpret: bool = False) -> StateUpdateResult:
+def gdn_state_update_tpu(
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens,
+    *,
+    mode: str,
+    block_heads: int = 8,
+    block_value: int | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+) -> StateUpdateResult:
     """GDN update with scalar-prefetched slots (module docstring); grid (row, head tile,
     value tile). Decode mutates ``pool`` only through the returned (aliased) array."""
     check_mode(mode)
@@ -116,16 +155,27 @@ def gdn_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: GdnTokens, *,
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j, s: (b, 0, i, j))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j, s: (b, 0, 0))
     pool_spec = _pool_block(layer, (bh, key_dim, bv), lambda b, i, j, s: (s[b], i, 0, j))
-    steps_spec = pl.BlockSpec((None, num_tokens, bh, key_dim, bv),
-                              lambda b, i, j, s: (b, 0, i, 0, j))
+    steps_spec = pl.BlockSpec(
+        (None, num_tokens, bh, key_dim, bv), lambda b, i, j, s: (b, 0, i, 0, j)
+    )
 
     def gdn_update(*refs):  # the kernel's name in profiles
         _gdn_kernel(*refs, mode=mode, block_heads=bh)
 
-    return _launch(gdn_update, mode, pool, slot, (batch, num_heads // bh, value_dim // bv),
-                   [keys, keys, values, per_head, per_head, pool_spec],
-                   (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool), tokens.v,
-                   values, pool_spec, steps_spec, interpret)
+    return _launch(
+        gdn_update,
+        mode,
+        pool,
+        slot,
+        (batch, num_heads // bh, value_dim // bv),
+        [keys, keys, values, per_head, per_head, pool_spec],
+        (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool),
+        tokens.v,
+        values,
+        pool_spec,
+        steps_spec,
+        interpret,
+    )
 
 
 # ---------------------------------------------------------------- Mamba2
@@ -138,13 +188,27 @@ def _group_row(bc_ref, t: int, pick: jax.Array, block_heads: int) -> jax.Array:
     return jnp.broadcast_to(row[None, :], (block_heads, row.shape[0]))
 
 
-def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref,
-                   state_ref, *, mode, block_heads, heads_per_group):
+def _mamba2_kernel(
+    slot_ref,
+    x_ref,
+    b_ref,
+    c_ref,
+    dt_ref,
+    a_ref,
+    d_ref,
+    pool_ref,
+    out_ref,
+    state_ref,
+    *,
+    mode,
+    block_heads,
+    heads_per_group,
+):
     slot = slot_ref[pl.program_id(0)]
     first_head = pl.program_id(1) * block_heads
     heads = pl.ds(first_head, block_heads)
     group = jax.lax.div(first_head, heads_per_group)
-    pick = (jax.lax.broadcasted_iota(jnp.int32, (b_ref.shape[1], 1), 0) == group)
+    pick = jax.lax.broadcasted_iota(jnp.int32, (b_ref.shape[1], 1), 0) == group
     pick = pick.astype(jnp.float32)
     h0 = pool_ref[...].astype(jnp.float32)
     h = h0
@@ -154,15 +218,23 @@ def _mamba2_kernel(slot_ref, x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref
     for t in range(num_tokens):
         b = _group_row(b_ref, t, pick, block_heads)
         c = _group_row(c_ref, t, pick, block_heads)
-        h, y = mamba2_tile_step(h, x_ref[t].astype(jnp.float32), b, c,
-                                dt_ref[t, heads].astype(jnp.float32), a, d)
+        h, y = mamba2_tile_step(
+            h, x_ref[t].astype(jnp.float32), b, c, dt_ref[t, heads].astype(jnp.float32), a, d
+        )
         out_ref[t] = y.astype(out_ref.dtype)
         _store_states(mode, slot, h, h0, state_ref, t, t == num_tokens - 1)
 
 
-def mamba2_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: Mamba2Tokens, *,
-                            mode: str, block_heads: int = 8, layer: int | None = None,
-                            interpret: bool = False) -> StateUpdateResult:
+def mamba2_state_update_tpu(
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: Mamba2Tokens,
+    *,
+    mode: str,
+    block_heads: int = 8,
+    layer: int | None = None,
+    interpret: bool = False,
+) -> StateUpdateResult:
     """Mamba2 update with scalar-prefetched slots (module docstring); grid (row, head tile).
     A head tile lies inside one B/C group (picked from the ``[T, G, N]`` block in-kernel)."""
     check_mode(mode)
@@ -180,14 +252,32 @@ def mamba2_state_update_tpu(pool: jax.Array, slot: jax.Array, tokens: Mamba2Toke
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, s: (b, 0, 0))
     vector = pl.BlockSpec((1, num_heads), lambda b, i, s: (0, 0))  # a, d as [1, H] rows
     pool_spec = _pool_block(layer, (bh, head_dim, state_dim), lambda b, i, s: (s[b], i, 0, 0))
-    steps_spec = pl.BlockSpec((None, num_tokens, bh, head_dim, state_dim),
-                              lambda b, i, s: (b, 0, i, 0, 0))
+    steps_spec = pl.BlockSpec(
+        (None, num_tokens, bh, head_dim, state_dim), lambda b, i, s: (b, 0, i, 0, 0)
+    )
 
     def mamba2_update(*refs):  # the kernel's name in profiles
         _mamba2_kernel(*refs, mode=mode, block_heads=bh, heads_per_group=per_group)
 
-    return _launch(mamba2_update, mode, pool, slot, (batch, num_heads // bh),
-                   [values, groups, groups, per_head, vector, vector, pool_spec],
-                   (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a.reshape(1, -1),
-                    tokens.d.reshape(1, -1), pool), tokens.x,
-                   values, pool_spec, steps_spec, interpret)
+    return _launch(
+        mamba2_update,
+        mode,
+        pool,
+        slot,
+        (batch, num_heads // bh),
+        [values, groups, groups, per_head, vector, vector, pool_spec],
+        (
+            tokens.x,
+            tokens.b,
+            tokens.c,
+            tokens.dt,
+            tokens.a.reshape(1, -1),
+            tokens.d.reshape(1, -1),
+            pool,
+        ),
+        tokens.x,
+        values,
+        pool_spec,
+        steps_spec,
+        interpret,
+    )

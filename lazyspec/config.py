@@ -54,8 +54,13 @@ class EngineConfig:
         _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGIES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
-        for name in ("page_size", "max_total_tokens", "mamba_track_interval", "mamba_chunk_size",
-                     "chunked_prefill_size"):
+        for name in (
+            "page_size",
+            "max_total_tokens",
+            "mamba_track_interval",
+            "mamba_chunk_size",
+            "chunked_prefill_size",
+        ):
             _check_positive(name, getattr(self, name))
         for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):
             if getattr(self, name) is not None:
@@ -91,7 +96,9 @@ class EngineConfig:
         _check_positive("speculative_num_steps", steps)
         topk = self.speculative_eagle_topk if self.speculative_eagle_topk is not None else 1
         if topk != 1:
-            raise ValueError(f"speculative_eagle_topk={topk}: only chain drafting (topk=1) is supported")
+            raise ValueError(
+                f"speculative_eagle_topk={topk}: only chain drafting (topk=1) is supported"
+            )
         draft = self.speculative_num_draft_tokens
         if draft is None:
             draft = steps + 1
@@ -158,7 +165,7 @@ class EngineConfig:
         """Slots a running request pins besides its working slot."""
         return {"none": 0, "no_buffer": 0, "extra_buffer": 2, "extra_buffer_lazy": 1}[self.strategy]
 
-    def with_overrides(self, **kwargs) -> "EngineConfig":
+    def with_overrides(self, **kwargs) -> EngineConfig:
         return replace(self, **kwargs)
 
     @classmethod

@@ -17,28 +17,39 @@ runs interpreted there).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-try:
-    import lazyspec.kernels  # noqa: F401  (installed package)
-except ImportError:
-    import conftest  # noqa: F401  (source checkout: maps kernels/ to lazyspec.kernels)
-
 PRESETS = {
     # Qwen3-Next-80B's GDN shapes (16 key / 32 value heads of 128) on 8 layers, dense MLP
-    "medium": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                   linear_num_key_heads=16, linear_num_value_heads=32,
-                   linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=32000),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, vocab_size=512),
+    "medium": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        vocab_size=512,
+    ),
 }
 
 
@@ -49,15 +60,25 @@ def build_model(preset: str, dtype: str):
     import jax.numpy as jnp
 
     from lazyspec.models import qwen3_next
-    from lazyspec.models.config import parse_hf_config
+    from lazyspec.models.registry import parse_hf_config
 
-    hf = dict(model_type="qwen3_next", num_experts=0, linear_conv_kernel_dim=4,
-              rms_norm_eps=1e-6, eos_token_id=0, max_position_embeddings=8192,
-              full_attention_interval=4, partial_rotary_factor=0.25, rope_theta=10000.0,
-              num_nextn_predict_layers=1, **PRESETS[preset])
+    hf = dict(
+        model_type="qwen3_next",
+        num_experts=0,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        eos_token_id=0,
+        max_position_embeddings=8192,
+        full_attention_interval=4,
+        partial_rotary_factor=0.25,
+        rope_theta=10000.0,
+        num_nextn_predict_layers=1,
+        **PRESETS[preset],
+    )
     cfg = parse_hf_config(hf)
-    params = qwen3_next.init_params(cfg, jax.random.PRNGKey(0),
-                                    dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    params = qwen3_next.init_params(
+        cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    )
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=qwen3_next)
 
 
@@ -65,10 +86,18 @@ def make_engine(model, backend: str, args):
     from lazyspec.engine.engine import Engine
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
-    return Engine(model=model, kernel_backend=backend, dtype=args.dtype,
-                  max_running_requests=args.batch, mamba_track_interval=256,
-                  chunked_prefill_size=args.prompt_len, context_length=args.context,
-                  max_total_tokens=args.batch * args.context, skip_warmup=True, **spec)
+    return Engine(
+        model=model,
+        kernel_backend=backend,
+        dtype=args.dtype,
+        max_running_requests=args.batch,
+        mamba_track_interval=256,
+        chunked_prefill_size=args.prompt_len,
+        context_length=args.context,
+        max_total_tokens=args.batch * args.context,
+        skip_warmup=True,
+        **spec,
+    )
 
 
 class _Recorder:
@@ -93,29 +122,37 @@ def decode_memory(model, backend: str, args) -> dict:
     recorder = _Recorder(engine.runner._decode)
     engine.runner._decode = recorder
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(1, model.config.vocab_size, size=args.prompt_len)]
-               for _ in range(args.batch)]
+    prompts = [
+        [int(t) for t in rng.integers(1, model.config.vocab_size, size=args.prompt_len)]
+        for _ in range(args.batch)
+    ]
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
     analysis = recorder.jitted.lower(*recorder.args).compile().memory_analysis()
     mib = lambda n: n / 2**20  # noqa: E731
-    return {"backend": backend, "batch": args.batch,
-            "rows": recorder.args[2].req_row.shape[0],
-            "temp_mib": mib(analysis.temp_size_in_bytes),
-            "argument_mib": mib(analysis.argument_size_in_bytes),
-            "output_mib": mib(analysis.output_size_in_bytes),
-            "alias_mib": mib(analysis.alias_size_in_bytes)}
+    return {
+        "backend": backend,
+        "batch": args.batch,
+        "rows": recorder.args[2].req_row.shape[0],
+        "temp_mib": mib(analysis.temp_size_in_bytes),
+        "argument_mib": mib(analysis.argument_size_in_bytes),
+        "output_mib": mib(analysis.output_size_in_bytes),
+        "alias_mib": mib(analysis.alias_size_in_bytes),
+    }
 
 
 def run(model, backend: str, args) -> dict:
     engine = make_engine(model, backend, args)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [[int(t) for t in rng.integers(1, vocab, size=args.prompt_len)]
-               for _ in range(args.num_requests)]
+    prompts = [
+        [int(t) for t in rng.integers(1, vocab, size=args.prompt_len)]
+        for _ in range(args.num_requests)
+    ]
     params = {"max_new_tokens": args.output_len, "ignore_eos": True}
     # warm-up pass compiles the shapes this workload uses
-    engine.generate(input_ids=prompts[: args.batch], sampling_params={"max_new_tokens": 4,
-                                                                     "ignore_eos": True})
+    engine.generate(
+        input_ids=prompts[: args.batch], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+    )
     engine.flush_cache()
     reqs = [engine.add_request(input_ids=p, sampling_params=params) for p in prompts]
     times = {"extend": [], "decode": []}
@@ -130,10 +167,14 @@ def run(model, backend: str, args) -> dict:
     out_tokens = sum(len(r.output_ids) for r in reqs)
     decode_time = sum(times["decode"])
     return {
-        "backend": backend, "batch": args.batch, "wall_s": wall,
+        "backend": backend,
+        "batch": args.batch,
+        "wall_s": wall,
         "output_tok_s": out_tokens / wall,
         "decode_tok_s": (out_tokens - len(reqs)) / max(decode_time, 1e-9),
-        "median_decode_step_ms": 1e3 * float(np.median(times["decode"])) if times["decode"] else 0.0,
+        "median_decode_step_ms": 1e3 * float(np.median(times["decode"]))
+        if times["decode"]
+        else 0.0,
         "prefill_tok_s": args.prompt_len * len(reqs) / max(sum(times["extend"]), 1e-9),
         "accept_len": engine.get_server_info()["avg_accept_length"],
     }
@@ -150,8 +191,11 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--spec", action="store_true", help="NEXTN with the (random) MTP head")
-    p.add_argument("--memory", action="store_true",
-                   help="report the compiled decode step's memory analysis instead of timing")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="report the compiled decode step's memory analysis instead of timing",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     model = build_model(args.preset, args.dtype)
@@ -162,12 +206,17 @@ def main(argv=None) -> None:
         row = run(model, backend, args)
         print(row, flush=True)
         rows.append(row)
-    lines = ["| backend | batch | output tok/s | decode tok/s | median decode step (ms) | prefill tok/s |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| backend | batch | output tok/s | decode tok/s | median decode step (ms) "
+        "| prefill tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['batch']} | {r['output_tok_s']:.0f} | "
-                     f"{r['decode_tok_s']:.0f} | {r['median_decode_step_ms']:.2f} | "
-                     f"{r['prefill_tok_s']:.0f} |")
+        lines.append(
+            f"| {r['backend']} | {r['batch']} | {r['output_tok_s']:.0f} | "
+            f"{r['decode_tok_s']:.0f} | {r['median_decode_step_ms']:.2f} | "
+            f"{r['prefill_tok_s']:.0f} |"
+        )
     emit_table(lines, args.out)
 
 
@@ -180,13 +229,17 @@ def emit_table(lines: list[str], out: str | None) -> None:
 
 
 def memory_table(model, args) -> None:
-    lines = ["| backend | batch | decode rows | temp MiB | arguments MiB | outputs MiB | "
-             "aliased MiB |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| backend | batch | decode rows | temp MiB | arguments MiB | outputs MiB | aliased MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for backend in args.backends.split(","):
         r = decode_memory(model, backend, args)
         print(r, flush=True)
-        lines.append(f"| {r['backend']} | {r['batch']} | {r['rows']} | {r['temp_mib']:.1f} | "
-                     f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['alias_mib']:.1f} |")
+        lines.append(
+            f"| {r['backend']} | {r['batch']} | {r['rows']} | {r['temp_mib']:.1f} | "
+            f"{r['argument_mib']:.1f} | {r['output_mib']:.1f} | {r['alias_mib']:.1f} |"
+        )
     emit_table(lines, args.out)
 
 

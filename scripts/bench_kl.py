@@ -15,16 +15,9 @@ averaged over samples. Per strategy, speculation on and off.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-try:
-    import lazyspec.kernels  # noqa: F401  (installed package)
-except ImportError:
-    import conftest  # noqa: F401  (source checkout: maps kernels/ to lazyspec.kernels)
 
 
 def reference_logprobs(model, ids: list[int], start: int, bucket: int = 256) -> np.ndarray:
@@ -47,10 +40,18 @@ def _engine(model, strategy: str, spec: bool, args):
     from lazyspec.engine.engine import Engine
 
     kw = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if spec else {}
-    return Engine(model=model, mamba_scheduler_strategy=strategy,
-                  mamba_track_interval=args.interval, mamba_chunk_size=args.chunk,
-                  chunked_prefill_size=256, max_running_requests=8, max_total_tokens=65536,
-                  context_length=1024, skip_warmup=True, **kw)
+    return Engine(
+        model=model,
+        mamba_scheduler_strategy=strategy,
+        mamba_track_interval=args.interval,
+        mamba_chunk_size=args.chunk,
+        chunked_prefill_size=256,
+        max_running_requests=8,
+        max_total_tokens=65536,
+        context_length=1024,
+        skip_warmup=True,
+        **kw,
+    )
 
 
 def _engine_logprobs(out: dict) -> np.ndarray:
@@ -100,16 +101,22 @@ def main(argv=None) -> None:
 
         model = tiny_model("qwen3_next")
     rng = np.random.default_rng(args.seed)
-    prompts = [[int(t) for t in rng.integers(3, model.config.vocab_size, size=args.prompt_len)]
-               for _ in range(args.num_prompts)]
-    lines = ["| strategy | spec | prefill-cache KL | hits | decode-cache KL | hits |",
-             "|---|---|---|---|---|---|"]
+    prompts = [
+        [int(t) for t in rng.integers(3, model.config.vocab_size, size=args.prompt_len)]
+        for _ in range(args.num_prompts)
+    ]
+    lines = [
+        "| strategy | spec | prefill-cache KL | hits | decode-cache KL | hits |",
+        "|---|---|---|---|---|---|",
+    ]
     for strategy in args.strategies.split(","):
         for spec in (False, True):
             pre, pre_hits = run_case(model, strategy, spec, "prefill", prompts, args)
             dec, dec_hits = run_case(model, strategy, spec, "decode", prompts, args)
-            lines.append(f"| {strategy} | {'NEXTN' if spec else 'off'} | {pre:.2e} | "
-                         f"{pre_hits}/{len(prompts)} | {dec:.2e} | {dec_hits}/{len(prompts)} |")
+            lines.append(
+                f"| {strategy} | {'NEXTN' if spec else 'off'} | {pre:.2e} | "
+                f"{pre_hits}/{len(prompts)} | {dec:.2e} | {dec_hits}/{len(prompts)} |"
+            )
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-try:
-    import lazyspec.kernels  # noqa: F401  (installed package)
-except ImportError:
-    import conftest  # noqa: F401  (source checkout: maps kernels/ to lazyspec.kernels)
-
 STRATEGIES = {
     "extra_buffer": dict(mamba_scheduler_strategy="extra_buffer"),
     "extra_buffer_lazy": dict(mamba_scheduler_strategy="extra_buffer_lazy"),
-    "lazy+evict_on_failure": dict(mamba_scheduler_strategy="extra_buffer_lazy",
-                                  debug_lazy_evict_on_failure=True),
+    "lazy+evict_on_failure": dict(
+        mamba_scheduler_strategy="extra_buffer_lazy", debug_lazy_evict_on_failure=True
+    ),
 }
 
 
@@ -51,11 +45,20 @@ def run_once(model, strategy: str, pool: int, seed: int, args) -> Result:
     from lazyspec.engine.engine import Engine
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
-    engine = Engine(model=model, max_running_requests=args.max_running,
-                    max_mamba_cache_size=pool, mamba_track_interval=args.interval,
-                    mamba_chunk_size=args.chunk, chunked_prefill_size=args.chunked_prefill,
-                    max_total_tokens=args.kv_tokens, context_length=args.context,
-                    random_seed=seed, skip_warmup=True, **STRATEGIES[strategy], **spec)
+    engine = Engine(
+        model=model,
+        max_running_requests=args.max_running,
+        max_mamba_cache_size=pool,
+        mamba_track_interval=args.interval,
+        mamba_chunk_size=args.chunk,
+        chunked_prefill_size=args.chunked_prefill,
+        max_total_tokens=args.kv_tokens,
+        context_length=args.context,
+        random_seed=seed,
+        skip_warmup=True,
+        **STRATEGIES[strategy],
+        **spec,
+    )
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
 
@@ -98,8 +101,10 @@ def run_once(model, strategy: str, pool: int, seed: int, args) -> Result:
 
 def summarize(results: list[Result]) -> str:
     pools = sorted({r.pool for r in results}, reverse=True)
-    lines = ["| state pool (slots) | " + " | ".join(STRATEGIES) + " |",
-             "|---|" + "---|" * len(STRATEGIES)]
+    lines = [
+        "| state pool (slots) | " + " | ".join(STRATEGIES) + " |",
+        "|---|" + "---|" * len(STRATEGIES),
+    ]
     for pool in pools:
         cells = []
         for name in STRATEGIES:
@@ -119,8 +124,9 @@ def plot(results: list[Result], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(STRATEGIES)
     for i, name in enumerate(STRATEGIES):
-        means = [np.mean([r.reuse for r in results if r.pool == p and r.strategy == name])
-                 for p in pools]
+        means = [
+            np.mean([r.reuse for r in results if r.pool == p and r.strategy == name]) for p in pools
+        ]
         ax.bar(np.arange(len(pools)) + i * width, means, width, label=name)
     ax.set_xticks(np.arange(len(pools)) + width * (len(STRATEGIES) - 1) / 2)
     ax.set_xticklabels([f"{p} slots" for p in pools])

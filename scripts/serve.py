@@ -1,16 +1,11 @@
-"""Launch the lazyspec HTTP server; same flags as ``python -m lazyspec.serve`` (see --help).
+"""Launch the lazyspec HTTP server (OpenAI and SGLang APIs); ``--help`` lists every flag.
 
-    python scripts/serve.py --model-path /path/to/hf-folder --port 30000
+python scripts/serve.py --model-path /path/to/hf-folder --port 30000
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lazyspec.serve import main  # noqa: E402
+from lazyspec.server.launch import main
 
 if __name__ == "__main__":
     main()

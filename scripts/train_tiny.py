@@ -23,119 +23,30 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
-import sysconfig
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-try:
-    import lazyspec.kernels  # noqa: F401  (installed package)
-except ImportError:
-    import conftest  # noqa: F401  (source checkout: maps kernels/ to lazyspec.kernels)
-
-from lazyspec.models.training import (  # noqa: E402
-    evaluate, make_eval_step, make_optimizer, make_train_step, sample_windows, unigram_baseline,
+from lazyspec.training.corpus import (
+    EOS,
+    load_data,
+    prepare,
+    save_data,
+    stdlib_root,
+)
+from lazyspec.training.trainer import (
+    evaluate,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    sample_windows,
+    unigram_baseline,
     validation_windows,
 )
 
 logger = logging.getLogger("train_tiny")
-
-EOS = "<|endoftext|>"
-SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>")
-VALIDATION_BUCKETS = 20
-
-
-# ---------------------------------------------------------------- corpus and tokenizer
-
-
-def stdlib_root() -> Path:
-    """The running interpreter's standard-library folder."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files(root: Path | None = None) -> list[str]:
-    """Sorted relative paths of every stdlib ``.py`` file, site-packages excluded."""
-    root = stdlib_root() if root is None else root
-    paths = (p.relative_to(root).as_posix() for p in root.rglob("*.py"))
-    return sorted(p for p in paths if not p.startswith(("site-packages/", "dist-packages/")))
-
-
-def is_validation_file(relative_path: str) -> bool:
-    """Held out for validation: ``crc32(path) % 20 == 0`` (about 5 % of files)."""
-    return zlib.crc32(relative_path.encode()) % VALIDATION_BUCKETS == 0
-
-
-def read_source(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace")
-
-
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with the special tokens first (``<|endoftext|>`` = 0), which the
-    post-processor puts in front of every encoded text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    eos_id = tokenizer.token_to_id(EOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{EOS} $A", special_tokens=[(EOS, eos_id)])
-    return tokenizer
-
-
-def encode(tokenizer, texts: list[str]) -> np.ndarray:
-    return np.concatenate([np.asarray(e.ids, np.uint16) for e in tokenizer.encode_batch(texts)])
-
-
-def prepare(vocab_size: int) -> tuple[np.ndarray, dict]:
-    """Train the tokenizer and encode the corpus: (token stream train + val, metadata)."""
-    root = stdlib_root()
-    files = stdlib_files(root)
-    train = [f for f in files if not is_validation_file(f)]
-    val = [f for f in files if is_validation_file(f)]
-    train_texts = [read_source(root / f) for f in train]
-    val_texts = [read_source(root / f) for f in val]
-    tokenizer = train_tokenizer(train_texts, vocab_size)
-    train_ids, val_ids = encode(tokenizer, train_texts), encode(tokenizer, val_texts)
-    meta = {
-        "python": sys.version.split()[0], "stdlib": str(root), "num_train_files": len(train),
-        "num_val_files": len(val), "num_train_tokens": int(train_ids.size),
-        "num_val_tokens": int(val_ids.size), "val_files": val,
-        "train_bytes": sum(len(t.encode()) for t in train_texts),
-        "tokenizer": tokenizer.to_str(),
-    }
-    return np.concatenate([train_ids, val_ids]), meta
-
-
-def save_data(path: Path, tokens: np.ndarray, meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, tokens)
-    path.with_suffix(".json").write_text(json.dumps(meta))
-
-
-def load_data(path: Path) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(train tokens, val tokens, metadata) of a ``--prepare-only`` data file."""
-    from tokenizers import Tokenizer
-
-    meta_path = path.with_suffix(".json")
-    if not path.is_file() or not meta_path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} or its {meta_path.name} is missing")
-    tokens = np.load(path)
-    meta = json.loads(meta_path.read_text())
-    meta["tokenizer_object"] = Tokenizer.from_str(meta["tokenizer"])
-    split = meta["num_train_tokens"]
-    return tokens[:split], tokens[split:], meta
-
 
 # ---------------------------------------------------------------- model and training loop
 
@@ -144,20 +55,40 @@ def model_hf_config(args: argparse.Namespace, vocab_size: int, eos_id: int) -> d
     """The Qwen3-Next config.json dict: 64-wide heads, 3 GDN layers per attention layer,
     dense SwiGLU MLPs (3x hidden), partial RoPE, one MTP layer."""
     heads = max(1, args.hidden_size // 64)
-    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                   for i in range(args.num_layers)]
+    layer_types = [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.num_layers)
+    ]
     return dict(
-        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=vocab_size,
-        hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size,
-        num_hidden_layers=args.num_layers, layer_types=layer_types,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
-        linear_num_key_heads=heads, linear_num_value_heads=2 * heads, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=0,
-        hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6, initializer_range=0.02,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25},
-        max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=False,
-        num_nextn_predict_layers=1, bos_token_id=eos_id, eos_token_id=eos_id,
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=3 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        layer_types=layer_types,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=2 * heads,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        hidden_act="silu",
+        attention_bias=False,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
     )
 
 
@@ -197,9 +128,13 @@ def _checkpoints(args: argparse.Namespace):
 def _save(manager, step: int, params, opt_state, history: dict) -> None:
     import orbax.checkpoint as ocp
 
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-        history=ocp.args.JsonSave(history)))
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            history=ocp.args.JsonSave(history),
+        ),
+    )
 
 
 def _restore(manager, params, opt_state):
@@ -208,16 +143,22 @@ def _restore(manager, params, opt_state):
     import orbax.checkpoint as ocp
 
     step = manager.latest_step()
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params,
-                                                             "opt_state": opt_state})
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), history=ocp.args.JsonRestore()))
+    target = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state}
+    )
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), history=ocp.args.JsonRestore()
+        ),
+    )
     state = restored.state
     return step, state["params"], state["opt_state"], dict(restored.history)
 
 
-def fit(args: argparse.Namespace, hf_config: dict, train_ids: np.ndarray,
-        val_ids: np.ndarray) -> TrainResult:
+def fit(
+    args: argparse.Namespace, hf_config: dict, train_ids: np.ndarray, val_ids: np.ndarray
+) -> TrainResult:
     """Train from scratch (or from the latest checkpoint with ``--resume``)."""
     import jax
     from tqdm import tqdm
@@ -228,15 +169,17 @@ def fit(args: argparse.Namespace, hf_config: dict, train_ids: np.ndarray,
     dtype, form = _backend_choices(args)
     params = qwen3_next.init_params(cfg, jax.random.key(args.seed))
     num_params = int(sum(p.size for p in jax.tree.leaves(params)))
-    logger.info("model: %s parameters, compute dtype %s, GDN form %s", f"{num_params:,}",
-                dtype, form)
-    optimizer = make_optimizer(args.lr, args.steps, warmup_steps=args.warmup_steps,
-                               weight_decay=args.weight_decay)
+    logger.info(
+        "model: %s parameters, compute dtype %s, GDN form %s", f"{num_params:,}", dtype, form
+    )
+    optimizer = make_optimizer(
+        args.lr, args.steps, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay
+    )
     opt_state = optimizer.init(params)
-    train_step = make_train_step(cfg, optimizer, mtp_weight=args.mtp_weight,
-                                 compute_dtype=dtype, gdn_form=form)
-    eval_step = make_eval_step(cfg, mtp_weight=args.mtp_weight, compute_dtype=dtype,
-                               gdn_form=form)
+    train_step = make_train_step(
+        cfg, optimizer, mtp_weight=args.mtp_weight, compute_dtype=dtype, gdn_form=form
+    )
+    eval_step = make_eval_step(cfg, mtp_weight=args.mtp_weight, compute_dtype=dtype, gdn_form=form)
     manager = _checkpoints(args)
     history, start = {"train": [], "val": []}, 0
     if args.resume and manager.latest_step() is not None:
@@ -256,8 +199,9 @@ def fit(args: argparse.Namespace, hf_config: dict, train_ids: np.ndarray,
             pending = []
             if timed_from is None:  # the first logged window holds the compilation
                 timed_from = (time.time(), step + 1)
-            bar.set_postfix(lm=f"{history['train'][-1][2]:.3f}",
-                            mtp=f"{history['train'][-1][3]:.3f}")
+            bar.set_postfix(
+                lm=f"{history['train'][-1][2]:.3f}", mtp=f"{history['train'][-1][3]:.3f}"
+            )
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             val = evaluate(eval_step, params, val_windows, args.batch_size)
             history["val"].append([step + 1, val["lm"], val["mtp"]])
@@ -314,10 +258,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--max-position-embeddings", type=int, default=4096)
-    p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="matmul dtype; auto = bfloat16 on accelerators, float32 on CPU")
-    p.add_argument("--gdn-form", choices=("auto", "chunked", "scan"), default="auto",
-                   help="GDN training form; auto = chunked on accelerators, scan on CPU")
+    p.add_argument(
+        "--compute-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="matmul dtype; auto = bfloat16 on accelerators, float32 on CPU",
+    )
+    p.add_argument(
+        "--gdn-form",
+        choices=("auto", "chunked", "scan"),
+        default="auto",
+        help="GDN training form; auto = chunked on accelerators, scan on CPU",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("out/train_tiny"))
     p.add_argument("--export-dir", type=Path, default=None)
@@ -361,8 +313,12 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.prepare_only:
         tokens, meta = prepare(args.vocab_size)
         save_data(args.data_file, tokens, meta)
-        logger.info("wrote %d train + %d val tokens to %s", meta["num_train_tokens"],
-                    meta["num_val_tokens"], args.data_file)
+        logger.info(
+            "wrote %d train + %d val tokens to %s",
+            meta["num_train_tokens"],
+            meta["num_val_tokens"],
+            args.data_file,
+        )
         return None
     train_ids, val_ids, meta = _data(args)
     tokenizer = meta.pop("tokenizer_object")
@@ -374,26 +330,34 @@ def main(argv: list[str] | None = None) -> dict | None:
     final = evaluate(state.eval_step, state.params, windows, args.batch_size)
     baseline = unigram_baseline(train_ids, val_ids, hf_config["vocab_size"])
     metrics = {
-        "val_loss": final["lm"], "val_mtp_loss": final["mtp"],
+        "val_loss": final["lm"],
+        "val_mtp_loss": final["mtp"],
         "unigram_baseline": baseline["val_cross_entropy"],
         "train_unigram_entropy": baseline["train_entropy"],
-        "num_val_windows": int(windows.shape[0]), "steps": args.steps,
+        "num_val_windows": int(windows.shape[0]),
+        "steps": args.steps,
         "tokens_seen": args.steps * args.batch_size * args.seq_len,
-        "train_seconds": state.train_seconds, "tokens_per_second": state.tokens_per_second,
-        "wall_seconds": time.time() - started, "num_params": state.num_params,
+        "train_seconds": state.train_seconds,
+        "tokens_per_second": state.tokens_per_second,
+        "wall_seconds": time.time() - started,
+        "num_params": state.num_params,
         "data": {k: v for k, v in meta.items() if k not in ("tokenizer", "val_files")},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "config": hf_config,
     }
     plot_losses(state.history, metrics["unigram_baseline"], args.out_dir / "loss_curve.png")
     if args.export_dir is not None:
-        from lazyspec.models.export import export_hf_folder
+        from lazyspec.training.export import export_hf_folder
 
         export_hf_folder(state.params, hf_config, tokenizer, args.export_dir, dtype="bfloat16")
         metrics["export_bytes"] = sum(p.stat().st_size for p in args.export_dir.iterdir())
     (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    logger.info("val loss %.4f (MTP %.4f) vs unigram baseline %.4f nats/token",
-                metrics["val_loss"], metrics["val_mtp_loss"], metrics["unigram_baseline"])
+    logger.info(
+        "val loss %.4f (MTP %.4f) vs unigram baseline %.4f nats/token",
+        metrics["val_loss"],
+        metrics["val_mtp_loss"],
+        metrics["unigram_baseline"],
+    )
     return metrics
 
 

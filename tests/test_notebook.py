@@ -17,13 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "accept_length.ipynb"
 MODEL = ROOT / "lazyspec" / "assets" / "default_model"
 SMALL = {
-    "LAZYSPEC_NB_PROMPTS": "2", "LAZYSPEC_NB_PROMPT_TOKENS": "100", "LAZYSPEC_NB_NEW_TOKENS": "40",
-    "LAZYSPEC_NB_STEPS": "1,3", "LAZYSPEC_NB_TEMPERATURES": "0,1.0", "LAZYSPEC_NB_BATCHES": "1,2",
+    "LAZYSPEC_NB_PROMPTS": "2",
+    "LAZYSPEC_NB_PROMPT_TOKENS": "100",
+    "LAZYSPEC_NB_NEW_TOKENS": "40",
+    "LAZYSPEC_NB_STEPS": "1,3",
+    "LAZYSPEC_NB_TEMPERATURES": "0,1.0",
+    "LAZYSPEC_NB_BATCHES": "1,2",
 }
 
 
-@pytest.mark.skipif(not (MODEL / "config.json").is_file(),
-                    reason="the default model folder lazyspec/assets/default_model is missing")
+@pytest.mark.skipif(
+    not (MODEL / "config.json").is_file(),
+    reason="the default model folder lazyspec/assets/default_model is missing",
+)
 def test_accept_length_notebook_runs(monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -31,11 +37,16 @@ def test_accept_length_notebook_runs(monkeypatch):
     for key, value in SMALL.items():
         monkeypatch.setenv(key, value)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute()
-    text = "\n".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                     for out in cell.get("outputs", []))
+    text = "\n".join(
+        out.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
     assert "identical outputs and accept lengths across strategies" in text
     assert "steps=3: accept length" in text and "tokens per verify step" in text
     assert os.environ["LAZYSPEC_NB_PROMPTS"] == "2"

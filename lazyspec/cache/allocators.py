@@ -96,7 +96,8 @@ class _IdFreeList:
         assert not self._is_free[0], f"null {what} 0 is marked free"
         mask_ids = np.flatnonzero(self._is_free)
         assert np.array_equal(np.sort(stack), mask_ids), (
-            f"{what} free list {sorted(self._free_stack)} != free mask {mask_ids.tolist()}")
+            f"{what} free list {sorted(self._free_stack)} != free mask {mask_ids.tolist()}"
+        )
 
 
 class SlotAllocator:
@@ -225,15 +226,31 @@ def check_all(
     kv_allocator.check_integrity()
     slot_allocator.check_integrity()
     tree.check_integrity()
-    _check_partition("slot", slot_allocator.allocated_ids(), slot_allocator.num_free,
-                     slot_allocator.num_slots, tree.cached_slot_ids(), in_use_slots)
-    _check_partition("page", kv_allocator.allocated_pages(), kv_allocator.num_free_pages,
-                     kv_allocator.num_pages, tree.cached_pages(), in_use_pages)
+    _check_partition(
+        "slot",
+        slot_allocator.allocated_ids(),
+        slot_allocator.num_free,
+        slot_allocator.num_slots,
+        tree.cached_slot_ids(),
+        in_use_slots,
+    )
+    _check_partition(
+        "page",
+        kv_allocator.allocated_pages(),
+        kv_allocator.num_free_pages,
+        kv_allocator.num_pages,
+        tree.cached_pages(),
+        in_use_pages,
+    )
 
 
 def _check_partition(
-    what: str, allocated: np.ndarray, num_free: int, total: int,
-    cached: Iterable[int], in_use: Iterable[int],
+    what: str,
+    allocated: np.ndarray,
+    num_free: int,
+    total: int,
+    cached: Iterable[int],
+    in_use: Iterable[int],
 ) -> None:
     cached_ids = _as_id_array(cached)
     in_use_ids = _as_id_array(in_use)

@@ -82,11 +82,17 @@ class CacheStats:
 class RadixCache:
     """Radix tree over token ids whose nodes hold KV pages and recurrent-state checkpoints."""
 
-    def __init__(self, page_size: int, kv_allocator: KVAllocator,
-                 slot_allocator: SlotAllocator, disable: bool = False) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        kv_allocator: KVAllocator,
+        slot_allocator: SlotAllocator,
+        disable: bool = False,
+    ) -> None:
         if page_size != kv_allocator.page_size:
-            raise ValueError(f"page_size {page_size!r} differs from the KV allocator's "
-                             f"{kv_allocator.page_size}")
+            raise ValueError(
+                f"page_size {page_size!r} differs from the KV allocator's {kv_allocator.page_size}"
+            )
         self.page_size = int(page_size)
         self.kv_allocator = kv_allocator
         self.slot_allocator = slot_allocator
@@ -167,8 +173,9 @@ class RadixCache:
 
     # ---- insert --------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], kv_indices: np.ndarray,
-               state_slot: int | None) -> InsertResult:
+    def insert(
+        self, token_ids: Sequence[int], kv_indices: np.ndarray, state_slot: int | None
+    ) -> InsertResult:
         """Add ``token_ids`` with their KV rows and the state after the whole key.
 
         Takes ownership of every KV index: rows for tokens already in the tree that differ
@@ -184,8 +191,9 @@ class RadixCache:
             return InsertResult(self.root, False, 0)
         path, matched, partial = self._walk(key)
         if matched < len(key) and state_slot is None:
-            raise ValueError(f"inserting {len(key) - matched} new tokens needs a state slot, "
-                             f"got None")
+            raise ValueError(
+                f"inserting {len(key) - matched} new tokens needs a state slot, got None"
+            )
         if partial is not None:
             path.append(self._split(*partial))
         self._free_duplicates(path, value[:matched])
@@ -200,15 +208,17 @@ class RadixCache:
         self._set_state(end, state_slot)  # revive a tombstone
         return InsertResult(end, True, 0)
 
-    def _validate_insert(self, token_ids: Sequence[int], kv_indices: np.ndarray,
-                         state_slot: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _validate_insert(
+        self, token_ids: Sequence[int], kv_indices: np.ndarray, state_slot: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         key = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         value = np.asarray(kv_indices).reshape(-1)
         if len(value) != len(key):
             raise ValueError(f"{len(key)} tokens but {len(value)} KV indices")
         if len(key) % self.page_size:
-            raise ValueError(f"key length {len(key)} is not a multiple of page_size "
-                             f"{self.page_size}")
+            raise ValueError(
+                f"key length {len(key)} is not a multiple of page_size {self.page_size}"
+            )
         pages = self.kv_allocator.token_indices_to_pages(value)  # whole aligned pages only
         if (pages < 1).any():
             raise ValueError("KV indices point at the null page 0")
@@ -225,8 +235,9 @@ class RadixCache:
         if differs.any():
             self.kv_allocator.free_token_indices(given.reshape(-1, self.page_size)[differs])
 
-    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: np.ndarray,
-                  slot: int) -> TreeNode:
+    def _add_leaf(
+        self, parent: TreeNode, key: np.ndarray, value: np.ndarray, slot: int
+    ) -> TreeNode:
         leaf = TreeNode(self._new_id(), key.copy(), value.copy(), parent)
         parent.children[self._page_at(key, 0)] = leaf
         self._kv_lru[leaf.node_id] = leaf
@@ -285,8 +296,7 @@ class RadixCache:
         if num_tokens < 0:
             raise ValueError(f"cannot evict {num_tokens!r} tokens")
         rank = {node_id: i for i, node_id in enumerate(self._kv_lru)}
-        heap = [(rank[n.node_id], n) for n in self._kv_lru.values()
-                if n.is_leaf and n.kv_lock == 0]
+        heap = [(rank[n.node_id], n) for n in self._kv_lru.values() if n.is_leaf and n.kv_lock == 0]
         heapq.heapify(heap)  # ranks are unique, so nodes themselves are never compared
         freed = 0
         while freed < num_tokens and heap:
@@ -390,9 +400,13 @@ class RadixCache:
             _check_node(self, node)
         assert self._kv_lru == {n.node_id: n for n in nodes}, "KV LRU != the non-root nodes"
         assert self._state_lru == {n.node_id: n for n in nodes if n.has_state}, (
-            "state LRU != the nodes holding a state")
-        counted = (sum(len(n.key) for n in nodes), sum(len(n.key) for n in nodes if n.kv_lock),
-                   sum(1 for n in nodes if n.has_state and n.state_lock))
+            "state LRU != the nodes holding a state"
+        )
+        counted = (
+            sum(len(n.key) for n in nodes),
+            sum(len(n.key) for n in nodes if n.kv_lock),
+            sum(1 for n in nodes if n.has_state and n.state_lock),
+        )
         kept = (self._num_cached_tokens, self._num_locked_tokens, self._num_locked_slots)
         assert kept == counted, f"(cached, locked) tokens / locked slots: {kept} != {counted}"
         try:
@@ -400,8 +414,10 @@ class RadixCache:
         except ValueError as error:
             raise AssertionError(f"cached KV rows are not whole pages: {error}") from error
         slots = np.asarray(self.cached_slot_ids(), dtype=np.int64)
-        for what, ids, allocator in (("slot", slots, self.slot_allocator),
-                                     ("page", pages, self.kv_allocator)):
+        for what, ids, allocator in (
+            ("slot", slots, self.slot_allocator),
+            ("page", pages, self.kv_allocator),
+        ):
             unique, counts = np.unique(ids, return_counts=True)
             assert (counts == 1).all(), f"{what}s {unique[counts > 1].tolist()} cached twice"
             loose = ids[~allocator.is_allocated(ids)]
@@ -431,7 +447,8 @@ def _check_node(tree: RadixCache, node: TreeNode) -> None:
     for first_page, child in node.children.items():
         assert child.parent is node, f"node {child.node_id} does not point back to {name}"
         assert first_page == tree._page_at(child.key, 0), (
-            f"node {child.node_id} filed under {first_page}")
+            f"node {child.node_id} filed under {first_page}"
+        )
         child_locks += child.kv_lock
     if node.is_root:
         return
@@ -441,4 +458,5 @@ def _check_node(tree: RadixCache, node: TreeNode) -> None:
     assert node.has_state or node.state_lock == 0, f"{name}: state_lock on a tombstone"
     assert node.kv_lock >= node.state_lock >= 0, f"{name}: locks {node.kv_lock}, {node.state_lock}"
     assert node.kv_lock == node.state_lock + child_locks, (
-        f"{name}: kv_lock {node.kv_lock} != state_lock {node.state_lock} + children {child_locks}")
+        f"{name}: kv_lock {node.kv_lock} != state_lock {node.state_lock} + children {child_locks}"
+    )

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.engine.request import TOP_LOGPROBS, Req, SamplingParams
 from lazyspec.engine.runner import PoolSizes, Runner
-from lazyspec.engine.scheduler import Scheduler, SchedulerLimits
 from lazyspec.engine.steps import StepStatic
-from lazyspec.engine.tracking import CheckpointTracker
+from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
+from lazyspec.scheduler.scheduler import Scheduler, SchedulerLimits
+from lazyspec.scheduler.tracking import CheckpointTracker
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,14 @@ class Engine:
         num_slots = c.max_mamba_cache_size or max_running * 6
         cap = num_slots // (slots_per_req + (1 if c.strategy == "extra_buffer_lazy" else 0))
         if cap < max_running:
-            logger.warning("max_running_requests capped from %d to %d by %d state slots "
-                           "(%d pinned per running request)", max_running, cap, num_slots,
-                           slots_per_req)
+            logger.warning(
+                "max_running_requests capped from %d to %d by %d state slots "
+                "(%d pinned per running request)",
+                max_running,
+                cap,
+                num_slots,
+                slots_per_req,
+            )
             max_running = max(cap, 1)
         context = c.context_length or min(cfg.max_position_embeddings, c.max_total_tokens)
         context = -(-context // c.page_size) * c.page_size
@@ -82,34 +88,64 @@ class Engine:
         from lazyspec.kernels.backend import resolve_backend
 
         backend = resolve_backend(c.kernel_backend)  # pallas on GPU, xla on CPU and TPU
-        self.sizes = PoolSizes(num_slots=num_slots, max_reqs=max_running, num_pages=num_pages,
-                               page_size=c.page_size, context_len=context,
-                               num_draft_positions=max(1, c.num_verify_tokens - 1))
-        static = StepStatic(num_slots=num_slots, max_reqs=max_running,
-                            num_kv_rows=(num_pages + 1) * c.page_size,
-                            chunk_size=c.mamba_chunk_size,
-                            num_verify=c.num_verify_tokens, spec=c.spec_enabled, backend=backend)
+        self.sizes = PoolSizes(
+            num_slots=num_slots,
+            max_reqs=max_running,
+            num_pages=num_pages,
+            page_size=c.page_size,
+            context_len=context,
+            num_draft_positions=max(1, c.num_verify_tokens - 1),
+        )
+        static = StepStatic(
+            num_slots=num_slots,
+            max_reqs=max_running,
+            num_kv_rows=(num_pages + 1) * c.page_size,
+            chunk_size=c.mamba_chunk_size,
+            num_verify=c.num_verify_tokens,
+            spec=c.spec_enabled,
+            backend=backend,
+        )
         self.runner = Runner(self.model, self.sizes, static, c.dtype, c.mamba_ssm_dtype)
         self.kv_allocator = KVAllocator(num_pages, c.page_size)
         self.slot_allocator = SlotAllocator(num_slots)
-        self.tree = RadixCache(c.page_size, self.kv_allocator, self.slot_allocator,
-                               disable=c.disable_radix_cache)
+        self.tree = RadixCache(
+            c.page_size, self.kv_allocator, self.slot_allocator, disable=c.disable_radix_cache
+        )
         self.tracker = CheckpointTracker(
-            c.strategy, c.mamba_track_interval, c.num_verify_tokens, self.slot_allocator,
-            self.tree, fail_spare_alloc=c.debug_fail_spare_alloc,
-            evict_on_failure=c.debug_lazy_evict_on_failure)
+            c.strategy,
+            c.mamba_track_interval,
+            c.num_verify_tokens,
+            self.slot_allocator,
+            self.tree,
+            fail_spare_alloc=c.debug_fail_spare_alloc,
+            evict_on_failure=c.debug_lazy_evict_on_failure,
+        )
         limits = SchedulerLimits(
-            max_running=max_running, max_reqs=max_running, context_len=context,
-            chunked_prefill=c.chunked_prefill_size, chunk=c.mamba_chunk_size,
-            max_extend_rows=MAX_EXTEND_ROWS, num_verify=c.num_verify_tokens,
-            eos_ids=cfg.eos_token_ids)
-        lengths = tuple(n * c.mamba_chunk_size
-                        for n in _powers_of_two_up_to(c.chunked_prefill_size // c.mamba_chunk_size))
+            max_running=max_running,
+            max_reqs=max_running,
+            context_len=context,
+            chunked_prefill=c.chunked_prefill_size,
+            chunk=c.mamba_chunk_size,
+            max_extend_rows=MAX_EXTEND_ROWS,
+            num_verify=c.num_verify_tokens,
+            eos_ids=cfg.eos_token_ids,
+        )
+        lengths = tuple(
+            n * c.mamba_chunk_size
+            for n in _powers_of_two_up_to(c.chunked_prefill_size // c.mamba_chunk_size)
+        )
         self.extend_buckets = (_powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths)
         self.decode_buckets = _powers_of_two_up_to(max_running)
-        self.scheduler = Scheduler(limits, self.kv_allocator, self.slot_allocator, self.tree,
-                                   self.tracker, c.page_size, self.extend_buckets,
-                                   self.decode_buckets)
+        self.scheduler = Scheduler(
+            limits,
+            self.kv_allocator,
+            self.slot_allocator,
+            self.tree,
+            self.tracker,
+            c.page_size,
+            self.extend_buckets,
+            self.decode_buckets,
+        )
         self.max_running = max_running
         self._log_memory_plan(slots_per_req)
 
@@ -122,7 +158,8 @@ class Engine:
             "slots_per_running_request": slots_per_req,
             "transient_spare_slots": 1 if self.config.strategy == "extra_buffer_lazy" else 0,
             "max_running_requests": self.max_running,
-            "slots_left_for_cached_checkpoints": self.sizes.num_slots - slots_per_req * self.max_running,
+            "slots_left_for_cached_checkpoints": self.sizes.num_slots
+            - slots_per_req * self.max_running,
             "kv_tokens": self.sizes.num_pages * self.sizes.page_size,
             "kv_bytes_per_token": self.runner.kv_bytes_per_token(),
             "context_length": self.sizes.context_len,
@@ -131,16 +168,23 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every bucket shape now, so serving compiles nothing new."""
-        from lazyspec.engine.batch import decode_arrays, extend_arrays
+        from lazyspec.scheduler.batch import decode_arrays, extend_arrays
 
         sizes = self.sizes
         for rows in self.extend_buckets[0]:
             for length in self.extend_buckets[1]:
-                arrays = extend_arrays(rows, length, sizes.context_len, sizes.num_slots, sizes.max_reqs)
+                arrays = extend_arrays(
+                    rows, length, sizes.context_len, sizes.num_slots, sizes.max_reqs
+                )
                 self.runner.fetch(self.runner.launch("extend", arrays))
         for rows in self.decode_buckets:
-            arrays = decode_arrays(rows, sizes.context_len, sizes.num_slots, sizes.max_reqs,
-                                    self.config.mamba_track_interval)
+            arrays = decode_arrays(
+                rows,
+                sizes.context_len,
+                sizes.num_slots,
+                sizes.max_reqs,
+                self.config.mamba_track_interval,
+            )
             self.runner.fetch(self.runner.launch("decode", arrays))
 
     # ------------------------------------------------------------------ requests
@@ -150,9 +194,14 @@ class Engine:
             raise ValueError("this model folder has no tokenizer.json: pass input_ids")
         return list(self.model.tokenizer.encode(prompt).ids)
 
-    def add_request(self, input_ids: list[int] | None = None, prompt: str | None = None,
-                    sampling_params: dict | SamplingParams | None = None,
-                    return_logprob: bool = False, rid: str | None = None) -> Req:
+    def add_request(
+        self,
+        input_ids: list[int] | None = None,
+        prompt: str | None = None,
+        sampling_params: dict | SamplingParams | None = None,
+        return_logprob: bool = False,
+        rid: str | None = None,
+    ) -> Req:
         if input_ids is None:
             if prompt is None:
                 raise ValueError("give prompt or input_ids")
@@ -164,15 +213,23 @@ class Engine:
         bad = [t for t in input_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        sampling = (sampling_params if isinstance(sampling_params, SamplingParams)
-                    else SamplingParams.from_dict(sampling_params))
+        sampling = (
+            sampling_params
+            if isinstance(sampling_params, SamplingParams)
+            else SamplingParams.from_dict(sampling_params)
+        )
         limit = self.sizes.context_len - 3 * self.config.num_verify_tokens
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                f"exceeds the context limit {limit}")
-        req = Req(rid=rid or f"req-{next(self._ids)}", input_ids=input_ids, sampling=sampling,
-                  return_logprob=return_logprob)
+                f"exceeds the context limit {limit}"
+            )
+        req = Req(
+            rid=rid or f"req-{next(self._ids)}",
+            input_ids=input_ids,
+            sampling=sampling,
+            return_logprob=return_logprob,
+        )
         self.scheduler.add(req)
         return req
 
@@ -203,20 +260,30 @@ class Engine:
             if check is not None:
                 check(self)
 
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0) -> dict | list[dict]:
-        batched = isinstance(prompt, list) or (input_ids is not None and input_ids
-                                                and isinstance(input_ids[0], list))
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> dict | list[dict]:
+        batched = isinstance(prompt, list) or (
+            input_ids is not None and input_ids and isinstance(input_ids[0], list)
+        )
         prompts = prompt if isinstance(prompt, list) else [prompt]
         ids = input_ids if batched and input_ids is not None else [input_ids]
         count = max(len(prompts), len(ids))
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
-        reqs = [self.add_request(input_ids=ids[i] if input_ids is not None else None,
-                                 prompt=prompts[i] if prompt is not None else None,
-                                 sampling_params=params[i], return_logprob=return_logprob)
-                for i in range(count)]
+        reqs = [
+            self.add_request(
+                input_ids=ids[i] if input_ids is not None else None,
+                prompt=prompts[i] if prompt is not None else None,
+                sampling_params=params[i],
+                return_logprob=return_logprob,
+            )
+            for i in range(count)
+        ]
         if not 0 <= top_logprobs_num <= TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
         self.run_until_done(reqs)
@@ -235,8 +302,9 @@ class Engine:
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
             if top_logprobs_num:
-                meta["output_top_logprobs"] = [top[:top_logprobs_num]
-                                               for top in req.output_top_logprobs]
+                meta["output_top_logprobs"] = [
+                    top[:top_logprobs_num] for top in req.output_top_logprobs
+                ]
         text = ""
         if self.model.tokenizer is not None:
             text = self.model.tokenizer.decode(req.output_ids)
@@ -255,8 +323,9 @@ class Engine:
         self.tree.check_integrity()
         self.slot_allocator.check_integrity()
         self.kv_allocator.check_integrity()
-        held_slots = sum(len({r.working_slot, r.keep_slot, r.spare_slot} - {0})
-                         for r in self.scheduler.running)
+        held_slots = sum(
+            len({r.working_slot, r.keep_slot, r.spare_slot} - {0}) for r in self.scheduler.running
+        )
         total_slots = self.slot_allocator.num_free + self.tree.num_cached_slots + held_slots
         assert total_slots == self.sizes.num_slots, (total_slots, self.sizes.num_slots)
 
@@ -265,26 +334,29 @@ class Engine:
         steps, counts = sched.num_verify_steps, sched.accept_counts
         mean_accept = float(np.dot(np.arange(len(counts)), counts) / steps) if steps else None
         info = dict(self.memory_plan)
-        info.update({
-            "num_running_requests": len(self.scheduler.running),
-            "num_waiting_requests": len(self.scheduler.waiting),
-            "free_state_slots": self.slot_allocator.num_free,
-            "cached_state_slots": self.tree.num_cached_slots,
-            "free_kv_tokens": self.kv_allocator.num_free_tokens,
-            "cached_kv_tokens": self.tree.num_cached_tokens,
-            "spare_alloc_failures": self.tracker.num_spare_failures,
-            "speculative_algorithm": self.config.speculative_algorithm,
-            "num_verify_tokens": self.config.num_verify_tokens,
-            "num_verify_steps": steps,
-            "num_compiled_programs": self.runner.num_compiled(),
-            "avg_accept_length": mean_accept,
-            "cache_hit_tokens": self.tree.stats.num_matched_tokens,
-            "cache_queried_tokens": self.tree.stats.num_queried_tokens,
-        })
+        info.update(
+            {
+                "num_running_requests": len(self.scheduler.running),
+                "num_waiting_requests": len(self.scheduler.waiting),
+                "free_state_slots": self.slot_allocator.num_free,
+                "cached_state_slots": self.tree.num_cached_slots,
+                "free_kv_tokens": self.kv_allocator.num_free_tokens,
+                "cached_kv_tokens": self.tree.num_cached_tokens,
+                "spare_alloc_failures": self.tracker.num_spare_failures,
+                "speculative_algorithm": self.config.speculative_algorithm,
+                "num_verify_tokens": self.config.num_verify_tokens,
+                "num_verify_steps": steps,
+                "num_compiled_programs": self.runner.num_compiled(),
+                "avg_accept_length": mean_accept,
+                "cache_hit_tokens": self.tree.stats.num_matched_tokens,
+                "cache_queried_tokens": self.tree.stats.num_queried_tokens,
+            }
+        )
         if steps and self.config.spec_enabled:
             # fraction of verify steps that accepted the draft at position i (1-based)
             info["per_position_acceptance"] = [
-                float(counts[i + 2:].sum() / steps) for i in range(len(counts) - 2)]
+                float(counts[i + 2 :].sum() / steps) for i in range(len(counts) - 2)
+            ]
         return info
 
     def shutdown(self) -> None:

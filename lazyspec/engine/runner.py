@@ -43,8 +43,8 @@ class PoolSizes:
     num_draft_positions: int  # width of the per-request draft table
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_steps(family_key: "_ById", static: StepStatic, cfg_key: "_CfgKey"):
+@functools.cache
+def _compiled_steps(family_key: _ById, static: StepStatic, cfg_key: _CfgKey):
     """Jitted steps shared by every runner with the same model config and static settings."""
     family, cfg = family_key.obj, cfg_key.cfg
     extend = jax.jit(functools.partial(extend_step, family, cfg, static), donate_argnums=(1,))
@@ -80,8 +80,9 @@ class _CfgKey:
 
 
 class Runner:
-    def __init__(self, model: Any, sizes: PoolSizes, static: StepStatic, kv_dtype: str,
-                 ssm_dtype: str) -> None:
+    def __init__(
+        self, model: Any, sizes: PoolSizes, static: StepStatic, kv_dtype: str, ssm_dtype: str
+    ) -> None:
         self.family = model.family
         self.cfg = model.config
         self.params = model.params
@@ -99,18 +100,25 @@ class Runner:
         kv_shape = (kv_rows, cfg.num_kv_heads, cfg.head_dim)
         dtype = _DTYPES[kv_dtype]
         num_attn = len(cfg.attention_layer_ids)
-        kv = KVPools(k=[jnp.zeros(kv_shape, dtype) for _ in range(num_attn)],
-                     v=[jnp.zeros(kv_shape, dtype) for _ in range(num_attn)])
+        kv = KVPools(
+            k=[jnp.zeros(kv_shape, dtype) for _ in range(num_attn)],
+            v=[jnp.zeros(kv_shape, dtype) for _ in range(num_attn)],
+        )
         mtp_kv = None
         if self.static.spec:
-            mtp_kv = KVPools(k=[jnp.zeros(kv_shape, dtype) for _ in range(cfg.num_mtp_layers)],
-                             v=[jnp.zeros(kv_shape, dtype) for _ in range(cfg.num_mtp_layers)])
+            mtp_kv = KVPools(
+                k=[jnp.zeros(kv_shape, dtype) for _ in range(cfg.num_mtp_layers)],
+                v=[jnp.zeros(kv_shape, dtype) for _ in range(cfg.num_mtp_layers)],
+            )
         num_rec = len(cfg.recurrent_layer_ids)
         conv = jnp.zeros((num_rec, sizes.num_slots + 1, *cfg.conv_state_shape), dtype)
         ssm = jnp.zeros((num_rec, sizes.num_slots + 1, *cfg.ssm_state_shape), _DTYPES[ssm_dtype])
         rows = sizes.max_reqs + 1
         return Pools(
-            kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm,
+            kv=kv,
+            mtp_kv=mtp_kv,
+            conv=conv,
+            ssm=ssm,
             seq_len=jnp.zeros((rows,), jnp.int32),
             last_token=jnp.zeros((rows,), jnp.int32),
             drafts=jnp.zeros((rows, sizes.num_draft_positions), jnp.int32),
@@ -134,11 +142,13 @@ class Runner:
         sampling = SamplingArrays(**{k: jnp.asarray(arrays[k]) for k in _SAMPLING_KEYS})
         fields = {k: jnp.asarray(v) for k, v in arrays.items() if k not in _SAMPLING_KEYS}
         if kind == "extend":
-            outputs, self.pools = self._extend(self.params, self.pools,
-                                               ExtendBatch(sampling=sampling, **fields))
+            outputs, self.pools = self._extend(
+                self.params, self.pools, ExtendBatch(sampling=sampling, **fields)
+            )
         else:
-            outputs, self.pools = self._decode(self.params, self.pools,
-                                               DecodeBatch(sampling=sampling, **fields))
+            outputs, self.pools = self._decode(
+                self.params, self.pools, DecodeBatch(sampling=sampling, **fields)
+            )
         return outputs
 
     @staticmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lazyspec.engine.request import TOP_LOGPROBS
+from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NEG_INF = -1e30
 PURPOSE_SAMPLE = 0
@@ -108,8 +108,6 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
     tokens = jnp.where(idx < num_accepted[:, None], padded_drafts, -1)
     tokens = jnp.where(idx == num_accepted[:, None], bonus[:, None], tokens)
     return tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
-
-
 
 
 def top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -100,8 +100,14 @@ def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
     return pools_conv, pools_ssm
 
 
-def _commit_picked(static: StepStatic, pools_conv, pools_ssm, states: RecurrentState,
-                   dst_slot: jax.Array, index: jax.Array):
+def _commit_picked(
+    static: StepStatic,
+    pools_conv,
+    pools_ssm,
+    states: RecurrentState,
+    dst_slot: jax.Array,
+    index: jax.Array,
+):
     """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each verify position or
     prefill chunk: stacked ``[L, B, N, ...]`` arrays, or per-layer lists of ``[B, N, ...]``)
     for rows whose dst_slot is a real slot; sentinel rows write nothing. ``state_scatter`` on
@@ -110,18 +116,21 @@ def _commit_picked(static: StepStatic, pools_conv, pools_ssm, states: RecurrentS
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
     dst, step = jnp.where(write, dst_slot, 0), jnp.where(write, index, -1)
     if not isinstance(states.ssm, list):
-        ssm, conv = state_scatter(pools_ssm, pools_conv, states.ssm, states.conv, dst, step,
-                                  kernel_backend=static.backend)
+        ssm, conv = state_scatter(
+            pools_ssm, pools_conv, states.ssm, states.conv, dst, step, kernel_backend=static.backend
+        )
         return conv, ssm
     ssm, conv = pools_ssm, pools_conv
     for layer, (ssm_steps, conv_steps) in enumerate(zip(states.ssm, states.conv)):
-        ssm, conv = state_scatter(ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer,
-                                  kernel_backend=static.backend)
+        ssm, conv = state_scatter(
+            ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer, kernel_backend=static.backend
+        )
     return conv, ssm
 
 
-def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools,
-                batch: ExtendBatch):
+def extend_step(
+    fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: ExtendBatch
+):
     num_rows, num_tokens = batch.tokens.shape
     real = batch.num_new > 0
     t_idx = jnp.arange(num_tokens)[None, :]
@@ -130,19 +139,32 @@ def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
     write_idx = jnp.take_along_axis(batch.kv_read_idx, jnp.where(valid, positions, 0), axis=1)
     write_idx = jnp.where(valid, write_idx, static.num_kv_rows)
     inputs = ForwardInputs(
-        tokens=batch.tokens, positions=positions, num_new=batch.num_new,
-        kv_write_idx=write_idx, kv_read_idx=batch.kv_read_idx,
+        tokens=batch.tokens,
+        positions=positions,
+        num_new=batch.num_new,
+        kv_write_idx=write_idx,
+        kv_read_idx=batch.kv_read_idx,
         ctx_len=batch.start_pos + batch.num_new,
     )
     rec = _gather_state(pools, batch.state_src_slot)
     with jax.named_scope("target_extend"):
-        hidden, kv, out = fam.forward(params, cfg, inputs, pools.kv, rec, mode="extend",
-                                      chunk_size=static.chunk_size, backend=static.backend,
-                                      keep_chunk=batch.track_chunk)
-    conv, ssm = _scatter_state(pools.conv, pools.ssm, batch.working_slot,
-                               out.final.conv, out.final.ssm)
-    conv, ssm = _commit_picked(static, conv, ssm, out.chunks, batch.track_slot,
-                               jnp.zeros_like(batch.track_chunk))  # the one kept chunk state
+        hidden, kv, out = fam.forward(
+            params,
+            cfg,
+            inputs,
+            pools.kv,
+            rec,
+            mode="extend",
+            chunk_size=static.chunk_size,
+            backend=static.backend,
+            keep_chunk=batch.track_chunk,
+        )
+    conv, ssm = _scatter_state(
+        pools.conv, pools.ssm, batch.working_slot, out.final.conv, out.final.ssm
+    )
+    conv, ssm = _commit_picked(
+        static, conv, ssm, out.chunks, batch.track_slot, jnp.zeros_like(batch.track_chunk)
+    )  # the one kept chunk state
     rows = jnp.arange(num_rows)
     last = jnp.maximum(batch.num_new - 1, 0)
     logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
@@ -162,19 +184,36 @@ def extend_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
         with jax.named_scope("draft_extend"):
             mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
-        new_drafts, mtp_kv = _draft_chain(fam, cfg, static, params, mtp_kv,
-                                          mtp_hidden[rows, last], tail, last_pos,
-                                          batch.kv_read_idx, real & batch.is_last_chunk)
+        new_drafts, mtp_kv = _draft_chain(
+            fam,
+            cfg,
+            static,
+            params,
+            mtp_kv,
+            mtp_hidden[rows, last],
+            tail,
+            last_pos,
+            batch.kv_read_idx,
+            real & batch.is_last_chunk,
+        )
         drafts = drafts.at[done_row].set(new_drafts, mode="drop")
-    new_pools = Pools(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, seq_len=seq_len,
-                      last_token=last_token, drafts=drafts)
+    new_pools = Pools(
+        kv=kv,
+        mtp_kv=mtp_kv,
+        conv=conv,
+        ssm=ssm,
+        seq_len=seq_len,
+        last_token=last_token,
+        drafts=drafts,
+    )
     top_values, top_ids = top_logprobs(logits[:, 0])
     outputs = {"token": token, "logprob": logprob, "top_logprobs": top_values, "top_ids": top_ids}
     return outputs, new_pools
 
 
-def _draft_chain(fam, cfg, static: StepStatic, params, mtp_kv, hidden0, token0, pos0,
-                 kv_read_idx, real):
+def _draft_chain(
+    fam, cfg, static: StepStatic, params, mtp_kv, hidden0, token0, pos0, kv_read_idx, real
+):
     """Greedy chain drafting with the MTP head.
 
     ``hidden0`` is the MTP hidden at position ``pos0`` (whose input token's successor is
@@ -194,17 +233,23 @@ def _draft_chain(fam, cfg, static: StepStatic, params, mtp_kv, hidden0, token0, 
         write = jnp.take_along_axis(kv_read_idx, pos[:, None], axis=1)
         write = jnp.where(real[:, None], write, static.num_kv_rows)
         inputs = ForwardInputs(
-            tokens=draft[:, None], positions=pos[:, None], num_new=real.astype(jnp.int32),
-            kv_write_idx=write, kv_read_idx=kv_read_idx, ctx_len=pos + 1,
+            tokens=draft[:, None],
+            positions=pos[:, None],
+            num_new=real.astype(jnp.int32),
+            kv_write_idx=write,
+            kv_read_idx=kv_read_idx,
+            ctx_len=pos + 1,
         )
-        out_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden[:, None], draft[:, None],
-                                             inputs, mtp_kv)
+        out_hidden, mtp_kv = fam.mtp_forward(
+            params, cfg, hidden[:, None], draft[:, None], inputs, mtp_kv
+        )
         hidden = out_hidden[:, 0]
     return jnp.stack(drafts, axis=1), mtp_kv
 
 
-def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools,
-                batch: DecodeBatch):
+def decode_step(
+    fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
+):
     num_rows = batch.req_row.shape[0]
     num_pos = static.num_verify
     real = batch.req_row <= static.max_reqs
@@ -216,16 +261,29 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
     write_idx = jnp.take_along_axis(batch.kv_read_idx, positions, axis=1)
     write_idx = jnp.where(real[:, None], write_idx, static.num_kv_rows)
     inputs = ForwardInputs(
-        tokens=tokens, positions=positions, num_new=jnp.where(real, num_pos, 0),
-        kv_write_idx=write_idx, kv_read_idx=batch.kv_read_idx, ctx_len=pre + num_pos,
+        tokens=tokens,
+        positions=positions,
+        num_new=jnp.where(real, num_pos, 0),
+        kv_write_idx=write_idx,
+        kv_read_idx=batch.kv_read_idx,
+        ctx_len=pre + num_pos,
     )
     # the pools themselves, each row at its working slot: the Pallas update reads them in
     # place (the XLA forms gather inside the layer); padding rows read the null slot
-    rec = RecurrentState(conv=pools.conv, ssm=pools.ssm,
-                         slot=jnp.where(real, batch.working_slot, 0))
+    rec = RecurrentState(
+        conv=pools.conv, ssm=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
+    )
     with jax.named_scope("target_verify"):
-        hidden, kv, out = fam.forward(params, cfg, inputs, pools.kv, rec, mode="verify",
-                                      chunk_size=static.chunk_size, backend=static.backend)
+        hidden, kv, out = fam.forward(
+            params,
+            cfg,
+            inputs,
+            pools.kv,
+            rec,
+            mode="verify",
+            chunk_size=static.chunk_size,
+            backend=static.backend,
+        )
     logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
     out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)
     logprobs = token_logprobs(logits, out_tokens)
@@ -236,8 +294,7 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
     t_cross = (post // interval) * interval - pre - 1
     sentinel_slot = static.num_slots + 1
     working = jnp.where(real, batch.working_slot, sentinel_slot)
-    conv, ssm = _commit_picked(static, pools.conv, pools.ssm, out.steps, working,
-                               accept_len - 1)
+    conv, ssm = _commit_picked(static, pools.conv, pools.ssm, out.steps, working, accept_len - 1)
     track = jnp.where(crossed, batch.track_slot, sentinel_slot)
     conv, ssm = _commit_picked(static, conv, ssm, out.steps, track, t_cross)
     sentinel_row = static.max_reqs + 1
@@ -251,14 +308,36 @@ def decode_step(fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Po
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
         with jax.named_scope("draft_extend"):
             mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
-        chain, mtp_kv = _draft_chain(fam, cfg, static, params, mtp_kv,
-                                     mtp_hidden[rows, accept_len - 1], bonus, post - 1,
-                                     batch.kv_read_idx, real)
+        chain, mtp_kv = _draft_chain(
+            fam,
+            cfg,
+            static,
+            params,
+            mtp_kv,
+            mtp_hidden[rows, accept_len - 1],
+            bonus,
+            post - 1,
+            batch.kv_read_idx,
+            real,
+        )
         new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
-    new_pools = Pools(kv=kv, mtp_kv=mtp_kv, conv=conv, ssm=ssm, seq_len=seq_len,
-                      last_token=last_token, drafts=new_drafts)
+    new_pools = Pools(
+        kv=kv,
+        mtp_kv=mtp_kv,
+        conv=conv,
+        ssm=ssm,
+        seq_len=seq_len,
+        last_token=last_token,
+        drafts=new_drafts,
+    )
     top_values, top_ids = top_logprobs(logits)
-    outputs = {"tokens": out_tokens, "accept_len": accept_len, "logprobs": logprobs,
-               "top_logprobs": top_values, "top_ids": top_ids,
-               "crossed": crossed, "pre": pre}
+    outputs = {
+        "tokens": out_tokens,
+        "accept_len": accept_len,
+        "logprobs": logprobs,
+        "top_logprobs": top_values,
+        "top_ids": top_ids,
+        "crossed": crossed,
+        "pre": pre,
+    }
     return outputs, new_pools

@@ -9,10 +9,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Model", "family_module", "incremental_logits", "load_model", "reference_logits"]
+_EXPORTS = {
+    "Model": "lazyspec.models.model",
+    "incremental_logits": "lazyspec.models.model",
+    "reference_logits": "lazyspec.models.model",
+    "family_module": "lazyspec.models.registry",
+    "load_model": "lazyspec.models.registry",
+}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("lazyspec.models.model"), name)
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'lazyspec.models' has no attribute {name!r}")

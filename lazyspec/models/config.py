@@ -7,9 +7,7 @@ defined next to the family's model code.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 # Per-layer roles the engine cares about.
@@ -17,17 +15,12 @@ RECURRENT = "recurrent"  # holds conv + ssm state in the slot pools
 ATTENTION = "attention"  # holds KV in the page pool
 STATELESS = "stateless"  # MLP / MoE-only layer (Nemotron-H), no cache at all
 
-SUPPORTED_ARCHITECTURES = {
-    "qwen3_next": "Qwen3NextForCausalLM",
-    "nemotron_h": "NemotronHForCausalLM",
-}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the engine must know about a model, family details in ``arch``."""
 
-    family: str  # "qwen3_next" | "nemotron_h"
+    family: str  # a key of registry.FAMILIES
     vocab_size: int
     hidden_size: int
     layer_roles: tuple[str, ...]  # one of RECURRENT / ATTENTION / STATELESS per layer
@@ -85,28 +78,3 @@ def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
-    """Parse a Hugging Face config dict; unknown architectures raise ValueError."""
-    model_type = hf.get("model_type")
-    if model_type == "qwen3_next":
-        from lazyspec.models.qwen3_next import parse_config
-    elif model_type == "nemotron_h":
-        from lazyspec.models.nemotron_h import parse_config
-    else:
-        archs = hf.get("architectures")
-        raise ValueError(
-            f"unsupported model_type {model_type!r} (architectures={archs!r}); "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES.values())}"
-        )
-    return parse_config(hf)
-
-
-def load_model_config(path: str | Path) -> ModelConfig:
-    """Read ``config.json`` from a model folder and parse it."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
-    with open(config_path) as f:
-        return parse_hf_config(json.load(f))

@@ -33,6 +33,7 @@ the draft head (attention-only, its own KV pools); logits via ``compute_mtp_logi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +115,9 @@ class RecurrentOut:
     chunks: RecurrentState | None  # extend: [L_rec, B, T // chunk, ...], after (j+1)*chunk tokens
 
 
-def recurrent_out(layers: list[tuple[RecurrentState, RecurrentState]], rec: RecurrentState,
-                  mode: str) -> RecurrentOut:
+def recurrent_out(
+    layers: list[tuple[RecurrentState, RecurrentState]], rec: RecurrentState, mode: str
+) -> RecurrentOut:
     """Per-layer ``(final, trace)`` states (``[B, ...]`` / ``[B, S, ...]``) as the
     ``RecurrentOut`` that ``mode`` promises: ``final`` stacked (``[L_rec, B, ...]``); the
     trace as ``steps`` in verify (kept per layer), as stacked ``chunks`` in extend, dropped in
@@ -124,11 +126,43 @@ def recurrent_out(layers: list[tuple[RecurrentState, RecurrentState]], rec: Recu
         return RecurrentOut(final=rec, steps=None, chunks=None)
 
     def stack(states: list[RecurrentState]) -> RecurrentState:
-        return RecurrentState(conv=jnp.stack([s.conv for s in states]),
-                              ssm=jnp.stack([s.ssm for s in states]))
+        return RecurrentState(
+            conv=jnp.stack([s.conv for s in states]), ssm=jnp.stack([s.ssm for s in states])
+        )
 
     traces = [t for _, t in layers]
     steps = RecurrentState(conv=[t.conv for t in traces], ssm=[t.ssm for t in traces])
-    return RecurrentOut(final=stack([f for f, _ in layers]),
-                        steps=steps if mode == "verify" else None,
-                        chunks=stack(traces) if mode == "extend" else None)
+    return RecurrentOut(
+        final=stack([f for f, _ in layers]),
+        steps=steps if mode == "verify" else None,
+        chunks=stack(traces) if mode == "extend" else None,
+    )
+
+
+class ModelFamily(Protocol):
+    """What a family module provides (registered once in ``registry.FAMILIES``); the engine
+    and the oracles call only these. ``cfg`` is the family's ``ModelConfig``."""
+
+    def parse_config(self, hf: dict[str, Any]) -> Any: ...
+
+    def load_params(self, cfg: Any, reader: Any, dtype: Any) -> dict: ...
+
+    def init_params(self, cfg: Any, key: jax.Array, dtype: Any) -> dict: ...
+
+    def forward(
+        self,
+        params: dict,
+        cfg: Any,
+        inputs: ForwardInputs,
+        kv: KVPools,
+        rec: RecurrentState,
+        *,
+        mode: str,
+        chunk_size: int = 64,
+        backend: str = "xla",
+        keep_chunk: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVPools, RecurrentOut]: ...
+
+    def reference_forward(self, params: dict, cfg: Any, tokens: jax.Array) -> jax.Array: ...
+
+    def compute_logits(self, params: dict, cfg: Any, hidden: jax.Array) -> jax.Array: ...

@@ -7,8 +7,8 @@ parameter builder, so a checkpoint is never held twice in host memory.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 tensors can be read)
 import numpy as np

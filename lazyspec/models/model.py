@@ -1,5 +1,7 @@
 """A loaded model (config, params, tokenizer, family module) and cache-free oracles.
 
+``registry.load_model`` builds a ``Model`` from a Hugging Face folder.
+
 ``reference_logits`` recomputes a whole sequence with no cache machinery at all (scan
 reference mixers, dense causal attention): the oracle every cache test compares against.
 ``incremental_logits`` runs the device contract the engine uses (chunked prefill with
@@ -8,30 +10,21 @@ carried recurrent state and a KV pool, then one-token decode steps) on a single 
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.models.config import ModelConfig, load_model_config
+from lazyspec.models.config import ModelConfig
 from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
-from lazyspec.models.loader import SafetensorsReader, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-FAMILY_MODULES = {
-    "qwen3_next": "lazyspec.models.qwen3_next",
-    "nemotron_h": "lazyspec.models.nemotron_h",
-}
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,32 +39,6 @@ class Model:
     @property
     def has_mtp(self) -> bool:
         return "mtp" in self.params
-
-
-def family_module(family: str) -> ModuleType:
-    """The module implementing ``family`` (same functions for every family)."""
-    if family not in FAMILY_MODULES:
-        raise ValueError(f"unknown model family {family!r}; supported: {sorted(FAMILY_MODULES)}")
-    return importlib.import_module(FAMILY_MODULES[family])
-
-
-def load_model(path: str | Path, dtype: str = "float32") -> Model:
-    """Load a Hugging Face model folder (config.json, safetensors, tokenizer.json).
-
-    When the config declares an MTP head the checkpoint lacks, the returned config has
-    ``num_mtp_layers = 0`` (logged), so ``Model.has_mtp`` and the config agree.
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {DTYPES}")
-    cfg = load_model_config(path)
-    family = family_module(cfg.family)
-    params = family.load_params(cfg, SafetensorsReader(path), jnp.dtype(dtype))
-    if cfg.has_mtp and "mtp" not in params:
-        logger.warning("config declares %d MTP layer(s) but the checkpoint has no mtp.* "
-                       "tensors; speculative decoding with MTP is unavailable",
-                       cfg.num_mtp_layers)
-        cfg = dataclasses.replace(cfg, num_mtp_layers=0)
-    return Model(cfg, params, load_tokenizer(path), family)
 
 
 @partial(jax.jit, static_argnums=(0, 1))
@@ -92,13 +59,16 @@ def reference_logits(model: Model, input_ids: Sequence[int]) -> np.ndarray:
     return np.asarray(_reference_logits(model.family, model.config, model.params, tokens)[0])
 
 
-def empty_caches(cfg: ModelConfig, num_kv_rows: int, batch: int, kv_dtype,
-                 state_dtype=jnp.float32) -> tuple[KVPools, RecurrentState]:
+def empty_caches(
+    cfg: ModelConfig, num_kv_rows: int, batch: int, kv_dtype, state_dtype=jnp.float32
+) -> tuple[KVPools, RecurrentState]:
     """Zeroed KV pools (``num_kv_rows`` rows each) and recurrent state for ``batch`` rows."""
     kv_shape = (num_kv_rows, cfg.num_kv_heads, cfg.head_dim)
     num_attn, num_rec = len(cfg.attention_layer_ids), len(cfg.recurrent_layer_ids)
-    kv = KVPools([jnp.zeros(kv_shape, kv_dtype) for _ in range(num_attn)],
-                 [jnp.zeros(kv_shape, kv_dtype) for _ in range(num_attn)])
+    kv = KVPools(
+        [jnp.zeros(kv_shape, kv_dtype) for _ in range(num_attn)],
+        [jnp.zeros(kv_shape, kv_dtype) for _ in range(num_attn)],
+    )
     rec = RecurrentState(
         jnp.zeros((num_rec, batch, *cfg.conv_state_shape), state_dtype),
         jnp.zeros((num_rec, batch, *cfg.ssm_state_shape), state_dtype),
@@ -106,8 +76,14 @@ def empty_caches(cfg: ModelConfig, num_kv_rows: int, batch: int, kv_dtype,
     return kv, rec
 
 
-def single_row_inputs(tokens: Sequence[int], start: int, context_len: int, *,
-                      bucket: int | None = None, vocab_size: int = 1) -> ForwardInputs:
+def single_row_inputs(
+    tokens: Sequence[int],
+    start: int,
+    context_len: int,
+    *,
+    bucket: int | None = None,
+    vocab_size: int = 1,
+) -> ForwardInputs:
     """Inputs for one row whose new tokens sit at positions ``start..``.
 
     KV row = position + 1 (row 0 is the null row); the context is read from rows
@@ -131,9 +107,15 @@ def single_row_inputs(tokens: Sequence[int], start: int, context_len: int, *,
     )
 
 
-def incremental_logits(model: Model, prompt_ids: Sequence[int], decode_ids: Sequence[int],
-                       prefill_chunk: int | None = None, *, bucket: int | None = None,
-                       context_len: int | None = None) -> np.ndarray:
+def incremental_logits(
+    model: Model,
+    prompt_ids: Sequence[int],
+    decode_ids: Sequence[int],
+    prefill_chunk: int | None = None,
+    *,
+    bucket: int | None = None,
+    context_len: int | None = None,
+) -> np.ndarray:
     """Logits ``[len(prompt) + len(decode), vocab]`` through the cached device contract.
 
     The prompt is prefilled in ``extend`` mode (in pieces of ``prefill_chunk`` tokens when
@@ -154,13 +136,16 @@ def incremental_logits(model: Model, prompt_ids: Sequence[int], decode_ids: Sequ
     kv, rec = empty_caches(cfg, context_len + 1, 1, params["embed_tokens"].dtype)
     vocab = cfg.vocab_size
     piece = prefill_chunk or len(prompt_ids)
-    calls = [(list(prompt_ids[s : s + piece]), s, "extend", bucket)
-             for s in range(0, len(prompt_ids), piece)]
+    calls = [
+        (list(prompt_ids[s : s + piece]), s, "extend", bucket)
+        for s in range(0, len(prompt_ids), piece)
+    ]
     calls += [([t], len(prompt_ids) + j, "decode", None) for j, t in enumerate(decode_ids)]
     logits = []
     for tokens, start, mode, width in calls:
         inputs = single_row_inputs(tokens, start, context_len, bucket=width, vocab_size=vocab)
-        step_logits, kv, rec = _forward_logits(model.family, cfg, params, inputs, kv, rec,
-                                               mode=mode)
+        step_logits, kv, rec = _forward_logits(
+            model.family, cfg, params, inputs, kv, rec, mode=mode
+        )
         logits.append(np.asarray(step_logits[0, : len(tokens)]))
     return np.concatenate(logits, axis=0)

@@ -24,13 +24,20 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentState, keep_chunk_states, layer_state, recurrent_out,
+    ForwardInputs,
+    KVPools,
+    RecurrentState,
+    keep_chunk_states,
+    layer_state,
+    recurrent_out,
 )
 from lazyspec.models.layers.attention import (
-    AttentionSpec, attention_forward, attention_reference,
+    AttentionSpec,
+    attention_forward,
+    attention_reference,
 )
+from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mamba2 import Mamba2Dims, mamba2_mixer
-from lazyspec.models.layers.mlp import linear
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.relu2_moe import MoESpec, relu2_mlp, sparse_moe
 from lazyspec.models.nemotron_h_params import init_params, load_params  # noqa: F401 (family API)
@@ -43,16 +50,25 @@ BACKENDS = ("xla", "pallas")
 
 # Block names of layers_block_type and of the legacy hybrid_override_pattern characters.
 _BLOCK_KINDS = {
-    "mamba": "mamba", "linear_attention": "mamba", "M": "mamba",
-    "attention": "attention", "full_attention": "attention", "*": "attention",
-    "mlp": "mlp", "-": "mlp",
-    "moe": "moe", "E": "moe",
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "M": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+    "*": "attention",
+    "mlp": "mlp",
+    "-": "mlp",
+    "moe": "moe",
+    "E": "moe",
 }
 _ROLES = {"mamba": RECURRENT, "attention": ATTENTION, "mlp": STATELESS, "moe": STATELESS}
 # Older Nemotron-H config.json files spell some fields differently.
 _LEGACY_NAMES = {
-    "n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv", "time_step_min": "mamba_dt_min",
-    "use_conv_bias": "mamba_conv_bias", "head_dim": "attention_head_dim",
+    "n_groups": "mamba_n_groups",
+    "conv_kernel": "mamba_d_conv",
+    "time_step_min": "mamba_dt_min",
+    "use_conv_bias": "mamba_conv_bias",
+    "head_dim": "attention_head_dim",
 }
 _REQUIRED = object()
 
@@ -107,7 +123,8 @@ def _mamba_dims(hf: dict[str, Any], eps: float) -> Mamba2Dims:
     )
     if dims.num_heads % dims.n_groups:
         raise ValueError(
-            f"mamba_num_heads {dims.num_heads} not divisible by n_groups {dims.n_groups}")
+            f"mamba_num_heads {dims.num_heads} not divisible by n_groups {dims.n_groups}"
+        )
     return dims
 
 
@@ -116,7 +133,8 @@ def _attention_spec(hf: dict[str, Any], eps: float) -> AttentionSpec:
     kv_heads = _field(hf, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise ValueError(
-            f"num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}")
+            f"num_attention_heads {heads} not divisible by num_key_value_heads {kv_heads}"
+        )
     head_dim = _field(hf, "head_dim", _field(hf, "hidden_size") // heads)
     return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, norm_eps=eps)
 
@@ -145,7 +163,9 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     mamba = _mamba_dims(hf, eps) if "mamba" in kinds else None
     attention = _attention_spec(hf, eps) if "attention" in kinds else None
     arch = NemotronHArch(
-        block_kinds=kinds, mamba=mamba, attention=attention,
+        block_kinds=kinds,
+        mamba=mamba,
+        attention=attention,
         intermediate_size=_field(hf, "intermediate_size") if "mlp" in kinds else 0,
         mlp_bias=bool(_field(hf, "mlp_bias", False)),
         mamba_bias=bool(_field(hf, "use_bias", False)),
@@ -199,9 +219,18 @@ def _run_blocks(params: dict, cfg: ModelConfig, tokens: jax.Array, mamba_fn, att
     return h
 
 
-def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
-            rec: RecurrentState, *, mode: str, chunk_size: int = 64, backend: str = "xla",
-            keep_chunk: jax.Array | None = None):
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    inputs: ForwardInputs,
+    kv: KVPools,
+    rec: RecurrentState,
+    *,
+    mode: str,
+    chunk_size: int = 64,
+    backend: str = "xla",
+    keep_chunk: jax.Array | None = None,
+):
     """The device contract of ``interface.py``: returns (hidden, kv, RecurrentOut).
 
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
@@ -220,26 +249,45 @@ def forward(params: dict, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
 
     def mamba_fn(mixer, x):
         r = len(states)
-        out, state = mamba2_mixer(mixer, arch.mamba, x, *layer_state(rec, r),
-                                  inputs.num_new, form=form, chunk_size=chunk_size,
-                                  backend=backend)
+        out, state = mamba2_mixer(
+            mixer,
+            arch.mamba,
+            x,
+            *layer_state(rec, r),
+            inputs.num_new,
+            form=form,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
         if mode == "extend":
             state = dataclasses.replace(
-                state, trace_conv=keep_chunk_states(state.trace_conv, keep_chunk),
-                trace_ssm=keep_chunk_states(state.trace_ssm, keep_chunk))
+                state,
+                trace_conv=keep_chunk_states(state.trace_conv, keep_chunk),
+                trace_ssm=keep_chunk_states(state.trace_ssm, keep_chunk),
+            )
         states.append(state)
         return out
 
     def attention_fn(mixer, x):
         a = next(attention_ids)
         out, k_pools[a], v_pools[a] = attention_forward(
-            mixer, arch.attention, x, inputs.positions, inputs.num_new, inputs.kv_write_idx,
-            inputs.kv_read_idx, inputs.ctx_len, k_pools[a], v_pools[a])
+            mixer,
+            arch.attention,
+            x,
+            inputs.positions,
+            inputs.num_new,
+            inputs.kv_write_idx,
+            inputs.kv_read_idx,
+            inputs.ctx_len,
+            k_pools[a],
+            v_pools[a],
+        )
         return out
 
     hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn)
-    layers = [(RecurrentState(s.conv, s.ssm), RecurrentState(s.trace_conv, s.trace_ssm))
-              for s in states]
+    layers = [
+        (RecurrentState(s.conv, s.ssm), RecurrentState(s.trace_conv, s.trace_ssm)) for s in states
+    ]
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, rec, mode)
 
 

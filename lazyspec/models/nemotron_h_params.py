@@ -42,14 +42,19 @@ def _block_tensors(kind: str, arch: NemotronHArch, hidden: int) -> list[_Tensor]
     if kind == "attention":
         spec = arch.attention
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        widths = {"q_proj": (hidden, q_width), "k_proj": (hidden, kv_width),
-                  "v_proj": (hidden, kv_width), "o_proj": (q_width, hidden)}
+        widths = {
+            "q_proj": (hidden, q_width),
+            "k_proj": (hidden, kv_width),
+            "v_proj": (hidden, kv_width),
+            "o_proj": (q_width, hidden),
+        }
         return [t for name, (i, o) in widths.items() for t in _linear(name, name, i, o, False)]
     bias = arch.mlp_bias
     if kind == "mlp":
         width = arch.intermediate_size
-        return (_linear("up_proj", "up_proj", hidden, width, bias)
-                + _linear("down_proj", "down_proj", width, hidden, bias))
+        return _linear("up_proj", "up_proj", hidden, width, bias) + _linear(
+            "down_proj", "down_proj", width, hidden, bias
+        )
     spec = arch.moe
     experts, inner, width = spec.num_experts, spec.latent_size or hidden, spec.intermediate_size
     shared = spec.shared_intermediate_size
@@ -84,8 +89,11 @@ def _init_block(tensors: list[_Tensor], key: jax.Array, dtype) -> dict:
     values = {}
     for k, t in zip(jax.random.split(key, len(tensors)), tensors):
         t_dtype = jnp.float32 if t.float32 else dtype
-        values[t.path] = (0.02 * jax.random.normal(k, t.shape, t_dtype) if len(t.shape) > 1
-                          else jnp.zeros(t.shape, t_dtype))
+        values[t.path] = (
+            0.02 * jax.random.normal(k, t.shape, t_dtype)
+            if len(t.shape) > 1
+            else jnp.zeros(t.shape, t_dtype)
+        )
     return _nest(values)
 
 
@@ -99,13 +107,18 @@ def _read(reader, prefix: str, t: _Tensor):
     fused = prefix + t.name.replace(".{e}", "").removesuffix(".weight")
     if fused in reader:
         return reader.get(fused, (experts, fan_out, fan_in)).transpose(0, 2, 1)
-    return jnp.stack([reader.get(prefix + t.name.format(e=e), (fan_out, fan_in)).T
-                      for e in range(experts)])
+    return jnp.stack(
+        [reader.get(prefix + t.name.format(e=e), (fan_out, fan_in)).T for e in range(experts)]
+    )
 
 
 def _load_block(tensors: list[_Tensor], reader, prefix: str, dtype) -> dict:
-    return _nest({t.path: jnp.asarray(_read(reader, prefix, t),
-                                      jnp.float32 if t.float32 else dtype) for t in tensors})
+    return _nest(
+        {
+            t.path: jnp.asarray(_read(reader, prefix, t), jnp.float32 if t.float32 else dtype)
+            for t in tensors
+        }
+    )
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -120,21 +133,27 @@ def _init_params(cfg: ModelConfig, key: jax.Array, dtype) -> dict:
     layers = []
     for i, kind in enumerate(arch.block_kinds):
         if kind == "mamba":
-            mixer = init_mamba2_params(arch.mamba, keys[i], dtype, use_bias=arch.mamba_bias,
-                                       use_conv_bias=arch.conv_bias,
-                                       out_scale=cfg.num_layers**-0.5)
+            mixer = init_mamba2_params(
+                arch.mamba,
+                keys[i],
+                dtype,
+                use_bias=arch.mamba_bias,
+                use_conv_bias=arch.conv_bias,
+                out_scale=cfg.num_layers**-0.5,
+            )
         else:
             mixer = _init_block(_block_tensors(kind, arch, cfg.hidden_size), keys[i], dtype)
         layers.append({"norm": jnp.ones((cfg.hidden_size,), dtype), "mixer": mixer})
     params = {
-        "embed_tokens": 0.02 * jax.random.normal(
-            keys[-2], (cfg.vocab_size, cfg.hidden_size), dtype),
+        "embed_tokens": 0.02
+        * jax.random.normal(keys[-2], (cfg.vocab_size, cfg.hidden_size), dtype),
         "norm": jnp.ones((cfg.hidden_size,), dtype),
         "layers": layers,
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"weight": 0.02 * jax.random.normal(
-            keys[-1], (cfg.hidden_size, cfg.vocab_size), dtype)}
+        params["lm_head"] = {
+            "weight": 0.02 * jax.random.normal(keys[-1], (cfg.hidden_size, cfg.vocab_size), dtype)
+        }
     return params
 
 
@@ -155,8 +174,14 @@ def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> dict:
     for i, kind in enumerate(arch.block_kinds):
         prefix = f"{root}layers.{i}.mixer."
         if kind == "mamba":
-            mixer = load_mamba2_params(arch.mamba, reader.get, prefix, dtype,
-                                       use_bias=arch.mamba_bias, use_conv_bias=arch.conv_bias)
+            mixer = load_mamba2_params(
+                arch.mamba,
+                reader.get,
+                prefix,
+                dtype,
+                use_bias=arch.mamba_bias,
+                use_conv_bias=arch.conv_bias,
+            )
         else:
             mixer = _load_block(_block_tensors(kind, arch, hidden), reader, prefix, dtype)
         layers.append({"norm": get(f"{root}layers.{i}.norm.weight", (hidden,)), "mixer": mixer})

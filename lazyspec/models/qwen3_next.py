@@ -25,18 +25,26 @@ import jax.numpy as jnp
 
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
-    ForwardInputs, KVPools, RecurrentOut, RecurrentState, keep_chunk_states, layer_state,
+    ForwardInputs,
+    KVPools,
+    RecurrentOut,
+    RecurrentState,
+    keep_chunk_states,
+    layer_state,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
-    AttentionSpec, attention_forward, attention_plan, attention_reference,
+    AttentionSpec,
+    attention_forward,
+    attention_plan,
+    attention_reference,
 )
 from lazyspec.models.layers.gdn import GDNSpec, gdn_mixer, gdn_plan
-from lazyspec.models.layers.mlp import (
-    Params, TensorSpec, init_plan, linear, linear_spec, load_plan, mlp_plan, swiglu_mlp,
-)
+from lazyspec.models.layers.linear import linear
+from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.layers.moe import MoESpec, moe_plan, sparse_moe
 from lazyspec.models.layers.norms import rms_norm
+from lazyspec.models.plan import Params, TensorSpec, init_plan, linear_spec, load_plan
 
 FAMILY = "qwen3_next"
 MODES = ("extend", "decode", "verify")
@@ -66,8 +74,10 @@ def _layer_roles(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     types = hf.get("layer_types")
     if types is None:
         interval = int(hf.get("full_attention_interval", 4))
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(num_layers)]
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)
+        ]
     if len(types) != num_layers:
         raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
     unknown = sorted(set(types) - set(_ROLES))
@@ -77,7 +87,7 @@ def _layer_roles(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
 
 
 def _mlp_kinds(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
-    """"moe" unless in mlp_only_layers, off the decoder_sparse_step grid, or no experts."""
+    """ "moe" unless in mlp_only_layers, off the decoder_sparse_step grid, or no experts."""
     num_experts = int(require(hf, "num_experts", FAMILY))
     mlp_only = set(hf.get("mlp_only_layers") or [])
     step = int(hf.get("decoder_sparse_step", 1))
@@ -122,29 +132,58 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     head_dim = int(hf.get("head_dim") or hidden // heads)
     eps = float(hf.get("rms_norm_eps", 1e-6))
     theta, rotary_dim = _rope(hf, head_dim)
-    attention = AttentionSpec(heads, kv_heads, head_dim, rotary_dim, theta, qk_norm=True,
-                              zero_centered_qk_norm=True, output_gate=True, norm_eps=eps)
-    gdn = GDNSpec(hidden, int(req("linear_num_key_heads")), int(req("linear_num_value_heads")),
-                  int(req("linear_key_head_dim")), int(req("linear_value_head_dim")),
-                  int(hf.get("linear_conv_kernel_dim", 4)), eps)
+    attention = AttentionSpec(
+        heads,
+        kv_heads,
+        head_dim,
+        rotary_dim,
+        theta,
+        qk_norm=True,
+        zero_centered_qk_norm=True,
+        output_gate=True,
+        norm_eps=eps,
+    )
+    gdn = GDNSpec(
+        hidden,
+        int(req("linear_num_key_heads")),
+        int(req("linear_num_value_heads")),
+        int(req("linear_key_head_dim")),
+        int(req("linear_value_head_dim")),
+        int(hf.get("linear_conv_kernel_dim", 4)),
+        eps,
+    )
     if heads % kv_heads or gdn.num_v_heads % gdn.num_k_heads:
-        raise ValueError(f"head counts do not divide: {heads}/{kv_heads}, "
-                         f"{gdn.num_v_heads}/{gdn.num_k_heads}")
+        raise ValueError(
+            f"head counts do not divide: {heads}/{kv_heads}, {gdn.num_v_heads}/{gdn.num_k_heads}"
+        )
     kinds = _mlp_kinds(hf, num_layers)
     arch = Qwen3NextArch(
-        rms_norm_eps=eps, attention=attention, gdn=gdn, moe=_moe_spec(hf, hidden),
+        rms_norm_eps=eps,
+        attention=attention,
+        gdn=gdn,
+        moe=_moe_spec(hf, hidden),
         intermediate_size=int(req("intermediate_size")) if "dense" in kinds else 0,
-        mlp_kinds=kinds, mtp_mlp_kind="moe" if int(hf["num_experts"]) > 0 else "dense",
+        mlp_kinds=kinds,
+        mtp_mlp_kind="moe" if int(hf["num_experts"]) > 0 else "dense",
     )
     return ModelConfig(
-        family=FAMILY, vocab_size=int(req("vocab_size")), hidden_size=hidden,
-        layer_roles=_layer_roles(hf, num_layers), num_attention_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim,
+        family=FAMILY,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=hidden,
+        layer_roles=_layer_roles(hf, num_layers),
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        conv_dim=gdn.conv_dim, conv_kernel=gdn.conv_kernel, ssm_heads=gdn.num_v_heads,
-        ssm_dim_a=gdn.head_k_dim, ssm_dim_b=gdn.head_v_dim, eos_token_ids=eos_ids(hf),
+        conv_dim=gdn.conv_dim,
+        conv_kernel=gdn.conv_kernel,
+        ssm_heads=gdn.num_v_heads,
+        ssm_dim_a=gdn.head_k_dim,
+        ssm_dim_b=gdn.head_v_dim,
+        eos_token_ids=eos_ids(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0), arch=arch,
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        arch=arch,
     )
 
 
@@ -222,27 +261,41 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
 # ---------------------------------------------------------------- forward passes
 
 
-def _norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
+def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
 
 
-def _mlp_block(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array) -> jax.Array:
+def mlp_block(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array) -> jax.Array:
     """Residual MLP / MoE half of a decoder layer."""
-    h = _norm(x, lp["post_attention_layernorm"], cfg)
+    h = norm(x, lp["post_attention_layernorm"], cfg)
     if kind == "moe":
         return x + sparse_moe(lp["mlp"], cfg.arch.moe, h)
     return x + swiglu_mlp(lp["mlp"], h)
 
 
-def _attention_layer(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array,
-                     inputs: ForwardInputs, k_pool: jax.Array, v_pool: jax.Array):
+def _attention_layer(
+    lp: Params,
+    cfg: ModelConfig,
+    kind: str,
+    x: jax.Array,
+    inputs: ForwardInputs,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+):
     """A full attention decoder layer over the pools: (x, k_pool, v_pool)."""
     h, k_pool, v_pool = attention_forward(
-        lp["self_attn"], cfg.arch.attention, _norm(x, lp["input_layernorm"], cfg),
-        inputs.positions, inputs.num_new, inputs.kv_write_idx, inputs.kv_read_idx,
-        inputs.ctx_len, k_pool, v_pool,
+        lp["self_attn"],
+        cfg.arch.attention,
+        norm(x, lp["input_layernorm"], cfg),
+        inputs.positions,
+        inputs.num_new,
+        inputs.kv_write_idx,
+        inputs.kv_read_idx,
+        inputs.ctx_len,
+        k_pool,
+        v_pool,
     )
-    return _mlp_block(lp, cfg, kind, x + h), k_pool, v_pool
+    return mlp_block(lp, cfg, kind, x + h), k_pool, v_pool
 
 
 def _check_mode(mode: str, backend: str) -> None:
@@ -252,9 +305,18 @@ def _check_mode(mode: str, backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
-def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools,
-            rec: RecurrentState, *, mode: str, chunk_size: int = 64, backend: str = "xla",
-            keep_chunk: jax.Array | None = None) -> tuple[jax.Array, KVPools, RecurrentOut]:
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    inputs: ForwardInputs,
+    kv: KVPools,
+    rec: RecurrentState,
+    *,
+    mode: str,
+    chunk_size: int = 64,
+    backend: str = "xla",
+    keep_chunk: jax.Array | None = None,
+) -> tuple[jax.Array, KVPools, RecurrentOut]:
     """The device contract of ``interface.py``: (hidden before the final norm, kv, states).
 
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
@@ -273,22 +335,31 @@ def forward(params: Params, cfg: ModelConfig, inputs: ForwardInputs, kv: KVPools
         with jax.named_scope(f"layer_{i}"):
             if role == RECURRENT:
                 h, st = gdn_mixer(
-                    lp["linear_attn"], cfg.arch.gdn, _norm(x, lp["input_layernorm"], cfg),
-                    *layer_state(rec, r), inputs.num_new, form=form, chunk_size=chunk_size,
+                    lp["linear_attn"],
+                    cfg.arch.gdn,
+                    norm(x, lp["input_layernorm"], cfg),
+                    *layer_state(rec, r),
+                    inputs.num_new,
+                    form=form,
+                    chunk_size=chunk_size,
                     backend=backend,
                 )
                 if mode == "extend":
-                    st = st._replace(conv_trace=keep_chunk_states(st.conv_trace, keep_chunk),
-                                     ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk))
+                    st = st._replace(
+                        conv_trace=keep_chunk_states(st.conv_trace, keep_chunk),
+                        ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk),
+                    )
                 states.append(st)
-                x, r = _mlp_block(lp, cfg, kind, x + h), r + 1
+                x, r = mlp_block(lp, cfg, kind, x + h), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(
                     lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
                 )
                 a += 1
-    layers = [(RecurrentState(st.conv, st.ssm), RecurrentState(st.conv_trace, st.ssm_trace))
-              for st in states]
+    layers = [
+        (RecurrentState(st.conv, st.ssm), RecurrentState(st.conv_trace, st.ssm_trace))
+        for st in states
+    ]
     return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
 
 
@@ -305,14 +376,14 @@ def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     x = params["embed_tokens"][tokens]
     for i, role in enumerate(cfg.layer_roles):
         lp = params["layers"][i]
-        h = _norm(x, lp["input_layernorm"], cfg)
+        h = norm(x, lp["input_layernorm"], cfg)
         if role == RECURRENT:
             conv0 = jnp.zeros((batch, gdn.conv_dim, gdn.conv_kernel - 1), jnp.float32)
             ssm0 = jnp.zeros((batch, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), jnp.float32)
             h, _ = gdn_mixer(lp["linear_attn"], gdn, h, conv0, ssm0, num_new, form="reference")
         else:
             h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
-        x = _mlp_block(lp, cfg, cfg.arch.mlp_kinds[i], x + h)
+        x = mlp_block(lp, cfg, cfg.arch.mlp_kinds[i], x + h)
     return x
 
 
@@ -325,12 +396,19 @@ def _lm_head(params: Params, h: jax.Array) -> jax.Array:
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm then lm_head (the embedding when tied): float32 ``[..., vocab]``."""
-    return _lm_head(params, _norm(hidden, params["norm"], cfg))
+    return _lm_head(params, norm(hidden, params["norm"], cfg))
 
 
-def mtp_forward(params: Params, cfg: ModelConfig, hidden: jax.Array, next_tokens: jax.Array,
-                inputs: ForwardInputs, mtp_kv: KVPools, *, step: int = 0
-                ) -> tuple[jax.Array, KVPools]:
+def mtp_forward(
+    params: Params,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    next_tokens: jax.Array,
+    inputs: ForwardInputs,
+    mtp_kv: KVPools,
+    *,
+    step: int = 0,
+) -> tuple[jax.Array, KVPools]:
     """The MTP draft layer: position t combines ``hidden[t]`` with ``next_tokens[t]``.
 
     ``hidden`` is the target's stream before its final norm ``[B, T, H]``; the layer's
@@ -344,19 +422,27 @@ def mtp_forward(params: Params, cfg: ModelConfig, hidden: jax.Array, next_tokens
     layer = step % len(mp["layers"])
     embeds = params["embed_tokens"][next_tokens]
     combined = jnp.concatenate(
-        [_norm(embeds, mp["pre_fc_norm_embedding"], cfg),
-         _norm(hidden.astype(embeds.dtype), mp["pre_fc_norm_hidden"], cfg)], axis=-1
+        [
+            norm(embeds, mp["pre_fc_norm_embedding"], cfg),
+            norm(hidden.astype(embeds.dtype), mp["pre_fc_norm_hidden"], cfg),
+        ],
+        axis=-1,
     )
     x = linear(mp["fc"], combined)
     k_pools, v_pools = list(mtp_kv.k), list(mtp_kv.v)
     with jax.named_scope("mtp_layer"):
         x, k_pools[layer], v_pools[layer] = _attention_layer(
-            mp["layers"][layer], cfg, cfg.arch.mtp_mlp_kind, x, inputs,
-            k_pools[layer], v_pools[layer],
+            mp["layers"][layer],
+            cfg,
+            cfg.arch.mtp_mlp_kind,
+            x,
+            inputs,
+            k_pools[layer],
+            v_pools[layer],
         )
     return x, KVPools(k_pools, v_pools)
 
 
 def compute_mtp_logits(params: Params, cfg: ModelConfig, mtp_hidden: jax.Array) -> jax.Array:
     """``mtp.norm`` then the shared lm_head: float32 ``[..., vocab]``."""
-    return _lm_head(params, _norm(mtp_hidden, params["mtp"]["norm"], cfg))
+    return _lm_head(params, norm(mtp_hidden, params["mtp"]["norm"], cfg))

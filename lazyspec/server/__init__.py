@@ -2,5 +2,5 @@
 
 ``worker.EngineWorker`` owns the engine in one thread, ``app.create_app`` builds the FastAPI
 app, ``protocol`` parses requests, ``metrics`` exports Prometheus metrics. Launch with
-``python -m lazyspec.serve``.
+``python scripts/serve.py`` (``lazyspec.server.launch``).
 """

@@ -13,18 +13,33 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lazyspec.server.protocol import (ApiError, ChatTemplate, GenerationSpec, Limits,
-                                      parse_chat, parse_completion, parse_generate,
-                                      parse_json_body)
-from lazyspec.server.render import (ChatRenderer, Choice, CompletionRenderer, generate_result,
-                                    generate_stream, model_list, sse)
+from lazyspec.server.protocol import (
+    ApiError,
+    ChatTemplate,
+    GenerationSpec,
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_body,
+)
+from lazyspec.server.render import (
+    ChatRenderer,
+    Choice,
+    CompletionRenderer,
+    generate_result,
+    generate_stream,
+    model_list,
+    sse,
+)
 from lazyspec.server.worker import EngineWorker, RequestGroup, Submission
 
 logger = logging.getLogger(__name__)
@@ -42,8 +57,9 @@ class _GuardedStream(StreamingResponse):
     client gone), even if the body iterator never started."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -73,8 +89,9 @@ class _Frontend:
         model = worker.engine.model
         self.tokenizer = model.tokenizer
         self.template = settings.chat_template or ChatTemplate(None)
-        self.limits = Limits(model.config.vocab_size, worker.max_context,
-                             (settings.served_model_name,))
+        self.limits = Limits(
+            model.config.vocab_size, worker.max_context, (settings.served_model_name,)
+        )
         self.num_live = 0
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
 
@@ -83,11 +100,17 @@ class _Frontend:
         limit = self.settings.max_queued_requests
         wanted = self.num_live + len(spec.prompts)
         if limit is not None and wanted > self.worker.max_running + limit:
-            raise ApiError(f"the server is at capacity ({self.num_live} requests live, "
-                           f"max_queued_requests={limit}); retry later", status=503,
-                           code="queue_full", error_type="server_overloaded")
-        subs = [Submission(f"req-{uuid.uuid4().hex}", i, ids, sampling)
-                for i, (ids, sampling) in enumerate(zip(spec.prompts, spec.sampling))]
+            raise ApiError(
+                f"the server is at capacity ({self.num_live} requests live, "
+                f"max_queued_requests={limit}); retry later",
+                status=503,
+                code="queue_full",
+                error_type="server_overloaded",
+            )
+        subs = [
+            Submission(f"req-{uuid.uuid4().hex}", i, ids, sampling)
+            for i, (ids, sampling) in enumerate(zip(spec.prompts, spec.sampling))
+        ]
         group = RequestGroup(self.worker, subs)
         self._held.add(group)
         self.num_live += len(subs)
@@ -100,8 +123,7 @@ class _Frontend:
         except BaseException:
             self.release(group)
             raise
-        choices = [Choice(self.tokenizer, spec.stop, sub.rid, len(sub.input_ids))
-                   for sub in subs]
+        choices = [Choice(self.tokenizer, spec.stop, sub.rid, len(sub.input_ids)) for sub in subs]
         return group, choices
 
     def release(self, group: RequestGroup) -> None:
@@ -112,8 +134,9 @@ class _Frontend:
             self.num_live -= len(group.submissions)
             self.metrics.num_live.set(self.num_live)
 
-    async def events(self, group: RequestGroup,
-                     choices: list[Choice]) -> AsyncIterator[tuple[int, str, Any]]:
+    async def events(
+        self, group: RequestGroup, choices: list[Choice]
+    ) -> AsyncIterator[tuple[int, str, Any]]:
         """(index, new text, event) until every choice finished; a stop string ends its
         engine request early."""
         while not all(c.finished for c in choices):
@@ -126,8 +149,7 @@ class _Frontend:
                 group.finish(event.index)
             yield event.index, delta, event
 
-    async def collect(self, spec: GenerationSpec, endpoint: str,
-                      request: Request) -> list[Choice]:
+    async def collect(self, spec: GenerationSpec, endpoint: str, request: Request) -> list[Choice]:
         """Run ``spec`` to the end (non-streaming); 500 if the engine failed, _ClientGone
         (requests aborted) if the client disconnects first."""
         start = time.perf_counter()
@@ -159,8 +181,9 @@ class _Frontend:
         for choice in choices:
             self.metrics.requests.labels(endpoint, choice.finish_type).inc()
 
-    async def stream(self, spec: GenerationSpec, endpoint: str,
-                     render: Callable[..., AsyncIterator[str]]) -> Response:
+    async def stream(
+        self, spec: GenerationSpec, endpoint: str, render: Callable[..., AsyncIterator[str]]
+    ) -> Response:
         """Open the requests now (so errors are a plain 4xx), then stream ``render``'s SSE."""
         start = time.perf_counter()
         group, choices = await self.open(spec)
@@ -169,8 +192,9 @@ class _Frontend:
             async for chunk in render(self.events(group, choices), choices):
                 yield chunk
             if any(c.error for c in choices):
-                error = ApiError(next(c.error for c in choices if c.error), status=500,
-                                 error_type="server_error")
+                error = ApiError(
+                    next(c.error for c in choices if c.error), status=500, error_type="server_error"
+                )
                 yield sse(error.body())
             yield "data: [DONE]\n\n"
             self.count(endpoint, choices, start)
@@ -188,8 +212,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     def error_response(error: ApiError) -> Response:
         front.metrics.rejected.labels(str(error.status)).inc()
         # ASCII-escaped JSON: a message may quote client text that is not valid UTF-8
-        return Response(json.dumps(error.body()), status_code=error.status,
-                        media_type="application/json")
+        return Response(
+            json.dumps(error.body()), status_code=error.status, media_type="application/json"
+        )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -206,8 +231,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s", request.url.path)
-        return error_response(ApiError(f"internal error: {exc!r}", status=500,
-                                       error_type="server_error"))
+        return error_response(
+            ApiError(f"internal error: {exc!r}", status=500, error_type="server_error")
+        )
 
     async def body_of(request: Request) -> dict:
         return parse_json_body(await request.body())
@@ -215,8 +241,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         if not worker.alive:
-            raise ApiError("the engine thread is not running", status=503,
-                           error_type="server_error")
+            raise ApiError(
+                "the engine thread is not running", status=503, error_type="server_error"
+            )
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -252,16 +279,20 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> dict:
         if not await asyncio.wrap_future(worker.call(worker.flush_cache)):
-            raise ApiError("cache not flushed: requests are still running", status=400,
-                           code="busy")
+            raise ApiError("cache not flushed: requests are still running", status=400, code="busy")
         return {"success": True, "message": "Cache flushed."}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
         info = await asyncio.wrap_future(worker.call(worker.server_info))
-        info.update({"served_model_name": name, "num_http_live_requests": front.num_live,
-                     "max_queued_requests": settings.max_queued_requests})
+        info.update(
+            {
+                "served_model_name": name,
+                "num_http_live_requests": front.num_live,
+                "max_queued_requests": settings.max_queued_requests,
+            }
+        )
         return json.loads(json.dumps(info, default=str))
 
     @app.get("/metrics")

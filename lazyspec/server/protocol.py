@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lazyspec.engine.request import TOP_LOGPROBS, SamplingParams
+from lazyspec.scheduler.request import TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
@@ -25,15 +25,28 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class ApiError(Exception):
     """An error answered to the client as ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, error_type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
         self.code, self.error_type = code, error_type
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 @dataclass(frozen=True)
@@ -72,13 +85,15 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:  # JSON escapes can smuggle in unpaired surrogates, which no tokenizer accepts
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError("the body holds a string that is not valid Unicode "
-                       "(an unpaired surrogate)") from None
+        raise ApiError(
+            "the body holds a string that is not valid Unicode (an unpaired surrogate)"
+        ) from None
     return body
 
 
-def _integer(body: dict, name: str, default: int | None, low: int | None = None,
-             high: int | None = None) -> int | None:
+def _integer(
+    body: dict, name: str, default: int | None, low: int | None = None, high: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -112,10 +127,16 @@ def _stop_strings(body: dict, name: str = "stop") -> tuple[str, ...]:
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
-    if (not isinstance(items, list) or len(items) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in items)):
-        raise ApiError(f"{name}={value!r} must be a non-empty string or a list of at most "
-                       f"{MAX_STOP_STRINGS} non-empty strings", param=name)
+    if (
+        not isinstance(items, list)
+        or len(items) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in items)
+    ):
+        raise ApiError(
+            f"{name}={value!r} must be a non-empty string or a list of at most "
+            f"{MAX_STOP_STRINGS} non-empty strings",
+            param=name,
+        )
     return tuple(items)
 
 
@@ -124,8 +145,12 @@ def _check_model(body: dict, limits: Limits) -> None:
     if model is None:
         return
     if model not in limits.model_names:
-        raise ApiError(f"the model {model!r} does not exist; served: {list(limits.model_names)}",
-                       status=404, param="model", code="model_not_found")
+        raise ApiError(
+            f"the model {model!r} does not exist; served: {list(limits.model_names)}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _token_ids(value: list, limits: Limits, param: str) -> list[int]:
@@ -135,8 +160,9 @@ def _token_ids(value: list, limits: Limits, param: str) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, int):
             raise ApiError(f"token id {token!r} is not an integer", param=param)
         if not 0 <= token < limits.vocab_size:
-            raise ApiError(f"token id {token} is outside the vocabulary [0, {limits.vocab_size})",
-                           param=param)
+            raise ApiError(
+                f"token id {token} is outside the vocabulary [0, {limits.vocab_size})", param=param
+            )
     return list(value)
 
 
@@ -149,16 +175,18 @@ def _encode(text: str, tokenizer: Any, param: str, special: bool = True) -> list
     return list(ids)
 
 
-def parse_prompts(value: Any, tokenizer: Any, limits: Limits,
-                  param: str) -> tuple[list[list[int]], list[str | None], bool]:
+def parse_prompts(
+    value: Any, tokenizer: Any, limits: Limits, param: str
+) -> tuple[list[list[int]], list[str | None], bool]:
     """A text, a token-id list, or a list of either -> (id lists, texts, batched)."""
     if isinstance(value, str):
         if not value:
             raise ApiError("the prompt is empty", param=param)
         return [_encode(value, tokenizer, param)], [value], False
     if not isinstance(value, list) or not value:
-        raise ApiError(f"{param} must be a non-empty string, token-id list, or a list of them",
-                       param=param)
+        raise ApiError(
+            f"{param} must be a non-empty string, token-id list, or a list of them", param=param
+        )
     if all(isinstance(v, str) for v in value):
         if not all(value):
             raise ApiError("the prompt is empty", param=param)
@@ -168,8 +196,9 @@ def parse_prompts(value: Any, tokenizer: Any, limits: Limits,
     return [_token_ids(value, limits, param)], [None], False
 
 
-def _sampling(body: dict, max_new: int | None, prompts: list[list[int]], limits: Limits,
-              max_param: str) -> list[SamplingParams]:
+def _sampling(
+    body: dict, max_new: int | None, prompts: list[list[int]], limits: Limits, max_param: str
+) -> list[SamplingParams]:
     """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context."""
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
@@ -183,19 +212,31 @@ def _sampling(body: dict, max_new: int | None, prompts: list[list[int]], limits:
     seed = _integer(body, "seed", None)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list):
-        raise ApiError(f"stop_token_ids={stop_ids!r} must be a list of token ids",
-                       param="stop_token_ids")
+        raise ApiError(
+            f"stop_token_ids={stop_ids!r} must be a list of token ids", param="stop_token_ids"
+        )
     stop_ids = _token_ids(stop_ids, limits, "stop_token_ids") if stop_ids else []
     out = []
     for ids in prompts:
         room = limits.max_context - len(ids)
         wanted = room if max_new is None else max_new
         if wanted > room:
-            raise ApiError(f"prompt ({len(ids)} tokens) + {max_param} ({wanted}) exceeds the "
-                           f"context limit {limits.max_context}", param=max_param)
-        out.append(SamplingParams(max_new_tokens=wanted, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, ignore_eos=_boolean(body, "ignore_eos", False),
-                                  stop_token_ids=tuple(stop_ids), seed=seed))
+            raise ApiError(
+                f"prompt ({len(ids)} tokens) + {max_param} ({wanted}) exceeds the "
+                f"context limit {limits.max_context}",
+                param=max_param,
+            )
+        out.append(
+            SamplingParams(
+                max_new_tokens=wanted,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                ignore_eos=_boolean(body, "ignore_eos", False),
+                stop_token_ids=tuple(stop_ids),
+                seed=seed,
+            )
+        )
     return out
 
 
@@ -228,9 +269,15 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     prompts, texts, _ = parse_prompts(body["prompt"], tokenizer, limits, "prompt")
     max_new = _integer(body, "max_tokens", 16, 1, limits.max_context)
     return GenerationSpec(
-        prompts, texts, _sampling(body, max_new, prompts, limits, "max_tokens"),
-        _stop_strings(body), _boolean(body, "stream", False), _include_usage(body),
-        _integer(body, "logprobs", None, 0, MAX_LOGPROBS), _boolean(body, "echo", False))
+        prompts,
+        texts,
+        _sampling(body, max_new, prompts, limits, "max_tokens"),
+        _stop_strings(body),
+        _boolean(body, "stream", False),
+        _include_usage(body),
+        _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
+        _boolean(body, "echo", False),
+    )
 
 
 def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> GenerationSpec:
@@ -247,9 +294,14 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     if top is not None and not want:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     return GenerationSpec(
-        [prompt], [None], _sampling(body, max_new, [prompt], limits, "max_tokens"),
-        _stop_strings(body), _boolean(body, "stream", False), _include_usage(body),
-        (top or 0) if want else None)
+        [prompt],
+        [None],
+        _sampling(body, max_new, [prompt], limits, "max_tokens"),
+        _stop_strings(body),
+        _boolean(body, "stream", False),
+        _include_usage(body),
+        (top or 0) if want else None,
+    )
 
 
 def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
@@ -258,15 +310,29 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     if (body.get("text") is None) == (body.get("input_ids") is None):
         raise ApiError("give exactly one of text and input_ids", param="text")
     param = "text" if body.get("text") is not None else "input_ids"
-    if param == "text" and not (isinstance(body["text"], str) or isinstance(body["text"], list)
-                                and all(isinstance(t, str) for t in body["text"])):
+    if param == "text" and not (
+        isinstance(body["text"], str)
+        or isinstance(body["text"], list)
+        and all(isinstance(t, str) for t in body["text"])
+    ):
         raise ApiError(f"text={body['text']!r} must be a string or a list of strings", param=param)
     prompts, texts, batched = parse_prompts(body[param], tokenizer, limits, param)
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ApiError(f"sampling_params={params!r} must be an object", param="sampling_params")
-    known = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "stop",
-             "stop_token_ids", "seed", "skip_special_tokens", "no_stop_trim", "n"}
+    known = {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "ignore_eos",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "skip_special_tokens",
+        "no_stop_trim",
+        "n",
+    }
     unknown = sorted(set(params) - known)
     if unknown:
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
@@ -274,9 +340,14 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
     top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
     return GenerationSpec(
-        prompts, texts, _sampling(params, max_new, prompts, limits, "max_new_tokens"),
-        _stop_strings(params), _boolean(body, "stream", False),
-        logprobs=top if _boolean(body, "return_logprob", False) else None, batched=batched)
+        prompts,
+        texts,
+        _sampling(params, max_new, prompts, limits, "max_new_tokens"),
+        _stop_strings(params),
+        _boolean(body, "stream", False),
+        logprobs=top if _boolean(body, "return_logprob", False) else None,
+        batched=batched,
+    )
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
@@ -286,8 +357,9 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise ApiError(f"messages[{i}] must be an object with a role in {list(ROLES)}",
-                           param="messages")
+            raise ApiError(
+                f"messages[{i}] must be an object with a role in {list(ROLES)}", param="messages"
+            )
         out.append({"role": message["role"], "content": _content(message.get("content"), i)})
     return out
 
@@ -299,8 +371,9 @@ def _content(content: Any, i: int) -> str:
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(texts)
-    raise ApiError(f"messages[{i}].content must be a string or a list of text parts",
-                   param="messages")
+    raise ApiError(
+        f"messages[{i}].content must be a string or a list of text parts", param="messages"
+    )
 
 
 # ---------------------------------------------------------------- text output
@@ -362,13 +435,14 @@ class ChatTemplate:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
-                                                                      indent=indent)
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(
+                v, ensure_ascii=False, indent=indent
+            )
             env.globals["raise_exception"] = _template_exception
             self._template = env.from_string(source)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "ChatTemplate":
+    def from_folder(cls, folder: str | Path) -> ChatTemplate:
         """From ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``."""
         folder = Path(folder)
         config_path = folder / "tokenizer_config.json"
@@ -380,19 +454,23 @@ class ChatTemplate:
         jinja_path = folder / "chat_template.jinja"
         if source is None and jinja_path.is_file():
             source = jinja_path.read_text()
-        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        return cls(
+            source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        )
 
     def render(self, messages: list[dict[str, str]]) -> str:
         if self._template is None:
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
-                                         **self.specials)
+            return self._template.render(
+                messages=messages, add_generation_prompt=True, **self.specials
+            )
         except ApiError:
             raise
         except Exception as exc:  # a template error is the request's fault or the model's
-            raise ApiError(f"the chat template failed on these messages: {exc}",
-                           param="messages") from None
+            raise ApiError(
+                f"the chat template failed on these messages: {exc}", param="messages"
+            ) from None
 
 
 def _template_exception(message: str) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from lazyspec.server.protocol import GenerationSpec, TextStream
 from lazyspec.server.worker import TokenEvent
@@ -59,14 +60,27 @@ def sse(payload: dict) -> str:
 def usage(choices: list[Choice]) -> dict[str, Any]:
     prompt = sum(c.prompt_tokens for c in choices)
     completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)},
+    }
 
 
 def model_list(name: str, max_context: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "lazyspec", "max_model_len": max_context}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "lazyspec",
+                "max_model_len": max_context,
+            }
+        ],
+    }
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
@@ -82,8 +96,13 @@ class _Renderer:
         self.created = int(time.time())
 
     def envelope(self, choices: list[dict], object_name: str | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name or self.object_name,
-                "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": object_name or self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def usage_chunk(self, choices: list[Choice]) -> str:
         return sse({**self.envelope([]), "usage": usage(choices)})
@@ -95,8 +114,9 @@ class CompletionRenderer(_Renderer):
 
     object_name = "text_completion"
 
-    def logprobs(self, token_ids: list[int], logprobs: list, tops: list,
-                 offset: int) -> dict[str, Any]:
+    def logprobs(
+        self, token_ids: list[int], logprobs: list, tops: list, offset: int
+    ) -> dict[str, Any]:
         tokens = [_token_text(self.tokenizer, t) for t in token_ids]
         offsets = []
         for token in tokens:
@@ -109,8 +129,12 @@ class CompletionRenderer(_Renderer):
                 continue
             alternatives = {_token_text(self.tokenizer, t): v for v, t in top[: self.spec.logprobs]}
             top_dicts.append({**alternatives, token: lp})
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": top_dicts,
+            "text_offset": offsets,
+        }
 
     def prompt_text(self, index: int) -> str:
         text = self.spec.prompt_texts[index]
@@ -130,8 +154,14 @@ class CompletionRenderer(_Renderer):
                     ids, lps = self.spec.prompts[i] + ids, [None] * echoed + lps
                     tops = [[]] * echoed + tops
                 logprobs = self.logprobs(ids, lps, tops, 0)
-            out.append({"index": i, "text": prefix + c.text.text, "logprobs": logprobs,
-                        "finish_reason": _openai_finish(c)})
+            out.append(
+                {
+                    "index": i,
+                    "text": prefix + c.text.text,
+                    "logprobs": logprobs,
+                    "finish_reason": _openai_finish(c),
+                }
+            )
         return {**self.envelope(out), "usage": usage(choices)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
@@ -142,8 +172,12 @@ class CompletionRenderer(_Renderer):
             c = choices[i]
             logprobs = None
             if self.spec.logprobs is not None:
-                logprobs = self.logprobs(event.token_ids, event.logprobs, event.top_logprobs,
-                                         len(c.text.text) - len(delta))
+                logprobs = self.logprobs(
+                    event.token_ids,
+                    event.logprobs,
+                    event.top_logprobs,
+                    len(c.text.text) - len(delta),
+                )
             if delta or c.finished or logprobs is not None:
                 yield sse(self.envelope([self._chunk(i, delta, logprobs, _openai_finish(c))]))
         if self.spec.include_usage:
@@ -164,8 +198,9 @@ class ChatRenderer(_Renderer):
         text = _token_text(self.tokenizer, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    def logprobs(self, token_ids: list[int], logprobs: list[float],
-                 tops: list[list[tuple[float, int]]]) -> dict[str, Any]:
+    def logprobs(
+        self, token_ids: list[int], logprobs: list[float], tops: list[list[tuple[float, int]]]
+    ) -> dict[str, Any]:
         content = []
         for token, lp, top in zip(token_ids, logprobs, tops):
             alternatives = [self._item(t, v) for v, t in top[: self.spec.logprobs]]
@@ -177,23 +212,33 @@ class ChatRenderer(_Renderer):
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         c = choices[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text.text},
-                  "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
-                  "finish_reason": _openai_finish(c)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": c.text.text},
+            "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
+            "finish_reason": _openai_finish(c),
+        }
         return {**self.envelope([choice]), "usage": usage(choices)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
         chunk = "chat.completion.chunk"
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         yield sse(self.envelope([first], chunk))
         async for i, delta, event in events:
             c = choices[i]
-            logprobs = self._logprobs_or_none(event.token_ids, event.logprobs,
-                                              event.top_logprobs)
+            logprobs = self._logprobs_or_none(event.token_ids, event.logprobs, event.top_logprobs)
             if delta or c.finished or logprobs is not None:
-                body = {"index": i, "delta": {"content": delta} if delta else {},
-                        "logprobs": logprobs, "finish_reason": _openai_finish(c)}
+                body = {
+                    "index": i,
+                    "delta": {"content": delta} if delta else {},
+                    "logprobs": logprobs,
+                    "finish_reason": _openai_finish(c),
+                }
                 yield sse(self.envelope([body], chunk))
         if self.spec.include_usage:
             yield sse({**self.envelope([], chunk), "usage": usage(choices)})
@@ -205,14 +250,20 @@ def _openai_finish(choice: Choice) -> str | None:
 
 def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:
     """One SGLang /generate result (cumulative when streamed)."""
-    meta = {"id": c.rid, "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-            "cached_tokens": c.cached_tokens, "finish_reason": c.finish_reason,
-            "spec_verify_ct": c.spec_verify_ct}
+    meta = {
+        "id": c.rid,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": len(c.token_ids),
+        "cached_tokens": c.cached_tokens,
+        "finish_reason": c.finish_reason,
+        "spec_verify_ct": c.spec_verify_ct,
+    }
     if spec.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
         if spec.logprobs:
-            meta["output_top_logprobs"] = [[[v, t, None] for v, t in top[: spec.logprobs]]
-                                           for top in c.top_logprobs]
+            meta["output_top_logprobs"] = [
+                [[v, t, None] for v, t in top[: spec.logprobs]] for top in c.top_logprobs
+            ]
     return {"text": c.text.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
 

@@ -16,10 +16,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from lazyspec.engine.request import Req, SamplingParams
+from lazyspec.scheduler.request import Req, SamplingParams
 from lazyspec.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ any thread
 
-    def start(self) -> "EngineWorker":
+    def start(self) -> EngineWorker:
         self._thread.start()
         return self
 
@@ -102,8 +103,9 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, submissions: list[Submission], loop: asyncio.AbstractEventLoop,
-               sink: asyncio.Queue) -> concurrent.futures.Future:
+    def submit(
+        self, submissions: list[Submission], loop: asyncio.AbstractEventLoop, sink: asyncio.Queue
+    ) -> concurrent.futures.Future:
         """Queue requests; the future fails with ValueError if the engine refuses any (then
         none of them runs). Events go to ``sink`` on ``loop``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -143,7 +145,9 @@ class EngineWorker:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -183,9 +187,14 @@ class EngineWorker:
         added: list[Req] = []
         try:
             for sub in submissions:
-                added.append(self.engine.add_request(
-                    input_ids=sub.input_ids, sampling_params=sub.sampling,
-                    return_logprob=True, rid=sub.rid))
+                added.append(
+                    self.engine.add_request(
+                        input_ids=sub.input_ids,
+                        sampling_params=sub.sampling,
+                        return_logprob=True,
+                        rid=sub.rid,
+                    )
+                )
         except (ValueError, TypeError):
             for req in added:
                 self.engine.scheduler.abort(req.rid)
@@ -202,10 +211,15 @@ class EngineWorker:
             num = len(req.output_ids)
             if num == stream.sent and not req.finished:
                 continue
-            event = TokenEvent(stream.index, req.output_ids[stream.sent:num],
-                               req.output_logprobs[stream.sent:num],
-                               req.output_top_logprobs[stream.sent:num], req.cached_tokens,
-                               req.spec_verify_ct, req.finish_reason if req.finished else None)
+            event = TokenEvent(
+                stream.index,
+                req.output_ids[stream.sent : num],
+                req.output_logprobs[stream.sent : num],
+                req.output_top_logprobs[stream.sent : num],
+                req.cached_tokens,
+                req.spec_verify_ct,
+                req.finish_reason if req.finished else None,
+            )
             self._observe_latency(stream, num - stream.sent, now)
             self._observe_accepts(stream)
             stream.sent = num
@@ -235,7 +249,7 @@ class EngineWorker:
 
     def _observe_accepts(self, stream: _Stream) -> None:
         hist = stream.req.accept_hist
-        new = hist[stream.accepts_seen:]
+        new = hist[stream.accepts_seen :]
         stream.accepts_seen = len(hist)
         self.counters.accepted_tokens += sum(new)
         self.counters.verify_steps += len(new)
@@ -259,8 +273,16 @@ class EngineWorker:
             except Exception:
                 logger.exception("abort of %s failed", rid)
             del self._streams[rid]
-            event = TokenEvent(stream.index, [], [], [], stream.req.cached_tokens,
-                               stream.req.spec_verify_ct, {"type": "abort"}, error=message)
+            event = TokenEvent(
+                stream.index,
+                [],
+                [],
+                [],
+                stream.req.cached_tokens,
+                stream.req.spec_verify_ct,
+                {"type": "abort"},
+                error=message,
+            )
             self._deliver(stream, event)
 
     def _shutdown(self) -> None:
@@ -287,15 +309,17 @@ class EngineWorker:
         """(Engine thread) ``engine.get_server_info()`` plus the server's own counters."""
         info = engine.get_server_info()
         c = self.counters
-        info.update({
-            "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "num_prompt_tokens": c.prompt_tokens,
-            "num_cached_tokens": c.cached_tokens,
-            "num_live_requests": len(self._streams),
-            "finished_requests": dict(c.finished),
-            "server_avg_accept_length": self._accept_length(),
-            "vocab_size": engine.model.config.vocab_size,
-        })
+        info.update(
+            {
+                "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+                "num_prompt_tokens": c.prompt_tokens,
+                "num_cached_tokens": c.cached_tokens,
+                "num_live_requests": len(self._streams),
+                "finished_requests": dict(c.finished),
+                "server_avg_accept_length": self._accept_length(),
+                "vocab_size": engine.model.config.vocab_size,
+            }
+        )
         return info
 
 

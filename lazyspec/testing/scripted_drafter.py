@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 _FAMILIES: dict[int, SimpleNamespace] = {}
 
 
@@ -25,8 +24,9 @@ def scripted_model(model, script: np.ndarray):
         _FAMILIES[key] = _scripted_family(model.family, model.config.vocab_size)
     params = dict(model.params)
     params["script"] = jnp.asarray(script, jnp.int32)
-    return SimpleNamespace(config=model.config, params=params, tokenizer=None,
-                           family=_FAMILIES[key])
+    return SimpleNamespace(
+        config=model.config, params=params, tokenizer=None, family=_FAMILIES[key]
+    )
 
 
 def _scripted_family(base, vocab: int) -> SimpleNamespace:
@@ -43,14 +43,17 @@ def _scripted_family(base, vocab: int) -> SimpleNamespace:
         return 10.0 * jax.nn.one_hot(script_arr[pos], vocab, dtype=jnp.float32)
 
     return SimpleNamespace(
-        forward=base.forward, compute_logits=base.compute_logits,
-        reference_forward=base.reference_forward, mtp_forward=mtp_forward,
+        forward=base.forward,
+        compute_logits=base.compute_logits,
+        reference_forward=base.reference_forward,
+        mtp_forward=mtp_forward,
         compute_mtp_logits=compute_mtp_logits,
     )
 
 
-def make_script(sequence: list[int], length: int, corrupt_prob: float, vocab: int,
-                seed: int) -> np.ndarray:
+def make_script(
+    sequence: list[int], length: int, corrupt_prob: float, vocab: int, seed: int
+) -> np.ndarray:
     """The true sequence with each position corrupted (to a different token) w.p. p."""
     rng = np.random.default_rng(seed)
     script = np.zeros(length, np.int32)

@@ -9,31 +9,58 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.models.config import parse_hf_config
+from lazyspec.models.registry import parse_hf_config
 
 NEMOTRON_HF = dict(
-    model_type="nemotron_h", vocab_size=128, hidden_size=32, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
-    mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=64,
-    layer_norm_epsilon=1e-5, eos_token_id=2, max_position_embeddings=4096,
+    model_type="nemotron_h",
+    vocab_size=128,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    mamba_num_heads=4,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=64,
+    layer_norm_epsilon=1e-5,
+    eos_token_id=2,
+    max_position_embeddings=4096,
     layers_block_type=["mamba", "attention", "mamba", "mlp"],
 )
 
 
 QWEN_HF = dict(
-    model_type="qwen3_next", vocab_size=128, hidden_size=32, intermediate_size=48,
-    num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
-                                      "linear_attention", "linear_attention"],
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-    shared_expert_intermediate_size=32, rms_norm_eps=1e-6, eos_token_id=2,
-    max_position_embeddings=4096, num_nextn_predict_layers=1, partial_rotary_factor=0.25,
+    model_type="qwen3_next",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=32,
+    rms_norm_eps=1e-6,
+    eos_token_id=2,
+    max_position_embeddings=4096,
+    num_nextn_predict_layers=1,
+    partial_rotary_factor=0.25,
     rope_theta=10000.0,
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(family: str = "nemotron_h", seed: int = 0):
     """A random-weight tiny model of ``family`` (the Qwen3-Next one has an MTP head)."""
     if family == "nemotron_h":
@@ -51,7 +78,7 @@ def tiny_model(family: str = "nemotron_h", seed: int = 0):
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference_fn(model_id: int, pad_len: int):
     model = _MODELS[model_id]
     fam, cfg = model.family, model.config
@@ -67,7 +94,9 @@ def _reference_fn(model_id: int, pad_len: int):
 _MODELS: dict[int, object] = {}
 
 
-def reference_greedy(model, prompt: list[int], num_new: int, pad_len: int = 512) -> tuple[list[int], list[float]]:
+def reference_greedy(
+    model, prompt: list[int], num_new: int, pad_len: int = 512
+) -> tuple[list[int], list[float]]:
     """Greedy continuation by full cache-free recompute (the oracle), with logprobs."""
     _MODELS[id(model)] = model
     fn = _reference_fn(id(model), pad_len)

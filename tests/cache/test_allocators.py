@@ -157,5 +157,6 @@ def test_check_all_detects_leaks_double_holds_and_loose_ids() -> None:
         check_all(kv, slots, _FakeTree(slot_ids[:2], pages[:3]), slot_ids[1:], pages[2:])
     free_page = next(p for p in range(1, 7) if p not in pages)
     with pytest.raises(AssertionError, match="free in the allocator"):
-        check_all(kv, slots, _FakeTree(slot_ids[:1], pages[:2]), slot_ids[1:],
-                  pages[2:] + [free_page])
+        check_all(
+            kv, slots, _FakeTree(slot_ids[:1], pages[:2]), slot_ids[1:], pages[2:] + [free_page]
+        )

@@ -14,8 +14,9 @@ PAGE_SIZES = [1, 4]
 class Setup:
     """A tree over fresh allocators, with methods that allocate KV / slots for inserts."""
 
-    def __init__(self, page_size: int, num_pages: int = 64, num_slots: int = 16,
-                 disable: bool = False) -> None:
+    def __init__(
+        self, page_size: int, num_pages: int = 64, num_slots: int = 16, disable: bool = False
+    ) -> None:
         self.ps = page_size
         self.kv = KVAllocator(num_pages, page_size)
         self.slots = SlotAllocator(num_slots)

@@ -30,8 +30,17 @@ PATTERNS = {
 
 # An operation: (kind, pages, flag, number); kinds by share of draws, inserts most often
 # because they build the trees the other operations need.
-KINDS = [("insert", 40), ("match", 12), ("lock", 10), ("unlock", 12), ("evict_kv", 7),
-         ("evict_state", 7), ("hold", 5), ("release", 5), ("flush", 2)]
+KINDS = [
+    ("insert", 40),
+    ("match", 12),
+    ("lock", 10),
+    ("unlock", 12),
+    ("evict_kv", 7),
+    ("evict_state", 7),
+    ("hold", 5),
+    ("release", 5),
+    ("flush", 2),
+]
 KIND_OF_DRAW = [name for name, share in KINDS for _ in range(share)]
 operations = st.tuples(
     st.integers(0, len(KIND_OF_DRAW) - 1).map(KIND_OF_DRAW.__getitem__),

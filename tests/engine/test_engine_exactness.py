@@ -33,19 +33,31 @@ def expected():
 
 CASES = [
     ("no_buffer", True, 1),
-    ("extra_buffer", False, 1), ("extra_buffer", True, 1),
-    ("extra_buffer", False, 4), ("extra_buffer", True, 4),
-    ("extra_buffer_lazy", False, 1), ("extra_buffer_lazy", True, 1),
-    ("extra_buffer_lazy", False, 4), ("extra_buffer_lazy", True, 4),
+    ("extra_buffer", False, 1),
+    ("extra_buffer", True, 1),
+    ("extra_buffer", False, 4),
+    ("extra_buffer", True, 4),
+    ("extra_buffer_lazy", False, 1),
+    ("extra_buffer_lazy", True, 1),
+    ("extra_buffer_lazy", False, 4),
+    ("extra_buffer_lazy", True, 4),
 ]
 
 
 def _engine(strategy: str, overlap: bool, page_size: int, **kw) -> Engine:
-    return Engine(model=tiny_model(), mamba_scheduler_strategy=strategy,
-                  disable_overlap_schedule=not overlap, page_size=page_size,
-                  mamba_track_interval=INTERVAL, chunked_prefill_size=128,
-                  max_running_requests=kw.pop("max_running_requests", 4), max_total_tokens=8192,
-                  context_length=512, skip_warmup=True, **kw)
+    return Engine(
+        model=tiny_model(),
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=not overlap,
+        page_size=page_size,
+        mamba_track_interval=INTERVAL,
+        chunked_prefill_size=128,
+        max_running_requests=kw.pop("max_running_requests", 4),
+        max_total_tokens=8192,
+        context_length=512,
+        skip_warmup=True,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("strategy,overlap,page_size", CASES)
@@ -54,8 +66,12 @@ def test_staggered_batch_matches_reference(expected, strategy, overlap, page_siz
     engine = _engine(strategy, overlap, page_size)
     reqs = []
     for i, prompt in enumerate(prompts):  # staggered arrival: 3 new requests every 4 steps
-        reqs.append(engine.add_request(input_ids=prompt, sampling_params={
-            "max_new_tokens": NUM_NEW[i % 4], "ignore_eos": True}))
+        reqs.append(
+            engine.add_request(
+                input_ids=prompt,
+                sampling_params={"max_new_tokens": NUM_NEW[i % 4], "ignore_eos": True},
+            )
+        )
         if i % 3 == 2:
             for _ in range(4):
                 engine.step()

@@ -18,11 +18,20 @@ def test_pallas_backend_engine_matches_reference(family, spec):
     rng = np.random.default_rng(11)
     prompts = [list(rng.integers(3, 128, size=n)) for n in (20, 37)]
     want = [reference_greedy(model, p, 5, pad_len=256)[0] for p in prompts]
-    engine = Engine(model=model, kernel_backend="pallas", mamba_track_interval=16,
-                    mamba_chunk_size=16, chunked_prefill_size=64, max_running_requests=2,
-                    max_total_tokens=1024, context_length=128, skip_warmup=True,
-                    **(dict(speculative_algorithm="NEXTN", speculative_num_steps=1) if spec else {}))
-    outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 5,
-                                                                "ignore_eos": True})
+    engine = Engine(
+        model=model,
+        kernel_backend="pallas",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=2,
+        max_total_tokens=1024,
+        context_length=128,
+        skip_warmup=True,
+        **(dict(speculative_algorithm="NEXTN", speculative_num_steps=1) if spec else {}),
+    )
+    outs = engine.generate(
+        input_ids=prompts, sampling_params={"max_new_tokens": 5, "ignore_eos": True}
+    )
     assert [o["output_ids"] for o in outs] == want
     engine.check_integrity()

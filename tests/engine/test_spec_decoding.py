@@ -4,13 +4,10 @@ crossing offset driven by a scripted draft head, and the checkpoint-boundary fin
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from lazyspec.bench import boundary
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
@@ -20,12 +17,20 @@ D = 4
 
 
 def _engine(model, strategy: str, overlap: bool, spec: bool, **kw) -> Engine:
-    return Engine(model=model, mamba_scheduler_strategy=strategy,
-                  disable_overlap_schedule=not overlap,
-                  mamba_track_interval=kw.pop("interval", 16), mamba_chunk_size=16,
-                  chunked_prefill_size=64, max_running_requests=kw.pop("max_running_requests", 4),
-                  max_total_tokens=4096, context_length=256, skip_warmup=True,
-                  **(SPEC if spec else {}), **kw)
+    return Engine(
+        model=model,
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=not overlap,
+        mamba_track_interval=kw.pop("interval", 16),
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=kw.pop("max_running_requests", 4),
+        max_total_tokens=4096,
+        context_length=256,
+        skip_warmup=True,
+        **(SPEC if spec else {}),
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +49,10 @@ def batch_case():
 def test_spec_batch_equals_greedy(batch_case, strategy, overlap):
     model, prompts, lengths, want = batch_case
     engine = _engine(model, strategy, overlap, spec=True)
-    reqs = [engine.add_request(input_ids=p, sampling_params={"max_new_tokens": n, "ignore_eos": True})
-            for p, n in zip(prompts, lengths)]
+    reqs = [
+        engine.add_request(input_ids=p, sampling_params={"max_new_tokens": n, "ignore_eos": True})
+        for p, n in zip(prompts, lengths)
+    ]
     engine.run_until_done(reqs, check=Engine.check_integrity)
     assert [r.output_ids for r in reqs] == want
     assert all(r.spec_verify_ct > 0 for r in reqs)
@@ -74,18 +81,25 @@ def _crossing_offsets(prompt_len: int, accept_hist: list[int], interval: int) ->
     return offsets
 
 
-@pytest.mark.parametrize("strategy,overlap,fail", [
-    ("extra_buffer", True, False), ("extra_buffer", False, False),
-    ("extra_buffer_lazy", True, False), ("extra_buffer_lazy", False, False),
-    ("extra_buffer_lazy", True, True),
-])
+@pytest.mark.parametrize(
+    "strategy,overlap,fail",
+    [
+        ("extra_buffer", True, False),
+        ("extra_buffer", False, False),
+        ("extra_buffer_lazy", True, False),
+        ("extra_buffer_lazy", False, False),
+        ("extra_buffer_lazy", True, True),
+    ],
+)
 def test_scripted_drafts_every_accept_length(scripted_case, strategy, overlap, fail):
     model, prompt, num_new, greedy = scripted_case
     script = make_script(prompt + greedy, 512, corrupt_prob=0.3, vocab=128, seed=3)
-    engine = _engine(scripted_model(model, script), strategy, overlap, spec=True,
-                     debug_fail_spare_alloc=fail)
-    req = engine.add_request(input_ids=prompt, sampling_params={"max_new_tokens": num_new,
-                                                                 "ignore_eos": True})
+    engine = _engine(
+        scripted_model(model, script), strategy, overlap, spec=True, debug_fail_spare_alloc=fail
+    )
+    req = engine.add_request(
+        input_ids=prompt, sampling_params={"max_new_tokens": num_new, "ignore_eos": True}
+    )
     engine.run_until_done([req], check=Engine.check_integrity)
     assert req.output_ids == greedy
     assert set(req.accept_hist) == set(range(1, D + 1)), np.bincount(req.accept_hist)
@@ -93,7 +107,9 @@ def test_scripted_drafts_every_accept_length(scripted_case, strategy, overlap, f
     # accept lengths never depend on the checkpoint strategy or on allocation failures
     assert req.accept_hist == _ACCEPT.setdefault("hist", req.accept_hist)
     turn2 = prompt + greedy[:60] + [9, 10, 11]
-    hit = engine.generate(input_ids=turn2, sampling_params={"max_new_tokens": 6, "ignore_eos": True})
+    hit = engine.generate(
+        input_ids=turn2, sampling_params={"max_new_tokens": 6, "ignore_eos": True}
+    )
     assert hit["meta_info"]["cached_tokens"] % 16 == 0 and hit["meta_info"]["cached_tokens"] > 0
     assert hit["output_ids"] == reference_greedy(model, turn2, 6, pad_len=256)[0]
 
@@ -111,23 +127,30 @@ def test_spec_needs_mtp_head():
         _engine(tiny_model("nemotron_h"), "extra_buffer", True, spec=True)
 
 
-def _load_bench_boundary():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_boundary.py"
-    spec = importlib.util.spec_from_file_location("bench_boundary", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_boundary"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_boundary_finish_grid_small():
     """The source document's grid, scaled down: prompt 100, I = 32, boundary 160."""
-    bench = _load_bench_boundary()
-    args = bench.parse_args(["--prompt-len", "100", "--interval", "32", "--chunk", "16",
-                             "--chunked-prefill", "64", "--boundary", "160", "--cont", "8",
-                             "--context", "256", "--kv-tokens", "4096",
-                             "--offsets=-2,-1,0,1,2,16"])
-    cells = bench.run_grid(args)
+    args = boundary.parse_args(
+        [
+            "--prompt-len",
+            "100",
+            "--interval",
+            "32",
+            "--chunk",
+            "16",
+            "--chunked-prefill",
+            "64",
+            "--boundary",
+            "160",
+            "--cont",
+            "8",
+            "--context",
+            "256",
+            "--kv-tokens",
+            "4096",
+            "--offsets=-2,-1,0,1,2,16",
+        ]
+    )
+    cells = boundary.run_grid(args)
     assert len(cells) == 24
     for c in cells:
         assert c.identical == c.total, c

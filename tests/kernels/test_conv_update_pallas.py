@@ -44,16 +44,19 @@ def check_result(result, pool, slot, mode, outs, expected_pool, windows, out_tol
     if mode == "verify":
         assert result.pool is None and result.step_windows.dtype == pool.dtype
         # windows hold raw inputs: copies, so they must match exactly
-        np.testing.assert_array_equal(np.asarray(result.step_windows.astype(jnp.float32)),
-                                      np.asarray(windows.astype(jnp.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(result.step_windows.astype(jnp.float32)),
+            np.asarray(windows.astype(jnp.float32)),
+        )
         return
     assert result.step_windows is None and result.pool.dtype == pool.dtype
     new_pool = np.asarray(result.pool.astype(jnp.float32))
     written = np.asarray(slot)[np.asarray(slot) != 0]
     untouched = np.setdiff1d(np.arange(pool.shape[0]), written)
     assert 0 in untouched and len(untouched) > 1
-    np.testing.assert_array_equal(new_pool[untouched],
-                                  np.asarray(pool.astype(jnp.float32))[untouched])
+    np.testing.assert_array_equal(
+        new_pool[untouched], np.asarray(pool.astype(jnp.float32))[untouched]
+    )
     np.testing.assert_array_equal(new_pool[written], expected_pool[written])
 
 
@@ -69,15 +72,18 @@ CASES = [  # seed, batch, tokens, channels, K, slots, block, mode, pool dtype, x
 def test_conv_pallas_and_xla_match_scan(case):
     seed, batch, tokens, channels, kernel, slots, block, mode, pool_dtype, x_dtype, bias = case
     rng = np.random.default_rng(seed)
-    pool, slot, x, weight, bias = conv_case(rng, batch, tokens, channels, kernel, slots,
-                                            pool_dtype, x_dtype, bias)
+    pool, slot, x, weight, bias = conv_case(
+        rng, batch, tokens, channels, kernel, slots, pool_dtype, x_dtype, bias
+    )
     expected = reference(pool, slot, x, weight, bias)
     out_tol = FP32_TOL if x_dtype == jnp.float32 else BF16_OUT_TOL
-    got = cu.conv_update_pallas(pool, slot, x, weight, bias, mode=mode, block_channels=block,
-                                interpret=True)
+    got = cu.conv_update_pallas(
+        pool, slot, x, weight, bias, mode=mode, block_channels=block, interpret=True
+    )
     check_result(got, pool, slot, mode, *expected, out_tol)
-    got = jax.jit(cu.conv_update_xla, static_argnames="mode")(pool, slot, x, weight, bias,
-                                                              mode=mode)
+    got = jax.jit(cu.conv_update_xla, static_argnames="mode")(
+        pool, slot, x, weight, bias, mode=mode
+    )
     check_result(got, pool, slot, mode, *expected, out_tol)
 
 
@@ -89,8 +95,13 @@ def test_conv_tile_step_matches_conv_step_pallas():
     weight = jnp.asarray(rng.standard_normal((channels, kernel)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal(channels), jnp.float32)
     for silu in (True, False):
-        columns, y = cu.conv_tile_step([window[:, j] for j in range(kernel - 1)], x,
-                                       [weight[:, j] for j in range(kernel)], bias, silu)
+        columns, y = cu.conv_tile_step(
+            [window[:, j] for j in range(kernel - 1)],
+            x,
+            [weight[:, j] for j in range(kernel)],
+            bias,
+            silu,
+        )
         want_window, want_y = recurrence.conv_step(window, x, weight, bias, silu)
         assert_close(y, want_y, 1e-6, "conv tile output")
         np.testing.assert_array_equal(np.stack(columns, axis=1), np.asarray(want_window))
@@ -105,10 +116,18 @@ def test_conv_bad_arguments_and_dispatch_pallas():
         cu.conv_update_xla(pool, slot, x, weight[:, :3], bias, mode="decode")
     with pytest.raises(ValueError, match="mode"):
         cu.conv_update_xla(pool, slot, x, weight, bias, mode="draft")
-    via_pallas = backend.conv_update(pool, slot, x, weight, bias, mode="decode",
-                                     kernel_backend="pallas", block_channels=6, interpret=True)
-    via_xla = backend.conv_update(pool, slot, x, weight, bias, mode="decode",
-                                  kernel_backend="xla")
+    via_pallas = backend.conv_update(
+        pool,
+        slot,
+        x,
+        weight,
+        bias,
+        mode="decode",
+        kernel_backend="pallas",
+        block_channels=6,
+        interpret=True,
+    )
+    via_xla = backend.conv_update(pool, slot, x, weight, bias, mode="decode", kernel_backend="xla")
     assert_close(via_pallas.outputs, via_xla.outputs, FP32_TOL, "dispatch outputs")
     np.testing.assert_array_equal(np.asarray(via_pallas.pool), np.asarray(via_xla.pool))
 
@@ -119,10 +138,17 @@ def test_conv_update_lowers_to_triton_at_model_shapes_pallas():
     spec = jax.ShapeDtypeStruct
     params = backend.pallas_compiler_params("gpu")
     channels = 10240
-    args = (spec((9, channels, 3), jnp.bfloat16), spec((4,), jnp.int32),
-            spec((4, 4, channels), jnp.bfloat16), spec((channels, 4), jnp.float32),
-            spec((channels,), jnp.float32))
+    args = (
+        spec((9, channels, 3), jnp.bfloat16),
+        spec((4,), jnp.int32),
+        spec((4, 4, channels), jnp.bfloat16),
+        spec((channels, 4), jnp.float32),
+        spec((channels,), jnp.float32),
+    )
     for mode in ("decode", "verify"):
-        lowered = jax.jit(lambda *a: cu.conv_update_pallas(
-            *a, mode=mode, block_channels=1024, compiler_params=params)).trace(*args)
+        lowered = jax.jit(
+            lambda *a: cu.conv_update_pallas(
+                *a, mode=mode, block_channels=1024, compiler_params=params
+            )
+        ).trace(*args)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()

@@ -13,15 +13,20 @@ from lazyspec.kernels import state_scatter as ss
 pytestmark = pytest.mark.pallas
 
 
-def scatter_case(rng, layers, slots, scratch_rows, rows, tokens, heads, d_a, d_b, channels,
-                 kernel, conv_dtype):
+def scatter_case(
+    rng, layers, slots, scratch_rows, rows, tokens, heads, d_a, d_b, channels, kernel, conv_dtype
+):
     """Random pools and scratch; rows with distinct slots, some masked by step = -1 and some
     by dst_slot = 0 (with a valid step), at least one of each."""
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    pools = (normal(layers, slots + 1, heads, d_a, d_b),
-             normal(layers, slots + 1, channels, kernel - 1).astype(conv_dtype))
-    steps = (normal(layers, scratch_rows, tokens, heads, d_a, d_b),
-             normal(layers, scratch_rows, tokens, channels, kernel - 1).astype(conv_dtype))
+    pools = (
+        normal(layers, slots + 1, heads, d_a, d_b),
+        normal(layers, slots + 1, channels, kernel - 1).astype(conv_dtype),
+    )
+    steps = (
+        normal(layers, scratch_rows, tokens, heads, d_a, d_b),
+        normal(layers, scratch_rows, tokens, channels, kernel - 1).astype(conv_dtype),
+    )
     dst = rng.choice(np.arange(1, slots + 1), size=rows, replace=False).astype(np.int32)
     step = rng.integers(0, tokens, size=rows).astype(np.int32)
     masked = rng.permutation(rows)[:2]
@@ -48,8 +53,9 @@ def check(got, pools, expected, dst, step):
         new = np.asarray(new.astype(jnp.float32))
         # copies are exact; every slot is compared, written or not
         np.testing.assert_array_equal(new, want)
-        np.testing.assert_array_equal(new[:, untouched],
-                                      np.asarray(old.astype(jnp.float32))[:, untouched])
+        np.testing.assert_array_equal(
+            new[:, untouched], np.asarray(old.astype(jnp.float32))[:, untouched]
+        )
 
 
 CASES = [  # seed, L, slots, scratch rows, rows, T, H, d_a, d_b, C, K, conv dtype, tiles
@@ -65,8 +71,9 @@ def test_state_scatter_pallas_and_xla_match_numpy(case):
     rng = np.random.default_rng(seed)
     pools, steps, dst, step = scatter_case(rng, *shape, conv_dtype)
     expected = expected_pools(pools, steps, dst, step)
-    got = ss.state_scatter_pallas(*pools, *steps, dst, step, block_heads=bh, block_rows=br,
-                                  block_channels=bc, interpret=True)
+    got = ss.state_scatter_pallas(
+        *pools, *steps, dst, step, block_heads=bh, block_rows=br, block_channels=bc, interpret=True
+    )
     check(got, pools, expected, dst, step)
     got = jax.jit(ss.state_scatter_xla)(*pools, *steps, dst, step)
     check(got, pools, expected, dst, step)
@@ -78,9 +85,12 @@ def test_state_scatter_donated_under_jit_pallas():
     pools, steps, dst, step = scatter_case(rng, 2, 6, 5, 5, 2, 2, 4, 4, 8, 4, jnp.float32)
     expected = expected_pools(pools, steps, dst, step)
     originals = [jnp.array(p, copy=True) for p in pools]
-    commit = jax.jit(lambda s, c, *rest: backend.state_scatter(
-        s, c, *rest, kernel_backend="pallas", block_channels=4, interpret=True),
-        donate_argnums=(0, 1))
+    commit = jax.jit(
+        lambda s, c, *rest: backend.state_scatter(
+            s, c, *rest, kernel_backend="pallas", block_channels=4, interpret=True
+        ),
+        donate_argnums=(0, 1),
+    )
     got = commit(*pools, *steps, dst, step)
     check(got, originals, expected, dst, step)
 
@@ -93,6 +103,7 @@ def test_state_scatter_one_layer_pallas(layer):
     rng = np.random.default_rng(6 + layer)
     pools, steps, dst, step = scatter_case(rng, 3, 8, 5, 4, 3, 2, 4, 8, 8, 4, jnp.bfloat16)
     expected = expected_pools(pools, steps, dst, step)
+
     def pallas(*args, **kwargs):
         return ss.state_scatter_pallas(*args, block_channels=4, interpret=True, **kwargs)
 
@@ -131,12 +142,20 @@ def test_state_scatter_lowers_to_triton_at_model_shapes_pallas():
     Pallas-Triton with the benchmark's tiles; Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
     layers, slots, rows, tokens, channels = 4, 9, 4, 4, 10240
-    args = (spec((layers, slots, 128, 64, 128), jnp.float32),
-            spec((layers, slots, channels, 3), jnp.bfloat16),
-            spec((layers, rows, tokens, 128, 64, 128), jnp.float32),
-            spec((layers, rows, tokens, channels, 3), jnp.bfloat16),
-            spec((rows,), jnp.int32), spec((rows,), jnp.int32))
-    lowered = jax.jit(lambda *a: ss.state_scatter_pallas(
-        *a, block_rows=32, block_channels=1024,
-        compiler_params=backend.pallas_compiler_params("gpu"))).trace(*args)
+    args = (
+        spec((layers, slots, 128, 64, 128), jnp.float32),
+        spec((layers, slots, channels, 3), jnp.bfloat16),
+        spec((layers, rows, tokens, 128, 64, 128), jnp.float32),
+        spec((layers, rows, tokens, channels, 3), jnp.bfloat16),
+        spec((rows,), jnp.int32),
+        spec((rows,), jnp.int32),
+    )
+    lowered = jax.jit(
+        lambda *a: ss.state_scatter_pallas(
+            *a,
+            block_rows=32,
+            block_channels=1024,
+            compiler_params=backend.pallas_compiler_params("gpu"),
+        )
+    ).trace(*args)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()

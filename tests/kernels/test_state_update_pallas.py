@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,8 +43,11 @@ def gdn_case(rng, batch, tokens, heads, key_dim, value_dim, num_slots, dtype):
     q = unit(normal(rng, *shape, key_dim)) / np.float32(np.sqrt(key_dim))
     g = -np.exp(0.5 * normal(rng, heads)) * softplus(normal(rng, *shape))
     beta = 1.0 / (1.0 + np.exp(-normal(rng, *shape)))
-    inputs = su.GdnTokens(*as_jax(dtype, q, unit(normal(rng, *shape, key_dim)),
-                                  normal(rng, *shape, value_dim), g, beta))
+    inputs = su.GdnTokens(
+        *as_jax(
+            dtype, q, unit(normal(rng, *shape, key_dim)), normal(rng, *shape, value_dim), g, beta
+        )
+    )
     pool = jnp.asarray(0.5 * normal(rng, num_slots + 1, heads, key_dim, value_dim))
     return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), inputs
 
@@ -51,9 +55,13 @@ def gdn_case(rng, batch, tokens, heads, key_dim, value_dim, num_slots, dtype):
 def mamba2_case(rng, batch, tokens, heads, groups, head_dim, state_dim, num_slots, dtype):
     shape = (batch, tokens)
     dt = np.clip(softplus(normal(rng, *shape, heads)), 1e-3, 2.0)
-    x, b, c, dt = as_jax(dtype, normal(rng, *shape, heads, head_dim),
-                         normal(rng, *shape, groups, state_dim),
-                         normal(rng, *shape, groups, state_dim), dt)
+    x, b, c, dt = as_jax(
+        dtype,
+        normal(rng, *shape, heads, head_dim),
+        normal(rng, *shape, groups, state_dim),
+        normal(rng, *shape, groups, state_dim),
+        dt,
+    )
     a, d = as_jax(jnp.float32, -np.exp(0.5 * normal(rng, heads)), normal(rng, heads))
     pool = jnp.asarray(0.5 * normal(rng, num_slots + 1, heads, head_dim, state_dim))
     return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), su.Mamba2Tokens(x, b, c, dt, a, d)
@@ -101,10 +109,12 @@ def test_gdn_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
     outs, expected_pool, states = reference(
-        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
+        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+    )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
-    got = su.gdn_state_update_pallas(pool, slot, inputs, mode=mode, block_heads=bh,
-                                     block_value=bv, interpret=True)
+    got = su.gdn_state_update_pallas(
+        pool, slot, inputs, mode=mode, block_heads=bh, block_value=bv, interpret=True
+    )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
     got = jax.jit(su.gdn_state_update_xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
@@ -124,34 +134,53 @@ def test_mamba2_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
     outs, expected_pool, states = reference(
-        pool, slot, recurrence.mamba2_scan, (inputs.x, inputs.b, inputs.c, inputs.dt),
-        shared=(inputs.a, inputs.d))
+        pool,
+        slot,
+        recurrence.mamba2_scan,
+        (inputs.x, inputs.b, inputs.c, inputs.dt),
+        shared=(inputs.a, inputs.d),
+    )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
-    got = su.mamba2_state_update_pallas(pool, slot, inputs, mode=mode, block_heads=bh,
-                                        block_value=bp, interpret=True)
+    got = su.mamba2_state_update_pallas(
+        pool, slot, inputs, mode=mode, block_heads=bh, block_value=bp, interpret=True
+    )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
-    got = jax.jit(su.mamba2_state_update_xla, static_argnames="mode")(pool, slot, inputs,
-                                                                      mode=mode)
+    got = jax.jit(su.mamba2_state_update_xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
 
 def test_tile_steps_match_recurrence_steps_pallas():
     rng = np.random.default_rng(21)
     heads, dk, dv = 3, 8, 5
-    h, q, k, v, g, beta = as_jax(jnp.float32, normal(rng, heads, dk, dv), normal(rng, heads, dk),
-                                 normal(rng, heads, dk), normal(rng, heads, dv),
-                                 -softplus(normal(rng, heads)), softplus(normal(rng, heads)) / 4)
-    for got, want in zip(su.gdn_tile_step(h, q, k, v, g, beta),
-                         recurrence.gdn_step(h, q, k, v, g, beta)):
+    h, q, k, v, g, beta = as_jax(
+        jnp.float32,
+        normal(rng, heads, dk, dv),
+        normal(rng, heads, dk),
+        normal(rng, heads, dk),
+        normal(rng, heads, dv),
+        -softplus(normal(rng, heads)),
+        softplus(normal(rng, heads)) / 4,
+    )
+    for got, want in zip(
+        su.gdn_tile_step(h, q, k, v, g, beta), recurrence.gdn_step(h, q, k, v, g, beta)
+    ):
         assert_close(got, want, 1e-6, "gdn tile step")
     heads, groups, p, n = 4, 2, 3, 6
-    h, x, b, c, dt, a, d = as_jax(jnp.float32, normal(rng, heads, p, n), normal(rng, heads, p),
-                                  normal(rng, groups, n), normal(rng, groups, n),
-                                  softplus(normal(rng, heads)), -np.exp(normal(rng, heads)),
-                                  normal(rng, heads))
+    h, x, b, c, dt, a, d = as_jax(
+        jnp.float32,
+        normal(rng, heads, p, n),
+        normal(rng, heads, p),
+        normal(rng, groups, n),
+        normal(rng, groups, n),
+        softplus(normal(rng, heads)),
+        -np.exp(normal(rng, heads)),
+        normal(rng, heads),
+    )
     per_head = lambda m: jnp.repeat(m, heads // groups, axis=0)  # noqa: E731
-    for got, want in zip(su.mamba2_tile_step(h, x, per_head(b), per_head(c), dt, a, d),
-                         recurrence.mamba2_step(h, x, b, c, dt, a, d)):
+    for got, want in zip(
+        su.mamba2_tile_step(h, x, per_head(b), per_head(c), dt, a, d),
+        recurrence.mamba2_step(h, x, b, c, dt, a, d),
+    ):
         assert_close(got, want, 1e-6, "mamba2 tile step")
 
 
@@ -162,8 +191,9 @@ def test_interpret_mode_leaves_unwritten_outputs_nan_pallas():
         out_ref[0] = x_ref[0]
 
     x = jnp.asarray(np.random.default_rng(22).standard_normal((2, 4)), jnp.float32)
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                         interpret=True)(x)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(
+        x
+    )
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(x[0]))
     assert np.isnan(np.asarray(out[1])).all()
 
@@ -193,8 +223,9 @@ def test_backend_resolution_and_dispatch_pallas():
     assert backend.pallas_compiler_params("gpu", num_warps=8).num_warps == 8
     rng = np.random.default_rng(24)
     pool, slot, inputs = mamba2_case(rng, 3, 2, 4, 2, 4, 8, 4, jnp.float32)
-    via_pallas = backend.state_update(pool, slot, inputs, mode="verify", kernel_backend="pallas",
-                                      block_heads=2, interpret=True)
+    via_pallas = backend.state_update(
+        pool, slot, inputs, mode="verify", kernel_backend="pallas", block_heads=2, interpret=True
+    )
     via_xla = backend.state_update(pool, slot, inputs, mode="verify", kernel_backend="xla")
     assert_close(via_pallas.outputs, via_xla.outputs, FP32_TOL, "dispatch outputs")
     assert_close(via_pallas.step_states, via_xla.step_states, FP32_TOL, "dispatch states")
@@ -213,12 +244,12 @@ def test_dispatch_default_tiles_pallas(value_dim):
     rng = np.random.default_rng(value_dim)
     pool, slot, inputs = gdn_case(rng, 3, 2, 2, 8, value_dim, 5, jnp.float32)
     for mode in su.MODES:
-        got = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="pallas",
-                                   interpret=True)
+        got = backend.state_update(
+            pool, slot, inputs, mode=mode, kernel_backend="pallas", interpret=True
+        )
         want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
         assert_close(got.outputs, want.outputs, FP32_TOL, f"{mode} outputs")
-        states = (got.pool, want.pool) if mode == "decode" else (got.step_states,
-                                                                 want.step_states)
+        states = (got.pool, want.pool) if mode == "decode" else (got.step_states, want.step_states)
         assert_close(*states, FP32_TOL, f"{mode} states")
 
 
@@ -229,17 +260,28 @@ def test_evict_last_hint_keeps_results_pallas():
     assert backend.DEFAULT_STATE_TILES["mamba2"]["evict_last"]
     assert not backend.DEFAULT_STATE_TILES["gdn"]["evict_last"]
     rng = np.random.default_rng(7)
-    cases = [gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),
-             mamba2_case(rng, 3, 2, 4, 2, 8, 16, 5, jnp.bfloat16)]
+    cases = [
+        gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),
+        mamba2_case(rng, 3, 2, 4, 2, 8, 16, 5, jnp.bfloat16),
+    ]
     for pool, slot, inputs in cases:
         for mode in su.MODES:
-            got = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="pallas",
-                                       block_value=4, evict_last=True, interpret=True)
+            got = backend.state_update(
+                pool,
+                slot,
+                inputs,
+                mode=mode,
+                kernel_backend="pallas",
+                block_value=4,
+                evict_last=True,
+                interpret=True,
+            )
             want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
             tol = BF16_OUT_TOL if inputs.__class__ is su.Mamba2Tokens else FP32_TOL
             assert_close(got.outputs, want.outputs, tol, f"{mode} outputs")
-            states = (got.pool, want.pool) if mode == "decode" else (got.step_states,
-                                                                     want.step_states)
+            states = (
+                (got.pool, want.pool) if mode == "decode" else (got.step_states, want.step_states)
+            )
             assert_close(*states, FP32_TOL, f"{mode} states")
 
 
@@ -250,30 +292,40 @@ def test_layer_of_a_stacked_pool_pallas(platform):
     through the dispatch: the Triton-layout kernels ("gpu") and the TPU ones (the layer
     picked in the index maps), both in interpret mode, and XLA."""
     rng = np.random.default_rng(17)
-    cases = [gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),  # one group: a TPU-legal tile
-             mamba2_case(rng, 3, 2, 4, 1, 8, 16, 5, jnp.float32)]
+    cases = [
+        gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),  # one group: a TPU-legal tile
+        mamba2_case(rng, 3, 2, 4, 1, 8, 16, 5, jnp.float32),
+    ]
     for pool, slot, inputs in cases:
         stacked = jnp.stack([pool * 0.5, pool, pool * 2.0])
         for mode in su.MODES:
             want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
             for name in ("pallas", "xla"):
-                got = backend.state_update(stacked, slot, inputs, mode=mode, layer=1,
-                                           kernel_backend=name, interpret=True,
-                                           platform=platform)
+                got = backend.state_update(
+                    stacked,
+                    slot,
+                    inputs,
+                    mode=mode,
+                    layer=1,
+                    kernel_backend=name,
+                    interpret=True,
+                    platform=platform,
+                )
                 assert_close(got.outputs, want.outputs, FP32_TOL, f"{name} {mode} outputs")
                 if mode == "verify":
                     assert_close(got.step_states, want.step_states, FP32_TOL, f"{name} steps")
                     continue
                 assert_close(got.pool[1], want.pool, FP32_TOL, f"{name} layer 1")
                 for other in (0, 2):
-                    np.testing.assert_array_equal(np.asarray(got.pool[other]),
-                                                  np.asarray(stacked[other]))
+                    np.testing.assert_array_equal(
+                        np.asarray(got.pool[other]), np.asarray(stacked[other])
+                    )
         with pytest.raises(ValueError, match="layer=3"):
-            backend.state_update(stacked, slot, inputs, mode="verify", layer=3,
-                                 kernel_backend="xla")
+            backend.state_update(
+                stacked, slot, inputs, mode="verify", layer=3, kernel_backend="xla"
+            )
         with pytest.raises(ValueError, match="leading layer axis"):
-            backend.state_update(pool, slot, inputs, mode="verify", layer=0,
-                                 kernel_backend="xla")
+            backend.state_update(pool, slot, inputs, mode="verify", layer=0, kernel_backend="xla")
 
 
 def lower_for_cuda(fn, *args) -> str:
@@ -288,32 +340,60 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
     spec = jax.ShapeDtypeStruct
     params = backend.pallas_compiler_params("gpu")
     batch, tokens, slot = 4, 4, spec((4,), jnp.int32)
-    gdn = su.GdnTokens(*(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
-                       *(spec((batch, tokens, 32), jnp.float32),) * 2)
-    mamba = su.Mamba2Tokens(spec((batch, tokens, 128, 64), jnp.bfloat16),
-                            *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
-                            spec((batch, tokens, 128), jnp.float32),
-                            *(spec((128,), jnp.float32),) * 2)
+    gdn = su.GdnTokens(
+        *(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
+        *(spec((batch, tokens, 32), jnp.float32),) * 2,
+    )
+    mamba = su.Mamba2Tokens(
+        spec((batch, tokens, 128, 64), jnp.bfloat16),
+        *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
+        spec((batch, tokens, 128), jnp.float32),
+        *(spec((128,), jnp.float32),) * 2,
+    )
     for mode in su.MODES:
-        text = lower_for_cuda(lambda p, s, t: su.gdn_state_update_pallas(
-            p, s, t, mode=mode, block_value=32, compiler_params=params),
-            spec((9, 32, 128, 128), jnp.float32), slot, gdn)
+        text = lower_for_cuda(
+            lambda p, s, t: su.gdn_state_update_pallas(
+                p, s, t, mode=mode, block_value=32, compiler_params=params
+            ),
+            spec((9, 32, 128, 128), jnp.float32),
+            slot,
+            gdn,
+        )
         assert "triton" in text.lower()
-        text = lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
-            p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params),
-            spec((9, 128, 64, 128), jnp.float32), slot, mamba)
+        text = lower_for_cuda(
+            lambda p, s, t: su.mamba2_state_update_pallas(
+                p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params
+            ),
+            spec((9, 128, 64, 128), jnp.float32),
+            slot,
+            mamba,
+        )
         assert "triton" in text.lower()
     for mode in su.MODES:  # a layer of the stacked pool, as the engine's decode step passes it
-        text = lower_for_cuda(lambda p, s, t: su.gdn_state_update_pallas(
-            p, s, t, mode=mode, block_value=64, layer=2, compiler_params=params),
-            spec((3, 9, 32, 128, 128), jnp.float32), slot, gdn)
+        text = lower_for_cuda(
+            lambda p, s, t: su.gdn_state_update_pallas(
+                p, s, t, mode=mode, block_value=64, layer=2, compiler_params=params
+            ),
+            spec((3, 9, 32, 128, 128), jnp.float32),
+            slot,
+            gdn,
+        )
         assert "triton" in text.lower()
-        text = lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
-            p, s, t, mode=mode, block_value=32, evict_last=True, layer=1,
-            compiler_params=params), spec((3, 9, 128, 64, 128), jnp.float32), slot, mamba)
+        text = lower_for_cuda(
+            lambda p, s, t: su.mamba2_state_update_pallas(
+                p, s, t, mode=mode, block_value=32, evict_last=True, layer=1, compiler_params=params
+            ),
+            spec((3, 9, 128, 64, 128), jnp.float32),
+            slot,
+            mamba,
+        )
         assert "triton" in text.lower()
     with pytest.raises(ValueError, match="power of 2"):
-        lower_for_cuda(lambda p, s, t: su.mamba2_state_update_pallas(
-            p, s, t, mode="decode", block_value=48, compiler_params=params),
-            spec((9, 128, 96, 128), jnp.float32), slot,
-            dataclasses.replace(mamba, x=spec((batch, tokens, 128, 96), jnp.bfloat16)))
+        lower_for_cuda(
+            lambda p, s, t: su.mamba2_state_update_pallas(
+                p, s, t, mode="decode", block_value=48, compiler_params=params
+            ),
+            spec((9, 128, 96, 128), jnp.float32),
+            slot,
+            dataclasses.replace(mamba, x=spec((batch, tokens, 128, 96), jnp.bfloat16)),
+        )

@@ -36,9 +36,9 @@ def test_gdn_tpu_layout_matches_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
     outs, expected_pool, states = reference(
-        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta))
-    got = tpu.gdn_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh,
-                                   interpret=True)
+        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+    )
+    got = tpu.gdn_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh, interpret=True)
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
@@ -57,10 +57,13 @@ def test_mamba2_tpu_layout_matches_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
     outs, expected_pool, states = reference(
-        pool, slot, recurrence.mamba2_scan, (inputs.x, inputs.b, inputs.c, inputs.dt),
-        (inputs.a, inputs.d))
-    got = tpu.mamba2_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh,
-                                      interpret=True)
+        pool,
+        slot,
+        recurrence.mamba2_scan,
+        (inputs.x, inputs.b, inputs.c, inputs.dt),
+        (inputs.a, inputs.d),
+    )
+    got = tpu.mamba2_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh, interpret=True)
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
@@ -83,11 +86,23 @@ def test_dispatch_on_tpu_takes_the_tpu_layout():
     rng = np.random.default_rng(46)
     pool, slot, inputs = mamba2_case(rng, 4, 2, 16, 2, 8, 16, 6, jnp.float32)
     assert backend.resolve_backend(None, "tpu") == "xla"
-    outs, _, states = reference(pool, slot, recurrence.mamba2_scan,
-                                (inputs.x, inputs.b, inputs.c, inputs.dt), (inputs.a, inputs.d))
+    outs, _, states = reference(
+        pool,
+        slot,
+        recurrence.mamba2_scan,
+        (inputs.x, inputs.b, inputs.c, inputs.dt),
+        (inputs.a, inputs.d),
+    )
     for kernel_backend in (None, "pallas"):
-        got = backend.state_update(pool, slot, inputs, mode="verify", platform="tpu",
-                                   kernel_backend=kernel_backend, interpret=True)
+        got = backend.state_update(
+            pool,
+            slot,
+            inputs,
+            mode="verify",
+            platform="tpu",
+            kernel_backend=kernel_backend,
+            interpret=True,
+        )
         check_result(got, pool, slot, "verify", outs, None, states, FP32_TOL)
 
 
@@ -98,18 +113,30 @@ def test_tpu_layout_lowers_to_mosaic_at_model_shapes():
     spec = jax.ShapeDtypeStruct
     batch, slot = 6, spec((6,), jnp.int32)
     for tokens, mode in ((1, "decode"), (4, "verify")):
-        gdn = su.GdnTokens(*(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
-                           *(spec((batch, tokens, 32), jnp.float32),) * 2)
-        mamba = su.Mamba2Tokens(spec((batch, tokens, 128, 64), jnp.bfloat16),
-                                *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
-                                spec((batch, tokens, 128), jnp.float32),
-                                *(spec((128,), jnp.float32),) * 2)
-        for fn, pool, inputs in ((tpu.gdn_state_update_tpu, (9, 32, 128, 128), gdn),
-                                 (tpu.mamba2_state_update_tpu, (9, 128, 64, 128), mamba)):
-            lowered = jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode)).trace(
-                spec(pool, jnp.float32), slot, inputs).lower(lowering_platforms=("tpu",))
+        gdn = su.GdnTokens(
+            *(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
+            *(spec((batch, tokens, 32), jnp.float32),) * 2,
+        )
+        mamba = su.Mamba2Tokens(
+            spec((batch, tokens, 128, 64), jnp.bfloat16),
+            *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
+            spec((batch, tokens, 128), jnp.float32),
+            *(spec((128,), jnp.float32),) * 2,
+        )
+        for fn, pool, inputs in (
+            (tpu.gdn_state_update_tpu, (9, 32, 128, 128), gdn),
+            (tpu.mamba2_state_update_tpu, (9, 128, 64, 128), mamba),
+        ):
+            lowered = (
+                jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode))
+                .trace(spec(pool, jnp.float32), slot, inputs)
+                .lower(lowering_platforms=("tpu",))
+            )
             assert "tpu_custom_call" in lowered.as_text()
             # layer 2 of a stacked 3-layer pool, as the engine's decode step passes it
-            lowered = jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode, layer=2)).trace(
-                spec((3,) + pool, jnp.float32), slot, inputs).lower(lowering_platforms=("tpu",))
+            lowered = (
+                jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode, layer=2))
+                .trace(spec((3,) + pool, jnp.float32), slot, inputs)
+                .lower(lowering_platforms=("tpu",))
+            )
             assert "tpu_custom_call" in lowered.as_text()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from tiny_qwen import config_dict
 
-from lazyspec.models.config import ATTENTION, RECURRENT, load_model_config, parse_hf_config
+from lazyspec.models.config import ATTENTION, RECURRENT
 from lazyspec.models.qwen3_next import Qwen3NextArch
+from lazyspec.models.registry import load_model_config, parse_hf_config
 
 
 def _base(**overrides):
@@ -42,8 +43,9 @@ def test_interval_rule_when_layer_types_absent():
 
 def test_mlp_kinds():
     lt = ["linear_attention"] * 6
-    kinds = parse_hf_config(_base(num_hidden_layers=6, layer_types=lt, mlp_only_layers=[0, 4],
-                                  decoder_sparse_step=2)).arch.mlp_kinds
+    kinds = parse_hf_config(
+        _base(num_hidden_layers=6, layer_types=lt, mlp_only_layers=[0, 4], decoder_sparse_step=2)
+    ).arch.mlp_kinds
     assert kinds == ("dense", "moe", "dense", "moe", "dense", "moe")
     dense = parse_hf_config(_base(num_experts=0)).arch
     assert dense.mlp_kinds == ("dense",) * 4 and dense.moe is None
@@ -53,8 +55,15 @@ def test_mlp_kinds():
 
 
 def test_rope_from_new_and_legacy_fields():
-    cfg = parse_hf_config(_base(rope_parameters={"rope_type": "default", "rope_theta": 5e6,
-                                                 "partial_rotary_factor": 0.5}))
+    cfg = parse_hf_config(
+        _base(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e6,
+                "partial_rotary_factor": 0.5,
+            }
+        )
+    )
     assert cfg.arch.attention.rope_theta == 5e6 and cfg.arch.attention.rotary_dim == 8
     legacy = _base(rope_theta=1e7, partial_rotary_factor=0.25, rope_scaling=None)
     del legacy["rope_parameters"]
@@ -69,8 +78,17 @@ def test_mtp_layers_from_config():
     assert parse_hf_config(_base(num_nextn_predict_layers=None)).num_mtp_layers == 0
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "num_key_value_heads", "linear_num_value_heads",
-                                   "linear_key_head_dim", "num_experts", "vocab_size"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "hidden_size",
+        "num_key_value_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "num_experts",
+        "vocab_size",
+    ],
+)
 def test_missing_field_is_named(field):
     config = _base()
     del config[field]

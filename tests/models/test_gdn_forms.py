@@ -20,10 +20,17 @@ from hypothesis import strategies as st
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.models.layers.gdn import GDNSpec, gdn_mixer, gdn_plan
-from lazyspec.models.layers.mlp import init_plan
+from lazyspec.models.plan import init_plan
 
-SPEC = GDNSpec(hidden_size=24, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=16,
-               conv_kernel=4, norm_eps=1e-6)
+SPEC = GDNSpec(
+    hidden_size=24,
+    num_k_heads=2,
+    num_v_heads=4,
+    head_k_dim=8,
+    head_v_dim=16,
+    conv_kernel=4,
+    norm_eps=1e-6,
+)
 NUM_TOKENS = 160  # two full 64-token chunks and a partial one
 NUM_STEPS = 5  # verify width D
 TOL = 1e-5
@@ -31,10 +38,12 @@ TOL = 1e-5
 
 def _err(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want), initial=0.0) / max(1.0, np.max(np.abs(want), initial=0.0)))
+    return float(
+        np.max(np.abs(got - want), initial=0.0) / max(1.0, np.max(np.abs(want), initial=0.0))
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(seed: int = 0):
     params = init_plan(gdn_plan("gdn", SPEC), jax.random.key(seed), jnp.float32, scale=0.3)
     # spread decays from slow to fast so both short and long memory are exercised
@@ -68,8 +77,11 @@ def _run(*args, form):
 # inputs whose fast-decay head drives the cumulative log decay of a chunk into the hundreds
 @example(seed=70268272, len_a=1, len_b=126)
 @example(seed=56, len_a=64, len_b=0)
-@given(seed=st.integers(0, 2**31 - 1), len_a=st.integers(0, NUM_TOKENS),
-       len_b=st.integers(0, NUM_TOKENS))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    len_a=st.integers(0, NUM_TOKENS),
+    len_b=st.integers(0, NUM_TOKENS),
+)
 def test_chunked_matches_reference(seed, len_a, len_b):
     params = _params()
     x, conv0, ssm0 = _inputs(seed, 2, NUM_TOKENS)
@@ -98,8 +110,11 @@ def test_chunked_matches_reference(seed, len_a, len_b):
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), offset=st.integers(0, NUM_TOKENS - NUM_STEPS),
-       num_steps=st.integers(1, NUM_STEPS))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    offset=st.integers(0, NUM_TOKENS - NUM_STEPS),
+    num_steps=st.integers(1, NUM_STEPS),
+)
 def test_step_form_resumes_at_any_offset(seed, offset, num_steps):
     """Verify/decode form started from the reference state after ``offset`` tokens gives
     the reference's outputs and per-step states (and leaves padded steps untouched)."""
@@ -110,8 +125,9 @@ def test_step_form_resumes_at_any_offset(seed, offset, num_steps):
     start_conv = conv0 if offset == 0 else ref.conv_trace[:, offset - 1]
     start_ssm = ssm0 if offset == 0 else ref.ssm_trace[:, offset - 1]
     window = x[:, offset : offset + NUM_STEPS]
-    out, got = _run(params, window, start_conv, start_ssm,
-                    jnp.array([num_steps], jnp.int32), form="steps")
+    out, got = _run(
+        params, window, start_conv, start_ssm, jnp.array([num_steps], jnp.int32), form="steps"
+    )
     end = offset + num_steps
     assert _err(out[0, :num_steps], ref_out[0, offset:end]) <= TOL
     assert _err(got.ssm_trace[0, :num_steps], ref.ssm_trace[0, offset:end]) <= TOL

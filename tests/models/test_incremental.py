@@ -14,7 +14,11 @@ from tiny_qwen import config_dict
 
 from lazyspec.models import qwen3_next
 from lazyspec.models.model import (
-    Model, empty_caches, incremental_logits, reference_logits, single_row_inputs,
+    Model,
+    empty_caches,
+    incremental_logits,
+    reference_logits,
+    single_row_inputs,
 )
 
 TOL = 1e-4
@@ -23,14 +27,14 @@ CONTEXT = 192  # fixed KV width so every case shares its compilations
 BUCKET = 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model() -> Model:
     cfg = qwen3_next.parse_config(config_dict("mixed", num_nextn_predict_layers=0))
     params = qwen3_next.init_params(cfg, jax.random.key(3), jnp.float32, scale=0.15)
     return Model(cfg, params, None, qwen3_next)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sequence_and_reference() -> tuple[np.ndarray, np.ndarray]:
     tokens = np.random.default_rng(11).integers(0, _model().config.vocab_size, SEQ_LEN)
     return tokens, reference_logits(_model(), tokens)
@@ -42,15 +46,26 @@ def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.mark.parametrize(
     "prompt_len, prefill_chunk, bucket",
-    [(63, None, BUCKET), (64, None, BUCKET), (65, None, BUCKET), (64, None, None),
-     (129, 64, BUCKET), (130, 65, BUCKET)],
+    [
+        (63, None, BUCKET),
+        (64, None, BUCKET),
+        (65, None, BUCKET),
+        (64, None, None),
+        (129, 64, BUCKET),
+        (130, 65, BUCKET),
+    ],
 )
 def test_prefill_then_decode_matches_reference(prompt_len, prefill_chunk, bucket):
     tokens, ref = _sequence_and_reference()
     num_decode = 20
-    got = incremental_logits(_model(), tokens[:prompt_len],
-                             tokens[prompt_len : prompt_len + num_decode],
-                             prefill_chunk, bucket=bucket, context_len=CONTEXT)
+    got = incremental_logits(
+        _model(),
+        tokens[:prompt_len],
+        tokens[prompt_len : prompt_len + num_decode],
+        prefill_chunk,
+        bucket=bucket,
+        context_len=CONTEXT,
+    )
     assert got.shape == (prompt_len + num_decode, _model().config.vocab_size)
     assert _rel_err(got, ref[: prompt_len + num_decode]) <= TOL
     assert np.std(ref) > 0.1  # logits are not trivially flat
@@ -67,8 +82,9 @@ def _prefill(prompt_len: int):
     model = _model()
     tokens, _ = _sequence_and_reference()
     kv, rec = empty_caches(model.config, CONTEXT + 1, 1, jnp.float32)
-    inputs = single_row_inputs(tokens[:prompt_len], 0, CONTEXT, bucket=BUCKET,
-                               vocab_size=model.config.vocab_size)
+    inputs = single_row_inputs(
+        tokens[:prompt_len], 0, CONTEXT, bucket=BUCKET, vocab_size=model.config.vocab_size
+    )
     _, kv, out = _forward(model.params, inputs, kv, rec, "extend")
     return kv, out.final
 
@@ -79,17 +95,23 @@ def test_verify_logits_and_per_step_states():
     prompt_len, width = 70, 4
     kv, rec = _prefill(prompt_len)
     window = tokens[prompt_len : prompt_len + width]
-    logits, _, out = _forward(model.params, single_row_inputs(window, prompt_len, CONTEXT),
-                              kv, rec, "verify")
+    logits, _, out = _forward(
+        model.params, single_row_inputs(window, prompt_len, CONTEXT), kv, rec, "verify"
+    )
     assert _rel_err(np.asarray(logits[0]), ref[prompt_len : prompt_len + width]) <= TOL
     assert isinstance(out.steps.ssm, list)  # per layer, never stacked
     steps_ssm, steps_conv = np.stack(out.steps.ssm), np.stack(out.steps.conv)
-    assert steps_ssm.shape == (len(model.config.recurrent_layer_ids), 1, width,
-                               *model.config.ssm_state_shape)
+    assert steps_ssm.shape == (
+        len(model.config.recurrent_layer_ids),
+        1,
+        width,
+        *model.config.ssm_state_shape,
+    )
     for t in range(width):
         # the same verify with only t+1 real tokens ends in the state steps[t] holds
-        partial = single_row_inputs(window[: t + 1], prompt_len, CONTEXT, bucket=width,
-                                    vocab_size=model.config.vocab_size)
+        partial = single_row_inputs(
+            window[: t + 1], prompt_len, CONTEXT, bucket=width, vocab_size=model.config.vocab_size
+        )
         _, _, short = _forward(model.params, partial, kv, rec, "verify")
         np.testing.assert_allclose(steps_ssm[:, 0, t], short.final.ssm[:, 0], atol=1e-6)
         np.testing.assert_allclose(steps_conv[:, 0, t], short.final.conv[:, 0], atol=1e-6)

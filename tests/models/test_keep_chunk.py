@@ -23,9 +23,12 @@ def _ragged_inputs(rng, vocab: int, lengths: list[int]) -> ForwardInputs:
     kv_rows = 1 + np.arange(rows)[:, None] * WIDTH + positions  # row 0 is the null row
     return ForwardInputs(
         tokens=jnp.asarray(rng.integers(0, vocab, (rows, WIDTH)), jnp.int32),
-        positions=jnp.asarray(positions), num_new=jnp.asarray(lengths, jnp.int32),
+        positions=jnp.asarray(positions),
+        num_new=jnp.asarray(lengths, jnp.int32),
         kv_write_idx=jnp.asarray(np.where(valid, kv_rows, 2**30), jnp.int32),
-        kv_read_idx=jnp.asarray(kv_rows, jnp.int32), ctx_len=jnp.asarray(lengths, jnp.int32))
+        kv_read_idx=jnp.asarray(kv_rows, jnp.int32),
+        ctx_len=jnp.asarray(lengths, jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
@@ -40,8 +43,16 @@ def test_keep_chunk_selects_per_row(family):
     keep = jnp.asarray([3, 1, 0, 2], jnp.int32)
 
     def run(keep_chunk):
-        return fam.forward(model.params, cfg, inputs, kv, rec, mode="extend", chunk_size=CHUNK,
-                           keep_chunk=keep_chunk)
+        return fam.forward(
+            model.params,
+            cfg,
+            inputs,
+            kv,
+            rec,
+            mode="extend",
+            chunk_size=CHUNK,
+            keep_chunk=keep_chunk,
+        )
 
     hidden, kv_all, full = run(None)
     hidden_kept, kv_kept, kept = run(keep)
@@ -50,8 +61,9 @@ def test_keep_chunk_selects_per_row(family):
     for name in ("conv", "ssm"):
         want = np.asarray(getattr(full.chunks, name))[:, rows, np.asarray(keep)]
         np.testing.assert_array_equal(np.asarray(getattr(kept.chunks, name))[:, :, 0], want)
-        np.testing.assert_array_equal(np.asarray(getattr(kept.final, name)),
-                                      np.asarray(getattr(full.final, name)))
+        np.testing.assert_array_equal(
+            np.asarray(getattr(kept.final, name)), np.asarray(getattr(full.final, name))
+        )
     np.testing.assert_array_equal(np.asarray(hidden_kept), np.asarray(hidden))
     for a, b in zip(jax.tree.leaves(kv_kept), jax.tree.leaves(kv_all)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

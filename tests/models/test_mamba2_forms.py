@@ -33,8 +33,15 @@ def rel_err(got, want) -> float:
 
 
 def make_dims(n_groups: int) -> Mamba2Dims:
-    return Mamba2Dims(hidden_size=24, num_heads=4, head_dim=8, state_size=16,
-                      n_groups=n_groups, conv_kernel=4, norm_eps=1e-5)
+    return Mamba2Dims(
+        hidden_size=24,
+        num_heads=4,
+        head_dim=8,
+        state_size=16,
+        n_groups=n_groups,
+        conv_kernel=4,
+        norm_eps=1e-5,
+    )
 
 
 def random_params(dims: Mamba2Dims, seed: int) -> dict:
@@ -128,8 +135,10 @@ def test_forms_agree_on_a_ragged_batch():
     conv0 = jax.random.normal(keys[1], (3, dims.conv_dim, dims.conv_kernel - 1))
     ssm0 = jax.random.normal(keys[2], (3, dims.num_heads, dims.head_dim, dims.state_size))
     num_new = jnp.array([70, 0, 33])
-    results = {f: run_mixer(params, dims, hidden, conv0, ssm0, num_new, f)
-               for f in ("reference", "chunked", "steps")}
+    results = {
+        f: run_mixer(params, dims, hidden, conv0, ssm0, num_new, f)
+        for f in ("reference", "chunked", "steps")
+    }
     ref_out, ref_states = results["reference"]
     np.testing.assert_array_equal(ref_states.ssm[1], ssm0[1])  # padding row untouched
     np.testing.assert_array_equal(ref_states.conv[1], conv0[1])
@@ -145,10 +154,12 @@ def test_forms_agree_on_a_ragged_batch():
 @jax.jit
 def kernels_and_scans(h0, x, b, c, dt, a, d, window, inputs, weight, bias, num_valid):
     valid = jnp.arange(x.shape[0]) < num_valid
-    return (mamba2_scan(h0, x, b, c, dt, a, d, valid),
-            mamba2_chunked(h0, x, b, c, dt, a, d, num_valid, CHUNK),
-            conv_scan(window, inputs, weight, bias, valid),
-            conv_windowed(window, inputs, weight, bias, num_valid, CHUNK))
+    return (
+        mamba2_scan(h0, x, b, c, dt, a, d, valid),
+        mamba2_chunked(h0, x, b, c, dt, a, d, num_valid, CHUNK),
+        conv_scan(window, inputs, weight, bias, valid),
+        conv_windowed(window, inputs, weight, bias, num_valid, CHUNK),
+    )
 
 
 def test_kernel_forms_match_scans_directly():
@@ -156,8 +167,9 @@ def test_kernel_forms_match_scans_directly():
     rng = np.random.default_rng(3)
     num_tokens, heads, head_dim, state, groups, channels = 150, 4, 8, 16, 2, 12
     x = jnp.asarray(rng.normal(size=(num_tokens, heads, head_dim)), jnp.float32)
-    b, c = (jnp.asarray(rng.normal(size=(num_tokens, groups, state)), jnp.float32)
-            for _ in range(2))
+    b, c = (
+        jnp.asarray(rng.normal(size=(num_tokens, groups, state)), jnp.float32) for _ in range(2)
+    )
     dt = jnp.asarray(rng.uniform(1e-3, 0.5, size=(num_tokens, heads)), jnp.float32)
     a = -jnp.asarray(rng.uniform(0.5, 4.0, size=heads), jnp.float32)
     d = jnp.asarray(rng.normal(size=heads), jnp.float32)
@@ -168,7 +180,8 @@ def test_kernel_forms_match_scans_directly():
     bias = jnp.asarray(rng.normal(size=channels), jnp.float32)
     num_valid = 97
     (ys, h_final, trace), (y2, h2, chunks), (yc, wc, _), (yc2, wc2, cw) = kernels_and_scans(
-        h0, x, b, c, dt, a, d, window, inputs, weight, bias, num_valid)
+        h0, x, b, c, dt, a, d, window, inputs, weight, bias, num_valid
+    )
     assert rel_err(y2[:num_valid], ys[:num_valid]) <= TOL
     assert rel_err(h2, h_final) <= TOL
     assert rel_err(chunks[0], trace[CHUNK - 1]) <= TOL
@@ -182,5 +195,12 @@ def test_unknown_form_is_rejected():
     dims = make_dims(1)
     params = random_params(dims, seed=0)
     with pytest.raises(ValueError, match="fast"):
-        mamba2_mixer(params, dims, jnp.ones((1, 2, 24)), jnp.ones((1, dims.conv_dim, 3)),
-                     jnp.ones((1, 4, 8, 16)), jnp.array([2]), form="fast")
+        mamba2_mixer(
+            params,
+            dims,
+            jnp.ones((1, 2, 24)),
+            jnp.ones((1, dims.conv_dim, 3)),
+            jnp.ones((1, 4, 8, 16)),
+            jnp.array([2]),
+            form="fast",
+        )

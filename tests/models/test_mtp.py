@@ -53,14 +53,20 @@ def _torch_mtp_logits(hf_model, mtp: dict[str, np.ndarray], hidden, next_tokens:
     config.mlp_only_layers, config.decoder_sparse_step = [], 1
     config._attn_implementation = "eager"
     layer = hf.Qwen3NextDecoderLayer(config, layer_idx=0).eval()
-    state = {k[len("mtp.layers.0."):]: torch.tensor(v) for k, v in mtp.items()
-             if k.startswith("mtp.layers.0.") and ".experts." not in k}
+    state = {
+        k[len("mtp.layers.0.") :]: torch.tensor(v)
+        for k, v in mtp.items()
+        if k.startswith("mtp.layers.0.") and ".experts." not in k
+    }
     if config.num_experts:
         experts = range(config.num_experts)
         ex = lambda e, p: mtp[f"mtp.layers.0.mlp.experts.{e}.{p}.weight"]  # noqa: E731
-        state["mlp.experts.gate_up_proj"] = torch.tensor(np.stack(
-            [np.concatenate([ex(e, "gate_proj"), ex(e, "up_proj")]) for e in experts]))
-        state["mlp.experts.down_proj"] = torch.tensor(np.stack([ex(e, "down_proj") for e in experts]))
+        state["mlp.experts.gate_up_proj"] = torch.tensor(
+            np.stack([np.concatenate([ex(e, "gate_proj"), ex(e, "up_proj")]) for e in experts])
+        )
+        state["mlp.experts.down_proj"] = torch.tensor(
+            np.stack([ex(e, "down_proj") for e in experts])
+        )
     layer.load_state_dict(state, strict=True)
 
     def norm(name: str):
@@ -75,8 +81,11 @@ def _torch_mtp_logits(hf_model, mtp: dict[str, np.ndarray], hidden, next_tokens:
     causal = torch.full((num, num), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
         embeds = hf_model.model.embed_tokens(torch.tensor(next_tokens[None]))
-        x = fc(torch.cat([norm("pre_fc_norm_embedding")(embeds),
-                          norm("pre_fc_norm_hidden")(hidden)], dim=-1))
+        x = fc(
+            torch.cat(
+                [norm("pre_fc_norm_embedding")(embeds), norm("pre_fc_norm_hidden")(hidden)], dim=-1
+            )
+        )
         rope = hf.Qwen3NextRotaryEmbedding(config)(x, positions)
         x = layer(x, position_embeddings=rope, attention_mask=causal, position_ids=positions)
         return hf_model.lm_head(norm("norm")(x))[0].numpy()
@@ -107,8 +116,13 @@ def test_mtp_matches_composition_of_transformers_modules(name, tmp_path):
     got = []
     for start, end in ((0, SPLIT), (SPLIT, SEQ_LEN)):
         inputs = single_row_inputs(tokens[start:end], start, SEQ_LEN)
-        logits, mtp_kv = draft(model.params, hidden[:, start:end],
-                               jnp.asarray(tokens[None, start + 1 : end + 1]), inputs, mtp_kv)
+        logits, mtp_kv = draft(
+            model.params,
+            hidden[:, start:end],
+            jnp.asarray(tokens[None, start + 1 : end + 1]),
+            inputs,
+            mtp_kv,
+        )
         got.append(np.asarray(logits[0]))
     got = np.concatenate(got)
     assert got.shape == want.shape
@@ -129,5 +143,6 @@ def test_mtp_forward_without_head_raises():
     inputs = single_row_inputs([1, 2], 0, 2)
     kv, _ = empty_caches(cfg, 3, 1, jnp.float32)
     with pytest.raises(ValueError, match="no MTP head"):
-        qwen3_next.mtp_forward(params, cfg, jnp.zeros((1, 2, cfg.hidden_size)),
-                               inputs.tokens, inputs, kv)
+        qwen3_next.mtp_forward(
+            params, cfg, jnp.zeros((1, 2, cfg.hidden_size)), inputs.tokens, inputs, kv
+        )

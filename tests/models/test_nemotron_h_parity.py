@@ -15,9 +15,10 @@ import pytest
 from tiny_nemotron import TINY_CONFIGS, hf_config_dict, save_tiny_nemotron
 
 from lazyspec.models import nemotron_h
-from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, load_model_config
+from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS
 from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
 from lazyspec.models.loader import SafetensorsReader
+from lazyspec.models.registry import load_model_config
 
 TOL = 1e-4
 VOCAB = 128
@@ -55,8 +56,9 @@ class Pools:
         def poison():
             return jnp.asarray(100 * rng.normal(size=shape), jnp.float32)
 
-        self.kv = KVPools(k=[poison() for _ in range(num_attention)],
-                          v=[poison() for _ in range(num_attention)])
+        self.kv = KVPools(
+            k=[poison() for _ in range(num_attention)], v=[poison() for _ in range(num_attention)]
+        )
         num_rec = len(cfg.recurrent_layer_ids)
         self.rec = RecurrentState(
             conv=jnp.zeros((num_rec, batch) + cfg.conv_state_shape, jnp.float32),
@@ -80,8 +82,9 @@ class Pools:
             ctx_len[b] = start + len(row)
             read_idx[b, : ctx_len[b]] = base + np.arange(ctx_len[b])
         num_new = np.array([len(r) for r in new_tokens], np.int32)
-        return ForwardInputs(*(jnp.asarray(a) for a in (tokens, positions, num_new, write_idx,
-                                                       read_idx, ctx_len)))
+        return ForwardInputs(
+            *(jnp.asarray(a) for a in (tokens, positions, num_new, write_idx, read_idx, ctx_len))
+        )
 
     def step(self, params, new_tokens: list[list[int]], width: int, mode: str):
         """Run one forward, carry KV and the final state; returns (logits, RecurrentOut)."""

@@ -25,9 +25,12 @@ def _verify_inputs(rng, vocab: int, num_new: list[int]) -> ForwardInputs:
     write = np.where(valid, kv_rows[:, start:], 2**30)
     return ForwardInputs(
         tokens=jnp.asarray(rng.integers(0, vocab, (rows, WIDTH)), jnp.int32),
-        positions=jnp.asarray(positions), num_new=jnp.asarray(num_new, jnp.int32),
-        kv_write_idx=jnp.asarray(write, jnp.int32), kv_read_idx=jnp.asarray(kv_rows, jnp.int32),
-        ctx_len=jnp.asarray(start + np.asarray(num_new), jnp.int32))
+        positions=jnp.asarray(positions),
+        num_new=jnp.asarray(num_new, jnp.int32),
+        kv_write_idx=jnp.asarray(write, jnp.int32),
+        kv_read_idx=jnp.asarray(kv_rows, jnp.int32),
+        ctx_len=jnp.asarray(start + np.asarray(num_new), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -40,8 +43,9 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
     slot = jnp.asarray([5, 0, 2], jnp.int32)
     kv, rows_rec = empty_caches(cfg, 1 + len(num_new) * CONTEXT, SLOTS + 1, jnp.float32)
     kv = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), kv)
-    pools = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype),
-                         rows_rec)  # [L, SLOTS + 1, ...]
+    pools = jax.tree.map(
+        lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec
+    )  # [L, SLOTS + 1, ...]
     inputs = _verify_inputs(rng, cfg.vocab_size, num_new)
     in_place = RecurrentState(conv=pools.conv, ssm=pools.ssm, slot=slot)
     gathered = RecurrentState(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot])
@@ -51,17 +55,20 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
     np.testing.assert_array_equal(np.asarray(ssm0.rows()), np.asarray(gathered.ssm[0]))
 
     def run(rec):
-        return jax.jit(lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="verify",
-                                             backend=backend))(rec)
+        return jax.jit(
+            lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="verify", backend=backend)
+        )(rec)
 
     hidden, kv_out, out = run(in_place)
     want_hidden, want_kv, want = run(gathered)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), atol=1e-6)
-    for got_steps, want_steps in zip(out.steps.ssm + out.steps.conv,
-                                     want.steps.ssm + want.steps.conv):
+    for got_steps, want_steps in zip(
+        out.steps.ssm + out.steps.conv, want.steps.ssm + want.steps.conv
+    ):
         np.testing.assert_allclose(np.asarray(got_steps), np.asarray(want_steps), atol=1e-6)
     for name in ("conv", "ssm"):  # the padding row's final state is its (null-slot) start
-        np.testing.assert_allclose(np.asarray(getattr(out.final, name)),
-                                   np.asarray(getattr(want.final, name)), atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(getattr(out.final, name)), np.asarray(getattr(want.final, name)), atol=1e-6
+        )
     for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

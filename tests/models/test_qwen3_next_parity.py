@@ -65,9 +65,12 @@ def _ragged_inputs(tokens: np.ndarray, vocab: int) -> ForwardInputs:
         batch[r, :n] = tokens[r % 2, :n]
     lengths = np.array(ROW_LENGTHS, np.int32)
     return ForwardInputs(
-        tokens=jnp.asarray(batch), positions=jnp.asarray(positions),
-        num_new=jnp.asarray(lengths), kv_write_idx=jnp.asarray(write_idx.astype(np.int32)),
-        kv_read_idx=jnp.asarray(read_idx), ctx_len=jnp.asarray(lengths),
+        tokens=jnp.asarray(batch),
+        positions=jnp.asarray(positions),
+        num_new=jnp.asarray(lengths),
+        kv_write_idx=jnp.asarray(write_idx.astype(np.int32)),
+        kv_read_idx=jnp.asarray(read_idx),
+        ctx_len=jnp.asarray(lengths),
     )
 
 

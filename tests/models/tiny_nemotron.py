@@ -79,8 +79,7 @@ def _redraw_constants(model, seed: int) -> None:
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 
-def save_tiny_nemotron(folder: str | Path, pattern: str, overrides: dict[str, Any],
-                       seed: int = 0):
+def save_tiny_nemotron(folder: str | Path, pattern: str, overrides: dict[str, Any], seed: int = 0):
     """Build, randomise and save a tiny NemotronHForCausalLM; returns the torch model (eval)."""
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM

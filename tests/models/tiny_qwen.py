@@ -42,8 +42,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "moe": dict(num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL]),
     # dense MLPs, attention first, one key head per value head, tied embeddings, rotary 1/2
     "dense": dict(
-        num_hidden_layers=3, layer_types=[FULL, LIN, LIN], num_experts=0,
-        linear_num_value_heads=2, tie_word_embeddings=True, partial_rotary_factor=0.5,
+        num_hidden_layers=3,
+        layer_types=[FULL, LIN, LIN],
+        num_experts=0,
+        linear_num_value_heads=2,
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.5,
     ),
     # MoE except mlp_only_layers, roles from full_attention_interval, 2 v-heads per k-head
     "mixed": dict(num_hidden_layers=4, full_attention_interval=2, mlp_only_layers=[1]),
@@ -167,15 +171,21 @@ def config_dict(name: str, **overrides: Any) -> dict[str, Any]:
         interval = config.pop("full_attention_interval", 4)
         config["layer_types"] = [FULL if (i + 1) % interval == 0 else LIN for i in range(layers)]
     config["rope_parameters"] = {
-        "rope_type": "default", "rope_theta": 10000.0,
+        "rope_type": "default",
+        "rope_theta": 10000.0,
         "partial_rotary_factor": config.pop("partial_rotary_factor", 0.25),
     }
     config.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"])
     return config
 
 
-def write_checkpoint(folder: Path, config: dict[str, Any], seed: int = 0,
-                     fused_experts: bool = False, dtype=np.float32) -> dict[str, np.ndarray]:
+def write_checkpoint(
+    folder: Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    fused_experts: bool = False,
+    dtype=np.float32,
+) -> dict[str, np.ndarray]:
     """Write config.json and a random model.safetensors covering the config's plan (numpy
     only). Experts use per-expert names, or transformers' fused in-memory layout with
     ``fused_experts``. Returns the tensors written (float32 copies)."""
@@ -198,10 +208,15 @@ def write_checkpoint(folder: Path, config: dict[str, Any], seed: int = 0,
         else:
             tensors[leaf.name] = 0.3 * rng.standard_normal(leaf.shape)
     tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
-    stored = fuse_experts(tensors, cfg.arch.moe.num_experts if cfg.arch.moe else 0) \
-        if fused_experts else dict(tensors)
+    stored = (
+        fuse_experts(tensors, cfg.arch.moe.num_experts if cfg.arch.moe else 0)
+        if fused_experts
+        else dict(tensors)
+    )
     Path(folder).mkdir(parents=True, exist_ok=True)
-    save_file({k: v.astype(dtype) for k, v in stored.items()}, str(Path(folder) / "model.safetensors"))
+    save_file(
+        {k: v.astype(dtype) for k, v in stored.items()}, str(Path(folder) / "model.safetensors")
+    )
     (Path(folder) / "config.json").write_text(json.dumps(config))
     return tensors
 

@@ -24,16 +24,26 @@ import pytest
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|endoftext|>", "<|im_end|>"]
 EOS_ID = 2
 TARGET_VOCAB = 384
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
-WORDS = ("the state of a recurrent layer is copied into a slot when the prefix cache holds a "
-         "checkpoint every interval tokens while attention keeps pages of keys and values "
-         "draft tokens are verified in one forward pass and accepted greedily café naïve "
-         "über straße déjà vu 12 345 6789 ( ) [ ] { } , . ; : ! ? - + = * / def return if "
-         "else for while import from class self").split()
-ENGINE_SETTINGS = dict(mamba_track_interval=64, mamba_chunk_size=64, chunked_prefill_size=64,
-                       max_running_requests=8, max_total_tokens=8192, context_length=512)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+WORDS = (
+    "the state of a recurrent layer is copied into a slot when the prefix cache holds a "
+    "checkpoint every interval tokens while attention keeps pages of keys and values "
+    "draft tokens are verified in one forward pass and accepted greedily café naïve "
+    "über straße déjà vu 12 345 6789 ( ) [ ] { } , . ; : ! ? - + = * / def return if "
+    "else for while import from class self"
+).split()
+ENGINE_SETTINGS = dict(
+    mamba_track_interval=64,
+    mamba_chunk_size=64,
+    chunked_prefill_size=64,
+    max_running_requests=8,
+    max_total_tokens=8192,
+    context_length=512,
+)
 SERVED_NAME = "tiny-qwen3-next"
 
 
@@ -49,9 +59,12 @@ def train_tokenizer(folder: Path) -> Any:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TARGET_VOCAB, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TARGET_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus(), trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
     return tokenizer
@@ -64,11 +77,18 @@ def build_model_folder(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(folder)
     assert tokenizer.token_to_id("<|endoftext|>") == EOS_ID
-    config = config_dict("dense", vocab_size=tokenizer.get_vocab_size(),
-                         max_position_embeddings=4096, eos_token_id=EOS_ID)
+    config = config_dict(
+        "dense",
+        vocab_size=tokenizer.get_vocab_size(),
+        max_position_embeddings=4096,
+        eos_token_id=EOS_ID,
+    )
     write_checkpoint(folder, config, seed=3)
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "bos_token": None}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "bos_token": None}
+        )
+    )
     return folder
 
 
@@ -122,8 +142,9 @@ def live_server(model_dir):
 
     engine = Engine(model_path=str(model_dir), **ENGINE_SETTINGS)  # compiles every shape
     worker = EngineWorker(engine).start()
-    settings = ServerSettings(SERVED_NAME, max_queued_requests=256,
-                              chat_template=ChatTemplate.from_folder(model_dir))
+    settings = ServerSettings(
+        SERVED_NAME, max_queued_requests=256, chat_template=ChatTemplate.from_folder(model_dir)
+    )
     server, thread, url = start_http(create_app(worker, settings))
     live = LiveServer(url, worker, model_dir, engine.model.tokenizer, server, thread)
     yield live
@@ -145,8 +166,11 @@ def wait_idle(live: LiveServer, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         info = live.info()
-        if info["num_running_requests"] == 0 and info["num_waiting_requests"] == 0 \
-                and info["num_live_requests"] == 0:
+        if (
+            info["num_running_requests"] == 0
+            and info["num_waiting_requests"] == 0
+            and info["num_live_requests"] == 0
+        ):
             return info
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout}s: {info}")

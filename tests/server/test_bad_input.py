@@ -64,8 +64,7 @@ BAD_BODIES = [
     ("/generate", {"text": "a", "sampling_params": {"warp": 9}}, "sampling_params"),
     ("/generate", {"text": "a", "sampling_params": [1]}, "sampling_params"),
     ("/generate", {"text": "a", "return_logprob": "yes"}, "return_logprob"),
-    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 6},
-     "top_logprobs_num"),
+    ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 6}, "top_logprobs_num"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
 ]
 
@@ -81,8 +80,10 @@ def _check_error(response: httpx.Response, status: int | None = None, param: str
 
 
 def _still_healthy(server) -> None:
-    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 3, "temperature": 0,
-                                                           "ignore_eos": True}}
+    body = {
+        "input_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+    }
     response = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert response.status_code == 200 and len(response.json()["output_ids"]) == 3
 
@@ -104,19 +105,33 @@ def test_malformed_json_wrong_model_and_unknown_route(server):
 
 
 def _invalid(valid_values: st.SearchStrategy | None = None) -> st.SearchStrategy:
-    junk = st.one_of(st.text(max_size=5), st.lists(st.integers(), max_size=3),
-                     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+    junk = st.one_of(
+        st.text(max_size=5),
+        st.lists(st.integers(), max_size=3),
+        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    )
     return junk if valid_values is None else st.one_of(junk, valid_values)
 
 
 BAD_FIELDS = {
-    "max_tokens": _invalid(st.one_of(st.integers(max_value=0), st.integers(min_value=10**4),
-                                     st.floats(allow_nan=True), st.booleans())),
+    "max_tokens": _invalid(
+        st.one_of(
+            st.integers(max_value=0),
+            st.integers(min_value=10**4),
+            st.floats(allow_nan=True),
+            st.booleans(),
+        )
+    ),
     "temperature": _invalid(st.floats(max_value=-1e-6) | st.just(float("nan"))),
     "top_p": _invalid(st.floats(min_value=1.0001) | st.floats(max_value=0.0)),
-    "prompt": st.one_of(st.just(""), st.just([]), st.lists(st.integers(min_value=VOCAB_PROBE),
-                        min_size=1, max_size=3), st.lists(st.floats(), min_size=1, max_size=3),
-                        st.dictionaries(st.text(max_size=3), st.text(max_size=3)), st.booleans()),
+    "prompt": st.one_of(
+        st.just(""),
+        st.just([]),
+        st.lists(st.integers(min_value=VOCAB_PROBE), min_size=1, max_size=3),
+        st.lists(st.floats(), min_size=1, max_size=3),
+        st.dictionaries(st.text(max_size=3), st.text(max_size=3)),
+        st.booleans(),
+    ),
     "stop": st.one_of(st.integers(), st.lists(st.integers(), min_size=1), st.just([""])),
     "model": st.text(min_size=1, max_size=8).filter(lambda s: s != SERVED_NAME),
     "logprobs": st.one_of(st.integers(min_value=6), st.integers(max_value=-1), st.text()),
@@ -124,10 +139,14 @@ BAD_FIELDS = {
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(fields=st.fixed_dictionaries({}, optional=BAD_FIELDS).filter(bool),
-       extra=st.dictionaries(st.sampled_from(["echo", "stream", "n", "seed"]),
-                             st.one_of(st.text(max_size=3), st.lists(st.none(), max_size=2)),
-                             max_size=2))
+@given(
+    fields=st.fixed_dictionaries({}, optional=BAD_FIELDS).filter(bool),
+    extra=st.dictionaries(
+        st.sampled_from(["echo", "stream", "n", "seed"]),
+        st.one_of(st.text(max_size=3), st.lists(st.none(), max_size=2)),
+        max_size=2,
+    ),
+)
 def test_randomised_malformed_bodies_are_always_4xx(live_server, fields, extra):
     body = {"prompt": "hello", "max_tokens": 2, **extra, **fields}
     raw = json.dumps(body, allow_nan=True)
@@ -154,8 +173,11 @@ def test_server_answers_after_the_battery(server):
 
 def test_disconnect_mid_stream_aborts_and_frees(server):
     ids = random_ids(np.random.default_rng(30), 90, server.tokenizer.get_vocab_size())
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
     aborts_before = server.info()["finished_requests"].get("abort", 0)
     received = []
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as response:
@@ -188,6 +210,7 @@ def test_engine_failure_answers_500_and_serving_goes_on(server):
         def failing() -> None:
             del engine.step
             raise RuntimeError("injected device failure")
+
         engine.step = failing
 
     server.worker.call(arm).result(30)
@@ -208,8 +231,9 @@ def test_full_queue_answers_503_then_recovers(server):
     app = create_app(server.worker, ServerSettings(SERVED_NAME, max_queued_requests=0))
     http, thread, url = start_http(app)
     try:
-        asyncio.run(_fill_then_overflow(url, server.worker.max_running,
-                                        server.tokenizer.get_vocab_size()))
+        asyncio.run(
+            _fill_then_overflow(url, server.worker.max_running, server.tokenizer.get_vocab_size())
+        )
     finally:
         http.should_exit = True
         thread.join(30)
@@ -221,8 +245,11 @@ async def _fill_then_overflow(url: str, max_running: int, vocab: int) -> None:
     rng = np.random.default_rng(31)
 
     def body(stream: bool) -> dict:
-        return {"input_ids": random_ids(rng, 10, vocab), "stream": stream,
-                "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+        return {
+            "input_ids": random_ids(rng, 10, vocab),
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": 480, "ignore_eos": True},
+        }
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         streams = [client.stream("POST", "/generate", json=body(True)) for _ in range(max_running)]

@@ -1,5 +1,5 @@
 """SGLang-native endpoints (/generate, /flush_cache, /server_info, /metrics) with plain httpx,
-and the launch flags of ``python -m lazyspec.serve``."""
+and the launch flags of ``python -m lazyspec.server.launch``."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ def _params(max_new: int) -> dict:
 
 def scrape(server) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_generate_text_and_ids_agree_with_full_meta_info(server):
@@ -52,14 +55,18 @@ def test_generate_stream_is_cumulative_and_ends_with_done(server):
     ids = random_ids(np.random.default_rng(20), 33, server.tokenizer.get_vocab_size())
     whole = _post(server, {"input_ids": ids, "sampling_params": _params(12)}).json()
     chunks, lines = [], []
-    with httpx.stream("POST", f"{server.url}/generate", timeout=120,
-                      json={"input_ids": ids, "sampling_params": _params(12), "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/generate",
+        timeout=120,
+        json={"input_ids": ids, "sampling_params": _params(12), "stream": True},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     for before, after in zip(chunks, chunks[1:]):
-        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
         assert len(after["output_ids"]) > len(before["output_ids"])
     assert [c["meta_info"]["finish_reason"] is not None for c in chunks].count(True) == 1
     assert chunks[-1]["output_ids"] == whole["output_ids"]
@@ -92,12 +99,20 @@ def test_server_info_reports_plan_and_hit_rate(server):
     for _ in range(2):
         _post(server, {"input_ids": ids, "sampling_params": _params(3)})
     info = wait_idle(server)
-    for key in ("bytes_per_state_slot", "slots_per_running_request", "max_running_requests",
-                "slots_left_for_cached_checkpoints", "kv_tokens", "context_length"):
+    for key in (
+        "bytes_per_state_slot",
+        "slots_per_running_request",
+        "max_running_requests",
+        "slots_left_for_cached_checkpoints",
+        "kv_tokens",
+        "context_length",
+    ):
         assert key in info
     assert info["num_prompt_tokens"] - before["num_prompt_tokens"] == 280
     assert info["num_cached_tokens"] - before["num_cached_tokens"] == 128
-    assert info["cache_hit_rate"] == pytest.approx(info["num_cached_tokens"] / info["num_prompt_tokens"])
+    assert info["cache_hit_rate"] == pytest.approx(
+        info["num_cached_tokens"] / info["num_prompt_tokens"]
+    )
     assert info["served_model_name"] and info["max_running_requests"] == 8
 
 
@@ -138,7 +153,7 @@ def test_health(server):
 
 
 def test_every_engine_field_has_a_flag_with_help():
-    from lazyspec.serve import HELP, SKIPPED_FIELDS, build_parser
+    from lazyspec.server.launch import HELP, SKIPPED_FIELDS, build_parser
 
     parser = build_parser()
     by_dest = {a.dest: a for a in parser._actions}
@@ -152,13 +167,29 @@ def test_every_engine_field_has_a_flag_with_help():
 
 
 def test_flags_parse_to_engine_config():
-    from lazyspec.serve import build_parser, engine_kwargs
+    from lazyspec.server.launch import build_parser, engine_kwargs
 
-    args = build_parser().parse_args([
-        "--model-path", "/m", "--page-size", "2", "--mamba-radix-cache-strategy",
-        "extra_buffer_lazy", "--mamba-track-interval", "128", "--disable-overlap-schedule",
-        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
-        "--max-queued-requests", "7", "--port", "31234"])
+    args = build_parser().parse_args(
+        [
+            "--model-path",
+            "/m",
+            "--page-size",
+            "2",
+            "--mamba-radix-cache-strategy",
+            "extra_buffer_lazy",
+            "--mamba-track-interval",
+            "128",
+            "--disable-overlap-schedule",
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            "2",
+            "--max-queued-requests",
+            "7",
+            "--port",
+            "31234",
+        ]
+    )
     kwargs = engine_kwargs(args)
     config = EngineConfig(**kwargs)
     assert (config.page_size, config.mamba_track_interval) == (2, 128)
@@ -169,7 +200,7 @@ def test_flags_parse_to_engine_config():
 
 
 def test_bad_flags_and_missing_default_model_are_clear(tmp_path, capsys):
-    from lazyspec.serve import build_parser, main, resolve_model_path
+    from lazyspec.server.launch import build_parser, main, resolve_model_path
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--mamba-scheduler-strategy", "eager"])

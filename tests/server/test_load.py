@@ -30,8 +30,11 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _body(prompt: list[int], max_new: int, stream: bool) -> dict:
-    return {"input_ids": prompt, "stream": stream,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    return {
+        "input_ids": prompt,
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
 
 
 async def _one_stream(client: httpx.AsyncClient, prompt: list[int], max_new: int) -> dict:
@@ -46,11 +49,11 @@ async def _one_stream(client: httpx.AsyncClient, prompt: list[int], max_new: int
             if line == "data: [DONE]":
                 done = True
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             assert "error" not in chunk, chunk
             if chunks:
                 previous = chunks[-1]["output_ids"]
-                assert previous[:] == chunk["output_ids"][:len(previous)], "tokens changed"
+                assert previous[:] == chunk["output_ids"][: len(previous)], "tokens changed"
                 assert len(chunk["output_ids"]) > len(previous), "a chunk repeated"
                 assert chunks[-1]["meta_info"]["finish_reason"] is None, "chunk after finish"
             chunks.append(chunk)
@@ -74,15 +77,29 @@ async def _load(url: str, prompts: list[list[int]], plans: list) -> list:
 def test_64_streaming_clients_get_every_token_and_leave_nothing_behind(server):
     vocab = server.tokenizer.get_vocab_size()
     prompts = _prompts(vocab)
-    reference = httpx.post(f"{server.url}/generate", timeout=300, json={
-        "input_ids": prompts, "sampling_params": {"max_new_tokens": max(MAX_NEW_CHOICES),
-                                                  "temperature": 0, "ignore_eos": True}}).json()
+    reference = httpx.post(
+        f"{server.url}/generate",
+        timeout=300,
+        json={
+            "input_ids": prompts,
+            "sampling_params": {
+                "max_new_tokens": max(MAX_NEW_CHOICES),
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        },
+    ).json()
     assert len(reference) == len(prompts)
     wait_idle(server)
     compiled = server.worker.call(lambda engine: engine.runner.num_compiled()).result(30)
     rng = np.random.default_rng(41)
-    plans = [[(int(rng.integers(len(prompts))), int(rng.choice(MAX_NEW_CHOICES)))
-              for _ in range(REQUESTS_PER_CLIENT)] for _ in range(NUM_CLIENTS)]
+    plans = [
+        [
+            (int(rng.integers(len(prompts))), int(rng.choice(MAX_NEW_CHOICES)))
+            for _ in range(REQUESTS_PER_CLIENT)
+        ]
+        for _ in range(NUM_CLIENTS)
+    ]
 
     results = asyncio.run(_load(server.url, prompts, plans))
 
@@ -108,21 +125,29 @@ def test_64_streaming_clients_get_every_token_and_leave_nothing_behind(server):
 
 
 def test_bench_serving_script_measures_a_shared_prefix_run(server, tmp_path, capsys):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from lazyspec.bench import serving as bench
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = bench  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.modules.pop("bench_serving")
-    summary = bench.main(["--url", server.url, "--num-groups", "2", "--prompts-per-group", "6",
-                          "--prefix-len", "140", "--suffix-len", "20", "--output-len", "5",
-                          "--concurrency", "6", "--flush", "--json-out", str(tmp_path / "s.json")])
+    summary = bench.main(
+        [
+            "--url",
+            server.url,
+            "--num-groups",
+            "2",
+            "--prompts-per-group",
+            "6",
+            "--prefix-len",
+            "140",
+            "--suffix-len",
+            "20",
+            "--output-len",
+            "5",
+            "--concurrency",
+            "6",
+            "--flush",
+            "--json-out",
+            str(tmp_path / "s.json"),
+        ]
+    )
     assert summary["completed"] == summary["requests"] == 12 and not summary["errors"]
     assert summary["output_tokens"] == 60
     # every group's first admitted request misses; later ones reuse the checkpoint at 128

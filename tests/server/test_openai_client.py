@@ -15,13 +15,15 @@ IGNORE_EOS = {"ignore_eos": True}
 
 @pytest.fixture()
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def _generate(server, input_ids: list[int], max_new: int) -> dict:
-    body = {"input_ids": input_ids, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": input_ids,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
     response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -46,7 +48,7 @@ def test_greedy_completion_equals_cache_free_recompute(server, client):
     out = _generate(server, prompt, num_new)
     ids = out["output_ids"]
     served_lp = np.array([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-    logits = reference_logits(load_model(server.model_dir), prompt + ids)[len(prompt) - 1:-1]
+    logits = reference_logits(load_model(server.model_dir), prompt + ids)[len(prompt) - 1 : -1]
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     ref_lp = logp[np.arange(num_new), ids]
@@ -54,15 +56,24 @@ def test_greedy_completion_equals_cache_free_recompute(server, client):
     assert np.max(np.abs(ref_lp - served_lp)) <= 1e-4
 
     wait_idle(server)
-    completion = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=num_new,
-                                           temperature=0, logprobs=1, extra_body=IGNORE_EOS)
+    completion = client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=num_new,
+        temperature=0,
+        logprobs=1,
+        extra_body=IGNORE_EOS,
+    )
     choice = completion.choices[0]
     assert choice.text == server.tokenizer.decode(ids)
     assert choice.finish_reason == "length"
-    assert choice.logprobs.tokens == [server.tokenizer.decode([t], skip_special_tokens=False)
-                                      for t in ids]
+    assert choice.logprobs.tokens == [
+        server.tokenizer.decode([t], skip_special_tokens=False) for t in ids
+    ]
     assert np.max(np.abs(np.array(choice.logprobs.token_logprobs) - served_lp)) <= 1e-6
-    assert [list(d.values())[0] for d in choice.logprobs.top_logprobs] == choice.logprobs.token_logprobs
+    assert [
+        list(d.values())[0] for d in choice.logprobs.top_logprobs
+    ] == choice.logprobs.token_logprobs
     usage = completion.usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (40, num_new)
     assert usage.total_tokens == 40 + num_new
@@ -70,26 +81,41 @@ def test_greedy_completion_equals_cache_free_recompute(server, client):
 
 
 def test_chat_uses_the_template_and_streams_the_same_text(server, client):
-    messages = [{"role": "system", "content": "you are terse"},
-                {"role": "user", "content": "the café holds a checkpoint?"}]
-    rendered = ("<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user\nthe café holds "
-                "a checkpoint?<|im_end|>\n<|im_start|>assistant\n")
+    messages = [
+        {"role": "system", "content": "you are terse"},
+        {"role": "user", "content": "the café holds a checkpoint?"},
+    ]
+    rendered = (
+        "<|im_start|>system\nyou are terse<|im_end|>\n<|im_start|>user\nthe café holds "
+        "a checkpoint?<|im_end|>\n<|im_start|>assistant\n"
+    )
     prompt = server.tokenizer.encode(rendered, add_special_tokens=False).ids
-    chat = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=10,
-                                          temperature=0, extra_body=IGNORE_EOS)
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=messages, max_tokens=10, temperature=0, extra_body=IGNORE_EOS
+    )
     assert chat.usage.prompt_tokens == len(prompt)
     assert chat.usage.completion_tokens == 10
     expected = _generate(server, prompt, 10)
     assert chat.choices[0].message.content == expected["text"]
     assert chat.choices[0].message.role == "assistant"
 
-    chunks = list(client.chat.completions.create(
-        model=SERVED_NAME, messages=messages, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=IGNORE_EOS,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected["text"]
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == len(prompt)
@@ -97,11 +123,18 @@ def test_chat_uses_the_template_and_streams_the_same_text(server, client):
 
 def test_streamed_completion_equals_the_whole_one(server, client):
     prompt = random_ids(np.random.default_rng(11), 30, _vocab(server))
-    whole = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=16,
-                                      temperature=0, extra_body=IGNORE_EOS)
-    stream = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=16,
-                                       temperature=0, stream=True, extra_body=IGNORE_EOS,
-                                       stream_options={"include_usage": True})
+    whole = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=16, temperature=0, extra_body=IGNORE_EOS
+    )
+    stream = client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body=IGNORE_EOS,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 16
@@ -110,9 +143,15 @@ def test_streamed_completion_equals_the_whole_one(server, client):
 
 def test_chat_logprobs_match_generate(server, client):
     messages = [{"role": "user", "content": "draft tokens are verified"}]
-    chat = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=8,
-                                          temperature=0, logprobs=True, top_logprobs=1,
-                                          extra_body=IGNORE_EOS)
+    chat = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body=IGNORE_EOS,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 8
     for item in content:
@@ -134,14 +173,18 @@ def test_top_logprobs_match_cache_free_recompute(server, client):
 
     prompt = random_ids(np.random.default_rng(12), 30, _vocab(server))
     num_new = 6
-    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3,
-            "sampling_params": {"max_new_tokens": num_new, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": num_new, "temperature": 0, "ignore_eos": True},
+    }
     response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
     out = response.json()
     ids, tops = out["output_ids"], out["meta_info"]["output_top_logprobs"]
     assert len(tops) == num_new and all(len(top) == 3 for top in tops)
-    logits = reference_logits(load_model(server.model_dir), prompt + ids)[len(prompt) - 1:-1]
+    logits = reference_logits(load_model(server.model_dir), prompt + ids)[len(prompt) - 1 : -1]
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     for position, top in enumerate(tops):
@@ -153,8 +196,14 @@ def test_top_logprobs_match_cache_free_recompute(server, client):
         assert np.max(np.abs(logp[position, [t for _, t, _ in top]] - values)) <= 1e-4
 
     wait_idle(server)
-    completion = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=num_new,
-                                           temperature=0, logprobs=3, extra_body=IGNORE_EOS)
+    completion = client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=num_new,
+        temperature=0,
+        logprobs=3,
+        extra_body=IGNORE_EOS,
+    )
     decode = lambda t: server.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
     compared = 0
     for position, served in enumerate(completion.choices[0].logprobs.top_logprobs):
@@ -167,13 +216,20 @@ def test_top_logprobs_match_cache_free_recompute(server, client):
     assert compared >= num_new
     wait_idle(server)
     chat = client.chat.completions.create(
-        model=SERVED_NAME, messages=[{"role": "user", "content": "alternatives"}], max_tokens=4,
-        temperature=0, logprobs=True, top_logprobs=3, extra_body=IGNORE_EOS)
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "alternatives"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=IGNORE_EOS,
+    )
     for item in chat.choices[0].logprobs.content:
         assert len(item.top_logprobs) == 3
         assert item.top_logprobs[0].token == item.token
         assert [alt.logprob for alt in item.top_logprobs] == sorted(
-            (alt.logprob for alt in item.top_logprobs), reverse=True)
+            (alt.logprob for alt in item.top_logprobs), reverse=True
+        )
 
 
 def test_same_long_prompt_twice_hits_the_checkpoint(server, client):
@@ -181,8 +237,11 @@ def test_same_long_prompt_twice_hits_the_checkpoint(server, client):
     prompt = random_ids(np.random.default_rng(12), 150, _vocab(server))
     results = []
     for _ in range(2):
-        results.append(client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=8,
-                                                  temperature=0, extra_body=IGNORE_EOS))
+        results.append(
+            client.completions.create(
+                model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body=IGNORE_EOS
+            )
+        )
         wait_idle(server)
     first, second = results
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -193,7 +252,7 @@ def test_same_long_prompt_twice_hits_the_checkpoint(server, client):
 
 def _stop_candidate(text: str) -> str | None:
     for start in range(4, len(text) - 3):
-        piece = text[start:start + 3]
+        piece = text[start : start + 3]
         if "\ufffd" not in piece and piece.strip() == piece and piece:
             return piece
     return None
@@ -203,21 +262,41 @@ def test_stop_string_cuts_the_text_and_frees_the_request(server, client):
     rng = np.random.default_rng(13)
     for _ in range(10):
         prompt = random_ids(rng, 20, _vocab(server))
-        full = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=24,
-                                         temperature=0, extra_body=IGNORE_EOS).choices[0].text
+        full = (
+            client.completions.create(
+                model=SERVED_NAME,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
+                extra_body=IGNORE_EOS,
+            )
+            .choices[0]
+            .text
+        )
         stop = _stop_candidate(full)
         if stop:
             break
     assert stop, "no usable stop string in ten greedy outputs"
-    expected = full[:full.find(stop)]
-    cut = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=24,
-                                    temperature=0, stop=[stop, "\x00never"],
-                                    extra_body=IGNORE_EOS)
+    expected = full[: full.find(stop)]
+    cut = client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop, "\x00never"],
+        extra_body=IGNORE_EOS,
+    )
     assert cut.choices[0].text == expected
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=24,
-                                         temperature=0, stop=stop, stream=True,
-                                         extra_body=IGNORE_EOS)
+    streamed = client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body=IGNORE_EOS,
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected
     info = wait_idle(server)
     assert info["free_state_slots"] + info["cached_state_slots"] == info["state_slots"]
@@ -227,9 +306,19 @@ def test_seed_makes_sampling_repeatable(server, client):
     prompt = random_ids(np.random.default_rng(14), 16, _vocab(server))
 
     def sample(seed: int) -> str:
-        return client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=16,
-                                         temperature=0.9, top_p=0.95, seed=seed,
-                                         extra_body=IGNORE_EOS).choices[0].text
+        return (
+            client.completions.create(
+                model=SERVED_NAME,
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0.9,
+                top_p=0.95,
+                seed=seed,
+                extra_body=IGNORE_EOS,
+            )
+            .choices[0]
+            .text
+        )
 
     a, b, c = sample(11), sample(11), sample(12)
     assert a == b
@@ -239,8 +328,9 @@ def test_seed_makes_sampling_repeatable(server, client):
 def test_two_prompts_give_two_indexed_choices(server, client):
     rng = np.random.default_rng(15)
     prompts = [random_ids(rng, 12, _vocab(server)), random_ids(rng, 25, _vocab(server))]
-    both = client.completions.create(model=SERVED_NAME, prompt=prompts, max_tokens=6,
-                                     temperature=0, extra_body=IGNORE_EOS)
+    both = client.completions.create(
+        model=SERVED_NAME, prompt=prompts, max_tokens=6, temperature=0, extra_body=IGNORE_EOS
+    )
     assert [c.index for c in both.choices] == [0, 1]
     assert both.usage.prompt_tokens == 37 and both.usage.completion_tokens == 12
     for choice, prompt in zip(both.choices, prompts):
@@ -278,12 +368,20 @@ def test_text_stream_holds_split_characters_and_stop_prefixes(model_dir):
 def test_chat_template_fallback_and_template_errors():
     from lazyspec.server.protocol import ApiError, ChatTemplate, parse_messages
 
-    messages = parse_messages([{"role": "system", "content": "be brief"},
-                               {"role": "user", "content": [{"type": "text", "text": "h"},
-                                                            {"type": "text", "text": "i"}]}])
+    messages = parse_messages(
+        [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}],
+            },
+        ]
+    )
     assert ChatTemplate(None).render(messages) == "system: be brief\nuser: hi\nassistant:"
-    strict = ChatTemplate("{% if messages[0]['role'] == 'system' %}"
-                          "{{ raise_exception('no system messages') }}{% endif %}ok")
+    strict = ChatTemplate(
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('no system messages') }}{% endif %}ok"
+    )
     with pytest.raises(ApiError, match="no system messages"):
         strict.render(messages)
     assert strict.render(messages[1:]) == "ok"

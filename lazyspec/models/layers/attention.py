@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec
+from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
+from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 MASK_VALUE = -1e30  # finite, so a fully masked (padding) query gives no NaN
 
@@ -88,9 +89,7 @@ def project_qkv(
     return q, k, v, gate
 
 
-def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
-) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
     """Masked softmax attention with GQA.
 
     q ``[B, T, Hq, D]``, k/v ``[B, C, Hkv, D]``, mask ``[B, T, C]`` (True = may attend).
@@ -103,8 +102,9 @@ def attend(
     scores = jnp.einsum("btkgd,bckd->bkgtc", q, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None], scores * scale, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgtc,bckd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bkgtc,bckd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
     return out.reshape(batch, num_tokens, num_heads, head_dim).astype(v.dtype)
 
 

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.models.interface import gathered
-from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec
+from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
+from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 FORMS = ("reference", "steps", "chunked")
 
@@ -103,7 +104,8 @@ def _project(params: Params, spec: GDNSpec, x: jax.Array):
 
 
 def _heads(spec: GDNSpec, conv_out: jax.Array):
-    """Conv output -> q, k ``[..., Hv, d_k]`` (L2-normed, q scaled, repeated), v ``[..., Hv, d_v]``."""
+    """Conv output -> q, k ``[..., Hv, d_k]`` (L2-normed, q scaled, repeated) and v
+    ``[..., Hv, d_v]``."""
     lead = conv_out.shape[:-1]
     kd = spec.key_dim
     q = conv_out[..., :kd].reshape(*lead, spec.num_k_heads, spec.head_k_dim)

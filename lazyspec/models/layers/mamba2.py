@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from lazyspec.kernels.mamba2_chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
 from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba2_step
 from lazyspec.models.interface import gathered
-from lazyspec.models.layers.mlp import linear
+from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
 
 FORMS = ("reference", "chunked", "steps")
@@ -75,8 +75,9 @@ class MixerStates:
     trace_ssm: jax.Array  # [B, S, H, P, N]
 
 
-def split_projection(dims: Mamba2Dims,
-                     projected: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def split_projection(
+    dims: Mamba2Dims, projected: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split in_proj's output [..., projection_size] into (gate, xbc, raw dt)."""
     inter, conv_dim = dims.intermediate_size, dims.conv_dim
     gate = projected[..., :inter]
@@ -114,34 +115,55 @@ class _Recurrence(NamedTuple):
 RowResult = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
-def _row_reference(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.Array,
-                   xbc: jax.Array, dt: jax.Array, num_valid: jax.Array,
-                   chunk_size: int) -> RowResult:
+def _row_reference(
+    dims: Mamba2Dims,
+    rec: _Recurrence,
+    conv0: jax.Array,
+    ssm0: jax.Array,
+    xbc: jax.Array,
+    dt: jax.Array,
+    num_valid: jax.Array,
+    chunk_size: int,
+) -> RowResult:
     """Token-by-token scans over one row; the trace is the state after every token."""
     valid = jnp.arange(xbc.shape[0]) < num_valid
     conv_out, conv_final, conv_trace = conv_scan(conv0, xbc, rec.conv_weight, rec.conv_bias, valid)
     x, b, c = split_xbc(dims, conv_out)
-    y, ssm_final, ssm_trace = mamba2_scan(ssm0.astype(jnp.float32), x, b, c, dt, rec.a, rec.d,
-                                          valid)
+    y, ssm_final, ssm_trace = mamba2_scan(
+        ssm0.astype(jnp.float32), x, b, c, dt, rec.a, rec.d, valid
+    )
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
-def _row_chunked(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.Array,
-                 xbc: jax.Array, dt: jax.Array, num_valid: jax.Array,
-                 chunk_size: int) -> RowResult:
+def _row_chunked(
+    dims: Mamba2Dims,
+    rec: _Recurrence,
+    conv0: jax.Array,
+    ssm0: jax.Array,
+    xbc: jax.Array,
+    dt: jax.Array,
+    num_valid: jax.Array,
+    chunk_size: int,
+) -> RowResult:
     """Chunked SSD over one row; the trace is the state after every full chunk."""
     conv_out, conv_final, conv_trace = conv_windowed(
         conv0, xbc, rec.conv_weight, rec.conv_bias, num_valid, chunk_size
     )
     x, b, c = split_xbc(dims, conv_out)
-    y, ssm_final, ssm_trace = mamba2_chunked(ssm0, x, b, c, dt, rec.a, rec.d, num_valid,
-                                             chunk_size)
+    y, ssm_final, ssm_trace = mamba2_chunked(ssm0, x, b, c, dt, rec.a, rec.d, num_valid, chunk_size)
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
-def _row_steps(dims: Mamba2Dims, rec: _Recurrence, conv0: jax.Array, ssm0: jax.Array,
-               xbc: jax.Array, dt: jax.Array, num_valid: jax.Array,
-               chunk_size: int) -> RowResult:
+def _row_steps(
+    dims: Mamba2Dims,
+    rec: _Recurrence,
+    conv0: jax.Array,
+    ssm0: jax.Array,
+    xbc: jax.Array,
+    dt: jax.Array,
+    num_valid: jax.Array,
+    chunk_size: int,
+) -> RowResult:
     """T fused single-token updates (conv then SSM) over one row; the trace is the state
     after each step. Short T (decode, verify) is fully unrolled."""
 
@@ -180,10 +202,18 @@ def _steps_pallas(dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
-def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.Array,
-                 ssm0: jax.Array, num_new: jax.Array, *, form: str,
-                 chunk_size: int = DEFAULT_CHUNK,
-                 backend: str = "xla") -> tuple[jax.Array, MixerStates]:
+def mamba2_mixer(
+    params: dict,
+    dims: Mamba2Dims,
+    hidden: jax.Array,
+    conv0: jax.Array,
+    ssm0: jax.Array,
+    num_new: jax.Array,
+    *,
+    form: str,
+    chunk_size: int = DEFAULT_CHUNK,
+    backend: str = "xla",
+) -> tuple[jax.Array, MixerStates]:
     """Run the mixer over B rows of T tokens; row b's real tokens are ``hidden[b, :num_new[b]]``.
 
     ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] (or ``PoolRows``, which the Pallas
@@ -212,7 +242,8 @@ def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.A
 
     if backend == "pallas" and form == "steps":
         y, conv_final, ssm_final, conv_trace, ssm_trace = _steps_pallas(
-            dims, rec, conv0, ssm0, xbc, dt, num_new)
+            dims, rec, conv0, ssm0, xbc, dt, num_new
+        )
     else:
         y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(
             conv0, ssm0, xbc, dt, num_new
@@ -238,26 +269,42 @@ def mamba2_mixer(params: dict, dims: Mamba2Dims, hidden: jax.Array, conv0: jax.A
 FLOAT32_KEYS = ("dt_bias", "A_log", "D")
 
 
-def init_mamba2_params(dims: Mamba2Dims, key: jax.Array, dtype, *, use_bias: bool = False,
-                       use_conv_bias: bool = True, dt_init: tuple[float, float] = (1e-3, 0.1),
-                       out_scale: float = 1.0) -> dict:
+def init_mamba2_params(
+    dims: Mamba2Dims,
+    key: jax.Array,
+    dtype,
+    *,
+    use_bias: bool = False,
+    use_conv_bias: bool = True,
+    dt_init: tuple[float, float] = (1e-3, 0.1),
+    out_scale: float = 1.0,
+) -> dict:
     """Random mixer params: normal(0.02) projections, A in [1, 16], dt log-uniform in dt_init."""
     keys = jax.random.split(key, 6)
     kernel = dims.conv_kernel
     heads = dims.num_heads
-    dt = jnp.exp(jax.random.uniform(keys[0], (heads,), minval=jnp.log(dt_init[0]),
-                                    maxval=jnp.log(dt_init[1])))
+    dt = jnp.exp(
+        jax.random.uniform(
+            keys[0], (heads,), minval=jnp.log(dt_init[0]), maxval=jnp.log(dt_init[1])
+        )
+    )
     params = {
-        "in_proj": {"weight": 0.02 * jax.random.normal(
-            keys[1], (dims.hidden_size, dims.projection_size), dtype)},
-        "conv_weight": jax.random.uniform(keys[2], (dims.conv_dim, kernel), dtype,
-                                          -kernel**-0.5, kernel**-0.5),
+        "in_proj": {
+            "weight": 0.02
+            * jax.random.normal(keys[1], (dims.hidden_size, dims.projection_size), dtype)
+        },
+        "conv_weight": jax.random.uniform(
+            keys[2], (dims.conv_dim, kernel), dtype, -(kernel**-0.5), kernel**-0.5
+        ),
         "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # inverse softplus
         "A_log": jnp.log(jax.random.uniform(keys[3], (heads,), minval=1.0, maxval=16.0)),
         "D": jnp.ones((heads,), jnp.float32),
         "norm": jnp.ones((dims.intermediate_size,), dtype),
-        "out_proj": {"weight": 0.02 * out_scale * jax.random.normal(
-            keys[4], (dims.intermediate_size, dims.hidden_size), dtype)},
+        "out_proj": {
+            "weight": 0.02
+            * out_scale
+            * jax.random.normal(keys[4], (dims.intermediate_size, dims.hidden_size), dtype)
+        },
     }
     if use_conv_bias:
         params["conv_bias"] = jnp.zeros((dims.conv_dim,), dtype)
@@ -267,8 +314,9 @@ def init_mamba2_params(dims: Mamba2Dims, key: jax.Array, dtype, *, use_bias: boo
     return params
 
 
-def load_mamba2_params(dims: Mamba2Dims, get, prefix: str, dtype, *, use_bias: bool,
-                       use_conv_bias: bool) -> dict:
+def load_mamba2_params(
+    dims: Mamba2Dims, get, prefix: str, dtype, *, use_bias: bool, use_conv_bias: bool
+) -> dict:
     """Mixer params from checkpoint tensors named as transformers saves them.
 
     ``get(name, shape)`` returns the float32 numpy tensor or raises an error naming the tensor

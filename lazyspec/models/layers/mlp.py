@@ -1,33 +1,11 @@
-"""Linear projections, checkpoint tensor plans, and the dense SwiGLU MLP.
-
-A linear layer's params are ``{"weight": [in, out]}`` plus an optional ``"bias": [out]``
-(the transpose of PyTorch's ``nn.Linear.weight``, so activations multiply on the left).
-The input is cast to the weight's dtype; the result has the weight's dtype.
-
-A *plan* is a nested dict (lists allowed) shaped like a params tree whose leaves say where
-each array comes from (``TensorSpec``, or any object with the same ``load`` / ``random``
-methods); ``load_plan`` and ``init_plan`` turn it into params.
-"""
+"""The dense SwiGLU MLP and its weight plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-Params = dict[str, Any]
-
-
-def linear(params: Params, x: jax.Array) -> jax.Array:
-    """``x @ weight (+ bias)`` over the last axis of ``x``."""
-    weight = params["weight"]
-    y = jnp.matmul(x.astype(weight.dtype), weight)
-    if "bias" in params:
-        y = y + params["bias"].astype(y.dtype)
-    return y
+from lazyspec.models.layers.linear import linear
+from lazyspec.models.plan import Params, linear_spec
 
 
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
@@ -37,65 +15,6 @@ def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
     return linear(params["down_proj"], jax.nn.silu(gate) * up)
 
 
-# ---------------------------------------------------------------- checkpoint plans
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor: its name and shape in the file, and how it becomes a param.
-
-    ``transpose`` reverses the axes (linear weights: ``[out, in]`` -> ``[in, out]``);
-    ``reshape`` then gives the param's shape. ``init`` picks the random initialiser:
-    "normal" (std ``scale``), "zeros", "ones", "a_log" (log of uniform(1, 16)) or
-    "fan_in_uniform" (uniform within +-1/sqrt(last axis), PyTorch's conv default).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    transpose: bool = False
-    reshape: tuple[int, ...] | None = None
-    init: str = "normal"
-
-    def _to_param(self, array: np.ndarray) -> np.ndarray:
-        if self.transpose:
-            array = array.T
-        return array.reshape(self.reshape) if self.reshape is not None else array
-
-    def load(self, reader, dtype) -> np.ndarray:
-        """Read, check the shape, cast to ``dtype``; clear errors naming the tensor."""
-        if self.name not in reader:
-            raise ValueError(
-                f"checkpoint has no tensor {self.name!r} (expected shape {self.shape})"
-            )
-        array = reader.get(self.name, dtype=None)
-        if tuple(array.shape) != tuple(self.shape):
-            raise ValueError(
-                f"tensor {self.name!r} has shape {tuple(array.shape)}, expected {self.shape}"
-            )
-        return self._to_param(np.asarray(array, dtype=dtype))
-
-    def random(self, rng: np.random.Generator, scale: float) -> np.ndarray:
-        """A random float32 param of the final shape, per ``init``."""
-        shape = self._to_param(np.empty(self.shape, dtype=np.int8)).shape
-        if self.init == "zeros":
-            return np.zeros(shape, np.float32)
-        if self.init == "ones":
-            return np.ones(shape, np.float32)
-        if self.init == "a_log":
-            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-        if self.init == "fan_in_uniform":
-            bound = shape[-1] ** -0.5
-            return rng.uniform(-bound, bound, shape).astype(np.float32)
-        if self.init == "normal":
-            return (scale * rng.standard_normal(shape)).astype(np.float32)
-        raise ValueError(f"unknown init {self.init!r} for tensor {self.name!r}")
-
-
-def linear_spec(name: str, in_features: int, out_features: int) -> Params:
-    """Plan of a bias-free ``nn.Linear`` stored as ``{name}.weight``."""
-    return {"weight": TensorSpec(f"{name}.weight", (out_features, in_features), transpose=True)}
-
-
 def mlp_plan(prefix: str, hidden_size: int, intermediate_size: int) -> Params:
     """Plan of a SwiGLU MLP whose projections sit under ``prefix``."""
     return {
@@ -103,26 +22,3 @@ def mlp_plan(prefix: str, hidden_size: int, intermediate_size: int) -> Params:
         "up_proj": linear_spec(f"{prefix}.up_proj", hidden_size, intermediate_size),
         "down_proj": linear_spec(f"{prefix}.down_proj", intermediate_size, hidden_size),
     }
-
-
-def _is_leaf(node: Any) -> bool:
-    return hasattr(node, "load") and hasattr(node, "random")
-
-
-def load_plan(plan: Params, reader, dtype) -> Params:
-    """Params read tensor by tensor from ``reader`` (a ``SafetensorsReader``), cast to dtype."""
-    np_dtype = jnp.dtype(dtype)
-    return jax.tree.map(lambda s: jnp.asarray(s.load(reader, np_dtype)), plan, is_leaf=_is_leaf)
-
-
-def init_plan(plan: Params, key: jax.Array, dtype, scale: float = 0.02) -> Params:
-    """Random params for ``plan``, deterministic in ``key``.
-
-    Drawn on the host with numpy (one generator per leaf, seeded from ``key`` and the
-    leaf's index): compiling a random program per leaf shape would cost far more.
-    """
-    leaves, treedef = jax.tree.flatten(plan, is_leaf=_is_leaf)
-    root = np.random.SeedSequence(np.asarray(jax.random.key_data(key)).ravel().tolist())
-    rngs = [np.random.default_rng(seq) for seq in root.spawn(len(leaves))]
-    arrays = [jnp.asarray(s.random(rng, scale), dtype) for s, rng in zip(leaves, rngs)]
-    return jax.tree.unflatten(treedef, arrays)

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.models.layers.mlp import Params, TensorSpec, linear, linear_spec, mlp_plan, swiglu_mlp
+from lazyspec.models.layers.linear import linear
+from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
+from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,9 @@ def route(params: Params, spec: MoESpec, x: jax.Array) -> tuple[jax.Array, jax.A
     return weights, expert_ids
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
-                    num_experts: int, expert_fn) -> jax.Array:
+def grouped_experts(
+    x: jax.Array, weights: jax.Array, expert_ids: jax.Array, num_experts: int, expert_fn
+) -> jax.Array:
     """``sum_j weights[n, j] * expert_{ids[n, j]}(x[n])`` for x ``[N, d]``, weights and ids
     ``[N, k]``: the (token, expert) pairs are sorted by expert and ``expert_fn(xs,
     group_sizes)`` runs every expert on its contiguous group (``lax.ragged_dot``), so the

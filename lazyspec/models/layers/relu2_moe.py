@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lazyspec.models.layers.mlp import linear
+from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.moe import grouped_experts
 
 

@@ -26,18 +26,19 @@ def _final(step_states: jax.Array, ssm0: jax.Array, num_new: jax.Array) -> jax.A
     return jnp.where(keep, last, ssm0.astype(last.dtype))
 
 
-def pallas_steps(ssm0: jax.Array | PoolRows, tokens: GdnTokens | Mamba2Tokens,
-                 num_new: jax.Array):
+def pallas_steps(ssm0: jax.Array | PoolRows, tokens: GdnTokens | Mamba2Tokens, num_new: jax.Array):
     """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...]).
     ``PoolRows`` are read in place from the stacked pool (the final state of a row with no
     new token gathers its row; nothing does when the caller drops ``final``)."""
     if isinstance(ssm0, PoolRows):
-        result = state_update(ssm0.pool, ssm0.slot, tokens, mode="verify",
-                              kernel_backend="pallas", layer=ssm0.layer)
+        result = state_update(
+            ssm0.pool, ssm0.slot, tokens, mode="verify", kernel_backend="pallas", layer=ssm0.layer
+        )
     else:
         slot = jnp.arange(ssm0.shape[0], dtype=jnp.int32)
-        result = state_update(ssm0.astype(jnp.float32), slot, tokens, mode="verify",
-                              kernel_backend="pallas")
+        result = state_update(
+            ssm0.astype(jnp.float32), slot, tokens, mode="verify", kernel_backend="pallas"
+        )
     final = _final(result.step_states, gathered(ssm0), num_new)
     return result.outputs, final, result.step_states
 
@@ -49,5 +50,11 @@ def gdn_tokens(q, k, v, g, beta, num_new) -> GdnTokens:
 
 def mamba2_tokens(x, b, c, dt, a, d, num_new) -> Mamba2Tokens:
     valid = jnp.arange(x.shape[1])[None, :, None] < num_new[:, None, None]
-    return Mamba2Tokens(x=x.astype(jnp.float32), b=b.astype(jnp.float32),
-                        c=c.astype(jnp.float32), dt=jnp.where(valid, dt, 0.0), a=a, d=d)
+    return Mamba2Tokens(
+        x=x.astype(jnp.float32),
+        b=b.astype(jnp.float32),
+        c=c.astype(jnp.float32),
+        dt=jnp.where(valid, dt, 0.0),
+        a=a,
+        d=d,
+    )

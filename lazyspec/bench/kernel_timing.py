@@ -5,13 +5,13 @@ graphs of torch calls), and the copy bandwidth the fractions are taken against."
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernel_cases import POOL_BYTES, SLOT_SETS, Bench, Model
+from lazyspec.bench.kernel_cases import POOL_BYTES, SLOT_SETS, Bench, Model
 
 
 def log(message: str) -> None:
@@ -66,8 +66,9 @@ def time_calls(run: Callable[[], object], iters: int, warmup: int) -> float:
 CHAIN_CALLS = (2, 10)
 
 
-def chain_seconds(make_chain: Callable[[int], Callable[[], None]], iters: int,
-                  warmup: int) -> float:
+def chain_seconds(
+    make_chain: Callable[[int], Callable[[], None]], iters: int, warmup: int
+) -> float:
     """Device seconds per call: chains of n1 and n2 back-to-back calls (CHAIN_CALLS) are
     timed (median of ``iters`` runs each, every run ending in a device sync), and the
     difference of the medians over n2 - n1 cancels dispatch, launch and sync costs."""
@@ -122,8 +123,9 @@ def copy_bandwidths(num_bytes: int, iters: int, warmup: int) -> dict[str, float]
         if torch.cuda.is_available():
             src = torch.ones(num_bytes // 4, device="cuda")
             dst = torch.empty_like(src)
-            results["torch copy_"] = 2 * num_bytes / torch_event_seconds(
-                lambda: dst.copy_(src), iters, warmup) / 1e9
+            results["torch copy_"] = (
+                2 * num_bytes / torch_event_seconds(lambda: dst.copy_(src), iters, warmup) / 1e9
+            )
             del src, dst
             torch.cuda.empty_cache()
     except ImportError:
@@ -134,8 +136,9 @@ def copy_bandwidths(num_bytes: int, iters: int, warmup: int) -> dict[str, float]
 # ---------------------------------------------------------------- peers (torch / Triton)
 
 
-def torch_event_seconds(fn: Callable[[], object], iters: int, warmup: int,
-                        calls: int = 10) -> float:
+def torch_event_seconds(
+    fn: Callable[[], object], iters: int, warmup: int, calls: int = 10
+) -> float:
     """Median over ``iters`` of CUDA-event time for ``calls`` eager calls, per call."""
     import torch
 
@@ -153,8 +156,7 @@ def torch_event_seconds(fn: Callable[[], object], iters: int, warmup: int,
     return float(np.median(samples))
 
 
-def torch_chain(make_call: Callable[[int], Callable[[], object]],
-                calls: int) -> Callable[[], None]:
+def torch_chain(make_call: Callable[[int], Callable[[], object]], calls: int) -> Callable[[], None]:
     """``calls`` calls (call i made by ``make_call(i)``) captured in one CUDA graph; run()
     replays it and synchronises. Falls back to eager calls if capture fails."""
     import torch
@@ -180,16 +182,19 @@ def torch_chain(make_call: Callable[[int], Callable[[], object]],
             for fn in fns:
                 fn()
             torch.cuda.synchronize()
+
         return eager
 
     def replay():
         graph.replay()
         torch.cuda.synchronize()
+
     return replay
 
 
-def torch_seconds(make_call: Callable[[int], Callable[[], object]], iters: int,
-                  warmup: int) -> float:
+def torch_seconds(
+    make_call: Callable[[int], Callable[[], object]], iters: int, warmup: int
+) -> float:
     """Device seconds per call of a torch function, by ``chain_seconds`` over CUDA graphs."""
     return chain_seconds(lambda n: torch_chain(make_call, n), iters, warmup)
 
@@ -207,11 +212,26 @@ def fla_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) 
     g = -torch.nn.functional.softplus(torch.randn(*shape, device=dev))
     beta = torch.sigmoid(torch.randn(*shape, device=dev))
     q, k = (q / model.d_a**0.5).bfloat16(), k.bfloat16()
-    states = [torch.randn(batch, model.heads, model.d_a, model.d_b, device=dev) * 0.1
-              for _ in range(SLOT_SETS)]
-    return torch_seconds(lambda i: (lambda: fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale=1.0, initial_state=states[i % SLOT_SETS],
-        output_final_state=True)), iters, warmup)
+    states = [
+        torch.randn(batch, model.heads, model.d_a, model.d_b, device=dev) * 0.1
+        for _ in range(SLOT_SETS)
+    ]
+    return torch_seconds(
+        lambda i: (
+            lambda: fused_recurrent_gated_delta_rule(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                scale=1.0,
+                initial_state=states[i % SLOT_SETS],
+                output_final_state=True,
+            )
+        ),
+        iters,
+        warmup,
+    )
 
 
 def mamba_ssm_seconds(model: Model, batch: int, tokens: int, iters: int, warmup: int) -> float:
@@ -225,8 +245,10 @@ def mamba_ssm_seconds(model: Model, batch: int, tokens: int, iters: int, warmup:
     dev, h, p, n = "cuda", model.heads, model.d_a, model.d_b
     num_slots = max(2 * batch + 1, -(-POOL_BYTES // (h * p * n * 4)))
     pool = torch.randn(num_slots + 1, h, p, n, device=dev) * 0.1
-    slot_sets = [(torch.randperm(num_slots, device=dev)[:batch] + 1).to(torch.int32)
-                 for _ in range(SLOT_SETS)]
+    slot_sets = [
+        (torch.randperm(num_slots, device=dev)[:batch] + 1).to(torch.int32)
+        for _ in range(SLOT_SETS)
+    ]
     x = torch.randn(batch, h, p, device=dev, dtype=torch.bfloat16)
     dt = torch.nn.functional.softplus(torch.randn(batch, h, device=dev))
     dt = dt[:, :, None].expand(-1, -1, p)
@@ -234,11 +256,26 @@ def mamba_ssm_seconds(model: Model, batch: int, tokens: int, iters: int, warmup:
     a = -torch.rand(h, device=dev)[:, None, None].expand(-1, p, n)
     b, c = (torch.randn(batch, model.groups, n, device=dev, dtype=torch.bfloat16) for _ in "bc")
     d = torch.randn(h, device=dev)[:, None].expand(-1, p)
-    return torch_seconds(lambda i: (lambda: selective_state_update(
-        pool, x, dt, a, b, c, D=d, dt_bias=dt_bias,
-        state_batch_indices=slot_sets[i % SLOT_SETS])), iters, warmup)
+    return torch_seconds(
+        lambda i: (
+            lambda: selective_state_update(
+                pool,
+                x,
+                dt,
+                a,
+                b,
+                c,
+                D=d,
+                dt_bias=dt_bias,
+                state_batch_indices=slot_sets[i % SLOT_SETS],
+            )
+        ),
+        iters,
+        warmup,
+    )
 
 
 EXTERNAL = {  # mixer -> (row label, package to find, timing function)
     "gdn": ("fla fused_recurrent (final state only)", "fla", fla_seconds),
-    "mamba2": ("mamba_ssm selective_state_update", "mamba_ssm", mamba_ssm_seconds)}
+    "mamba2": ("mamba_ssm selective_state_update", "mamba_ssm", mamba_ssm_seconds),
+}

@@ -19,8 +19,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from lazyspec.models.layers.mlp import Params, TensorSpec
 from lazyspec.models.layers.moe import ExpertStack
+from lazyspec.models.plan import Params, TensorSpec
 from lazyspec.models.qwen3_next import param_plan, parse_config
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -44,8 +44,9 @@ def _param_shape(spec: TensorSpec) -> tuple[int, ...]:
 def _tensor_to_checkpoint(spec: TensorSpec, param: np.ndarray) -> dict[str, np.ndarray]:
     """Undo ``TensorSpec.load``: reshape back, then transpose back."""
     if param.shape != _param_shape(spec):
-        raise ValueError(f"param for {spec.name!r} has shape {param.shape}, "
-                         f"expected {_param_shape(spec)}")
+        raise ValueError(
+            f"param for {spec.name!r} has shape {param.shape}, expected {_param_shape(spec)}"
+        )
     stored = tuple(reversed(spec.shape)) if spec.transpose else tuple(spec.shape)
     array = param.reshape(stored)
     return {spec.name: np.ascontiguousarray(array.T if spec.transpose else array)}
@@ -56,10 +57,14 @@ def _experts_to_checkpoint(stack: ExpertStack, param: np.ndarray) -> dict[str, n
     h, i = stack.hidden_size, stack.intermediate_size
     inner = (i, h) if stack.proj == "down_proj" else (h, i)
     if param.shape != (stack.num_experts, *inner):
-        raise ValueError(f"param for {stack.prefix}.*.{stack.proj} has shape {param.shape}, "
-                         f"expected {(stack.num_experts, *inner)}")
-    return {f"{stack.prefix}.{e}.{stack.proj}.weight": np.ascontiguousarray(param[e].T)
-            for e in range(stack.num_experts)}
+        raise ValueError(
+            f"param for {stack.prefix}.*.{stack.proj} has shape {param.shape}, "
+            f"expected {(stack.num_experts, *inner)}"
+        )
+    return {
+        f"{stack.prefix}.{e}.{stack.proj}.weight": np.ascontiguousarray(param[e].T)
+        for e in range(stack.num_experts)
+    }
 
 
 def checkpoint_tensors(params: Params, plan: Params) -> dict[str, np.ndarray]:
@@ -70,8 +75,10 @@ def checkpoint_tensors(params: Params, plan: Params) -> dict[str, np.ndarray]:
     plan_leaves, plan_tree = jax.tree.flatten(plan, is_leaf=_is_plan_leaf)
     param_leaves, param_tree = jax.tree.flatten(params)
     if plan_tree != param_tree:
-        raise ValueError(f"params do not match the config's checkpoint plan:\n"
-                         f"params {param_tree}\nplan   {plan_tree}")
+        raise ValueError(
+            f"params do not match the config's checkpoint plan:\n"
+            f"params {param_tree}\nplan   {plan_tree}"
+        )
     tensors: dict[str, np.ndarray] = {}
     for spec, param in zip(plan_leaves, param_leaves):
         array = np.asarray(jax.device_get(param), dtype=np.float32)
@@ -90,8 +97,9 @@ def _full_config(params: Params, cfg_hf: dict[str, Any], tokenizer, dtype: str) 
     if config.get("eos_token_id") is None:
         eos_id = tokenizer.token_to_id("<|endoftext|>")
         if eos_id is None:
-            raise ValueError("cfg_hf_dict has no eos_token_id and the tokenizer has no "
-                             "<|endoftext|> token")
+            raise ValueError(
+                "cfg_hf_dict has no eos_token_id and the tokenizer has no <|endoftext|> token"
+            )
         config["eos_token_id"] = eos_id
     config.setdefault("bos_token_id", config["eos_token_id"])
     config.setdefault("max_position_embeddings", 4096)
@@ -106,19 +114,30 @@ def _tokenizer_config(tokenizer, config: dict, chat_template: str) -> dict:
     eos = tokenizer.id_to_token(_first_id(config["eos_token_id"]))
     bos = tokenizer.id_to_token(_first_id(config["bos_token_id"]))
     if eos is None or bos is None:
-        raise ValueError(f"eos_token_id={config['eos_token_id']} / bos_token_id="
-                         f"{config['bos_token_id']} are not in the tokenizer's vocabulary")
+        raise ValueError(
+            f"eos_token_id={config['eos_token_id']} / bos_token_id="
+            f"{config['bos_token_id']} are not in the tokenizer's vocabulary"
+        )
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-        "pad_token": eos, "unk_token": None, "chat_template": chat_template,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": eos,
+        "unk_token": None,
+        "chat_template": chat_template,
         "model_max_length": config["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
     }
 
 
-def export_hf_folder(params: Params, cfg_hf_dict: dict[str, Any], tokenizer,
-                     out_dir: str | Path, dtype: str = "bfloat16",
-                     chat_template: str = CHAT_TEMPLATE) -> Path:
+def export_hf_folder(
+    params: Params,
+    cfg_hf_dict: dict[str, Any],
+    tokenizer,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
     """Write ``params`` (a qwen3_next params tree, MTP head optional) as a HF folder.
 
     ``cfg_hf_dict`` is the model's config.json dict (model_type, architectures and
@@ -129,15 +148,19 @@ def export_hf_folder(params: Params, cfg_hf_dict: dict[str, Any], tokenizer,
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"unsupported export dtype {dtype!r}; expected one of "
-                         f"{sorted(EXPORT_DTYPES)}")
+        raise ValueError(
+            f"unsupported export dtype {dtype!r}; expected one of {sorted(EXPORT_DTYPES)}"
+        )
     config = _full_config(params, cfg_hf_dict, tokenizer, dtype)
     cfg = parse_config(config)
     tensors = checkpoint_tensors(params, param_plan(cfg, "mtp" in params))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.astype(EXPORT_DTYPES[dtype]) for k, v in tensors.items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id")}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Launch the HTTP server: ``python -m lazyspec.serve --model-path /path/to/hf-folder``.
+"""Launch the HTTP server: ``python scripts/serve.py --model-path /path/to/hf-folder``.
 
 Flag names follow SGLang's ``launch_server``; one flag per ``EngineConfig`` field (generated
 from the dataclass, so a new field gets a flag), plus the server's own flags. Without
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -17,32 +16,34 @@ from typing import Any
 
 from lazyspec.config import DTYPES, KERNEL_BACKENDS, SPEC_ALGORITHMS, STRATEGIES, EngineConfig
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 ALIASES = {"mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"]}
 SKIPPED_FIELDS = {"mamba_radix_cache_strategy"}  # an alias, exposed through ALIASES
 CHOICES = {
-    "dtype": DTYPES, "mamba_ssm_dtype": DTYPES, "mamba_scheduler_strategy": STRATEGIES,
+    "dtype": DTYPES,
+    "mamba_ssm_dtype": DTYPES,
+    "mamba_scheduler_strategy": STRATEGIES,
     "speculative_algorithm": tuple(a for a in SPEC_ALGORITHMS if a is not None),
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
 }
 HELP = {
     "model_path": "Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
-                  "Default: the embedded model in lazyspec/assets/default_model.",
+    "Default: the embedded model in lazyspec/assets/default_model.",
     "dtype": "Weight and activation dtype.",
     "page_size": "Tokens per KV page.",
     "max_running_requests": "Cap on requests in the running batch (also capped by state slots).",
     "max_total_tokens": "KV cache capacity in tokens (rounded up to whole pages).",
     "max_mamba_cache_size": "Recurrent-state slots (running requests + cached checkpoints); "
-                            "default: sized from max-running-requests.",
+    "default: sized from max-running-requests.",
     "mamba_scheduler_strategy": "Checkpoint strategy: no_buffer, extra_buffer, "
-                                "extra_buffer_lazy, or auto (= extra_buffer).",
+    "extra_buffer_lazy, or auto (= extra_buffer).",
     "mamba_track_interval": "Tokens between recurrent-state checkpoints (a multiple of "
-                            "page-size and mamba-chunk-size).",
+    "page-size and mamba-chunk-size).",
     "mamba_ssm_dtype": "dtype of the recurrent (ssm) state pool.",
     "mamba_chunk_size": "Chunk length of the chunked prefill scan.",
     "chunked_prefill_size": "Most prompt tokens one request prefills per step.",
     "context_length": "Longest sequence (prompt + output); default: the model's, capped by "
-                      "max-total-tokens.",
+    "max-total-tokens.",
     "disable_overlap_schedule": "Process each step before planning the next (no look-ahead).",
     "disable_radix_cache": "Turn the prefix cache off.",
     "random_seed": "Engine random seed.",
@@ -51,11 +52,11 @@ HELP = {
     "speculative_eagle_topk": "Draft branching; only 1 (chain drafting) is supported.",
     "speculative_num_draft_tokens": "Verify positions per step; must be num-steps + 1.",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
-                      "on CPU and TPU; pallas on TPU is untested).",
+    "on CPU and TPU; pallas on TPU is untested).",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "
-                                   "allocation fails.",
+    "allocation fails.",
 }
 
 
@@ -76,27 +77,45 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             continue
         convert = int if kind.startswith("int") else str
         default = f"(default: {f.default})" if f.default is not None else ""
-        group.add_argument(*names, dest=f.name, type=convert, default=None,
-                           choices=CHOICES.get(f.name), help=f"{text} {default}".strip())
+        group.add_argument(
+            *names,
+            dest=f.name,
+            type=convert,
+            default=None,
+            choices=CHOICES.get(f.name),
+            help=f"{text} {default}".strip(),
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lazyspec.serve",
-        description="OpenAI- and SGLang-compatible HTTP server for hybrid LLMs.")
+        prog="scripts/serve.py",
+        description="OpenAI- and SGLang-compatible HTTP server for hybrid LLMs.",
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address to bind.")
     server.add_argument("--port", type=int, default=30000, help="Port to bind.")
-    server.add_argument("--served-model-name", default=None,
-                        help="Model name in /v1/models and in requests (default: the model "
-                             "folder's name).")
-    server.add_argument("--max-queued-requests", type=int, default=1024,
-                        help="Requests allowed to wait beyond the running batch; more are "
-                             "answered 503. Negative: unbounded.")
-    server.add_argument("--chat-template", default=None,
-                        help="A jinja2 chat template file overriding the model's.")
-    server.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"), help="Logging level.")
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="Model name in /v1/models and in requests (default: the model folder's name).",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="Requests allowed to wait beyond the running batch; more are "
+        "answered 503. Negative: unbounded.",
+    )
+    server.add_argument(
+        "--chat-template", default=None, help="A jinja2 chat template file overriding the model's."
+    )
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="Logging level.",
+    )
     _add_engine_flags(parser)
     return parser
 
@@ -115,31 +134,22 @@ def resolve_model_path(given: str | None, default: Path = DEFAULT_MODEL) -> str:
         return str(default)
     raise ValueError(
         f"no --model-path given and the embedded default model is not present at {default}; "
-        "pass --model-path /path/to/hf-model-folder (config.json, *.safetensors, tokenizer.json)")
-
-
-def _ensure_kernels() -> None:
-    """In a source checkout (not installed), map kernels/ to lazyspec.kernels."""
-    if importlib.util.find_spec("lazyspec.kernels") is not None:
-        return
-    root = Path(__file__).resolve().parents[1]
-    if (root / "conftest.py").is_file():
-        sys.path.insert(0, str(root))
-        import conftest  # noqa: F401  (does the mapping)
+        "pass --model-path /path/to/hf-model-folder (config.json, *.safetensors, tokenizer.json)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     kwargs = engine_kwargs(args)
     try:
         kwargs["model_path"] = resolve_model_path(args.model_path)
         EngineConfig(**kwargs)
     except ValueError as exc:
         parser.error(str(exc))
-    _ensure_kernels()
     import uvicorn
 
     from lazyspec.engine.engine import Engine
@@ -156,15 +166,22 @@ def main(argv: list[str] | None = None) -> None:
     print("memory plan:", flush=True)
     for key, value in engine.memory_plan.items():
         print(f"  {key}: {value}", flush=True)
-    template = (ChatTemplate(Path(args.chat_template).read_text()) if args.chat_template
-                else ChatTemplate.from_folder(kwargs["model_path"]))
+    template = (
+        ChatTemplate(Path(args.chat_template).read_text())
+        if args.chat_template
+        else ChatTemplate.from_folder(kwargs["model_path"])
+    )
     settings = ServerSettings(
         served_model_name=args.served_model_name or Path(kwargs["model_path"]).name,
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
-        chat_template=template)
+        chat_template=template,
+    )
     worker = EngineWorker(engine).start()
-    server = _announcing_server(uvicorn.Config(create_app(worker, settings), host=args.host,
-                                              port=args.port, log_level=args.log_level))
+    server = _announcing_server(
+        uvicorn.Config(
+            create_app(worker, settings), host=args.host, port=args.port, log_level=args.log_level
+        )
+    )
     try:
         server.run()
     finally:
@@ -179,8 +196,11 @@ def _announcing_server(config: Any) -> Any:
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if not self.should_exit:
-                print(f"ready: http://{config.host}:{config.port} "
-                      "(OpenAI API under /v1, SGLang API at /generate)", flush=True)
+                print(
+                    f"ready: http://{config.host}:{config.port} "
+                    "(OpenAI API under /v1, SGLang API at /generate)",
+                    flush=True,
+                )
 
     return Server(config)
 

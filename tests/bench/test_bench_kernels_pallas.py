@@ -1,33 +1,35 @@
-"""scripts/bench_kernels.py in its CPU smoke mode: every Pallas case (and the chunked
-prefill form) is checked against its reference and timed, and the table says so."""
+"""The kernel benchmark (``lazyspec.bench.kernels``) in its CPU smoke mode: every Pallas case
+(and the chunked prefill form) is checked against its reference and timed, and the table says so."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bench_kernels():
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from lazyspec.bench import kernels
+
+    return kernels
 
 
 def test_bench_kernels_smoke_checks_every_pallas_case(bench_kernels, tmp_path):
     out = tmp_path / "smoke.md"
-    argv = ["--smoke", "--kernels", "state,ceiling,chunk,scatter", "--models", "tiny-gdn",
-            "--out", str(out)]
+    argv = [
+        "--smoke",
+        "--kernels",
+        "state,ceiling,chunk,scatter",
+        "--models",
+        "tiny-gdn",
+        "--out",
+        str(out),
+    ]
     assert bench_kernels.main(argv) == 0
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
-            if line.startswith("| ") and not line.startswith("| kernel")]
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| kernel")
+    ]
     rows = [[cell.strip() for cell in row] for row in rows]
     # {state, scatter} x 1 batch x 2 token counts x (1 Pallas tile + XLA), the ceiling (decode
     # only) x (1 tile + XLA), and the prefill (chunk) bench at one batch and length: chunked
@@ -42,7 +44,8 @@ def test_bench_kernels_smoke_checks_every_pallas_case(bench_kernels, tmp_path):
 
 def test_max_abs_diff_flags_non_finite(bench_kernels):
     import jax.numpy as jnp
-    import kernel_timing  # importable once the script has put scripts/ on the path
+
+    from lazyspec.bench import kernel_timing
 
     a = jnp.ones((4, 8), jnp.float32)
     assert kernel_timing.max_abs_diff(a, a.at[1, 2].add(3.0)) == 3.0

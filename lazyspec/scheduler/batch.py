@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 
-from lazyspec.engine.request import Req
+from lazyspec.scheduler.request import Req
 
 
 def extend_arrays(rows: int, length: int, ctx: int, num_slots: int, max_reqs: int):

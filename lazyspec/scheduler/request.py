@@ -21,13 +21,22 @@ class SamplingParams:
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
         params = dict(params or {})
-        known = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos",
-                 "stop_token_ids", "seed"}
+        known = {
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "ignore_eos",
+            "stop_token_ids",
+            "seed",
+        }
         unknown = set(params) - known
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
         if "stop_token_ids" in params and params["stop_token_ids"] is not None:
             params["stop_token_ids"] = tuple(int(t) for t in params["stop_token_ids"])
         elif "stop_token_ids" in params:
@@ -93,7 +102,9 @@ class Req:
     spec_verify_ct: int = 0
     accept_hist: list[int] = field(default_factory=list)
 
-    fill_ids: list[int] = field(default_factory=list)  # tokens the prefill covers (fixed at admission)
+    fill_ids: list[int] = field(
+        default_factory=list
+    )  # tokens the prefill covers (fixed at admission)
 
     @property
     def all_ids(self) -> list[int]:

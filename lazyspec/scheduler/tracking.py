@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 
 from lazyspec.cache.allocators import SlotAllocator
-from lazyspec.engine.request import NO_SLOT, Req
+from lazyspec.scheduler.request import NO_SLOT, Req
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,16 @@ class RowRecord:
 
 
 class CheckpointTracker:
-    def __init__(self, strategy: str, interval: int, num_verify: int,
-                 slots: SlotAllocator, tree=None, fail_spare_alloc: bool = False,
-                 evict_on_failure: bool = False) -> None:
+    def __init__(
+        self,
+        strategy: str,
+        interval: int,
+        num_verify: int,
+        slots: SlotAllocator,
+        tree=None,
+        fail_spare_alloc: bool = False,
+        evict_on_failure: bool = False,
+    ) -> None:
         self.strategy = strategy
         self.interval = interval
         self.num_verify = num_verify
@@ -71,8 +78,9 @@ class CheckpointTracker:
 
     # ------------------------------------------------------------------ plan
 
-    def plan_extend(self, req: Req, start: int, num_new: int, chunk: int,
-                    is_last_chunk: bool) -> tuple[RowRecord, int]:
+    def plan_extend(
+        self, req: Req, start: int, num_new: int, chunk: int, is_last_chunk: bool
+    ) -> tuple[RowRecord, int]:
         """In-prompt checkpoint: the last multiple of I in (start, start+num_new].
 
         Written in place into the keep slot (it is relabelled when the result is
@@ -123,8 +131,9 @@ class CheckpointTracker:
         if record.track_len is not None:
             record.req.last_track_len = record.track_len
 
-    def settle_decode(self, record: RowRecord, crossed: bool, boundary: int,
-                      finishing: bool) -> None:
+    def settle_decode(
+        self, record: RowRecord, crossed: bool, boundary: int, finishing: bool
+    ) -> None:
         """Apply a decode step's confirmed crossing (DESIGN §7 'update')."""
         req = record.req
         if not crossed or record.target_slot == NO_SLOT:

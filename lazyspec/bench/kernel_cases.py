@@ -5,23 +5,21 @@ through, the bytes that must move)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-try:
-    import lazyspec.kernels  # noqa: E402,F401  (installed package)
-except ImportError:
-    import conftest  # noqa: E402,F401  (maps kernels/ to lazyspec.kernels in a source checkout)
-from jax.experimental import pallas as pl  # noqa: E402
-from lazyspec.kernels import (  # noqa: E402
-    backend, conv_update, gdn_chunked, mamba2_chunked, recurrence, state_scatter, state_update,
+from lazyspec.kernels import (
+    backend,
+    conv_update,
+    gdn_chunked,
+    mamba2_chunked,
+    recurrence,
+    state_scatter,
+    state_update,
 )
 
 SCATTER_LAYERS = 4
@@ -43,17 +41,61 @@ class Model:
 
 def models(smoke: bool) -> list[Model]:
     if smoke:
-        return [Model("tiny-gdn", "gdn", 4, 16, 16, 1, 24, ({"block_heads": 2, "block_value": 8},),
-                      ({"block_channels": 8},), ({"block_rows": 8, "block_channels": 8},)),
-                Model("tiny-mamba2", "mamba2", 4, 8, 16, 2, 40, ({"block_value": 4},),
-                      ({"block_channels": 8},), ({"block_rows": 4, "block_channels": 8},))]
+        return [
+            Model(
+                "tiny-gdn",
+                "gdn",
+                4,
+                16,
+                16,
+                1,
+                24,
+                ({"block_heads": 2, "block_value": 8},),
+                ({"block_channels": 8},),
+                ({"block_rows": 8, "block_channels": 8},),
+            ),
+            Model(
+                "tiny-mamba2",
+                "mamba2",
+                4,
+                8,
+                16,
+                2,
+                40,
+                ({"block_value": 4},),
+                ({"block_channels": 8},),
+                ({"block_rows": 4, "block_channels": 8},),
+            ),
+        ]
     conv = ({"block_channels": 256},)
     scatter = ({"block_rows": 8, "block_channels": 2048},)
     gdn, mamba2 = backend.DEFAULT_STATE_TILES["gdn"], backend.DEFAULT_STATE_TILES["mamba2"]
-    return [Model("qwen3-next-80b", "gdn", 32, 128, 128, 1, 8192,
-                  (gdn, {"block_value": 32, "num_warps": 4}), conv, scatter),
-            Model("nemotron-h-8b", "mamba2", 128, 64, 128, 8, 10240,
-                  (mamba2, {"block_value": 16, "num_warps": 4}), conv, scatter)]
+    return [
+        Model(
+            "qwen3-next-80b",
+            "gdn",
+            32,
+            128,
+            128,
+            1,
+            8192,
+            (gdn, {"block_value": 32, "num_warps": 4}),
+            conv,
+            scatter,
+        ),
+        Model(
+            "nemotron-h-8b",
+            "mamba2",
+            128,
+            64,
+            128,
+            8,
+            10240,
+            (mamba2, {"block_value": 16, "num_warps": 4}),
+            conv,
+            scatter,
+        ),
+    ]
 
 
 @dataclasses.dataclass
@@ -98,8 +140,9 @@ def slots_for(key, batch: int, slot_bytes: int, smoke: bool = False) -> tuple[in
 def pallas_options(interpret: bool, tiles: dict) -> dict:
     tiles = dict(tiles)
     warps, stages = tiles.pop("num_warps", 4), tiles.pop("num_stages", 1)
-    params = None if interpret else backend.pallas_compiler_params(num_warps=warps,
-                                                                   num_stages=stages)
+    params = (
+        None if interpret else backend.pallas_compiler_params(num_warps=warps, num_stages=stages)
+    )
     return {**tiles, "interpret": interpret, "compiler_params": params}
 
 
@@ -113,12 +156,18 @@ def token_inputs(model: Model, keys, batch: int, tokens: int):
             q=(unit(normal(keys[1], shape + (model.d_a,))) / model.d_a**0.5).astype(bf16),
             k=unit(normal(keys[2], shape + (model.d_a,))).astype(bf16),
             v=normal(keys[3], shape + (model.d_b,), bf16),
-            g=-jax.nn.softplus(normal(keys[4], shape)), beta=jax.nn.sigmoid(normal(keys[5], shape)))
+            g=-jax.nn.softplus(normal(keys[4], shape)),
+            beta=jax.nn.sigmoid(normal(keys[5], shape)),
+        )
     group_shape = (batch, tokens, model.groups, model.d_b)
     return state_update.Mamba2Tokens(
-        x=normal(keys[1], shape + (model.d_a,), bf16), b=normal(keys[2], group_shape, bf16),
-        c=normal(keys[3], group_shape, bf16), dt=jax.nn.softplus(normal(keys[4], shape)),
-        a=-jnp.exp(normal(keys[5], (model.heads,))), d=normal(keys[6], (model.heads,)))
+        x=normal(keys[1], shape + (model.d_a,), bf16),
+        b=normal(keys[2], group_shape, bf16),
+        c=normal(keys[3], group_shape, bf16),
+        dt=jax.nn.softplus(normal(keys[4], shape)),
+        a=-jnp.exp(normal(keys[5], (model.heads,))),
+        d=normal(keys[6], (model.heads,)),
+    )
 
 
 def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
@@ -129,11 +178,17 @@ def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     slot, interpret = slot_sets[0], opts.interpret
     tokens_in = token_inputs(model, keys, batch, tokens)
     if model.mixer == "gdn":
-        pallas, xla, out = (state_update.gdn_state_update_pallas,
-                            state_update.gdn_state_update_xla, tokens_in.v)
+        pallas, xla, out = (
+            state_update.gdn_state_update_pallas,
+            state_update.gdn_state_update_xla,
+            tokens_in.v,
+        )
     else:
-        pallas, xla, out = (state_update.mamba2_state_update_pallas,
-                            state_update.mamba2_state_update_xla, tokens_in.x)
+        pallas, xla, out = (
+            state_update.mamba2_state_update_pallas,
+            state_update.mamba2_state_update_xla,
+            tokens_in.x,
+        )
     pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
     moved = batch * state_bytes * (1 + tokens) + nbytes(slot, out, *jax.tree.leaves(tokens_in))
 
@@ -144,16 +199,24 @@ def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
             else:
                 r = pallas(pool, slot, tokens_in, mode=mode, **pallas_options(interpret, tiles))
             return (r.outputs, r.pool) if mode == "decode" else (r.outputs, r.step_states)
+
         return run
 
     make = lambda: (normal(keys[7], pool_shape, scale=0.1), slot, tokens_in)  # noqa: E731
-    return Bench(model.mixer, moved, make, fn, {1: 0} if mode == "decode" else {}, 1,
-                 slot_sets)
+    return Bench(model.mixer, moved, make, fn, {1: 0} if mode == "decode" else {}, 1, slot_sets)
 
 
-def pattern_copy(pool: jax.Array, slot: jax.Array, *, along_last: bool, block_value: int,
-                 block_heads: int = 1, evict_last: bool = False, interpret: bool = False,
-                 compiler_params=None) -> jax.Array:
+def pattern_copy(
+    pool: jax.Array,
+    slot: jax.Array,
+    *,
+    along_last: bool,
+    block_value: int,
+    block_heads: int = 1,
+    evict_last: bool = False,
+    interpret: bool = False,
+    compiler_params=None,
+) -> jax.Array:
     """``pool[slot[b], heads, tile] += 1`` in place (rows on slot 0 write nothing) over the
     decode kernels' grid (row, head tile, value tile) and tile: [d_a, block_value] (GDN,
     ``along_last``) or [block_value, d_b] (Mamba2), loaded with the same ``load_state``."""
@@ -172,10 +235,15 @@ def pattern_copy(pool: jax.Array, slot: jax.Array, *, along_last: bool, block_va
             pool_ref[idx] = tile + 1.0
 
     return pl.pallas_call(
-        pattern_copy_kernel, grid=(slot.shape[0], heads // block_heads, tiles),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec()], out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={1: 0},
-        interpret=interpret, compiler_params=compiler_params)(slot, pool)
+        pattern_copy_kernel,
+        grid=(slot.shape[0], heads // block_heads, tiles),
+        in_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        input_output_aliases={1: 0},
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(slot, pool)
 
 
 def ceiling_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
@@ -188,10 +256,14 @@ def ceiling_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
 
     def fn(impl, tiles):
         if impl == "xla":
-            return lambda pool, slot: (pool.at[jnp.where(slot != 0, slot, pool.shape[0])].add(
-                1.0, mode="drop"),)
-        return lambda pool, slot: (pattern_copy(pool, slot, along_last=model.mixer == "gdn",
-                                                **pallas_options(opts.interpret, tiles)),)
+            return lambda pool, slot: (
+                pool.at[jnp.where(slot != 0, slot, pool.shape[0])].add(1.0, mode="drop"),
+            )
+        return lambda pool, slot: (
+            pattern_copy(
+                pool, slot, along_last=model.mixer == "gdn", **pallas_options(opts.interpret, tiles)
+            ),
+        )
 
     make = lambda: (normal(keys[1], pool_shape, scale=0.1), slot_sets[0])  # noqa: E731
     return Bench("copy-" + model.mixer, 2 * batch * state_bytes, make, fn, {0: 0}, 1, slot_sets)
@@ -216,8 +288,12 @@ def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
         per_row = (tokens_in.x, tokens_in.b, tokens_in.c, tokens_in.dt)
         shared, out = (tokens_in.a, tokens_in.d), tokens_in.x
     chunk_states = batch * (tokens // chunk) * state_bytes
-    moved = (2 * batch * state_bytes + chunk_states + 2 * nbytes(out)
-             + nbytes(*jax.tree.leaves(tokens_in)))
+    moved = (
+        2 * batch * state_bytes
+        + chunk_states
+        + 2 * nbytes(out)
+        + nbytes(*jax.tree.leaves(tokens_in))
+    )
     chunked_form = gdn_chunked.gdn_chunked if gdn else mamba2_chunked.mamba2_chunked
     scan_form = recurrence.gdn_scan if gdn else recurrence.mamba2_scan
     axes = (0,) * (1 + len(per_row)) + (None,) * len(shared) + (0,)
@@ -234,13 +310,17 @@ def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
                 scan = lambda *a: scan_by_chunks(scan_form, chunk, len(per_row), *a)  # noqa: E731
                 outs, final, chunks = jax.vmap(scan, in_axes=axes)(h0, *inputs, valid)
             return jnp.where(valid[:, :, None, None], outs, 0.0), final, chunks
+
         return run
 
     pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
-    make = lambda: (normal(keys[7], pool_shape, scale=0.1),  # noqa: E731
-                    slot_sets[0], per_row, shared, num_valid)
-    return Bench("chunk-" + model.mixer, int(moved), make, fn, {}, 1, slot_sets,
-                 impls=("chunked", "scan"))
+
+    def make():
+        return normal(keys[7], pool_shape, scale=0.1), slot_sets[0], per_row, shared, num_valid
+
+    return Bench(
+        "chunk-" + model.mixer, int(moved), make, fn, {}, 1, slot_sets, impls=("chunked", "scan")
+    )
 
 
 def scan_by_chunks(scan_form, chunk: int, num_per_token: int, h0, *args):
@@ -281,9 +361,11 @@ def conv_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
             if impl == "xla":
                 r = conv_update.conv_update_xla(pool, slot, x, weight, bias, mode=mode)
             else:
-                r = conv_update.conv_update_pallas(pool, slot, x, weight, bias, mode=mode,
-                                                   **pallas_options(interpret, tiles))
+                r = conv_update.conv_update_pallas(
+                    pool, slot, x, weight, bias, mode=mode, **pallas_options(interpret, tiles)
+                )
             return (r.outputs, r.pool) if mode == "decode" else (r.outputs, r.step_windows)
+
         return run
 
     pool_shape = (num_slots + 1, model.channels, 3)
@@ -302,15 +384,20 @@ def scatter_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     moved = 2 * batch * layers * (np.prod(state) * 4 + np.prod(conv) * 2)
 
     def make():
-        return (normal(keys[2], (layers, num_slots + 1) + state),
-                normal(keys[3], (layers, num_slots + 1) + conv, jnp.bfloat16),
-                normal(keys[4], (layers, batch, tokens) + state),
-                normal(keys[5], (layers, batch, tokens) + conv, jnp.bfloat16), dst, step)
+        return (
+            normal(keys[2], (layers, num_slots + 1) + state),
+            normal(keys[3], (layers, num_slots + 1) + conv, jnp.bfloat16),
+            normal(keys[4], (layers, batch, tokens) + state),
+            normal(keys[5], (layers, batch, tokens) + conv, jnp.bfloat16),
+            dst,
+            step,
+        )
 
     def fn(impl, tiles):
         if impl == "xla":
             return state_scatter.state_scatter_xla
         return lambda *args: state_scatter.state_scatter_pallas(
-            *args, **pallas_options(interpret, tiles))
+            *args, **pallas_options(interpret, tiles)
+        )
 
     return Bench("scatter", int(moved), make, fn, {0: 0, 1: 1}, 4, dst_sets)

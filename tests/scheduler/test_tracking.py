@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from lazyspec.cache.allocators import SlotAllocator
-from lazyspec.engine.request import NO_SLOT, Req, SamplingParams
-from lazyspec.engine.tracking import CheckpointTracker
+from lazyspec.scheduler.request import NO_SLOT, Req, SamplingParams
+from lazyspec.scheduler.tracking import CheckpointTracker
 
-I, D = 16, 4
+INTERVAL, D = 16, 4
 
 
 def _req(seq_len: int, keep: int, spare: int = NO_SLOT, last: int | None = 0) -> Req:
@@ -18,10 +18,12 @@ def _req(seq_len: int, keep: int, spare: int = NO_SLOT, last: int | None = 0) ->
 
 
 def _lazy(slots: SlotAllocator, fail: bool = False) -> CheckpointTracker:
-    return CheckpointTracker("extra_buffer_lazy", I, D, slots, fail_spare_alloc=fail)
+    return CheckpointTracker("extra_buffer_lazy", INTERVAL, D, slots, fail_spare_alloc=fail)
 
 
-@pytest.mark.parametrize("seq_len,reachable", [(7, False), (8, True), (15, True), (16, False), (24, True)])
+@pytest.mark.parametrize(
+    "seq_len,reachable", [(7, False), (8, True), (15, True), (16, False), (24, True)]
+)
 def test_lazy_window_is_2d_inclusive(seq_len, reachable):
     slots = SlotAllocator(8)
     keep = slots.alloc(1)[0]
@@ -70,7 +72,9 @@ def test_no_crossing_keeps_the_spare():
     req = _req(10, keep, last=0)
     record = tracker.plan_decode(req)
     tracker.settle_decode(record, crossed=False, boundary=0, finishing=False)
-    assert req.spare_slot == record.target_slot and req.keep_slot == keep and req.last_track_len == 0
+    assert (
+        req.spare_slot == record.target_slot and req.keep_slot == keep and req.last_track_len == 0
+    )
 
 
 def test_in_place_crossing_relabels_while_running_and_blocks_donation_when_finishing():
@@ -107,7 +111,7 @@ def test_finishing_never_promotes_and_inflight_in_place_blocks_insert():
 def test_extra_buffer_swaps_ping_pong():
     slots = SlotAllocator(8)
     keep, spare = slots.alloc(2)
-    tracker = CheckpointTracker("extra_buffer", I, D, slots)
+    tracker = CheckpointTracker("extra_buffer", INTERVAL, D, slots)
     req = _req(30, keep, spare, last=16)
     record = tracker.plan_decode(req)
     assert record.target_slot == spare

@@ -26,8 +26,9 @@ import optax
 from lazyspec.models.config import RECURRENT, ModelConfig
 from lazyspec.models.layers.attention import attention_reference
 from lazyspec.models.layers.gdn import gdn_mixer
-from lazyspec.models.layers.mlp import Params, linear
-from lazyspec.models.qwen3_next import _mlp_block, _norm, compute_logits, compute_mtp_logits
+from lazyspec.models.layers.linear import linear
+from lazyspec.models.plan import Params
+from lazyspec.models.qwen3_next import compute_logits, compute_mtp_logits, mlp_block, norm
 
 DEFAULT_MTP_WEIGHT = 0.3
 GDN_FORMS = {"chunked": "chunked", "scan": "reference"}  # training name -> gdn_mixer form
@@ -52,28 +53,37 @@ def cast_for_compute(params: Params, dtype: Any) -> Params:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _gdn_full(lp: Params, cfg: ModelConfig, h: jax.Array, gdn_form: str,
-              chunk_size: int) -> jax.Array:
+def _gdn_full(
+    lp: Params, cfg: ModelConfig, h: jax.Array, gdn_form: str, chunk_size: int
+) -> jax.Array:
     """A GDN mixer over whole rows from zero states."""
     gdn = cfg.arch.gdn
     batch, num_tokens = h.shape[:2]
     conv0 = jnp.zeros((batch, gdn.conv_dim, gdn.conv_kernel - 1), jnp.float32)
     ssm0 = jnp.zeros((batch, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), jnp.float32)
     num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    out, _ = gdn_mixer(lp, gdn, h, conv0, ssm0, num_new, form=GDN_FORMS[gdn_form],
-                       chunk_size=chunk_size)
+    out, _ = gdn_mixer(
+        lp, gdn, h, conv0, ssm0, num_new, form=GDN_FORMS[gdn_form], chunk_size=chunk_size
+    )
     return out
 
 
-def _decoder_layer(lp: Params, cfg: ModelConfig, kind: str, recurrent: bool, x: jax.Array,
-                   positions: jax.Array, gdn_form: str = "chunked",
-                   chunk_size: int = 64) -> jax.Array:
-    h = _norm(x, lp["input_layernorm"], cfg)
+def _decoder_layer(
+    lp: Params,
+    cfg: ModelConfig,
+    kind: str,
+    recurrent: bool,
+    x: jax.Array,
+    positions: jax.Array,
+    gdn_form: str = "chunked",
+    chunk_size: int = 64,
+) -> jax.Array:
+    h = norm(x, lp["input_layernorm"], cfg)
     if recurrent:
         h = _gdn_full(lp["linear_attn"], cfg, h, gdn_form, chunk_size)
     else:
         h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
-    return _mlp_block(lp, cfg, kind, x + h)
+    return mlp_block(lp, cfg, kind, x + h)
 
 
 def _positions(tokens: jax.Array) -> jax.Array:
@@ -81,8 +91,14 @@ def _positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(num_tokens), (batch, num_tokens))
 
 
-def training_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
-                     gdn_form: str = "chunked", chunk_size: int = 64) -> jax.Array:
+def training_forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    *,
+    gdn_form: str = "chunked",
+    chunk_size: int = 64,
+) -> jax.Array:
     """Hidden stream before the final norm ``[B, T, hidden]`` of whole sequences ``[B, T]``.
 
     Equals ``qwen3_next.reference_forward`` (same params, same tokens) with either
@@ -96,8 +112,16 @@ def training_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
     x = params["embed_tokens"][tokens]
     for i, role in enumerate(cfg.layer_roles):
         with jax.named_scope(f"layer_{i}"):
-            x = _decoder_layer(params["layers"][i], cfg, cfg.arch.mlp_kinds[i],
-                               role == RECURRENT, x, positions, gdn_form, chunk_size)
+            x = _decoder_layer(
+                params["layers"][i],
+                cfg,
+                cfg.arch.mlp_kinds[i],
+                role == RECURRENT,
+                x,
+                positions,
+                gdn_form,
+                chunk_size,
+            )
     return x
 
 
@@ -106,8 +130,9 @@ def mtp_next_tokens(tokens: jax.Array) -> jax.Array:
     return jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
 
 
-def mtp_training_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array,
-                        tokens: jax.Array) -> jax.Array:
+def mtp_training_hidden(
+    params: Params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array
+) -> jax.Array:
     """The MTP layer's output (before ``mtp.norm``) at every position ``[B, T, hidden]``.
 
     Position t reads ``(hidden[t], embed(tokens[t + 1]))`` and attends causally over MTP
@@ -115,18 +140,23 @@ def mtp_training_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array,
     position's token input is a repeat and its output is never scored.
     """
     if "mtp" not in params:
-        raise ValueError("these params have no MTP head: build the config with "
-                         "num_nextn_predict_layers=1")
+        raise ValueError(
+            "these params have no MTP head: build the config with num_nextn_predict_layers=1"
+        )
     mp = params["mtp"]
     embeds = params["embed_tokens"][mtp_next_tokens(tokens)]
     combined = jnp.concatenate(
-        [_norm(embeds, mp["pre_fc_norm_embedding"], cfg),
-         _norm(hidden.astype(embeds.dtype), mp["pre_fc_norm_hidden"], cfg)], axis=-1,
+        [
+            norm(embeds, mp["pre_fc_norm_embedding"], cfg),
+            norm(hidden.astype(embeds.dtype), mp["pre_fc_norm_hidden"], cfg),
+        ],
+        axis=-1,
     )
     x = linear(mp["fc"], combined)
     with jax.named_scope("mtp_layer"):
-        return _decoder_layer(mp["layers"][0], cfg, cfg.arch.mtp_mlp_kind, False, x,
-                              _positions(tokens))
+        return _decoder_layer(
+            mp["layers"][0], cfg, cfg.arch.mtp_mlp_kind, False, x, _positions(tokens)
+        )
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -136,24 +166,28 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
-def lm_loss(params: Params, cfg: ModelConfig, hidden: jax.Array,
-            tokens: jax.Array) -> jax.Array:
+def lm_loss(params: Params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
     """Next-token loss: logits at t predict ``tokens[t + 1]`` (t < T - 1)."""
     logits = compute_logits(params, cfg, hidden[:, :-1])
     return token_cross_entropy(logits, tokens[:, 1:])
 
 
-def mtp_loss(params: Params, cfg: ModelConfig, hidden: jax.Array,
-             tokens: jax.Array) -> jax.Array:
+def mtp_loss(params: Params, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
     """MTP loss: the head's logits at t predict ``tokens[t + 2]`` (t < T - 2)."""
     mtp_hidden = mtp_training_hidden(params, cfg, hidden, tokens)
     logits = compute_mtp_logits(params, cfg, mtp_hidden[:, :-2])
     return token_cross_entropy(logits, tokens[:, 2:])
 
 
-def total_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
-               mtp_weight: float = DEFAULT_MTP_WEIGHT, compute_dtype: Any = None,
-               gdn_form: str = "chunked") -> tuple[jax.Array, dict[str, jax.Array]]:
+def total_loss(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    *,
+    mtp_weight: float = DEFAULT_MTP_WEIGHT,
+    compute_dtype: Any = None,
+    gdn_form: str = "chunked",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``lm + mtp_weight * mtp`` and the parts ``{"loss", "lm", "mtp"}``.
 
     With ``compute_dtype`` the matmuls run in that dtype (``cast_for_compute``); params
@@ -172,9 +206,15 @@ def total_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, *,
 # ---------------------------------------------------------------- optimisation
 
 
-def make_optimizer(learning_rate: float, num_steps: int, *, warmup_steps: int = 200,
-                   weight_decay: float = 0.1, clip_norm: float = 1.0,
-                   final_fraction: float = 0.1) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float,
+    num_steps: int,
+    *,
+    warmup_steps: int = 200,
+    weight_decay: float = 0.1,
+    clip_norm: float = 1.0,
+    final_fraction: float = 0.1,
+) -> optax.GradientTransformation:
     """AdamW (b2 = 0.95) with linear warm-up then cosine decay, after global-norm clipping.
 
     Weight decay applies to matrices only (norm weights, gates and biases are exempt).
@@ -183,7 +223,10 @@ def make_optimizer(learning_rate: float, num_steps: int, *, warmup_steps: int = 
         raise ValueError(f"learning_rate={learning_rate} and num_steps={num_steps} must be > 0")
     warmup_steps = max(1, min(warmup_steps, num_steps // 2))
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, warmup_steps, max(num_steps, warmup_steps + 1),
+        0.0,
+        learning_rate,
+        warmup_steps,
+        max(num_steps, warmup_steps + 1),
         end_value=learning_rate * final_fraction,
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
@@ -193,9 +236,14 @@ def make_optimizer(learning_rate: float, num_steps: int, *, warmup_steps: int = 
     )
 
 
-def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *,
-                    mtp_weight: float = DEFAULT_MTP_WEIGHT, compute_dtype: Any = None,
-                    gdn_form: str = "chunked"):
+def make_train_step(
+    cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    mtp_weight: float = DEFAULT_MTP_WEIGHT,
+    compute_dtype: Any = None,
+    gdn_form: str = "chunked",
+):
     """A jitted ``(params, opt_state, tokens) -> (params, opt_state, metrics)``.
 
     ``params`` and ``opt_state`` are donated; ``metrics`` holds the loss parts and the
@@ -204,8 +252,14 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
 
     def step(params, opt_state, tokens):
         grad_fn = jax.value_and_grad(total_loss, has_aux=True)
-        (_, metrics), grads = grad_fn(params, cfg, tokens, mtp_weight=mtp_weight,
-                                      compute_dtype=compute_dtype, gdn_form=gdn_form)
+        (_, metrics), grads = grad_fn(
+            params,
+            cfg,
+            tokens,
+            mtp_weight=mtp_weight,
+            compute_dtype=compute_dtype,
+            gdn_form=gdn_form,
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads))
@@ -213,13 +267,24 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, *
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_eval_step(cfg: ModelConfig, *, mtp_weight: float = DEFAULT_MTP_WEIGHT,
-                   compute_dtype: Any = None, gdn_form: str = "chunked"):
+def make_eval_step(
+    cfg: ModelConfig,
+    *,
+    mtp_weight: float = DEFAULT_MTP_WEIGHT,
+    compute_dtype: Any = None,
+    gdn_form: str = "chunked",
+):
     """A jitted ``(params, tokens) -> metrics`` (the loss parts, no update)."""
 
     def step(params, tokens):
-        return total_loss(params, cfg, tokens, mtp_weight=mtp_weight,
-                          compute_dtype=compute_dtype, gdn_form=gdn_form)[1]
+        return total_loss(
+            params,
+            cfg,
+            tokens,
+            mtp_weight=mtp_weight,
+            compute_dtype=compute_dtype,
+            gdn_form=gdn_form,
+        )[1]
 
     return jax.jit(step)
 
@@ -227,12 +292,14 @@ def make_eval_step(cfg: ModelConfig, *, mtp_weight: float = DEFAULT_MTP_WEIGHT,
 # ---------------------------------------------------------------- data and evaluation
 
 
-def sample_windows(tokens: np.ndarray, num_windows: int, seq_len: int,
-                   rng: np.random.Generator) -> np.ndarray:
+def sample_windows(
+    tokens: np.ndarray, num_windows: int, seq_len: int, rng: np.random.Generator
+) -> np.ndarray:
     """``num_windows`` random windows ``[num_windows, seq_len]`` (int32) of a token stream."""
     if tokens.size < seq_len:
-        raise ValueError(f"the token stream ({tokens.size} tokens) is shorter than "
-                         f"seq_len={seq_len}")
+        raise ValueError(
+            f"the token stream ({tokens.size} tokens) is shorter than seq_len={seq_len}"
+        )
     starts = rng.integers(0, tokens.size - seq_len + 1, num_windows)
     return tokens[starts[:, None] + np.arange(seq_len)].astype(np.int32)
 
@@ -242,8 +309,9 @@ def validation_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> np
     ``max_windows``): a fixed evaluation set ``[N, seq_len]`` (int32)."""
     count = min(tokens.size // seq_len, max_windows)
     if count == 0:
-        raise ValueError(f"the validation stream ({tokens.size} tokens) is shorter than "
-                         f"seq_len={seq_len}")
+        raise ValueError(
+            f"the validation stream ({tokens.size} tokens) is shorter than seq_len={seq_len}"
+        )
     return tokens[: count * seq_len].reshape(count, seq_len).astype(np.int32)
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator
-from lazyspec.engine.batch import decode_arrays, extend_arrays, fill_sampling
-from lazyspec.engine.request import NO_SLOT, Phase, Req
-from lazyspec.engine.tracking import CheckpointTracker, RowRecord
+from lazyspec.scheduler.batch import decode_arrays, extend_arrays, fill_sampling
+from lazyspec.scheduler.request import NO_SLOT, Phase, Req
+from lazyspec.scheduler.tracking import CheckpointTracker, RowRecord
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,17 @@ def bucket(n: int, options: tuple[int, ...]) -> int:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVAllocator, slots: SlotAllocator,
-                 tree, tracker: CheckpointTracker, page_size: int,
-                 extend_buckets: tuple[tuple[int, ...], tuple[int, ...]],
-                 decode_buckets: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv: KVAllocator,
+        slots: SlotAllocator,
+        tree,
+        tracker: CheckpointTracker,
+        page_size: int,
+        extend_buckets: tuple[tuple[int, ...], tuple[int, ...]],
+        decode_buckets: tuple[int, ...],
+    ) -> None:
         self.limits = limits
         self.kv = kv
         self.slots = slots
@@ -119,7 +126,7 @@ class Scheduler:
         offsets = np.arange(self.page_size, dtype=np.int32)
         own = (page_ids[:, None] * self.page_size + offsets[None, :]).reshape(-1)
         end = min(match.prefix_len + len(own), self.limits.context_len)
-        row[match.prefix_len:end] = own[: end - match.prefix_len]
+        row[match.prefix_len : end] = own[: end - match.prefix_len]
         req.own_pages = page_ids
         req.fill_len = match.prefix_len
         req.seq_len = match.prefix_len
@@ -140,7 +147,9 @@ class Scheduler:
             return self._plan_decode(decoding)
         if self.waiting and not self.running:
             req = self.waiting.popleft()
-            self._finish(req, {"type": "abort", "message": "request does not fit in the KV/state pools"})
+            self._finish(
+                req, {"type": "abort", "message": "request does not fit in the KV/state pools"}
+            )
         return None
 
     def _plan_extend(self, reqs: list[Req]) -> StepPlan:
@@ -151,15 +160,20 @@ class Scheduler:
             pieces.append((req, req.fill_len, num_new))
         rows = bucket(len(pieces), self.extend_row_buckets)
         length = bucket(max(n for _, _, n in pieces), self.extend_len_buckets)
-        a = extend_arrays(rows, length, self.limits.context_len, self.tracker.slots.num_slots,
-                           self.limits.max_reqs)
+        a = extend_arrays(
+            rows,
+            length,
+            self.limits.context_len,
+            self.tracker.slots.num_slots,
+            self.limits.max_reqs,
+        )
         records = []
         for b, (req, start, num_new) in enumerate(pieces):
             is_last = start + num_new == len(req.fill_ids)
             record, track_chunk = self.tracker.plan_extend(req, start, num_new, chunk, is_last)
             records.append(record)
             a["req_row"][b] = req.req_row
-            a["tokens"][b, :num_new] = req.fill_ids[start:start + num_new]
+            a["tokens"][b, :num_new] = req.fill_ids[start : start + num_new]
             a["start_pos"][b] = start
             a["num_new"][b] = num_new
             a["kv_read_idx"][b] = self.req_to_token[req.req_row]
@@ -181,8 +195,13 @@ class Scheduler:
 
     def _plan_decode(self, reqs: list[Req]) -> StepPlan:
         rows = bucket(len(reqs), self.decode_buckets)
-        a = decode_arrays(rows, self.limits.context_len, self.tracker.slots.num_slots,
-                           self.limits.max_reqs, self.tracker.interval)
+        a = decode_arrays(
+            rows,
+            self.limits.context_len,
+            self.tracker.slots.num_slots,
+            self.limits.max_reqs,
+            self.tracker.interval,
+        )
         records = []
         for b, req in enumerate(reqs):
             record = self.tracker.plan_decode(req)
@@ -216,8 +235,12 @@ class Scheduler:
                 if req.sampling.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0})
                     continue
-                self._append(req, [int(results["token"][b])], [float(results["logprob"][b])],
-                             [_top(results, b, None)])
+                self._append(
+                    req,
+                    [int(results["token"][b])],
+                    [float(results["logprob"][b])],
+                    [_top(results, b, None)],
+                )
 
     def _process_decode(self, plan: StepPlan, results) -> None:
         interval = self.tracker.interval
@@ -237,8 +260,12 @@ class Scheduler:
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval
             self.tracker.settle_decode(record, bool(results["crossed"][b]), boundary, finishing)
-            self._append(req, tokens, [float(x) for x in results["logprobs"][b, :n]],
-                         [_top(results, b, i) for i in range(n)])
+            self._append(
+                req,
+                tokens,
+                [float(x) for x in results["logprobs"][b, :n]],
+                [_top(results, b, i) for i in range(n)],
+            )
 
     def _would_finish(self, req: Req, tokens: list[int]) -> bool:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
@@ -251,8 +278,13 @@ class Scheduler:
             return True
         return not req.sampling.ignore_eos and token in self.limits.eos_ids
 
-    def _append(self, req: Req, tokens: list[int], logprobs: list[float],
-                tops: list[list[tuple[float, int]]]) -> None:
+    def _append(
+        self,
+        req: Req,
+        tokens: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[float, int]]],
+    ) -> None:
         for token, logprob, top in zip(tokens, logprobs, tops):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
@@ -265,7 +297,10 @@ class Scheduler:
             if len(req.output_ids) >= req.sampling.max_new_tokens:
                 self._finish(req, {"type": "length", "length": req.sampling.max_new_tokens})
                 return
-            if len(req.fill_ids) + len(req.output_ids) >= self.limits.context_len - 3 * self.limits.num_verify:
+            if (
+                len(req.fill_ids) + len(req.output_ids)
+                >= self.limits.context_len - 3 * self.limits.num_verify
+            ):
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
                 return
 
@@ -296,7 +331,7 @@ class Scheduler:
         row[:length] = match.kv_indices  # our duplicate pages may have been freed
         self.tree.inc_lock(match.node)
         self.tree.dec_lock(req.prefix_node)
-        req.own_pages = req.own_pages[(length - req.prefix_len) // self.page_size:]
+        req.own_pages = req.own_pages[(length - req.prefix_len) // self.page_size :]
         req.prefix_node, req.prefix_len = match.node, length
         req.keep_slot = fresh[0]
         req.last_track_len = None

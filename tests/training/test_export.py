@@ -19,7 +19,7 @@ import pytest
 from tiny_qwen import config_dict
 
 from lazyspec.models import load_model, qwen3_next, reference_logits
-from lazyspec.models.export import export_hf_folder
+from lazyspec.training.export import export_hf_folder
 
 VOCAB = 320
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -32,8 +32,12 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20 + ["import os\n"] * 20, trainer)
     assert tok.get_vocab_size() <= VOCAB
     return tok
@@ -46,7 +50,8 @@ def _random_params(config: dict, seed: int, scale: float = 0.2):
     rng = np.random.default_rng(seed)
     params = jax.tree.map(
         lambda p: p + 0.3 * rng.standard_normal(p.shape).astype(np.float32) if p.ndim == 1 else p,
-        params)
+        params,
+    )
     return cfg, params
 
 
@@ -63,8 +68,9 @@ def _assert_trees_equal(got, want, cast=None):
 
 @pytest.mark.parametrize("name, with_mtp", [("moe", True), ("dense", False)])
 def test_fp32_round_trip_is_exact(tmp_path, tokenizer, name, with_mtp):
-    config = config_dict(name, vocab_size=VOCAB, num_nextn_predict_layers=int(with_mtp),
-                         eos_token_id=None)
+    config = config_dict(
+        name, vocab_size=VOCAB, num_nextn_predict_layers=int(with_mtp), eos_token_id=None
+    )
     cfg, params = _random_params(config, seed=3)
     assert ("mtp" in params) == with_mtp and ("lm_head" in params) == (name == "moe")
     export_hf_folder(params, config, tokenizer, tmp_path, dtype="float32")
@@ -73,9 +79,11 @@ def test_fp32_round_trip_is_exact(tmp_path, tokenizer, name, with_mtp):
     assert model.config.eos_token_ids == (tokenizer.token_to_id("<|endoftext|>"),)
     _assert_trees_equal(model.params, params)
     tokens = np.random.default_rng(5).integers(0, VOCAB, 70)
-    want = np.asarray(jax.jit(
-        lambda p, t: qwen3_next.compute_logits(p, cfg, qwen3_next.reference_forward(p, cfg, t))
-    )(params, jnp.asarray(tokens[None])))[0]
+    want = np.asarray(
+        jax.jit(
+            lambda p, t: qwen3_next.compute_logits(p, cfg, qwen3_next.reference_forward(p, cfg, t))
+        )(params, jnp.asarray(tokens[None]))
+    )[0]
     got = reference_logits(model, tokens)
     assert np.array_equal(got, want) and np.std(want) > 0.1
 
@@ -93,10 +101,14 @@ def test_bf16_export_holds_the_rounded_params(tmp_path, tokenizer):
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="np") as f:
         names = set(f.keys())
         assert f.get_tensor("mtp.fc.weight").dtype == ml_dtypes.bfloat16
-    expected = {"mtp.layers.0.mlp.experts.3.down_proj.weight", "mtp.pre_fc_norm_hidden.weight",
-                "model.layers.0.linear_attn.conv1d.weight",
-                "model.layers.2.mlp.experts.0.up_proj.weight",
-                "model.layers.3.self_attn.q_norm.weight", "lm_head.weight"}
+    expected = {
+        "mtp.layers.0.mlp.experts.3.down_proj.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        "model.layers.2.mlp.experts.0.up_proj.weight",
+        "model.layers.3.self_attn.q_norm.weight",
+        "lm_head.weight",
+    }
     assert expected <= names
     assert not any("gate_up_proj" in n for n in names)  # per-expert layout only
 
@@ -116,7 +128,8 @@ def test_config_and_tokenizer_files(tmp_path, tokenizer):
     import jinja2
 
     chat = jinja2.Template(tok_config["chat_template"]).render(
-        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     loaded = load_model(tmp_path).tokenizer
     text = "def f(x):\n    return os.path\n"

@@ -1,0 +1,92 @@
+"""The model registry: which families exist, how a config names one, and ``load_model``.
+
+One table (``FAMILIES``) maps a Hugging Face ``model_type`` to the module that implements
+the family (the functions of ``interface.ModelFamily``) and the ``architectures`` name its
+checkpoints carry. Family modules are imported on first use, so reading a config never
+imports a family it does not name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lazyspec.models.config import ModelConfig
+from lazyspec.models.interface import ModelFamily
+from lazyspec.models.loader import SafetensorsReader, load_tokenizer
+from lazyspec.models.model import Model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    module: str  # implements interface.ModelFamily
+    architecture: str  # the ``architectures`` name in the checkpoint's config.json
+
+
+FAMILIES: dict[str, FamilyEntry] = {
+    "qwen3_next": FamilyEntry("lazyspec.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "nemotron_h": FamilyEntry("lazyspec.models.nemotron_h", "NemotronHForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(entry.architecture for entry in FAMILIES.values())
+
+
+def family_module(family: str) -> ModelFamily:
+    """The module implementing ``family`` (``ValueError`` naming the supported ones)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; supported: {sorted(FAMILIES)}")
+    return importlib.import_module(FAMILIES[family].module)
+
+
+def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
+    """Parse a Hugging Face config dict; unknown architectures raise ValueError."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (architectures={hf.get('architectures')!r}); "
+            f"supported: {supported_architectures()}"
+        )
+    return family_module(model_type).parse_config(hf)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read ``config.json`` from a model folder and parse it."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
+    with open(config_path) as f:
+        return parse_hf_config(json.load(f))
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> Model:
+    """Load a Hugging Face model folder (config.json, safetensors, tokenizer.json).
+
+    When the config declares an MTP head the checkpoint lacks, the returned config has
+    ``num_mtp_layers = 0`` (logged), so ``Model.has_mtp`` and the config agree.
+    """
+    import jax.numpy as jnp
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {DTYPES}")
+    cfg = load_model_config(path)
+    family = family_module(cfg.family)
+    params = family.load_params(cfg, SafetensorsReader(path), jnp.dtype(dtype))
+    if cfg.has_mtp and "mtp" not in params:
+        logger.warning(
+            "config declares %d MTP layer(s) but the checkpoint has no mtp.* "
+            "tensors; speculative decoding with MTP is unavailable",
+            cfg.num_mtp_layers,
+        )
+        cfg = dataclasses.replace(cfg, num_mtp_layers=0)
+    return Model(cfg, params, load_tokenizer(path), family)
