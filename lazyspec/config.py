@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields, replace
 
+from lazyspec.scheduler.strategy import EXTRA_BUFFER, NONE, STRATEGIES, Strategy
+
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy")
+STRATEGY_CHOICES = ("auto", *(name for name in STRATEGIES if name != NONE.name))
 DTYPES = ("float32", "bfloat16")
 SPEC_ALGORITHMS = (None, "NEXTN", "MTP")
 KERNEL_BACKENDS = (None, "xla", "pallas")
@@ -51,7 +53,7 @@ class EngineConfig:
             object.__setattr__(self, "mamba_radix_cache_strategy", None)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("mamba_ssm_dtype", self.mamba_ssm_dtype, DTYPES)
-        _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGIES)
+        _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGY_CHOICES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         for name in (
@@ -112,33 +114,34 @@ class EngineConfig:
         object.__setattr__(self, "speculative_num_draft_tokens", draft)
 
     def _resolve_strategy(self) -> None:
-        strategy = self.mamba_scheduler_strategy
-        if strategy == "auto":
-            strategy = "extra_buffer"
+        if self.mamba_scheduler_strategy == "auto":
             logger.info("mamba_scheduler_strategy=auto resolved to extra_buffer")
-            object.__setattr__(self, "mamba_scheduler_strategy", strategy)
+            object.__setattr__(self, "mamba_scheduler_strategy", EXTRA_BUFFER.name)
         if self.disable_radix_cache:
             return
-        if strategy == "no_buffer":
+        strategy = self.strategy
+        if strategy.donates_working:
             if self.page_size != 1:
                 raise ValueError(
-                    f"mamba_scheduler_strategy=no_buffer needs page_size=1, got {self.page_size} "
-                    "(it inserts checkpoints at arbitrary lengths); use extra_buffer"
+                    f"mamba_scheduler_strategy={strategy.name} needs page_size=1, got "
+                    f"{self.page_size} (it inserts checkpoints at arbitrary lengths); use "
+                    "extra_buffer"
                 )
             if self.speculative_algorithm is not None:
                 raise ValueError(
-                    "mamba_scheduler_strategy=no_buffer cannot run speculative decoding with the "
-                    "radix cache (it has no checkpoint slots); use extra_buffer or "
+                    f"mamba_scheduler_strategy={strategy.name} cannot run speculative decoding "
+                    "with the radix cache (it has no checkpoint slots); use extra_buffer or "
                     "extra_buffer_lazy, or disable_radix_cache"
                 )
             if not self.disable_overlap_schedule:
                 logger.warning(
-                    "mamba_scheduler_strategy=no_buffer donates the working slot at finish, "
-                    "which the overlapped next step may still write: disabling the overlap schedule"
+                    "mamba_scheduler_strategy=%s donates the working slot at finish, which the "
+                    "overlapped next step may still write: disabling the overlap schedule",
+                    strategy.name,
                 )
                 object.__setattr__(self, "disable_overlap_schedule", True)
         draft = self.num_verify_tokens
-        if strategy != "no_buffer" and self.mamba_track_interval < 2 * draft:
+        if strategy.tracks and self.mamba_track_interval < 2 * draft:
             raise ValueError(
                 f"mamba_track_interval={self.mamba_track_interval} must be >= 2 * "
                 f"verify tokens per step ({draft}): two overlapped steps may not both cross a "
@@ -148,8 +151,9 @@ class EngineConfig:
     # ------------------------------------------------------------------ derived
 
     @property
-    def strategy(self) -> str:
-        return "none" if self.disable_radix_cache else self.mamba_scheduler_strategy
+    def strategy(self) -> Strategy:
+        """The checkpoint strategy in force (``NONE`` when the radix cache is off)."""
+        return NONE if self.disable_radix_cache else STRATEGIES[self.mamba_scheduler_strategy]
 
     @property
     def spec_enabled(self) -> bool:
@@ -159,11 +163,6 @@ class EngineConfig:
     def num_verify_tokens(self) -> int:
         """Tokens a decode step processes per request: D with speculation, else 1."""
         return self.speculative_num_draft_tokens if self.spec_enabled else 1
-
-    @property
-    def checkpoint_slots_per_request(self) -> int:
-        """Slots a running request pins besides its working slot."""
-        return {"none": 0, "no_buffer": 0, "extra_buffer": 2, "extra_buffer_lazy": 1}[self.strategy]
 
     def with_overrides(self, **kwargs) -> EngineConfig:
         return replace(self, **kwargs)

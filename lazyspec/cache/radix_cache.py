@@ -259,6 +259,17 @@ class RadixCache:
 
     # ---- locks ---------------------------------------------------------------------------
 
+    def lock_cost(self, node: TreeNode) -> tuple[int, int]:
+        """(states, KV tokens) that ``inc_lock(node)`` would take out of the evictable counts
+        (``num_evictable_slots`` / ``num_evictable_kv_tokens``). A query: nothing changes."""
+        if node.is_root:
+            return 0, 0
+        tokens, walk = 0, node
+        while not walk.is_root:
+            tokens += len(walk.key) if walk.kv_lock == 0 else 0
+            walk = walk.parent
+        return int(node.state_lock == 0), tokens
+
     def inc_lock(self, node: TreeNode) -> None:
         """Protect ``node``'s state and its path's KV from eviction (no-op on the root).
         Only state nodes can be locked: a locked tombstone could become a locked leaf."""

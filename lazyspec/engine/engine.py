@@ -16,24 +16,16 @@ import numpy as np
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.engine.runner import PoolSizes, Runner
+from lazyspec.engine.runner import Runner
 from lazyspec.engine.steps import StepStatic
+from lazyspec.scheduler.batch import build_decode, build_extend
+from lazyspec.scheduler.cache import RequestCache
+from lazyspec.scheduler.layout import plan_memory
+from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
-from lazyspec.scheduler.scheduler import Scheduler, SchedulerLimits
-from lazyspec.scheduler.tracking import CheckpointTracker
+from lazyspec.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-MAX_EXTEND_ROWS = 4
-
-
-def _powers_of_two_up_to(limit: int) -> tuple[int, ...]:
-    out, n = [], 1
-    while n < limit:
-        out.append(n)
-        n *= 2
-    out.append(limit)
-    return tuple(sorted(set(out)))
 
 
 class Engine:
@@ -66,126 +58,62 @@ class Engine:
 
     def _build(self, cfg: Any) -> None:
         c = self.config
-        slots_per_req = 1 + c.checkpoint_slots_per_request
-        max_running = c.max_running_requests or 16
-        # default pool: room for extra_buffer's 3 pinned slots per request plus as many
-        # cached checkpoints again (independent of the strategy, so shapes are shared)
-        num_slots = c.max_mamba_cache_size or max_running * 6
-        cap = num_slots // (slots_per_req + (1 if c.strategy == "extra_buffer_lazy" else 0))
-        if cap < max_running:
+        layout = self.layout = plan_memory(c, cfg)
+        if layout.max_running < layout.requested_running:
             logger.warning(
                 "max_running_requests capped from %d to %d by %d state slots "
-                "(%d pinned per running request)",
-                max_running,
-                cap,
-                num_slots,
-                slots_per_req,
+                "(%d per running request at most)",
+                layout.requested_running,
+                layout.max_running,
+                layout.num_slots,
+                layout.strategy.peak_slots,
             )
-            max_running = max(cap, 1)
-        context = c.context_length or min(cfg.max_position_embeddings, c.max_total_tokens)
-        context = -(-context // c.page_size) * c.page_size
-        num_pages = -(-c.max_total_tokens // c.page_size)
         from lazyspec.kernels.backend import resolve_backend
 
         backend = resolve_backend(c.kernel_backend)  # pallas on GPU, xla on CPU and TPU
-        self.sizes = PoolSizes(
-            num_slots=num_slots,
-            max_reqs=max_running,
-            num_pages=num_pages,
-            page_size=c.page_size,
-            context_len=context,
-            num_draft_positions=max(1, c.num_verify_tokens - 1),
-        )
         static = StepStatic(
-            num_slots=num_slots,
-            max_reqs=max_running,
-            num_kv_rows=(num_pages + 1) * c.page_size,
-            chunk_size=c.mamba_chunk_size,
-            num_verify=c.num_verify_tokens,
+            num_slots=layout.num_slots,
+            max_reqs=layout.max_running,
+            num_kv_rows=layout.num_kv_rows,
+            chunk_size=layout.chunk_size,
+            num_verify=layout.num_verify,
             spec=c.spec_enabled,
             backend=backend,
         )
-        self.runner = Runner(self.model, self.sizes, static, c.dtype, c.mamba_ssm_dtype)
-        self.kv_allocator = KVAllocator(num_pages, c.page_size)
-        self.slot_allocator = SlotAllocator(num_slots)
+        self.runner = Runner(self.model, layout, static, c.dtype, c.mamba_ssm_dtype)
+        self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
+        self.slot_allocator = SlotAllocator(layout.num_slots)
         self.tree = RadixCache(
-            c.page_size, self.kv_allocator, self.slot_allocator, disable=c.disable_radix_cache
+            layout.page_size, self.kv_allocator, self.slot_allocator, disable=c.disable_radix_cache
         )
-        self.tracker = CheckpointTracker(
-            c.strategy,
-            c.mamba_track_interval,
-            c.num_verify_tokens,
+        self.policy = SlotPolicy(
+            layout.strategy,
+            layout.track_interval,
+            layout.num_verify,
             self.slot_allocator,
             self.tree,
             fail_spare_alloc=c.debug_fail_spare_alloc,
             evict_on_failure=c.debug_lazy_evict_on_failure,
         )
-        limits = SchedulerLimits(
-            max_running=max_running,
-            max_reqs=max_running,
-            context_len=context,
-            chunked_prefill=c.chunked_prefill_size,
-            chunk=c.mamba_chunk_size,
-            max_extend_rows=MAX_EXTEND_ROWS,
-            num_verify=c.num_verify_tokens,
-            eos_ids=cfg.eos_token_ids,
+        cache = RequestCache(layout, self.tree, self.kv_allocator, self.slot_allocator)
+        self.scheduler = Scheduler(layout, self.policy, cache, cfg.eos_token_ids)
+        self.max_running = layout.max_running
+        self.memory_plan = layout.memory_plan(
+            self.runner.slot_bytes(), self.runner.kv_bytes_per_token()
         )
-        lengths = tuple(
-            n * c.mamba_chunk_size
-            for n in _powers_of_two_up_to(c.chunked_prefill_size // c.mamba_chunk_size)
-        )
-        self.extend_buckets = (_powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths)
-        self.decode_buckets = _powers_of_two_up_to(max_running)
-        self.scheduler = Scheduler(
-            limits,
-            self.kv_allocator,
-            self.slot_allocator,
-            self.tree,
-            self.tracker,
-            c.page_size,
-            self.extend_buckets,
-            self.decode_buckets,
-        )
-        self.max_running = max_running
-        self._log_memory_plan(slots_per_req)
-
-    def _log_memory_plan(self, slots_per_req: int) -> None:
-        slot_bytes = self.runner.slot_bytes()
-        self.memory_plan = {
-            "strategy": self.config.strategy,
-            "bytes_per_state_slot": slot_bytes,
-            "state_slots": self.sizes.num_slots,
-            "slots_per_running_request": slots_per_req,
-            "transient_spare_slots": 1 if self.config.strategy == "extra_buffer_lazy" else 0,
-            "max_running_requests": self.max_running,
-            "slots_left_for_cached_checkpoints": self.sizes.num_slots
-            - slots_per_req * self.max_running,
-            "kv_tokens": self.sizes.num_pages * self.sizes.page_size,
-            "kv_bytes_per_token": self.runner.kv_bytes_per_token(),
-            "context_length": self.sizes.context_len,
-        }
         logger.info("memory plan: %s", self.memory_plan)
 
     def warmup(self) -> None:
         """Compile every bucket shape now, so serving compiles nothing new."""
-        from lazyspec.scheduler.batch import decode_arrays, extend_arrays
-
-        sizes = self.sizes
-        for rows in self.extend_buckets[0]:
-            for length in self.extend_buckets[1]:
-                arrays = extend_arrays(
-                    rows, length, sizes.context_len, sizes.num_slots, sizes.max_reqs
-                )
-                self.runner.fetch(self.runner.launch("extend", arrays))
-        for rows in self.decode_buckets:
-            arrays = decode_arrays(
-                rows,
-                sizes.context_len,
-                sizes.num_slots,
-                sizes.max_reqs,
-                self.config.mamba_track_interval,
-            )
-            self.runner.fetch(self.runner.launch("decode", arrays))
+        layout, table = self.layout, self.scheduler.cache.req_to_token
+        rows_buckets, length_buckets = layout.extend_buckets
+        for rows in rows_buckets:
+            for length in length_buckets:
+                batch = build_extend(layout, [], table, num_rows=rows, length=length)
+                self.runner.fetch(self.runner.launch(batch))
+        for rows in layout.decode_buckets:
+            batch = build_decode(layout, [], table, num_rows=rows)
+            self.runner.fetch(self.runner.launch(batch))
 
     # ------------------------------------------------------------------ requests
 
@@ -218,7 +146,7 @@ class Engine:
             if isinstance(sampling_params, SamplingParams)
             else SamplingParams.from_dict(sampling_params)
         )
-        limit = self.sizes.context_len - 3 * self.config.num_verify_tokens
+        limit = self.layout.context_len - self.layout.run_past_headroom
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
@@ -234,20 +162,23 @@ class Engine:
         return req
 
     def step(self) -> None:
-        """One iteration of the (overlapped) loop."""
+        """One iteration of the (overlapped) loop: plan and launch step n+1, then process
+        step n's results with step n+1's records as the in-flight ones."""
         sched = self.scheduler
         plan = sched.schedule()
-        outputs = self.runner.launch(plan.kind, plan.arrays) if plan else None
+        outputs = self.runner.launch(plan.batch) if plan else None
         if self.config.disable_overlap_schedule:
-            sched.inflight = []
             if plan:
-                sched.process(plan, self.runner.fetch(outputs))
+                sched.process(plan, self.runner.fetch(outputs), inflight=())
             return
         previous = self._inflight
         self._inflight = (plan, outputs) if plan else None
-        sched.inflight = plan.records if plan else []
         if previous:
-            sched.process(previous[0], self.runner.fetch(previous[1]))
+            sched.process(previous[0], self.runner.fetch(previous[1]), self._inflight_records())
+
+    def _inflight_records(self) -> list[RowRecord]:
+        """The records of the launched step whose results are not processed yet."""
+        return self._inflight[0].records if self._inflight else []
 
     @property
     def busy(self) -> bool:
@@ -268,6 +199,8 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> dict | list[dict]:
+        if not 0 <= top_logprobs_num <= TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
         batched = isinstance(prompt, list) or (
             input_ids is not None and input_ids and isinstance(input_ids[0], list)
         )
@@ -284,8 +217,6 @@ class Engine:
             )
             for i in range(count)
         ]
-        if not 0 <= top_logprobs_num <= TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
         self.run_until_done(reqs)
         results = [self.result(r, top_logprobs_num) for r in reqs]
         return results if batched else results[0]
@@ -323,11 +254,9 @@ class Engine:
         self.tree.check_integrity()
         self.slot_allocator.check_integrity()
         self.kv_allocator.check_integrity()
-        held_slots = sum(
-            len({r.working_slot, r.keep_slot, r.spare_slot} - {0}) for r in self.scheduler.running
-        )
+        held_slots = sum(len(r.slots.owned()) for r in self.scheduler.running)
         total_slots = self.slot_allocator.num_free + self.tree.num_cached_slots + held_slots
-        assert total_slots == self.sizes.num_slots, (total_slots, self.sizes.num_slots)
+        assert total_slots == self.layout.num_slots, (total_slots, self.layout.num_slots)
 
     def get_server_info(self) -> dict:
         sched = self.scheduler
@@ -342,7 +271,7 @@ class Engine:
                 "cached_state_slots": self.tree.num_cached_slots,
                 "free_kv_tokens": self.kv_allocator.num_free_tokens,
                 "cached_kv_tokens": self.tree.num_cached_tokens,
-                "spare_alloc_failures": self.tracker.num_spare_failures,
+                "spare_alloc_failures": self.policy.num_spare_failures,
                 "speculative_algorithm": self.config.speculative_algorithm,
                 "num_verify_tokens": self.config.num_verify_tokens,
                 "num_verify_steps": steps,

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.engine.sampling import SamplingArrays
 from lazyspec.engine.steps import (
     DecodeBatch,
     ExtendBatch,
@@ -26,21 +25,11 @@ from lazyspec.engine.steps import (
     extend_step,
 )
 from lazyspec.models.interface import KVPools
+from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed")
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    num_slots: int
-    max_reqs: int
-    num_pages: int
-    page_size: int
-    context_len: int
-    num_draft_positions: int  # width of the per-request draft table
 
 
 @functools.cache
@@ -79,76 +68,70 @@ class _CfgKey:
         return isinstance(other, _CfgKey) and other.key == self.key
 
 
+def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
+    """The pools' shapes and dtypes (``jax.ShapeDtypeStruct`` leaves): the one description
+    that allocation and byte accounting read. Slot 0, page 0 and request row 0 are the null
+    entries (see ``Layout``)."""
+    kv_spec = jax.ShapeDtypeStruct(
+        (layout.num_kv_rows, cfg.num_kv_heads, cfg.head_dim), _DTYPES[kv_dtype]
+    )
+
+    def kv_pools(num_layers: int) -> KVPools:
+        return KVPools(k=[kv_spec] * num_layers, v=[kv_spec] * num_layers)
+
+    num_rec, slots = len(cfg.recurrent_layer_ids), layout.num_slot_rows
+    rows = layout.num_req_rows
+    return Pools(
+        kv=kv_pools(len(cfg.attention_layer_ids)),
+        mtp_kv=kv_pools(cfg.num_mtp_layers) if spec else None,
+        conv=jax.ShapeDtypeStruct((num_rec, slots, *cfg.conv_state_shape), _DTYPES[kv_dtype]),
+        ssm=jax.ShapeDtypeStruct((num_rec, slots, *cfg.ssm_state_shape), _DTYPES[ssm_dtype]),
+        seq_len=jax.ShapeDtypeStruct((rows,), jnp.int32),
+        last_token=jax.ShapeDtypeStruct((rows,), jnp.int32),
+        drafts=jax.ShapeDtypeStruct((rows, layout.num_draft_positions), jnp.int32),
+    )
+
+
+def _nbytes(leaf: jax.ShapeDtypeStruct) -> int:
+    return math.prod(leaf.shape) * leaf.dtype.itemsize
+
+
+def slot_bytes(pools: Pools) -> int:
+    """Bytes of one state slot over all recurrent layers (conv + ssm)."""
+    return sum(_nbytes(pool) // pool.shape[1] for pool in (pools.conv, pools.ssm))
+
+
+def kv_bytes_per_token(pools: Pools) -> int:
+    """K + V bytes of one token over all attention layers (the draft head's excluded)."""
+    return sum(_nbytes(pool) // pool.shape[0] for pool in pools.kv.k + pools.kv.v)
+
+
 class Runner:
     def __init__(
-        self, model: Any, sizes: PoolSizes, static: StepStatic, kv_dtype: str, ssm_dtype: str
+        self, model: Any, layout: Layout, static: StepStatic, kv_dtype: str, ssm_dtype: str
     ) -> None:
         self.family = model.family
         self.cfg = model.config
         self.params = model.params
-        self.sizes = sizes
         self.static = static
-        self.pools = self._allocate(kv_dtype, ssm_dtype)
+        self.abstract = abstract_pools(self.cfg, layout, static.spec, kv_dtype, ssm_dtype)
+        self.pools = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.abstract)
         extend, decode = _compiled_steps(_ById(self.family), static, _CfgKey(self.cfg))
         self._extend, self._decode = extend, decode
 
-    # ------------------------------------------------------------------ pools
-
-    def _allocate(self, kv_dtype: str, ssm_dtype: str) -> Pools:
-        cfg, sizes = self.cfg, self.sizes
-        kv_rows = (sizes.num_pages + 1) * sizes.page_size
-        kv_shape = (kv_rows, cfg.num_kv_heads, cfg.head_dim)
-        dtype = _DTYPES[kv_dtype]
-        num_attn = len(cfg.attention_layer_ids)
-        kv = KVPools(
-            k=[jnp.zeros(kv_shape, dtype) for _ in range(num_attn)],
-            v=[jnp.zeros(kv_shape, dtype) for _ in range(num_attn)],
-        )
-        mtp_kv = None
-        if self.static.spec:
-            mtp_kv = KVPools(
-                k=[jnp.zeros(kv_shape, dtype) for _ in range(cfg.num_mtp_layers)],
-                v=[jnp.zeros(kv_shape, dtype) for _ in range(cfg.num_mtp_layers)],
-            )
-        num_rec = len(cfg.recurrent_layer_ids)
-        conv = jnp.zeros((num_rec, sizes.num_slots + 1, *cfg.conv_state_shape), dtype)
-        ssm = jnp.zeros((num_rec, sizes.num_slots + 1, *cfg.ssm_state_shape), _DTYPES[ssm_dtype])
-        rows = sizes.max_reqs + 1
-        return Pools(
-            kv=kv,
-            mtp_kv=mtp_kv,
-            conv=conv,
-            ssm=ssm,
-            seq_len=jnp.zeros((rows,), jnp.int32),
-            last_token=jnp.zeros((rows,), jnp.int32),
-            drafts=jnp.zeros((rows, sizes.num_draft_positions), jnp.int32),
-        )
-
     def slot_bytes(self) -> int:
-        """Bytes of one state slot over all recurrent layers (conv + ssm)."""
-        per_layer_conv = self.pools.conv[0, 0].size * self.pools.conv.dtype.itemsize
-        per_layer_ssm = self.pools.ssm[0, 0].size * self.pools.ssm.dtype.itemsize
-        return (per_layer_conv + per_layer_ssm) * self.pools.conv.shape[0]
+        return slot_bytes(self.abstract)
 
     def kv_bytes_per_token(self) -> int:
-        k0 = self.pools.kv.k[0] if self.pools.kv.k else None
-        if k0 is None:
-            return 0
-        return 2 * len(self.pools.kv.k) * k0[0].size * k0.dtype.itemsize
+        return kv_bytes_per_token(self.abstract)
 
     # ------------------------------------------------------------------ steps
 
-    def launch(self, kind: str, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        sampling = SamplingArrays(**{k: jnp.asarray(arrays[k]) for k in _SAMPLING_KEYS})
-        fields = {k: jnp.asarray(v) for k, v in arrays.items() if k not in _SAMPLING_KEYS}
-        if kind == "extend":
-            outputs, self.pools = self._extend(
-                self.params, self.pools, ExtendBatch(sampling=sampling, **fields)
-            )
-        else:
-            outputs, self.pools = self._decode(
-                self.params, self.pools, DecodeBatch(sampling=sampling, **fields)
-            )
+    def launch(self, batch: ExtendBatch | DecodeBatch) -> dict[str, jax.Array]:
+        """Dispatch the step for ``batch`` (a host batch, moved to the device as it is);
+        returns its outputs as device arrays without waiting for them."""
+        step = self._extend if isinstance(batch, ExtendBatch) else self._decode
+        outputs, self.pools = step(self.params, self.pools, jax.device_put(batch))
         return outputs
 
     @staticmethod

@@ -7,11 +7,12 @@ samples do not depend on how it was batched or on the checkpoint strategy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from lazyspec.scheduler.batch import SamplingRows
 from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NEG_INF = -1e30
@@ -19,13 +20,14 @@ PURPOSE_SAMPLE = 0
 PURPOSE_ACCEPT = 1
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class SamplingArrays:
-    temperature: jax.Array  # [B] float32, 0 = greedy
-    top_p: jax.Array  # [B] float32
-    top_k: jax.Array  # [B] int32, <= 0 = off
-    seed: jax.Array  # [B] uint32
+# Per-row sampling parameters: the host batches' ``SamplingRows`` (temperature [B] float32,
+# 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; seed [B] uint32), as a pytree.
+SamplingArrays = SamplingRows
+jax.tree_util.register_dataclass(
+    SamplingArrays,
+    data_fields=[f.name for f in dataclasses.fields(SamplingArrays)],
+    meta_fields=[],
+)
 
 
 def _filtered_logits(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:

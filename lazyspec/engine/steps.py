@@ -17,6 +17,7 @@ write, so slot 0, page 0 and request row 0 are never written.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -25,7 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.engine.sampling import (
-    SamplingArrays,
     sample_from,
     target_probs,
     token_logprobs,
@@ -34,6 +34,10 @@ from lazyspec.engine.sampling import (
 )
 from lazyspec.kernels.backend import state_scatter
 from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
+from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch
+from lazyspec.scheduler.layout import NULL_SLOT
+
+NO_STEP = -1  # state_scatter: this row writes nothing
 
 
 @jax.tree_util.register_dataclass
@@ -48,45 +52,38 @@ class Pools:
     drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class ExtendBatch:
-    req_row: jax.Array  # [B] (sentinel = padding)
-    tokens: jax.Array  # [B, T]
-    start_pos: jax.Array  # [B]
-    num_new: jax.Array  # [B]
-    kv_read_idx: jax.Array  # [B, C]
-    state_src_slot: jax.Array  # [B]
-    working_slot: jax.Array  # [B] (sentinel = padding)
-    track_slot: jax.Array  # [B] (sentinel = no checkpoint)
-    track_chunk: jax.Array  # [B] chunk index of the checkpoint state
-    is_last_chunk: jax.Array  # [B] bool: the prompt ends in this chunk (sample + draft)
-    next_token: jax.Array  # [B] first token of the next chunk (MTP input), when not last
-    sampling: SamplingArrays
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class DecodeBatch:
-    req_row: jax.Array  # [B] (sentinel = padding)
-    kv_read_idx: jax.Array  # [B, C]
-    working_slot: jax.Array  # [B] (sentinel = padding)
-    track_slot: jax.Array  # [B] checkpoint target if a boundary is crossed (sentinel = none)
-    track_interval: jax.Array  # [] int32, mamba_track_interval (traced: no recompile per value)
-    sampling: SamplingArrays
+# The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
+# pytrees here, moved to the device as they are.
+for _batch in (ExtendBatch, DecodeBatch):
+    jax.tree_util.register_dataclass(
+        _batch, data_fields=[f.name for f in dataclasses.fields(_batch)], meta_fields=[]
+    )
 
 
 @dataclass(frozen=True)
 class StepStatic:
-    """Static (compile-time) settings shared by all steps of one engine."""
+    """Static (compile-time) settings shared by all steps of one engine: the device subset of
+    the engine's ``Layout`` (whose table names the ids and their sentinels)."""
 
-    num_slots: int  # sentinel slot id = num_slots + 1
-    max_reqs: int  # sentinel request row = max_reqs + 1
-    num_kv_rows: int  # sentinel KV row = num_kv_rows
+    num_slots: int  # real slots 1..num_slots
+    max_reqs: int  # real request rows 1..max_reqs
+    num_kv_rows: int  # KV rows per pool, the null page's included
     chunk_size: int
     num_verify: int  # D
     spec: bool
     backend: str
+
+    @property
+    def sentinel_slot(self) -> int:
+        return self.num_slots + 1
+
+    @property
+    def sentinel_row(self) -> int:
+        return self.max_reqs + 1
+
+    @property
+    def sentinel_kv_row(self) -> int:
+        return self.num_kv_rows
 
 
 def _gather_state(pools: Pools, slots: jax.Array) -> RecurrentState:
@@ -113,8 +110,10 @@ def _commit_picked(
     for rows whose dst_slot is a real slot; sentinel rows write nothing. ``state_scatter`` on
     the engine's kernel backend: one launch for stacked states, one per layer for lists (so
     the verify scratch is never stacked into one array). Returns (conv, ssm)."""
+    # state_scatter's convention for "write nothing" is a negative step index (its slot
+    # then reads as the null slot), not the drop sentinel the scatters here use
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
-    dst, step = jnp.where(write, dst_slot, 0), jnp.where(write, index, -1)
+    dst, step = jnp.where(write, dst_slot, NULL_SLOT), jnp.where(write, index, NO_STEP)
     if not isinstance(states.ssm, list):
         ssm, conv = state_scatter(
             pools_ssm, pools_conv, states.ssm, states.conv, dst, step, kernel_backend=static.backend
@@ -137,7 +136,7 @@ def extend_step(
     positions = batch.start_pos[:, None] + t_idx
     valid = t_idx < batch.num_new[:, None]
     write_idx = jnp.take_along_axis(batch.kv_read_idx, jnp.where(valid, positions, 0), axis=1)
-    write_idx = jnp.where(valid, write_idx, static.num_kv_rows)
+    write_idx = jnp.where(valid, write_idx, static.sentinel_kv_row)
     inputs = ForwardInputs(
         tokens=batch.tokens,
         positions=positions,
@@ -172,7 +171,7 @@ def extend_step(
     last_pos = batch.start_pos + last
     token = sample_from(probs, batch.sampling.seed, last_pos)
     logprob = token_logprobs(logits, token[:, None])[:, 0]
-    sentinel_row = static.max_reqs + 1
+    sentinel_row = static.sentinel_row
     row = jnp.where(real, batch.req_row, sentinel_row)
     seq_len = pools.seq_len.at[row].set(batch.start_pos + batch.num_new, mode="drop")
     done_row = jnp.where(real & batch.is_last_chunk, batch.req_row, sentinel_row)
@@ -231,7 +230,7 @@ def _draft_chain(
             break
         pos = pos + 1
         write = jnp.take_along_axis(kv_read_idx, pos[:, None], axis=1)
-        write = jnp.where(real[:, None], write, static.num_kv_rows)
+        write = jnp.where(real[:, None], write, static.sentinel_kv_row)
         inputs = ForwardInputs(
             tokens=draft[:, None],
             positions=pos[:, None],
@@ -259,7 +258,7 @@ def decode_step(
     tokens = jnp.concatenate([pools.last_token[row][:, None], drafts], axis=1)
     positions = pre[:, None] + jnp.arange(num_pos)[None, :]
     write_idx = jnp.take_along_axis(batch.kv_read_idx, positions, axis=1)
-    write_idx = jnp.where(real[:, None], write_idx, static.num_kv_rows)
+    write_idx = jnp.where(real[:, None], write_idx, static.sentinel_kv_row)
     inputs = ForwardInputs(
         tokens=tokens,
         positions=positions,
@@ -292,12 +291,12 @@ def decode_step(
     post = pre + accept_len
     crossed = real & (pre // interval != post // interval)
     t_cross = (post // interval) * interval - pre - 1
-    sentinel_slot = static.num_slots + 1
+    sentinel_slot = static.sentinel_slot
     working = jnp.where(real, batch.working_slot, sentinel_slot)
     conv, ssm = _commit_picked(static, pools.conv, pools.ssm, out.steps, working, accept_len - 1)
     track = jnp.where(crossed, batch.track_slot, sentinel_slot)
     conv, ssm = _commit_picked(static, conv, ssm, out.steps, track, t_cross)
-    sentinel_row = static.max_reqs + 1
+    sentinel_row = static.sentinel_row
     dest = jnp.where(real, batch.req_row, sentinel_row)
     rows = jnp.arange(num_rows)
     bonus = out_tokens[rows, accept_len - 1]

@@ -1,63 +1,146 @@
-"""Host-side batch arrays: a scheduled step's rows as padded numpy arrays of a bucket shape.
+"""Host batches: a scheduled step's rows as numpy arrays padded to a bucket shape.
 
-One function per step kind builds the whole array set (padding rows point at the null
-slot / null page and a sentinel request row, so the device step drops their writes); the
-runner turns it into the device pytree.
+One builder per step kind (``build_extend``, ``build_decode``) fills a typed batch from the
+scheduled requests and their ``RowRecord``s; padding rows point at the drop sentinels
+(request row, working and checkpoint slot) and the null slot / page, so the device step
+changes nothing for them. The engine registers these dataclasses as pytrees and hands
+them, moved to the device as they are, to the jitted steps (``(params, pools, batch)``).
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 
-from lazyspec.scheduler.request import Req
+from lazyspec.scheduler.layout import Layout
+from lazyspec.scheduler.policy import RowRecord
+from lazyspec.scheduler.request import NO_SLOT, Req
 
 
-def extend_arrays(rows: int, length: int, ctx: int, num_slots: int, max_reqs: int):
-    sentinel_slot = num_slots + 1
-    a = {
-        "req_row": np.full(rows, max_reqs + 1, np.int32),
-        "tokens": np.zeros((rows, length), np.int32),
-        "start_pos": np.zeros(rows, np.int32),
-        "num_new": np.zeros(rows, np.int32),
-        "kv_read_idx": np.zeros((rows, ctx), np.int32),
-        "state_src_slot": np.zeros(rows, np.int32),
-        "working_slot": np.full(rows, sentinel_slot, np.int32),
-        "track_slot": np.full(rows, sentinel_slot, np.int32),
-        "track_chunk": np.zeros(rows, np.int32),
-        "is_last_chunk": np.zeros(rows, bool),
-        "next_token": np.zeros(rows, np.int32),
-    }
-    a.update(sampling_arrays(rows))
-    return a
+@dataclass
+class SamplingRows:
+    temperature: np.ndarray  # [B] float32, 0 = greedy
+    top_p: np.ndarray  # [B] float32
+    top_k: np.ndarray  # [B] int32, <= 0 = off
+    seed: np.ndarray  # [B] uint32
 
 
-def decode_arrays(rows: int, ctx: int, num_slots: int, max_reqs: int, interval: int):
-    sentinel_slot = num_slots + 1
-    a = {
-        "track_interval": np.asarray(interval, np.int32),
-        "req_row": np.full(rows, max_reqs + 1, np.int32),
-        "kv_read_idx": np.zeros((rows, ctx), np.int32),
-        "working_slot": np.full(rows, sentinel_slot, np.int32),
-        "track_slot": np.full(rows, sentinel_slot, np.int32),
-    }
-    a.update(sampling_arrays(rows))
-    return a
+@dataclass
+class ExtendBatch:
+    req_row: np.ndarray  # [B] (sentinel = padding)
+    tokens: np.ndarray  # [B, T]
+    start_pos: np.ndarray  # [B]
+    num_new: np.ndarray  # [B]
+    kv_read_idx: np.ndarray  # [B, C]
+    state_src_slot: np.ndarray  # [B] initial state (null slot = zeros)
+    working_slot: np.ndarray  # [B] (sentinel = padding)
+    track_slot: np.ndarray  # [B] (sentinel = no checkpoint)
+    track_chunk: np.ndarray  # [B] chunk index of the checkpoint state
+    is_last_chunk: np.ndarray  # [B] bool: the prompt ends in this chunk (sample + draft)
+    next_token: np.ndarray  # [B] first token of the next chunk (MTP input), when not last
+    sampling: SamplingRows
 
 
-def sampling_arrays(rows: int) -> dict[str, np.ndarray]:
-    return {
-        "temperature": np.zeros(rows, np.float32),
-        "top_p": np.ones(rows, np.float32),
-        "top_k": np.full(rows, -1, np.int32),
-        "seed": np.zeros(rows, np.uint32),
-    }
+@dataclass
+class DecodeBatch:
+    req_row: np.ndarray  # [B] (sentinel = padding)
+    kv_read_idx: np.ndarray  # [B, C]
+    working_slot: np.ndarray  # [B] (sentinel = padding)
+    track_slot: np.ndarray  # [B] checkpoint target if a boundary is crossed (sentinel = none)
+    track_interval: np.ndarray  # [] int32 (traced: no recompile per value)
+    sampling: SamplingRows
 
 
-def fill_sampling(a: dict[str, np.ndarray], b: int, req: Req) -> None:
-    a["temperature"][b] = req.sampling.temperature
-    a["top_p"][b] = req.sampling.top_p
-    a["top_k"][b] = req.sampling.top_k
-    seed = req.sampling.seed if req.sampling.seed is not None else zlib.crc32(req.rid.encode())
-    a["seed"][b] = np.uint32(seed & 0xFFFFFFFF)
+def bucket(n: int, options: tuple[int, ...]) -> int:
+    """The smallest option >= n."""
+    for option in options:
+        if option >= n:
+            return option
+    raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
+
+
+def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
+    rows = SamplingRows(
+        temperature=np.zeros(num_rows, np.float32),
+        top_p=np.ones(num_rows, np.float32),
+        top_k=np.full(num_rows, -1, np.int32),
+        seed=np.zeros(num_rows, np.uint32),
+    )
+    for b, req in enumerate(reqs):
+        params = req.sampling
+        rows.temperature[b] = params.temperature
+        rows.top_p[b] = params.top_p
+        rows.top_k[b] = params.top_k
+        seed = params.seed if params.seed is not None else zlib.crc32(req.rid.encode())
+        rows.seed[b] = np.uint32(seed & 0xFFFFFFFF)
+    return rows
+
+
+def build_extend(
+    layout: Layout,
+    records: list[RowRecord],
+    req_to_token: np.ndarray,
+    num_rows: int | None = None,
+    length: int | None = None,
+) -> ExtendBatch:
+    """The extend batch of ``records`` (one prefill chunk each, from ``record.start``);
+    bucket shapes picked from the layout unless given (warm-up builds empty ones)."""
+    rows_bucket, len_bucket = layout.extend_buckets
+    num_rows = num_rows or bucket(len(records), rows_bucket)
+    length = length or bucket(max(r.num_new for r in records), len_bucket)
+    reqs = [r.req for r in records]
+    batch = ExtendBatch(
+        req_row=np.full(num_rows, layout.sentinel_row, np.int32),
+        tokens=np.zeros((num_rows, length), np.int32),
+        start_pos=np.zeros(num_rows, np.int32),
+        num_new=np.zeros(num_rows, np.int32),
+        kv_read_idx=np.zeros((num_rows, layout.context_len), np.int32),
+        state_src_slot=np.full(num_rows, NO_SLOT, np.int32),
+        working_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
+        track_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
+        track_chunk=np.zeros(num_rows, np.int32),
+        is_last_chunk=np.zeros(num_rows, bool),
+        next_token=np.zeros(num_rows, np.int32),
+        sampling=_sampling(num_rows, reqs),
+    )
+    for b, record in enumerate(records):
+        req, start, num_new = record.req, record.start, record.num_new
+        batch.req_row[b] = req.req_row
+        batch.tokens[b, :num_new] = req.fill_ids[start : start + num_new]
+        batch.start_pos[b] = start
+        batch.num_new[b] = num_new
+        batch.kv_read_idx[b] = req_to_token[req.req_row]
+        batch.state_src_slot[b] = record.source_slot
+        batch.working_slot[b] = req.slots.working
+        if record.target_slot != NO_SLOT:
+            batch.track_slot[b] = record.target_slot
+            batch.track_chunk[b] = record.track_chunk
+        batch.is_last_chunk[b] = record.is_last_chunk
+        if not record.is_last_chunk:
+            batch.next_token[b] = req.fill_ids[start + num_new]
+    return batch
+
+
+def build_decode(
+    layout: Layout, records: list[RowRecord], req_to_token: np.ndarray, num_rows: int | None = None
+) -> DecodeBatch:
+    """The decode batch of ``records`` (D verify positions per row, read on the device)."""
+    num_rows = num_rows or bucket(len(records), layout.decode_buckets)
+    batch = DecodeBatch(
+        req_row=np.full(num_rows, layout.sentinel_row, np.int32),
+        kv_read_idx=np.zeros((num_rows, layout.context_len), np.int32),
+        working_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
+        track_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
+        track_interval=np.asarray(layout.track_interval, np.int32),
+        sampling=_sampling(num_rows, [r.req for r in records]),
+    )
+    for b, record in enumerate(records):
+        req = record.req
+        batch.req_row[b] = req.req_row
+        batch.kv_read_idx[b] = req_to_token[req.req_row]
+        batch.working_slot[b] = req.slots.working
+        if record.target_slot != NO_SLOT:
+            batch.track_slot[b] = record.target_slot
+    return batch

@@ -64,14 +64,32 @@ class Phase(enum.Enum):
 
 
 @dataclass
-class Req:
-    """One request. Slot fields hold pool ids (NO_SLOT = none).
+class ReqSlots:
+    """A request's recurrent-state slots (pool ids; NO_SLOT = none). Written only by
+    ``SlotPolicy`` (policy.py); everyone else reads.
 
-    Checkpoint bookkeeping (DESIGN §6-§7): ``keep_slot`` holds the state after exactly
-    ``last_track_len`` tokens once a checkpoint has settled (``last_track_len`` None = no
-    checkpoint of this request yet); ``spare_slot`` is the ping-pong scratch (extra_buffer)
-    or the lazily borrowed spare (extra_buffer_lazy).
+    ``keep`` holds the state after exactly ``last_track_len`` tokens once a checkpoint has
+    settled (``last_track_len`` None = no checkpoint of this request yet); ``spare`` is the
+    ping-pong scratch (extra_buffer) or the lazily borrowed spare (extra_buffer_lazy);
+    ``keep_clobbered`` says an in-place write left ``keep`` past ``last_track_len`` (it may
+    not be donated); ``source`` is where the next extend reads its initial state.
     """
+
+    working: int = NO_SLOT
+    keep: int = NO_SLOT
+    spare: int = NO_SLOT
+    last_track_len: int | None = None
+    keep_clobbered: bool = False
+    source: int = NO_SLOT
+
+    def owned(self) -> list[int]:
+        """The distinct slots the request holds, sorted."""
+        return sorted({self.working, self.keep, self.spare} - {NO_SLOT})
+
+
+@dataclass
+class Req:
+    """One request: its tokens, sampling, progress and resources (host only)."""
 
     rid: str
     input_ids: list[int]
@@ -85,11 +103,7 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     # resources
     req_row: int = 0
-    working_slot: int = NO_SLOT
-    keep_slot: int = NO_SLOT
-    spare_slot: int = NO_SLOT
-    last_track_len: int | None = None
-    keep_clobbered: bool = False  # an in-place write left keep past last_track_len
+    slots: ReqSlots = field(default_factory=ReqSlots)
     prefix_node: Any = None
     prefix_len: int = 0
     cached_tokens: int = 0
@@ -98,7 +112,6 @@ class Req:
     fill_len: int = 0  # tokens of ``fill_ids`` scheduled for prefill
     seq_len: int = 0  # tokens whose state + KV are committed (processed results)
     inflight_decode: int = 0  # decode steps launched but not yet processed
-    state_src_slot: int = NO_SLOT  # where the next extend reads its initial state
     spec_verify_ct: int = 0
     accept_hist: list[int] = field(default_factory=list)
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lazyspec.config import DTYPES, KERNEL_BACKENDS, SPEC_ALGORITHMS, STRATEGIES, EngineConfig
+from lazyspec.config import DTYPES, KERNEL_BACKENDS, SPEC_ALGORITHMS, STRATEGY_CHOICES, EngineConfig
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 ALIASES = {"mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"]}
@@ -22,7 +22,7 @@ SKIPPED_FIELDS = {"mamba_radix_cache_strategy"}  # an alias, exposed through ALI
 CHOICES = {
     "dtype": DTYPES,
     "mamba_ssm_dtype": DTYPES,
-    "mamba_scheduler_strategy": STRATEGIES,
+    "mamba_scheduler_strategy": STRATEGY_CHOICES,
     "speculative_algorithm": tuple(a for a in SPEC_ALGORITHMS if a is not None),
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
 }

@@ -116,14 +116,14 @@ class ServerMetrics:
 
     def observe_engine(self, engine: Any, accept_length: float | None) -> None:
         """(Engine thread) Refresh the pool and queue gauges from ``engine``."""
-        total_slots = engine.sizes.num_slots
+        total_slots = engine.layout.num_slots
         free_slots = engine.slot_allocator.num_free
         cached_slots = engine.tree.num_cached_slots
         self.state_slots.labels("free").set(free_slots)
         self.state_slots.labels("cached").set(cached_slots)
         self.state_slots.labels("running").set(total_slots - free_slots - cached_slots)
         self.state_slot_usage.set(1.0 - free_slots / total_slots)
-        total_kv = engine.sizes.num_pages * engine.sizes.page_size
+        total_kv = engine.layout.kv_tokens
         free_kv = engine.kv_allocator.num_free_tokens
         cached_kv = engine.tree.num_cached_tokens
         self.kv_tokens.labels("free").set(free_kv)

@@ -80,7 +80,7 @@ class EngineWorker:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self.max_running = engine.max_running
-        self.max_context = engine.sizes.context_len - 3 * engine.config.num_verify_tokens
+        self.max_context = engine.layout.context_len - engine.layout.run_past_headroom
         self.counters = _Counters()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -168,7 +168,7 @@ class EngineWorker:
                 result = None
             elif kind == "stop":
                 for rid in payload:
-                    self.engine.scheduler.stop(rid)
+                    self.engine.scheduler.stop(rid, self.engine._inflight_records())
                 result = None
             elif kind == "call":
                 result = payload(self.engine)

@@ -363,3 +363,23 @@ def test_check_integrity_detects_broken_invariants() -> None:
     s.tree._state_lru.clear()
     with pytest.raises(AssertionError, match="state LRU"):
         s.tree.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_lock_cost_is_what_inc_lock_takes_from_the_evictable_counts(page_size: int) -> None:
+    s = Setup(page_size)
+    base = s.tokens(1)
+    parent, _ = s.insert(base)
+    child, _ = s.insert(base + s.tokens(2))
+    sibling, _ = s.insert(base + s.tokens(3))
+    assert s.tree.lock_cost(s.tree.root) == (0, 0)
+    for node in (child.node, sibling.node, parent.node, child.node):
+        before = (s.tree.num_evictable_slots, s.tree.num_evictable_kv_tokens)
+        cost = s.tree.lock_cost(node)
+        assert s.tree.lock_cost(node) == cost  # a query: asking twice changes nothing
+        s.tree.inc_lock(node)
+        after = (s.tree.num_evictable_slots, s.tree.num_evictable_kv_tokens)
+        assert cost == (before[0] - after[0], before[1] - after[1])
+    # the first lock of the child took its state and its whole path; the second took nothing
+    assert s.tree.lock_cost(child.node) == (0, 0)
+    s.check()

@@ -60,7 +60,7 @@ def test_turn2_hits_expected_checkpoint(strategy, fail, expected_hit):
     lp_miss = np.array([lp for lp, _ in miss["meta_info"]["output_token_logprobs"]])
     assert np.max(np.abs(lp_hit - lp_miss)) <= 1e-4
     if fail:
-        assert engine.tracker.num_spare_failures > 0
+        assert engine.policy.num_spare_failures > 0
     engine.check_integrity()
 
 

@@ -84,5 +84,5 @@ def test_staggered_batch_matches_reference(expected, strategy, overlap, page_siz
         assert hits > 0, "shared prefixes should give cache hits"
     assert engine.flush_cache()
     engine.check_integrity()
-    assert engine.slot_allocator.num_free == engine.sizes.num_slots
-    assert engine.kv_allocator.num_free_pages == engine.sizes.num_pages
+    assert engine.slot_allocator.num_free == engine.layout.num_slots
+    assert engine.kv_allocator.num_free_pages == engine.layout.num_pages

@@ -57,8 +57,8 @@ def test_spec_batch_equals_greedy(batch_case, strategy, overlap):
     assert [r.output_ids for r in reqs] == want
     assert all(r.spec_verify_ct > 0 for r in reqs)
     assert engine.flush_cache()
-    assert engine.slot_allocator.num_free == engine.sizes.num_slots
-    assert engine.kv_allocator.num_free_pages == engine.sizes.num_pages
+    assert engine.slot_allocator.num_free == engine.layout.num_slots
+    assert engine.kv_allocator.num_free_pages == engine.layout.num_pages
 
 
 @pytest.fixture(scope="module")

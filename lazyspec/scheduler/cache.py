@@ -1,0 +1,126 @@
+"""RequestCache: running requests' KV rows and pages, and their one way into the radix tree.
+
+Host-only (no jax). It owns the request-to-token table (one row of KV indices per running
+request), the free request rows, the requests' own KV pages and their locks on the tree;
+``SlotPolicy`` owns the state slots. ``cache_req`` is the only code that inserts a request
+into the tree.
+
+A request's token positions, who owns each range's KV, and what ``cache_req`` does with it
+(running: ``finished=False``, at finish: ``finished=True``):
+
+| positions            | KV owner                               | running         | at finish     |
+|----------------------|----------------------------------------|-----------------|---------------|
+| [0, prefix_len)      | the tree (matched, prefix_node locked) | lock moves on   | lock dropped  |
+| [prefix_len, length) | the request (own_pages)                | to the tree     | to the tree   |
+| [length, end)        | the request (own_pages)                | kept            | freed         |
+
+``length`` is the donated checkpoint's length (the state slot holds the state after
+exactly ``length`` tokens; whole pages by construction); without a donation nothing is
+inserted and ``length`` = ``prefix_len``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lazyspec.cache.allocators import KVAllocator, SlotAllocator
+from lazyspec.cache.radix_cache import MatchResult, RadixCache
+from lazyspec.scheduler.layout import Layout
+from lazyspec.scheduler.request import NO_SLOT, Req
+
+
+class RequestCache:
+    def __init__(
+        self, layout: Layout, tree: RadixCache, kv: KVAllocator, slots: SlotAllocator
+    ) -> None:
+        self.layout = layout
+        self.tree = tree
+        self.kv = kv
+        self.slots = slots
+        self.page_size = layout.page_size
+        self.req_to_token = np.zeros((layout.num_req_rows, layout.context_len), np.int32)
+        self.free_rows = list(range(layout.max_running, 0, -1))
+
+    # ------------------------------------------------------------------ queries
+
+    def pages_needed(self, req: Req, fill_len: int, prefix_len: int) -> int:
+        """KV pages reserved at admission: the whole prompt, every output token, and the
+        run-past headroom of the overlapped / speculative loop, past the matched prefix."""
+        need = fill_len + req.sampling.max_new_tokens + self.layout.run_past_headroom
+        need = min(need, self.layout.context_len)
+        return max(-(-(need - prefix_len) // self.page_size), 0)
+
+    def fits(self, match: MatchResult, num_slots: int, num_pages: int) -> bool:
+        """Whether a free row, ``num_slots`` slots and ``num_pages`` pages can be had, counting
+        what eviction could free once ``match.node`` is locked. Changes nothing."""
+        if not self.free_rows:
+            return False
+        lock_slots, lock_tokens = self.tree.lock_cost(match.node)
+        slots = self.slots.num_free + self.tree.num_evictable_slots - lock_slots
+        tokens = self.tree.num_evictable_kv_tokens - lock_tokens
+        pages = self.kv.num_free_pages + tokens // self.page_size
+        return slots >= num_slots and pages >= num_pages
+
+    # ------------------------------------------------------------------ admission
+
+    def reserve(self, match: MatchResult, num_slots: int, num_pages: int) -> None:
+        """Lock the matched node and evict until the slots and pages are free (``fits`` said
+        they can be)."""
+        self.tree.inc_lock(match.node)
+        if self.slots.num_free < num_slots:
+            self.tree.evict_state(num_slots - self.slots.num_free)
+        if self.kv.num_free_pages < num_pages:
+            self.tree.evict_kv((num_pages - self.kv.num_free_pages) * self.page_size)
+        assert self.slots.num_free >= num_slots and self.kv.num_free_pages >= num_pages
+
+    def admit(self, req: Req, match: MatchResult, num_pages: int) -> None:
+        """Give ``req`` a row, its pages after the matched prefix, and the prefix fields."""
+        page_ids = self.kv.alloc_pages(num_pages)
+        req.req_row = self.free_rows.pop()
+        req.prefix_node = match.node
+        req.prefix_len = req.cached_tokens = match.prefix_len
+        row = self.req_to_token[req.req_row]
+        row[:] = 0
+        row[: match.prefix_len] = match.kv_indices
+        offsets = np.arange(self.page_size, dtype=np.int32)
+        own = (page_ids[:, None] * self.page_size + offsets[None, :]).reshape(-1)
+        end = min(match.prefix_len + len(own), self.layout.context_len)
+        row[match.prefix_len : end] = own[: end - match.prefix_len]
+        req.own_pages = page_ids
+
+    # ------------------------------------------------------------------ insertion
+
+    def cache_req(self, req: Req, length: int, slot: int, finished: bool) -> bool:
+        """Insert ``req``'s first ``length`` tokens with ``slot`` (the state after them; NO_SLOT
+        = none) into the tree, then keep running on the tree's copy (``finished=False``) or
+        give everything else back (``finished=True``). Returns whether the tree took the
+        slot (if not, the caller still owns it)."""
+        row = self.req_to_token[req.req_row]
+        taken = False
+        inserted = length > req.prefix_len
+        if inserted:
+            result = self.tree.insert(req.all_ids[:length], row[:length].copy(), slot)
+            taken = result.state_taken and slot != NO_SLOT
+        if not finished:
+            if inserted:
+                self._continue_from_tree(req, length)
+            return taken
+        owned_start = length if inserted else req.prefix_len
+        total = req.prefix_len + len(req.own_pages) * self.page_size
+        if total > owned_start:
+            first_page = (owned_start - req.prefix_len) // self.page_size
+            self.kv.free_pages(req.own_pages[first_page:])
+        self.tree.dec_lock(req.prefix_node)
+        self.free_rows.append(req.req_row)
+        return taken
+
+    def _continue_from_tree(self, req: Req, length: int) -> None:
+        """After a running request's insert: its first ``length`` tokens are the tree's."""
+        row = self.req_to_token[req.req_row]
+        match = self.tree.match_prefix(req.all_ids[:length])
+        assert match.prefix_len == length, (match.prefix_len, length)
+        row[:length] = match.kv_indices  # our duplicate pages may have been freed
+        self.tree.inc_lock(match.node)
+        self.tree.dec_lock(req.prefix_node)
+        req.own_pages = req.own_pages[(length - req.prefix_len) // self.page_size :]
+        req.prefix_node, req.prefix_len = match.node, length

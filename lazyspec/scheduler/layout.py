@@ -1,0 +1,167 @@
+"""The memory plan: every size, sentinel and bucket of an engine, computed once.
+
+``plan_memory(engine_cfg, model_cfg) -> Layout`` is a pure function of the two configs.
+The scheduler, the host batch builders, the runner's pools and the jitted steps all read
+their sizes from the one ``Layout`` (the steps through ``StepStatic``, its device subset).
+
+Ids and their sentinels (DESIGN §3):
+
+| id space      | real ids             | null (zeros, never written) | drop sentinel           |
+|---------------|----------------------|-----------------------------|-------------------------|
+| state slot    | 1..num_slots         | ``NULL_SLOT`` = 0           | ``sentinel_slot``       |
+| request row   | 1..max_running       | 0                           | ``sentinel_row``        |
+| KV row        | page_size..kv_rows-1 | page 0 = rows 0..page_size-1| ``sentinel_kv_row``     |
+
+Scatters to a drop sentinel are discarded (``mode="drop"``: the id is one past the pool),
+so padded rows and rows that must not write point there; reads from padded rows use the
+null slot / page, which hold zeros.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from lazyspec.scheduler.request import NO_SLOT
+from lazyspec.scheduler.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+NULL_SLOT = NO_SLOT
+MAX_EXTEND_ROWS = 4  # requests prefilled together in one extend step
+DEFAULT_MAX_RUNNING = 16
+# default pool: room for extra_buffer's 3 pinned slots per request plus as many cached
+# checkpoints again (independent of the strategy, so shapes are shared)
+DEFAULT_SLOTS_PER_RUNNING = 6
+# Decode steps a request may run past its last token before the host sees it finish: the
+# overlapped loop launches one more step, each step writes up to D tokens, and one step of
+# slack keeps the write positions inside the row.
+RUN_PAST_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: Strategy
+    num_slots: int  # state slots (ids 1..num_slots)
+    max_running: int  # running requests = request rows (ids 1..max_running)
+    requested_running: int  # what the config asked for (max_running may be capped)
+    num_pages: int  # KV pages (ids 1..num_pages)
+    page_size: int
+    context_len: int  # longest sequence, a whole number of pages
+    num_verify: int  # D: tokens a decode step processes per request
+    chunk_size: int  # chunked-prefill scan chunk
+    chunked_prefill: int  # most prompt tokens one request prefills per step
+    track_interval: int
+    extend_buckets: tuple[tuple[int, ...], tuple[int, ...]]  # (rows, tokens) per extend
+    decode_buckets: tuple[int, ...]  # rows per decode step
+
+    # ---- sentinels -------------------------------------------------------------------
+
+    @property
+    def sentinel_slot(self) -> int:
+        return self.num_slots + 1
+
+    @property
+    def sentinel_row(self) -> int:
+        return self.max_running + 1
+
+    @property
+    def num_slot_rows(self) -> int:
+        """Entries of each state pool, the null slot's included."""
+        return self.num_slots + 1
+
+    @property
+    def num_req_rows(self) -> int:
+        """Entries of each per-request table, the null row's included."""
+        return self.max_running + 1
+
+    @property
+    def num_kv_rows(self) -> int:
+        """KV rows in each pool, page 0 (the null page) included."""
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def sentinel_kv_row(self) -> int:
+        return self.num_kv_rows
+
+    # ---- derived sizes ---------------------------------------------------------------
+
+    @property
+    def run_past_headroom(self) -> int:
+        """Tokens a request may be written past its end (see RUN_PAST_STEPS)."""
+        return RUN_PAST_STEPS * self.num_verify
+
+    @property
+    def num_draft_positions(self) -> int:
+        """Width of the per-request draft table (at least 1, so shapes never vanish)."""
+        return max(1, self.num_verify - 1)
+
+    @property
+    def max_extend_rows(self) -> int:
+        return self.extend_buckets[0][-1]
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def memory_plan(self, slot_bytes: int, kv_bytes_per_token: int) -> dict:
+        """The start-up report (bytes come from the runner's abstract pools)."""
+        pinned = self.strategy.pinned_slots
+        return {
+            "strategy": self.strategy.name,
+            "bytes_per_state_slot": slot_bytes,
+            "state_slots": self.num_slots,
+            "slots_per_running_request": pinned,
+            "transient_spare_slots": self.strategy.transient_slots,
+            "max_running_requests": self.max_running,
+            "slots_left_for_cached_checkpoints": self.num_slots - pinned * self.max_running,
+            "kv_tokens": self.kv_tokens,
+            "kv_bytes_per_token": kv_bytes_per_token,
+            "context_length": self.context_len,
+        }
+
+
+def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below ``limit``, then ``limit`` itself."""
+    out, n = [], 1
+    while n < limit:
+        out.append(n)
+        n *= 2
+    out.append(limit)
+    return tuple(sorted(set(out)))
+
+
+def plan_memory(engine_cfg, model_cfg) -> Layout:
+    """The layout for an ``EngineConfig`` and a ``ModelConfig`` (pure; no allocation).
+
+    The running-request cap is lowered when the slot pool cannot give every running
+    request its peak number of slots (``Layout.requested_running`` keeps the ask)."""
+    c = engine_cfg
+    strategy = c.strategy
+    requested = c.max_running_requests or DEFAULT_MAX_RUNNING
+    num_slots = c.max_mamba_cache_size or requested * DEFAULT_SLOTS_PER_RUNNING
+    max_running = requested
+    cap = num_slots // strategy.peak_slots
+    if cap < requested:
+        max_running = max(cap, 1)
+    context = c.context_length or min(model_cfg.max_position_embeddings, c.max_total_tokens)
+    context = -(-context // c.page_size) * c.page_size
+    lengths = tuple(
+        n * c.mamba_chunk_size
+        for n in powers_of_two_up_to(c.chunked_prefill_size // c.mamba_chunk_size)
+    )
+    return Layout(
+        strategy=strategy,
+        num_slots=num_slots,
+        max_running=max_running,
+        requested_running=requested,
+        num_pages=-(-c.max_total_tokens // c.page_size),
+        page_size=c.page_size,
+        context_len=context,
+        num_verify=c.num_verify_tokens,
+        chunk_size=c.mamba_chunk_size,
+        chunked_prefill=c.chunked_prefill_size,
+        track_interval=c.mamba_track_interval,
+        extend_buckets=(powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths),
+        decode_buckets=powers_of_two_up_to(max_running),
+    )

@@ -1,0 +1,236 @@
+"""SlotPolicy: the one owner of a request's recurrent-state slots and of what it donates.
+
+Host-only (no jax). One mechanism serves decode with and without speculation: a decode
+step advances 1..D tokens, so a crossing of a multiple of I is known only after the step.
+Before each step (``plan_*``) the target slot is chosen and recorded with the step; after
+its results (``settle_*``) the crossing is confirmed and the slots are relabelled. Under
+the overlapped loop the in-flight step's records decide what is safe to donate.
+
+Strategies (``strategy.py``; DESIGN §6-§7):
+* ``no_buffer``: no checkpoints while running; the working slot is donated at finish.
+* ``extra_buffer``: keep + spare (ping-pong); a crossing writes the spare, then they swap.
+* ``extra_buffer_lazy``: keep only; a spare is borrowed (never by eviction) when the next
+  boundary is within 2*D tokens of the committed length; a crossing into the spare promotes
+  it and frees the old keep; with no spare the keep slot is written in place.
+
+``SlotPolicy`` is the only writer of ``Req.slots`` and the only code that allocates or frees
+a request's slots. The scheduler calls, in a request's life:
+
+| call                              | when                        | mutates                        |
+|-----------------------------------|-----------------------------|--------------------------------|
+| ``slots_needed()``                | admission query             | nothing                        |
+| ``admit(req, source_slot)``       | admission (slots checked)   | allocates the pinned slots     |
+| ``plan_extend`` / ``plan_decode`` | before each step            | plan_decode may borrow a spare |
+| ``settle_extend`` / ``settle_decode`` | after the step's results | relabels / frees slots        |
+| ``donation(req, inflight, ...)``  | before a tree insert        | nothing                        |
+| ``take_keep(req)``                | prefill checkpoint insert   | swaps in a fresh keep slot     |
+| ``give_back(slot)``               | the tree refused a donation | frees it                       |
+| ``release(req, kept)``            | finish                      | frees all but ``kept``         |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lazyspec.cache.allocators import SlotAllocator
+from lazyspec.scheduler.request import NO_SLOT, Phase, Req, ReqSlots
+from lazyspec.scheduler.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowRecord:
+    """What one step may write for one request, fixed when the step is planned."""
+
+    req: Req
+    target_slot: int  # checkpoint slot this step writes on a crossing (NO_SLOT = none)
+    in_place: bool  # target is the keep slot (lazy fallback, or a prefill checkpoint)
+    track_len: int | None = None  # extend: the checkpoint length written (known at plan)
+    start: int = 0  # extend: position of the chunk's first token
+    num_new: int = 0  # extend: tokens in this chunk
+    is_last_chunk: bool = False
+    source_slot: int = NO_SLOT  # extend: where this chunk reads its initial state
+    track_chunk: int = -1  # extend: chunk index of the checkpoint state (-1 = none)
+
+
+@dataclass(frozen=True)
+class Donation:
+    """A slot the tree may take: it holds the state after exactly ``length`` tokens."""
+
+    length: int
+    slot: int
+
+
+class SlotPolicy:
+    def __init__(
+        self,
+        strategy: Strategy,
+        interval: int,
+        num_verify: int,
+        slots: SlotAllocator,
+        tree=None,
+        fail_spare_alloc: bool = False,
+        evict_on_failure: bool = False,
+    ) -> None:
+        self.strategy = strategy
+        self.interval = interval
+        self.num_verify = num_verify
+        self.slots = slots
+        self.tree = tree
+        self.fail_spare_alloc = fail_spare_alloc
+        self.evict_on_failure = evict_on_failure
+        self.num_spare_failures = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def slots_needed(self) -> int:
+        """Slots admission must find for a new request (query)."""
+        return self.strategy.pinned_slots
+
+    def admit(self, req: Req, source_slot: int) -> None:
+        """Allocate a newly admitted request's pinned slots; the next extend reads its state
+        from ``source_slot`` (a cached node's slot, or NO_SLOT = zeros). The caller has made
+        sure ``slots_needed()`` slots are free."""
+        slot_ids = self.slots.alloc(self.slots_needed())
+        assert slot_ids is not None, "admit() without the free slots it needs"
+        checkpoints = self.strategy.checkpoint_slots
+        req.slots = ReqSlots(
+            working=slot_ids[0],
+            keep=slot_ids[1] if checkpoints >= 1 else NO_SLOT,
+            spare=slot_ids[2] if checkpoints >= 2 else NO_SLOT,
+            source=source_slot,
+        )
+
+    # ------------------------------------------------------------------ plan
+
+    def plan_extend(
+        self, req: Req, start: int, num_new: int, chunk: int, is_last_chunk: bool
+    ) -> RowRecord:
+        """An extend chunk's record; its in-prompt checkpoint is the last multiple of I in
+        (start, start+num_new], written in place into the keep slot (relabelled when the
+        result is processed). Later chunks read their state from the working slot."""
+        slots = req.slots
+        record = RowRecord(
+            req, NO_SLOT, False, None, start, num_new, is_last_chunk, source_slot=slots.source
+        )
+        slots.source = slots.working
+        if not self.strategy.tracks:
+            return record
+        checkpoint = ((start + num_new) // self.interval) * self.interval
+        if checkpoint <= start or (checkpoint - start) % chunk:
+            return record
+        return RowRecord(
+            req,
+            slots.keep,
+            True,
+            checkpoint,
+            start,
+            num_new,
+            is_last_chunk,
+            source_slot=record.source_slot,
+            track_chunk=(checkpoint - start) // chunk - 1,
+        )
+
+    def plan_decode(self, req: Req) -> RowRecord:
+        """Choose this decode step's checkpoint target (DESIGN §7 'plan'). For lazy, may
+        ALLOCATE a spare slot (never by eviction) when a boundary is near."""
+        slots = req.slots
+        if not self.strategy.tracks:
+            return RowRecord(req, NO_SLOT, False)
+        if not self.strategy.borrows_spare:
+            return RowRecord(req, slots.spare, False)
+        next_boundary = (req.seq_len // self.interval + 1) * self.interval
+        if next_boundary - req.seq_len > 2 * self.num_verify:
+            return RowRecord(req, NO_SLOT, False)  # no crossing is possible this step
+        if slots.spare == NO_SLOT:
+            slots.spare = self._borrow_spare()
+        if slots.spare != NO_SLOT:
+            return RowRecord(req, slots.spare, False)
+        return RowRecord(req, slots.keep, True)
+
+    def _borrow_spare(self) -> int:
+        if self.fail_spare_alloc:
+            self.num_spare_failures += 1
+            return NO_SLOT
+        got = self.slots.alloc(1)
+        if got is None and self.evict_on_failure and self.tree is not None:
+            self.tree.evict_state(1)
+            got = self.slots.alloc(1)
+        if got is None:
+            self.num_spare_failures += 1
+            return NO_SLOT
+        return got[0]
+
+    # ------------------------------------------------------------------ settle
+
+    def settle_extend(self, record: RowRecord) -> None:
+        if record.track_len is not None:
+            record.req.slots.last_track_len = record.track_len
+
+    def settle_decode(
+        self, record: RowRecord, crossed: bool, boundary: int, finishing: bool
+    ) -> None:
+        """Apply a decode step's confirmed crossing (DESIGN §7 'update')."""
+        slots = record.req.slots
+        if not crossed or record.target_slot == NO_SLOT:
+            return
+        if record.in_place:
+            if finishing:
+                slots.keep_clobbered = True  # holds a state past last_track_len
+            else:
+                slots.last_track_len = boundary
+            return
+        if finishing:
+            return  # never promote for a finishing request
+        if self.strategy.borrows_spare:
+            if slots.keep != NO_SLOT:
+                self.slots.free([slots.keep])
+            slots.keep, slots.spare = slots.spare, NO_SLOT
+        else:
+            slots.keep, slots.spare = slots.spare, slots.keep
+        slots.last_track_len = boundary
+
+    # ------------------------------------------------------------------ donation
+
+    def donation(self, req: Req, inflight: Iterable[RowRecord], finished: bool) -> Donation | None:
+        """The slot the tree may take from ``req`` now, with the length its state covers, or
+        None (a query). A finishing ``donates_working`` request donates its working slot;
+        otherwise the keep slot, only if it provably holds the state at ``last_track_len``
+        and no in-flight step may still write it."""
+        slots = req.slots
+        if finished and self.strategy.donates_working and req.phase is Phase.DECODE:
+            return Donation(min(req.seq_len, len(req.all_ids)), slots.working)
+        if not self.strategy.tracks or slots.last_track_len is None or slots.keep == NO_SLOT:
+            return None
+        if slots.keep_clobbered:
+            return None
+        if any(r.req is req and r.target_slot == slots.keep for r in inflight):
+            return None
+        return Donation(slots.last_track_len, slots.keep)
+
+    def take_keep(self, req: Req) -> int | None:
+        """Hand the keep slot to the caller (for the tree) and give the still-running request
+        a fresh one, evicting a cached state if needed; None (nothing changed) when no slot
+        can be had."""
+        fresh = self.slots.alloc(1)
+        if fresh is None and self.tree is not None:
+            self.tree.evict_state(1)
+            fresh = self.slots.alloc(1)
+        if fresh is None:
+            return None
+        slots = req.slots
+        taken, slots.keep, slots.last_track_len = slots.keep, fresh[0], None
+        return taken
+
+    def give_back(self, slot: int) -> None:
+        """Free a slot handed out by ``take_keep`` that the tree did not take."""
+        self.slots.free([slot])
+
+    def release(self, req: Req, kept: int = NO_SLOT) -> None:
+        """Free every slot ``req`` holds except ``kept`` (now the tree's)."""
+        slots = req.slots
+        self.slots.free([s for s in slots.owned() if s != kept])
+        slots.working = slots.keep = slots.spare = NO_SLOT
