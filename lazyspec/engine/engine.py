@@ -6,6 +6,7 @@ process step n. ``disable_overlap_schedule`` processes each step right after lau
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterable
@@ -34,6 +35,20 @@ def _powers_of_two_up_to(limit: int) -> tuple[int, ...]:
         n *= 2
     out.append(limit)
     return tuple(sorted(set(out)))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Request and pool counts at one moment, named as ``get_server_info`` reports them."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    free_state_slots: int
+    cached_state_slots: int
+    free_kv_tokens: int
+    cached_kv_tokens: int
+    state_slots: int  # total, the sink slot excluded
+    kv_tokens: int  # total KV token rows, the sink page excluded
 
 
 class Engine:
@@ -151,7 +166,7 @@ class Engine:
 
     def _log_memory_plan(self, slots_per_req: int) -> None:
         slot_bytes = self.runner.slot_bytes()
-        self.memory_plan = {
+        self._memory_plan = {
             "strategy": self.config.strategy,
             "bytes_per_state_slot": slot_bytes,
             "state_slots": self.sizes.num_slots,
@@ -164,7 +179,7 @@ class Engine:
             "kv_bytes_per_token": self.runner.kv_bytes_per_token(),
             "context_length": self.sizes.context_len,
         }
-        logger.info("memory plan: %s", self.memory_plan)
+        logger.info("memory plan: %s", self._memory_plan)
 
     def warmup(self) -> None:
         """Compile every bucket shape now, so serving compiles nothing new."""
@@ -209,7 +224,7 @@ class Engine:
         input_ids = [int(t) for t in input_ids]
         if not input_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in input_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -218,7 +233,7 @@ class Engine:
             if isinstance(sampling_params, SamplingParams)
             else SamplingParams.from_dict(sampling_params)
         )
-        limit = self.sizes.context_len - 3 * self.config.num_verify_tokens
+        limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
@@ -251,6 +266,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
+        """True while a request waits or runs or a step is in flight; reads only."""
         return self.scheduler.has_work or self._inflight is not None
 
     def run_until_done(self, reqs: Iterable[Req], check=None) -> None:
@@ -333,20 +349,16 @@ class Engine:
         sched = self.scheduler
         steps, counts = sched.num_verify_steps, sched.accept_counts
         mean_accept = float(np.dot(np.arange(len(counts)), counts) / steps) if steps else None
-        info = dict(self.memory_plan)
+        info = self.memory_plan
+        # the plan's state_slots / kv_tokens keep their place; the counts follow in field order
+        info.update(dataclasses.asdict(self.stats()))
         info.update(
             {
-                "num_running_requests": len(self.scheduler.running),
-                "num_waiting_requests": len(self.scheduler.waiting),
-                "free_state_slots": self.slot_allocator.num_free,
-                "cached_state_slots": self.tree.num_cached_slots,
-                "free_kv_tokens": self.kv_allocator.num_free_tokens,
-                "cached_kv_tokens": self.tree.num_cached_tokens,
                 "spare_alloc_failures": self.tracker.num_spare_failures,
                 "speculative_algorithm": self.config.speculative_algorithm,
                 "num_verify_tokens": self.config.num_verify_tokens,
                 "num_verify_steps": steps,
-                "num_compiled_programs": self.runner.num_compiled(),
+                "num_compiled_programs": self.num_compiled(),
                 "avg_accept_length": mean_accept,
                 "cache_hit_tokens": self.tree.stats.num_matched_tokens,
                 "cache_queried_tokens": self.tree.stats.num_queried_tokens,
@@ -362,3 +374,60 @@ class Engine:
     def shutdown(self) -> None:
         while self._inflight is not None:
             self.step()
+
+    # ------------------------------------------------------------------ serving surface
+    # What a server may call. The engine is not thread-safe: call the methods that read or
+    # change requests and pools from the one thread that calls ``step()``, between steps
+    # (the server's engine thread). The facts fixed at construction (memory_plan onwards)
+    # are safe to read from any thread.
+
+    def abort(self, rid: str) -> bool:
+        """Mutates: ends request ``rid`` with nothing cached; False if unknown or finished."""
+        return self.scheduler.abort(rid)
+
+    def stop(self, rid: str, reason: dict[str, Any] | None = None) -> bool:
+        """Mutates: finishes ``rid`` early (default reason ``{"type": "stop"}``) and caches
+        its safe checkpoint as for any finish; False if unknown or finished."""
+        return self.scheduler.stop(rid, reason)
+
+    @property
+    def has_requests(self) -> bool:
+        """True while a request waits or runs (an in-flight step is not counted); reads only."""
+        return self.scheduler.has_work
+
+    def stats(self) -> EngineStats:
+        """Request and pool counts now; reads only, cheap enough for every step."""
+        return EngineStats(
+            num_running_requests=len(self.scheduler.running),
+            num_waiting_requests=len(self.scheduler.waiting),
+            free_state_slots=self.slot_allocator.num_free,
+            cached_state_slots=self.tree.num_cached_slots,
+            free_kv_tokens=self.kv_allocator.num_free_tokens,
+            cached_kv_tokens=self.tree.num_cached_tokens,
+            state_slots=self.sizes.num_slots,
+            kv_tokens=self.sizes.num_pages * self.sizes.page_size,
+        )
+
+    def num_compiled(self) -> int:
+        """Device programs compiled so far (every bucket after warm-up); reads only."""
+        return self.runner.num_compiled()
+
+    @property
+    def memory_plan(self) -> dict[str, Any]:
+        """A copy of the pool sizing fixed at construction; safe to read at any time."""
+        return dict(self._memory_plan)
+
+    @property
+    def max_request_len(self) -> int:
+        """Largest prompt + max_new_tokens ``add_request`` accepts; fixed, safe any time."""
+        return self.sizes.context_len - 3 * self.config.num_verify_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids ``add_request`` accepts are ``0..vocab_size-1``; fixed, safe any time."""
+        return self.model.config.vocab_size
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model folder's tokenizer (None without tokenizer.json); fixed, safe any time."""
+        return self.model.tokenizer
