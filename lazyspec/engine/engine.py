@@ -6,6 +6,7 @@ process step n. ``disable_overlap_schedule`` processes each step right after lau
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterable
@@ -26,6 +27,20 @@ from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
 from lazyspec.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Request and pool counts at one moment, named as ``get_server_info`` reports them."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    free_state_slots: int
+    cached_state_slots: int
+    free_kv_tokens: int
+    cached_kv_tokens: int
+    state_slots: int  # total, the sink slot excluded
+    kv_tokens: int  # total KV token rows, the sink page excluded
 
 
 class Engine:
@@ -98,10 +113,10 @@ class Engine:
         cache = RequestCache(layout, self.tree, self.kv_allocator, self.slot_allocator)
         self.scheduler = Scheduler(layout, self.policy, cache, cfg.eos_token_ids)
         self.max_running = layout.max_running
-        self.memory_plan = layout.memory_plan(
+        self._memory_plan = layout.memory_plan(
             self.runner.slot_bytes(), self.runner.kv_bytes_per_token()
         )
-        logger.info("memory plan: %s", self.memory_plan)
+        logger.info("memory plan: %s", self._memory_plan)
 
     def warmup(self) -> None:
         """Compile every bucket shape now, so serving compiles nothing new."""
@@ -137,7 +152,7 @@ class Engine:
         input_ids = [int(t) for t in input_ids]
         if not input_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in input_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -146,7 +161,7 @@ class Engine:
             if isinstance(sampling_params, SamplingParams)
             else SamplingParams.from_dict(sampling_params)
         )
-        limit = self.layout.context_len - self.layout.run_past_headroom
+        limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
@@ -182,6 +197,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
+        """True while a request waits or runs or a step is in flight; reads only."""
         return self.scheduler.has_work or self._inflight is not None
 
     def run_until_done(self, reqs: Iterable[Req], check=None) -> None:
@@ -262,20 +278,16 @@ class Engine:
         sched = self.scheduler
         steps, counts = sched.num_verify_steps, sched.accept_counts
         mean_accept = float(np.dot(np.arange(len(counts)), counts) / steps) if steps else None
-        info = dict(self.memory_plan)
+        info = self.memory_plan
+        # the plan's state_slots / kv_tokens keep their place; the counts follow in field order
+        info.update(dataclasses.asdict(self.stats()))
         info.update(
             {
-                "num_running_requests": len(self.scheduler.running),
-                "num_waiting_requests": len(self.scheduler.waiting),
-                "free_state_slots": self.slot_allocator.num_free,
-                "cached_state_slots": self.tree.num_cached_slots,
-                "free_kv_tokens": self.kv_allocator.num_free_tokens,
-                "cached_kv_tokens": self.tree.num_cached_tokens,
                 "spare_alloc_failures": self.policy.num_spare_failures,
                 "speculative_algorithm": self.config.speculative_algorithm,
                 "num_verify_tokens": self.config.num_verify_tokens,
                 "num_verify_steps": steps,
-                "num_compiled_programs": self.runner.num_compiled(),
+                "num_compiled_programs": self.num_compiled(),
                 "avg_accept_length": mean_accept,
                 "cache_hit_tokens": self.tree.stats.num_matched_tokens,
                 "cache_queried_tokens": self.tree.stats.num_queried_tokens,
@@ -291,3 +303,60 @@ class Engine:
     def shutdown(self) -> None:
         while self._inflight is not None:
             self.step()
+
+    # ------------------------------------------------------------------ serving surface
+    # What a server may call. The engine is not thread-safe: call the methods that read or
+    # change requests and pools from the one thread that calls ``step()``, between steps
+    # (the server's engine thread). The facts fixed at construction (memory_plan onwards)
+    # are safe to read from any thread.
+
+    def abort(self, rid: str) -> bool:
+        """Mutates: ends request ``rid`` with nothing cached; False if unknown or finished."""
+        return self.scheduler.abort(rid)
+
+    def stop(self, rid: str, reason: dict[str, Any] | None = None) -> bool:
+        """Mutates: finishes ``rid`` early (default reason ``{"type": "stop"}``) and caches
+        its safe checkpoint as for any finish; False if unknown or finished."""
+        return self.scheduler.stop(rid, self._inflight_records(), reason)
+
+    @property
+    def has_requests(self) -> bool:
+        """True while a request waits or runs (an in-flight step is not counted); reads only."""
+        return self.scheduler.has_work
+
+    def stats(self) -> EngineStats:
+        """Request and pool counts now; reads only, cheap enough for every step."""
+        return EngineStats(
+            num_running_requests=len(self.scheduler.running),
+            num_waiting_requests=len(self.scheduler.waiting),
+            free_state_slots=self.slot_allocator.num_free,
+            cached_state_slots=self.tree.num_cached_slots,
+            free_kv_tokens=self.kv_allocator.num_free_tokens,
+            cached_kv_tokens=self.tree.num_cached_tokens,
+            state_slots=self.layout.num_slots,
+            kv_tokens=self.layout.kv_tokens,
+        )
+
+    def num_compiled(self) -> int:
+        """Device programs compiled so far (every bucket after warm-up); reads only."""
+        return self.runner.num_compiled()
+
+    @property
+    def memory_plan(self) -> dict[str, Any]:
+        """A copy of the pool sizing fixed at construction; safe to read at any time."""
+        return dict(self._memory_plan)
+
+    @property
+    def max_request_len(self) -> int:
+        """Largest prompt + max_new_tokens ``add_request`` accepts; fixed, safe any time."""
+        return self.layout.context_len - self.layout.run_past_headroom
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids ``add_request`` accepts are ``0..vocab_size-1``; fixed, safe any time."""
+        return self.model.config.vocab_size
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model folder's tokenizer (None without tokenizer.json); fixed, safe any time."""
+        return self.model.tokenizer

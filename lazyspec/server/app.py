@@ -86,12 +86,9 @@ class _Frontend:
         self.worker = worker
         self.settings = settings
         self.metrics = worker.metrics
-        model = worker.engine.model
-        self.tokenizer = model.tokenizer
+        self.tokenizer = worker.tokenizer
         self.template = settings.chat_template or ChatTemplate(None)
-        self.limits = Limits(
-            model.config.vocab_size, worker.max_context, (settings.served_model_name,)
-        )
+        self.limits = Limits(worker.vocab_size, worker.max_context, (settings.served_model_name,))
         self.num_live = 0
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
 

@@ -7,9 +7,12 @@ refreshed by the engine thread after every step (cheap integer reads).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from lazyspec.engine.engine import Engine
 
 PREFIX = "lazyspec"
 LATENCY_BUCKETS = (
@@ -114,24 +117,25 @@ class ServerMetrics:
             registry=r,
         )
 
-    def observe_engine(self, engine: Any, accept_length: float | None) -> None:
+    def observe_engine(self, engine: Engine, accept_length: float | None) -> None:
         """(Engine thread) Refresh the pool and queue gauges from ``engine``."""
-        total_slots = engine.layout.num_slots
-        free_slots = engine.slot_allocator.num_free
-        cached_slots = engine.tree.num_cached_slots
+        stats = engine.stats()
+        total_slots = stats.state_slots
+        free_slots = stats.free_state_slots
+        cached_slots = stats.cached_state_slots
         self.state_slots.labels("free").set(free_slots)
         self.state_slots.labels("cached").set(cached_slots)
         self.state_slots.labels("running").set(total_slots - free_slots - cached_slots)
         self.state_slot_usage.set(1.0 - free_slots / total_slots)
-        total_kv = engine.layout.kv_tokens
-        free_kv = engine.kv_allocator.num_free_tokens
-        cached_kv = engine.tree.num_cached_tokens
+        total_kv = stats.kv_tokens
+        free_kv = stats.free_kv_tokens
+        cached_kv = stats.cached_kv_tokens
         self.kv_tokens.labels("free").set(free_kv)
         self.kv_tokens.labels("cached").set(cached_kv)
         self.kv_tokens.labels("running").set(total_kv - free_kv - cached_kv)
         self.kv_usage.set(1.0 - free_kv / total_kv)
-        self.num_running.set(len(engine.scheduler.running))
-        self.num_waiting.set(len(engine.scheduler.waiting))
+        self.num_running.set(stats.num_running_requests)
+        self.num_waiting.set(stats.num_waiting_requests)
         if accept_length is not None:
             self.accept_length.set(accept_length)
 

@@ -5,7 +5,9 @@ through a thread-safe queue (add requests, abort, run a callable such as flush /
 thread steps the engine while it is busy and, after every step, pushes each request's new
 tokens (and its finish) to that request's asyncio queue with ``loop.call_soon_threadsafe``.
 The HTTP side never blocks on the device. ``RequestGroup`` is the asyncio-side handle of the
-engine requests that one HTTP request started.
+engine requests that one HTTP request started. The server uses only the engine's serving
+surface (``add_request``, ``step``, ``abort``, ``stop``, ``stats``, ...), never its scheduler,
+cache, allocators or runner (tests/server/test_engine_boundary.py checks).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lazyspec.scheduler.request import Req, SamplingParams
 from lazyspec.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from lazyspec.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +81,14 @@ class _Counters:
 class EngineWorker:
     """Runs ``engine`` in a daemon thread; every public method is safe from any thread."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
+        # facts fixed at construction, read by the HTTP side without a round trip
         self.max_running = engine.max_running
-        self.max_context = engine.layout.context_len - engine.layout.run_past_headroom
+        self.max_context = engine.max_request_len
+        self.vocab_size = engine.vocab_size
+        self.tokenizer = engine.tokenizer
         self.counters = _Counters()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -164,11 +172,11 @@ class EngineWorker:
                 result = None
             elif kind == "abort":
                 for rid in payload:
-                    self.engine.scheduler.abort(rid)
+                    self.engine.abort(rid)
                 result = None
             elif kind == "stop":
                 for rid in payload:
-                    self.engine.scheduler.stop(rid, self.engine._inflight_records())
+                    self.engine.stop(rid)
                 result = None
             elif kind == "call":
                 result = payload(self.engine)
@@ -197,7 +205,7 @@ class EngineWorker:
                 )
         except (ValueError, TypeError):
             for req in added:
-                self.engine.scheduler.abort(req.rid)
+                self.engine.abort(req.rid)
             raise
         for sub, req in zip(submissions, added):
             self._streams[sub.rid] = _Stream(req, sub.index, loop, sink, arrival)
@@ -233,7 +241,7 @@ class EngineWorker:
             stream.loop.call_soon_threadsafe(stream.sink.put_nowait, event)
         except RuntimeError:  # the client's event loop is gone: nobody will read this
             if not stream.req.finished:
-                self.engine.scheduler.abort(stream.req.rid)
+                self.engine.abort(stream.req.rid)
 
     def _observe_latency(self, stream: _Stream, num_new: int, now: float) -> None:
         if num_new <= 0:
@@ -269,7 +277,7 @@ class EngineWorker:
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
             try:
-                self.engine.scheduler.abort(rid)
+                self.engine.abort(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
             del self._streams[rid]
@@ -287,7 +295,7 @@ class EngineWorker:
 
     def _shutdown(self) -> None:
         for rid in list(self._streams):
-            self.engine.scheduler.abort(rid)
+            self.engine.abort(rid)
         try:
             while self.engine.busy:
                 self.engine.step()
@@ -297,15 +305,15 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ engine-thread helpers
 
-    def flush_cache(self, engine: Any) -> bool:
+    def flush_cache(self, engine: Engine) -> bool:
         """(Engine thread) Flush the tree if no request is live; drains the in-flight step."""
-        if self._streams or engine.scheduler.has_work:
+        if self._streams or engine.has_requests:
             return False
         while engine.busy:
             engine.step()
         return bool(engine.flush_cache())
 
-    def server_info(self, engine: Any) -> dict[str, Any]:
+    def server_info(self, engine: Engine) -> dict[str, Any]:
         """(Engine thread) ``engine.get_server_info()`` plus the server's own counters."""
         info = engine.get_server_info()
         c = self.counters
@@ -317,7 +325,7 @@ class EngineWorker:
                 "num_live_requests": len(self._streams),
                 "finished_requests": dict(c.finished),
                 "server_avg_accept_length": self._accept_length(),
-                "vocab_size": engine.model.config.vocab_size,
+                "vocab_size": engine.vocab_size,
             }
         )
         return info

@@ -146,7 +146,7 @@ def live_server(model_dir):
         SERVED_NAME, max_queued_requests=256, chat_template=ChatTemplate.from_folder(model_dir)
     )
     server, thread, url = start_http(create_app(worker, settings))
-    live = LiveServer(url, worker, model_dir, engine.model.tokenizer, server, thread)
+    live = LiveServer(url, worker, model_dir, engine.tokenizer, server, thread)
     yield live
     live.stop()
     worker.stop()

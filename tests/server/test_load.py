@@ -91,7 +91,7 @@ def test_64_streaming_clients_get_every_token_and_leave_nothing_behind(server):
     ).json()
     assert len(reference) == len(prompts)
     wait_idle(server)
-    compiled = server.worker.call(lambda engine: engine.runner.num_compiled()).result(30)
+    compiled = server.worker.call(lambda engine: engine.num_compiled()).result(30)
     rng = np.random.default_rng(41)
     plans = [
         [
@@ -119,7 +119,7 @@ def test_64_streaming_clients_get_every_token_and_leave_nothing_behind(server):
     assert info["free_state_slots"] + info["cached_state_slots"] == info["state_slots"]
     server.worker.call(lambda engine: engine.check_integrity()).result(30)  # raises if broken
     # every batch shape was compiled at start-up: serving under load compiled nothing new
-    assert server.worker.call(lambda engine: engine.runner.num_compiled()).result(30) == compiled
+    assert server.worker.call(lambda engine: engine.num_compiled()).result(30) == compiled
     assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
     assert_all_free(server.info())
 
