@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from lazyspec.kernels.mamba2_chunked import conv_windowed, mamba2_chunked
 from lazyspec.kernels.recurrence import conv_scan, mamba2_scan
-from lazyspec.models.layers.mamba2 import Mamba2Dims, init_mamba2_params, mamba2_mixer
+from lazyspec.models.layers.mamba2 import Mamba2Dims, mamba2_mixer, mamba2_plan
+from lazyspec.models.plan import init_plan
 
 SEQ_LEN = 200
 CHUNK = 64
@@ -47,7 +48,7 @@ def make_dims(n_groups: int) -> Mamba2Dims:
 def random_params(dims: Mamba2Dims, seed: int) -> dict:
     """Mixer params with every constant-initialised tensor re-drawn."""
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    params = init_mamba2_params(dims, keys[0], jnp.float32, use_bias=True)
+    params = init_plan(mamba2_plan("mixer", dims, use_bias=True), keys[0], jnp.float32)
     proj = params["in_proj"]
     proj["weight"] = 0.3 * jax.random.normal(keys[1], proj["weight"].shape)
     proj["bias"] = 0.1 * jax.random.normal(keys[2], proj["bias"].shape)

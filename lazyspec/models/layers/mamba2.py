@@ -4,7 +4,7 @@ Parameters are a plain dict; ``in_proj`` and ``out_proj`` are linear layers in t
 ``layers/mlp.linear`` (``{"weight": [in, out]}`` plus an optional ``"bias"``):
   ``in_proj`` D -> I + conv_dim + H, ``conv_weight`` [conv_dim, K] (+ ``conv_bias`` [conv_dim]),
   ``dt_bias``, ``A_log``, ``D`` [H], ``norm`` [I], ``out_proj`` I -> D,
-with I = H * P and conv_dim = I + 2 * G * N.
+with I = H * P and conv_dim = I + 2 * G * N; ``mamba2_plan`` names their checkpoint tensors.
 
 The projection splits, in order, into the gate z [I], the conv input xBC [conv_dim] and the
 raw time step [H]; after the conv (with silu) xBC splits into x [H, P], B [G, N], C [G, N].
@@ -32,6 +32,7 @@ from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba
 from lazyspec.models.interface import gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
+from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 FORMS = ("reference", "chunked", "steps")
 MAX_UNROLL = 8  # the steps form unrolls decode / verify windows up to this length
@@ -265,82 +266,40 @@ def mamba2_mixer(
 
 # ---------------------------------------------------------------- parameters
 
-# Kept in float32 whatever the model dtype: tiny, and they set decay rates.
-FLOAT32_KEYS = ("dt_bias", "A_log", "D")
 
-
-def init_mamba2_params(
+def mamba2_plan(
+    prefix: str,
     dims: Mamba2Dims,
-    key: jax.Array,
-    dtype,
     *,
     use_bias: bool = False,
     use_conv_bias: bool = True,
-    dt_init: tuple[float, float] = (1e-3, 0.1),
     out_scale: float = 1.0,
-) -> dict:
-    """Random mixer params: normal(0.02) projections, A in [1, 16], dt log-uniform in dt_init."""
-    keys = jax.random.split(key, 6)
-    kernel = dims.conv_kernel
-    heads = dims.num_heads
-    dt = jnp.exp(
-        jax.random.uniform(
-            keys[0], (heads,), minval=jnp.log(dt_init[0]), maxval=jnp.log(dt_init[1])
-        )
-    )
-    params = {
-        "in_proj": {
-            "weight": 0.02
-            * jax.random.normal(keys[1], (dims.hidden_size, dims.projection_size), dtype)
-        },
-        "conv_weight": jax.random.uniform(
-            keys[2], (dims.conv_dim, kernel), dtype, -(kernel**-0.5), kernel**-0.5
-        ),
-        "dt_bias": dt + jnp.log(-jnp.expm1(-dt)),  # inverse softplus
-        "A_log": jnp.log(jax.random.uniform(keys[3], (heads,), minval=1.0, maxval=16.0)),
-        "D": jnp.ones((heads,), jnp.float32),
-        "norm": jnp.ones((dims.intermediate_size,), dtype),
-        "out_proj": {
-            "weight": 0.02
-            * out_scale
-            * jax.random.normal(keys[4], (dims.intermediate_size, dims.hidden_size), dtype)
-        },
-    }
-    if use_conv_bias:
-        params["conv_bias"] = jnp.zeros((dims.conv_dim,), dtype)
-    if use_bias:
-        params["in_proj"]["bias"] = jnp.zeros((dims.projection_size,), dtype)
-        params["out_proj"]["bias"] = jnp.zeros((dims.hidden_size,), dtype)
-    return params
+) -> Params:
+    """Checkpoint plan of one mixer whose tensors sit under ``prefix`` (transformers' names).
 
-
-def load_mamba2_params(
-    dims: Mamba2Dims, get, prefix: str, dtype, *, use_bias: bool, use_conv_bias: bool
-) -> dict:
-    """Mixer params from checkpoint tensors named as transformers saves them.
-
-    ``get(name, shape)`` returns the float32 numpy tensor or raises an error naming the tensor
-    (missing, or both shapes when misshapen). Linear weights are transposed to [in, out].
+    ``dt_bias``, ``A_log`` and ``D`` stay float32 whatever the model dtype (tiny, and they
+    set the decay rates). Random init: normal projections (``out_proj`` scaled by
+    ``out_scale``), fan-in uniform conv taps, A in [1, 16], dt log-uniform, D and norm ones.
     """
-    proj, inter, hidden = dims.projection_size, dims.intermediate_size, dims.hidden_size
-    heads, conv_dim = dims.num_heads, dims.conv_dim
-
-    def read(name: str, shape: tuple[int, ...]) -> jax.Array:
-        target = jnp.float32 if name in FLOAT32_KEYS else dtype
-        return jnp.asarray(get(prefix + name, shape), target)
-
-    params = {
-        "in_proj": {"weight": read("in_proj.weight", (proj, hidden)).T},
-        "conv_weight": read("conv1d.weight", (conv_dim, 1, dims.conv_kernel))[:, 0],
-        "dt_bias": read("dt_bias", (heads,)),
-        "A_log": read("A_log", (heads,)),
-        "D": read("D", (heads,)),
-        "norm": read("norm.weight", (inter,)),
-        "out_proj": {"weight": read("out_proj.weight", (hidden, inter)).T},
+    heads, conv_dim, inter = dims.num_heads, dims.conv_dim, dims.intermediate_size
+    plan = {
+        "in_proj": linear_spec(
+            f"{prefix}.in_proj", dims.hidden_size, dims.projection_size, use_bias
+        ),
+        "conv_weight": TensorSpec(
+            f"{prefix}.conv1d.weight",
+            (conv_dim, 1, dims.conv_kernel),
+            reshape=(conv_dim, dims.conv_kernel),
+            init="fan_in_uniform",
+        ),
+        "dt_bias": TensorSpec(f"{prefix}.dt_bias", (heads,), init="dt_bias", dtype="float32"),
+        "A_log": TensorSpec(f"{prefix}.A_log", (heads,), init="a_log", dtype="float32"),
+        "D": TensorSpec(f"{prefix}.D", (heads,), init="ones", dtype="float32"),
+        "norm": TensorSpec(f"{prefix}.norm.weight", (inter,), init="ones"),
+        "out_proj": linear_spec(
+            f"{prefix}.out_proj", inter, dims.hidden_size, use_bias, init_scale=out_scale
+        ),
     }
     if use_conv_bias:
-        params["conv_bias"] = read("conv1d.bias", (conv_dim,))
-    if use_bias:
-        params["in_proj"]["bias"] = read("in_proj.bias", (proj,))
-        params["out_proj"]["bias"] = read("out_proj.bias", (hidden,))
-    return params
+        plan["conv_bias"] = TensorSpec(f"{prefix}.conv1d.bias", (conv_dim,), init="zeros")
+    return plan

@@ -36,9 +36,12 @@ class MoESpec:
 class ExpertStack:
     """Plan leaf: one projection of every expert, stacked to ``[E, in, out]``.
 
-    Reads either per-expert tensors ``{prefix}.{e}.{proj}.weight`` (the layout of released
-    Qwen3-Next checkpoints and of transformers' ``save_pretrained``) or the fused tensors
-    ``{prefix}.gate_up_proj [E, 2I, hidden]`` / ``{prefix}.down_proj [E, hidden, I]``.
+    ``down_proj`` maps ``intermediate_size`` -> ``hidden_size``, any other projection the
+    reverse. Reads either per-expert tensors ``{prefix}.{e}.{proj}.weight`` (the layout of
+    released checkpoints and of transformers' ``save_pretrained``) or fused ``[E, out, in]``
+    tensors: ``{prefix}.{proj}``, except that with ``fused_gate_up`` (Qwen3-Next) gate and
+    up share ``{prefix}.gate_up_proj [E, 2I, hidden]``, gate first. ``dtype`` as in
+    ``TensorSpec``; random init is normal with ``init_plan``'s scale.
     """
 
     prefix: str  # e.g. "model.layers.0.mlp.experts"
@@ -46,28 +49,32 @@ class ExpertStack:
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    fused_gate_up: bool = True
+    dtype: str | None = None
 
     def _expert_shape(self) -> tuple[int, int]:
         """Per-expert checkpoint shape ``[out, in]``."""
         h, i = self.hidden_size, self.intermediate_size
         return (h, i) if self.proj == "down_proj" else (i, h)
 
+    def _fused_name(self) -> str:
+        if self.fused_gate_up and self.proj != "down_proj":
+            return f"{self.prefix}.gate_up_proj"
+        return f"{self.prefix}.{self.proj}"
+
     def _load_fused(self, reader, dtype) -> np.ndarray:
-        name = f"{self.prefix}.{'down_proj' if self.proj == 'down_proj' else 'gate_up_proj'}"
         out, inp = self._expert_shape()
-        rows = out if self.proj == "down_proj" else 2 * out
-        array = TensorSpec(name, (self.num_experts, rows, inp)).load(reader, dtype)
-        if self.proj == "gate_proj":
-            array = array[:, :out]
-        elif self.proj == "up_proj":
-            array = array[:, out:]
+        shared = self.fused_gate_up and self.proj != "down_proj"
+        rows = 2 * out if shared else out
+        array = TensorSpec(self._fused_name(), (self.num_experts, rows, inp)).load(reader, dtype)
+        if shared:
+            array = array[:, :out] if self.proj == "gate_proj" else array[:, out:]
         return np.ascontiguousarray(np.swapaxes(array, 1, 2))
 
     def load(self, reader, dtype) -> np.ndarray:
         """``[E, in, out]`` from whichever layout the checkpoint has."""
         if f"{self.prefix}.0.{self.proj}.weight" not in reader:
-            fused = "down_proj" if self.proj == "down_proj" else "gate_up_proj"
-            if f"{self.prefix}.{fused}" in reader:
+            if self._fused_name() in reader:
                 return self._load_fused(reader, dtype)
         per_expert = [
             TensorSpec(f"{self.prefix}.{e}.{self.proj}.weight", self._expert_shape(), True)

@@ -1,5 +1,6 @@
 """Nemotron-H's feed-forward blocks: the non-gated relu^2 MLP and the sigmoid-routed MoE of
-relu^2 experts (grouped top-k) plus a shared expert. Pure functions over param dicts."""
+relu^2 experts (grouped top-k) plus a shared expert. Pure functions over param dicts, and
+their checkpoint plans (transformers' NemotronH names)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.models.layers.linear import linear
-from lazyspec.models.layers.moe import grouped_experts
+from lazyspec.models.layers.moe import ExpertStack, grouped_experts
+from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,42 @@ class MoESpec:
     top_groups: int  # groups kept per token (topk_group)
     norm_top_k: bool
     scaling: float
+
+
+def relu2_mlp_plan(prefix: str, hidden_size: int, width: int, bias: bool) -> Params:
+    """Plan of a relu^2 MLP whose ``up_proj`` / ``down_proj`` sit under ``prefix``."""
+    return {
+        "up_proj": linear_spec(f"{prefix}.up_proj", hidden_size, width, bias),
+        "down_proj": linear_spec(f"{prefix}.down_proj", width, hidden_size, bias),
+    }
+
+
+def moe_plan(prefix: str, hidden_size: int, spec: MoESpec, bias: bool) -> Params:
+    """Plan of one MoE block under ``prefix``; the router and its bias stay float32.
+
+    Experts come per expert or fused (``{prefix}.experts.up_proj`` / ``down_proj``,
+    ``[E, out, in]``).
+    """
+    experts, inner = spec.num_experts, spec.latent_size or hidden_size
+    plan = {
+        "router": TensorSpec(
+            f"{prefix}.gate.weight", (experts, hidden_size), transpose=True, dtype="float32"
+        ),
+        "router_bias": TensorSpec(
+            f"{prefix}.gate.e_score_correction_bias", (experts,), init="zeros", dtype="float32"
+        ),
+        "shared": relu2_mlp_plan(
+            f"{prefix}.shared_experts", hidden_size, spec.shared_intermediate_size, bias
+        ),
+    }
+    for proj in ("up_proj", "down_proj"):
+        plan[f"experts_{proj.removesuffix('_proj')}"] = ExpertStack(
+            f"{prefix}.experts", proj, experts, inner, spec.intermediate_size, fused_gate_up=False
+        )
+    if spec.latent_size:
+        plan["latent_in"] = linear_spec(f"{prefix}.fc1_latent_proj", hidden_size, inner, bias)
+        plan["latent_out"] = linear_spec(f"{prefix}.fc2_latent_proj", inner, hidden_size, bias)
+    return plan
 
 
 def relu2_mlp(params: dict, x: jax.Array) -> jax.Array:
