@@ -32,7 +32,7 @@ from lazyspec.engine.sampling import (
     top_logprobs,
     verify_and_sample,
 )
-from lazyspec.kernels.backend import state_scatter
+from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
 
 
@@ -88,6 +88,11 @@ class StepStatic:
     spec: bool
     backend: str
 
+    @property
+    def kernels(self) -> Kernels:
+        """The kernels of ``backend``, resolved once per backend (``kernels_for`` caches)."""
+        return kernels_for(self.backend)
+
 
 def _gather_state(pools: Pools, slots: jax.Array) -> RecurrentState:
     return RecurrentState(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
@@ -110,20 +115,20 @@ def _commit_picked(
 ):
     """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each verify position or
     prefill chunk: stacked ``[L, B, N, ...]`` arrays, or per-layer lists of ``[B, N, ...]``)
-    for rows whose dst_slot is a real slot; sentinel rows write nothing. ``state_scatter`` on
-    the engine's kernel backend: one launch for stacked states, one per layer for lists (so
+    for rows whose dst_slot is a real slot; sentinel rows write nothing. The engine's
+    ``Kernels.state_scatter``: one launch for stacked states, one per layer for lists (so
     the verify scratch is never stacked into one array). Returns (conv, ssm)."""
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
     dst, step = jnp.where(write, dst_slot, 0), jnp.where(write, index, -1)
     if not isinstance(states.ssm, list):
-        ssm, conv = state_scatter(
-            pools_ssm, pools_conv, states.ssm, states.conv, dst, step, kernel_backend=static.backend
+        ssm, conv = static.kernels.state_scatter(
+            pools_ssm, pools_conv, states.ssm, states.conv, dst, step
         )
         return conv, ssm
     ssm, conv = pools_ssm, pools_conv
     for layer, (ssm_steps, conv_steps) in enumerate(zip(states.ssm, states.conv)):
-        ssm, conv = state_scatter(
-            ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer, kernel_backend=static.backend
+        ssm, conv = static.kernels.state_scatter(
+            ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer
         )
     return conv, ssm
 
@@ -156,7 +161,7 @@ def extend_step(
             rec,
             mode="extend",
             chunk_size=static.chunk_size,
-            backend=static.backend,
+            kernels=static.kernels,
             keep_chunk=batch.track_chunk,
         )
     conv, ssm = _scatter_state(
@@ -282,7 +287,7 @@ def decode_step(
             rec,
             mode="verify",
             chunk_size=static.chunk_size,
-            backend=static.backend,
+            kernels=static.kernels,
         )
     logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
     out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)

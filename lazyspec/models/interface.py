@@ -3,7 +3,7 @@
 Every family module (``qwen3_next.py``, ``nemotron_h.py``) exposes the same functions over
 these pytrees, so the runner never branches on the family:
 
-``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, backend="xla",
+``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, kernels=XLA_KERNELS,
 keep_chunk=None)`` -> ``(hidden, kv, RecurrentOut)``
 
 * ``inputs`` is a ``ForwardInputs``: B rows of T token slots; row b's new tokens are
@@ -20,6 +20,9 @@ keep_chunk=None)`` -> ``(hidden, kv, RecurrentOut)``
 * ``mode`` (static): ``"extend"`` (prefill chunk; also returns the state after every
   ``chunk_size`` tokens of the row), ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the
   state after every position).
+* ``kernels`` (static): the ``kernels.backend.Kernels`` of the engine's backend, resolved
+  once; the recurrent layers' decode / verify state update runs in its kernel when it has
+  one (``XLA_KERNELS`` has none: the jnp token scans).
 * ``keep_chunk`` (extend only, optional ``[B]`` int): return only the state after chunk
   ``keep_chunk[b]`` of each row (``chunks`` then has one entry per row), selected layer by
   layer so the other chunk states of all layers never have to exist at once.
@@ -37,6 +40,8 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 
 
 @jax.tree_util.register_dataclass
@@ -159,7 +164,7 @@ class ModelFamily(Protocol):
         *,
         mode: str,
         chunk_size: int = 64,
-        backend: str = "xla",
+        kernels: Kernels = XLA_KERNELS,
         keep_chunk: jax.Array | None = None,
     ) -> tuple[jax.Array, KVPools, RecurrentOut]: ...
 

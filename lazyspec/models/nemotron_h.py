@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
 from lazyspec.models.interface import (
     ForwardInputs,
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 FAMILY = "nemotron_h"
 MODES = ("extend", "decode", "verify")
-BACKENDS = ("xla", "pallas")
 
 # Block names of layers_block_type and of the legacy hybrid_override_pattern characters.
 _BLOCK_KINDS = {
@@ -228,20 +228,19 @@ def forward(
     *,
     mode: str,
     chunk_size: int = 64,
-    backend: str = "xla",
+    kernels: Kernels = XLA_KERNELS,
     keep_chunk: jax.Array | None = None,
 ):
     """The device contract of ``interface.py``: returns (hidden, kv, RecurrentOut).
 
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
     tokens (``chunks``); ``verify`` the T-step form with the state after every position
-    (``steps``); ``decode`` the T-step form with the final state only. ``keep_chunk`` as in
+    (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
+    runs in ``kernels.mamba2_state_update`` when it has one. ``keep_chunk`` as in
     ``interface.py``. Pure; pools are returned, not mutated.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     arch: NemotronHArch = cfg.arch
     form = "chunked" if mode == "extend" else "steps"
     k_pools, v_pools, states = list(kv.k), list(kv.v), []
@@ -257,7 +256,7 @@ def forward(
             inputs.num_new,
             form=form,
             chunk_size=chunk_size,
-            backend=backend,
+            state_update=kernels.mamba2_state_update,
         )
         if mode == "extend":
             state = dataclasses.replace(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lazyspec.kernels.backend import kernels_for
 from lazyspec.models.interface import ForwardInputs, PoolRows, RecurrentState, layer_state
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
@@ -37,7 +38,7 @@ def _verify_inputs(rng, vocab: int, num_new: list[int]) -> ForwardInputs:
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
     model = tiny_model(family)
-    cfg, fam = model.config, model.family
+    cfg, fam, kernels = model.config, model.family, kernels_for(backend)
     rng = np.random.default_rng(11)
     num_new = [WIDTH, 0, WIDTH]  # row 1 is padding, on the null slot
     slot = jnp.asarray([5, 0, 2], jnp.int32)
@@ -56,7 +57,7 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
 
     def run(rec):
         return jax.jit(
-            lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="verify", backend=backend)
+            lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="verify", kernels=kernels)
         )(rec)
 
     hidden, kv_out, out = run(in_place)
