@@ -33,7 +33,14 @@ from lazyspec.engine.sampling import (
     verify_and_sample,
 )
 from lazyspec.kernels.backend import Kernels, kernels_for
-from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
+from lazyspec.models.interface import (
+    ChunkStates,
+    ForwardInputs,
+    KVPools,
+    PoolView,
+    StateRows,
+    StepStates,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -94,8 +101,8 @@ class StepStatic:
         return kernels_for(self.backend)
 
 
-def _gather_state(pools: Pools, slots: jax.Array) -> RecurrentState:
-    return RecurrentState(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
+def _gather_state(pools: Pools, slots: jax.Array) -> StateRows:
+    return StateRows(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
 
 
 def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
@@ -109,18 +116,18 @@ def _commit_picked(
     static: StepStatic,
     pools_conv,
     pools_ssm,
-    states: RecurrentState,
+    states: ChunkStates | StepStates,
     dst_slot: jax.Array,
     index: jax.Array,
 ):
-    """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each verify position or
-    prefill chunk: stacked ``[L, B, N, ...]`` arrays, or per-layer lists of ``[B, N, ...]``)
+    """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each prefill chunk, stacked
+    ``[L, B, N, ...]``, or after each verify position, per-layer lists of ``[B, N, ...]``)
     for rows whose dst_slot is a real slot; sentinel rows write nothing. The engine's
     ``Kernels.state_scatter``: one launch for stacked states, one per layer for lists (so
     the verify scratch is never stacked into one array). Returns (conv, ssm)."""
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
     dst, step = jnp.where(write, dst_slot, 0), jnp.where(write, index, -1)
-    if not isinstance(states.ssm, list):
+    if isinstance(states, ChunkStates):
         ssm, conv = static.kernels.state_scatter(
             pools_ssm, pools_conv, states.ssm, states.conv, dst, step
         )
@@ -275,8 +282,8 @@ def decode_step(
     )
     # the pools themselves, each row at its working slot: the Pallas update reads them in
     # place (the XLA forms gather inside the layer); padding rows read the null slot
-    rec = RecurrentState(
-        conv=pools.conv, ssm=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
+    rec = PoolView(
+        conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
     )
     with jax.named_scope("target_verify"):
         hidden, kv, out = fam.forward(

@@ -27,9 +27,11 @@ from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig,
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,
-    RecurrentState,
+    LayerStates,
+    PoolView,
+    RecurrentOut,
+    StateRows,
     keep_chunk_states,
-    layer_state,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -224,13 +226,13 @@ def forward(
     cfg: ModelConfig,
     inputs: ForwardInputs,
     kv: KVPools,
-    rec: RecurrentState,
+    rec: StateRows | PoolView,
     *,
     mode: str,
     chunk_size: int = 64,
     kernels: Kernels = XLA_KERNELS,
     keep_chunk: jax.Array | None = None,
-):
+) -> tuple[jax.Array, KVPools, RecurrentOut]:
     """The device contract of ``interface.py``: returns (hidden, kv, RecurrentOut).
 
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
@@ -252,7 +254,7 @@ def forward(
             mixer,
             arch.mamba,
             x,
-            *layer_state(rec, r),
+            *rec.layer(r),
             inputs.num_new,
             form=form,
             chunk_size=chunk_size,
@@ -284,9 +286,7 @@ def forward(
         return out
 
     hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn)
-    layers = [
-        (RecurrentState(s.conv, s.ssm), RecurrentState(s.trace_conv, s.trace_ssm)) for s in states
-    ]
+    layers = [LayerStates(s.conv, s.ssm, s.trace_conv, s.trace_ssm) for s in states]
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, rec, mode)
 
 

@@ -28,10 +28,11 @@ from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, r
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,
+    LayerStates,
+    PoolView,
     RecurrentOut,
-    RecurrentState,
+    StateRows,
     keep_chunk_states,
-    layer_state,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -303,7 +304,7 @@ def forward(
     cfg: ModelConfig,
     inputs: ForwardInputs,
     kv: KVPools,
-    rec: RecurrentState,
+    rec: StateRows | PoolView,
     *,
     mode: str,
     chunk_size: int = 64,
@@ -332,7 +333,7 @@ def forward(
                     lp["linear_attn"],
                     cfg.arch.gdn,
                     norm(x, lp["input_layernorm"], cfg),
-                    *layer_state(rec, r),
+                    *rec.layer(r),
                     inputs.num_new,
                     form=form,
                     chunk_size=chunk_size,
@@ -350,10 +351,7 @@ def forward(
                     lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
                 )
                 a += 1
-    layers = [
-        (RecurrentState(st.conv, st.ssm), RecurrentState(st.conv_trace, st.ssm_trace))
-        for st in states
-    ]
+    layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
     return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
 
 

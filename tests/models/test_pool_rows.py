@@ -1,6 +1,6 @@
-"""Verify with ``rec.slot`` set (the engine's decode step: the slot pools themselves, row b
-at slot[b], read in place by the Pallas update) equals verify from the gathered rows, for
-both families and both kernel backends (Pallas in interpret mode)."""
+"""Verify from a ``PoolView`` (the engine's decode step: the slot pools themselves, row b at
+slot[b], read in place by the Pallas update) equals verify from the gathered ``StateRows``,
+for both families and both kernel backends (Pallas in interpret mode)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels.backend import kernels_for
-from lazyspec.models.interface import ForwardInputs, PoolRows, RecurrentState, layer_state
+from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
 
@@ -48,9 +48,9 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
         lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec
     )  # [L, SLOTS + 1, ...]
     inputs = _verify_inputs(rng, cfg.vocab_size, num_new)
-    in_place = RecurrentState(conv=pools.conv, ssm=pools.ssm, slot=slot)
-    gathered = RecurrentState(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot])
-    conv0, ssm0 = layer_state(in_place, 0)
+    in_place = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
+    gathered = StateRows(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot])
+    conv0, ssm0 = in_place.layer(0)
     assert isinstance(ssm0, PoolRows)
     np.testing.assert_array_equal(np.asarray(conv0), np.asarray(gathered.conv[0]))
     np.testing.assert_array_equal(np.asarray(ssm0.rows()), np.asarray(gathered.ssm[0]))
@@ -62,6 +62,8 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
 
     hidden, kv_out, out = run(in_place)
     want_hidden, want_kv, want = run(gathered)
+    assert isinstance(out.final, StateRows) and out.chunks is None  # final rows are gathered
+    assert isinstance(out.steps, StepStates) and len(out.steps.ssm) == len(cfg.recurrent_layer_ids)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), atol=1e-6)
     for got_steps, want_steps in zip(
         out.steps.ssm + out.steps.conv, want.steps.ssm + want.steps.conv
