@@ -4,12 +4,14 @@ for both families and both kernel backends (Pallas in interpret mode)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels.backend import kernels_for
+from lazyspec.kernels.backend import XLA_KERNELS, kernels_for, state_update
 from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
@@ -75,3 +77,25 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
         )
     for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_forward_calls_the_state_update_it_is_given(family):
+    """The recurrent layers run the state update of the ``Kernels`` they are handed (here the
+    XLA form behind a recorder), once per layer, on the pool rows in place."""
+    model = tiny_model(family)
+    cfg = model.config
+    rng = np.random.default_rng(12)
+    kv, pools = empty_caches(cfg, 1 + 2 * CONTEXT, SLOTS + 1, jnp.float32)
+    calls = []
+
+    def update(pool, slot, tokens, *, mode, layer=None):
+        calls.append((mode, layer, pool.shape[1]))
+        return state_update(pool, slot, tokens, mode=mode, layer=layer, kernel_backend="xla")
+
+    kernels = dataclasses.replace(XLA_KERNELS, gdn_state_update=update, mamba2_state_update=update)
+    rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 1], jnp.int32))
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
+    model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
+    num_rec = len(cfg.recurrent_layer_ids)
+    assert calls == [("verify", layer, SLOTS + 1) for layer in range(num_rec)]
