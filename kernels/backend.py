@@ -6,11 +6,15 @@ TPU (never run there: ``kernel_backend="pallas"`` opts in to the scalar-prefetch
 update of ``state_update_tpu``; the conv update and the scatter stay on XLA on TPU).
 The dispatch functions have the contracts of the functions they call (``state_update``,
 ``conv_update``, ``state_scatter`` modules); tile sizes are passed through to Pallas and
-ignored by XLA.
+ignored by XLA. ``kernels_for`` resolves a backend once into a ``Kernels`` record of the
+functions the model and the engine's steps call, with the default tiles bound.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jax
@@ -97,6 +101,69 @@ def _pallas_options(interpret: bool, compiler_params: Any, num_warps: int = 4) -
     return {"interpret": False, "compiler_params": compiler_params}
 
 
+_XLA_UPDATES = {"gdn": gdn_state_update_xla, "mamba2": mamba2_state_update_xla}
+_PALLAS_UPDATES = {"gdn": gdn_state_update_pallas, "mamba2": mamba2_state_update_pallas}
+
+
+def _mixer(tokens: GdnTokens | Mamba2Tokens) -> str:
+    if isinstance(tokens, GdnTokens):
+        return "gdn"
+    if isinstance(tokens, Mamba2Tokens):
+        return "mamba2"
+    raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
+
+
+def _tpu_state_update(
+    mixer: str,
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens | Mamba2Tokens,
+    *,
+    mode: str,
+    layer: int | None = None,
+    interpret: bool = False,
+) -> StateUpdateResult:
+    """The scalar-prefetch kernels of ``state_update_tpu``, with their own default tiles."""
+    from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
+
+    tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
+    return tpu_fn(pool, slot, tokens, mode=mode, layer=layer, interpret=interpret)
+
+
+def _pallas_state_update(
+    mixer: str,
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens | Mamba2Tokens,
+    *,
+    mode: str,
+    block_heads: int = 1,
+    block_value: int | None = None,
+    evict_last: bool | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> StateUpdateResult:
+    """The Triton-layout kernel of ``mixer``; tiles left as None take ``DEFAULT_STATE_TILES``."""
+    tiles = DEFAULT_STATE_TILES[mixer]
+    if block_value is None:
+        value_dim = tokens.v.shape[-1] if mixer == "gdn" else tokens.x.shape[-1]
+        block_value = fitted_tile(value_dim, tiles["block_value"])
+    if evict_last is None:
+        evict_last = tiles["evict_last"]
+    return _PALLAS_UPDATES[mixer](
+        pool,
+        slot,
+        tokens,
+        mode=mode,
+        block_heads=block_heads,
+        block_value=block_value,
+        evict_last=evict_last,
+        layer=layer,
+        **_pallas_options(interpret, compiler_params, tiles["num_warps"]),
+    )
+
+
 def state_update(
     pool: jax.Array,
     slot: jax.Array,
@@ -119,27 +186,15 @@ def state_update(
     platform (``platform`` defaults to JAX's default) Pallas means the scalar-prefetch
     kernels of ``state_update_tpu`` with their own default tiles (the tile arguments, meant
     for the Triton layout, are ignored there)."""
-    if isinstance(tokens, GdnTokens):
-        pallas_fn, xla_fn, mixer = gdn_state_update_pallas, gdn_state_update_xla, "gdn"
-        value_dim = tokens.v.shape[-1]
-    elif isinstance(tokens, Mamba2Tokens):
-        pallas_fn, xla_fn, mixer = mamba2_state_update_pallas, mamba2_state_update_xla, "mamba2"
-        value_dim = tokens.x.shape[-1]
-    else:
-        raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
+    mixer = _mixer(tokens)
     if resolve_backend(kernel_backend, platform) == "xla":
-        return xla_fn(pool, slot, tokens, mode=mode, layer=layer)
+        return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
     if _on(platform, "tpu"):
-        from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
-
-        tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
-        return tpu_fn(pool, slot, tokens, mode=mode, layer=layer, interpret=interpret)
-    tiles = DEFAULT_STATE_TILES[mixer]
-    if block_value is None:
-        block_value = fitted_tile(value_dim, tiles["block_value"])
-    if evict_last is None:
-        evict_last = tiles["evict_last"]
-    return pallas_fn(
+        return _tpu_state_update(
+            mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret
+        )
+    return _pallas_state_update(
+        mixer,
         pool,
         slot,
         tokens,
@@ -148,7 +203,8 @@ def state_update(
         block_value=block_value,
         evict_last=evict_last,
         layer=layer,
-        **_pallas_options(interpret, compiler_params, tiles["num_warps"]),
+        interpret=interpret,
+        compiler_params=compiler_params,
     )
 
 
@@ -182,6 +238,41 @@ def conv_update(
     )
 
 
+def _pallas_state_scatter(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    ssm_steps: jax.Array,
+    conv_steps: jax.Array,
+    dst_slot: jax.Array,
+    step: jax.Array,
+    *,
+    block_heads: int = 1,
+    block_rows: int | None = None,
+    block_channels: int | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The Pallas scatter; tiles left as None take ``DEFAULT_SCATTER_TILES``."""
+    if block_rows is None:
+        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
+    if block_channels is None:
+        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
+    return state_scatter_pallas(
+        ssm_pool,
+        conv_pool,
+        ssm_steps,
+        conv_steps,
+        dst_slot,
+        step,
+        block_heads=block_heads,
+        block_rows=block_rows,
+        block_channels=block_channels,
+        layer=layer,
+        **_pallas_options(interpret, compiler_params),
+    )
+
+
 def state_scatter(
     ssm_pool: jax.Array,
     conv_pool: jax.Array,
@@ -204,15 +295,60 @@ def state_scatter(
     args = (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step)
     if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
         return state_scatter_xla(*args, layer=layer)
-    if block_rows is None:
-        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
-    if block_channels is None:
-        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
-    return state_scatter_pallas(
+    return _pallas_state_scatter(
         *args,
         block_heads=block_heads,
         block_rows=block_rows,
         block_channels=block_channels,
         layer=layer,
-        **_pallas_options(interpret, compiler_params),
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )
+
+
+# (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state_update``
+StateUpdateFn = Callable[..., StateUpdateResult]
+# (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
+StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The recurrent-state kernels of one backend, resolved once (``kernels_for``) and handed
+    to the model's forward and the engine's steps, which call what they are given.
+
+    ``gdn_state_update`` / ``mamba2_state_update`` have the contract of ``state_update``
+    (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
+    ``state_scatter`` has the contract of ``state_scatter``. Compared and hashed by backend
+    and platform (the functions follow from them)."""
+
+    backend: KernelBackend
+    platform: str | None  # None on XLA, which runs the same everywhere
+    gdn_state_update: StateUpdateFn | None = field(compare=False)
+    mamba2_state_update: StateUpdateFn | None = field(compare=False)
+    state_scatter: StateScatterFn = field(compare=False)
+
+
+XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
+
+
+@functools.cache
+def kernels_for(kernel_backend: str | None = None, platform: str | None = None) -> Kernels:
+    """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
+    to JAX's default). Pallas on a TPU: the scalar-prefetch state updates of
+    ``state_update_tpu`` and the XLA scatter; elsewhere the Triton-layout kernels (in
+    interpret mode on CPU)."""
+    platform = jax.default_backend() if platform is None else platform
+    if resolve_backend(kernel_backend, platform) == "xla":
+        return XLA_KERNELS
+    if platform == "tpu":
+        update, scatter = _tpu_state_update, state_scatter_xla
+    else:
+        update, scatter = _pallas_state_update, _pallas_state_scatter
+    return Kernels(
+        "pallas",
+        platform,
+        functools.partial(update, "gdn"),
+        functools.partial(update, "mamba2"),
+        scatter,
     )

@@ -32,40 +32,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-@functools.cache
-def _compiled_steps(family_key: _ById, static: StepStatic, cfg_key: _CfgKey):
-    """Jitted steps shared by every runner with the same model config and static settings."""
-    family, cfg = family_key.obj, cfg_key.cfg
-    extend = jax.jit(functools.partial(extend_step, family, cfg, static), donate_argnums=(1,))
-    decode = jax.jit(functools.partial(decode_step, family, cfg, static), donate_argnums=(1,))
-    return extend, decode
-
-
-class _ById:
-    """Hash any object (a family module or namespace) by identity."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.obj is self.obj
-
-
-class _CfgKey:
-    """Hash a model config by its repr (its family dataclass may hold lists)."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.key = repr(cfg)
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _CfgKey) and other.key == self.key
+# The config, the family and the static settings are static arguments hashed by value, so
+# every runner of an equal model and equal settings shares one compilation per shape.
+_extend_jit = jax.jit(extend_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_decode_jit = jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
 
 
 def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
@@ -116,8 +86,8 @@ class Runner:
         self.static = static
         self.abstract = abstract_pools(self.cfg, layout, static.spec, kv_dtype, ssm_dtype)
         self.pools = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.abstract)
-        extend, decode = _compiled_steps(_ById(self.family), static, _CfgKey(self.cfg))
-        self._extend, self._decode = extend, decode
+        self._extend = functools.partial(_extend_jit, self.family, self.cfg, static)
+        self._decode = functools.partial(_decode_jit, self.family, self.cfg, static)
 
     def slot_bytes(self) -> int:
         return slot_bytes(self.abstract)
@@ -138,8 +108,11 @@ class Runner:
     def fetch(outputs: dict[str, jax.Array]) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in jax.device_get(outputs).items()}
 
-    def num_compiled(self) -> int:
-        return self._extend._cache_size() + self._decode._cache_size()
+    @staticmethod
+    def num_compiled() -> int:
+        """Programs the jitted steps hold, for every runner of this process (runners of equal
+        configs and settings share theirs)."""
+        return _extend_jit._cache_size() + _decode_jit._cache_size()
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of one slot's (conv, ssm) state, for tests and debugging."""

@@ -32,8 +32,15 @@ from lazyspec.engine.sampling import (
     top_logprobs,
     verify_and_sample,
 )
-from lazyspec.kernels.backend import state_scatter
-from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
+from lazyspec.kernels.backend import Kernels, kernels_for
+from lazyspec.models.interface import (
+    ChunkStates,
+    ForwardInputs,
+    KVPools,
+    PoolView,
+    StateRows,
+    StepStates,
+)
 from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch
 from lazyspec.scheduler.layout import NULL_SLOT
 
@@ -85,9 +92,14 @@ class StepStatic:
     def sentinel_kv_row(self) -> int:
         return self.num_kv_rows
 
+    @property
+    def kernels(self) -> Kernels:
+        """The kernels of ``backend``, resolved once per backend (``kernels_for`` caches)."""
+        return kernels_for(self.backend)
 
-def _gather_state(pools: Pools, slots: jax.Array) -> RecurrentState:
-    return RecurrentState(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
+
+def _gather_state(pools: Pools, slots: jax.Array) -> StateRows:
+    return StateRows(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
 
 
 def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
@@ -101,28 +113,28 @@ def _commit_picked(
     static: StepStatic,
     pools_conv,
     pools_ssm,
-    states: RecurrentState,
+    states: ChunkStates | StepStates,
     dst_slot: jax.Array,
     index: jax.Array,
 ):
-    """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each verify position or
-    prefill chunk: stacked ``[L, B, N, ...]`` arrays, or per-layer lists of ``[B, N, ...]``)
-    for rows whose dst_slot is a real slot; sentinel rows write nothing. ``state_scatter`` on
-    the engine's kernel backend: one launch for stacked states, one per layer for lists (so
+    """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each prefill chunk, stacked
+    ``[L, B, N, ...]``, or after each verify position, per-layer lists of ``[B, N, ...]``)
+    for rows whose dst_slot is a real slot; sentinel rows write nothing. The engine's
+    ``Kernels.state_scatter``: one launch for stacked states, one per layer for lists (so
     the verify scratch is never stacked into one array). Returns (conv, ssm)."""
     # state_scatter's convention for "write nothing" is a negative step index (its slot
     # then reads as the null slot), not the drop sentinel the scatters here use
     write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
     dst, step = jnp.where(write, dst_slot, NULL_SLOT), jnp.where(write, index, NO_STEP)
-    if not isinstance(states.ssm, list):
-        ssm, conv = state_scatter(
-            pools_ssm, pools_conv, states.ssm, states.conv, dst, step, kernel_backend=static.backend
+    if isinstance(states, ChunkStates):
+        ssm, conv = static.kernels.state_scatter(
+            pools_ssm, pools_conv, states.ssm, states.conv, dst, step
         )
         return conv, ssm
     ssm, conv = pools_ssm, pools_conv
     for layer, (ssm_steps, conv_steps) in enumerate(zip(states.ssm, states.conv)):
-        ssm, conv = state_scatter(
-            ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer, kernel_backend=static.backend
+        ssm, conv = static.kernels.state_scatter(
+            ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer
         )
     return conv, ssm
 
@@ -155,7 +167,7 @@ def extend_step(
             rec,
             mode="extend",
             chunk_size=static.chunk_size,
-            backend=static.backend,
+            kernels=static.kernels,
             keep_chunk=batch.track_chunk,
         )
     conv, ssm = _scatter_state(
@@ -269,8 +281,8 @@ def decode_step(
     )
     # the pools themselves, each row at its working slot: the Pallas update reads them in
     # place (the XLA forms gather inside the layer); padding rows read the null slot
-    rec = RecurrentState(
-        conv=pools.conv, ssm=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
+    rec = PoolView(
+        conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
     )
     with jax.named_scope("target_verify"):
         hidden, kv, out = fam.forward(
@@ -281,7 +293,7 @@ def decode_step(
             rec,
             mode="verify",
             chunk_size=static.chunk_size,
-            backend=static.backend,
+            kernels=static.kernels,
         )
     logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
     out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)

@@ -2,7 +2,9 @@
 
 The engine only needs the family-independent facts (which layers are recurrent, which hold
 KV, the state shapes); each family keeps its own details in ``arch``, a frozen dataclass
-defined next to the family's model code.
+defined next to the family's model code. Both hash and compare by value (tuples, never
+lists), so jit takes a config as a static argument directly: equal configs built
+separately share one compilation.
 """
 
 from __future__ import annotations
@@ -39,7 +41,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     num_mtp_layers: int  # 0 when the checkpoint has no MTP head
-    arch: Any  # the family's frozen dataclass
+    arch: Any  # the family's frozen dataclass (hashable by value)
+
+    def __post_init__(self) -> None:
+        try:
+            hash(self)
+        except TypeError as error:
+            raise TypeError(
+                f"ModelConfig must hash by value (tuples, not lists; frozen arch): {error}"
+            ) from None
 
     @property
     def num_layers(self) -> int:

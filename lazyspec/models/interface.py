@@ -3,8 +3,11 @@
 Every family module (``qwen3_next.py``, ``nemotron_h.py``) exposes the same functions over
 these pytrees, so the runner never branches on the family:
 
-``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, backend="xla",
+``forward(params, cfg, inputs, kv, rec, *, mode, chunk_size=64, kernels=XLA_KERNELS,
 keep_chunk=None)`` -> ``(hidden, kv, RecurrentOut)``
+
+``cfg`` (the family's ``ModelConfig``), ``mode``, ``chunk_size`` and ``kernels`` are static:
+they hash and compare by value, so jit takes them as static arguments.
 
 * ``inputs`` is a ``ForwardInputs``: B rows of T token slots; row b's new tokens are
   ``tokens[b, :num_new[b]]`` (the rest is padding and must not change any state).
@@ -13,13 +16,19 @@ keep_chunk=None)`` -> ``(hidden, kv, RecurrentOut)``
   New tokens' K/V are scattered to ``kv_write_idx`` (out-of-range sentinel = dropped), then
   each query attends to the row's context through ``kv_read_idx`` (positions 0..ctx_len-1,
   causal by absolute position).
-* ``rec`` is a ``RecurrentState``: the state *before* the new tokens, one entry per
-  recurrent layer and row, either gathered by the runner from the slot pools or, with
-  ``rec.slot`` set, the pools themselves with row b at slot ``slot[b]`` (``layer_state``
-  hands a layer its rows; the Pallas update then reads them in place, ungathered).
+* ``rec`` is the state *before* the new tokens, one entry per recurrent layer and row:
+  ``StateRows`` gathered by the runner from the slot pools, or a ``PoolView``, the pools
+  themselves with row b at slot ``slot[b]``. ``rec.layer(l)`` hands layer l its rows (from
+  a ``PoolView`` the ssm rows as ``PoolRows``, which a state-update kernel reads in place,
+  ungathered).
 * ``mode`` (static): ``"extend"`` (prefill chunk; also returns the state after every
-  ``chunk_size`` tokens of the row), ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the
-  state after every position).
+  ``chunk_size`` tokens of the row, ``RecurrentOut.chunks``: ``ChunkStates``, stacked),
+  ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the state after every position,
+  ``RecurrentOut.steps``: ``StepStates``, one array per layer). ``RecurrentOut.final``
+  (``StateRows``) is the state after each row's new tokens.
+* ``kernels`` (static): the ``kernels.backend.Kernels`` of the engine's backend, resolved
+  once; the recurrent layers' decode / verify state update runs in its kernel when it has
+  one (``XLA_KERNELS`` has none: the jnp token scans).
 * ``keep_chunk`` (extend only, optional ``[B]`` int): return only the state after chunk
   ``keep_chunk[b]`` of each row (``chunks`` then has one entry per row), selected layer by
   layer so the other chunk states of all layers never have to exist at once.
@@ -33,10 +42,12 @@ the draft head (attention-only, its own KV pools); logits via ``compute_mtp_logi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 
 
 @jax.tree_util.register_dataclass
@@ -57,19 +68,10 @@ class KVPools:
     v: list[jax.Array]
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class RecurrentState:
-    conv: jax.Array  # [L_rec, B, conv_dim, K-1] (extra axis after B for steps / chunks)
-    ssm: jax.Array  # [L_rec, B, H, d_a, d_b]
-    # when set ([B] int): conv / ssm are the slot pools [L_rec, S+1, ...], row b at slot[b]
-    slot: jax.Array | None = None
-
-
 @dataclass(frozen=True)
 class PoolRows:
-    """Rows ``pool[layer, slot[b]]`` of a stacked state pool, not gathered yet: the Pallas
-    update reads them in place; every other form calls ``rows()``."""
+    """Rows ``pool[layer, slot[b]]`` of a stacked state pool, not gathered yet: a state-update
+    kernel reads them in place; every other form calls ``rows()``."""
 
     pool: jax.Array  # [L_rec, S+1, ...]
     slot: jax.Array  # [B]
@@ -83,12 +85,67 @@ class PoolRows:
         return self.pool[self.layer][self.slot]
 
 
-def layer_state(rec: RecurrentState, layer: int) -> tuple[jax.Array, jax.Array | PoolRows]:
-    """(conv rows [B, ...], ssm rows [B, ...] or their ``PoolRows``) of recurrent layer
-    ``layer``; the conv window (small) is always gathered."""
-    if rec.slot is None:
-        return rec.conv[layer], rec.ssm[layer]
-    return rec.conv[layer][rec.slot], PoolRows(rec.ssm, rec.slot, layer)
+@jax.tree_util.register_dataclass
+@dataclass
+class StateRows:
+    """Recurrent state gathered per row: one entry per recurrent layer and row."""
+
+    conv: jax.Array  # [L_rec, B, conv_dim, K-1]
+    ssm: jax.Array  # [L_rec, B, H, d_a, d_b]
+
+    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """(conv rows [B, ...], ssm rows [B, ...]) of recurrent layer ``layer``."""
+        return self.conv[layer], self.ssm[layer]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PoolView:
+    """The slot pools themselves, row b's state at ``slot[b]``: handed over ungathered, so a
+    state-update kernel reads the rows in place."""
+
+    conv_pool: jax.Array  # [L_rec, S+1, conv_dim, K-1]
+    ssm_pool: jax.Array  # [L_rec, S+1, H, d_a, d_b]
+    slot: jax.Array  # [B] int
+
+    def layer(self, layer: int) -> tuple[jax.Array, PoolRows]:
+        """(conv rows [B, ...], ``PoolRows`` of the ssm rows) of recurrent layer ``layer``; the
+        conv window (small) is always gathered."""
+        return self.conv_pool[layer][self.slot], PoolRows(self.ssm_pool, self.slot, layer)
+
+    def rows(self) -> StateRows:
+        """Every layer's rows, gathered."""
+        return StateRows(conv=self.conv_pool[:, self.slot], ssm=self.ssm_pool[:, self.slot])
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepStates:
+    """verify: the state after every position, one array per recurrent layer (never stacked:
+    the engine commits layer by layer from the kernels' own outputs)."""
+
+    conv: list[jax.Array]  # per recurrent layer [B, T, conv_dim, K-1]
+    ssm: list[jax.Array]  # per recurrent layer [B, T, H, d_a, d_b]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ChunkStates:
+    """extend: the state after every ``chunk_size`` tokens of each row (or only the chunk
+    ``keep_chunk`` names), stacked over the recurrent layers."""
+
+    conv: jax.Array  # [L_rec, B, N, conv_dim, K-1], after (j+1)*chunk tokens
+    ssm: jax.Array  # [L_rec, B, N, H, d_a, d_b]
+
+
+class LayerStates(NamedTuple):
+    """One recurrent layer's states after a forward: final ``[B, ...]`` and the trace
+    ``[B, S, ...]`` (the state after every step, or every chunk)."""
+
+    conv: jax.Array
+    ssm: jax.Array
+    conv_trace: jax.Array
+    ssm_trace: jax.Array
 
 
 def gathered(ssm0: jax.Array | PoolRows) -> jax.Array:
@@ -108,34 +165,30 @@ def keep_chunk_states(trace: jax.Array, keep_chunk: jax.Array | None) -> jax.Arr
 @jax.tree_util.register_dataclass
 @dataclass
 class RecurrentOut:
-    final: RecurrentState  # after each row's num_new tokens
-    # verify: state after each position, per recurrent layer: lists of [B, T, ...] (never
-    # stacked: the engine commits layer by layer from the kernels' own outputs)
-    steps: RecurrentState | None
-    chunks: RecurrentState | None  # extend: [L_rec, B, T // chunk, ...], after (j+1)*chunk tokens
+    final: StateRows  # after each row's num_new tokens
+    steps: StepStates | None  # verify only
+    chunks: ChunkStates | None  # extend only
 
 
-def recurrent_out(
-    layers: list[tuple[RecurrentState, RecurrentState]], rec: RecurrentState, mode: str
-) -> RecurrentOut:
-    """Per-layer ``(final, trace)`` states (``[B, ...]`` / ``[B, S, ...]``) as the
-    ``RecurrentOut`` that ``mode`` promises: ``final`` stacked (``[L_rec, B, ...]``); the
-    trace as ``steps`` in verify (kept per layer), as stacked ``chunks`` in extend, dropped in
-    decode. With no recurrent layer, ``rec``."""
+def recurrent_out(layers: list[LayerStates], rec: StateRows | PoolView, mode: str) -> RecurrentOut:
+    """Per-layer states as the ``RecurrentOut`` that ``mode`` promises: ``final`` stacked
+    (``[L_rec, B, ...]``); the trace as ``steps`` in verify (kept per layer), as stacked
+    ``chunks`` in extend, dropped in decode. With no recurrent layer, ``final`` is ``rec``'s
+    (empty) rows and there is no trace."""
     if not layers:
-        return RecurrentOut(final=rec, steps=None, chunks=None)
-
-    def stack(states: list[RecurrentState]) -> RecurrentState:
-        return RecurrentState(
-            conv=jnp.stack([s.conv for s in states]), ssm=jnp.stack([s.ssm for s in states])
-        )
-
-    traces = [t for _, t in layers]
-    steps = RecurrentState(conv=[t.conv for t in traces], ssm=[t.ssm for t in traces])
+        final = rec if isinstance(rec, StateRows) else rec.rows()
+        return RecurrentOut(final=final, steps=None, chunks=None)
+    conv_traces, ssm_traces = [s.conv_trace for s in layers], [s.ssm_trace for s in layers]
     return RecurrentOut(
-        final=stack([f for f, _ in layers]),
-        steps=steps if mode == "verify" else None,
-        chunks=stack(traces) if mode == "extend" else None,
+        final=StateRows(
+            conv=jnp.stack([s.conv for s in layers]), ssm=jnp.stack([s.ssm for s in layers])
+        ),
+        steps=StepStates(conv=conv_traces, ssm=ssm_traces) if mode == "verify" else None,
+        chunks=(
+            ChunkStates(conv=jnp.stack(conv_traces), ssm=jnp.stack(ssm_traces))
+            if mode == "extend"
+            else None
+        ),
     )
 
 
@@ -155,11 +208,11 @@ class ModelFamily(Protocol):
         cfg: Any,
         inputs: ForwardInputs,
         kv: KVPools,
-        rec: RecurrentState,
+        rec: StateRows | PoolView,
         *,
         mode: str,
         chunk_size: int = 64,
-        backend: str = "xla",
+        kernels: Kernels = XLA_KERNELS,
         keep_chunk: jax.Array | None = None,
     ) -> tuple[jax.Array, KVPools, RecurrentOut]: ...
 

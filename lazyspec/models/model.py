@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.models.config import ModelConfig
-from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
+from lazyspec.models.interface import ForwardInputs, KVPools, StateRows
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +61,16 @@ def reference_logits(model: Model, input_ids: Sequence[int]) -> np.ndarray:
 
 def empty_caches(
     cfg: ModelConfig, num_kv_rows: int, batch: int, kv_dtype, state_dtype=jnp.float32
-) -> tuple[KVPools, RecurrentState]:
-    """Zeroed KV pools (``num_kv_rows`` rows each) and recurrent state for ``batch`` rows."""
+) -> tuple[KVPools, StateRows]:
+    """Zeroed KV pools (``num_kv_rows`` rows each) and recurrent state rows for ``batch``
+    rows."""
     kv_shape = (num_kv_rows, cfg.num_kv_heads, cfg.head_dim)
     num_attn, num_rec = len(cfg.attention_layer_ids), len(cfg.recurrent_layer_ids)
     kv = KVPools(
         [jnp.zeros(kv_shape, kv_dtype) for _ in range(num_attn)],
         [jnp.zeros(kv_shape, kv_dtype) for _ in range(num_attn)],
     )
-    rec = RecurrentState(
+    rec = StateRows(
         jnp.zeros((num_rec, batch, *cfg.conv_state_shape), state_dtype),
         jnp.zeros((num_rec, batch, *cfg.ssm_state_shape), state_dtype),
     )

@@ -22,13 +22,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,
-    RecurrentState,
+    LayerStates,
+    PoolView,
+    RecurrentOut,
+    StateRows,
     keep_chunk_states,
-    layer_state,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -46,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 FAMILY = "nemotron_h"
 MODES = ("extend", "decode", "verify")
-BACKENDS = ("xla", "pallas")
 
 # Block names of layers_block_type and of the legacy hybrid_override_pattern characters.
 _BLOCK_KINDS = {
@@ -224,24 +226,23 @@ def forward(
     cfg: ModelConfig,
     inputs: ForwardInputs,
     kv: KVPools,
-    rec: RecurrentState,
+    rec: StateRows | PoolView,
     *,
     mode: str,
     chunk_size: int = 64,
-    backend: str = "xla",
+    kernels: Kernels = XLA_KERNELS,
     keep_chunk: jax.Array | None = None,
-):
+) -> tuple[jax.Array, KVPools, RecurrentOut]:
     """The device contract of ``interface.py``: returns (hidden, kv, RecurrentOut).
 
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
     tokens (``chunks``); ``verify`` the T-step form with the state after every position
-    (``steps``); ``decode`` the T-step form with the final state only. ``keep_chunk`` as in
+    (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
+    runs in ``kernels.mamba2_state_update`` when it has one. ``keep_chunk`` as in
     ``interface.py``. Pure; pools are returned, not mutated.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     arch: NemotronHArch = cfg.arch
     form = "chunked" if mode == "extend" else "steps"
     k_pools, v_pools, states = list(kv.k), list(kv.v), []
@@ -253,11 +254,11 @@ def forward(
             mixer,
             arch.mamba,
             x,
-            *layer_state(rec, r),
+            *rec.layer(r),
             inputs.num_new,
             form=form,
             chunk_size=chunk_size,
-            backend=backend,
+            state_update=kernels.mamba2_state_update,
         )
         if mode == "extend":
             state = dataclasses.replace(
@@ -285,9 +286,7 @@ def forward(
         return out
 
     hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn)
-    layers = [
-        (RecurrentState(s.conv, s.ssm), RecurrentState(s.trace_conv, s.trace_ssm)) for s in states
-    ]
+    layers = [LayerStates(s.conv, s.ssm, s.trace_conv, s.trace_ssm) for s in states]
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, rec, mode)
 
 

@@ -23,14 +23,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,
+    LayerStates,
+    PoolView,
     RecurrentOut,
-    RecurrentState,
+    StateRows,
     keep_chunk_states,
-    layer_state,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -48,7 +50,6 @@ from lazyspec.models.plan import Params, TensorSpec, init_plan, linear_spec, loa
 
 FAMILY = "qwen3_next"
 MODES = ("extend", "decode", "verify")
-BACKENDS = ("xla", "pallas")
 MTP_PROBE = "mtp.fc.weight"  # present in checkpoints that ship the MTP head
 _ROLES = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
 
@@ -298,34 +299,28 @@ def _attention_layer(
     return mlp_block(lp, cfg, kind, x + h), k_pool, v_pool
 
 
-def _check_mode(mode: str, backend: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-
-
 def forward(
     params: Params,
     cfg: ModelConfig,
     inputs: ForwardInputs,
     kv: KVPools,
-    rec: RecurrentState,
+    rec: StateRows | PoolView,
     *,
     mode: str,
     chunk_size: int = 64,
-    backend: str = "xla",
+    kernels: Kernels = XLA_KERNELS,
     keep_chunk: jax.Array | None = None,
 ) -> tuple[jax.Array, KVPools, RecurrentOut]:
     """The device contract of ``interface.py``: (hidden before the final norm, kv, states).
 
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
     ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
-    (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in the Pallas
-    kernel when ``backend="pallas"``. ``keep_chunk`` as in ``interface.py``. Pure: returns
-    new pools.
+    (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in
+    ``kernels.gdn_state_update`` when it has one. ``keep_chunk`` as in ``interface.py``.
+    Pure: returns new pools.
     """
-    _check_mode(mode, backend)
+    if mode not in MODES:
+        raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
     form = "chunked" if mode == "extend" else "steps"
     x = params["embed_tokens"][inputs.tokens]
     k_pools, v_pools = list(kv.k), list(kv.v)
@@ -338,11 +333,11 @@ def forward(
                     lp["linear_attn"],
                     cfg.arch.gdn,
                     norm(x, lp["input_layernorm"], cfg),
-                    *layer_state(rec, r),
+                    *rec.layer(r),
                     inputs.num_new,
                     form=form,
                     chunk_size=chunk_size,
-                    backend=backend,
+                    state_update=kernels.gdn_state_update,
                 )
                 if mode == "extend":
                     st = st._replace(
@@ -356,10 +351,7 @@ def forward(
                     lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
                 )
                 a += 1
-    layers = [
-        (RecurrentState(st.conv, st.ssm), RecurrentState(st.conv_trace, st.ssm_trace))
-        for st in states
-    ]
+    layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
     return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
 
 

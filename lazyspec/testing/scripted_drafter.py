@@ -8,47 +8,49 @@ The target model is untouched; only ``mtp_forward`` / ``compute_mtp_logits`` cha
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_FAMILIES: dict[int, SimpleNamespace] = {}
-
 
 def scripted_model(model, script: np.ndarray):
     """``model`` with its draft head replaced by ``script[q]`` = proposal for position q."""
-    key = id(model.family)
-    if key not in _FAMILIES:
-        _FAMILIES[key] = _scripted_family(model.family, model.config.vocab_size)
     params = dict(model.params)
     params["script"] = jnp.asarray(script, jnp.int32)
-    return SimpleNamespace(
-        config=model.config, params=params, tokenizer=None, family=_FAMILIES[key]
-    )
+    family = ScriptedFamily(model.family, model.config.vocab_size)
+    return SimpleNamespace(config=model.config, params=params, tokenizer=None, family=family)
 
 
-def _scripted_family(base, vocab: int) -> SimpleNamespace:
+@dataclass(frozen=True)
+class ScriptedFamily:
+    """``base``'s target model with the scripted draft head. Hashed by value (the base module
+    and the vocabulary), so the jitted steps treat equal ones as one family."""
 
-    def mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv):
+    base: ModuleType
+    vocab: int
+
+    def forward(self, *args, **kwargs):
+        return self.base.forward(*args, **kwargs)
+
+    def compute_logits(self, *args, **kwargs):
+        return self.base.compute_logits(*args, **kwargs)
+
+    def reference_forward(self, *args, **kwargs):
+        return self.base.reference_forward(*args, **kwargs)
+
+    def mtp_forward(self, params, cfg, hidden, next_tokens, inputs, mtp_kv):
         # An MTP input at position p predicts the token at p + 2; carry that position.
         encoded = jnp.zeros(hidden.shape, jnp.float32)
         encoded = encoded.at[..., 0].set((inputs.positions + 2).astype(jnp.float32))
         return encoded, mtp_kv
 
-    def compute_mtp_logits(params, cfg, mtp_hidden):
+    def compute_mtp_logits(self, params, cfg, mtp_hidden):
         script_arr = params["script"]
         pos = jnp.clip(jnp.round(mtp_hidden[..., 0]).astype(jnp.int32), 0, script_arr.shape[0] - 1)
-        return 10.0 * jax.nn.one_hot(script_arr[pos], vocab, dtype=jnp.float32)
-
-    return SimpleNamespace(
-        forward=base.forward,
-        compute_logits=base.compute_logits,
-        reference_forward=base.reference_forward,
-        mtp_forward=mtp_forward,
-        compute_mtp_logits=compute_mtp_logits,
-    )
+        return 10.0 * jax.nn.one_hot(script_arr[pos], self.vocab, dtype=jnp.float32)
 
 
 def make_script(

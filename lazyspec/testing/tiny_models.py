@@ -78,34 +78,24 @@ def tiny_model(family: str = "nemotron_h", seed: int = 0):
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
-@functools.cache
-def _reference_fn(model_id: int, pad_len: int):
-    model = _MODELS[model_id]
-    fam, cfg = model.family, model.config
-
-    @jax.jit
-    def logits_at(params, tokens, index):
-        hidden = fam.reference_forward(params, cfg, tokens)
-        return fam.compute_logits(params, cfg, hidden[:, index])
-
-    return logits_at
-
-
-_MODELS: dict[int, object] = {}
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _logits_at(family, cfg, params, tokens, index):
+    hidden = family.reference_forward(params, cfg, tokens)
+    return family.compute_logits(params, cfg, hidden[:, index])
 
 
 def reference_greedy(
     model, prompt: list[int], num_new: int, pad_len: int = 512
 ) -> tuple[list[int], list[float]]:
     """Greedy continuation by full cache-free recompute (the oracle), with logprobs."""
-    _MODELS[id(model)] = model
-    fn = _reference_fn(id(model), pad_len)
     ids = list(prompt)
     out, logprobs = [], []
     for _ in range(num_new):
         tokens = np.zeros((1, pad_len), np.int32)
         tokens[0, : len(ids)] = ids
-        logits = np.asarray(fn(model.params, jnp.asarray(tokens), len(ids) - 1))[0]
+        index = len(ids) - 1
+        logits = _logits_at(model.family, model.config, model.params, jnp.asarray(tokens), index)
+        logits = np.asarray(logits)[0]
         token = int(np.argmax(logits))
         logp = logits - np.max(logits)
         logp = logp - np.log(np.sum(np.exp(logp)))

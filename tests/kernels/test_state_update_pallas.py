@@ -233,6 +233,36 @@ def test_backend_resolution_and_dispatch_pallas():
         backend.state_update(pool, slot, (inputs.x,), mode="verify", kernel_backend="xla")
 
 
+def test_kernels_record_resolves_each_backend_once_pallas():
+    """``kernels_for`` binds each backend's functions once: XLA has no state-update kernel
+    (the mixers' own scans), Pallas the Triton-layout kernels (interpret mode on CPU) with
+    the dispatch's default tiles, Pallas on a TPU the scalar-prefetch ones and the XLA
+    scatter. Records compare by backend and platform, not by their bound functions."""
+    assert backend.kernels_for("xla") is backend.XLA_KERNELS
+    assert backend.kernels_for(None, "cpu") is backend.XLA_KERNELS
+    xla = backend.XLA_KERNELS
+    assert xla.gdn_state_update is None and xla.mamba2_state_update is None
+    pallas = backend.kernels_for("pallas", "cpu")
+    assert pallas == backend.Kernels("pallas", "cpu", None, None, None) != xla
+    assert backend.kernels_for("pallas", "tpu").state_scatter is backend.state_scatter_xla
+    with pytest.raises(ValueError, match="triton"):
+        backend.kernels_for("triton")
+    rng = np.random.default_rng(25)
+    cases = (
+        gdn_case(rng, 3, 2, 2, 8, 24, 5, jnp.float32),
+        mamba2_case(rng, 3, 2, 4, 2, 4, 8, 4, jnp.float32),
+    )
+    updates = (pallas.gdn_state_update, pallas.mamba2_state_update)
+    for (pool, slot, inputs), update in zip(cases, updates):
+        for mode in su.MODES:
+            got = update(pool, slot, inputs, mode=mode)
+            want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+            assert_close(got.outputs, want.outputs, FP32_TOL, f"{mode} outputs")
+            got_state = got.pool if mode == "decode" else got.step_states
+            want_state = want.pool if mode == "decode" else want.step_states
+            assert_close(got_state, want_state, FP32_TOL, f"{mode} states")
+
+
 @pytest.mark.parametrize("value_dim", [128, 24])
 def test_dispatch_default_tiles_pallas(value_dim):
     """Without tile arguments the dispatch takes DEFAULT_STATE_TILES: GDN value tiles of 64

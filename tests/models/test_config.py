@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import jax
 import pytest
 from tiny_qwen import config_dict
 
@@ -119,3 +123,26 @@ def test_unknown_architecture(tmp_path):
         parse_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(FileNotFoundError):
         load_model_config(tmp_path)
+
+
+def test_equal_configs_hash_and_compile_as_one():
+    first, second = parse_hf_config(_base()), parse_hf_config(_base())
+    other = parse_hf_config(_base(rms_norm_eps=1e-5))
+    assert first is not second and first == second and hash(first) == hash(second)
+    assert first != other
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def scaled(cfg, x):
+        return x * cfg.arch.rms_norm_eps
+
+    scaled(first, 1.0)
+    scaled(second, 1.0)
+    assert scaled._cache_size() == 1
+    scaled(other, 1.0)
+    assert scaled._cache_size() == 2
+
+
+def test_unhashable_config_is_rejected():
+    cfg = parse_hf_config(_base())
+    with pytest.raises(TypeError, match="hash by value"):
+        dataclasses.replace(cfg, layer_roles=list(cfg.layer_roles))

@@ -16,7 +16,7 @@ from tiny_nemotron import TINY_CONFIGS, hf_config_dict, save_tiny_nemotron
 
 from lazyspec.models import nemotron_h
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS
-from lazyspec.models.interface import ForwardInputs, KVPools, RecurrentState
+from lazyspec.models.interface import ForwardInputs, KVPools, StateRows
 from lazyspec.models.loader import SafetensorsReader
 from lazyspec.models.registry import load_model_config
 
@@ -60,7 +60,7 @@ class Pools:
             k=[poison() for _ in range(num_attention)], v=[poison() for _ in range(num_attention)]
         )
         num_rec = len(cfg.recurrent_layer_ids)
-        self.rec = RecurrentState(
+        self.rec = StateRows(
             conv=jnp.zeros((num_rec, batch) + cfg.conv_state_shape, jnp.float32),
             ssm=jnp.zeros((num_rec, batch) + cfg.ssm_state_shape, jnp.float32),
         )

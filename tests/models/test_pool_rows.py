@@ -1,15 +1,18 @@
-"""Verify with ``rec.slot`` set (the engine's decode step: the slot pools themselves, row b
-at slot[b], read in place by the Pallas update) equals verify from the gathered rows, for
-both families and both kernel backends (Pallas in interpret mode)."""
+"""Verify from a ``PoolView`` (the engine's decode step: the slot pools themselves, row b at
+slot[b], read in place by the Pallas update) equals verify from the gathered ``StateRows``,
+for both families and both kernel backends (Pallas in interpret mode)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.models.interface import ForwardInputs, PoolRows, RecurrentState, layer_state
+from lazyspec.kernels.backend import XLA_KERNELS, kernels_for, state_update
+from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
 
@@ -37,7 +40,7 @@ def _verify_inputs(rng, vocab: int, num_new: list[int]) -> ForwardInputs:
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
     model = tiny_model(family)
-    cfg, fam = model.config, model.family
+    cfg, fam, kernels = model.config, model.family, kernels_for(backend)
     rng = np.random.default_rng(11)
     num_new = [WIDTH, 0, WIDTH]  # row 1 is padding, on the null slot
     slot = jnp.asarray([5, 0, 2], jnp.int32)
@@ -47,20 +50,22 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
         lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec
     )  # [L, SLOTS + 1, ...]
     inputs = _verify_inputs(rng, cfg.vocab_size, num_new)
-    in_place = RecurrentState(conv=pools.conv, ssm=pools.ssm, slot=slot)
-    gathered = RecurrentState(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot])
-    conv0, ssm0 = layer_state(in_place, 0)
+    in_place = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
+    gathered = StateRows(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot])
+    conv0, ssm0 = in_place.layer(0)
     assert isinstance(ssm0, PoolRows)
     np.testing.assert_array_equal(np.asarray(conv0), np.asarray(gathered.conv[0]))
     np.testing.assert_array_equal(np.asarray(ssm0.rows()), np.asarray(gathered.ssm[0]))
 
     def run(rec):
         return jax.jit(
-            lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="verify", backend=backend)
+            lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="verify", kernels=kernels)
         )(rec)
 
     hidden, kv_out, out = run(in_place)
     want_hidden, want_kv, want = run(gathered)
+    assert isinstance(out.final, StateRows) and out.chunks is None  # final rows are gathered
+    assert isinstance(out.steps, StepStates) and len(out.steps.ssm) == len(cfg.recurrent_layer_ids)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), atol=1e-6)
     for got_steps, want_steps in zip(
         out.steps.ssm + out.steps.conv, want.steps.ssm + want.steps.conv
@@ -72,3 +77,25 @@ def test_verify_from_pools_equals_gathered_rows_pallas(family, backend):
         )
     for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_forward_calls_the_state_update_it_is_given(family):
+    """The recurrent layers run the state update of the ``Kernels`` they are handed (here the
+    XLA form behind a recorder), once per layer, on the pool rows in place."""
+    model = tiny_model(family)
+    cfg = model.config
+    rng = np.random.default_rng(12)
+    kv, pools = empty_caches(cfg, 1 + 2 * CONTEXT, SLOTS + 1, jnp.float32)
+    calls = []
+
+    def update(pool, slot, tokens, *, mode, layer=None):
+        calls.append((mode, layer, pool.shape[1]))
+        return state_update(pool, slot, tokens, mode=mode, layer=layer, kernel_backend="xla")
+
+    kernels = dataclasses.replace(XLA_KERNELS, gdn_state_update=update, mamba2_state_update=update)
+    rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 1], jnp.int32))
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
+    model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
+    num_rec = len(cfg.recurrent_layer_ids)
+    assert calls == [("verify", layer, SLOTS + 1) for layer in range(num_rec)]

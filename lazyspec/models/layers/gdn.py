@@ -17,11 +17,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import StateUpdateFn
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.models.interface import gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
+from lazyspec.models.layers.state_kernels import gdn_tokens, kernel_steps
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 FORMS = ("reference", "steps", "chunked")
@@ -143,13 +145,11 @@ def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
-def _mix_steps_pallas(params, spec, mixed, a, b, conv0, ssm0, num_new):
-    """T-step form with the state update in the Pallas kernel (conv stays in jnp)."""
-    from lazyspec.models.layers.state_kernels import gdn_tokens, pallas_steps
-
+def _mix_steps_kernel(update, params, spec, mixed, a, b, conv0, ssm0, num_new):
+    """T-step form with the state update in the kernel ``update`` (conv stays in jnp)."""
     valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
     tokens, conv_final, conv_trace = _conv_tokens(params, spec, mixed, a, b, conv0, valid)
-    outs, ssm_final, ssm_trace = pallas_steps(ssm0, gdn_tokens(*tokens, num_new), num_new)
+    outs, ssm_final, ssm_trace = kernel_steps(update, ssm0, gdn_tokens(*tokens, num_new), num_new)
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
@@ -174,24 +174,29 @@ def gdn_mixer(
     *,
     form: str,
     chunk_size: int = 64,
-    backend: str = "xla",
+    state_update: StateUpdateFn | None = None,
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
-    conv0 ``[B, conv_dim, K-1]`` and ssm0 ``[B, Hv, d_k, d_v]`` (or ``PoolRows``, which the
-    Pallas steps form reads in place) are the states before the tokens; only the first
-    ``num_new[b]`` tokens of row b change them. Returns (output ``[B, T, hidden]``,
-    ``GDNStates`` in the dtypes of conv0 / ssm0). Pure; mutates nothing.
+    conv0 ``[B, conv_dim, K-1]`` and ssm0 ``[B, Hv, d_k, d_v]`` (or ``PoolRows``, which a
+    ``state_update`` kernel reads in place) are the states before the tokens; only the first
+    ``num_new[b]`` tokens of row b change them. ``state_update``
+    (``Kernels.gdn_state_update``) runs the state update of the steps form; None: the jnp
+    token scan. Returns (output ``[B, T, hidden]``, ``GDNStates`` in the dtypes of conv0 /
+    ssm0). Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
-    if form != "steps" or backend != "pallas":
-        ssm0 = gathered(ssm0)  # only the Pallas update reads PoolRows in place
+    use_kernel = form == "steps" and state_update is not None
+    if not use_kernel:
+        ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
     mixed, z, b, a = _project(params, spec, x)
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)
-    elif backend == "pallas":
-        outs, states = _mix_steps_pallas(params, spec, mixed, a, b, conv0, ssm0, num_new)
+    elif use_kernel:
+        outs, states = _mix_steps_kernel(
+            state_update, params, spec, mixed, a, b, conv0, ssm0, num_new
+        )
     else:
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
     outs = gated_rms_norm(outs.astype(x.dtype), z, params["norm"], spec.norm_eps)

@@ -27,11 +27,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import StateUpdateFn
 from lazyspec.kernels.mamba2_chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
 from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba2_step
 from lazyspec.models.interface import gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
+from lazyspec.models.layers.state_kernels import kernel_steps, mamba2_tokens
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 FORMS = ("reference", "chunked", "steps")
@@ -190,16 +192,14 @@ def _row_steps(
 _ROW_FORMS = {"reference": _row_reference, "chunked": _row_chunked, "steps": _row_steps}
 
 
-def _steps_pallas(dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_new):
-    """T-step form with the SSM update in the Pallas kernel (conv stays in jnp)."""
-    from lazyspec.models.layers.state_kernels import mamba2_tokens, pallas_steps
-
+def _steps_kernel(update, dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_new):
+    """T-step form with the SSM update in the kernel ``update`` (conv stays in jnp)."""
     valid = jnp.arange(xbc.shape[1])[None, :] < num_new[:, None]
     conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, rec.conv_weight, rec.conv_bias, ok))
     conv_out, conv_final, conv_trace = conv(conv0, xbc, valid)
     x, b, c = split_xbc(dims, conv_out)
     tokens = mamba2_tokens(x, b, c, dt, rec.a, rec.d, num_new)
-    y, ssm_final, ssm_trace = pallas_steps(ssm0, tokens, num_new)
+    y, ssm_final, ssm_trace = kernel_steps(update, ssm0, tokens, num_new)
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
@@ -213,19 +213,22 @@ def mamba2_mixer(
     *,
     form: str,
     chunk_size: int = DEFAULT_CHUNK,
-    backend: str = "xla",
+    state_update: StateUpdateFn | None = None,
 ) -> tuple[jax.Array, MixerStates]:
     """Run the mixer over B rows of T tokens; row b's real tokens are ``hidden[b, :num_new[b]]``.
 
-    ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] (or ``PoolRows``, which the Pallas
-    steps form reads in place) are the states before the tokens.
+    ``conv0`` [B, conv_dim, K-1] and ``ssm0`` [B, H, P, N] (or ``PoolRows``, which a
+    ``state_update`` kernel reads in place) are the states before the tokens.
+    ``state_update`` (``Kernels.mamba2_state_update``) runs the SSM update of the steps
+    form; None: the fused jnp steps.
     Returns (output [B, T, D] in hidden's dtype, MixerStates). Padding tokens never change a
     state; their outputs are finite but meaningless. Pure; never mutates.
     """
     if form not in _ROW_FORMS:
         raise ValueError(f"unknown Mamba2 form {form!r}; expected one of {FORMS}")
-    if form != "steps" or backend != "pallas":
-        ssm0 = gathered(ssm0)  # only the Pallas update reads PoolRows in place
+    use_kernel = form == "steps" and state_update is not None
+    if not use_kernel:
+        ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
     projected = linear(params["in_proj"], hidden)
     gate, xbc, dt_raw = split_projection(dims, projected)
     dt = time_steps(dims, dt_raw, params["dt_bias"])
@@ -241,9 +244,9 @@ def mamba2_mixer(
     def row(conv_row, ssm_row, xbc_row, dt_row, count):
         return row_fn(dims, rec, conv_row, ssm_row, xbc_row, dt_row, count, chunk_size)
 
-    if backend == "pallas" and form == "steps":
-        y, conv_final, ssm_final, conv_trace, ssm_trace = _steps_pallas(
-            dims, rec, conv0, ssm0, xbc, dt, num_new
+    if use_kernel:
+        y, conv_final, ssm_final, conv_trace, ssm_trace = _steps_kernel(
+            state_update, dims, rec, conv0, ssm0, xbc, dt, num_new
         )
     else:
         y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(

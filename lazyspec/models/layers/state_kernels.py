@@ -1,5 +1,5 @@
-"""Runs a mixer's T-step state update (decode / verify) through the Pallas state_update
-kernel instead of the jnp scan.
+"""Runs a mixer's T-step state update (decode / verify) through a state-update kernel (a
+``Kernels`` field, e.g. the Pallas ``state_update``) instead of the jnp scan.
 
 The kernel wants a pool and slot ids. Given ``PoolRows`` (the engine's decode step) it gets
 the stacked pool, the layer and the slots as they are: nothing is gathered. Given gathered
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import state_update
+from lazyspec.kernels.backend import StateUpdateFn
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
 from lazyspec.models.interface import PoolRows, gathered
 
@@ -26,19 +26,21 @@ def _final(step_states: jax.Array, ssm0: jax.Array, num_new: jax.Array) -> jax.A
     return jnp.where(keep, last, ssm0.astype(last.dtype))
 
 
-def pallas_steps(ssm0: jax.Array | PoolRows, tokens: GdnTokens | Mamba2Tokens, num_new: jax.Array):
-    """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...]).
-    ``PoolRows`` are read in place from the stacked pool (the final state of a row with no
-    new token gathers its row; nothing does when the caller drops ``final``)."""
+def kernel_steps(
+    update: StateUpdateFn,
+    ssm0: jax.Array | PoolRows,
+    tokens: GdnTokens | Mamba2Tokens,
+    num_new: jax.Array,
+):
+    """(outputs [B, T, H, ...], final state [B, ...], state after every step [B, T, ...])
+    through ``update`` in verify mode. ``PoolRows`` are read in place from the stacked pool
+    (the final state of a row with no new token gathers its row; nothing does when the
+    caller drops ``final``)."""
     if isinstance(ssm0, PoolRows):
-        result = state_update(
-            ssm0.pool, ssm0.slot, tokens, mode="verify", kernel_backend="pallas", layer=ssm0.layer
-        )
+        result = update(ssm0.pool, ssm0.slot, tokens, mode="verify", layer=ssm0.layer)
     else:
         slot = jnp.arange(ssm0.shape[0], dtype=jnp.int32)
-        result = state_update(
-            ssm0.astype(jnp.float32), slot, tokens, mode="verify", kernel_backend="pallas"
-        )
+        result = update(ssm0.astype(jnp.float32), slot, tokens, mode="verify")
     final = _final(result.step_states, gathered(ssm0), num_new)
     return result.outputs, final, result.step_states
 
