@@ -7,11 +7,11 @@ import functools
 
 import jax
 import pytest
-from tiny_qwen import config_dict
 
 from lazyspec.models.config import ATTENTION, RECURRENT
 from lazyspec.models.qwen3_next import Qwen3NextArch
 from lazyspec.models.registry import load_model_config, parse_hf_config
+from tests.models.tiny_qwen import config_dict
 
 
 def _base(**overrides):

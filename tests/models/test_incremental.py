@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_qwen import config_dict
 
 from lazyspec.models import qwen3_next
 from lazyspec.models.model import (
@@ -20,6 +19,7 @@ from lazyspec.models.model import (
     reference_logits,
     single_row_inputs,
 )
+from tests.models.tiny_qwen import config_dict
 
 TOL = 1e-4
 SEQ_LEN = 150

@@ -8,10 +8,10 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from tiny_qwen import add_tensors, config_dict, write_checkpoint
 
 from lazyspec.models import load_model, reference_logits
 from lazyspec.models.model import incremental_logits
+from tests.models.tiny_qwen import add_tensors, config_dict, write_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_qwen import save_tiny_qwen
 
 from lazyspec.models import load_model
 from lazyspec.models.model import empty_caches, single_row_inputs
+from tests.models.tiny_qwen import save_tiny_qwen
 
 TOL = 1e-4
 SEQ_LEN = 70
@@ -133,9 +133,8 @@ def test_mtp_matches_composition_of_transformers_modules(name, tmp_path):
 
 
 def test_mtp_forward_without_head_raises():
-    from tiny_qwen import config_dict
-
     from lazyspec.models import qwen3_next
+    from tests.models.tiny_qwen import config_dict
 
     cfg = qwen3_next.parse_config(config_dict("dense"))
     params = qwen3_next.init_params(cfg, jax.random.key(0))

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_nemotron import TINY_CONFIGS, hf_config_dict, save_tiny_nemotron
 
 from lazyspec.models import nemotron_h
 from lazyspec.models.loader import SafetensorsReader
 from lazyspec.models.plan import DT_INIT_RANGE
 from lazyspec.models.registry import load_model_config
+from tests.models.tiny_nemotron import TINY_CONFIGS, hf_config_dict, save_tiny_nemotron
 
 # Kept in float32 whatever the model dtype: the MoE router and its bias, Mamba2's decay terms.
 FLOAT32_LEAVES = {"router", "router_bias", "dt_bias", "A_log", "D"}

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_nemotron import TINY_CONFIGS, hf_config_dict, save_tiny_nemotron
 
 from lazyspec.models import nemotron_h
 from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS
 from lazyspec.models.interface import ForwardInputs, KVPools, StateRows
 from lazyspec.models.loader import SafetensorsReader
 from lazyspec.models.registry import load_model_config
+from tests.models.tiny_nemotron import TINY_CONFIGS, hf_config_dict, save_tiny_nemotron
 
 TOL = 1e-4
 VOCAB = 128

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_qwen import TINY_CONFIGS, save_tiny_qwen
 
 from lazyspec.models import load_model, reference_logits
 from lazyspec.models.interface import ForwardInputs
 from lazyspec.models.model import empty_caches
+from tests.models.tiny_qwen import TINY_CONFIGS, save_tiny_qwen
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.parity

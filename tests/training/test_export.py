@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from tiny_qwen import config_dict
 
 from lazyspec.models import load_model, qwen3_next, reference_logits
 from lazyspec.training.export import export_hf_folder
+from tests.models.tiny_qwen import config_dict
 
 VOCAB = 320
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

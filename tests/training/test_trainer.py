@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_qwen import config_dict
 
 from lazyspec.models import qwen3_next
 from lazyspec.models.model import empty_caches, single_row_inputs
@@ -34,6 +33,7 @@ from lazyspec.training.trainer import (
     total_loss,
     training_forward,
 )
+from tests.models.tiny_qwen import config_dict
 
 TOL = 2e-5  # chunked vs scan GDN accumulation order over 150 tokens: 1.1e-5 seen with jax 0.10.2
 
