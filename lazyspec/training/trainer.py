@@ -262,7 +262,7 @@ def make_train_step(
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(metrics, grad_norm=optax.global_norm(grads))
+        return params, opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
 
     return jax.jit(step, donate_argnums=(0, 1))
 
