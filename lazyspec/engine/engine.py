@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lazyspec.cache.allocators import KVAllocator, SlotAllocator
+from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
 from lazyspec.engine.runner import Runner
@@ -266,13 +266,16 @@ class Engine:
         return True
 
     def check_integrity(self) -> None:
-        """free + cached + held-by-running == total, for slots and pages; tree invariants."""
-        self.tree.check_integrity()
-        self.slot_allocator.check_integrity()
-        self.kv_allocator.check_integrity()
-        held_slots = sum(len(r.slots.owned()) for r in self.scheduler.running)
-        total_slots = self.slot_allocator.num_free + self.tree.num_cached_slots + held_slots
-        assert total_slots == self.layout.num_slots, (total_slots, self.layout.num_slots)
+        """AssertionError unless every slot and every KV page is exactly one of free, cached
+        in the tree, or held by one running request; also the allocator and tree invariants.
+
+        A running request holds its working / keep / spare slots and ``own_pages`` (the pages
+        it allocated and still owns: pages reached through a prefix match are the tree's).
+        """
+        running = self.scheduler.running
+        held_slots = [slot for r in running for slot in r.slots.owned()]
+        held_pages = [int(p) for r in running if r.own_pages is not None for p in r.own_pages]
+        check_all(self.kv_allocator, self.slot_allocator, self.tree, held_slots, held_pages)
 
     def get_server_info(self) -> dict:
         sched = self.scheduler

@@ -1,0 +1,95 @@
+"""Slot 0 and page 0 are sinks that nothing writes: after a serving run with every
+checkpoint strategy (and the radix cache disabled), with and without speculation, page
+sizes 1 and 2, the null state slot and every KV pool's rows of the null page are still zero.
+
+The workload pads every batch (3 requests in buckets of 4), reuses a cached prefix and
+mixes greedy and sampled requests, so padded lanes, copy-on-write reads from tree slots and
+both decode forms all run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lazyspec.engine.engine import Engine
+from lazyspec.testing.tiny_models import tiny_model
+
+SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+
+CASES = [
+    # (strategy, disable_radix_cache, spec, page_size)
+    ("no_buffer", False, False, 1),
+    ("extra_buffer", False, False, 1),
+    ("extra_buffer", False, False, 2),
+    ("extra_buffer", False, True, 1),
+    ("extra_buffer", False, True, 2),
+    ("extra_buffer_lazy", False, False, 1),
+    ("extra_buffer_lazy", False, False, 2),
+    ("extra_buffer_lazy", False, True, 1),
+    ("extra_buffer_lazy", False, True, 2),
+    ("extra_buffer", True, False, 1),
+    ("extra_buffer", True, False, 2),
+    ("extra_buffer", True, True, 1),
+    ("extra_buffer", True, True, 2),
+]
+
+
+def _null_rows(engine: Engine) -> dict[str, np.ndarray]:
+    """Host copies of everything that must stay zero: slot 0 of the conv / ssm pools and
+    rows 0..page_size-1 (page 0) of every target and MTP KV pool."""
+    pools, page_size = engine.runner.pools, engine.layout.page_size
+    rows = {"conv slot 0": np.asarray(pools.conv[:, 0]), "ssm slot 0": np.asarray(pools.ssm[:, 0])}
+    kv_pools = {"kv": pools.kv}
+    if pools.mtp_kv is not None:
+        kv_pools["mtp_kv"] = pools.mtp_kv
+    for name, kv in kv_pools.items():
+        for part in ("k", "v"):
+            for layer, pool in enumerate(getattr(kv, part)):
+                rows[f"{name}.{part}[{layer}] page 0"] = np.asarray(pool[:page_size])
+    return rows
+
+
+def _run_workload(engine: Engine) -> None:
+    rng = np.random.default_rng(11)
+    shared = [int(t) for t in rng.integers(3, 128, size=40)]
+    prompts = [shared + [int(t) for t in rng.integers(3, 128, size=n)] for n in (5, 23, 9)]
+    params = [
+        {"max_new_tokens": 14, "ignore_eos": True},
+        {"max_new_tokens": 9, "ignore_eos": True, "temperature": 0.8, "seed": 3},
+        {"max_new_tokens": 20, "ignore_eos": True},
+    ]
+    first = engine.generate(input_ids=prompts, sampling_params=params)
+    turn2 = [p + r["output_ids"] + [7, 8, 9] for p, r in zip(prompts, first)]
+    engine.generate(input_ids=turn2, sampling_params=params)
+
+
+@pytest.mark.parametrize("strategy,no_cache,spec,page_size", CASES)
+def test_null_slot_and_null_page_stay_zero(strategy, no_cache, spec, page_size):
+    engine = Engine(
+        model=tiny_model("qwen3_next"),
+        mamba_scheduler_strategy=strategy,
+        disable_radix_cache=no_cache,
+        page_size=page_size,
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=32,
+        max_running_requests=4,
+        max_total_tokens=2048,
+        context_length=256,
+        skip_warmup=True,
+        **(SPEC if spec else {}),
+    )
+    before = _null_rows(engine)
+    cfg = engine.model.config
+    num_kv_pools = len(cfg.attention_layer_ids) + (cfg.num_mtp_layers if spec else 0)
+    assert len(before) == 2 + 2 * num_kv_pools, sorted(before)
+    assert all(not a.any() for a in before.values())
+    _run_workload(engine)
+    engine.check_integrity()
+    # the run wrote real slots and pages (so zero sinks are not just an idle pool)
+    pools = engine.runner.pools
+    assert np.asarray(pools.ssm[:, 1:]).any() and np.asarray(pools.kv.k[0][page_size:]).any()
+    if spec:
+        assert np.asarray(pools.mtp_kv.k[0][page_size:]).any()
+    written = {name: float(np.abs(a).max()) for name, a in _null_rows(engine).items() if a.any()}
+    assert not written, f"null slot / page written: {written}"
