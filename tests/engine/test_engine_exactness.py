@@ -1,5 +1,6 @@
 """The engine's greedy output equals cache-free one-request-at-a-time recompute, for every
-checkpoint strategy, with and without the overlapped loop, page sizes 1 and 4; no leaks."""
+checkpoint strategy, with and without the overlapped loop, page sizes 1 and 4; no leaks;
+the null slot and page are never written."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from lazyspec.engine.engine import Engine
+from lazyspec.testing.sinks import assert_null_sinks_zero
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 
 INTERVAL = 64
@@ -79,6 +81,7 @@ def test_staggered_batch_matches_reference(expected, strategy, overlap, page_siz
     engine.run_until_done(reqs, check=Engine.check_integrity)
     for i, req in enumerate(reqs):
         assert req.output_ids == want[i], f"request {i} ({len(prompts[i])} tokens) differs"
+    assert_null_sinks_zero(engine)
     hits = sum(r.cached_tokens for r in reqs)
     if strategy != "no_buffer":
         assert hits > 0, "shared prefixes should give cache hits"

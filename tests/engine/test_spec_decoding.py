@@ -10,6 +10,7 @@ import pytest
 from lazyspec.bench import boundary
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
+from lazyspec.testing.sinks import assert_null_sinks_zero
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
@@ -56,6 +57,7 @@ def test_spec_batch_equals_greedy(batch_case, strategy, overlap):
     engine.run_until_done(reqs, check=Engine.check_integrity)
     assert [r.output_ids for r in reqs] == want
     assert all(r.spec_verify_ct > 0 for r in reqs)
+    assert_null_sinks_zero(engine)
     assert engine.flush_cache()
     assert engine.slot_allocator.num_free == engine.layout.num_slots
     assert engine.kv_allocator.num_free_pages == engine.layout.num_pages
