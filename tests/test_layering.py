@@ -12,27 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lazyspec.testing.no_jax import BLOCK_JAX
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lazyspec"
 HOST_FOLDERS = ("cache", "scheduler")
 HOST_MODULES = ("lazyspec.config",)
 
-BLOCK_JAX = """
-import importlib, importlib.abc, sys
-
-class BlockJax(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "jax" or name.startswith(("jax.", "jaxlib")):
-            raise ImportError(f"jax is blocked in this test: {name}")
-        return None
-
-sys.meta_path.insert(0, BlockJax())
-try:
-    import jax
-except ImportError:
-    pass
-else:
-    raise SystemExit("the jax blocker does not work")
+RUN_HOST_MODULES = (
+    BLOCK_JAX
+    + """
 for name in sys.argv[1:]:
     importlib.import_module(name)
 
@@ -48,6 +37,7 @@ check_all(kv, slots, tree, [], [])
 loaded = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "jaxlib")))
 print("ok", loaded)
 """
+)
 
 
 def _module_name(path: Path) -> str:
@@ -66,7 +56,7 @@ def test_host_folders_import_and_run_without_jax() -> None:
     modules = host_modules()
     assert "lazyspec.scheduler.scheduler" in modules and "lazyspec.cache.radix_cache" in modules
     result = subprocess.run(
-        [sys.executable, "-c", BLOCK_JAX, *modules],
+        [sys.executable, "-c", RUN_HOST_MODULES, *modules],
         cwd=ROOT,
         capture_output=True,
         text=True,

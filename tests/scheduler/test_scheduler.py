@@ -25,6 +25,7 @@ from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import SlotPolicy
 from lazyspec.scheduler.request import Req, SamplingParams
 from lazyspec.scheduler.scheduler import Scheduler
+from lazyspec.testing.no_jax import BLOCK_JAX
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = 5  # top logprobs per position in the step outputs
@@ -326,27 +327,21 @@ def test_speculative_decode_appends_accepted_tokens():
     pools.check_idle()
 
 
-BLOCK_JAX = """
-import importlib.abc, sys
-
-class BlockJax(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "jax" or name.startswith(("jax.", "jaxlib")):
-            raise ImportError(f"jax is blocked in this test: {name}")
-        return None
-
-sys.meta_path.insert(0, BlockJax())
+RUN_WITHOUT_JAX = (
+    BLOCK_JAX
+    + """
 import pytest
 code = pytest.main(["-q", "-p", "no:cacheprovider", "-k", "not without_jax", sys.argv[1]])
 loaded = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "jaxlib")))
 print("jax modules loaded:", loaded)
 sys.exit(int(code) or bool(loaded))
 """
+)
 
 
 def test_scheduler_tests_pass_without_jax():
     result = subprocess.run(
-        [sys.executable, "-c", BLOCK_JAX, __file__],
+        [sys.executable, "-c", RUN_WITHOUT_JAX, __file__],
         cwd=ROOT,
         capture_output=True,
         text=True,
