@@ -64,8 +64,6 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
-        self._hit_tokens = 0
-        self._prompt_tokens = 0
         if not self.config.skip_warmup:
             self.warmup()
 
@@ -161,6 +159,7 @@ class Engine:
             if isinstance(sampling_params, SamplingParams)
             else SamplingParams.from_dict(sampling_params)
         )
+        sampling.validate(vocab_size=vocab)
         limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
@@ -292,8 +291,9 @@ class Engine:
                 "num_verify_steps": steps,
                 "num_compiled_programs": self.num_compiled(),
                 "avg_accept_length": mean_accept,
-                "cache_hit_tokens": self.tree.stats.num_matched_tokens,
-                "cache_queried_tokens": self.tree.stats.num_queried_tokens,
+                # once per admitted request (a request waiting for room is not re-counted)
+                "cache_hit_tokens": sched.num_cached_tokens,
+                "cache_queried_tokens": sched.num_admitted_tokens,
             }
         )
         if steps and self.config.spec_enabled:

@@ -61,6 +61,32 @@ def bucket(n: int, options: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One request's sampling values in the batch dtypes. ``sampling_row`` converts them
+    once, when the scheduler admits the request, so a value that does not fit fails that
+    request there; filling a batch then only copies values that already fit."""
+
+    temperature: np.float32
+    top_p: np.float32
+    top_k: np.int32
+    seed: np.uint32
+
+
+def sampling_row(req: Req) -> SamplingRow:
+    """``req``'s SamplingRow; ValueError / OverflowError if a value does not fit its dtype
+    (the default seed is the CRC-32 of the request id)."""
+    params = req.sampling
+    if not (abs(params.temperature) <= FLOAT32_MAX and abs(params.top_p) <= FLOAT32_MAX):
+        raise ValueError(f"temperature / top_p do not fit float32: {params}")
+    temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)
+    seed = params.seed if params.seed is not None else zlib.crc32(req.rid.encode())
+    return SamplingRow(temperature, top_p, np.int32(params.top_k), np.uint32(seed & 0xFFFFFFFF))
+
+
 def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
     rows = SamplingRows(
         temperature=np.zeros(num_rows, np.float32),
@@ -69,12 +95,11 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         seed=np.zeros(num_rows, np.uint32),
     )
     for b, req in enumerate(reqs):
-        params = req.sampling
-        rows.temperature[b] = params.temperature
-        rows.top_p[b] = params.top_p
-        rows.top_k[b] = params.top_k
-        seed = params.seed if params.seed is not None else zlib.crc32(req.rid.encode())
-        rows.seed[b] = np.uint32(seed & 0xFFFFFFFF)
+        row = req.sampling_row
+        rows.temperature[b] = row.temperature
+        rows.top_p[b] = row.top_p
+        rows.top_k[b] = row.top_k
+        rows.seed[b] = row.seed
     return rows
 
 

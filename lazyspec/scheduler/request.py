@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 NO_SLOT = 0  # the null slot: "none" for every slot field
 TOP_LOGPROBS = 5  # most likely tokens reported per position (top_logprobs_num <= this)
+MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float32 precision anyway
+SEED_RANGE = (-(2**63), 2**64 - 1)  # inclusive: any 64-bit seed; the low 32 bits are used
 
 
 @dataclass(frozen=True)
@@ -45,15 +48,38 @@ class SamplingParams:
         out.validate()
         return out
 
-    def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """ValueError naming the first field out of range (``top_k`` and ``stop_token_ids``
+        are checked against the vocabulary when ``vocab_size`` is given)."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 0")
-        if not (self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
-        if not (0 < self.top_p <= 1):
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature={self.temperature!r} must be a number in [0, {MAX_TEMPERATURE}]"
+            )
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k={self.top_k!r} must be -1 (off) or >= 1")
+        top_k_max = vocab_size if vocab_size is not None else float("inf")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= top_k_max):
+            raise ValueError(f"top_k={self.top_k!r} must be -1 (off) or in [1, {top_k_max}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
+        low, high = SEED_RANGE
+        if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
+            raise ValueError(f"seed={self.seed!r} must be an integer in [{low}, {high}]")
+        for token in self.stop_token_ids:
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(
+                    f"stop_token_ids holds {token!r}, outside the vocabulary [0, {vocab_size})"
+                )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 class Phase(enum.Enum):
@@ -118,6 +144,7 @@ class Req:
     fill_ids: list[int] = field(
         default_factory=list
     )  # tokens the prefill covers (fixed at admission)
+    sampling_row: Any = None  # batch.SamplingRow: the sampling values in batch dtypes
 
     @property
     def all_ids(self) -> list[int]:

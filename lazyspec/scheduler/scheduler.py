@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 
 from lazyspec.cache.radix_cache import MatchResult
-from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch, build_decode, build_extend
+from lazyspec.scheduler.batch import (
+    DecodeBatch,
+    ExtendBatch,
+    build_decode,
+    build_extend,
+    sampling_row,
+)
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import Layout
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
@@ -65,6 +71,9 @@ class Scheduler:
         # accept-length statistics (bounded: counters, not request lists)
         self.num_verify_steps = 0
         self.accept_counts = np.zeros(layout.num_verify + 1, np.int64)  # [k] = steps accepting k
+        # prefix-cache statistics, counted once per admitted request
+        self.num_admitted_tokens = 0  # prompt tokens of admitted requests
+        self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
 
     # ------------------------------------------------------------------ queries
 
@@ -90,6 +99,27 @@ class Scheduler:
             return None
         return Admission(fill_ids, match, num_slots, num_pages)
 
+    def _prepare(self, req: Req) -> bool:
+        """Convert the head waiting request's per-step values (``sampling_row``) before it
+        takes anything. Whatever fails there fails ``req`` alone: it finishes with an error
+        reason (``status_code`` 500) and False is returned; the other requests never see
+        it."""
+        if req.sampling_row is not None:
+            return True
+        try:
+            req.sampling_row = sampling_row(req)
+        except Exception as exc:  # any failure is this request's: isolate it
+            logger.warning("request %s failed before admission: %r", req.rid, exc)
+            self.waiting.popleft()
+            reason = {
+                "type": "abort",
+                "message": f"the request could not be prepared for a step: {exc!r}",
+                "status_code": 500,
+            }
+            self._finish(req, reason, inflight=())
+            return False
+        return True
+
     def admit(self, req: Req, admission: Admission) -> None:
         """Admit ``req`` with what ``can_admit`` found: evict what must go, allocate its
         slots, row and pages, and start its prefill."""
@@ -101,11 +131,18 @@ class Scheduler:
         req.fill_len = req.seq_len = match.prefix_len
         req.phase = Phase.PREFILL
         self.running.append(req)
+        self.num_admitted_tokens += len(admission.fill_ids)
+        self.num_cached_tokens += match.prefix_len
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> StepPlan | None:
-        while self.waiting and (admission := self.can_admit(self.waiting[0])) is not None:
+        while self.waiting:
+            if not self._prepare(self.waiting[0]):
+                continue  # it failed and left the queue; the next one is the head now
+            admission = self.can_admit(self.waiting[0])
+            if admission is None:
+                break
             self.admit(self.waiting.popleft(), admission)
         prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
         if prefilling:
@@ -115,7 +152,11 @@ class Scheduler:
             return self._plan_decode(decoding)
         if self.waiting and not self.running:
             req = self.waiting.popleft()
-            reason = {"type": "abort", "message": "request does not fit in the KV/state pools"}
+            reason = {
+                "type": "abort",
+                "message": "the request does not fit in the KV / state pools",
+                "status_code": 400,
+            }
             self._finish(req, reason, inflight=())
         return None
 

@@ -96,6 +96,12 @@ class _Frontend:
         """Admit ``spec``'s requests (503 when the queue is full, 400 if the engine refuses)."""
         limit = self.settings.max_queued_requests
         wanted = self.num_live + len(spec.prompts)
+        if limit is not None and len(spec.prompts) > self.worker.max_running + limit:
+            raise ApiError(  # no retry can help: the request alone exceeds the capacity
+                f"{len(spec.prompts)} prompts exceed the server's capacity "
+                f"({self.worker.max_running} running + max_queued_requests={limit})",
+                code="too_many_prompts",
+            )
         if limit is not None and wanted > self.worker.max_running + limit:
             raise ApiError(
                 f"the server is at capacity ({self.num_live} requests live, "
@@ -169,7 +175,7 @@ class _Frontend:
             self.release(group)
         for choice in choices:
             if choice.error:
-                raise ApiError(choice.error, status=500, error_type="server_error")
+                raise choice.error
         self.count(endpoint, choices, start)
         return choices
 
@@ -188,11 +194,9 @@ class _Frontend:
         async def body() -> AsyncIterator[str]:
             async for chunk in render(self.events(group, choices), choices):
                 yield chunk
-            if any(c.error for c in choices):
-                error = ApiError(
-                    next(c.error for c in choices if c.error), status=500, error_type="server_error"
-                )
-                yield sse(error.body())
+            errors = [c.error for c in choices if c.error]
+            if errors:
+                yield sse(errors[0].body())
             yield "data: [DONE]\n\n"
             self.count(endpoint, choices, start)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lazyspec.scheduler.request import TOP_LOGPROBS, SamplingParams
+from lazyspec.scheduler.request import MAX_TEMPERATURE, SEED_RANGE, TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
@@ -94,6 +94,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def _integer(
     body: dict, name: str, default: int | None, low: int | None = None, high: int | None = None
 ) -> int | None:
+    """``body[name]`` as an integer in [low, high] (bounds inclusive; None = unbounded)."""
     value = body.get(name)
     if value is None:
         return default
@@ -176,9 +177,16 @@ def _encode(text: str, tokenizer: Any, param: str, special: bool = True) -> list
 
 
 def parse_prompts(
-    value: Any, tokenizer: Any, limits: Limits, param: str
+    value: Any, tokenizer: Any, limits: Limits, param: str, text: bool = True
 ) -> tuple[list[list[int]], list[str | None], bool]:
-    """A text, a token-id list, or a list of either -> (id lists, texts, batched)."""
+    """A text, a token-id list, or a list of either -> (id lists, texts, batched);
+    ``text=False`` takes token ids only."""
+    if not text and (
+        isinstance(value, str) or isinstance(value, list) and any(isinstance(v, str) for v in value)
+    ):
+        raise ApiError(
+            f"{param} must be a list of token ids or a list of such lists, not text", param=param
+        )
     if isinstance(value, str):
         if not value:
             raise ApiError("the prompt is empty", param=param)
@@ -202,14 +210,19 @@ def _sampling(
     """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context."""
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
-    if temperature < 0:
-        raise ApiError(f"temperature={temperature} must be >= 0", param="temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ApiError(
+            f"temperature={temperature} must be in [0, {MAX_TEMPERATURE}]", param="temperature"
+        )
     if not 0 < top_p <= 1:
         raise ApiError(f"top_p={top_p} must be in (0, 1]", param="top_p")
     top_k = _integer(body, "top_k", -1)
-    if top_k < 1 and top_k != -1:
-        raise ApiError(f"top_k={top_k} must be -1 (off) or >= 1", param="top_k")
-    seed = _integer(body, "seed", None)
+    if top_k != -1 and not 1 <= top_k <= limits.vocab_size:
+        raise ApiError(
+            f"top_k={top_k} must be -1 (off) or in [1, {limits.vocab_size}] (the vocabulary)",
+            param="top_k",
+        )
+    seed = _integer(body, "seed", None, *SEED_RANGE)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list):
         raise ApiError(
@@ -316,7 +329,9 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         and all(isinstance(t, str) for t in body["text"])
     ):
         raise ApiError(f"text={body['text']!r} must be a string or a list of strings", param=param)
-    prompts, texts, batched = parse_prompts(body[param], tokenizer, limits, param)
+    prompts, texts, batched = parse_prompts(
+        body[param], tokenizer, limits, param, text=param == "text"
+    )
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ApiError(f"sampling_params={params!r} must be an object", param="sampling_params")

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lazyspec.server.protocol import GenerationSpec, TextStream
+from lazyspec.server.protocol import ApiError, GenerationSpec, TextStream
 from lazyspec.server.worker import TokenEvent
 
 
@@ -24,7 +24,7 @@ class Choice:
         self.top_logprobs: list[list[tuple[float, int]]] = []
         self.cached_tokens = self.spec_verify_ct = 0
         self.finish_reason: dict[str, Any] | None = None
-        self.error: str | None = None
+        self.error: ApiError | None = None  # the engine ended this request with an error
 
     def apply(self, event: TokenEvent) -> str:
         """Take one event; returns the new text that may be shown."""
@@ -37,7 +37,14 @@ class Choice:
         if self.text.stopped is not None:
             self.finish_reason = {"type": "stop", "matched": self.text.stopped}
         elif final:
-            self.finish_reason, self.error = event.finish_reason, event.error
+            self.finish_reason = event.finish_reason
+            if event.error is not None:
+                status = event.error_status
+                self.error = ApiError(
+                    event.error,
+                    status=status,
+                    error_type="server_error" if status >= 500 else "invalid_request_error",
+                )
         return delta
 
     @property

@@ -55,6 +55,7 @@ class TokenEvent:
     spec_verify_ct: int
     finish_reason: dict[str, Any] | None = None  # set on the request's last event
     error: str | None = None  # the engine failed while running this request
+    error_status: int = 500  # the HTTP status that error is answered with
 
 
 @dataclass
@@ -71,8 +72,6 @@ class _Stream:
 
 @dataclass
 class _Counters:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)
@@ -209,7 +208,6 @@ class EngineWorker:
             raise
         for sub, req in zip(submissions, added):
             self._streams[sub.rid] = _Stream(req, sub.index, loop, sink, arrival)
-            self.counters.prompt_tokens += len(req.input_ids)
 
     def _publish(self) -> None:
         """Push every request's new tokens / finish to its queue; forget finished ones."""
@@ -219,6 +217,7 @@ class EngineWorker:
             num = len(req.output_ids)
             if num == stream.sent and not req.finished:
                 continue
+            error, status = _engine_error(req)
             event = TokenEvent(
                 stream.index,
                 req.output_ids[stream.sent : num],
@@ -227,6 +226,8 @@ class EngineWorker:
                 req.cached_tokens,
                 req.spec_verify_ct,
                 req.finish_reason if req.finished else None,
+                error=error,
+                error_status=status,
             )
             self._observe_latency(stream, num - stream.sent, now)
             self._observe_accepts(stream)
@@ -265,7 +266,6 @@ class EngineWorker:
     def _observe_finish(self, req: Req) -> None:
         reason = (req.finish_reason or {}).get("type", "unknown")
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        self.counters.cached_tokens += req.cached_tokens
         self.metrics.prompt_tokens.inc(len(req.input_ids))
         self.metrics.cached_tokens.inc(req.cached_tokens)
         self.metrics.generation_tokens.inc(len(req.output_ids))
@@ -317,11 +317,13 @@ class EngineWorker:
         """(Engine thread) ``engine.get_server_info()`` plus the server's own counters."""
         info = engine.get_server_info()
         c = self.counters
+        prompt, cached = info["cache_queried_tokens"], info["cache_hit_tokens"]
         info.update(
             {
-                "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-                "num_prompt_tokens": c.prompt_tokens,
-                "num_cached_tokens": c.cached_tokens,
+                # the engine's counters: once per admitted request, whatever its end
+                "cache_hit_rate": cached / prompt if prompt else 0.0,
+                "num_prompt_tokens": prompt,
+                "num_cached_tokens": cached,
                 "num_live_requests": len(self._streams),
                 "finished_requests": dict(c.finished),
                 "server_avg_accept_length": self._accept_length(),
@@ -329,6 +331,15 @@ class EngineWorker:
             }
         )
         return info
+
+
+def _engine_error(req: Req) -> tuple[str | None, int]:
+    """(message, HTTP status) of a request the engine ended with an error (an abort that
+    says why: it could not be prepared, or can never fit); (None, 500) otherwise."""
+    reason = req.finish_reason if req.finished else None
+    if reason and reason.get("type") == "abort" and reason.get("message"):
+        return str(reason["message"]), int(reason.get("status_code", 500))
+    return None, 500
 
 
 class RequestGroup:

@@ -79,3 +79,61 @@ def test_stats_match_server_info_and_the_memory_plan(engine):
         engine.add_request(input_ids=[5], sampling_params={"max_new_tokens": 512})
     _drain(engine)
     assert engine.vocab_size == engine.model.config.vocab_size
+
+
+def test_a_request_that_fails_in_preparation_fails_alone(engine, monkeypatch):
+    """A request whose sampling values slip past validation (validation switched off here)
+    and then overflow the batch's int32 / float32 arrays is ended with an error reason when
+    the scheduler prepares it; the requests around it run as if it had never been sent."""
+    from lazyspec.scheduler.request import SamplingParams
+
+    def run(poison: list[dict]) -> tuple[list, list]:
+        good = [_add(engine, f"good-{i}-{len(poison)}", 30) for i in range(2)]
+        bad = [
+            engine.add_request(
+                input_ids=list(range(5, 40)),
+                sampling_params=SamplingParams(max_new_tokens=8, **fields),
+                rid=f"bad-{i}",
+            )
+            for i, fields in enumerate(poison)
+        ]
+        good.append(_add(engine, f"good-2-{len(poison)}", 30))
+        _drain(engine)
+        return good, bad
+
+    reference, _ = run([])
+    engine.flush_cache()
+    monkeypatch.setattr(SamplingParams, "validate", lambda self, vocab_size=None: None)
+    good, bad = run([{"top_k": 2**40}, {"temperature": 1e39}, {"seed": 2**70}])
+    assert [r.output_ids for r in good] == [r.output_ids for r in reference]
+    assert all(len(r.output_ids) == 30 for r in good)
+    for req in bad[:2]:
+        assert req.finished and not req.output_ids
+        assert req.finish_reason["type"] == "abort" and req.finish_reason["status_code"] == 500
+        assert "prepared" in req.finish_reason["message"]
+    assert bad[2].finish_reason["type"] == "length"  # a 70-bit seed keeps its low 32 bits
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.free_state_slots + stats.cached_state_slots == stats.state_slots
+
+
+def test_add_request_checks_sampling_against_the_vocabulary(engine):
+    from lazyspec.scheduler.request import SamplingParams
+
+    vocab = engine.vocab_size
+    for params in (
+        {"top_k": vocab + 1},
+        {"top_k": 2**40},
+        {"temperature": 1e39},
+        {"temperature": float("nan")},
+        {"stop_token_ids": [vocab]},
+        {"seed": 2**64},
+        {"ignore_eos": "yes"},
+    ):
+        with pytest.raises(ValueError):
+            engine.add_request(input_ids=[5, 6], sampling_params=params)
+        with pytest.raises(ValueError):  # a SamplingParams instance is checked too
+            engine.add_request(input_ids=[5, 6], sampling_params=SamplingParams(**params))
+    assert not engine.has_requests
+    engine.add_request(input_ids=[5, 6], sampling_params={"top_k": vocab}, rid="edge")
+    _drain(engine)

@@ -66,7 +66,30 @@ BAD_BODIES = [
     ("/generate", {"text": "a", "return_logprob": "yes"}, "return_logprob"),
     ("/generate", {"text": "a", "return_logprob": True, "top_logprobs_num": 6}, "top_logprobs_num"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    # values past what the engine's int32 / float32 batch arrays hold
+    (COMPLETIONS, {"prompt": "x", "top_k": 2**40, "temperature": 1.0}, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "top_k": 2**31}, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "top_k": VOCAB_PROBE}, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "temperature": 1e39}, "temperature"),
+    (COMPLETIONS, {"prompt": "x", "seed": 2**70}, "seed"),
+    (CHAT, {"messages": USER, "top_k": 2**40}, "top_k"),
+    ("/generate", {"text": "a", "sampling_params": {"top_k": 2**40}}, "top_k"),
+    ("/generate", {"text": "a", "sampling_params": {"temperature": 1e39}}, "temperature"),
+    # token ids must be integers: strings are not text prompts here
+    ("/generate", {"input_ids": ["a"]}, "input_ids"),
+    ("/generate", {"input_ids": "hello"}, "input_ids"),
+    ("/generate", {"input_ids": [[5, 6], "a"]}, "input_ids"),
 ]
+
+
+def test_range_errors_name_the_allowed_range(server):
+    vocab = server.tokenizer.get_vocab_size()
+    body = {"prompt": "x", "top_k": 2**40}
+    message = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=30).json()["error"]
+    assert f"[1, {vocab}]" in message["message"], message
+    body = {"prompt": "x", "temperature": 1e39}
+    message = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=30).json()["error"]
+    assert "[0, 100.0]" in message["message"], message
 
 
 def _check_error(response: httpx.Response, status: int | None = None, param: str | None = None):
@@ -239,6 +262,26 @@ def test_full_queue_answers_503_then_recovers(server):
         thread.join(30)
     wait_idle(server)
     _still_healthy(server)
+
+
+def test_a_request_larger_than_the_whole_queue_is_400_not_503(server):
+    """Retrying can never help a request whose prompts alone exceed running + queued."""
+    from lazyspec.server.app import ServerSettings, create_app
+
+    app = create_app(server.worker, ServerSettings(SERVED_NAME, max_queued_requests=0))
+    http, thread, url = start_http(app)
+    try:
+        prompts = [[5, 6, 7]] * (server.worker.max_running + 1)
+        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 2}}
+        response = httpx.post(f"{url}/generate", json=body, timeout=30)
+        _check_error(response, 400)
+        assert response.json()["error"]["code"] == "too_many_prompts"
+        fits = {"input_ids": prompts[1:], "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(f"{url}/generate", json=fits, timeout=60).status_code == 200
+    finally:
+        http.should_exit = True
+        thread.join(30)
+    wait_idle(server)
 
 
 async def _fill_then_overflow(url: str, max_running: int, vocab: int) -> None:
