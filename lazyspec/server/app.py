@@ -1,9 +1,10 @@
 """The HTTP server: OpenAI-compatible and SGLang-native endpoints over an ``EngineWorker``.
 
-``create_app`` builds a FastAPI app. Handlers parse and validate the body (``protocol``),
-submit engine requests through the worker's command queue, and read their tokens from an
-asyncio queue; they never touch the engine. Errors are answered as
-``{"error": {message, type, param, code}}`` with a 4xx/5xx status.
+``create_app`` builds a FastAPI app. Handlers parse, validate and tokenize the body
+(``protocol``) in a thread pool, off the event loop; submit engine requests through the
+worker's command queue, and read their tokens from an asyncio queue; they never touch the
+engine. Middleware (``guard``) checks the Host header, the API key and the body size first.
+Errors are answered as ``{"error": {message, type, param, code}}`` with a 4xx/5xx status.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +23,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lazyspec.server.guard import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    LOOPBACK_HOSTS,
+    check_json_content_type,
+    guard_stack,
+)
 from lazyspec.server.protocol import (
     ApiError,
     ChatTemplate,
     GenerationSpec,
     Limits,
+    max_prompt_chars,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -40,9 +49,14 @@ from lazyspec.server.render import (
     model_list,
     sse,
 )
+from lazyspec.server.schema import chat_body, completion_body, generate_body, request_body
 from lazyspec.server.worker import EngineWorker, RequestGroup, Submission
 
 logger = logging.getLogger(__name__)
+
+NUM_PARSE_THREADS = 4  # requests parsed and tokenized at once (HF tokenizers drop the GIL)
+NUM_TEXT_THREADS = 2  # detokenizers of long outputs, apart so big prompts cannot stall them
+INLINE_DETOKENIZE_TOKENS = 2048  # shorter outputs decode on the loop (well under 1 ms)
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,10 @@ class ServerSettings:
     served_model_name: str
     max_queued_requests: int | None = None  # None: unbounded
     chat_template: ChatTemplate | None = None
+    api_key: str | None = None  # None: no key needed
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS  # Host names; None: no check
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); (): no CORS headers
 
 
 class _GuardedStream(StreamingResponse):
@@ -88,9 +106,27 @@ class _Frontend:
         self.metrics = worker.metrics
         self.tokenizer = worker.tokenizer
         self.template = settings.chat_template or ChatTemplate(None)
-        self.limits = Limits(worker.vocab_size, worker.max_context, (settings.served_model_name,))
+        self.limits = Limits(
+            worker.vocab_size,
+            worker.max_context,
+            (settings.served_model_name,),
+            max_prompt_chars(self.tokenizer, worker.max_context),
+        )
+        self.parse_pool = ThreadPoolExecutor(NUM_PARSE_THREADS, "lazyspec-parse")
+        self.text_pool = ThreadPoolExecutor(NUM_TEXT_THREADS, "lazyspec-detokenize")
         self.num_live = 0
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
+
+    async def parse(
+        self, parser: Callable[..., GenerationSpec], raw: bytes, *args: Any
+    ) -> GenerationSpec:
+        """``parser(body, tokenizer, limits, *args)`` of the JSON ``raw``, run in the parse
+        pool so that a long prompt never blocks the event loop."""
+
+        def work() -> GenerationSpec:
+            return parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.parse_pool, work)
 
     async def open(self, spec: GenerationSpec) -> tuple[RequestGroup, list[Choice]]:
         """Admit ``spec``'s requests (503 when the queue is full, 400 if the engine refuses)."""
@@ -147,7 +183,11 @@ class _Frontend:
             choice = choices[event.index]
             if choice.finished:
                 continue
-            delta = choice.apply(event)
+            if len(choice.token_ids) < INLINE_DETOKENIZE_TOKENS:
+                delta = choice.apply(event)
+            else:  # each event decodes the whole output again: too slow for the loop
+                loop = asyncio.get_running_loop()
+                delta = await loop.run_in_executor(self.text_pool, choice.apply, event)
             if choice.stopped_by_string:
                 group.finish(event.index)
             yield event.index, delta, event
@@ -206,7 +246,7 @@ class _Frontend:
 def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     """The FastAPI app; ``worker`` must be started (``worker.start()``) before serving."""
     front = _Frontend(worker, settings)
-    app = FastAPI(title="lazyspec", docs_url=None, redoc_url=None)
+    app = FastAPI(title="lazyspec", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.frontend = front
     name = settings.served_model_name
 
@@ -236,10 +276,14 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
             ApiError(f"internal error: {exc!r}", status=500, error_type="server_error")
         )
 
-    async def body_of(request: Request) -> dict:
-        return parse_json_body(await request.body())
+    guard_stack(app, settings, error_response)
+
+    async def body_of(request: Request) -> bytes:
+        check_json_content_type(request.headers.get("content-type"))
+        return await request.body()
 
     @app.get("/health")
+    @app.head("/health", include_in_schema=False)
     async def health() -> dict:
         if not worker.alive:
             raise ApiError(
@@ -258,26 +302,26 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
             return await front.stream(spec, endpoint, renderer.stream)
         return renderer.full(await front.collect(spec, endpoint, request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(completion_body(front.limits)))
     async def completions(request: Request):
-        spec = parse_completion(await body_of(request), front.tokenizer, front.limits)
+        spec = await front.parse(parse_completion, await body_of(request))
         return await openai_reply(request, spec, "completions", CompletionRenderer)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(chat_body(front.limits)))
     async def chat(request: Request):
-        spec = parse_chat(await body_of(request), front.tokenizer, front.limits, front.template)
+        spec = await front.parse(parse_chat, await body_of(request), front.template)
         return await openai_reply(request, spec, "chat", ChatRenderer)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=request_body(generate_body(front.limits)))
     async def generate(request: Request):
-        spec = parse_generate(await body_of(request), front.tokenizer, front.limits)
+        spec = await front.parse(parse_generate, await body_of(request))
         if spec.stream:
             return await front.stream(spec, "generate", generate_stream(spec))
         choices = await front.collect(spec, "generate", request)
         out = [generate_result(c, spec) for c in choices]
         return out if spec.batched else out[0]
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
     async def flush_cache() -> dict:
         if not await asyncio.wrap_future(worker.call(worker.flush_cache)):
             raise ApiError("cache not flushed: requests are still running", status=400, code="busy")

@@ -87,6 +87,47 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def _add_security_flags(server: argparse._ArgumentGroup) -> None:
+    from lazyspec.server.guard import DEFAULT_MAX_REQUEST_BYTES
+
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="Require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(default: none, no key needed).",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="Largest request body; larger ones are answered 413 unread (default: %(default)s).",
+    )
+    server.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="Host header names accepted besides localhost, 127.0.0.1 and [::1] (comma "
+        "list, * = any); others get 400. Default: only those three when --host is a "
+        "loopback address, no check otherwise.",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        default=None,
+        help="Browser origins allowed to call the API cross-origin (CORS; comma list or *). "
+        "Default: none, no CORS headers.",
+    )
+
+
+def allowed_hosts(host: str, flag: str | None) -> tuple[str, ...] | None:
+    """The Host names the server answers (None: any): the loopback names plus ``flag``'s
+    list; without ``flag``, no check unless bound to a loopback ``host``."""
+    from lazyspec.server.guard import LOOPBACK_HOSTS, is_loopback, split_list
+
+    names = split_list(flag)
+    if "*" in names or (flag is None and not is_loopback(host)):
+        return None
+    return LOOPBACK_HOSTS + names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scripts/serve.py",
@@ -110,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--chat-template", default=None, help="A jinja2 chat template file overriding the model's."
     )
+    _add_security_flags(server)
     server.add_argument(
         "--log-level",
         default="info",
@@ -154,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lazyspec.engine.engine import Engine
     from lazyspec.server.app import ServerSettings, create_app
+    from lazyspec.server.guard import split_list
     from lazyspec.server.protocol import ChatTemplate
     from lazyspec.server.worker import EngineWorker
 
@@ -175,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name=args.served_model_name or Path(kwargs["model_path"]).name,
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
         chat_template=template,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+        allowed_origins=split_list(args.allowed_origins),
     )
     worker = EngineWorker(engine).start()
     server = _announcing_server(

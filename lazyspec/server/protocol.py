@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lazyspec.scheduler.request import MAX_TEMPERATURE, SEED_RANGE, TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_JSON_DEPTH = 64  # nested arrays/objects in a body; json.loads recurses once per level
 
 
 class ApiError(Exception):
@@ -54,6 +57,21 @@ class Limits:
     vocab_size: int
     max_context: int  # prompt + max new tokens, at most
     model_names: tuple[str, ...]
+    max_prompt_chars: int | None = None  # longer prompt text is refused untokenized
+
+
+MIN_CHARS_PER_TOKEN = 64
+
+
+def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
+    """The longest prompt text worth tokenizing: ``max_context`` tokens of the longest
+    vocabulary entry (its stored form, which is never shorter than the text it covers),
+    at least MIN_CHARS_PER_TOKEN each, a margin for normalizers that shorten text. Longer
+    text cannot fit the context. None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    return max_context * max(MIN_CHARS_PER_TOKEN, longest)
 
 
 @dataclass(frozen=True)
@@ -74,8 +92,31 @@ class GenerationSpec:
 # ---------------------------------------------------------------- field readers
 
 
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of arrays and objects in the JSON text ``raw``, from a linear
+    scan that skips string contents. Exact for valid JSON; for malformed JSON never less
+    than the depth ``json.loads`` reaches before it fails. Vectorised, so a 16 MB body
+    costs milliseconds."""
+    data = np.frombuffer(raw, np.uint8)
+    quotes = np.flatnonzero(data == ord('"'))
+    slashes = np.flatnonzero(data == ord("\\"))
+    if quotes.size and slashes.size:  # a quote after an odd run of backslashes is escaped
+        run_last = np.flatnonzero(np.diff(slashes, append=-2) != 1)
+        run_len = np.diff(run_last, prepend=-1)
+        run_end = slashes[run_last]
+        at = np.minimum(np.searchsorted(run_end, quotes - 1), run_end.size - 1)
+        quotes = quotes[~((run_end[at] == quotes - 1) & (run_len[at] % 2 == 1))]
+    opens = (data == ord("[")) | (data == ord("{"))
+    brackets = np.flatnonzero(opens | (data == ord("]")) | (data == ord("}")))
+    brackets = brackets[np.searchsorted(quotes, brackets) % 2 == 0]  # outside strings
+    return int(np.cumsum(np.where(opens[brackets], 1, -1)).max(initial=0))
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or ApiError."""
+    """The body as a JSON object, or ApiError (also when nested deeper than
+    MAX_JSON_DEPTH, checked before parsing)."""
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise ApiError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -167,9 +208,21 @@ def _token_ids(value: list, limits: Limits, param: str) -> list[int]:
     return list(value)
 
 
-def _encode(text: str, tokenizer: Any, param: str, special: bool = True) -> list[int]:
+def _check_text_len(num_chars: int, limits: Limits, param: str) -> None:
+    if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
+        raise ApiError(
+            f"the prompt text ({num_chars} characters) is longer than any prompt that fits "
+            f"the context limit {limits.max_context} (max_prompt_chars={limits.max_prompt_chars})",
+            param=param,
+        )
+
+
+def _encode(
+    text: str, tokenizer: Any, limits: Limits, param: str, special: bool = True
+) -> list[int]:
     if tokenizer is None:
         raise ApiError("this model has no tokenizer.json: send token ids", param=param)
+    _check_text_len(len(text), limits, param)
     ids = tokenizer.encode(text, add_special_tokens=special).ids
     if not ids:
         raise ApiError("the prompt is empty", param=param)
@@ -190,7 +243,7 @@ def parse_prompts(
     if isinstance(value, str):
         if not value:
             raise ApiError("the prompt is empty", param=param)
-        return [_encode(value, tokenizer, param)], [value], False
+        return [_encode(value, tokenizer, limits, param)], [value], False
     if not isinstance(value, list) or not value:
         raise ApiError(
             f"{param} must be a non-empty string, token-id list, or a list of them", param=param
@@ -198,7 +251,7 @@ def parse_prompts(
     if all(isinstance(v, str) for v in value):
         if not all(value):
             raise ApiError("the prompt is empty", param=param)
-        return [_encode(v, tokenizer, param) for v in value], list(value), True
+        return [_encode(v, tokenizer, limits, param) for v in value], list(value), True
     if all(isinstance(v, list) for v in value):
         return [_token_ids(v, limits, param) for v in value], [None] * len(value), True
     return [_token_ids(value, limits, param)], [None], False
@@ -298,7 +351,8 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     _check_model(body, limits)
     _unsupported(body)
     messages = parse_messages(body.get("messages"))
-    prompt = _encode(template.render(messages), tokenizer, "messages", special=False)
+    _check_text_len(sum(len(m["content"]) for m in messages), limits, "messages")
+    prompt = _encode(template.render(messages), tokenizer, limits, "messages", special=False)
     max_new = _integer(body, "max_completion_tokens", None, 1, limits.max_context)
     if max_new is None:
         max_new = _integer(body, "max_tokens", None, 1, limits.max_context)

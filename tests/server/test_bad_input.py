@@ -17,6 +17,7 @@ from tests.server.conftest import SERVED_NAME, assert_all_free, random_ids, star
 VOCAB_PROBE = 10**6  # far outside any vocabulary
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+JSON = {"Content-Type": "application/json"}  # raw bodies below are sent as JSON, whatever they hold
 USER = [{"role": "user", "content": "hello"}]
 
 BAD_BODIES = [
@@ -118,7 +119,8 @@ def test_bad_fields_are_400_with_the_field_named(server, path, body, param):
 
 def test_malformed_json_wrong_model_and_unknown_route(server):
     for raw in (b"{not json", b"", b"[1, 2]", b"\xff\xfe", b'"text"'):
-        _check_error(httpx.post(f"{server.url}{COMPLETIONS}", content=raw, timeout=30), 400)
+        response = httpx.post(f"{server.url}{COMPLETIONS}", content=raw, headers=JSON, timeout=30)
+        _check_error(response, 400)
     wrong = httpx.post(f"{server.url}{CHAT}", json={"model": "gpt-9", "messages": USER}, timeout=30)
     _check_error(wrong, 404, "model")
     assert wrong.json()["error"]["code"] == "model_not_found"
@@ -173,7 +175,7 @@ BAD_FIELDS = {
 def test_randomised_malformed_bodies_are_always_4xx(live_server, fields, extra):
     body = {"prompt": "hello", "max_tokens": 2, **extra, **fields}
     raw = json.dumps(body, allow_nan=True)
-    response = httpx.post(f"{live_server.url}{COMPLETIONS}", content=raw, timeout=30)
+    response = httpx.post(f"{live_server.url}{COMPLETIONS}", content=raw, headers=JSON, timeout=30)
     _check_error(response)
 
 
@@ -187,7 +189,8 @@ def test_randomised_non_json_bodies_are_always_4xx(live_server, raw):
                 continue  # a real JSON object is the other test's business
         except ValueError:
             pass
-        _check_error(httpx.post(f"{live_server.url}{path}", content=raw, timeout=30))
+        response = httpx.post(f"{live_server.url}{path}", content=raw, headers=JSON, timeout=30)
+        _check_error(response, 400)
 
 
 def test_server_answers_after_the_battery(server):
