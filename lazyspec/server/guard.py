@@ -22,6 +22,9 @@ from lazyspec.server.protocol import ApiError
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # a 1M-token prompt of token ids is ~8 MB of JSON
 PUBLIC_PATHS = ("/health",)  # answered without the API key (GET and HEAD)
+# a refused body up to this many bytes is read and discarded before the 413 goes out, so the
+# client (still sending) sees the answer instead of a reset connection; past it, no reading
+DRAIN_BYTES = 64 * 2**20
 
 ErrorResponse = Callable[[ApiError], Response]
 
@@ -81,6 +84,14 @@ async def _refuse(
     await response(scope, no_body, send)
 
 
+async def _discard_body(receive: Receive) -> None:
+    """Read the request body to its end (or the client's disconnect), keeping none of it."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
 class HostGuard:
     """Refuses a request whose ``Host`` is not allowed: with a page on ``evil.example``
     rebound to 127.0.0.1 by DNS, a browser sends ``Host: evil.example``. ``allowed`` holds
@@ -132,6 +143,8 @@ class RequestGuard:
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            if int(length) <= DRAIN_BYTES:
+                await _discard_body(receive)
             await _refuse(self._too_large(), self.error_response, scope, send, Connection="close")
             return
         await self.app(scope, self._counting(receive), send)

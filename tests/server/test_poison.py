@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from lazyspec.server.guard import DEFAULT_MAX_REQUEST_BYTES
 from tests.server.conftest import assert_all_free, random_ids, wait_idle
 
 NUM_STREAMS = 128
@@ -63,6 +64,8 @@ async def _good_stream(client: httpx.AsyncClient, prompt: list[int]) -> list[int
 def _bad_requests(vocab: int) -> list[tuple[str, dict, int]]:
     """(kind, request kwargs, expected status) for every kind of refused request."""
     deep = "[" * 100_000 + "]" * 100_000
+    as_json = {"Content-Type": "application/json"}
+    huge = b'{"text": "' + b"x" * (DEFAULT_MAX_REQUEST_BYTES + 1) + b'"}'
     return [
         ("top_k past int32", {"json": {"text": "x", "sampling_params": {"top_k": 2**40}}}, 400),
         ("top_k = 2**31", {"json": {"text": "x", "sampling_params": {"top_k": 2**31}}}, 400),
@@ -74,9 +77,20 @@ def _bad_requests(vocab: int) -> list[tuple[str, dict, int]]:
         ("seed past 64 bits", {"json": {"text": "x", "sampling_params": {"seed": 2**70}}}, 400),
         ("string token ids", {"json": {"input_ids": ["a"]}}, 400),
         ("token id past vocab", {"json": {"input_ids": [vocab + 5]}}, 400),
-        ("deep JSON", {"content": deep.encode()}, 400),
-        ("deep JSON in a field", {"content": f'{{"text": "x", "junk": {deep}}}'.encode()}, 400),
-        ("not JSON", {"content": b"{oops"}, 400),
+        ("deep JSON", {"content": deep.encode(), "headers": as_json}, 400),
+        (
+            "deep JSON in a field",
+            {"content": f'{{"text": "x", "junk": {deep}}}'.encode(), "headers": as_json},
+            400,
+        ),
+        ("not JSON", {"content": b"{oops", "headers": as_json}, 400),
+        (
+            "text/plain body",
+            {"content": b'{"text": "x"}', "headers": {"Content-Type": "text/plain"}},
+            415,
+        ),
+        ("body over the limit", {"content": huge, "headers": as_json}, 413),
+        ("foreign Host", {"json": {"text": "x"}, "headers": {"Host": "evil.example"}}, 400),
     ]
 
 
