@@ -137,3 +137,32 @@ def test_add_request_checks_sampling_against_the_vocabulary(engine):
     assert not engine.has_requests
     engine.add_request(input_ids=[5, 6], sampling_params={"top_k": vocab}, rid="edge")
     _drain(engine)
+
+
+def test_cache_counters_count_each_admitted_request_once(engine):
+    """``cache_hit_tokens`` / ``cache_queried_tokens`` are the sums of the admitted requests'
+    ``cached_tokens`` / prompt lengths, aborted ones included: the tree's own re-matches
+    (a running request continuing on its inserted prefix, a waiting head re-queried) and
+    requests never admitted add nothing."""
+    _drain(engine)
+    engine.flush_cache()
+    info = engine.get_server_info()
+    hits0, queried0 = info["cache_hit_tokens"], info["cache_queried_tokens"]
+    prompt = [3 + i % 120 for i in range(200)]  # a checkpoint at 128 is cached while it runs
+    first = engine.add_request(input_ids=prompt, sampling_params={"max_new_tokens": 4})
+    _drain(engine)
+    later = [
+        engine.add_request(input_ids=prompt + [7, 8], sampling_params={"max_new_tokens": 30})
+        for _ in range(6)  # more than max_running: two wait for room
+    ]
+    engine.step()
+    engine.step()
+    engine.abort(later[0].rid)  # admitted, then aborted: still counted
+    never = engine.add_request(input_ids=prompt, sampling_params={"max_new_tokens": 3})
+    engine.abort(never.rid)  # never admitted: not counted
+    _drain(engine)
+    admitted = [first, *later]
+    assert sum(r.cached_tokens for r in admitted) > 0
+    info = engine.get_server_info()
+    assert info["cache_hit_tokens"] - hits0 == sum(r.cached_tokens for r in admitted)
+    assert info["cache_queried_tokens"] - queried0 == sum(len(r.input_ids) for r in admitted)
