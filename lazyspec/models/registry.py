@@ -35,6 +35,7 @@ class FamilyEntry:
 FAMILIES: dict[str, FamilyEntry] = {
     "qwen3_next": FamilyEntry("lazyspec.models.qwen3_next", "Qwen3NextForCausalLM"),
     "nemotron_h": FamilyEntry("lazyspec.models.nemotron_h", "NemotronHForCausalLM"),
+    "granitemoehybrid": FamilyEntry("lazyspec.models.granite", "GraniteMoeHybridForCausalLM"),
 }
 
 

@@ -60,6 +60,39 @@ QWEN_HF = dict(
 )
 
 
+# Near unit-gain weights: at init_params' default 0.02 the residual stream is little more
+# than the embedding and greedy output would not depend on the context (nor on the cache).
+GRANITE_INIT_SCALE = 0.2
+GRANITE_HF = dict(
+    model_type="granitemoehybrid",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=24,
+    shared_intermediate_size=40,
+    num_hidden_layers=3,
+    layer_types=["mamba", "attention", "mamba"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.125,
+    logits_scaling=4.0,
+    position_embedding_type="nope",
+    tie_word_embeddings=False,
+    eos_token_id=2,
+    max_position_embeddings=4096,
+)
+
+
 @functools.cache
 def tiny_model(family: str = "nemotron_h", seed: int = 0):
     """A random-weight tiny model of ``family`` (the Qwen3-Next one has an MTP head)."""
@@ -71,10 +104,15 @@ def tiny_model(family: str = "nemotron_h", seed: int = 0):
         from lazyspec.models import qwen3_next as module
 
         hf = QWEN_HF
+    elif family == "granitemoehybrid":
+        from lazyspec.models import granite as module
+
+        hf = GRANITE_HF
     else:
         raise ValueError(family)
     cfg = parse_hf_config(dict(hf))
-    params = module.init_params(cfg, jax.random.PRNGKey(seed))
+    kw = {"scale": GRANITE_INIT_SCALE} if family == "granitemoehybrid" else {}
+    params = module.init_params(cfg, jax.random.PRNGKey(seed), **kw)
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 

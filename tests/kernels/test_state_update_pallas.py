@@ -427,3 +427,37 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
             slot,
             dataclasses.replace(mamba, x=spec((batch, tokens, 128, 96), jnp.bfloat16)),
         )
+
+
+@pytest.mark.parametrize("num_heads", [128, 48])
+def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
+    """Granite 4.0-H's Mamba2 (a 64 x 128 state per head, all heads sharing one group of B and
+    C) lowers through Pallas-Triton with the default tiles, as the engine's decode step calls
+    it (a layer of the stacked pool)."""
+    spec = jax.ShapeDtypeStruct
+    params = backend.pallas_compiler_params("gpu")
+    batch, tokens, head_dim, state_dim = 4, 4, 64, 128
+    tiles = backend.DEFAULT_STATE_TILES["mamba2"]
+    mamba = su.Mamba2Tokens(
+        spec((batch, tokens, num_heads, head_dim), jnp.bfloat16),
+        *(spec((batch, tokens, 1, state_dim), jnp.bfloat16),) * 2,
+        spec((batch, tokens, num_heads), jnp.float32),
+        *(spec((num_heads,), jnp.float32),) * 2,
+    )
+    for mode in su.MODES:
+        text = lower_for_cuda(
+            lambda p, s, t: su.mamba2_state_update_pallas(
+                p,
+                s,
+                t,
+                mode=mode,
+                block_value=backend.fitted_tile(head_dim, tiles["block_value"]),
+                evict_last=tiles["evict_last"],
+                layer=1,
+                compiler_params=params,
+            ),
+            spec((3, 9, num_heads, head_dim, state_dim), jnp.float32),
+            spec((batch,), jnp.int32),
+            mamba,
+        )
+        assert "triton" in text.lower()

@@ -2,7 +2,8 @@
 
 One function family serves every model: options in ``AttentionSpec`` switch on the q/k
 RMSNorm, the per-head sigmoid output gate folded into ``q_proj`` (Qwen3-Next), partial or
-no rotary embedding, projection biases and GQA.
+no rotary embedding, projection biases, a softmax scale other than ``head_dim ** -0.5``
+(Granite's ``attention_multiplier``) and GQA.
 
 Params (see ``mlp.linear`` for the linear layout): ``q_proj``, ``k_proj``, ``v_proj``,
 ``o_proj`` and, with ``qk_norm``, the weight vectors ``q_norm`` / ``k_norm`` ``[head_dim]``.
@@ -38,21 +39,24 @@ class AttentionSpec:
     zero_centered_qk_norm: bool = False  # Qwen3-Next q/k norms scale by (1 + w)
     output_gate: bool = False
     norm_eps: float = 1e-6
+    bias: bool = False  # q/k/v/o projection biases
+    scaling: float | None = None  # softmax scale; None = head_dim ** -0.5
 
     @property
     def scale(self) -> float:
-        return self.head_dim**-0.5
+        return self.head_dim**-0.5 if self.scaling is None else self.scaling
 
 
 def attention_plan(prefix: str, hidden_size: int, spec: AttentionSpec) -> Params:
     """Checkpoint plan of one attention layer whose modules sit under ``prefix``."""
     q_width = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1)
     kv_width = spec.num_kv_heads * spec.head_dim
+    o_width, bias = spec.num_heads * spec.head_dim, spec.bias
     plan = {
-        "q_proj": linear_spec(f"{prefix}.q_proj", hidden_size, q_width),
-        "k_proj": linear_spec(f"{prefix}.k_proj", hidden_size, kv_width),
-        "v_proj": linear_spec(f"{prefix}.v_proj", hidden_size, kv_width),
-        "o_proj": linear_spec(f"{prefix}.o_proj", spec.num_heads * spec.head_dim, hidden_size),
+        "q_proj": linear_spec(f"{prefix}.q_proj", hidden_size, q_width, bias),
+        "k_proj": linear_spec(f"{prefix}.k_proj", hidden_size, kv_width, bias),
+        "v_proj": linear_spec(f"{prefix}.v_proj", hidden_size, kv_width, bias),
+        "o_proj": linear_spec(f"{prefix}.o_proj", o_width, hidden_size, bias),
     }
     if spec.qk_norm:
         init = "zeros" if spec.zero_centered_qk_norm else "ones"

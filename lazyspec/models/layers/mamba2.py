@@ -1,4 +1,5 @@
-"""The Mamba2 mixer of Nemotron-H: in_proj, causal conv, SSD recurrence, gated norm, out_proj.
+"""The Mamba2 mixer of Nemotron-H and Granite 4.0-H: in_proj, causal conv, SSD recurrence, gated
+norm, out_proj.
 
 Parameters are a plain dict; ``in_proj`` and ``out_proj`` are linear layers in the layout of
 ``layers/mlp.linear`` (``{"weight": [in, out]}`` plus an optional ``"bias"``):

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import Params, linear_spec
 
 
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
-    """``down(silu(gate(x)) * up(x))``; params hold ``gate_proj``, ``up_proj``, ``down_proj``."""
-    gate = linear(params["gate_proj"], x)
-    up = linear(params["up_proj"], x)
+    """``down(silu(gate(x)) * up(x))``; params hold ``gate_proj`` and ``up_proj``, or one
+    fused ``gate_up_proj`` (gate columns first, as Granite's ``input_linear``), and
+    ``down_proj``."""
+    if "gate_up_proj" in params:
+        gate, up = jnp.split(linear(params["gate_up_proj"], x), 2, axis=-1)
+    else:
+        gate, up = linear(params["gate_proj"], x), linear(params["up_proj"], x)
     return linear(params["down_proj"], jax.nn.silu(gate) * up)
 
 

@@ -40,8 +40,10 @@ class ExpertStack:
     reverse. Reads either per-expert tensors ``{prefix}.{e}.{proj}.weight`` (the layout of
     released checkpoints and of transformers' ``save_pretrained``) or fused ``[E, out, in]``
     tensors: ``{prefix}.{proj}``, except that with ``fused_gate_up`` (Qwen3-Next) gate and
-    up share ``{prefix}.gate_up_proj [E, 2I, hidden]``, gate first. ``dtype`` as in
-    ``TensorSpec``; random init is normal with ``init_plan``'s scale.
+    up share ``{prefix}.gate_up_proj [E, 2I, hidden]``, gate first. ``fused_name`` names
+    the fused tensor where a checkpoint calls it otherwise (Granite:
+    ``block_sparse_moe.input_linear.weight``). ``dtype`` as in ``TensorSpec``; random init
+    is normal with ``init_plan``'s scale.
     """
 
     prefix: str  # e.g. "model.layers.0.mlp.experts"
@@ -51,6 +53,7 @@ class ExpertStack:
     intermediate_size: int
     fused_gate_up: bool = True
     dtype: str | None = None
+    fused_name: str | None = None
 
     def _expert_shape(self) -> tuple[int, int]:
         """Per-expert checkpoint shape ``[out, in]``."""
@@ -58,6 +61,8 @@ class ExpertStack:
         return (h, i) if self.proj == "down_proj" else (i, h)
 
     def _fused_name(self) -> str:
+        if self.fused_name is not None:
+            return self.fused_name
         if self.fused_gate_up and self.proj != "down_proj":
             return f"{self.prefix}.gate_up_proj"
         return f"{self.prefix}.{self.proj}"
@@ -129,8 +134,9 @@ def grouped_experts(
     return jnp.zeros((x.shape[0], ys.shape[1]), jnp.float32).at[token_of].add(ys)
 
 
-def _routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
-    """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``."""
+def routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
+    """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
+    ``gate`` and ``experts`` as in the module docstring. Returns x's shape and dtype."""
     weights, expert_ids = route(params, spec, x)
     experts = params["experts"]
 
@@ -150,7 +156,7 @@ def sparse_moe(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
     x ``[..., hidden]`` -> same shape and dtype.
     """
     flat = x.reshape(-1, x.shape[-1])
-    routed = _routed_experts(params, spec, flat)
+    routed = routed_experts(params, spec, flat)
     shared = swiglu_mlp(params["shared_expert"], flat)
     shared_gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], flat).astype(jnp.float32))
     out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)
