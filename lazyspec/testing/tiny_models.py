@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.models.registry import parse_hf_config
+from lazyspec.models.registry import family_module, parse_hf_config
 
 NEMOTRON_HF = dict(
     model_type="nemotron_h",
@@ -60,20 +60,25 @@ QWEN_HF = dict(
 )
 
 
+QWEN35_HF = dict(
+    {k: v for k, v in QWEN_HF.items() if k not in ("num_nextn_predict_layers", "rope_theta")},
+    model_type="qwen3_5_moe_text",
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0]},
+    mtp_num_hidden_layers=1,
+)
+
+TINY_HF = {"nemotron_h": NEMOTRON_HF, "qwen3_next": QWEN_HF, "qwen3_5": QWEN35_HF}
+
+
 @functools.cache
 def tiny_model(family: str = "nemotron_h", seed: int = 0):
-    """A random-weight tiny model of ``family`` (the Qwen3-Next one has an MTP head)."""
-    if family == "nemotron_h":
-        from lazyspec.models import nemotron_h as module
-
-        hf = NEMOTRON_HF
-    elif family == "qwen3_next":
-        from lazyspec.models import qwen3_next as module
-
-        hf = QWEN_HF
-    else:
-        raise ValueError(family)
-    cfg = parse_hf_config(dict(hf))
+    """A random-weight tiny model of ``family`` (the Qwen3-Next and Qwen3.5 ones, MoE, have
+    an MTP head)."""
+    if family not in TINY_HF:
+        raise ValueError(f"no tiny model for family {family!r}; have {sorted(TINY_HF)}")
+    cfg = parse_hf_config(dict(TINY_HF[family]))
+    module = family_module(cfg.family)
     params = module.init_params(cfg, jax.random.PRNGKey(seed))
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
