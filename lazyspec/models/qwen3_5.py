@@ -73,6 +73,8 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
             f"expected one of {DENSE_MODEL_TYPES + MOE_MODEL_TYPES}"
         )
     text = hf.get("text_config") or hf
+    if text.get("mtp_use_dedicated_embeddings"):
+        raise ValueError("mtp_use_dedicated_embeddings=True is not supported")
     num_layers = int(require(text, "num_hidden_layers", FAMILY))
     moe = model_type in MOE_MODEL_TYPES
     kind = "moe" if moe else "dense"

@@ -71,6 +71,8 @@ def test_wrong_model_type_and_rope_raise():
     yarn = {"rope_type": "yarn", "rope_theta": 1e4}
     with pytest.raises(ValueError, match="yarn"):
         parse_hf_config(_text("qwen3_5_moe_text", rope_parameters=yarn))
+    with pytest.raises(ValueError, match="mtp_use_dedicated_embeddings"):
+        parse_hf_config(_text("qwen3_5_text", mtp_use_dedicated_embeddings=True))
 
 
 def test_unknown_architecture_names_the_supported_ones():

@@ -12,31 +12,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.models.tiny_qwen import add_tensors, mtp_tensors, redraw_constants
+from tests.models.tiny_qwen import BASE, add_tensors, mtp_tensors, redraw_constants
 
 LIN, FULL = "linear_attention", "full_attention"
-TEXT: dict[str, Any] = dict(
-    vocab_size=160,
-    hidden_size=32,
-    num_hidden_layers=4,
-    layer_types=[LIN, LIN, LIN, FULL],  # the released 3 GDN : 1 attention pattern
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    initializer_range=0.1,
-    rms_norm_eps=1e-6,
-    eos_token_id=2,
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
 )
-MOE: dict[str, Any] = dict(
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=24,
-    shared_expert_intermediate_size=40,
+MOE: dict[str, Any] = {k: BASE[k] for k in MOE_FIELDS}
+# Qwen3-Next's tiny widths, no MoE fields, the released 3 GDN : 1 attention layer pattern
+TEXT: dict[str, Any] = dict(
+    {k: v for k, v in BASE.items() if k not in MOE_FIELDS + ("intermediate_size",)},
+    num_hidden_layers=4,
+    layer_types=[LIN, LIN, LIN, FULL],
 )
 VISION: dict[str, Any] = dict(
     depth=1,
@@ -55,7 +45,7 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any], bool]] = {
         "Qwen3_5ForCausalLM",
         "Qwen3_5TextConfig",
         dict(
-            intermediate_size=48,
+            intermediate_size=BASE["intermediate_size"],
             rope_parameters=dict(
                 rope_type="default",
                 rope_theta=10000.0,
