@@ -125,7 +125,36 @@ def _moe_spec(hf: dict[str, Any], hidden: int) -> MoESpec | None:
 
 def parse_config(hf: dict[str, Any]) -> ModelConfig:
     """A Qwen3-Next ``config.json`` dict -> ModelConfig; ValueError names a missing field."""
-    req = lambda key: require(hf, key, FAMILY)  # noqa: E731
+    num_layers = int(require(hf, "num_hidden_layers", FAMILY))
+    kinds = _mlp_kinds(hf, num_layers)
+    return build_config(
+        hf,
+        family=FAMILY,
+        mlp_kinds=kinds,
+        moe=_moe_spec(hf, int(require(hf, "hidden_size", FAMILY))),
+        mtp_mlp_kind="moe" if int(hf["num_experts"]) > 0 else "dense",
+        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+    )
+
+
+def build_config(
+    hf: dict[str, Any],
+    *,
+    family: str,
+    mlp_kinds: tuple[str, ...],
+    moe: MoESpec | None,
+    mtp_mlp_kind: str,
+    num_mtp_layers: int,
+    split_projections: bool = False,
+    tie_word_embeddings: bool | None = None,
+) -> ModelConfig:
+    """The ModelConfig of a Qwen3-Next-style text model (``hf`` its text config dict).
+
+    The caller decides what differs between the families built on this one: the MLP kind
+    of every layer, the MoE spec, the MTP head, the GDN projection layout, and the tying of
+    embeddings when the outer config owns it (None: ``hf``'s own field).
+    """
+    req = lambda key: require(hf, key, family)  # noqa: E731
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
         raise ValueError(f"unsupported hidden_act={hf.get('hidden_act')!r} / attention_bias")
     hidden, num_layers = int(req("hidden_size")), int(req("num_hidden_layers"))
@@ -152,23 +181,25 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         int(req("linear_value_head_dim")),
         int(hf.get("linear_conv_kernel_dim", 4)),
         eps,
+        split_projections=split_projections,
     )
     if heads % kv_heads or gdn.num_v_heads % gdn.num_k_heads:
         raise ValueError(
             f"head counts do not divide: {heads}/{kv_heads}, {gdn.num_v_heads}/{gdn.num_k_heads}"
         )
-    kinds = _mlp_kinds(hf, num_layers)
     arch = Qwen3NextArch(
         rms_norm_eps=eps,
         attention=attention,
         gdn=gdn,
-        moe=_moe_spec(hf, hidden),
-        intermediate_size=int(req("intermediate_size")) if "dense" in kinds else 0,
-        mlp_kinds=kinds,
-        mtp_mlp_kind="moe" if int(hf["num_experts"]) > 0 else "dense",
+        moe=moe,
+        intermediate_size=int(req("intermediate_size")) if "dense" in mlp_kinds else 0,
+        mlp_kinds=mlp_kinds,
+        mtp_mlp_kind=mtp_mlp_kind,
     )
+    if tie_word_embeddings is None:
+        tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
     return ModelConfig(
-        family=FAMILY,
+        family=family,
         vocab_size=int(req("vocab_size")),
         hidden_size=hidden,
         layer_roles=_layer_roles(hf, num_layers),
@@ -182,8 +213,8 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
         ssm_dim_a=gdn.head_k_dim,
         ssm_dim_b=gdn.head_v_dim,
         eos_token_ids=eos_ids(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        tie_word_embeddings=tie_word_embeddings,
+        num_mtp_layers=num_mtp_layers,
         arch=arch,
     )
 
@@ -227,13 +258,19 @@ def _mtp_plan(cfg: ModelConfig) -> Params:
     }
 
 
-def param_plan(cfg: ModelConfig, with_mtp: bool) -> Params:
-    """The checkpoint plan of the whole model (``mtp`` only when ``with_mtp``)."""
+def param_plan(cfg: ModelConfig, with_mtp: bool, prefix: str = "model") -> Params:
+    """The checkpoint plan of the whole model (``mtp`` only when ``with_mtp``).
+
+    ``prefix`` holds the decoder's modules (``model.language_model`` in a vision-language
+    checkpoint); ``lm_head`` and ``mtp`` sit at the top level either way.
+    """
     plan = {
-        "embed_tokens": TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
-        "norm": _norm_spec("model.norm", cfg.hidden_size),
+        "embed_tokens": TensorSpec(
+            f"{prefix}.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)
+        ),
+        "norm": _norm_spec(f"{prefix}.norm", cfg.hidden_size),
         "layers": [
-            _layer_plan(cfg, f"model.layers.{i}", role == RECURRENT, cfg.arch.mlp_kinds[i])
+            _layer_plan(cfg, f"{prefix}.layers.{i}", role == RECURRENT, cfg.arch.mlp_kinds[i])
             for i, role in enumerate(cfg.layer_roles)
         ],
     }
@@ -244,14 +281,15 @@ def param_plan(cfg: ModelConfig, with_mtp: bool) -> Params:
     return plan
 
 
-def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> Params:
+def load_params(cfg: ModelConfig, reader, dtype=jnp.float32, prefix: str = "model") -> Params:
     """Params read tensor by tensor from a ``SafetensorsReader`` and cast to ``dtype``.
 
     The MTP head is loaded when the config declares one and the checkpoint has it; the
-    result then holds ``"mtp"``. Missing or misshapen tensors raise ValueError.
+    result then holds ``"mtp"``. Missing or misshapen tensors raise ValueError. ``prefix``
+    as in ``param_plan``.
     """
     with_mtp = cfg.has_mtp and MTP_PROBE in reader
-    return load_plan(param_plan(cfg, with_mtp), reader, dtype)
+    return load_plan(param_plan(cfg, with_mtp, prefix), reader, dtype)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:

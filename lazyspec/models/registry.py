@@ -2,8 +2,9 @@
 
 One table (``FAMILIES``) maps a Hugging Face ``model_type`` to the module that implements
 the family (the functions of ``interface.ModelFamily``) and the ``architectures`` name its
-checkpoints carry. Family modules are imported on first use, so reading a config never
-imports a family it does not name.
+checkpoints carry; ``VARIANTS`` adds the further model_types a family's module parses.
+Family modules are imported on first use, so reading a config never imports a family it
+does not name.
 """
 
 from __future__ import annotations
@@ -36,11 +37,27 @@ FAMILIES: dict[str, FamilyEntry] = {
     "qwen3_next": FamilyEntry("lazyspec.models.qwen3_next", "Qwen3NextForCausalLM"),
     "nemotron_h": FamilyEntry("lazyspec.models.nemotron_h", "NemotronHForCausalLM"),
     "granitemoehybrid": FamilyEntry("lazyspec.models.granite", "GraniteMoeHybridForCausalLM"),
+    "qwen3_5": FamilyEntry("lazyspec.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+}
+
+# Further model_types a registered family parses: model_type -> (family, architecture).
+VARIANTS: dict[str, tuple[str, str]] = {
+    "qwen3_5_text": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_5_moe_text": ("qwen3_5", "Qwen3_5MoeForCausalLM"),
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(entry.architecture for entry in FAMILIES.values())
+    names = [entry.architecture for entry in FAMILIES.values()]
+    return sorted(set(names + [architecture for _, architecture in VARIANTS.values()]))
+
+
+def family_of(model_type: str | None) -> str | None:
+    """The family that parses configs of ``model_type``, or None."""
+    if model_type in FAMILIES:
+        return model_type
+    return VARIANTS[model_type][0] if model_type in VARIANTS else None
 
 
 def family_module(family: str) -> ModelFamily:
@@ -53,12 +70,13 @@ def family_module(family: str) -> ModelFamily:
 def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """Parse a Hugging Face config dict; unknown architectures raise ValueError."""
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    family = family_of(model_type)
+    if family is None:
         raise ValueError(
             f"unsupported model_type {model_type!r} (architectures={hf.get('architectures')!r}); "
             f"supported: {supported_architectures()}"
         )
-    return family_module(model_type).parse_config(hf)
+    return family_module(family).parse_config(hf)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

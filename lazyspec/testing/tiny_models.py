@@ -93,9 +93,19 @@ GRANITE_HF = dict(
 )
 
 
+QWEN35_HF = dict(
+    {k: v for k, v in QWEN_HF.items() if k not in ("num_nextn_predict_layers", "rope_theta")},
+    model_type="qwen3_5_moe_text",
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0]},
+    mtp_num_hidden_layers=1,
+)
+
+
 @functools.cache
 def tiny_model(family: str = "nemotron_h", seed: int = 0):
-    """A random-weight tiny model of ``family`` (the Qwen3-Next one has an MTP head)."""
+    """A random-weight tiny model of ``family`` (the Qwen3-Next and Qwen3.5 ones, MoE, have
+    an MTP head)."""
     if family == "nemotron_h":
         from lazyspec.models import nemotron_h as module
 
@@ -108,6 +118,10 @@ def tiny_model(family: str = "nemotron_h", seed: int = 0):
         from lazyspec.models import granite as module
 
         hf = GRANITE_HF
+    elif family == "qwen3_5":
+        from lazyspec.models import qwen3_5 as module
+
+        hf = QWEN35_HF
     else:
         raise ValueError(family)
     cfg = parse_hf_config(dict(hf))

@@ -1,7 +1,7 @@
 """The engine's greedy output equals cache-free one-request-at-a-time recompute, for every
 checkpoint strategy, with and without the overlapped loop, page sizes 1 and 4; no leaks;
-the null slot and page are never written. Nemotron-H in every case, Granite 4.0-H once per
-strategy."""
+the null slot and page are never written. Nemotron-H in every case; Granite 4.0-H and
+Qwen3.5 once per strategy, with the overlapped loop."""
 
 from __future__ import annotations
 
@@ -68,28 +68,44 @@ def test_staggered_batch_matches_reference(expected, strategy, overlap, page_siz
     _check_staggered_batch(*expected, _engine(strategy, overlap, page_size), strategy)
 
 
-# Granite 4.0-H (Mamba2 + attention without positions + MoE, Granite's multipliers): each
-# strategy once, overlapped, on half the workload with 64-token prefill chunks.
-GRANITE_CASES = [("no_buffer", True, 1), ("extra_buffer", True, 1), ("extra_buffer_lazy", True, 1)]
+# The other families, each strategy once with the overlapped loop, on half the workload:
+# Granite 4.0-H (Mamba2 + attention without positions + MoE, Granite's multipliers) and
+# Qwen3.5 (MoE, split GDN projections). Few buckets (rows 1-2, one 64-token extend length,
+# shared by a family's three cases): compiles dominate their time.
+FAMILY_CASES = [
+    (family, strategy)
+    for family in ("granitemoehybrid", "qwen3_5")
+    for strategy in ("no_buffer", "extra_buffer", "extra_buffer_lazy")
+]
 
 
 @pytest.fixture(scope="module")
-def granite_expected():
-    model = tiny_model("granitemoehybrid")
-    prompts = _workload()[:6]
-    return prompts, [
-        reference_greedy(model, p, NUM_NEW[i % 4], pad_len=256)[0] for i, p in enumerate(prompts)
-    ]
+def family_expected():
+    """family -> (prompts, cache-free greedy outputs), computed once per family."""
+    computed = {}
+
+    def get(family: str):
+        if family not in computed:
+            model = tiny_model(family)
+            prompts = _workload()[:6]
+            computed[family] = (
+                prompts,
+                [
+                    reference_greedy(model, p, NUM_NEW[i % 4], pad_len=256)[0]
+                    for i, p in enumerate(prompts)
+                ],
+            )
+        return computed[family]
+
+    return get
 
 
-@pytest.mark.parametrize("strategy,overlap,page_size", GRANITE_CASES)
-def test_granite_staggered_batch_matches_reference(granite_expected, strategy, overlap, page_size):
-    model = tiny_model("granitemoehybrid")
-    # fewer buckets (2 extend + 2 decode shapes, shared by the three cases): compiles dominate
+@pytest.mark.parametrize("family,strategy", FAMILY_CASES)
+def test_other_families_staggered_batch_matches_reference(family_expected, family, strategy):
     engine = _engine(
-        strategy, overlap, page_size, model, max_running_requests=2, chunked_prefill_size=64
+        strategy, True, 1, tiny_model(family), max_running_requests=2, chunked_prefill_size=64
     )
-    _check_staggered_batch(*granite_expected, engine, strategy)
+    _check_staggered_batch(*family_expected(family), engine, strategy)
 
 
 def _check_staggered_batch(prompts, want, engine: Engine, strategy: str) -> None:

@@ -1,6 +1,7 @@
 """The MTP draft head: ``mtp_forward`` + ``compute_mtp_logits`` equal a straightforward
 composition of the same weights out of transformers' own modules (RMSNorm, Linear, a full
-attention Qwen3NextDecoderLayer, rotary embedding, the shared embedding and lm_head).
+attention decoder layer, rotary embedding, the shared embedding and lm_head), for Qwen3-Next
+and Qwen3.5 (dense and MoE).
 
 Both sides get the target's hidden stream before its final norm, taken from transformers
 (a hook on the last decoder layer), and the next tokens. Ours runs over its own KV pool in
@@ -18,10 +19,33 @@ import pytest
 from lazyspec.models import load_model
 from lazyspec.models.model import empty_caches, single_row_inputs
 from tests.models.tiny_qwen import save_tiny_qwen
+from tests.models.tiny_qwen35 import save_tiny_qwen35
 
 TOL = 1e-4
 SEQ_LEN = 70
 SPLIT = 41  # first extend piece; the rest attends to its cached K/V
+SAVERS = {"qwen3_next": save_tiny_qwen, "qwen3_5": save_tiny_qwen35}
+# model_type -> transformers modeling module, then its decoder layer, RMSNorm and rotary classes
+HF_MODULES = {
+    "qwen3_next": (
+        "qwen3_next.modeling_qwen3_next",
+        "Qwen3NextDecoderLayer",
+        "Qwen3NextRMSNorm",
+        "Qwen3NextRotaryEmbedding",
+    ),
+    "qwen3_5_text": (
+        "qwen3_5.modeling_qwen3_5",
+        "Qwen3_5DecoderLayer",
+        "Qwen3_5RMSNorm",
+        "Qwen3_5TextRotaryEmbedding",
+    ),
+    "qwen3_5_moe_text": (
+        "qwen3_5_moe.modeling_qwen3_5_moe",
+        "Qwen3_5MoeDecoderLayer",
+        "Qwen3_5MoeRMSNorm",
+        "Qwen3_5MoeTextRotaryEmbedding",
+    ),
+}
 
 
 def _torch_target_hidden(hf_model, tokens: np.ndarray):
@@ -44,22 +68,26 @@ def _torch_target_hidden(hf_model, tokens: np.ndarray):
 def _torch_mtp_logits(hf_model, mtp: dict[str, np.ndarray], hidden, next_tokens: np.ndarray):
     """The MTP head composed from transformers modules, loaded with the ``mtp.*`` tensors."""
     import copy
+    import importlib
 
     import torch
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     config = copy.deepcopy(hf_model.config)
+    module, layer_class, norm_class, rotary_class = HF_MODULES[config.model_type]
+    hf = importlib.import_module(f"transformers.models.{module}")
     config.layer_types = ["full_attention"] * config.num_hidden_layers
-    config.mlp_only_layers, config.decoder_sparse_step = [], 1
+    if config.model_type == "qwen3_next":
+        config.mlp_only_layers, config.decoder_sparse_step = [], 1
     config._attn_implementation = "eager"
-    layer = hf.Qwen3NextDecoderLayer(config, layer_idx=0).eval()
+    num_experts = getattr(config, "num_experts", 0) or 0
+    layer = getattr(hf, layer_class)(config, layer_idx=0).eval()
     state = {
         k[len("mtp.layers.0.") :]: torch.tensor(v)
         for k, v in mtp.items()
         if k.startswith("mtp.layers.0.") and ".experts." not in k
     }
-    if config.num_experts:
-        experts = range(config.num_experts)
+    if num_experts:
+        experts = range(num_experts)
         ex = lambda e, p: mtp[f"mtp.layers.0.mlp.experts.{e}.{p}.weight"]  # noqa: E731
         state["mlp.experts.gate_up_proj"] = torch.tensor(
             np.stack([np.concatenate([ex(e, "gate_proj"), ex(e, "up_proj")]) for e in experts])
@@ -70,7 +98,7 @@ def _torch_mtp_logits(hf_model, mtp: dict[str, np.ndarray], hidden, next_tokens:
     layer.load_state_dict(state, strict=True)
 
     def norm(name: str):
-        module = hf.Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        module = getattr(hf, norm_class)(config.hidden_size, eps=config.rms_norm_eps)
         module.weight.data = torch.tensor(mtp[f"mtp.{name}.weight"])
         return module
 
@@ -86,16 +114,19 @@ def _torch_mtp_logits(hf_model, mtp: dict[str, np.ndarray], hidden, next_tokens:
                 [norm("pre_fc_norm_embedding")(embeds), norm("pre_fc_norm_hidden")(hidden)], dim=-1
             )
         )
-        rope = hf.Qwen3NextRotaryEmbedding(config)(x, positions)
+        rope = getattr(hf, rotary_class)(config)(x, positions)
         x = layer(x, position_embeddings=rope, attention_mask=causal, position_ids=positions)
         return hf_model.lm_head(norm("norm")(x))[0].numpy()
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("name", ["moe", "dense"])
-def test_mtp_matches_composition_of_transformers_modules(name, tmp_path):
+@pytest.mark.parametrize(
+    "family_name, name",
+    [("qwen3_next", "moe"), ("qwen3_next", "dense"), ("qwen3_5", "moe"), ("qwen3_5", "dense")],
+)
+def test_mtp_matches_composition_of_transformers_modules(family_name, name, tmp_path):
     pytest.importorskip("torch")
-    hf_model, mtp = save_tiny_qwen(tmp_path, name, seed=5, with_mtp=True)
+    hf_model, mtp = SAVERS[family_name](tmp_path, name, seed=5, with_mtp=True)
     model = load_model(tmp_path)
     assert model.has_mtp
     rng = np.random.default_rng(31)

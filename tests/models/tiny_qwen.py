@@ -68,20 +68,29 @@ def build_hf_model(name: str, seed: int = 0):
 
     torch.manual_seed(seed)
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**hf_kwargs(name))).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
+    redraw_constants(model, seed + 1)
+    return model
+
+
+def redraw_constants(model, seed: int) -> None:
+    """Re-draw the params transformers initialises to constants (norm weights, dt_bias,
+    A_log) so no term of the math is trivially 1 or 0. Mutates ``model``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if "norm" in pname or pname.endswith("dt_bias"):
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
             elif pname.endswith("A_log"):
                 param.copy_(torch.empty(param.shape).uniform_(0.05, 4.0, generator=gen).log())
-    return model
 
 
 def mtp_tensors(model, seed: int) -> dict[str, np.ndarray]:
     """Random ``mtp.*`` tensors for ``model``: one attention decoder layer, MLP type of the
     model (per-expert names when it has experts), norms, fc over 2 * hidden."""
-    cfg = model.config
+    cfg = model.config.get_text_config()
+    num_experts = getattr(cfg, "num_experts", 0) or 0
     rng = np.random.default_rng(seed)
     h = cfg.hidden_size
 
@@ -108,11 +117,11 @@ def mtp_tensors(model, seed: int) -> dict[str, np.ndarray]:
         f"{layer}.self_attn.q_norm.weight": norm(cfg.head_dim),
         f"{layer}.self_attn.k_norm.weight": norm(cfg.head_dim),
     }
-    if cfg.num_experts > 0:
+    if num_experts > 0:
         inter, shared = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        out[f"{layer}.mlp.gate.weight"] = mat(cfg.num_experts, h)
+        out[f"{layer}.mlp.gate.weight"] = mat(num_experts, h)
         out[f"{layer}.mlp.shared_expert_gate.weight"] = mat(1, h)
-        for e in range(cfg.num_experts):
+        for e in range(num_experts):
             out.update(_mlp_tensors(f"{layer}.mlp.experts.{e}", h, inter, mat))
         out.update(_mlp_tensors(f"{layer}.mlp.shared_expert", h, shared, mat))
     else:

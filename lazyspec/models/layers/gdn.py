@@ -1,12 +1,16 @@
-"""The Gated DeltaNet mixer of Qwen3-Next, in three forms that agree.
+"""The Gated DeltaNet mixer of Qwen3-Next and Qwen3.5, in three forms that agree.
 
 * ``"reference"`` / ``"steps"``: token by token (``recurrence.conv_scan`` / ``gdn_scan``);
   ``"steps"`` also returns the conv window and state after every token (decode / verify).
 * ``"chunked"``: ``gdn_chunked.conv_chunked`` / ``gdn_chunked`` for prefill, returning the
   window and state after every full chunk of the row.
 
-Params: ``in_proj_qkvz``, ``in_proj_ba``, ``out_proj`` (linear), ``conv1d [conv_dim, K]``,
-``dt_bias [Hv]``, ``A_log [Hv]``, ``norm [d_v]`` (gated RMSNorm weight, not zero-centred).
+Params: the input projections, ``out_proj`` (linear), ``conv1d [conv_dim, K]``, ``dt_bias
+[Hv]``, ``A_log [Hv]``, ``norm [d_v]`` (gated RMSNorm weight, not zero-centred). The input
+projections come in two layouts (``GDNSpec.split_projections``): Qwen3-Next's fused
+``in_proj_qkvz`` / ``in_proj_ba``, grouped per key head, or Qwen3.5's separate
+``in_proj_qkv`` (q, k, v of all heads, the conv input as is), ``in_proj_z``, ``in_proj_b`` and
+``in_proj_a``. The math after the projections is the same.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class GDNSpec:
     head_v_dim: int
     conv_kernel: int
     norm_eps: float
+    split_projections: bool = False  # Qwen3.5: in_proj_qkv / _z / _b / _a
 
     @property
     def key_dim(self) -> int:
@@ -67,12 +72,23 @@ class GDNStates(NamedTuple):
     ssm_trace: jax.Array | None  # [B, S, Hv, d_k, d_v]
 
 
+def _projection_plan(prefix: str, spec: GDNSpec) -> Params:
+    """The input projections in the layout ``spec`` names (output widths per linear)."""
+    h, hv = spec.hidden_size, spec.num_v_heads
+    if spec.split_projections:
+        widths = {"qkv": spec.conv_dim, "z": spec.value_dim, "b": hv, "a": hv}
+    else:
+        widths = {"qkvz": spec.conv_dim + spec.value_dim, "ba": 2 * hv}
+    return {
+        f"in_proj_{part}": linear_spec(f"{prefix}.in_proj_{part}", h, width)
+        for part, width in widths.items()
+    }
+
+
 def gdn_plan(prefix: str, spec: GDNSpec) -> Params:
     """Checkpoint plan of one GDN mixer whose modules sit under ``prefix``."""
-    qkvz = 2 * spec.key_dim + 2 * spec.value_dim
     return {
-        "in_proj_qkvz": linear_spec(f"{prefix}.in_proj_qkvz", spec.hidden_size, qkvz),
-        "in_proj_ba": linear_spec(f"{prefix}.in_proj_ba", spec.hidden_size, 2 * spec.num_v_heads),
+        **_projection_plan(prefix, spec),
         "out_proj": linear_spec(f"{prefix}.out_proj", spec.value_dim, spec.hidden_size),
         "conv1d": TensorSpec(
             f"{prefix}.conv1d.weight",
@@ -89,9 +105,14 @@ def gdn_plan(prefix: str, spec: GDNSpec) -> Params:
 def _project(params: Params, spec: GDNSpec, x: jax.Array):
     """x ``[B, T, hidden]`` -> (conv input ``[B, T, conv_dim]``, z ``[B, T, Hv, d_v]``, b, a).
 
-    The projections are grouped per key head: ``[q, k, v-group, z-group]`` and ``[b, a]``.
+    Fused projections are grouped per key head: ``[q, k, v-group, z-group]`` and ``[b, a]``;
+    split ones already give the conv input ``[q, k, v]`` and per-value-head z, b, a.
     """
     lead = x.shape[:-1]
+    if spec.split_projections:
+        z = linear(params["in_proj_z"], x).reshape(*lead, spec.num_v_heads, spec.head_v_dim)
+        b, a = linear(params["in_proj_b"], x), linear(params["in_proj_a"], x)
+        return linear(params["in_proj_qkv"], x), z, b, a
     r, dk, dv = spec.heads_per_key, spec.head_k_dim, spec.head_v_dim
     qkvz = linear(params["in_proj_qkvz"], x).reshape(*lead, spec.num_k_heads, 2 * dk + 2 * r * dv)
     q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
