@@ -72,11 +72,7 @@ def test_staggered_batch_matches_reference(expected, strategy, overlap, page_siz
 # Granite 4.0-H (Mamba2 + attention without positions + MoE, Granite's multipliers) and
 # Qwen3.5 (MoE, split GDN projections). Few buckets (rows 1-2, one 64-token extend length,
 # shared by a family's three cases): compiles dominate their time.
-FAMILY_CASES = [
-    (family, strategy)
-    for family in ("granitemoehybrid", "qwen3_5")
-    for strategy in ("no_buffer", "extra_buffer", "extra_buffer_lazy")
-]
+FAMILY_CASES = [(family, *case) for family in ("granitemoehybrid", "qwen3_5") for case in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +96,17 @@ def family_expected():
     return get
 
 
-@pytest.mark.parametrize("family,strategy", FAMILY_CASES)
-def test_other_families_staggered_batch_matches_reference(family_expected, family, strategy):
+@pytest.mark.parametrize("family,strategy,overlap,page_size", FAMILY_CASES)
+def test_other_families_staggered_batch_matches_reference(
+    family_expected, family, strategy, overlap, page_size
+):
     engine = _engine(
-        strategy, True, 1, tiny_model(family), max_running_requests=2, chunked_prefill_size=64
+        strategy,
+        overlap,
+        page_size,
+        tiny_model(family),
+        max_running_requests=2,
+        chunked_prefill_size=64,
     )
     _check_staggered_batch(*family_expected(family), engine, strategy)
 
