@@ -206,9 +206,9 @@ def test_served_process_drains_on_sigterm_and_aborts_on_a_second_signal(model_di
         str(port),
         "--skip-warmup",
         "--context-length",
-        "512",
-        "--max-total-tokens",
         "4096",
+        "--max-total-tokens",
+        "16384",
         "--compilation-cache-dir",
         "none",
         "--graceful-shutdown-timeout",
@@ -229,7 +229,7 @@ def test_served_process_drains_on_sigterm_and_aborts_on_a_second_signal(model_di
                 pass
             assert time.monotonic() < deadline, "the server did not become healthy"
             time.sleep(0.2)
-        threads, outputs = _open_streams(url, 2, LONG)
+        threads, outputs = _open_streams(url, 2, 4000)  # tens of seconds each
         process.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         assert process.poll() is None  # draining: the streams may still finish
