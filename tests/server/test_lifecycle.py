@@ -248,3 +248,18 @@ def test_served_process_drains_on_sigterm_and_aborts_on_a_second_signal(model_di
     assert "Traceback" not in log and "CancelledError" not in log, log
     for lines in outputs:
         _assert_ended_with_error(lines)
+
+
+def test_help_shows_the_server_defaults():
+    from lazyspec.server.launch import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    for flag, default in (
+        ("--host", "127.0.0.1"),
+        ("--port", "30000"),
+        ("--max-queued-requests", "1024"),
+        ("--graceful-shutdown-timeout", "30.0"),
+        ("--compilation-cache-dir", "~/.cache/lazyspec/jax"),
+    ):
+        entry = text.split(f"{flag} ")[-1].split(" --")[0]  # the option's own help text
+        assert "(default: " in entry and default in entry, (flag, entry)
