@@ -102,8 +102,10 @@ def test_drain_aborts_what_outlives_the_timeout_and_frees_everything(server):
 
         waiter = threading.Thread(target=unstreamed)
         waiter.start()
-        time.sleep(0.2)
-        timeout = 0.5
+        deadline = time.monotonic() + 30
+        while front.num_live < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        timeout = 0.3
         loop = http.servers[0].get_loop()
         start = time.monotonic()
         drain = asyncio.run_coroutine_threadsafe(front.drain(timeout), loop)
