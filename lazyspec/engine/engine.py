@@ -7,9 +7,10 @@ process step n. ``disable_overlap_schedule`` processes each step right after lau
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,13 @@ class EngineStats:
 class Engine:
     """``Engine(model_path=..., **EngineConfig fields)`` or ``Engine(model=Model, ...)``."""
 
-    def __init__(self, model: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any = None,
+        warmup_progress: Callable[[int, int], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``warmup_progress(done, total)`` is called as warm-up compiles (see ``warmup``)."""
         self.config = EngineConfig(**kwargs)
         if model is None:
             if self.config.model_path is None:
@@ -65,7 +72,7 @@ class Engine:
         self._ids = itertools.count()
         self._inflight = None
         if not self.config.skip_warmup:
-            self.warmup()
+            self.warmup(warmup_progress)
 
     # ------------------------------------------------------------------ construction
 
@@ -116,17 +123,27 @@ class Engine:
         )
         logger.info("memory plan: %s", self._memory_plan)
 
-    def warmup(self) -> None:
-        """Compile every bucket shape now, so serving compiles nothing new."""
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Compile every bucket shape now, so serving compiles nothing new.
+
+        ``progress(done, total)`` is called with ``done = 0`` first and after each shape; an
+        exception it raises stops the warm-up (and propagates)."""
         layout, table = self.layout, self.scheduler.cache.req_to_token
         rows_buckets, length_buckets = layout.extend_buckets
-        for rows in rows_buckets:
-            for length in length_buckets:
-                batch = build_extend(layout, [], table, num_rows=rows, length=length)
-                self.runner.fetch(self.runner.launch(batch))
-        for rows in layout.decode_buckets:
-            batch = build_decode(layout, [], table, num_rows=rows)
-            self.runner.fetch(self.runner.launch(batch))
+        batches = [
+            functools.partial(build_extend, num_rows=rows, length=length)
+            for rows in rows_buckets
+            for length in length_buckets
+        ]
+        batches += [
+            functools.partial(build_decode, num_rows=rows) for rows in layout.decode_buckets
+        ]
+        for done, build in enumerate(batches):
+            if progress is not None:
+                progress(done, len(batches))
+            self.runner.fetch(self.runner.launch(build(layout, [], table)))
+        if progress is not None:
+            progress(len(batches), len(batches))
 
     # ------------------------------------------------------------------ requests
 
@@ -352,7 +369,7 @@ class Engine:
     @property
     def max_request_len(self) -> int:
         """Largest prompt + max_new_tokens ``add_request`` accepts; fixed, safe any time."""
-        return self.layout.context_len - self.layout.run_past_headroom
+        return self.layout.max_request_len
 
     @property
     def vocab_size(self) -> int:

@@ -92,6 +92,11 @@ class Layout:
         return RUN_PAST_STEPS * self.num_verify
 
     @property
+    def max_request_len(self) -> int:
+        """Longest request (prompt + max new tokens): the context less the run-past headroom."""
+        return self.context_len - self.run_past_headroom
+
+    @property
     def num_draft_positions(self) -> int:
         """Width of the per-request draft table (at least 1, so shapes never vanish)."""
         return max(1, self.num_verify - 1)
@@ -117,7 +122,8 @@ class Layout:
             "slots_left_for_cached_checkpoints": self.num_slots - pinned * self.max_running,
             "kv_tokens": self.kv_tokens,
             "kv_bytes_per_token": kv_bytes_per_token,
-            "context_length": self.context_len,
+            "context_length": self.context_len,  # KV rows per request, headroom included
+            "max_request_len": self.max_request_len,  # /v1/models' max_model_len
         }
 
 

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 NUM_PARSE_THREADS = 4  # requests parsed and tokenized at once (HF tokenizers drop the GIL)
 NUM_TEXT_THREADS = 2  # detokenizers of long outputs, apart so big prompts cannot stall them
 INLINE_DETOKENIZE_TOKENS = 2048  # shorter outputs decode on the loop (well under 1 ms)
+RETRY_AFTER_S = 5  # the Retry-After header of every 503
+DRAIN_POLL_S = 0.05
+CLOSE_WAIT_S = 10.0  # after aborting at shutdown: time for the error events to go out
+SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class _Frontend:
         self.text_pool = ThreadPoolExecutor(NUM_TEXT_THREADS, "lazyspec-detokenize")
         self.num_live = 0
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
+        self.draining = False  # set once by drain(): nothing is admitted afterwards
+        self._abort_now = False
 
     async def parse(
         self, parser: Callable[..., GenerationSpec], raw: bytes, *args: Any
@@ -129,7 +135,9 @@ class _Frontend:
         return await asyncio.get_running_loop().run_in_executor(self.parse_pool, work)
 
     async def open(self, spec: GenerationSpec) -> tuple[RequestGroup, list[Choice]]:
-        """Admit ``spec``'s requests (503 when the queue is full, 400 if the engine refuses)."""
+        """Admit ``spec``'s requests (503 when the queue is full or the server is shutting
+        down, 400 if the engine refuses)."""
+        self.check_admitting()
         limit = self.settings.max_queued_requests
         wanted = self.num_live + len(spec.prompts)
         if limit is not None and len(spec.prompts) > self.worker.max_running + limit:
@@ -164,6 +172,36 @@ class _Frontend:
             raise
         choices = [Choice(self.tokenizer, spec.stop, sub.rid, len(sub.input_ids)) for sub in subs]
         return group, choices
+
+    def check_admitting(self) -> None:
+        """ApiError 503 once ``drain`` has begun."""
+        if self.draining:
+            raise ApiError(
+                SHUTDOWN_MESSAGE, status=503, code="shutting_down", error_type="server_unavailable"
+            )
+
+    async def drain(self, timeout: float) -> int:
+        """Graceful shutdown. Mutates: from now on nothing is admitted (503). Live requests
+        run for up to ``timeout`` seconds (``abort_now`` cuts the wait), then the rest are
+        aborted: each stream ends with an error event and ``[DONE]``, each other request with
+        a 500. Returns once their answers are out (or after CLOSE_WAIT_S); the number aborted."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_live and not self._abort_now and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        num_aborted = self.num_live
+        if num_aborted:
+            logger.info("aborting %d requests still live at shutdown", num_aborted)
+            await asyncio.wrap_future(self.worker.fail_all(SHUTDOWN_MESSAGE))
+            deadline = loop.time() + CLOSE_WAIT_S
+            while self.num_live and loop.time() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+        return num_aborted
+
+    def abort_now(self) -> None:
+        """Cut a running ``drain``'s wait: abort the live requests now (safe before it)."""
+        self._abort_now = True
 
     def release(self, group: RequestGroup) -> None:
         """Abort what is still running and give the group's queue places back (idempotent)."""
@@ -243,6 +281,11 @@ class _Frontend:
         return _GuardedStream(body(), lambda: self.release(group))
 
 
+def retry_after(status: int) -> dict[str, str] | None:
+    """The headers of an answer with ``status``: a Retry-After on every 503."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+
+
 def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     """The FastAPI app; ``worker`` must be started (``worker.start()``) before serving."""
     front = _Frontend(worker, settings)
@@ -254,7 +297,10 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
         front.metrics.rejected.labels(str(error.status)).inc()
         # ASCII-escaped JSON: a message may quote client text that is not valid UTF-8
         return Response(
-            json.dumps(error.body()), status_code=error.status, media_type="application/json"
+            json.dumps(error.body()),
+            status_code=error.status,
+            media_type="application/json",
+            headers=retry_after(error.status),
         )
 
     @app.exception_handler(ApiError)
@@ -285,6 +331,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     @app.head("/health", include_in_schema=False)
     async def health() -> dict:
+        front.check_admitting()
         if not worker.alive:
             raise ApiError(
                 "the engine thread is not running", status=503, error_type="server_error"

@@ -3,6 +3,8 @@
 Flag names follow SGLang's ``launch_server``; one flag per ``EngineConfig`` field (generated
 from the dataclass, so a new field gets a flag), plus the server's own flags. Without
 ``--model-path`` the embedded default model ``lazyspec/assets/default_model`` is served.
+The server listens at once and answers 503 until the engine is built and warmed
+(``lifecycle``); SIGTERM / SIGINT drain it (``--graceful-shutdown-timeout``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 
 from lazyspec.config import DTYPES, KERNEL_BACKENDS, SPEC_ALGORITHMS, STRATEGY_CHOICES, EngineConfig
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
+SHUTDOWN_CLOSE_S = 15  # uvicorn's own wait for connections after the drain
 ALIASES = {"mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"]}
 SKIPPED_FIELDS = {"mamba_radix_cache_strategy"}  # an alias, exposed through ALIASES
 CHOICES = {
@@ -42,8 +47,9 @@ HELP = {
     "mamba_ssm_dtype": "dtype of the recurrent (ssm) state pool.",
     "mamba_chunk_size": "Chunk length of the chunked prefill scan.",
     "chunked_prefill_size": "Most prompt tokens one request prefills per step.",
-    "context_length": "Longest sequence (prompt + output); default: the model's, capped by "
-    "max-total-tokens.",
+    "context_length": "KV rows per request; the longest request (prompt + max new tokens, "
+    "max_request_len in the memory plan) is this less a few tokens of headroom; default: "
+    "the model's, capped by max-total-tokens.",
     "disable_overlap_schedule": "Process each step before planning the next (no look-ahead).",
     "disable_radix_cache": "Turn the prefix cache off.",
     "random_seed": "Engine random seed.",
@@ -134,8 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI- and SGLang-compatible HTTP server for hybrid LLMs.",
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="Address to bind.")
-    server.add_argument("--port", type=int, default=30000, help="Port to bind.")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="Address to bind (default: %(default)s)."
+    )
+    server.add_argument(
+        "--port", type=int, default=30000, help="Port to bind (default: %(default)s)."
+    )
     server.add_argument(
         "--served-model-name",
         default=None,
@@ -146,7 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1024,
         help="Requests allowed to wait beyond the running batch; more are "
-        "answered 503. Negative: unbounded.",
+        "answered 503. Negative: unbounded. (default: %(default)s)",
+    )
+    server.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="On SIGTERM / SIGINT: stop admitting (503) and let live requests run this long, "
+        "then abort the rest with an error event; a second signal aborts at once. "
+        "(default: %(default)s)",
+    )
+    server.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="JAX persistent compilation cache: a restart reads the compiled batch shapes "
+        "from here instead of compiling them again; 'none' turns it off. "
+        "(default: $XDG_CACHE_HOME/lazyspec/jax or ~/.cache/lazyspec/jax)",
     )
     server.add_argument(
         "--chat-template", default=None, help="A jinja2 chat template file overriding the model's."
@@ -156,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
-        help="Logging level.",
+        help="Logging level. (default: %(default)s)",
     )
     _add_engine_flags(parser)
     return parser
@@ -181,6 +208,8 @@ def resolve_model_path(given: str | None, default: Path = DEFAULT_MODEL) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Listen at once (503 while starting), build the engine in a thread, then serve; on
+    SIGTERM / SIGINT drain gracefully and exit 0."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -189,33 +218,59 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = engine_kwargs(args)
     try:
         kwargs["model_path"] = resolve_model_path(args.model_path)
-        EngineConfig(**kwargs)
+        config = EngineConfig(**kwargs)
     except ValueError as exc:
         parser.error(str(exc))
+    # the resolved config: building the engine from it does not resolve (nor log) again
+    kwargs.update(mamba_scheduler_strategy=config.mamba_scheduler_strategy)
     import uvicorn
 
-    from lazyspec.engine.engine import Engine
-    from lazyspec.server.app import ServerSettings, create_app
+    from lazyspec.server.lifecycle import (
+        EngineStartup,
+        GracefulServer,
+        StartingApp,
+        enable_compilation_cache,
+    )
+
+    cache = enable_compilation_cache(args.compilation_cache_dir)
+    logger.info("compilation cache: %s", cache or "off")
+    settings = _server_settings(args, kwargs["model_path"])
+    holder = StartingApp()
+    server = GracefulServer(
+        uvicorn.Config(
+            holder,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=SHUTDOWN_CLOSE_S,
+        ),
+        holder,
+        args.graceful_shutdown_timeout,
+    )
+    startup = EngineStartup(kwargs, settings, holder, server, f"http://{args.host}:{args.port}")
+    server.on_started = startup.start
+    server.on_cancel = startup.bar.cancel
+    try:
+        server.run()
+    finally:
+        startup.finish()
+    if startup.error is not None:
+        sys.exit(f"error: {startup.error}")
+
+
+def _server_settings(args: argparse.Namespace, model_path: str) -> Any:
+    from lazyspec.server.app import ServerSettings
     from lazyspec.server.guard import split_list
     from lazyspec.server.protocol import ChatTemplate
-    from lazyspec.server.worker import EngineWorker
 
-    warm = "" if kwargs.get("skip_warmup") else " and compiling every batch shape"
-    print(f"loading {kwargs['model_path']}{warm} ...", flush=True)
-    try:
-        engine = Engine(**kwargs)
-    except (ValueError, FileNotFoundError) as exc:
-        sys.exit(f"error: {exc}")
-    print("memory plan:", flush=True)
-    for key, value in engine.memory_plan.items():
-        print(f"  {key}: {value}", flush=True)
     template = (
         ChatTemplate(Path(args.chat_template).read_text())
         if args.chat_template
-        else ChatTemplate.from_folder(kwargs["model_path"])
+        else ChatTemplate.from_folder(model_path)
     )
-    settings = ServerSettings(
-        served_model_name=args.served_model_name or Path(kwargs["model_path"]).name,
+    return ServerSettings(
+        served_model_name=args.served_model_name or Path(model_path).name,
         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
         chat_template=template,
         api_key=args.api_key,
@@ -223,33 +278,6 @@ def main(argv: list[str] | None = None) -> None:
         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         allowed_origins=split_list(args.allowed_origins),
     )
-    worker = EngineWorker(engine).start()
-    server = _announcing_server(
-        uvicorn.Config(
-            create_app(worker, settings), host=args.host, port=args.port, log_level=args.log_level
-        )
-    )
-    try:
-        server.run()
-    finally:
-        worker.stop()
-
-
-def _announcing_server(config: Any) -> Any:
-    """A uvicorn server that prints the URL once it accepts connections."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if not self.should_exit:
-                print(
-                    f"ready: http://{config.host}:{config.port} "
-                    "(OpenAI API under /v1, SGLang API at /generate)",
-                    flush=True,
-                )
-
-    return Server(config)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,11 @@ class EngineWorker:
         self._commands.put(("call", fn, future))
         return future
 
+    def fail_all(self, message: str) -> concurrent.futures.Future:
+        """Abort every live request between steps; each gets a last event with
+        ``error=message`` (its slots and pages free). The future resolves once they are sent."""
+        return self.call(lambda engine: self._fail_all(message))
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
