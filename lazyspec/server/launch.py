@@ -106,13 +106,14 @@ def _add_security_flags(server: argparse._ArgumentGroup) -> None:
         "--max-request-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
-        help="Largest request body; larger ones are answered 413 unread (default: %(default)s).",
+        help="Largest request body; larger ones are answered 413, never parsed "
+        "(default: %(default)s).",
     )
     server.add_argument(
         "--allowed-hosts",
         default=None,
         help="Host header names accepted besides localhost, 127.0.0.1 and [::1] (comma "
-        "list, * = any); others get 400. Default: only those three when --host is a "
+        "list, * = any); others get 400. Default: only those three when bound to a "
         "loopback address, no check otherwise.",
     )
     server.add_argument(
