@@ -1,0 +1,20 @@
+"""Suite-wide fixtures."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module: one process runs the whole
+    suite, and without this it holds every module's executables to the end (the suite
+    segfaulted inside XLA's CPU compiler once enough of them had piled up)."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+    gc.collect()
