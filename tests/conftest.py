@@ -9,11 +9,14 @@ import pytest
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _release_compiled_programs(request):
     """Drop JAX's compiled programs after each test module: one process runs the whole
     suite, and without this it holds every module's executables to the end (the suite
-    segfaulted inside XLA's CPU compiler once enough of them had piled up)."""
+    segfaulted inside XLA's CPU compiler once enough of them had piled up). The server
+    tests share one live engine for the session and count its compilations: kept."""
     yield
+    if request.module.__name__.startswith("tests.server"):
+        return
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()
