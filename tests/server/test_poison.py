@@ -14,6 +14,7 @@ import pytest
 
 from lazyspec.server.guard import DEFAULT_MAX_REQUEST_BYTES
 from tests.server.conftest import assert_all_free, random_ids, wait_idle
+from tests.server.test_load import _one_stream
 
 NUM_STREAMS = 128
 MAX_NEW = 6
@@ -41,22 +42,9 @@ def _sampling(**extra) -> dict:
 
 
 async def _good_stream(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
-    """One streamed /generate request; returns its output ids (checked chunk by chunk)."""
-    body = {"input_ids": prompt, "stream": True, "sampling_params": _sampling()}
-    last, done = None, False
-    async with client.stream("POST", GENERATE, json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line:
-                continue
-            assert not done, "data after [DONE]"
-            if line == "data: [DONE]":
-                done = True
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk
-            last = chunk
-    assert done and last is not None
+    """One streamed greedy /generate request (checked chunk by chunk by test_load's
+    ``_one_stream``); returns its output ids."""
+    last = await _one_stream(client, prompt, MAX_NEW)
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
     return last["output_ids"]
 
