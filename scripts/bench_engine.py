@@ -1,17 +1,23 @@
-"""Offline engine throughput on a random-weight Qwen3-Next-shaped model.
+"""Decode step time of the engine against the floor of the bytes a step moves.
 
-Runs N requests (fixed prompt and output lengths, ignore_eos) through the Engine and times
-every step: prefill tokens/s, decode tokens/s and the median decode step time, per kernel
-backend. Random weights: the numbers are about speed, not text.
+For each batch size, that many requests (random prompts, ignore_eos) are admitted together
+and decoded to the end; every engine-loop step is timed (host work included, as served),
+then the widest decode step is re-run alone back to back (device time). The floor of a step
+is the bytes it must move (``lazyspec.bench.floor``: weights touched, routed experts by
+their expected share; recurrent state read and written; KV read) over the copy bandwidth
+measured in the same run; "% of floor" is floor time over step time. Random weights: the
+numbers are about speed, not text (and the random MTP head's accept length is ~1).
 
-    python scripts/bench_engine.py --preset medium --backends xla,pallas --out engine.md
-    python scripts/bench_engine.py --preset tiny --backends xla            # CPU smoke run
+    python scripts/bench_engine.py --preset qwen3_next_moe --batches 1,16,64 --spec
+    python scripts/bench_engine.py --preset granite_h --profile /tmp/prof   # + breakdown
+    python scripts/bench_engine.py --preset tiny --backends xla --batches 1,4   # CPU smoke
     python scripts/bench_engine.py --memory --preset medium --backends xla --batch 16 --spec
 
-``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
-at the batch's widest shape (temporary, argument and output bytes): what one decode step
-allocates besides the donated pools. On CPU only the xla backend is meaningful (Pallas
-runs interpreted there).
+``--profile DIR`` adds, per row, the device time of the re-run steps split by the named
+scopes of the layers and steps (attention, recurrent, moe, mlp, lm_head, sampling,
+state_commit, draft), and "host" = engine-loop step minus device step. ``--memory`` reports,
+instead of timings, XLA's memory analysis of the compiled decode step at the batch's widest
+shape. On CPU only the xla backend is meaningful (Pallas runs interpreted there).
 """
 
 from __future__ import annotations
@@ -22,25 +28,113 @@ from pathlib import Path
 
 import numpy as np
 
+# Qwen3-Next-80B's attention and GDN widths (16 q / 2 kv heads of 256; 16 key / 32 value GDN
+# heads of 128), three GDN layers per attention layer
+_QWEN_WIDTHS = dict(
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    partial_rotary_factor=0.25,
+    rms_norm_eps=1e-6,
+    eos_token_id=0,
+    max_position_embeddings=262144,
+)
+_QWEN_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+
 PRESETS = {
-    # Qwen3-Next-80B's GDN shapes (16 key / 32 value heads of 128) on 8 layers, dense MLP
+    # the widths above on 8 layers, dense MLP
     "medium": dict(
-        hidden_size=2048,
+        _QWEN_WIDTHS,
+        model_type="qwen3_next",
         intermediate_size=5632,
         num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
+        layer_types=_QWEN_LAYERS * 2,
+        num_experts=0,
         vocab_size=32000,
+        rope_theta=10000.0,
+        num_nextn_predict_layers=1,
     ),
+    # Qwen3-Next-80B-A3B's widths and MoE (512 experts there: 64 here, top-10, expert and
+    # shared-expert intermediate 512) on 8 layers, with its MTP head: ~2.5 B params
+    "qwen3_next_moe": dict(
+        _QWEN_WIDTHS,
+        model_type="qwen3_next",
+        intermediate_size=5120,
+        num_hidden_layers=8,
+        layer_types=_QWEN_LAYERS * 2,
+        num_experts=64,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        rope_theta=10000000.0,
+        num_nextn_predict_layers=1,
+    ),
+    # transformers' Qwen3_5MoeTextConfig defaults (256 experts, top-8, 248k vocabulary) on 8
+    # layers, with an MTP layer
+    "qwen35_moe": dict(
+        {k: v for k, v in _QWEN_WIDTHS.items() if k != "partial_rotary_factor"},
+        model_type="qwen3_5_moe_text",
+        num_hidden_layers=8,
+        layer_types=_QWEN_LAYERS * 2,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        vocab_size=248320,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+        },
+        mtp_num_hidden_layers=1,
+    ),
+    # Granite-4.0-H-Tiny's widths (hidden 1536, 48 Mamba2 heads of 64, state 128, 64 experts
+    # top-6 of intermediate 512, shared MLP 1024, no positional embedding) on 8 layers, one
+    # of them attention
+    "granite_h": dict(
+        model_type="granitemoehybrid",
+        hidden_size=1536,
+        num_hidden_layers=8,
+        layer_types=["mamba"] * 3 + ["attention"] + ["mamba"] * 4,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        mamba_n_heads=48,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        num_local_experts=64,
+        num_experts_per_tok=6,
+        intermediate_size=512,
+        shared_intermediate_size=1024,
+        vocab_size=100352,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+        logits_scaling=6.0,
+        position_embedding_type="nope",
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        eos_token_id=0,
+        max_position_embeddings=131072,
+    ),
+    # a CPU smoke preset: Qwen3-Next's structure (MoE, MTP) at toy widths
     "tiny": dict(
+        model_type="qwen3_next",
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
+        layer_types=_QWEN_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
@@ -48,55 +142,54 @@ PRESETS = {
         linear_num_value_heads=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
         vocab_size=512,
+        partial_rotary_factor=0.25,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        eos_token_id=0,
+        max_position_embeddings=8192,
+        num_nextn_predict_layers=1,
     ),
 }
 
 
 def build_model(preset: str, dtype: str):
+    """A random-weight model of ``preset`` in ``dtype``, built on the device."""
     from types import SimpleNamespace
 
     import jax
     import jax.numpy as jnp
 
-    from lazyspec.models import qwen3_next
-    from lazyspec.models.registry import parse_hf_config
+    from lazyspec.models.registry import family_module, parse_hf_config
 
-    hf = dict(
-        model_type="qwen3_next",
-        num_experts=0,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        eos_token_id=0,
-        max_position_embeddings=8192,
-        full_attention_interval=4,
-        partial_rotary_factor=0.25,
-        rope_theta=10000.0,
-        num_nextn_predict_layers=1,
-        **PRESETS[preset],
-    )
-    cfg = parse_hf_config(hf)
-    params = qwen3_next.init_params(
+    cfg = parse_hf_config(dict(PRESETS[preset]))
+    family = family_module(cfg.family)
+    params = family.init_params(
         cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     )
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=qwen3_next)
+    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=family)
 
 
-def make_engine(model, backend: str, args):
+def make_engine(model, backend: str, args, batch: int, spec: bool):
     from lazyspec.engine.engine import Engine
 
-    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
+    nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
     return Engine(
         model=model,
         kernel_backend=backend,
         dtype=args.dtype,
-        max_running_requests=args.batch,
+        max_running_requests=batch,
         mamba_track_interval=256,
         chunked_prefill_size=args.prompt_len,
         context_length=args.context,
-        max_total_tokens=args.batch * args.context,
+        max_total_tokens=batch * args.context,
         skip_warmup=True,
-        **spec,
+        **(nextn if spec else {}),
     )
 
 
@@ -118,7 +211,7 @@ class _Recorder:
 
 def decode_memory(model, backend: str, args) -> dict:
     """XLA's memory analysis of the decode step compiled at the widest shape served."""
-    engine = make_engine(model, backend, args)
+    engine = make_engine(model, backend, args, args.batch, args.spec)
     recorder = _Recorder(engine.runner._decode)
     engine.runner._decode = recorder
     rng = np.random.default_rng(0)
@@ -140,19 +233,88 @@ def decode_memory(model, backend: str, args) -> dict:
     }
 
 
-def run(model, backend: str, args) -> dict:
-    engine = make_engine(model, backend, args)
+class _LastDecode:
+    """Stands in for the runner's jitted decode step: calls it and keeps the device batch of
+    its widest call, so the step can be re-run alone after the workload."""
+
+    def __init__(self, jitted):
+        self.jitted, self.batch, self.rows = jitted, None, -1
+
+    def __call__(self, params, pools, batch):
+        rows = batch.req_row.shape[0]
+        if rows > self.rows:
+            self.batch, self.rows = batch, rows
+        return self.jitted(params, pools, batch)
+
+
+def _step_alone_seconds(engine, batch, calls: tuple[int, int] = (2, 12), iters: int = 5):
+    """Device seconds of one decode step on ``batch``, launched back to back: chains of n1 and
+    n2 steps (each ending in one sync), the difference of their medians over n2 - n1."""
+    import jax
+
+    runner = engine.runner
+    step = runner._decode.jitted
+
+    def chain(n):
+        for _ in range(n):
+            out, runner.pools = step(runner.params, runner.pools, batch)
+        jax.block_until_ready(out["tokens"])
+
+    medians = []
+    for n in calls:
+        chain(n)
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            chain(n)
+            samples.append(time.perf_counter() - t0)
+        medians.append(float(np.median(samples)))
+    return (medians[1] - medians[0]) / (calls[1] - calls[0])
+
+
+def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, float]:
+    """Device milliseconds per step by category (lazyspec.bench.floor.device_breakdown) of
+    ``calls`` decode steps on ``batch`` under the JAX profiler."""
+    import shutil
+
+    import jax
+
+    from lazyspec.bench.floor import device_breakdown
+    from lazyspec.engine.runner import _decode_jit
+
+    runner = engine.runner
+    step = runner._decode.jitted
+    hlo = (
+        _decode_jit.lower(
+            runner.family, runner.cfg, runner.static, runner.params, runner.pools, batch
+        )
+        .compile()
+        .as_text()
+    )
+    shutil.rmtree(out_dir, ignore_errors=True)
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+        for _ in range(calls):
+            out, runner.pools = step(runner.params, runner.pools, batch)
+        jax.block_until_ready(out["tokens"])
+    seconds = device_breakdown(out_dir, hlo, "decode_step")
+    return {k: 1e3 * v / calls for k, v in seconds.items()}
+
+
+def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> dict:
+    """One row: ``batch`` requests decoded together (all admitted at once), timed per step in
+    the engine loop and alone, against the floor of the bytes a step moves."""
+    from lazyspec.bench.floor import step_floor_bytes
+    from lazyspec.engine.runner import kv_bytes_per_token, slot_bytes
+
+    engine = make_engine(model, backend, args, batch, spec)
+    recorder = _LastDecode(engine.runner._decode)
+    engine.runner._decode = recorder
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
-    prompts = [
-        [int(t) for t in rng.integers(1, vocab, size=args.prompt_len)]
-        for _ in range(args.num_requests)
-    ]
+    prompts = [[int(t) for t in rng.integers(1, vocab, size=args.prompt_len)] for _ in range(batch)]
     params = {"max_new_tokens": args.output_len, "ignore_eos": True}
     # warm-up pass compiles the shapes this workload uses
-    engine.generate(
-        input_ids=prompts[: args.batch], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
-    )
+    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     engine.flush_cache()
     reqs = [engine.add_request(input_ids=p, sampling_params=params) for p in prompts]
     times = {"extend": [], "decode": []}
@@ -166,31 +328,85 @@ def run(model, backend: str, args) -> dict:
     wall = time.perf_counter() - start
     out_tokens = sum(len(r.output_ids) for r in reqs)
     decode_time = sum(times["decode"])
-    return {
+    loop_ms = 1e3 * float(np.median(times["decode"])) if times["decode"] else 0.0
+    alone_ms = 1e3 * _step_alone_seconds(engine, recorder.batch)
+    abstract = engine.runner.abstract
+    positions = engine.layout.num_verify
+    floor = step_floor_bytes(
+        model.params,
+        model.config,
+        rows=batch,
+        positions=positions,
+        mean_context=args.prompt_len + args.output_len / 2,
+        slot_bytes=slot_bytes(abstract),
+        kv_bytes_per_token=kv_bytes_per_token(abstract),
+        mtp_kv_bytes_per_token=_mtp_kv_bytes(abstract),
+    )
+    floor_ms = 1e3 * floor.total / bandwidth
+    info = engine.get_server_info()
+    row = {
+        "preset": args.preset,
         "backend": backend,
-        "batch": args.batch,
+        "batch": batch,
+        "spec": f"NEXTN {args.spec_steps}" if spec else "-",
         "wall_s": wall,
-        "output_tok_s": out_tokens / wall,
         "decode_tok_s": (out_tokens - len(reqs)) / max(decode_time, 1e-9),
-        "median_decode_step_ms": 1e3 * float(np.median(times["decode"]))
-        if times["decode"]
-        else 0.0,
+        "loop_ms": loop_ms,
+        "alone_ms": alone_ms,
+        "floor_ms": floor_ms,
+        "floor_gb": floor.total / 1e9,
+        "weights_gb": floor.weights / 1e9,
+        "state_gb": floor.state / 1e9,
+        "kv_gb": floor.kv / 1e9,
+        "pct_loop": 100 * floor_ms / loop_ms if loop_ms else 0.0,
+        "pct_alone": 100 * floor_ms / alone_ms if alone_ms > 0 else 0.0,
         "prefill_tok_s": args.prompt_len * len(reqs) / max(sum(times["extend"]), 1e-9),
-        "accept_len": engine.get_server_info()["avg_accept_length"],
+        "accept_len": info["avg_accept_length"],
     }
+    if args.profile:
+        profile_dir = Path(args.profile) / f"{args.preset}-{backend}-b{batch}-{int(spec)}"
+        breakdown = _profile(engine, recorder.batch, profile_dir)
+        row["breakdown_ms"] = breakdown
+        row["host_ms"] = max(loop_ms - sum(breakdown.values()), 0.0)
+    return row
+
+
+def _mtp_kv_bytes(abstract) -> int:
+    if abstract.mtp_kv is None:
+        return 0
+    return sum(
+        int(np.prod(p.shape[1:])) * p.dtype.itemsize for p in abstract.mtp_kv.k + abstract.mtp_kv.v
+    )
+
+
+def copy_bandwidth(num_bytes: int) -> tuple[float, str]:
+    """Bytes/s of a device-to-device copy measured now (torch's cudaMemcpy when torch sees a
+    GPU, else XLA's x + 1), and the line that says so."""
+    from lazyspec.bench.kernel_timing import copy_bandwidths
+
+    found = copy_bandwidths(num_bytes, iters=20, warmup=3)
+    name = "torch copy_" if "torch copy_" in found else "xla x+1"
+    line = ", ".join(f"{k} {v:.0f} GB/s" for k, v in found.items())
+    return found[
+        name
+    ] * 1e9, f"copy bandwidth ({num_bytes / 2**20:.0f} MiB): {line}; floor uses {name}"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="medium")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3_next_moe")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--backends", default="xla,pallas")
-    p.add_argument("--batch", type=int, default=64, help="max_running_requests")
-    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--backends", default="pallas")
+    p.add_argument("--batches", default="1,16,64", help="decode batch sizes, one row each")
+    p.add_argument("--batch", type=int, default=16, help="batch of --memory")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--spec", action="store_true", help="NEXTN with the (random) MTP head")
+    p.add_argument("--spec", action="store_true", help="also NEXTN rows (the random MTP head)")
+    p.add_argument("--spec-only", action="store_true", help="only NEXTN rows")
+    p.add_argument("--spec-steps", type=int, default=3)
+    p.add_argument("--copy-mib", type=int, default=1024, help="copy-bandwidth buffer size")
+    p.add_argument("--profile", default=None, help="folder for profiles: adds a breakdown")
     p.add_argument(
         "--memory",
         action="store_true",
@@ -201,22 +417,44 @@ def main(argv=None) -> None:
     model = build_model(args.preset, args.dtype)
     if args.memory:
         return memory_table(model, args)
+    bandwidth, bandwidth_line = copy_bandwidth(args.copy_mib * 2**20)
+    print(bandwidth_line, flush=True)
+    modes = [True] if args.spec_only else ([False, True] if args.spec else [False])
     rows = []
     for backend in args.backends.split(","):
-        row = run(model, backend, args)
-        print(row, flush=True)
-        rows.append(row)
+        for spec in modes:
+            for batch in (int(b) for b in args.batches.split(",")):
+                row = run(model, backend, args, batch, spec, bandwidth)
+                print(row, flush=True)
+                rows.append(row)
     lines = [
-        "| backend | batch | output tok/s | decode tok/s | median decode step (ms) "
-        "| prefill tok/s |",
-        "|---|---|---|---|---|---|",
+        bandwidth_line,
+        "",
+        "| preset | backend | batch | spec | ms/step (engine loop) | step alone (ms) "
+        "| floor (ms) | % of floor (loop / alone) | floor GB: weights + state + KV "
+        "| decode tok/s | accept len |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['backend']} | {r['batch']} | {r['output_tok_s']:.0f} | "
-            f"{r['decode_tok_s']:.0f} | {r['median_decode_step_ms']:.2f} | "
-            f"{r['prefill_tok_s']:.0f} |"
+            f"| {r['preset']} | {r['backend']} | {r['batch']} | {r['spec']} | "
+            f"{r['loop_ms']:.2f} | {r['alone_ms']:.2f} | {r['floor_ms']:.3f} | "
+            f"{r['pct_loop']:.0f} % / {r['pct_alone']:.0f} % | "
+            f"{r['weights_gb']:.3f} + {r['state_gb']:.3f} + {r['kv_gb']:.3f} | "
+            f"{r['decode_tok_s']:.0f} | {r['accept_len']:.2f} |"
         )
+    if args.profile:
+        cats = sorted({c for r in rows for c in r["breakdown_ms"]})
+        lines += [
+            "",
+            "| preset | batch | spec | host | " + " | ".join(cats) + " |",
+            "|---|---|---|---|" + "---|" * len(cats),
+        ]
+        for r in rows:
+            cells = " | ".join(f"{r['breakdown_ms'].get(c, 0.0):.3f}" for c in cats)
+            lines.append(
+                f"| {r['preset']} | {r['batch']} | {r['spec']} | {r['host_ms']:.3f} | {cells} |"
+            )
     emit_table(lines, args.out)
 
 

@@ -170,19 +170,22 @@ def extend_step(
             kernels=static.kernels,
             keep_chunk=batch.track_chunk,
         )
-    conv, ssm = _scatter_state(
-        pools.conv, pools.ssm, batch.working_slot, out.final.conv, out.final.ssm
-    )
-    conv, ssm = _commit_picked(
-        static, conv, ssm, out.chunks, batch.track_slot, jnp.zeros_like(batch.track_chunk)
-    )  # the one kept chunk state
+    with jax.named_scope("state_commit"):
+        conv, ssm = _scatter_state(
+            pools.conv, pools.ssm, batch.working_slot, out.final.conv, out.final.ssm
+        )
+        conv, ssm = _commit_picked(
+            static, conv, ssm, out.chunks, batch.track_slot, jnp.zeros_like(batch.track_chunk)
+        )  # the one kept chunk state
     rows = jnp.arange(num_rows)
     last = jnp.maximum(batch.num_new - 1, 0)
-    logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
-    probs = target_probs(logits, batch.sampling)[:, 0]
+    with jax.named_scope("lm_head"):
+        logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
     last_pos = batch.start_pos + last
-    token = sample_from(probs, batch.sampling.seed, last_pos)
-    logprob = token_logprobs(logits, token[:, None])[:, 0]
+    with jax.named_scope("sampling"):
+        probs = target_probs(logits, batch.sampling)[:, 0]
+        token = sample_from(probs, batch.sampling.seed, last_pos)
+        logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
     row = jnp.where(real, batch.req_row, sentinel_row)
     seq_len = pools.seq_len.at[row].set(batch.start_pos + batch.num_new, mode="drop")
@@ -217,7 +220,8 @@ def extend_step(
         last_token=last_token,
         drafts=drafts,
     )
-    top_values, top_ids = top_logprobs(logits[:, 0])
+    with jax.named_scope("sampling"):
+        top_values, top_ids = top_logprobs(logits[:, 0])
     outputs = {"token": token, "logprob": logprob, "top_logprobs": top_values, "top_ids": top_ids}
     return outputs, new_pools
 
@@ -295,9 +299,11 @@ def decode_step(
             chunk_size=static.chunk_size,
             kernels=static.kernels,
         )
-    logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
-    out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)
-    logprobs = token_logprobs(logits, out_tokens)
+    with jax.named_scope("lm_head"):
+        logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
+    with jax.named_scope("sampling"):
+        out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)
+        logprobs = token_logprobs(logits, out_tokens)
     # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
     interval = batch.track_interval
     post = pre + accept_len
@@ -305,9 +311,12 @@ def decode_step(
     t_cross = (post // interval) * interval - pre - 1
     sentinel_slot = static.sentinel_slot
     working = jnp.where(real, batch.working_slot, sentinel_slot)
-    conv, ssm = _commit_picked(static, pools.conv, pools.ssm, out.steps, working, accept_len - 1)
     track = jnp.where(crossed, batch.track_slot, sentinel_slot)
-    conv, ssm = _commit_picked(static, conv, ssm, out.steps, track, t_cross)
+    with jax.named_scope("state_commit"):
+        conv, ssm = _commit_picked(
+            static, pools.conv, pools.ssm, out.steps, working, accept_len - 1
+        )
+        conv, ssm = _commit_picked(static, conv, ssm, out.steps, track, t_cross)
     sentinel_row = static.sentinel_row
     dest = jnp.where(real, batch.req_row, sentinel_row)
     rows = jnp.arange(num_rows)
@@ -341,7 +350,8 @@ def decode_step(
         last_token=last_token,
         drafts=new_drafts,
     )
-    top_values, top_ids = top_logprobs(logits)
+    with jax.named_scope("sampling"):
+        top_values, top_ids = top_logprobs(logits)
     outputs = {
         "tokens": out_tokens,
         "accept_len": accept_len,

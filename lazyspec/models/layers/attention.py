@@ -142,6 +142,7 @@ def write_kv(
     return k_pool, v_pool
 
 
+@jax.named_scope("attention")
 def attention_forward(
     params: Params,
     spec: AttentionSpec,

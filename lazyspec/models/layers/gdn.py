@@ -185,6 +185,7 @@ def _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
+@jax.named_scope("recurrent")
 def gdn_mixer(
     params: Params,
     spec: GDNSpec,

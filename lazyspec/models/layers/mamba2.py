@@ -204,6 +204,7 @@ def _steps_kernel(update, dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, 
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
+@jax.named_scope("recurrent")
 def mamba2_mixer(
     params: dict,
     dims: Mamba2Dims,

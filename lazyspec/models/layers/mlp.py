@@ -9,6 +9,7 @@ from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import Params, linear_spec
 
 
+@jax.named_scope("mlp")
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
     """``down(silu(gate(x)) * up(x))``; params hold ``gate_proj`` and ``up_proj``, or one
     fused ``gate_up_proj`` (gate columns first, as Granite's ``input_linear``), and

@@ -134,6 +134,7 @@ def grouped_experts(
     return jnp.zeros((x.shape[0], ys.shape[1]), jnp.float32).at[token_of].add(ys)
 
 
+@jax.named_scope("moe")
 def routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
     ``gate`` and ``experts`` as in the module docstring. Returns x's shape and dtype."""

@@ -94,6 +94,7 @@ def route(params: dict, spec: MoESpec, flat: jax.Array) -> tuple[jax.Array, jax.
     return weights * spec.scaling, expert_ids
 
 
+@jax.named_scope("moe")
 def sparse_moe(params: dict, spec: MoESpec, x: jax.Array) -> jax.Array:
     """Routed relu^2 experts + the shared expert, for x [..., D]. Each token runs only its
     top-k experts (``grouped_experts``: sorted by expert, grouped matmuls)."""

@@ -1,0 +1,180 @@
+"""The bytes a decode step must move, and where a step's device time goes.
+
+``step_floor_bytes`` counts what no implementation of a decode step can avoid reading or
+writing from device memory: the weights the step touches (every non-expert weight, the
+language-model head, the embedding rows of its tokens and, per MoE layer, the experts its
+tokens are routed to), the recurrent state of every row read once and written once, and the
+KV of every row's context read once. The floor of a step is those bytes over the copy
+bandwidth measured in the same run; a step's "% of floor" is floor time / step time.
+
+``device_breakdown`` splits a profiled step's device time by the named scopes the model
+layers and the steps open (``attention``, ``recurrent``, ``moe``, ``mlp``, ``lm_head``,
+``sampling``, ``state_commit``, ``draft_extend``), reading each executed op's scope from the
+compiled program's HLO metadata.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+# Scope names opened by the layers and the steps, in the order a path is searched: the
+# draft head's work is "draft" whatever it calls; else the outermost category of the path.
+CATEGORIES = (
+    "draft_extend",
+    "attention",
+    "recurrent",
+    "moe",
+    "mlp",
+    "lm_head",
+    "sampling",
+    "state_commit",
+)
+
+
+def expected_routed_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected number of distinct experts ``num_tokens`` tokens touch, each routed to
+    ``top_k`` of ``num_experts`` uniformly (random weights route near-uniformly):
+    ``E * (1 - (1 - k / E) ** N)``."""
+    if num_tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+@dataclass(frozen=True)
+class FloorBytes:
+    weights: float  # bytes of weights a step touches
+    state: float  # recurrent state read + written
+    kv: float  # KV read (context) + written (new tokens)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.state + self.kv
+
+
+def _path(keys) -> str:
+    return jax.tree_util.keystr(keys)
+
+
+def touched_weight_bytes(params: Any, num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Bytes of ``params`` a forward over ``num_tokens`` tokens reads: every leaf, except
+    that an expert stack (a leaf under ``experts*`` with ``num_experts`` rows) counts only its
+    expected routed share and the embedding table only the tokens' rows (the whole table
+    when it is also the head, i.e. there is no ``lm_head``)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [_path(keys) for keys, _ in leaves]
+    tied = not any("lm_head" in p for p in paths)
+    routed = expected_routed_experts(num_experts, top_k, num_tokens) if num_experts else 0.0
+    total = 0.0
+    for path, (_, leaf) in zip(paths, leaves):
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        stack = "['experts" in path and "shared" not in path
+        if stack and num_experts and leaf.shape[0] == num_experts:
+            total += nbytes * routed / num_experts
+        elif "embed_tokens" in path and not tied:
+            total += min(num_tokens, leaf.shape[0]) * nbytes / leaf.shape[0]
+        else:
+            total += nbytes
+    return total
+
+
+def step_floor_bytes(
+    params: Any,
+    cfg: Any,
+    *,
+    rows: int,
+    positions: int,
+    mean_context: float,
+    slot_bytes: int,
+    kv_bytes_per_token: int,
+    mtp_kv_bytes_per_token: int = 0,
+) -> FloorBytes:
+    """The bytes one decode step of ``rows`` requests, ``positions`` tokens each (1, or D
+    with speculation), must move at ``mean_context`` tokens of context per row. With an MTP
+    head (``"mtp"`` in params) its weights count once, at the step's token count, and its
+    KV like the target's."""
+    num_experts, top_k = _moe_shape(cfg)
+    tokens = rows * positions
+    weights = touched_weight_bytes(params, num_experts, top_k, tokens)
+    state = 2.0 * rows * slot_bytes
+    per_token = kv_bytes_per_token + mtp_kv_bytes_per_token
+    kv = rows * (mean_context + positions) * per_token
+    return FloorBytes(weights=weights, state=state, kv=kv)
+
+
+def _moe_shape(cfg: Any) -> tuple[int, int]:
+    """(experts, top-k) of the family's MoE layers, (0, 0) without experts."""
+    arch = getattr(cfg, "arch", None)
+    moe = getattr(arch, "moe", None)
+    if moe is None or not getattr(moe, "num_experts", 0):
+        return 0, 0
+    return moe.num_experts, moe.top_k
+
+
+# ---------------------------------------------------------------- profile breakdown
+
+_HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+
+
+def op_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the ``op_name`` metadata (its scope path) in an HLO module."""
+    scopes = {}
+    for line in hlo_text.splitlines():
+        match = _HLO_LINE.match(line)
+        if match:
+            scopes[match.group(1)] = match.group(2)
+    return scopes
+
+
+def category(scope: str) -> str:
+    """The breakdown category of a scope path (see CATEGORIES), "other" if none."""
+    parts = scope.split("/")
+    if "draft_extend" in parts:
+        return "draft"
+    for part in parts:
+        if part in CATEGORIES:
+            return part
+    return "other"
+
+
+def device_breakdown(trace_dir: str | Path, hlo_text: str, module_hint: str) -> dict[str, float]:
+    """Seconds of device (or, on CPU, XLA thread) time per category over a profiled run:
+    the events of the trace under ``trace_dir`` (``jax.profiler.trace(...,
+    create_perfetto_trace=True)``) whose ``hlo_module`` contains ``module_hint``, mapped to
+    scopes through ``hlo_text`` (the compiled step's ``as_text()``)."""
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+    with gzip.open(files[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    scopes = op_scopes(hlo_text)
+    # on a GPU the kernels appear on the device's streams (and their launches on host
+    # threads): count the device's events only; on CPU the XLA threads' events
+    names = {
+        e["pid"]: str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    devices = {pid for pid, name in names.items() if "/device:" in name}
+    seconds: dict[str, float] = defaultdict(float)
+    for event in events:
+        args = event.get("args") or {}
+        if event.get("ph") != "X" or module_hint not in str(args.get("hlo_module", "")):
+            continue
+        if devices and event.get("pid") not in devices:
+            continue
+        op = args.get("hlo_op")
+        if not op:
+            continue
+        seconds[category(scopes.get(op, ""))] += float(event.get("dur", 0.0)) * 1e-6
+    return dict(seconds)
