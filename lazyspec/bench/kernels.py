@@ -86,20 +86,33 @@ COLUMNS = (
 
 
 class Table:
-    """Markdown rows, rewritten to ``path`` after every row so a partial run leaves a file."""
+    """Markdown rows, rewritten to ``path`` after every row so a partial run leaves a file.
+
+    A row with an ``error`` (the whole message of a failed kernel or peer) gets a numbered
+    note: its check cell names the note, and the file lists every note's full text under the
+    table."""
 
     def __init__(self, path: Path, header: str):
-        self.path, self.header, self.rows = path, header, []
+        self.path, self.header, self.rows, self.errors = path, header, [], []
 
     def add(self, row: dict) -> None:
+        error = row.pop("error", None)
+        if error is not None:
+            self.errors.append(error)
+            first_line = (error.splitlines() or [""])[0]
+            row["check"] = f"error E{len(self.errors)}: {first_line[:100]}"
         log("  " + "  ".join(f"{c}={row.get(c, '')}" for c in COLUMNS))
         self.rows.append("| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |")
         lines = [self.header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        self.path.write_text("\n".join(lines + self.rows) + "\n")
+        notes = []
+        for n, text in enumerate(self.errors, 1):
+            notes += ["", f"E{n}:", "", "```", text.rstrip(), "```"]
+        self.path.write_text("\n".join(lines + self.rows + notes) + "\n")
 
 
 def measure(row: dict, moved: int, copy_gbs: float, seconds_fn: Callable[[], float]) -> dict:
-    """Fill the timing columns of ``row``; an error becomes the row's check column."""
+    """Fill the timing columns of ``row``; an error becomes the row's ``error`` (its whole
+    message; ``Table.add`` notes it)."""
     try:
         seconds = seconds_fn()
         gbs = moved / seconds / 1e9
@@ -113,8 +126,7 @@ def measure(row: dict, moved: int, copy_gbs: float, seconds_fn: Callable[[], flo
         )
     except Exception as error:  # one failing kernel must not end the run
         traceback.print_exc(limit=4)
-        first_line = (str(error).splitlines() or [""])[0]
-        row["check"] = f"error: {type(error).__name__}: {first_line[:100]}"
+        row["error"] = f"{type(error).__name__}: {error}"
     return row
 
 
@@ -151,7 +163,7 @@ def run_shape(kind: str, model: Model, batch: int, tokens: int, opts, table: Tab
         bench = builder(model, batch, tokens, opts)
     except Exception as error:
         traceback.print_exc(limit=4)
-        table.add({**base, "kernel": kind, "check": f"error building inputs: {error}"[:120]})
+        table.add({**base, "kernel": kind, "error": f"building inputs: {error!r}"})
         return
     candidate, reference = bench.impls
     for impl, tiles in [(candidate, t) for t in tile_list] + [(reference, {})]:
@@ -199,8 +211,8 @@ def peer_seconds(model: Model, batch: int, tokens: int, opts) -> float:
     for line in done.stdout.splitlines():
         if line.startswith("PEER_SECONDS "):
             return float(line.split()[1])
-    lines = (done.stderr or done.stdout or "no output").strip().splitlines()
-    raise RuntimeError(f"peer exited {done.returncode}: {lines[-1][:100]}")
+    output = (done.stderr or done.stdout or "no output").strip()
+    raise RuntimeError(f"peer exited {done.returncode}:\n{output}")
 
 
 def run_peer(spec: str, opts) -> int:
