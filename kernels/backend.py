@@ -359,6 +359,33 @@ def _pallas_moe_experts(
     return moe_experts_pallas(x, weights, expert_ids, up, down, gate, **tiles, **options)
 
 
+def _tpu_moe_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gate: jax.Array | None = None,
+    *,
+    xla_form: Callable[[], jax.Array],
+    interpret: bool = False,
+    **tiles: Any,
+) -> jax.Array:
+    """``_pallas_moe_experts`` with the scalar-prefetch kernel of ``moe_experts_tpu``; tiles
+    not given are 128 inner and 512 output columns where those divide (else the whole
+    axis), which keeps the double-buffered weight blocks near 2 MiB at Qwen3-Next widths."""
+    if x.shape[0] > MOE_KERNEL_MAX_TOKENS:
+        return xla_form()
+    from lazyspec.kernels import moe_experts_tpu  # Mosaic imports only where used
+
+    inner, out_width = up.shape[2], down.shape[2]
+    tiles.setdefault("block_inner", 128 if inner % 128 == 0 else inner)
+    tiles.setdefault("block_out", 512 if out_width % 512 == 0 else out_width)
+    return moe_experts_tpu.moe_experts_tpu(
+        x, weights, expert_ids, up, down, gate, interpret=interpret, **tiles
+    )
+
+
 # (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state_update``
 StateUpdateFn = Callable[..., StateUpdateResult]
 # (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
@@ -377,8 +404,8 @@ class Kernels:
     (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
     ``state_scatter`` has the contract of ``state_scatter``. ``moe_experts`` runs the
     routed experts (``MoEExpertsFn``), choosing the kernel or the caller's XLA form by
-    token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA and on TPUs, where the MoE layers
-    run their sort-based dispatch. Compared and hashed by backend and platform (the
+    token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
+    sort-based dispatch. Compared and hashed by backend and platform (the
     functions follow from them)."""
 
     backend: KernelBackend
@@ -396,13 +423,13 @@ XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
 def kernels_for(kernel_backend: str | None = None, platform: str | None = None) -> Kernels:
     """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
     to JAX's default). Pallas on a TPU: the scalar-prefetch state updates of
-    ``state_update_tpu``, the XLA scatter and no MoE kernel; elsewhere the Triton-layout
-    kernels (in interpret mode on CPU)."""
+    ``state_update_tpu`` and ``moe_experts_tpu`` and the XLA scatter; elsewhere the
+    Triton-layout kernels (in interpret mode on CPU)."""
     platform = jax.default_backend() if platform is None else platform
     if resolve_backend(kernel_backend, platform) == "xla":
         return XLA_KERNELS
     if platform == "tpu":
-        update, scatter, moe = _tpu_state_update, state_scatter_xla, None
+        update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
     return Kernels(

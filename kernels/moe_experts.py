@@ -27,9 +27,9 @@ combine sums each token's k staged rows (a gather, no scatter-add, so it is dete
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
 lowering (the expert id is read from a whole-array operand and indexes whole-array weight
-refs inside the kernel; dots need ``block_rows`` >= 16 and power-of-two tiles). No TPU form:
-Mosaic would stage the whole-array weight refs into VMEM; a TPU form would scalar-prefetch
-``tile_expert`` into the weights' index maps (as ``state_update_tpu`` does for slots).
+refs inside the kernel; dots need ``block_rows`` >= 16 and power-of-two tiles). Not for
+TPUs: Mosaic would stage the whole-array weight refs into VMEM. The TPU layout, with
+``tile_expert`` scalar-prefetched into the weights' index maps, is ``moe_experts_tpu``.
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ def _down_kernel(tile_expert_ref, h_ref, down_ref, row_weight_ref, out_ref, *, b
         out_ref[...] = acc * row_weight_ref[...][:, None]
 
 
-def _check_experts(
+def check_experts(
     x: jax.Array, expert_ids: jax.Array, up: jax.Array, down: jax.Array, gate: jax.Array | None
 ) -> None:
+    """ValueError unless the shapes fit the module docstring's contract."""
     num_experts, width, inner = up.shape
     if x.ndim != 2 or x.shape[1] != width:
         raise ValueError(f"x {x.shape} must be [N, {width}] for experts {up.shape}")
@@ -176,7 +177,7 @@ def moe_experts_pallas(
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches."""
-    _check_experts(x, expert_ids, up, down, gate)
+    check_experts(x, expert_ids, up, down, gate)
     num_experts, width, inner = up.shape
     out_width = down.shape[2]
     bi = check_tile("block_inner", inner, block_inner)

@@ -129,9 +129,8 @@ def test_unrouted_experts_may_hold_nan_pallas():
 
 def test_dispatch_chooses_kernel_by_token_count_pallas():
     """The Pallas record's ``moe_experts`` runs the kernel up to MOE_KERNEL_MAX_TOKENS tokens
-    and the caller's XLA form above; XLA and TPU records have no MoE kernel."""
+    and the caller's XLA form above; the XLA record has no MoE kernel."""
     assert backend.XLA_KERNELS.moe_experts is None
-    assert backend.kernels_for("pallas", "tpu").moe_experts is None
     kernel = backend.kernels_for("pallas", "cpu").moe_experts
     rng = np.random.default_rng(14)
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
