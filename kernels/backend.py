@@ -99,6 +99,7 @@ DEFAULT_MOE_TILES = {
 # few tokens needs; past that the experts hold several tiles, the matmuls become compute,
 # and ragged_dot's grouped matmul amortises its sort. To be re-measured with bench_moe.py.
 MOE_KERNEL_MAX_TOKENS = 64
+TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -343,7 +344,9 @@ def _pallas_moe_experts(
 ) -> jax.Array:
     """The routed experts by shape: ``moe_experts_pallas`` for up to ``MOE_KERNEL_MAX_TOKENS``
     tokens (tiles not given take ``DEFAULT_MOE_TILES``, fitted to the widths), else
-    ``xla_form()``, the caller's sort-based dispatch with the same contract."""
+    ``xla_form()``, the caller's sort-based dispatch with the same contract. Compiled for
+    Triton, widths whose fitted tiles fall below ``TRITON_MIN_DOT`` take ``xla_form()`` too
+    (interpret mode runs any tile, so the tiny test models still exercise the kernel)."""
     if x.shape[0] > MOE_KERNEL_MAX_TOKENS:
         return xla_form()
     inner, out_width = up.shape[2], down.shape[2]
@@ -356,6 +359,8 @@ def _pallas_moe_experts(
         num_warps=defaults["num_warps"], num_stages=defaults["num_stages"]
     )
     options = _pallas_options(interpret, params)
+    if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
+        return xla_form()  # widths with no power-of-two tile Triton's dots take
     return moe_experts_pallas(x, weights, expert_ids, up, down, gate, **tiles, **options)
 
 

@@ -148,6 +148,21 @@ def test_dispatch_chooses_kernel_by_token_count_pallas():
     assert_close(got, want, FP32_TOL, "dispatched routed experts")
 
 
+def test_dispatch_leaves_widths_below_triton_dots_to_xla_pallas(monkeypatch):
+    """Compiled for Triton (not interpret), an intermediate width of 24 (largest power-of-two
+    tile 8 < 16) runs the XLA form; 32 runs the kernel."""
+    compiled = {"interpret": False, "compiler_params": None}
+    monkeypatch.setattr(backend, "_pallas_options", lambda *args: dict(compiled))
+    launched = []
+    monkeypatch.setattr(backend, "moe_experts_pallas", lambda *a, **k: launched.append(k))
+    kernel = backend.kernels_for("pallas", "cpu").moe_experts
+    routed = (jnp.zeros((2, WIDTH)), jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32))
+    for inner, want in ((24, "xla"), (32, None)):
+        up, down = jnp.zeros((8, WIDTH, inner)), jnp.zeros((8, inner, WIDTH))
+        assert kernel(*routed, up, down, up, xla_form=lambda: "xla") == want
+    assert len(launched) == 1 and launched[0]["block_k"] == 32
+
+
 def test_moe_layers_with_kernel_match_xla_pallas():
     """Both MoE layers (SwiGLU with shared expert; relu^2 with latent projections and grouped
     routing) give the same output through the kernel as through grouped_experts."""
