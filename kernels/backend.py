@@ -1,4 +1,5 @@
-"""Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates.
+"""Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates
+and the routed MoE experts.
 
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
 (where Pallas runs only in interpret mode, which the dispatch then uses: for tests) and on
@@ -13,6 +14,7 @@ functions the model and the engine's steps call, with the default tiles bound.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -20,6 +22,7 @@ from typing import Any, Literal
 import jax
 
 from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, conv_update_xla
+from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.kernels.state_scatter import state_scatter_pallas, state_scatter_xla
 from lazyspec.kernels.state_update import (
     GdnTokens,
@@ -76,6 +79,27 @@ DEFAULT_STATE_TILES = {
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
+# Routed-expert tiles (``moe_experts``), chosen for Qwen3-Next widths (hidden 2048, expert
+# intermediate 512) so that one token's 10 experts already give 160 programs per launch;
+# not yet measured against alternatives (scripts/bench_moe.py sweeps them).
+DEFAULT_MOE_TILES = {
+    "block_rows": 16,  # the smallest row tile Triton's dots take
+    "block_inner": 32,
+    "block_out": 128,
+    "block_k": 128,
+    "num_warps": 4,
+    "num_stages": 3,
+}
+# Token counts up to this run the routed experts in the Pallas kernel, larger ones in the
+# sort-based XLA dispatch (``layers.moe.grouped_experts``). The kernel pays per tile of 16
+# rows: an expert's weights are read once per tile of its tokens and the staging of the
+# grid's worst case, min(E, N k) + N k / 16 tiles, grows with N. Up to 64 tokens (top-10 of
+# 64-512 experts: about 10 pairs per expert at most on average) nearly every routed expert
+# fits one tile, so the bytes read are the routed experts' once, which is all a step of so
+# few tokens needs; past that the experts hold several tiles, the matmuls become compute,
+# and ragged_dot's grouped matmul amortises its sort. To be re-measured with bench_moe.py.
+MOE_KERNEL_MAX_TOKENS = 64
+TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -306,10 +330,74 @@ def state_scatter(
     )
 
 
+def _pallas_moe_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gate: jax.Array | None = None,
+    *,
+    xla_form: Callable[[], jax.Array],
+    interpret: bool = False,
+    **tiles: Any,
+) -> jax.Array:
+    """The routed experts by shape: ``moe_experts_pallas`` for up to ``MOE_KERNEL_MAX_TOKENS``
+    tokens (tiles not given take ``DEFAULT_MOE_TILES``, fitted to the widths), else
+    ``xla_form()``, the caller's sort-based dispatch with the same contract. Compiled for
+    Triton, widths whose fitted tiles fall below ``TRITON_MIN_DOT`` take ``xla_form()`` too
+    (interpret mode runs any tile, so the tiny test models still exercise the kernel)."""
+    if x.shape[0] > MOE_KERNEL_MAX_TOKENS:
+        return xla_form()
+    inner, out_width = up.shape[2], down.shape[2]
+    defaults = DEFAULT_MOE_TILES
+    tiles.setdefault("block_rows", defaults["block_rows"])
+    tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
+    tiles.setdefault("block_out", fitted_tile(out_width, defaults["block_out"]))
+    tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
+    params = pallas_compiler_params(
+        num_warps=defaults["num_warps"], num_stages=defaults["num_stages"]
+    )
+    options = _pallas_options(interpret, params)
+    if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
+        return xla_form()  # widths with no power-of-two tile Triton's dots take
+    return moe_experts_pallas(x, weights, expert_ids, up, down, gate, **tiles, **options)
+
+
+def _tpu_moe_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gate: jax.Array | None = None,
+    *,
+    xla_form: Callable[[], jax.Array],
+    interpret: bool = False,
+    **tiles: Any,
+) -> jax.Array:
+    """``_pallas_moe_experts`` with the scalar-prefetch kernel of ``moe_experts_tpu``; tiles
+    not given are 128 inner and 512 output columns where those divide (else the whole
+    axis), which keeps the double-buffered weight blocks near 2 MiB at Qwen3-Next widths."""
+    if x.shape[0] > MOE_KERNEL_MAX_TOKENS:
+        return xla_form()
+    from lazyspec.kernels import moe_experts_tpu  # Mosaic imports only where used
+
+    inner, out_width = up.shape[2], down.shape[2]
+    tiles.setdefault("block_inner", 128 if inner % 128 == 0 else inner)
+    tiles.setdefault("block_out", 512 if out_width % 512 == 0 else out_width)
+    return moe_experts_tpu.moe_experts_tpu(
+        x, weights, expert_ids, up, down, gate, interpret=interpret, **tiles
+    )
+
+
 # (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state_update``
 StateUpdateFn = Callable[..., StateUpdateResult]
 # (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
 StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
+# (x, weights, expert_ids, up, down, gate=None, *, xla_form) -> float32 [N, d_out], as
+# ``moe_experts_pallas``; ``xla_form()`` computes the same by the XLA dispatch
+MoEExpertsFn = Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
@@ -319,14 +407,18 @@ class Kernels:
 
     ``gdn_state_update`` / ``mamba2_state_update`` have the contract of ``state_update``
     (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
-    ``state_scatter`` has the contract of ``state_scatter``. Compared and hashed by backend
-    and platform (the functions follow from them)."""
+    ``state_scatter`` has the contract of ``state_scatter``. ``moe_experts`` runs the
+    routed experts (``MoEExpertsFn``), choosing the kernel or the caller's XLA form by
+    token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
+    sort-based dispatch. Compared and hashed by backend and platform (the
+    functions follow from them)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
     gdn_state_update: StateUpdateFn | None = field(compare=False)
     mamba2_state_update: StateUpdateFn | None = field(compare=False)
     state_scatter: StateScatterFn = field(compare=False)
+    moe_experts: MoEExpertsFn | None = field(default=None, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -336,19 +428,20 @@ XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
 def kernels_for(kernel_backend: str | None = None, platform: str | None = None) -> Kernels:
     """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
     to JAX's default). Pallas on a TPU: the scalar-prefetch state updates of
-    ``state_update_tpu`` and the XLA scatter; elsewhere the Triton-layout kernels (in
-    interpret mode on CPU)."""
+    ``state_update_tpu`` and ``moe_experts_tpu`` and the XLA scatter; elsewhere the
+    Triton-layout kernels (in interpret mode on CPU)."""
     platform = jax.default_backend() if platform is None else platform
     if resolve_backend(kernel_backend, platform) == "xla":
         return XLA_KERNELS
     if platform == "tpu":
-        update, scatter = _tpu_state_update, state_scatter_xla
+        update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
     else:
-        update, scatter = _pallas_state_update, _pallas_state_scatter
+        update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
     return Kernels(
         "pallas",
         platform,
         functools.partial(update, "gdn"),
         functools.partial(update, "mamba2"),
         scatter,
+        moe,
     )

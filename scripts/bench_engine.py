@@ -17,9 +17,10 @@ numbers are about speed, not text (and the random MTP head's accept length is ~1
 scopes of the layers and steps (attention, recurrent, moe, mlp, lm_head, sampling,
 state_commit, draft), and "host" = engine-loop step minus device step. On a GPU run it
 with XLA's command buffers off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``): inside a
-command buffer (a CUDA graph) the profiler names the buffer, not each kernel's op. ``--memory`` reports,
-instead of timings, XLA's memory analysis of the compiled decode step at the batch's widest
-shape. On CPU only the xla backend is meaningful (Pallas runs interpreted there).
+command buffer (a CUDA graph) the profiler names the buffer, not each kernel's op.
+``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
+at the batch's widest shape. On CPU only the xla backend is meaningful (Pallas runs
+interpreted there).
 """
 
 from __future__ import annotations

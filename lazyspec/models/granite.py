@@ -215,16 +215,25 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------- forward passes
 
 
-def _ffn(lp: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Shared MLP plus (with experts) the routed experts, for x ``[..., D]``."""
+def _ffn(lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels) -> jax.Array:
+    """Shared MLP plus (with experts) the routed experts, for x ``[..., D]``; those run in
+    ``kernels.moe_experts`` when it has one."""
     out = swiglu_mlp(lp["shared_mlp"], x)
     if "block_sparse_moe" in lp:
         flat = x.reshape(-1, x.shape[-1])
-        out = out + routed_experts(lp["block_sparse_moe"], cfg.arch.moe, flat).reshape(x.shape)
+        moe = routed_experts(lp["block_sparse_moe"], cfg.arch.moe, flat, kernels.moe_experts)
+        out = out + moe.reshape(x.shape)
     return out
 
 
-def _run_layers(params: Params, cfg: ModelConfig, tokens: jax.Array, mamba_fn, attention_fn):
+def _run_layers(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    mamba_fn,
+    attention_fn,
+    kernels: Kernels = XLA_KERNELS,
+):
     """Embed, then every layer; the mixers go through the two callbacks ``(params, x)``."""
     arch: GraniteArch = cfg.arch
     eps, residual = arch.rms_norm_eps, arch.residual_multiplier
@@ -238,7 +247,7 @@ def _run_layers(params: Params, cfg: ModelConfig, tokens: jax.Array, mamba_fn, a
             else:
                 out = attention_fn(lp["self_attn"], x)
             h = h + out.astype(h.dtype) * residual
-            out = _ffn(lp, cfg, rms_norm(h, lp["post_attention_layernorm"], eps))
+            out = _ffn(lp, cfg, rms_norm(h, lp["post_attention_layernorm"], eps), kernels)
             h = h + out.astype(h.dtype) * residual
     return h
 
@@ -260,7 +269,8 @@ def forward(
     ``extend`` runs the chunked Mamba2 form (``RecurrentOut.chunks``: the state after every
     ``chunk_size`` new tokens of the row, or only ``keep_chunk``'s); ``decode`` / ``verify``
     the T-step form (``verify`` also fills ``RecurrentOut.steps``), whose SSM update runs in
-    ``kernels.mamba2_state_update`` when it has one. Pure: returns new pools.
+    ``kernels.mamba2_state_update`` and the routed experts in ``kernels.moe_experts`` when
+    it has them. Pure: returns new pools.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -303,7 +313,7 @@ def forward(
         )
         return out
 
-    hidden = _run_layers(params, cfg, inputs.tokens, mamba_fn, attention_fn)
+    hidden = _run_layers(params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels)
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(states, rec, mode)
 
 

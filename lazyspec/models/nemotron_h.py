@@ -201,8 +201,16 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------- forward
 
 
-def _run_blocks(params: dict, cfg: ModelConfig, tokens: jax.Array, mamba_fn, attention_fn):
-    """Embed, then every block; mixers with state go through the two callbacks."""
+def _run_blocks(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    mamba_fn,
+    attention_fn,
+    kernels: Kernels = XLA_KERNELS,
+):
+    """Embed, then every block; mixers with state go through the two callbacks, the routed
+    experts through ``kernels.moe_experts`` when it has one."""
     arch: NemotronHArch = cfg.arch
     h = params["embed_tokens"][tokens]
     for i, kind in enumerate(arch.block_kinds):
@@ -216,7 +224,7 @@ def _run_blocks(params: dict, cfg: ModelConfig, tokens: jax.Array, mamba_fn, att
             elif kind == "mlp":
                 out = relu2_mlp(layer["mixer"], x)
             else:
-                out = sparse_moe(layer["mixer"], arch.moe, x)
+                out = sparse_moe(layer["mixer"], arch.moe, x, kernels.moe_experts)
             h = h + out.astype(h.dtype)
     return h
 
@@ -238,8 +246,9 @@ def forward(
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
     tokens (``chunks``); ``verify`` the T-step form with the state after every position
     (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
-    runs in ``kernels.mamba2_state_update`` when it has one. ``keep_chunk`` as in
-    ``interface.py``. Pure; pools are returned, not mutated.
+    runs in ``kernels.mamba2_state_update`` and the routed experts in
+    ``kernels.moe_experts`` when it has them. ``keep_chunk`` as in ``interface.py``. Pure;
+    pools are returned, not mutated.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -285,7 +294,7 @@ def forward(
         )
         return out
 
-    hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn)
+    hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels)
     layers = [LayerStates(s.conv, s.ssm, s.trace_conv, s.trace_ssm) for s in states]
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, rec, mode)
 

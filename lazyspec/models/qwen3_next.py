@@ -304,11 +304,14 @@ def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
 
 
-def mlp_block(lp: Params, cfg: ModelConfig, kind: str, x: jax.Array) -> jax.Array:
-    """Residual MLP / MoE half of a decoder layer."""
+def mlp_block(
+    lp: Params, cfg: ModelConfig, kind: str, x: jax.Array, kernels: Kernels = XLA_KERNELS
+) -> jax.Array:
+    """Residual MLP / MoE half of a decoder layer; the routed experts run in
+    ``kernels.moe_experts`` when it has one."""
     h = norm(x, lp["post_attention_layernorm"], cfg)
     if kind == "moe":
-        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h)
+        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts)
     return x + swiglu_mlp(lp["mlp"], h)
 
 
@@ -320,6 +323,7 @@ def _attention_layer(
     inputs: ForwardInputs,
     k_pool: jax.Array,
     v_pool: jax.Array,
+    kernels: Kernels = XLA_KERNELS,
 ):
     """A full attention decoder layer over the pools: (x, k_pool, v_pool)."""
     h, k_pool, v_pool = attention_forward(
@@ -334,7 +338,7 @@ def _attention_layer(
         k_pool,
         v_pool,
     )
-    return mlp_block(lp, cfg, kind, x + h), k_pool, v_pool
+    return mlp_block(lp, cfg, kind, x + h, kernels), k_pool, v_pool
 
 
 def forward(
@@ -354,7 +358,8 @@ def forward(
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
     ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
     (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in
-    ``kernels.gdn_state_update`` when it has one. ``keep_chunk`` as in ``interface.py``.
+    ``kernels.gdn_state_update`` when it has one; the routed experts run in
+    ``kernels.moe_experts`` when it has one. ``keep_chunk`` as in ``interface.py``.
     Pure: returns new pools.
     """
     if mode not in MODES:
@@ -383,10 +388,10 @@ def forward(
                         ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk),
                     )
                 states.append(st)
-                x, r = mlp_block(lp, cfg, kind, x + h), r + 1
+                x, r = mlp_block(lp, cfg, kind, x + h, kernels), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(
-                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
+                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels
                 )
                 a += 1
     layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]

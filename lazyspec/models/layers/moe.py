@@ -4,7 +4,8 @@ Params: ``gate`` ``[hidden, E]`` (router), ``experts`` ``{"gate_proj": [E, hidde
 "up_proj": [E, hidden, I], "down_proj": [E, I, hidden]}``, ``shared_expert`` (a SwiGLU MLP)
 and ``shared_expert_gate`` (linear hidden -> 1). Tokens are dispatched by sorting the
 (token, expert) pairs by expert and running grouped matmuls (``lax.ragged_dot``), so the
-cost grows with top_k, not with the number of experts.
+cost grows with top_k, not with the number of experts; given a ``moe_experts`` kernel
+(``Kernels.moe_experts``), the routed experts run there instead where it fits the shape.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.kernels.backend import MoEExpertsFn
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -135,9 +137,13 @@ def grouped_experts(
 
 
 @jax.named_scope("moe")
-def routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
+def routed_experts(
+    params: Params, spec: MoESpec, x: jax.Array, moe_experts: MoEExpertsFn | None = None
+) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
-    ``gate`` and ``experts`` as in the module docstring. Returns x's shape and dtype."""
+    ``gate`` and ``experts`` as in the module docstring. ``moe_experts``: the kernel that
+    may run the experts instead of ``grouped_experts`` (it chooses by shape). Returns x's
+    shape and dtype."""
     weights, expert_ids = route(params, spec, x)
     experts = params["experts"]
 
@@ -147,17 +153,26 @@ def routed_experts(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
         up = jax.lax.ragged_dot(xs, experts["up_proj"], group_sizes)
         return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"], group_sizes)
 
-    out = grouped_experts(x, weights, expert_ids, spec.num_experts, swiglu_experts)
+    def xla_form():
+        return grouped_experts(x, weights, expert_ids, spec.num_experts, swiglu_experts)
+
+    if moe_experts is None:
+        out = xla_form()
+    else:
+        stacks = (experts["up_proj"], experts["down_proj"], experts["gate_proj"])
+        out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form)
     return out.astype(x.dtype)
 
 
-def sparse_moe(params: Params, spec: MoESpec, x: jax.Array) -> jax.Array:
+def sparse_moe(
+    params: Params, spec: MoESpec, x: jax.Array, moe_experts: MoEExpertsFn | None = None
+) -> jax.Array:
     """The MoE block: routed experts plus ``sigmoid(shared_gate(x)) * shared_expert(x)``.
 
-    x ``[..., hidden]`` -> same shape and dtype.
+    x ``[..., hidden]`` -> same shape and dtype; ``moe_experts`` as in ``routed_experts``.
     """
     flat = x.reshape(-1, x.shape[-1])
-    routed = routed_experts(params, spec, flat)
+    routed = routed_experts(params, spec, flat, moe_experts)
     shared = swiglu_mlp(params["shared_expert"], flat)
     shared_gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], flat).astype(jnp.float32))
     out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)

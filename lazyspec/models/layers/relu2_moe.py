@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import MoEExpertsFn
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.moe import ExpertStack, grouped_experts
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -95,9 +96,12 @@ def route(params: dict, spec: MoESpec, flat: jax.Array) -> tuple[jax.Array, jax.
 
 
 @jax.named_scope("moe")
-def sparse_moe(params: dict, spec: MoESpec, x: jax.Array) -> jax.Array:
+def sparse_moe(
+    params: dict, spec: MoESpec, x: jax.Array, moe_experts: MoEExpertsFn | None = None
+) -> jax.Array:
     """Routed relu^2 experts + the shared expert, for x [..., D]. Each token runs only its
-    top-k experts (``grouped_experts``: sorted by expert, grouped matmuls)."""
+    top-k experts (``grouped_experts``: sorted by expert, grouped matmuls; or the
+    ``moe_experts`` kernel, which chooses by shape, in the latent width when there is one)."""
     flat = x.reshape(-1, x.shape[-1])
     weights, expert_ids = route(params, spec, flat)
     h = linear(params["latent_in"], flat) if "latent_in" in params else flat
@@ -107,7 +111,14 @@ def sparse_moe(params: dict, spec: MoESpec, x: jax.Array) -> jax.Array:
         up = jax.nn.relu(jax.lax.ragged_dot(xs, params["experts_up"], group_sizes))
         return jax.lax.ragged_dot(up * up, params["experts_down"], group_sizes)
 
-    routed = grouped_experts(h, weights, expert_ids, spec.num_experts, relu2_experts)
+    def xla_form():
+        return grouped_experts(h, weights, expert_ids, spec.num_experts, relu2_experts)
+
+    if moe_experts is None:
+        routed = xla_form()
+    else:
+        stacks = (params["experts_up"], params["experts_down"])
+        routed = moe_experts(h, weights, expert_ids, *stacks, xla_form=xla_form)
     routed = routed.astype(flat.dtype)
     if "latent_out" in params:
         routed = linear(params["latent_out"], routed)

@@ -1,0 +1,222 @@
+"""Routed experts of a sparse MoE for a few tokens: a Pallas grouped matmul that reads only
+the experts that have tokens.
+
+Contract. x ``[N, d]``, routing ``weights [N, k]`` and ``expert_ids [N, k]`` (distinct
+experts per token), expert stacks ``up [E, d, I]``, ``down [E, I, d_out]`` and, for SwiGLU
+experts, ``gate [E, d, I]``. Returns float32 ``[N, d_out]``: ``sum_j weights[n, j] *
+expert_{ids[n, j]}(x[n])`` where an expert is ``down(silu(gate(x)) * up(x))`` with a gate,
+else ``down(relu(up(x))^2)`` (Nemotron-H). This is ``layers.moe.grouped_experts`` with the
+SwiGLU or relu^2 expert function, computed with float32 accumulation (the intermediate is
+rounded once to the weights' dtype, as the XLA form rounds it).
+
+Grouping (``group_pairs``, XLA, no sort): the N * k (token, expert) pairs are counted per
+expert (a one-hot sum) and each pair's rank among its expert's pairs is a cumulative sum,
+so pair p goes to staged row ``tile_start[e] * block_rows + rank``. Every expert with
+tokens owns ``ceil(count / block_rows)`` consecutive tiles of ``block_rows`` rows; the
+table ``tile_expert`` names each tile's expert and -1 marks the unused tiles of the
+static grid, whose size bounds the worst case: ``min(E, N * k) + N * k // block_rows``.
+
+Kernels, two launches (the second needs the whole intermediate row of a tile):
+  up    grid ``(tile, inner tile)``: reads the tile's staged rows of x and one column tile
+        of its expert's gate and up (each weight tile once for all the tile's rows),
+        accumulates over d in float32, applies SwiGLU / relu^2 -> intermediate ``[rows, I]``;
+  down  grid ``(tile, output tile)``: intermediate rows times one column tile of the
+        expert's down, scaled by each row's routing weight -> float32 ``[rows, d_out]``.
+A tile of -1 returns at once: no weight of an expert without tokens is ever read. The
+combine sums each token's k staged rows (a gather, no scatter-add, so it is deterministic).
+
+Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
+lowering (the expert id is read from a whole-array operand and indexes whole-array weight
+refs inside the kernel; dots need ``block_rows`` >= 16 and power-of-two tiles). Not for
+TPUs: Mosaic would stage the whole-array weight refs into VMEM. The TPU layout, with
+``tile_expert`` scalar-prefetched into the weights' index maps, is ``moe_experts_tpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels.state_update import check_tile, whole
+
+UNUSED_TILE = -1
+_HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots in Triton (its default is TF32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """The pairs grouped by expert. tile_expert ``[num_tiles]`` (-1: unused tile);
+    row_token ``[num_tiles * block_rows]`` token of each staged row (0 on padding rows);
+    row_weight: the pair's routing weight (0 on padding rows); pair_row ``[N, k]``: the
+    staged row of each (token, expert) pair."""
+
+    tile_expert: jax.Array
+    row_token: jax.Array
+    row_weight: jax.Array
+    pair_row: jax.Array
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_rows: int) -> int:
+    """Tiles enough for any routing: sum_e ceil(c_e / r) <= sum_e floor(c_e / r) + #active."""
+    return min(num_experts, num_pairs) + num_pairs // block_rows
+
+
+def group_pairs(
+    weights: jax.Array, expert_ids: jax.Array, num_experts: int, block_rows: int
+) -> ExpertTiles:
+    """Group the (token, expert) pairs by expert into tiles of ``block_rows`` rows with a
+    counting pass (module docstring); pairs of one expert keep token order."""
+    num_tokens, top_k = expert_ids.shape
+    num_pairs = num_tokens * top_k
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    one_hot = flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]
+    counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
+    before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot  # earlier pairs, same e
+    rank = jnp.take_along_axis(before, flat[:, None], axis=1)[:, 0]
+    tiles = (counts + block_rows - 1) // block_rows
+    tile_end = jnp.cumsum(tiles)
+    pair_row = (tile_end - tiles)[flat] * block_rows + rank
+    tile = jnp.arange(max_tiles(num_pairs, num_experts, block_rows), dtype=jnp.int32)
+    # the expert of tile t is the first whose tiles end after t
+    tile_expert = jnp.sum(tile_end[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)
+    tile_expert = jnp.where(tile < tile_end[-1], tile_expert, UNUSED_TILE)
+    num_rows = tile.shape[0] * block_rows
+    pair_token = jnp.arange(num_pairs, dtype=jnp.int32) // top_k
+    row_token = jnp.zeros((num_rows,), jnp.int32).at[pair_row].set(pair_token)
+    row_weight = (
+        jnp.zeros((num_rows,), jnp.float32)
+        .at[pair_row]
+        .set(weights.reshape(-1).astype(jnp.float32))
+    )
+    return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _up_kernel(tile_expert_ref, x_ref, *refs, gated, block_inner, block_k):
+    """One tile's rows times one column tile of its expert's gate / up, then the activation."""
+    weight_refs, out_ref = refs[:-1], refs[-1]
+    expert = tile_expert_ref[pl.program_id(0)]
+    cols = pl.ds(pl.program_id(1) * block_inner, block_inner)
+
+    @pl.when(expert != UNUSED_TILE)
+    def _compute():
+        def step(i, accs):
+            chunk = pl.ds(i * block_k, block_k)
+            xs = x_ref[:, chunk]
+            products = (_dot(xs, w[expert, chunk, cols]) for w in weight_refs)
+            return tuple(acc + p for acc, p in zip(accs, products))
+
+        zeros = jnp.zeros((x_ref.shape[0], block_inner), jnp.float32)
+        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * len(weight_refs))
+        if gated:
+            gate, up = accs
+            h = gate / (1.0 + jnp.exp(-gate)) * up
+        else:
+            up = jnp.maximum(accs[0], 0.0)
+            h = up * up
+        out_ref[...] = h.astype(out_ref.dtype)
+
+
+def _down_kernel(tile_expert_ref, h_ref, down_ref, row_weight_ref, out_ref, *, block_out, block_k):
+    """One tile's intermediate rows times a column tile of its expert's down, weighted."""
+    expert = tile_expert_ref[pl.program_id(0)]
+    cols = pl.ds(pl.program_id(1) * block_out, block_out)
+
+    @pl.when(expert != UNUSED_TILE)
+    def _compute():
+        def step(i, acc):
+            chunk = pl.ds(i * block_k, block_k)
+            return acc + _dot(h_ref[:, chunk], down_ref[expert, chunk, cols])
+
+        zeros = jnp.zeros((h_ref.shape[0], block_out), jnp.float32)
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, zeros)
+        out_ref[...] = acc * row_weight_ref[...][:, None]
+
+
+def check_experts(
+    x: jax.Array, expert_ids: jax.Array, up: jax.Array, down: jax.Array, gate: jax.Array | None
+) -> None:
+    """ValueError unless the shapes fit the module docstring's contract."""
+    num_experts, width, inner = up.shape
+    if x.ndim != 2 or x.shape[1] != width:
+        raise ValueError(f"x {x.shape} must be [N, {width}] for experts {up.shape}")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids {expert_ids.shape} must be [{x.shape[0]}, k]")
+    if down.shape[:2] != (num_experts, inner):
+        raise ValueError(f"down {down.shape} must be [{num_experts}, {inner}, d_out]")
+    if gate is not None and gate.shape != up.shape:
+        raise ValueError(f"gate {gate.shape} must match up {up.shape}")
+
+
+def moe_experts_pallas(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    gate: jax.Array | None = None,
+    *,
+    block_rows: int = 16,
+    block_inner: int | None = None,
+    block_out: int | None = None,
+    block_k: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> jax.Array:
+    """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
+    None are whole axes; ``block_k`` is the contraction chunk of both launches."""
+    check_experts(x, expert_ids, up, down, gate)
+    num_experts, width, inner = up.shape
+    out_width = down.shape[2]
+    bi = check_tile("block_inner", inner, block_inner)
+    bo = check_tile("block_out", out_width, block_out)
+    bk_up = check_tile("block_k", width, block_k)
+    bk_down = check_tile("block_k", inner, block_k)
+    if block_rows <= 0:
+        raise ValueError(f"block_rows={block_rows} must be positive")
+    grouped = group_pairs(weights, expert_ids, num_experts, block_rows)
+    num_tiles = grouped.tile_expert.shape[0]
+    staged = x.astype(up.dtype)[grouped.row_token]  # [num_tiles * block_rows, d]
+    projections = (up,) if gate is None else (gate, up)
+    options = {"interpret": interpret, "compiler_params": compiler_params}
+
+    up_kernel = functools.partial(_up_kernel, gated=gate is not None, block_inner=bi, block_k=bk_up)
+    hidden = pl.pallas_call(
+        up_kernel,
+        grid=(num_tiles, inner // bi),
+        in_specs=[whole(), pl.BlockSpec((block_rows, width), lambda t, i: (t, 0))]
+        + [whole()] * len(projections),
+        out_specs=pl.BlockSpec((block_rows, bi), lambda t, i: (t, i)),
+        out_shape=jax.ShapeDtypeStruct((staged.shape[0], inner), up.dtype),
+        name="moe_experts_up",
+        **options,
+    )(grouped.tile_expert, staged, *projections)
+
+    down_kernel = functools.partial(_down_kernel, block_out=bo, block_k=bk_down)
+    rows = pl.pallas_call(
+        down_kernel,
+        grid=(num_tiles, out_width // bo),
+        in_specs=[
+            whole(),
+            pl.BlockSpec((block_rows, inner), lambda t, j: (t, 0)),
+            whole(),
+            pl.BlockSpec((block_rows,), lambda t, j: (t,)),
+        ],
+        out_specs=pl.BlockSpec((block_rows, bo), lambda t, j: (t, j)),
+        out_shape=jax.ShapeDtypeStruct((staged.shape[0], out_width), jnp.float32),
+        name="moe_experts_down",
+        **options,
+    )(grouped.tile_expert, hidden, down, grouped.row_weight)
+    return jnp.sum(rows[grouped.pair_row], axis=1)

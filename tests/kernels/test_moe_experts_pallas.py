@@ -1,0 +1,233 @@
+"""The routed-experts kernel (Pallas in interpret mode) against ``grouped_experts``, its
+grouping of pairs by expert, the dispatch by shape and the MoE layers that call it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend
+from lazyspec.kernels import moe_experts as me
+from lazyspec.models.layers import moe, relu2_moe
+from lazyspec.models.plan import init_plan
+from tests.kernels.kernel_checks import assert_close
+
+pytestmark = pytest.mark.pallas
+
+FP32_TOL = 1e-5
+# bf16: the XLA form rounds gate, up, their product and the expert's output to bf16 (each
+# within 2**-9 relative) where the kernel rounds only the intermediate; a few such roundings
+# of terms of either sign, relative to the output's largest element.
+BF16_TOL = 2.0**-5
+WIDTH, INNER = 32, 16
+
+
+def routing(rng, num_tokens, top_k, num_experts, skewed):
+    """(weights [N, k] float32, expert ids [N, k]) with distinct experts per token; skewed:
+    every token's first choice is expert 3."""
+    scores = rng.standard_normal((num_tokens, num_experts))
+    if skewed:
+        scores[:, 3] = 100.0
+    ids = np.argsort(-scores, axis=1)[:, :top_k].astype(np.int32)
+    weights = rng.random((num_tokens, top_k)).astype(np.float32)
+    return jnp.asarray(weights), jnp.asarray(ids)
+
+
+def expert_stacks(rng, num_experts, dtype, gated):
+    """(up, down, gate or None) with random values (scaled so outputs stay near 1)."""
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32).astype(dtype)  # noqa: E731
+    up = normal(num_experts, WIDTH, INNER)
+    down = normal(num_experts, INNER, WIDTH)
+    return up, down, normal(num_experts, WIDTH, INNER) if gated else None
+
+
+def reference(x, weights, ids, up, down, gate):
+    """``grouped_experts`` with the layers' own SwiGLU / relu^2 expert functions."""
+
+    def experts(xs, sizes):
+        xs = xs.astype(up.dtype)
+        u = jax.lax.ragged_dot(xs, up, sizes)
+        if gate is None:
+            h = jax.nn.relu(u)
+            return jax.lax.ragged_dot(h * h, down, sizes)
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * u
+        return jax.lax.ragged_dot(h, down, sizes)
+
+    return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
+
+
+CASES = [  # seed, tokens, top_k, experts, skewed, gated, dtype
+    (1, 1, 1, 8, False, True, jnp.float32),
+    (2, 1, 10, 64, False, True, jnp.bfloat16),
+    (3, 3, 2, 8, False, False, jnp.float32),
+    (4, 3, 10, 64, True, True, jnp.float32),
+    (5, 16, 2, 64, False, True, jnp.bfloat16),
+    (6, 16, 1, 8, True, False, jnp.bfloat16),
+    (7, 64, 10, 64, False, False, jnp.float32),
+    (8, 64, 1, 8, True, True, jnp.float32),  # one expert holds all 64 tokens: 4 tiles
+    (9, 64, 2, 8, True, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"moe{c[0]}-n{c[1]}-k{c[2]}-e{c[3]}")
+def test_moe_experts_pallas_matches_grouped_experts(case):
+    seed, num_tokens, top_k, num_experts, skewed, gated, dtype = case
+    rng = np.random.default_rng(seed)
+    weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
+    up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
+    x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
+    want = reference(x, weights, ids, up, down, gate)
+    got = me.moe_experts_pallas(
+        x, weights, ids, up, down, gate, block_inner=8, block_out=16, block_k=8, interpret=True
+    )
+    assert got.dtype == jnp.float32
+    assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
+
+
+def test_grouping_gives_only_routed_experts_their_tiles_pallas():
+    """Each routed expert gets ceil(count / rows) tiles in expert order, no other expert any
+    (so no unrouted expert's weights are read); an expert's pairs fill the rows of its tiles
+    from the first, in token order, and each staged row holds its pair's token and weight."""
+    rng = np.random.default_rng(12)
+    block_rows = 4
+    for num_tokens, top_k, num_experts, skewed in ((5, 3, 16, False), (9, 2, 8, True)):
+        weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
+        tiles = me.group_pairs(weights, ids, num_experts, block_rows)
+        counts = np.bincount(np.asarray(ids).ravel(), minlength=num_experts)
+        want = np.repeat(np.arange(num_experts), -(-counts // block_rows))
+        bound = me.max_tiles(num_tokens * top_k, num_experts, block_rows)
+        tile_expert = np.asarray(tiles.tile_expert)
+        assert tile_expert.shape == (bound,) and len(want) <= bound
+        np.testing.assert_array_equal(tile_expert[: len(want)], want)
+        assert (tile_expert[len(want) :] == me.UNUSED_TILE).all()
+        rows = np.asarray(tiles.pair_row)
+        first_tile = np.cumsum(-(-counts // block_rows)) - (-(-counts // block_rows))
+        seen = np.zeros(num_experts, np.int64)
+        for pair, expert in enumerate(np.asarray(ids).ravel()):  # packed in token order
+            assert rows.ravel()[pair] == first_tile[expert] * block_rows + seen[expert]
+            seen[expert] += 1
+        tokens = np.broadcast_to(np.arange(num_tokens)[:, None], rows.shape)
+        np.testing.assert_array_equal(np.asarray(tiles.row_token)[rows], tokens)
+        np.testing.assert_array_equal(np.asarray(tiles.row_weight)[rows], np.asarray(weights))
+        assert (tile_expert[rows // block_rows] == np.asarray(ids)).all()
+
+
+def test_unrouted_experts_may_hold_nan_pallas():
+    """NaN weights in every expert no token chose leave the result finite and right."""
+    rng = np.random.default_rng(13)
+    weights, ids = routing(rng, 3, 2, 8, False)
+    up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
+    unrouted = np.setdiff1d(np.arange(8), np.asarray(ids))
+    assert len(unrouted) >= 2
+    want = reference(jnp.ones((3, WIDTH)), weights, ids, up, down, gate)
+    up, down, gate = (a.at[unrouted].set(jnp.nan) for a in (up, down, gate))
+    got = me.moe_experts_pallas(jnp.ones((3, WIDTH)), weights, ids, up, down, gate, interpret=True)
+    assert_close(got, want, FP32_TOL, "routed experts beside NaN experts")
+
+
+def test_dispatch_chooses_kernel_by_token_count_pallas():
+    """The Pallas record's ``moe_experts`` runs the kernel up to MOE_KERNEL_MAX_TOKENS tokens
+    and the caller's XLA form above; the XLA record has no MoE kernel."""
+    assert backend.XLA_KERNELS.moe_experts is None
+    kernel = backend.kernels_for("pallas", "cpu").moe_experts
+    rng = np.random.default_rng(14)
+    up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
+    limit = backend.MOE_KERNEL_MAX_TOKENS
+    weights, ids = routing(rng, limit + 1, 2, 8, False)
+    x = jnp.asarray(rng.standard_normal((limit + 1, WIDTH)), jnp.float32)
+    sentinel = jnp.full((limit + 1, WIDTH), 7.0)
+    assert kernel(x, weights, ids, up, down, gate, xla_form=lambda: sentinel) is sentinel
+
+    def no_xla():
+        raise AssertionError("the kernel's shape ran the XLA form")
+
+    got = kernel(x[:limit], weights[:limit], ids[:limit], up, down, gate, xla_form=no_xla)
+    want = reference(x[:limit], weights[:limit], ids[:limit], up, down, gate)
+    assert_close(got, want, FP32_TOL, "dispatched routed experts")
+
+
+def test_dispatch_leaves_widths_below_triton_dots_to_xla_pallas(monkeypatch):
+    """Compiled for Triton (not interpret), an intermediate width of 24 (largest power-of-two
+    tile 8 < 16) runs the XLA form; 32 runs the kernel."""
+    compiled = {"interpret": False, "compiler_params": None}
+    monkeypatch.setattr(backend, "_pallas_options", lambda *args: dict(compiled))
+    launched = []
+    monkeypatch.setattr(backend, "moe_experts_pallas", lambda *a, **k: launched.append(k))
+    kernel = backend.kernels_for("pallas", "cpu").moe_experts
+    routed = (jnp.zeros((2, WIDTH)), jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32))
+    for inner, want in ((24, "xla"), (32, None)):
+        up, down = jnp.zeros((8, WIDTH, inner)), jnp.zeros((8, inner, WIDTH))
+        assert kernel(*routed, up, down, up, xla_form=lambda: "xla") == want
+    assert len(launched) == 1 and launched[0]["block_k"] == 32
+
+
+def test_moe_layers_with_kernel_match_xla_pallas():
+    """Both MoE layers (SwiGLU with shared expert; relu^2 with latent projections and grouped
+    routing) give the same output through the kernel as through grouped_experts."""
+    kernel = backend.kernels_for("pallas", "cpu").moe_experts
+    x = jnp.asarray(np.random.default_rng(15).standard_normal((2, 3, WIDTH)), jnp.float32)
+    spec = moe.MoESpec(WIDTH, 8, 2, INNER, 24, norm_topk_prob=True)
+    params = init_plan(moe.moe_plan("mlp", spec), jax.random.key(0), jnp.float32, 0.3)
+    assert_close(
+        moe.sparse_moe(params, spec, x, kernel), moe.sparse_moe(params, spec, x), 1e-5, "swiglu"
+    )
+    spec = relu2_moe.MoESpec(8, 2, INNER, 24, 16, 2, 1, True, 2.5)
+    params = init_plan(
+        relu2_moe.moe_plan("mixer", WIDTH, spec, False), jax.random.key(1), jnp.float32, 0.3
+    )
+    assert_close(
+        relu2_moe.sparse_moe(params, spec, x, kernel),
+        relu2_moe.sparse_moe(params, spec, x),
+        1e-5,
+        "relu2 latent",
+    )
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
+    """Qwen3-Next widths (2048 hidden, 512 experts of 512, top-10; SwiGLU) and Nemotron-H-like
+    relu^2 experts lower through Pallas-Triton with the dispatch's default tiles; a
+    non-power-of-two tile is rejected, which shows the lowering checks ran."""
+    spec = jax.ShapeDtypeStruct
+    tiles = backend.DEFAULT_MOE_TILES
+    params = backend.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
+    kwargs = {k: tiles[k] for k in ("block_rows", "block_inner", "block_out", "block_k")}
+    routed = (spec((16, 10), jnp.float32), spec((16, 10), jnp.int32))
+
+    def run(x, w, ids, up, down, gate=None, **extra):
+        options = {**kwargs, **extra, "compiler_params": params}
+        return me.moe_experts_pallas(x, w, ids, up, down, gate, **options)
+
+    stack = spec((512, 2048, 512), jnp.bfloat16)
+    text = lower_for_cuda(
+        run,
+        spec((16, 2048), jnp.bfloat16),
+        *routed,
+        stack,
+        spec((512, 512, 2048), jnp.bfloat16),
+        stack,
+    )
+    assert "triton" in text.lower()
+    relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
+    text = lower_for_cuda(
+        lambda *a: run(*a, block_inner=64, block_k=64),
+        spec((16, 1024), jnp.bfloat16),
+        *routed,
+        *relu2,
+    )
+    assert "triton" in text.lower()
+    with pytest.raises(Exception, match="power of 2|power-of-2|power of two"):
+        lower_for_cuda(
+            lambda *a: run(*a, block_rows=12),
+            spec((16, 2048), jnp.bfloat16),
+            *routed,
+            stack,
+            spec((512, 512, 2048), jnp.bfloat16),
+            stack,
+        )
