@@ -1,4 +1,5 @@
-"""Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates.
+"""Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates
+and the paged attention.
 
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
 (where Pallas runs only in interpret mode, which the dispatch then uses: for tests) and on
@@ -20,6 +21,8 @@ from typing import Any, Literal
 import jax
 
 from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, conv_update_xla
+from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
+from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
 from lazyspec.kernels.state_scatter import state_scatter_pallas, state_scatter_xla
 from lazyspec.kernels.state_update import (
     GdnTokens,
@@ -306,10 +309,46 @@ def state_scatter(
     )
 
 
+def _pallas_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    token_table: jax.Array,
+    ctx_len: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    *,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    **tiles: Any,
+) -> jax.Array:
+    """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them),
+    in interpret mode on CPU; compiler params left as None take the warps and stages of
+    ``DEFAULT_ATTENTION_TILES``."""
+    if compiler_params is None:
+        launch = DEFAULT_ATTENTION_TILES
+        compiler_params = pallas_compiler_params(
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"]
+        )
+    return paged_attention_pallas(
+        q,
+        k_pool,
+        v_pool,
+        token_table,
+        ctx_len,
+        positions,
+        scale,
+        **tiles,
+        **_pallas_options(interpret, compiler_params),
+    )
+
+
 # (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state_update``
 StateUpdateFn = Callable[..., StateUpdateResult]
 # (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
 StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
+# (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``paged_attention``
+PagedAttentionFn = Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
@@ -319,14 +358,17 @@ class Kernels:
 
     ``gdn_state_update`` / ``mamba2_state_update`` have the contract of ``state_update``
     (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
-    ``state_scatter`` has the contract of ``state_scatter``. Compared and hashed by backend
-    and platform (the functions follow from them)."""
+    ``state_scatter`` has the contract of ``state_scatter``. ``paged_attention`` has the
+    contract of ``paged_attention.paged_attention``; None on XLA and on TPU, where the
+    attention layers run their masked jnp form. Compared and hashed by backend and platform
+    (the functions follow from them)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
     gdn_state_update: StateUpdateFn | None = field(compare=False)
     mamba2_state_update: StateUpdateFn | None = field(compare=False)
     state_scatter: StateScatterFn = field(compare=False)
+    paged_attention: PagedAttentionFn | None = field(default=None, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -336,19 +378,21 @@ XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
 def kernels_for(kernel_backend: str | None = None, platform: str | None = None) -> Kernels:
     """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
     to JAX's default). Pallas on a TPU: the scalar-prefetch state updates of
-    ``state_update_tpu`` and the XLA scatter; elsewhere the Triton-layout kernels (in
-    interpret mode on CPU)."""
+    ``state_update_tpu``, the XLA scatter and the jnp attention; elsewhere the
+    Triton-layout kernels (in interpret mode on CPU)."""
     platform = jax.default_backend() if platform is None else platform
     if resolve_backend(kernel_backend, platform) == "xla":
         return XLA_KERNELS
     if platform == "tpu":
-        update, scatter = _tpu_state_update, state_scatter_xla
+        update, scatter, attention = _tpu_state_update, state_scatter_xla, None
     else:
         update, scatter = _pallas_state_update, _pallas_state_scatter
+        attention = _pallas_paged_attention
     return Kernels(
         "pallas",
         platform,
         functools.partial(update, "gdn"),
         functools.partial(update, "mamba2"),
         scatter,
+        attention,
     )
