@@ -238,7 +238,8 @@ def forward(
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
     tokens (``chunks``); ``verify`` the T-step form with the state after every position
     (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
-    runs in ``kernels.mamba2_state_update`` when it has one. ``keep_chunk`` as in
+    runs in ``kernels.mamba2_state_update`` when it has one (the attention in
+    ``kernels.paged_attention`` likewise). ``keep_chunk`` as in
     ``interface.py``. Pure; pools are returned, not mutated.
     """
     if mode not in MODES:
@@ -282,6 +283,7 @@ def forward(
             inputs.ctx_len,
             k_pools[a],
             v_pools[a],
+            kernels.paged_attention,
         )
         return out
 

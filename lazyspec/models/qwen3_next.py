@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import XLA_KERNELS, Kernels
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels, PagedAttentionFn
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
     ForwardInputs,
@@ -320,8 +320,10 @@ def _attention_layer(
     inputs: ForwardInputs,
     k_pool: jax.Array,
     v_pool: jax.Array,
+    paged_attention: PagedAttentionFn | None = None,
 ):
-    """A full attention decoder layer over the pools: (x, k_pool, v_pool)."""
+    """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
+    runs in ``paged_attention`` when given (``attention_forward``)."""
     h, k_pool, v_pool = attention_forward(
         lp["self_attn"],
         cfg.arch.attention,
@@ -333,6 +335,7 @@ def _attention_layer(
         inputs.ctx_len,
         k_pool,
         v_pool,
+        paged_attention,
     )
     return mlp_block(lp, cfg, kind, x + h), k_pool, v_pool
 
@@ -354,7 +357,8 @@ def forward(
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
     ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
     (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in
-    ``kernels.gdn_state_update`` when it has one. ``keep_chunk`` as in ``interface.py``.
+    ``kernels.gdn_state_update`` when it has one, the attention in
+    ``kernels.paged_attention`` likewise. ``keep_chunk`` as in ``interface.py``.
     Pure: returns new pools.
     """
     if mode not in MODES:
@@ -386,7 +390,7 @@ def forward(
                 x, r = mlp_block(lp, cfg, kind, x + h), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(
-                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a]
+                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels.paged_attention
                 )
                 a += 1
     layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
