@@ -40,13 +40,15 @@ from jax.experimental import pallas as pl
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
-# Query rows per program, context positions per loop step (Triton needs powers of two >=
-# 16), programs aimed for when the splits are chosen, and the launch's warps and pipeline
-# stages (``backend`` builds the compiler params from them): the fastest measured for
-# Qwen3-Next's decode (16 q / 2 kv heads, head dim 256, bf16) on an H200 at 4k-128k
-# context, batch 1 and 16 (BENCHMARKS.md, "Decode attention").
+# Query rows per program (the most; every tile re-reads its context, so a prefill chunk
+# wants tall tiles), context positions per loop step (Triton needs powers of two >= 16),
+# programs aimed for when the splits are chosen, and the launch's warps and pipeline
+# stages (``backend`` builds the compiler params from them). block_kv, warps, stages and
+# target: the fastest measured for Qwen3-Next's decode (16 q / 2 kv heads, head dim 256,
+# bf16; 16 query rows) on an H200 at 4k-128k context, batch 1 and 16 (BENCHMARKS.md,
+# "Decode attention"); taller row tiles are not measured.
 DEFAULT_ATTENTION_TILES = {
-    "block_rows": 16,
+    "block_rows": 64,  # at most: fewer when the step has fewer query rows (``row_tile``)
     "block_kv": 64,
     "target_programs": 256,
     "num_warps": 8,
@@ -168,6 +170,15 @@ def _check_pow2(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
+def row_tile(num_query_rows: int, most: int) -> int:
+    """Rows per tile: the power of two >= ``num_query_rows`` (T * G), at least 16 and at
+    most ``most``."""
+    tile = 16
+    while tile < min(num_query_rows, most):
+        tile *= 2
+    return tile
+
+
 def default_splits(programs: int, max_blocks: int, target_programs: int) -> int:
     """Splits per query tile: enough that ``programs * splits`` reaches ``target_programs``,
     never more than the table has blocks (at least 1)."""
@@ -205,19 +216,23 @@ def paged_attention(
     positions: jax.Array,
     scale: float,
     *,
-    block_rows: int = DEFAULT_ATTENTION_TILES["block_rows"],
+    block_rows: int | None = None,
     block_kv: int = DEFAULT_ATTENTION_TILES["block_kv"],
     num_splits: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
-    """The Pallas form (module docstring has the contract and layout); pure. ``num_splits``
+    """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
+    None takes ``row_tile`` up to ``DEFAULT_ATTENTION_TILES["block_rows"]``; ``num_splits``
     None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``."""
     _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
-    _check_pow2("block_rows", block_rows)
-    _check_pow2("block_kv", block_kv)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_rows_total, num_kv_heads = k_pool.shape[:2]
+    if block_rows is None:
+        most = DEFAULT_ATTENTION_TILES["block_rows"]
+        block_rows = row_tile(num_tokens * num_heads // num_kv_heads, most)
+    _check_pow2("block_rows", block_rows)
+    _check_pow2("block_kv", block_kv)
     rows, row_pos = _query_rows(q, positions, num_kv_heads, block_rows)
     num_tiles = rows.shape[2] // block_rows
     table = token_table.astype(jnp.int32)

@@ -94,6 +94,19 @@ def test_prefill_chunk_with_prefix_pallas():
     rng = np.random.default_rng(2)
     case = attention_case(rng, 2, 20, 8, 2, 64, [45, 12], jnp.float32)
     check_case(case, FP32_TOL, block_rows=16, block_kv=16, num_splits=1)
+    check_case(case, FP32_TOL, block_kv=16)  # default row tile: 64 of the 80 rows
+
+
+def test_row_tile_grows_with_the_query_rows_pallas():
+    assert [pa.row_tile(n, 64) for n in (1, 8, 16, 17, 32, 80, 512)] == [
+        16,
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+    ]
 
 
 def test_splits_more_than_blocks_pallas():
