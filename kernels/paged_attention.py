@@ -46,7 +46,8 @@ MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 # stages (``backend`` builds the compiler params from them). block_kv, warps, stages and
 # target: the fastest measured for Qwen3-Next's decode (16 q / 2 kv heads, head dim 256,
 # bf16; 16 query rows) on an H200 at 4k-128k context, batch 1 and 16 (BENCHMARKS.md,
-# "Decode attention"); taller row tiles are not measured.
+# "Decode attention"). Rows: a 64-token bf16 chunk after a 32k prefix took 762 / 510 /
+# 468 us with 16 / 32 / 64-row tiles there.
 DEFAULT_ATTENTION_TILES = {
     "block_rows": 64,  # at most: fewer when the step has fewer query rows (``row_tile``)
     "block_kv": 64,
@@ -170,6 +171,11 @@ def _check_pow2(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
+# The most bytes of q per tile: 64 fp32 rows of head dim 256 with 2 pipeline stages ask an
+# H200 for 256 KiB of shared memory (227 KiB there); 64 bf16 rows fit.
+QUERY_TILE_BYTES = 32 * 1024
+
+
 def row_tile(num_query_rows: int, most: int) -> int:
     """Rows per tile: the power of two >= ``num_query_rows`` (T * G), at least 16 and at
     most ``most``."""
@@ -177,6 +183,13 @@ def row_tile(num_query_rows: int, most: int) -> int:
     while tile < min(num_query_rows, most):
         tile *= 2
     return tile
+
+
+def default_row_tile(num_query_rows: int, head_dim: int, itemsize: int) -> int:
+    """``row_tile`` up to ``DEFAULT_ATTENTION_TILES["block_rows"]`` rows and
+    ``QUERY_TILE_BYTES`` of q."""
+    most = max(16, QUERY_TILE_BYTES // (head_dim * itemsize))
+    return row_tile(num_query_rows, min(DEFAULT_ATTENTION_TILES["block_rows"], most))
 
 
 def default_splits(programs: int, max_blocks: int, target_programs: int) -> int:
@@ -223,14 +236,14 @@ def paged_attention(
     compiler_params: Any = None,
 ) -> jax.Array:
     """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
-    None takes ``row_tile`` up to ``DEFAULT_ATTENTION_TILES["block_rows"]``; ``num_splits``
+    None takes ``default_row_tile``; ``num_splits``
     None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``."""
     _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_rows_total, num_kv_heads = k_pool.shape[:2]
     if block_rows is None:
-        most = DEFAULT_ATTENTION_TILES["block_rows"]
-        block_rows = row_tile(num_tokens * num_heads // num_kv_heads, most)
+        num_query_rows = num_tokens * num_heads // num_kv_heads
+        block_rows = default_row_tile(num_query_rows, head_dim, q.dtype.itemsize)
     _check_pow2("block_rows", block_rows)
     _check_pow2("block_kv", block_kv)
     rows, row_pos = _query_rows(q, positions, num_kv_heads, block_rows)

@@ -97,6 +97,16 @@ def test_prefill_chunk_with_prefix_pallas():
     check_case(case, FP32_TOL, block_kv=16)  # default row tile: 64 of the 80 rows
 
 
+def test_default_row_tile_keeps_q_within_its_bytes_pallas():
+    """A 64-token chunk of 8 heads per kv head (512 rows) takes 64-row tiles in bf16 and
+    32-row tiles in fp32 at head dim 256 (shared memory), 64 in fp32 at head dim 128; decode
+    keeps 16."""
+    assert pa.default_row_tile(512, 256, 2) == 64
+    assert pa.default_row_tile(512, 256, 4) == 32
+    assert pa.default_row_tile(512, 128, 4) == 64
+    assert pa.default_row_tile(8, 256, 4) == 16
+
+
 def test_row_tile_grows_with_the_query_rows_pallas():
     assert [pa.row_tile(n, 64) for n in (1, 8, 16, 17, 32, 80, 512)] == [
         16,
