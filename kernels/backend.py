@@ -1,5 +1,5 @@
 """Chooses between the Pallas kernels and their jnp/XLA forms for the recurrent-state updates
-and the routed MoE experts.
+and the routed MoE experts and the paged attention.
 
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
 (where Pallas runs only in interpret mode, which the dispatch then uses: for tests) and on
@@ -23,6 +23,8 @@ import jax
 
 from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, conv_update_xla
 from lazyspec.kernels.moe_experts import moe_experts_pallas
+from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
+from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
 from lazyspec.kernels.state_scatter import state_scatter_pallas, state_scatter_xla
 from lazyspec.kernels.state_update import (
     GdnTokens,
@@ -391,6 +393,40 @@ def _tpu_moe_experts(
     )
 
 
+def _pallas_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    token_table: jax.Array,
+    ctx_len: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    *,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    **tiles: Any,
+) -> jax.Array:
+    """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them),
+    in interpret mode on CPU; compiler params left as None take the warps and stages of
+    ``DEFAULT_ATTENTION_TILES``."""
+    if compiler_params is None:
+        launch = DEFAULT_ATTENTION_TILES
+        compiler_params = pallas_compiler_params(
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"]
+        )
+    return paged_attention_pallas(
+        q,
+        k_pool,
+        v_pool,
+        token_table,
+        ctx_len,
+        positions,
+        scale,
+        **tiles,
+        **_pallas_options(interpret, compiler_params),
+    )
+
+
 # (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state_update``
 StateUpdateFn = Callable[..., StateUpdateResult]
 # (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
@@ -398,6 +434,8 @@ StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
 # (x, weights, expert_ids, up, down, gate=None, *, xla_form) -> float32 [N, d_out], as
 # ``moe_experts_pallas``; ``xla_form()`` computes the same by the XLA dispatch
 MoEExpertsFn = Callable[..., jax.Array]
+# (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``paged_attention``
+PagedAttentionFn = Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
@@ -410,8 +448,10 @@ class Kernels:
     ``state_scatter`` has the contract of ``state_scatter``. ``moe_experts`` runs the
     routed experts (``MoEExpertsFn``), choosing the kernel or the caller's XLA form by
     token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
-    sort-based dispatch. Compared and hashed by backend and platform (the
-    functions follow from them)."""
+    sort-based dispatch. ``paged_attention`` has the contract of
+    ``paged_attention.paged_attention``; None on XLA and on TPU, where the attention layers
+    run their masked jnp form. Compared and hashed by backend and platform (the functions
+    follow from them)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
@@ -419,24 +459,35 @@ class Kernels:
     mamba2_state_update: StateUpdateFn | None = field(compare=False)
     state_scatter: StateScatterFn = field(compare=False)
     moe_experts: MoEExpertsFn | None = field(default=None, compare=False)
+    paged_attention: PagedAttentionFn | None = field(default=None, compare=False)
+    moe_runner: str = "auto"  # as asked (MOE_RUNNER_BACKENDS); with platform, names moe_experts
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
 
 
 @functools.cache
-def kernels_for(kernel_backend: str | None = None, platform: str | None = None) -> Kernels:
+def kernels_for(
+    kernel_backend: str | None = None, platform: str | None = None, moe_runner: str = "auto"
+) -> Kernels:
     """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
     to JAX's default). Pallas on a TPU: the scalar-prefetch state updates of
-    ``state_update_tpu`` and ``moe_experts_tpu`` and the XLA scatter; elsewhere the
-    Triton-layout kernels (in interpret mode on CPU)."""
+    ``state_update_tpu`` and ``moe_experts_tpu``, the XLA scatter and the jnp attention;
+    elsewhere the Triton-layout kernels (in interpret mode on CPU). ``moe_runner`` picks the
+    routed experts' form: "pallas" the kernel, "xla" none (the layers' sort-based
+    dispatch), "auto" the kernel only in interpret mode (CPU): on GPU and TPU its check is
+    not complete yet (BENCHMARKS.md, engine decode)."""
     platform = jax.default_backend() if platform is None else platform
     if resolve_backend(kernel_backend, platform) == "xla":
         return XLA_KERNELS
     if platform == "tpu":
         update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
+        attention = None
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
+        attention = _pallas_paged_attention
+    if moe_runner == "xla" or (moe_runner == "auto" and platform != "cpu"):
+        moe = None  # auto: the kernel runs by default only where it was checked (interpret)
     return Kernels(
         "pallas",
         platform,
@@ -444,4 +495,6 @@ def kernels_for(kernel_backend: str | None = None, platform: str | None = None) 
         functools.partial(update, "mamba2"),
         scatter,
         moe,
+        attention,
+        moe_runner,
     )

@@ -16,6 +16,7 @@ STRATEGY_CHOICES = ("auto", *(name for name in STRATEGIES if name != NONE.name))
 DTYPES = ("float32", "bfloat16")
 SPEC_ALGORITHMS = (None, "NEXTN", "MTP")
 KERNEL_BACKENDS = (None, "xla", "pallas")
+MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class EngineConfig:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     kernel_backend: str | None = None
+    moe_runner_backend: str = "auto"
     skip_warmup: bool = False
     # Fault injection / experiments (tests and benchmarks only).
     debug_fail_spare_alloc: bool = False
@@ -56,6 +58,7 @@ class EngineConfig:
         _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGY_CHOICES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        _check_choice("moe_runner_backend", self.moe_runner_backend, MOE_RUNNER_BACKENDS)
         for name in (
             "page_size",
             "max_total_tokens",

@@ -99,6 +99,7 @@ class Engine:
             num_verify=layout.num_verify,
             spec=c.spec_enabled,
             backend=backend,
+            moe_runner=c.moe_runner_backend,
         )
         self.runner = Runner(self.model, layout, static, c.dtype, c.mamba_ssm_dtype)
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)

@@ -79,6 +79,7 @@ class StepStatic:
     num_verify: int  # D
     spec: bool
     backend: str
+    moe_runner: str = "auto"  # EngineConfig.moe_runner_backend
 
     @property
     def sentinel_slot(self) -> int:
@@ -95,7 +96,7 @@ class StepStatic:
     @property
     def kernels(self) -> Kernels:
         """The kernels of ``backend``, resolved once per backend (``kernels_for`` caches)."""
-        return kernels_for(self.backend)
+        return kernels_for(self.backend, moe_runner=self.moe_runner)
 
 
 def _gather_state(pools: Pools, slots: jax.Array) -> StateRows:

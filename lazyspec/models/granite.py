@@ -269,8 +269,8 @@ def forward(
     ``extend`` runs the chunked Mamba2 form (``RecurrentOut.chunks``: the state after every
     ``chunk_size`` new tokens of the row, or only ``keep_chunk``'s); ``decode`` / ``verify``
     the T-step form (``verify`` also fills ``RecurrentOut.steps``), whose SSM update runs in
-    ``kernels.mamba2_state_update`` and the routed experts in ``kernels.moe_experts`` when
-    it has them. Pure: returns new pools.
+    ``kernels.mamba2_state_update``, the attention in ``kernels.paged_attention`` and the
+    routed experts in ``kernels.moe_experts`` when it has them. Pure: returns new pools.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -310,6 +310,7 @@ def forward(
             inputs.ctx_len,
             k_pools[a],
             v_pools[a],
+            kernels.paged_attention,
         )
         return out
 

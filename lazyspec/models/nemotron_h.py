@@ -246,9 +246,9 @@ def forward(
     ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
     tokens (``chunks``); ``verify`` the T-step form with the state after every position
     (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
-    runs in ``kernels.mamba2_state_update`` and the routed experts in
-    ``kernels.moe_experts`` when it has them. ``keep_chunk`` as in ``interface.py``. Pure;
-    pools are returned, not mutated.
+    runs in ``kernels.mamba2_state_update``, the attention in ``kernels.paged_attention`` and
+    the routed experts in ``kernels.moe_experts`` when it has them. ``keep_chunk`` as in
+    ``interface.py``. Pure; pools are returned, not mutated.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -291,6 +291,7 @@ def forward(
             inputs.ctx_len,
             k_pools[a],
             v_pools[a],
+            kernels.paged_attention,
         )
         return out
 

@@ -325,7 +325,8 @@ def _attention_layer(
     v_pool: jax.Array,
     kernels: Kernels = XLA_KERNELS,
 ):
-    """A full attention decoder layer over the pools: (x, k_pool, v_pool)."""
+    """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
+    runs in ``kernels.paged_attention`` when it has one (``attention_forward``)."""
     h, k_pool, v_pool = attention_forward(
         lp["self_attn"],
         cfg.arch.attention,
@@ -337,6 +338,7 @@ def _attention_layer(
         inputs.ctx_len,
         k_pool,
         v_pool,
+        kernels.paged_attention,
     )
     return mlp_block(lp, cfg, kind, x + h, kernels), k_pool, v_pool
 
@@ -358,8 +360,9 @@ def forward(
     ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
     ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
     (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in
-    ``kernels.gdn_state_update`` when it has one; the routed experts run in
-    ``kernels.moe_experts`` when it has one. ``keep_chunk`` as in ``interface.py``.
+    ``kernels.gdn_state_update`` when it has one, the attention in ``kernels.paged_attention``
+    and the routed experts in ``kernels.moe_experts`` likewise. ``keep_chunk`` as in
+    ``interface.py``.
     Pure: returns new pools.
     """
     if mode not in MODES:

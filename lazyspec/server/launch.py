@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lazyspec.config import DTYPES, KERNEL_BACKENDS, SPEC_ALGORITHMS, STRATEGY_CHOICES, EngineConfig
+from lazyspec.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    MOE_RUNNER_BACKENDS,
+    SPEC_ALGORITHMS,
+    STRATEGY_CHOICES,
+    EngineConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +37,7 @@ CHOICES = {
     "mamba_scheduler_strategy": STRATEGY_CHOICES,
     "speculative_algorithm": tuple(a for a in SPEC_ALGORITHMS if a is not None),
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
+    "moe_runner_backend": MOE_RUNNER_BACKENDS,
 }
 HELP = {
     "model_path": "Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
@@ -59,6 +67,9 @@ HELP = {
     "speculative_num_draft_tokens": "Verify positions per step; must be num-steps + 1.",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
     "on CPU and TPU; pallas on TPU is untested).",
+    "moe_runner_backend": "Routed experts with kernel-backend pallas: pallas (the grouped "
+    "matmul over routed experts), xla (the sort + ragged_dot dispatch) or auto (= xla on "
+    "GPU and TPU, where the kernel's check is incomplete; pallas in interpret mode on CPU).",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "

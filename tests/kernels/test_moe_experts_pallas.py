@@ -231,3 +231,16 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
             spec((512, 512, 2048), jnp.bfloat16),
             stack,
         )
+
+
+def test_moe_runner_picks_the_routed_experts_form_pallas():
+    """auto: the kernel in interpret mode only (CPU); pallas: everywhere; xla: nowhere."""
+    assert backend.kernels_for("pallas", "cpu").moe_experts is not None
+    assert backend.kernels_for("pallas", "gpu").moe_experts is None
+    assert backend.kernels_for("pallas", "tpu").moe_experts is None
+    assert backend.kernels_for("pallas", "gpu", moe_runner="pallas").moe_experts is not None
+    assert backend.kernels_for("pallas", "cpu", moe_runner="xla").moe_experts is None
+    # the choice is part of the record's identity (the jitted steps key on it)
+    assert backend.kernels_for("pallas", "cpu") != backend.kernels_for(
+        "pallas", "cpu", moe_runner="xla"
+    )

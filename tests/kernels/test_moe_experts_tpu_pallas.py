@@ -54,7 +54,7 @@ def test_tpu_layout_rejects_illegal_tiles_and_dispatches():
         tpu.moe_experts_tpu(x, weights, ids, up, down, gate, block_rows=12)
     with pytest.raises(ValueError, match="multiple of 128"):
         tpu.moe_experts_tpu(x, weights, ids, up, down, gate, block_out=16)
-    kernel = backend.kernels_for("pallas", "tpu").moe_experts
+    kernel = backend.kernels_for("pallas", "tpu", moe_runner="pallas").moe_experts
 
     def no_xla():
         raise AssertionError("the kernel's shape ran the XLA form")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.backend import PagedAttentionFn
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
@@ -154,14 +155,21 @@ def attention_forward(
     ctx_len: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
+    paged_attention: PagedAttentionFn | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention layer over the pools: write the new K/V, then attend to the context.
 
     x ``[B, T, hidden]``; query t of row b sees context positions ``c < ctx_len[b]`` with
-    ``c <= positions[b, t]``. Returns (output ``[B, T, hidden]``, k_pool, v_pool).
+    ``c <= positions[b, t]``. With ``paged_attention`` (a ``Kernels`` entry) the attention
+    runs in that kernel, which reads only the table entries below ``ctx_len``; without, the
+    whole ``kv_read_idx`` table is gathered and masked. Returns (output ``[B, T, hidden]``,
+    k_pool, v_pool).
     """
     q, k, v, gate = project_qkv(params, spec, x, positions)
     k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
+    if paged_attention is not None:
+        out = paged_attention(q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale)
+        return _output(params, out, gate), k_pool, v_pool
     k_ctx = k_pool[kv_read_idx].astype(q.dtype)  # [B, C, Hkv, D]
     v_ctx = v_pool[kv_read_idx].astype(q.dtype)
     c = jnp.arange(kv_read_idx.shape[1])[None, None, :]

@@ -1,0 +1,293 @@
+"""Attention of a padded batch over the flat KV pools, read through a token table: a Pallas
+kernel whose cost follows each row's context length, and the masked jnp form it replaces.
+
+Contract (both forms). q ``[B, T, Hq, D]``; pools ``[R, Hkv, D]`` (``Hq % Hkv == 0``: GQA,
+query head j reads kv head ``j // (Hq // Hkv)``); ``token_table [B, C]`` names the pool row
+of each context position; ``ctx_len [B]``; ``positions [B, T]``. Query t of row b attends
+to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``, scores ``q . k * scale``
+and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype. A query with no visible
+position (padding) gets a finite output: the jnp form's is the mean of all C values (every
+score is ``MASK_VALUE``), the kernel's is zero. Table entries at ``c >= ctx_len[b]`` are
+never read by the kernel (the jnp form gathers them, so they must be valid rows there).
+
+Pallas layout: the G = Hq / Hkv query heads that share a kv head are stacked with the T
+tokens into ``T * G`` query rows (token-major, each with its token's position), cut into
+tiles of ``block_rows`` rows. Grid ``(row b, kv head, row tile, split)``: a program runs
+the online softmax over the blocks of ``block_kv`` context positions below
+``min(ctx_len[b], largest position in its tile + 1)``, a loop whose trip count follows the
+lengths (``cdiv(visible, block_kv)``, shared among the ``num_splits`` programs of the tile;
+none reads above it). Each block gathers its K/V rows by the table's indices from the kv
+head's pool view. The splits' partial results (output, running max and sum) are combined
+after the launch; splits let a decode step (few query rows) spread one long context over
+the GPU. Decode (T = 1), verify (T small) and chunked prefill (a chunk attending to its
+cached prefix and causally within itself) are the same launch with different T.
+
+Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through Triton
+``CompilerParams``. Not for TPUs: the per-head pool view is the whole pool's rows, which
+Mosaic would stage into VMEM; a TPU form would want pages contiguous in the pool (page
+size > 1) and the page table scalar-prefetched into the index maps, which this pool layout
+(``[R, Hkv, D]``, one row per token) does not give. The dispatch keeps the jnp form there.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
+
+# Query rows per program (the most; every tile re-reads its context, so a prefill chunk
+# wants tall tiles), context positions per loop step (Triton needs powers of two >= 16),
+# programs aimed for when the splits are chosen, and the launch's warps and pipeline
+# stages (``backend`` builds the compiler params from them). block_kv, warps, stages and
+# target: the fastest measured for Qwen3-Next's decode (16 q / 2 kv heads, head dim 256,
+# bf16; 16 query rows) on an H200 at 4k-128k context, batch 1 and 16 (BENCHMARKS.md,
+# "Decode attention"). Rows: a 64-token bf16 chunk after a 32k prefix took 762 / 510 /
+# 468 us with 16 / 32 / 64-row tiles there.
+DEFAULT_ATTENTION_TILES = {
+    "block_rows": 64,  # at most: fewer when the step has fewer query rows (``row_tile``)
+    "block_kv": 64,
+    "target_programs": 256,
+    "num_warps": 8,
+    "num_stages": 2,
+}
+
+
+def _check_inputs(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    token_table: jax.Array,
+    ctx_len: jax.Array,
+    positions: jax.Array,
+) -> None:
+    """ValueError unless the shapes fit the module contract."""
+    batch, num_tokens, num_heads, head_dim = q.shape
+    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.shape[2] != head_dim:
+        raise ValueError(f"pools {k_pool.shape} / {v_pool.shape} must both be [R, Hkv, {head_dim}]")
+    if num_heads % k_pool.shape[1]:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {k_pool.shape[1]}")
+    if token_table.ndim != 2 or token_table.shape[0] != batch:
+        raise ValueError(f"token_table {token_table.shape} must be [{batch}, C]")
+    if ctx_len.shape != (batch,) or positions.shape != (batch, num_tokens):
+        raise ValueError(
+            f"ctx_len {ctx_len.shape} / positions {positions.shape} must be "
+            f"[{batch}] / [{batch}, {num_tokens}]"
+        )
+
+
+def paged_attention_reference(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    token_table: jax.Array,
+    ctx_len: jax.Array,
+    positions: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """The masked jnp form (module contract): gather all C table rows, mask, softmax. Its
+    cost follows C, not the lengths."""
+    _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    batch, num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    k = k_pool[token_table].astype(q.dtype)  # [B, C, Hkv, D]
+    v = v_pool[token_table].astype(q.dtype)
+    c = jnp.arange(token_table.shape[1])[None, None, :]
+    mask = (c < ctx_len[:, None, None]) & (c <= positions[:, :, None])
+    q = q.reshape(batch, num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bckd->bkgtc", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * scale, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum(
+        "bkgtc,bckd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(batch, num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+# ---------------------------------------------------------------- Pallas
+
+
+def _attention_kernel(
+    ctx_len_ref,
+    table_ref,
+    pos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    max_ref,
+    sum_ref,
+    *,
+    scale,
+    block_kv,
+    num_splits,
+):
+    row = pl.program_id(0)
+    ctx_len = ctx_len_ref[row]
+    pos = pos_ref[...]  # [block_rows]; padding rows are -1
+    q = q_ref[...]  # [block_rows, D]
+    visible = jnp.maximum(jnp.minimum(ctx_len, jnp.max(pos) + 1), 0)
+    num_blocks = pl.cdiv(visible, block_kv)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = pl.program_id(3) * per_split
+    count = jnp.maximum(jnp.minimum(per_split, num_blocks - first), 0)
+
+    def body(j, carry):
+        acc, run_max, run_sum = carry
+        start = (first + j) * block_kv
+        cols = start + jnp.arange(block_kv, dtype=jnp.int32)
+        in_ctx = cols < ctx_len
+        rows = jnp.where(in_ctx, table_ref[row, pl.ds(start, block_kv)], 0)
+        k = k_ref[rows].astype(q.dtype)  # [block_kv, D], gathered by the table
+        v = v_ref[rows].astype(q.dtype)
+        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        mask = in_ctx[None, :] & (cols[None, :] <= pos[:, None])
+        scores = jnp.where(mask, scores, MASK_VALUE)
+        new_max = jnp.maximum(run_max, jnp.max(scores, axis=1))
+        correction = jnp.exp(run_max - new_max)
+        probs = jnp.where(mask, jnp.exp(scores - new_max[:, None]), 0.0)
+        run_sum = correction * run_sum + jnp.sum(probs, axis=1)
+        pv = jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return correction[:, None] * acc + pv, new_max, run_sum
+
+    block_rows, head_dim = q.shape
+    init = (
+        jnp.zeros((block_rows, head_dim), jnp.float32),
+        jnp.full((block_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_rows,), jnp.float32),
+    )
+    acc, run_max, run_sum = jax.lax.fori_loop(0, count, body, init)
+    out_ref[...] = acc
+    max_ref[...] = run_max
+    sum_ref[...] = run_sum
+
+
+def _check_pow2(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 16")
+
+
+# The most bytes of q per tile: 64 fp32 rows of head dim 256 with 2 pipeline stages ask an
+# H200 for 256 KiB of shared memory (227 KiB there); 64 bf16 rows fit.
+QUERY_TILE_BYTES = 32 * 1024
+
+
+def row_tile(num_query_rows: int, most: int) -> int:
+    """Rows per tile: the power of two >= ``num_query_rows`` (T * G), at least 16 and at
+    most ``most``."""
+    tile = 16
+    while tile < min(num_query_rows, most):
+        tile *= 2
+    return tile
+
+
+def default_row_tile(num_query_rows: int, head_dim: int, itemsize: int) -> int:
+    """``row_tile`` up to ``DEFAULT_ATTENTION_TILES["block_rows"]`` rows and
+    ``QUERY_TILE_BYTES`` of q."""
+    most = max(16, QUERY_TILE_BYTES // (head_dim * itemsize))
+    return row_tile(num_query_rows, min(DEFAULT_ATTENTION_TILES["block_rows"], most))
+
+
+def default_splits(programs: int, max_blocks: int, target_programs: int) -> int:
+    """Splits per query tile: enough that ``programs * splits`` reaches ``target_programs``,
+    never more than the table has blocks (at least 1)."""
+    return max(1, min(max_blocks, -(-target_programs // programs)))
+
+
+def _query_rows(q: jax.Array, positions: jax.Array, num_kv_heads: int, block_rows: int):
+    """q as ``[B, Hkv, N, D]`` rows (token-major, the G heads of a kv head adjacent) and
+    their positions ``[B, N]``, padded to a multiple of ``block_rows`` (position -1)."""
+    batch, num_tokens, num_heads, head_dim = q.shape
+    groups = num_heads // num_kv_heads
+    rows = q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    rows = rows.reshape(batch, num_kv_heads, num_tokens * groups, head_dim)
+    row_pos = jnp.repeat(positions.astype(jnp.int32), groups, axis=1)
+    pad = -rows.shape[2] % block_rows
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return rows, jnp.pad(row_pos, ((0, 0), (0, pad)), constant_values=-1)
+
+
+def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Array:
+    """Merge the splits' partial softmaxes (leading axis); rows that saw nothing give 0."""
+    best = jnp.max(run_max, axis=0)
+    weight = jnp.exp(run_max - best)
+    total = jnp.sum(weight * run_sum, axis=0)
+    merged = jnp.sum(weight[..., None] * out, axis=0)
+    return merged / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    token_table: jax.Array,
+    ctx_len: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    *,
+    block_rows: int | None = None,
+    block_kv: int = DEFAULT_ATTENTION_TILES["block_kv"],
+    num_splits: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> jax.Array:
+    """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
+    None takes ``default_row_tile``; ``num_splits``
+    None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``."""
+    _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    batch, num_tokens, num_heads, head_dim = q.shape
+    num_rows_total, num_kv_heads = k_pool.shape[:2]
+    if block_rows is None:
+        num_query_rows = num_tokens * num_heads // num_kv_heads
+        block_rows = default_row_tile(num_query_rows, head_dim, q.dtype.itemsize)
+    _check_pow2("block_rows", block_rows)
+    _check_pow2("block_kv", block_kv)
+    rows, row_pos = _query_rows(q, positions, num_kv_heads, block_rows)
+    num_tiles = rows.shape[2] // block_rows
+    table = token_table.astype(jnp.int32)
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block_kv)))  # whole blocks
+    max_blocks = table.shape[1] // block_kv
+    if num_splits is None:
+        target = DEFAULT_ATTENTION_TILES["target_programs"]
+        num_splits = default_splits(batch * num_kv_heads * num_tiles, max_blocks, target)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be positive")
+    kernel = functools.partial(
+        _attention_kernel, scale=float(scale), block_kv=block_kv, num_splits=num_splits
+    )
+    pool_spec = pl.BlockSpec((num_rows_total, None, head_dim), lambda b, h, i, s: (0, h, 0))
+    partial_shape = (num_splits, batch, num_kv_heads, rows.shape[2])
+    out, run_max, run_sum = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_tiles, num_splits),
+        in_specs=[
+            pl.BlockSpec(),
+            pl.BlockSpec(),
+            pl.BlockSpec((None, block_rows), lambda b, h, i, s: (b, i)),
+            pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, i, s: (b, h, i, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=(
+            pl.BlockSpec(
+                (None, None, None, block_rows, head_dim), lambda b, h, i, s: (s, b, h, i, 0)
+            ),
+            pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
+            pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="paged_attention",
+    )(ctx_len.astype(jnp.int32), table, row_pos, rows, k_pool, v_pool)
+    merged = _combine(out, run_max, run_sum)[:, :, : num_tokens * (num_heads // num_kv_heads)]
+    merged = merged.reshape(batch, num_kv_heads, num_tokens, -1, head_dim).transpose(0, 2, 1, 3, 4)
+    return merged.reshape(batch, num_tokens, num_heads, head_dim).astype(q.dtype)

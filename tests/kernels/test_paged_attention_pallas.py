@@ -1,0 +1,189 @@
+"""Paged attention: the Pallas kernel (interpret mode) against the masked jnp form."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend
+from lazyspec.kernels import paged_attention as pa
+from tests.kernels.kernel_checks import assert_close
+
+pytestmark = pytest.mark.pallas
+
+FP32_TOL = 1e-5
+# bf16: the kernel rounds the unnormalised probabilities to bf16 before the value product,
+# the jnp form the normalised ones; each is a few bf16 roundings from the exact result.
+BF16_TOL = 2.0**-6
+
+
+def attention_case(rng, batch, num_tokens, num_heads, num_kv_heads, head_dim, ctx_len, dtype):
+    """q, pools and a table of distinct shuffled rows (row 0 is never named), every row's
+    queries at the last ``num_tokens`` positions of its context (position -1 where the row
+    is shorter: padding). Entries of the table at ``c >= ctx_len`` name the poison row,
+    whose K/V are NaN; ``clean_table`` names row 1 there instead."""
+    width = max(ctx_len) + 5
+    num_rows = batch * width + 3
+    pools = [rng.standard_normal((num_rows, num_kv_heads, head_dim)) for _ in "kv"]
+    poison = num_rows - 1
+    for pool in pools:
+        pool[poison] = np.nan
+    table = rng.permutation(np.arange(1, num_rows - 1))[: batch * width].reshape(batch, width)
+    ctx = np.asarray(ctx_len, np.int32)
+    beyond = np.arange(width)[None, :] >= ctx[:, None]
+    positions = ctx[:, None] - num_tokens + np.arange(num_tokens)[None, :]
+    return {
+        "q": jnp.asarray(rng.standard_normal((batch, num_tokens, num_heads, head_dim)), dtype),
+        "k_pool": jnp.asarray(pools[0], dtype),
+        "v_pool": jnp.asarray(pools[1], dtype),
+        "token_table": jnp.asarray(np.where(beyond, poison, table), jnp.int32),
+        "clean_table": jnp.asarray(np.where(beyond, 1, table), jnp.int32),
+        "ctx_len": jnp.asarray(ctx),
+        "positions": jnp.asarray(np.maximum(positions, -1), jnp.int32),
+    }
+
+
+def run_both(case, **tiles):
+    """(kernel on the poisoned table, jnp form on the clean one, mask of real queries)."""
+    scale = case["q"].shape[-1] ** -0.5
+    args = ("k_pool", "v_pool", "token_table", "ctx_len", "positions")
+    got = pa.paged_attention(case["q"], *(case[a] for a in args), scale, interpret=True, **tiles)
+    want = pa.paged_attention_reference(
+        case["q"],
+        case["k_pool"],
+        case["v_pool"],
+        case["clean_table"],
+        case["ctx_len"],
+        case["positions"],
+        scale,
+    )
+    real = np.asarray(case["positions"] >= 0)
+    return got, want, real
+
+
+def check_case(case, tol, **tiles):
+    got, want, real = run_both(case, **tiles)
+    assert got.shape == case["q"].shape and got.dtype == case["q"].dtype
+    assert real.any() and not real.all()  # real and padding queries both checked
+    assert np.isfinite(np.asarray(got, np.float32)).all(), "padding or poison leaked"
+    assert_close(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], tol, "out")
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, FP32_TOL), (jnp.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("groups,head_dim", [(1, 256), (2, 64), (8, 128)])
+def test_decode_pallas(groups, head_dim, dtype, tol):
+    """T = 1 over ragged contexts (one empty) split two ways; GQA 1/2/8, head dims 64-256."""
+    rng = np.random.default_rng(groups * head_dim)
+    case = attention_case(rng, 4, 1, 2 * groups, 2, head_dim, [70, 0, 1, 33], dtype)
+    check_case(case, tol, block_kv=16, num_splits=2)
+
+
+def test_verify_pallas():
+    """T = 4 draft positions per row, one row shorter than T (its first queries pad)."""
+    rng = np.random.default_rng(1)
+    case = attention_case(rng, 3, 4, 8, 2, 64, [40, 2, 17], jnp.float32)
+    check_case(case, FP32_TOL, block_kv=16, num_splits=3)
+
+
+def test_prefill_chunk_with_prefix_pallas():
+    """A 20-token chunk after a cached prefix attends to the prefix and causally within
+    itself (the second row's chunk is its first 12 tokens, padded); the query rows (20 x 4
+    heads) span several row tiles, the last one partial."""
+    rng = np.random.default_rng(2)
+    case = attention_case(rng, 2, 20, 8, 2, 64, [45, 12], jnp.float32)
+    check_case(case, FP32_TOL, block_rows=16, block_kv=16, num_splits=1)
+    check_case(case, FP32_TOL, block_kv=16)  # default row tile: 64 of the 80 rows
+
+
+def test_default_row_tile_keeps_q_within_its_bytes_pallas():
+    """A 64-token chunk of 8 heads per kv head (512 rows) takes 64-row tiles in bf16 and
+    32-row tiles in fp32 at head dim 256 (shared memory), 64 in fp32 at head dim 128; decode
+    keeps 16."""
+    assert pa.default_row_tile(512, 256, 2) == 64
+    assert pa.default_row_tile(512, 256, 4) == 32
+    assert pa.default_row_tile(512, 128, 4) == 64
+    assert pa.default_row_tile(8, 256, 4) == 16
+
+
+def test_row_tile_grows_with_the_query_rows_pallas():
+    assert [pa.row_tile(n, 64) for n in (1, 8, 16, 17, 32, 80, 512)] == [
+        16,
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+    ]
+
+
+def test_splits_more_than_blocks_pallas():
+    """Splits beyond the blocks a row has (empty splits) and the default split choice."""
+    rng = np.random.default_rng(3)
+    case = attention_case(rng, 3, 1, 4, 4, 64, [5, 30, 0], jnp.float32)
+    check_case(case, FP32_TOL, block_kv=16, num_splits=4)
+    check_case(case, FP32_TOL)
+
+
+def test_empty_rows_give_zero_not_nan_pallas():
+    """Rows with no context and padding queries give finite output (zero), like the jnp form
+    gives finite output through MASK_VALUE."""
+    rng = np.random.default_rng(4)
+    case = attention_case(rng, 2, 2, 4, 2, 64, [0, 1], jnp.bfloat16)
+    got, want, real = run_both(case, block_kv=16)
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(np.asarray(want, np.float32)).all()
+    assert np.isfinite(got).all() and not got[~real].any()
+    assert real.sum() == 1 and np.abs(got[real]).max() > 0
+
+
+def test_tiles_are_validated_pallas():
+    rng = np.random.default_rng(5)
+    case = attention_case(rng, 1, 1, 2, 2, 64, [3], jnp.float32)
+    for tiles in ({"block_kv": 24}, {"block_rows": 8}, {"num_splits": 0}):
+        with pytest.raises(ValueError):
+            run_both(case, **tiles)
+    with pytest.raises(ValueError, match="query heads"):
+        pa.paged_attention_reference(
+            case["q"][:, :, :1].repeat(3, axis=2),
+            *(case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")),
+            1.0,
+        )
+
+
+def test_kernels_record_has_attention_where_pallas_runs_pallas():
+    """The dispatch gives the kernel on GPUs and CPU (interpreted), none on XLA or TPU."""
+    assert backend.kernels_for("xla").paged_attention is None
+    assert backend.kernels_for("pallas", "tpu").paged_attention is None
+    assert backend.kernels_for("pallas", "gpu").paged_attention is not None
+    rng = np.random.default_rng(6)
+    case = attention_case(rng, 2, 1, 4, 2, 64, [9, 4], jnp.float32)
+    scale = 64**-0.5
+    args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
+    got = backend.kernels_for("pallas", "cpu").paged_attention(case["q"], *args, scale)
+    want = pa.paged_attention_reference(case["q"], *args, scale)
+    assert_close(got, want, FP32_TOL, "dispatch")
+
+
+def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
+    """Qwen3-Next's decode shapes (16 q / 2 kv heads, head dim 256, bf16) and a 64-token
+    prefill chunk lower through Pallas-Triton with the default tiles; Triton IR is built
+    here, not compiled."""
+    spec = jax.ShapeDtypeStruct
+    tiles = pa.DEFAULT_ATTENTION_TILES
+    params = backend.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
+    for num_tokens in (1, 64):
+        args = (
+            spec((4, num_tokens, 16, 256), jnp.bfloat16),
+            spec((1000, 2, 256), jnp.bfloat16),
+            spec((1000, 2, 256), jnp.bfloat16),
+            spec((4, 300), jnp.int32),
+            spec((4,), jnp.int32),
+            spec((4, num_tokens), jnp.int32),
+        )
+        lowered = jax.jit(lambda *a: pa.paged_attention(*a, 0.0625, compiler_params=params)).trace(
+            *args
+        )
+        assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()

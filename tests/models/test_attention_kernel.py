@@ -1,0 +1,76 @@
+"""The attention layers of every family run the paged attention of the ``Kernels`` they are
+handed (``Kernels.paged_attention``), and the Pallas kernel (interpret mode) gives the
+forward of the jnp form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels.backend import XLA_KERNELS, kernels_for
+from lazyspec.kernels.paged_attention import paged_attention_reference
+from lazyspec.models.interface import PoolView
+from lazyspec.models.model import empty_caches
+from lazyspec.testing.tiny_models import tiny_model
+from tests.models.test_pool_rows import CONTEXT, SLOTS, WIDTH, _verify_inputs
+
+
+def _random_caches(rng, cfg, rows: int):
+    kv, pools = empty_caches(cfg, 1 + rows * CONTEXT, SLOTS + 1, jnp.float32)
+    kv = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), kv)
+    rec = PoolView(
+        conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 0, 1][:rows], jnp.int32)
+    )
+    return kv, rec
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid"])
+def test_forward_calls_the_paged_attention_it_is_given(family):
+    """One call per attention layer, with the layer's pools and the step's table."""
+    model = tiny_model(family)
+    cfg = model.config
+    rng = np.random.default_rng(13)
+    kv, rec = _random_caches(rng, cfg, 2)
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
+    calls = []
+
+    def attention(q, k_pool, v_pool, token_table, ctx_len, positions, scale):
+        calls.append((k_pool.shape, token_table is inputs.kv_read_idx))
+        return paged_attention_reference(q, k_pool, v_pool, token_table, ctx_len, positions, scale)
+
+    kernels = dataclasses.replace(XLA_KERNELS, paged_attention=attention)
+    model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
+    assert calls == [(pool.shape, True) for pool in kv.k] and calls
+
+
+@pytest.mark.parametrize("mode", ["verify", "extend"])
+def test_pallas_attention_forward_matches_jnp_form_pallas(mode):
+    """Qwen3-Next's forward with the Pallas kernels equals the XLA forward on every real
+    token (row 1 is padding: no new tokens), and writes the same KV pools (up to the float
+    error that the hidden stream carries into later layers' K/V)."""
+    model = tiny_model("qwen3_next")
+    cfg = model.config
+    rng = np.random.default_rng(14)
+    kv, rec = _random_caches(rng, cfg, 3)
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 0, 3])
+
+    def run(kernels):
+        return jax.jit(
+            lambda: model.family.forward(
+                model.params, cfg, inputs, kv, rec, mode=mode, chunk_size=4, kernels=kernels
+            )
+        )()
+
+    hidden, kv_out, _ = run(kernels_for("pallas"))
+    want_hidden, want_kv, _ = run(XLA_KERNELS)
+    real = np.arange(WIDTH)[None, :] < np.asarray(inputs.num_new)[:, None]
+    assert real.sum() == WIDTH + 3
+    got, want = np.asarray(hidden)[real], np.asarray(want_hidden)[real]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert np.isfinite(np.asarray(hidden)).all()
+    for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):  # later layers' K/V
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
