@@ -185,6 +185,7 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
     return Engine(
         model=model,
         kernel_backend=backend,
+        moe_runner_backend=args.moe_runner_backend,
         dtype=args.dtype,
         max_running_requests=batch,
         mamba_track_interval=256,
@@ -400,6 +401,12 @@ def main(argv=None) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3_next_moe")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--backends", default="pallas")
+    p.add_argument(
+        "--moe-runner-backend",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="routed experts' form (EngineConfig.moe_runner_backend)",
+    )
     p.add_argument("--batches", default="1,16,64", help="decode batch sizes, one row each")
     p.add_argument("--batch", type=int, default=16, help="batch of --memory")
     p.add_argument("--prompt-len", type=int, default=256)
