@@ -173,6 +173,7 @@ def extend_step(
     conv, ssm = _scatter_state(
         pools.conv, pools.ssm, batch.working_slot, out.final.conv, out.final.ssm
     )
+    conv, ssm = _scatter_state(conv, ssm, batch.copy_slot, out.final.conv, out.final.ssm)
     conv, ssm = _commit_picked(
         static, conv, ssm, out.chunks, batch.track_slot, jnp.zeros_like(batch.track_chunk)
     )  # the one kept chunk state
