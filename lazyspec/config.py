@@ -80,6 +80,11 @@ class EngineConfig:
                 f"mamba_track_interval={self.mamba_track_interval} must be a multiple of "
                 f"mamba_chunk_size={self.mamba_chunk_size} (prefill checkpoints are chunk states)"
             )
+        if self.chunked_prefill_size % self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
+                f"page_size={self.page_size} (prefill checkpoints are whole pages)"
+            )
         if self.chunked_prefill_size % self.mamba_chunk_size:
             raise ValueError(
                 f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "

@@ -113,6 +113,7 @@ class Engine:
             layout.num_verify,
             self.slot_allocator,
             self.tree,
+            grid=layout.prefill_track_grid,
             fail_spare_alloc=c.debug_fail_spare_alloc,
             evict_on_failure=c.debug_lazy_evict_on_failure,
         )

@@ -5,7 +5,8 @@ results to build step n+1):
 * ``extend``: a prefill chunk per row. Reads the initial recurrent state from
   ``state_src_slot`` (slot 0 = zeros, the node slot of a cache hit = copy-on-write, or the
   row's own working slot for a later chunk), writes the final state into ``working_slot``
-  and the in-prompt checkpoint (a chunk-boundary state) into ``track_slot``.
+  (and ``copy_slot``: no_buffer's prefill-end copy) and the chunk's checkpoint (a
+  chunk-boundary state on the prefill grid) into ``track_slot``.
 * ``decode``: D tokens per row (D=1 without speculation; D = draft tokens + 1 with it), read
   from device-side per-request arrays (``last_token``, ``drafts``, ``seq_len``), so accepted
   tokens feed the next step without a host round trip. Recurrent layers write the state
@@ -175,6 +176,7 @@ def extend_step(
         conv, ssm = _scatter_state(
             pools.conv, pools.ssm, batch.working_slot, out.final.conv, out.final.ssm
         )
+        conv, ssm = _scatter_state(conv, ssm, batch.copy_slot, out.final.conv, out.final.ssm)
         conv, ssm = _commit_picked(
             static, conv, ssm, out.chunks, batch.track_slot, jnp.zeros_like(batch.track_chunk)
         )  # the one kept chunk state

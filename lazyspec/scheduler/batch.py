@@ -38,6 +38,7 @@ class ExtendBatch:
     working_slot: np.ndarray  # [B] (sentinel = padding)
     track_slot: np.ndarray  # [B] (sentinel = no checkpoint)
     track_chunk: np.ndarray  # [B] chunk index of the checkpoint state
+    copy_slot: np.ndarray  # [B] also receives the final state (sentinel = none)
     is_last_chunk: np.ndarray  # [B] bool: the prompt ends in this chunk (sample + draft)
     next_token: np.ndarray  # [B] first token of the next chunk (MTP input), when not last
     sampling: SamplingRows
@@ -126,6 +127,7 @@ def build_extend(
         working_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         track_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         track_chunk=np.zeros(num_rows, np.int32),
+        copy_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         is_last_chunk=np.zeros(num_rows, bool),
         next_token=np.zeros(num_rows, np.int32),
         sampling=_sampling(num_rows, reqs),
@@ -142,6 +144,8 @@ def build_extend(
         if record.target_slot != NO_SLOT:
             batch.track_slot[b] = record.target_slot
             batch.track_chunk[b] = record.track_chunk
+        if record.copy_slot != NO_SLOT:
+            batch.copy_slot[b] = record.copy_slot
         batch.is_last_chunk[b] = record.is_last_chunk
         if not record.is_last_chunk:
             batch.next_token[b] = req.fill_ids[start + num_new]

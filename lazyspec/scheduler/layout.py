@@ -20,6 +20,7 @@ null slot / page, which hold zeros.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from lazyspec.scheduler.request import NO_SLOT
@@ -85,6 +86,12 @@ class Layout:
         return self.num_kv_rows
 
     # ---- derived sizes ---------------------------------------------------------------
+
+    @property
+    def prefill_track_grid(self) -> int:
+        """G: prefill checkpoints sit at ``start + (num_new // G) * G`` of each chunk, the
+        least length that is a whole number of scan chunks and of pages."""
+        return math.lcm(self.chunk_size, self.page_size)
 
     @property
     def run_past_headroom(self) -> int:

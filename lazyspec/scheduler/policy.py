@@ -7,7 +7,9 @@ its results (``settle_*``) the crossing is confirmed and the slots are relabelle
 the overlapped loop the in-flight step's records decide what is safe to donate.
 
 Strategies (``strategy.py``; DESIGN §6-§7):
-* ``no_buffer``: no checkpoints while running; the working slot is donated at finish.
+* ``no_buffer``: no checkpoints while decoding; the prompt's last chunk also writes its final
+  state into a fresh slot (held as ``spare`` until inserted at prefill end), and the working
+  slot is donated at finish.
 * ``extra_buffer``: keep + spare (ping-pong); a crossing writes the spare, then they swap.
 * ``extra_buffer_lazy``: keep only; a spare is borrowed (never by eviction) when the next
   boundary is within 2*D tokens of the committed length; a crossing into the spare promotes
@@ -20,10 +22,12 @@ a request's slots. The scheduler calls, in a request's life:
 |-----------------------------------|-----------------------------|--------------------------------|
 | ``slots_needed()``                | admission query             | nothing                        |
 | ``admit(req, source_slot)``       | admission (slots checked)   | allocates the pinned slots     |
-| ``plan_extend`` / ``plan_decode`` | before each step            | plan_decode may borrow a spare |
+| ``chunk_donation(req)``           | before the next chunk's plan | nothing                       |
+| ``plan_extend`` / ``plan_decode`` | before each step            | may allocate / borrow a slot   |
 | ``settle_extend`` / ``settle_decode`` | after the step's results | relabels / frees slots        |
 | ``donation(req, inflight, ...)``  | before a tree insert        | nothing                        |
 | ``take_keep(req)``                | prefill checkpoint insert   | swaps in a fresh keep slot     |
+|                                   |                             | (no_buffer: hands over spare)  |
 | ``give_back(slot)``               | the tree refused a donation | frees it                       |
 | ``release(req, kept)``            | finish                      | frees all but ``kept``         |
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lazyspec.cache.allocators import SlotAllocator
 from lazyspec.scheduler.request import NO_SLOT, Phase, Req, ReqSlots
@@ -54,6 +58,7 @@ class RowRecord:
     is_last_chunk: bool = False
     source_slot: int = NO_SLOT  # extend: where this chunk reads its initial state
     track_chunk: int = -1  # extend: chunk index of the checkpoint state (-1 = none)
+    copy_slot: int = NO_SLOT  # extend: also receives the final state (no_buffer's last chunk)
 
 
 @dataclass(frozen=True)
@@ -72,11 +77,13 @@ class SlotPolicy:
         num_verify: int,
         slots: SlotAllocator,
         tree=None,
+        grid: int | None = None,
         fail_spare_alloc: bool = False,
         evict_on_failure: bool = False,
     ) -> None:
         self.strategy = strategy
         self.interval = interval
+        self.grid = grid  # prefill checkpoint grid; None = the scan chunk
         self.num_verify = num_verify
         self.slots = slots
         self.tree = tree
@@ -109,28 +116,38 @@ class SlotPolicy:
     def plan_extend(
         self, req: Req, start: int, num_new: int, chunk: int, is_last_chunk: bool
     ) -> RowRecord:
-        """An extend chunk's record; its in-prompt checkpoint is the last multiple of I in
-        (start, start+num_new], written in place into the keep slot (relabelled when the
-        result is processed). Later chunks read their state from the working slot."""
+        """An extend chunk's record. Its checkpoint sits on the prefill grid G (a multiple of
+        the scan chunk and the page): at ``start + (num_new // G) * G`` when that is past
+        ``start``, written in place into the keep slot (relabelled when the result is
+        processed; a chunk before the last one is donated when the next chunk is planned,
+        ``chunk_donation``). no_buffer's last chunk ALLOCATES a slot (evicting if needed)
+        that also receives the final state, held as ``spare`` until the prefill-end insert.
+        Later chunks read their state from the working slot."""
         slots = req.slots
         record = RowRecord(
             req, NO_SLOT, False, None, start, num_new, is_last_chunk, source_slot=slots.source
         )
         slots.source = slots.working
+        slots.chunk_track_len = None
+        if self.strategy.donates_working and is_last_chunk:
+            copy = self._alloc_evicting()
+            if copy is None:
+                return record
+            slots.spare = copy
+            return replace(record, copy_slot=copy)
         if not self.strategy.tracks:
             return record
-        checkpoint = ((start + num_new) // self.interval) * self.interval
-        if checkpoint <= start or (checkpoint - start) % chunk:
+        grid = self.grid or chunk
+        assert grid % chunk == 0, (grid, chunk)  # checkpoints are chunk states
+        checkpoint = start + (num_new // grid) * grid
+        if checkpoint <= start:
             return record
-        return RowRecord(
-            req,
-            slots.keep,
-            True,
-            checkpoint,
-            start,
-            num_new,
-            is_last_chunk,
-            source_slot=record.source_slot,
+        slots.chunk_track_len = None if is_last_chunk else checkpoint
+        return replace(
+            record,
+            target_slot=slots.keep,
+            in_place=True,
+            track_len=checkpoint,
             track_chunk=(checkpoint - start) // chunk - 1,
         )
 
@@ -167,8 +184,11 @@ class SlotPolicy:
     # ------------------------------------------------------------------ settle
 
     def settle_extend(self, record: RowRecord) -> None:
-        if record.track_len is not None:
-            record.req.slots.last_track_len = record.track_len
+        """Relabel the keep slot with the chunk's checkpoint, unless the checkpoint already
+        went to the tree (``chunk_donation``: the keep slot was swapped since)."""
+        slots = record.req.slots
+        if record.track_len is not None and record.target_slot == slots.keep:
+            slots.last_track_len = record.track_len
 
     def settle_decode(
         self, record: RowRecord, crossed: bool, boundary: int, finishing: bool
@@ -197,12 +217,17 @@ class SlotPolicy:
 
     def donation(self, req: Req, inflight: Iterable[RowRecord], finished: bool) -> Donation | None:
         """The slot the tree may take from ``req`` now, with the length its state covers, or
-        None (a query). A finishing ``donates_working`` request donates its working slot;
-        otherwise the keep slot, only if it provably holds the state at ``last_track_len``
-        and no in-flight step may still write it."""
+        None (a query). A finishing ``donates_working`` request donates its working slot,
+        a running one its prefill-end copy (the whole prompt); otherwise the keep slot, only
+        if it provably holds the state at ``last_track_len`` and no in-flight step may still
+        write it."""
         slots = req.slots
-        if finished and self.strategy.donates_working and req.phase is Phase.DECODE:
-            return Donation(min(req.seq_len, len(req.all_ids)), slots.working)
+        if self.strategy.donates_working:
+            if finished and req.phase is Phase.DECODE:
+                return Donation(min(req.seq_len, len(req.all_ids)), slots.working)
+            if not finished and slots.spare != NO_SLOT:
+                return Donation(len(req.fill_ids), slots.spare)
+            return None
         if not self.strategy.tracks or slots.last_track_len is None or slots.keep == NO_SLOT:
             return None
         if slots.keep_clobbered:
@@ -211,19 +236,38 @@ class SlotPolicy:
             return None
         return Donation(slots.last_track_len, slots.keep)
 
+    def chunk_donation(self, req: Req) -> Donation | None:
+        """The checkpoint of ``req``'s previous prefill chunk, to insert before its next chunk
+        is planned (a query). The step writing it may still run: that is safe, as every
+        later step runs after it and the next chunk writes a fresh keep slot
+        (``take_keep``)."""
+        slots = req.slots
+        if slots.chunk_track_len is None or slots.keep == NO_SLOT:
+            return None
+        return Donation(slots.chunk_track_len, slots.keep)
+
     def take_keep(self, req: Req) -> int | None:
         """Hand the keep slot to the caller (for the tree) and give the still-running request
         a fresh one, evicting a cached state if needed; None (nothing changed) when no slot
-        can be had."""
+        can be had. no_buffer hands over its prefill-end copy (``spare``) instead."""
+        slots = req.slots
+        slots.chunk_track_len = None
+        if self.strategy.donates_working:
+            taken, slots.spare = slots.spare, NO_SLOT
+            return taken if taken != NO_SLOT else None
+        fresh = self._alloc_evicting()
+        if fresh is None:
+            return None
+        taken, slots.keep, slots.last_track_len = slots.keep, fresh, None
+        return taken
+
+    def _alloc_evicting(self) -> int | None:
+        """One slot, evicting a cached state if none is free; None when none can be had."""
         fresh = self.slots.alloc(1)
         if fresh is None and self.tree is not None:
             self.tree.evict_state(1)
             fresh = self.slots.alloc(1)
-        if fresh is None:
-            return None
-        slots = req.slots
-        taken, slots.keep, slots.last_track_len = slots.keep, fresh[0], None
-        return taken
+        return None if fresh is None else fresh[0]
 
     def give_back(self, slot: int) -> None:
         """Free a slot handed out by ``take_keep`` that the tree did not take."""

@@ -98,7 +98,9 @@ class ReqSlots:
     settled (``last_track_len`` None = no checkpoint of this request yet); ``spare`` is the
     ping-pong scratch (extra_buffer) or the lazily borrowed spare (extra_buffer_lazy);
     ``keep_clobbered`` says an in-place write left ``keep`` past ``last_track_len`` (it may
-    not be donated); ``source`` is where the next extend reads its initial state.
+    not be donated); ``chunk_track_len`` is the checkpoint a planned prefill chunk (not the
+    last) writes into ``keep``, inserted before the next chunk is planned; ``source`` is
+    where the next extend reads its initial state.
     """
 
     working: int = NO_SLOT
@@ -106,6 +108,7 @@ class ReqSlots:
     spare: int = NO_SLOT
     last_track_len: int | None = None
     keep_clobbered: bool = False
+    chunk_track_len: int | None = None
     source: int = NO_SLOT
 
     def owned(self) -> list[int]:

@@ -163,6 +163,7 @@ class Scheduler:
     def _plan_extend(self, reqs: list[Req]) -> StepPlan:
         records = []
         for req in reqs:
+            self._cache_chunk_checkpoint(req)
             start = req.fill_len
             num_new = min(len(req.fill_ids) - start, self.layout.chunked_prefill)
             is_last = start + num_new == len(req.fill_ids)
@@ -277,20 +278,32 @@ class Scheduler:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)}, inflight)
                 return
 
-    def _cache_prefill_checkpoint(self, req: Req, inflight: list[RowRecord]) -> None:
-        """Insert the prompt up to its in-prompt checkpoint while the request keeps running.
+    def _cache_chunk_checkpoint(self, req: Req) -> None:
+        """Insert the checkpoint of ``req``'s previous prefill chunk before its next chunk is
+        planned (the step writing it may still run; the next chunk writes a fresh keep)."""
+        donation = self.policy.chunk_donation(req)
+        if donation is None or donation.length <= req.prefix_len:
+            return
+        self._insert_running(req, donation.length)
 
-        The keep slot goes to the tree and the request continues with a fresh one, but only
-        if no in-flight step may still write the keep slot (the first decode after a prefill
-        is launched before the prefill result is processed).
+    def _cache_prefill_checkpoint(self, req: Req, inflight: list[RowRecord]) -> None:
+        """Insert the prompt up to its last checkpoint while the request keeps running (the
+        keep slot's, or no_buffer's copy of the final state).
+
+        The slot goes to the tree and the request continues with a fresh one, but only if
+        no in-flight step may still write it (the first decode after a prefill is launched
+        before the prefill result is processed).
         """
         donation = self.policy.donation(req, inflight, finished=False)
         if donation is None or donation.length <= req.prefix_len:
             return
+        self._insert_running(req, donation.length)
+
+    def _insert_running(self, req: Req, length: int) -> None:
         slot = self.policy.take_keep(req)
         if slot is None:
             return
-        if not self.cache.cache_req(req, donation.length, slot, finished=False):
+        if not self.cache.cache_req(req, length, slot, finished=False):
             self.policy.give_back(slot)
 
     # ------------------------------------------------------------------ finishing

@@ -20,7 +20,7 @@ class Strategy:
     name: str
     checkpoint_slots: int  # pinned per running request besides the working slot
     transient_slots: int  # borrowed near a boundary (never by eviction), given back after
-    tracks: bool  # writes checkpoints at multiples of the track interval while running
+    tracks: bool  # checkpoints while running (prefill grid; decode: interval multiples)
     borrows_spare: bool  # the spare is borrowed per boundary instead of pinned (lazy)
     donates_working: bool  # at finish the working slot itself goes to the tree
 

@@ -50,8 +50,9 @@ HELP = {
     "default: sized from max-running-requests.",
     "mamba_scheduler_strategy": "Checkpoint strategy: no_buffer, extra_buffer, "
     "extra_buffer_lazy, or auto (= extra_buffer).",
-    "mamba_track_interval": "Tokens between recurrent-state checkpoints (a multiple of "
-    "page-size and mamba-chunk-size).",
+    "mamba_track_interval": "Tokens between decode-time recurrent-state checkpoints (a "
+    "multiple of page-size and mamba-chunk-size); prefill checkpoints sit on the grid "
+    "lcm(mamba-chunk-size, page-size) of each chunk.",
     "mamba_ssm_dtype": "dtype of the recurrent (ssm) state pool.",
     "mamba_chunk_size": "Chunk length of the chunked prefill scan.",
     "chunked_prefill_size": "Most prompt tokens one request prefills per step.",

@@ -64,6 +64,33 @@ def test_turn2_hits_expected_checkpoint(strategy, fail, expected_hit):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_running_request_prompt_is_cached_at_prefill_end(strategy):
+    """A request extending a still-running request's prompt hits that prompt's prefill-end
+    checkpoint: the whole prompt (no_buffer's copy of the final state) or its last point
+    on the prefill grid (G = 64 here: 192 of 200), and the output equals a cache-free
+    run's."""
+    rng = np.random.default_rng(5)
+    prompt = list(rng.integers(3, 128, size=200))
+    longer = prompt + list(rng.integers(3, 128, size=7))
+    engine = _engine(strategy)
+    params = {"max_new_tokens": 40, "ignore_eos": True}
+    first = engine.add_request(input_ids=prompt, sampling_params=params)
+    while not first.output_ids:
+        engine.step()
+    second = engine.add_request(input_ids=longer, sampling_params={"max_new_tokens": 5})
+    while not second.finished:  # run_until_done would also drain first
+        engine.step()
+    assert not first.finished
+    assert second.cached_tokens == (200 if strategy == "no_buffer" else 192)
+    engine.run_until_done([first])
+    engine.check_integrity()
+    assert engine.flush_cache()
+    again = engine.generate(input_ids=longer, sampling_params={"max_new_tokens": 5})
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert again["output_ids"] == second.output_ids
+
+
 @pytest.mark.parametrize("finish_offset,expected_hit", [(-2, 64), (-1, 64), (0, 64), (1, 128)])
 def test_forced_failure_changes_checkpoint_not_output(finish_offset, expected_hit):
     """Finishing around the 128 boundary (D = 1): a crossing in the finishing step is never

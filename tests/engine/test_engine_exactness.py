@@ -1,7 +1,9 @@
 """The engine's greedy output equals cache-free one-request-at-a-time recompute, for every
 checkpoint strategy, with and without the overlapped loop, page sizes 1 and 4; no leaks;
-the null slot and page are never written. Nemotron-H in every case; Granite 4.0-H and
-Qwen3.5 once per strategy, with the overlapped loop."""
+the null slot and page are never written; after every step every state the radix cache
+holds equals a cache-free recompute of its prefix's state (``TreeStateOracle``).
+Nemotron-H in every case; Granite 4.0-H and Qwen3.5 once per strategy, with the
+overlapped loop."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.sinks import assert_null_sinks_zero
+from lazyspec.testing.state_oracle import TreeStateOracle
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 
 INTERVAL = 64
@@ -113,7 +116,9 @@ def test_other_families_staggered_batch_matches_reference(
 
 def _check_staggered_batch(prompts, want, engine: Engine, strategy: str) -> None:
     """Feed ``prompts`` three at a time, every four steps; outputs must equal ``want``, the
-    integrity checks hold after every step, and a flush returns every slot and page."""
+    integrity checks and the tree-slot oracle hold after every step, and a flush returns
+    every slot and page."""
+    oracle = TreeStateOracle(engine)
     reqs = []
     for i, prompt in enumerate(prompts):  # staggered arrival: 3 new requests every 4 steps
         reqs.append(
@@ -125,14 +130,15 @@ def _check_staggered_batch(prompts, want, engine: Engine, strategy: str) -> None
         if i % 3 == 2:
             for _ in range(4):
                 engine.step()
-                engine.check_integrity()
-    engine.run_until_done(reqs, check=Engine.check_integrity)
+                oracle(engine)
+    engine.run_until_done(reqs, check=oracle)
     for i, req in enumerate(reqs):
         assert req.output_ids == want[i], f"request {i} ({len(prompts[i])} tokens) differs"
     assert_null_sinks_zero(engine)
     hits = sum(r.cached_tokens for r in reqs)
-    if strategy != "no_buffer":
+    if strategy != "no_buffer":  # no_buffer's states sit at whole prompts only
         assert hits > 0, "shared prefixes should give cache hits"
+    assert oracle.num_checked > 0, "the oracle compared no tree state"
     assert engine.flush_cache()
     engine.check_integrity()
     assert engine.slot_allocator.num_free == engine.layout.num_slots

@@ -11,6 +11,7 @@ from lazyspec.bench import boundary
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.sinks import assert_null_sinks_zero
+from lazyspec.testing.state_oracle import TreeStateOracle, _prefix
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
@@ -167,3 +168,29 @@ def test_boundary_finish_grid_small():
         (False, False): [128, 128, 128, 128, 160, 160],
         (False, True): [128, 128, 96, 96, 160, 160],
     }
+
+
+def test_prefill_checkpoint_waits_for_the_in_flight_in_place_verify():
+    """Lazy, D = 4, every spare allocation failing, a prompt of 95 ending one token before
+    the boundary 96 (I = 32): the first verify, launched before the prefill result is
+    processed, writes the keep slot in place across 96. The prompt's checkpoint (80, on the
+    grid G = 16) must stay out of the tree (the in-flight guard), and every slot the tree
+    holds equals a cache-free recompute of its prefix's state after every step."""
+    engine = _engine(
+        tiny_model("qwen3_next"),
+        "extra_buffer_lazy",
+        True,
+        spec=True,
+        interval=32,
+        debug_fail_spare_alloc=True,
+    )
+    oracle = TreeStateOracle(engine)
+    prompt = list(np.random.default_rng(7).integers(3, 128, size=95))
+    req = engine.add_request(
+        input_ids=prompt, sampling_params={"max_new_tokens": 12, "ignore_eos": True}
+    )
+    engine.run_until_done([req], check=oracle)
+    assert engine.policy.num_spare_failures > 0 and oracle.num_checked > 0
+    lengths = sorted(len(_prefix(n)) for n in engine.tree.iter_nodes() if n.has_state)
+    assert 80 not in lengths and lengths[0] == 64  # the first chunk's checkpoint
+    assert lengths[-1] == 96  # the in-place crossing, settled while running, at finish

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lazyspec.cache.allocators import SlotAllocator
-from lazyspec.scheduler.policy import SlotPolicy
+from lazyspec.scheduler.policy import Donation, SlotPolicy
 from lazyspec.scheduler.request import NO_SLOT, Phase, Req, ReqSlots, SamplingParams
 from lazyspec.scheduler.strategy import (
     EXTRA_BUFFER,
@@ -193,16 +193,50 @@ def test_take_keep_hands_over_the_keep_slot_and_installs_a_fresh_one():
     assert policy.take_keep(req) is None  # no slot and no tree to evict from: unchanged
 
 
-def test_extend_checkpoint_is_the_last_multiple_inside_the_chunk():
+def test_extend_checkpoint_is_on_the_prefill_grid():
+    """A chunk's checkpoint is ``start + (num_new // G) * G`` (G = lcm(scan chunk, page)),
+    whatever the track interval; a chunk shorter than G has none."""
     slots = SlotAllocator(8)
-    policy = SlotPolicy(EXTRA_BUFFER, INTERVAL, D, slots)
+    policy = SlotPolicy(EXTRA_BUFFER, INTERVAL, D, slots, grid=16)
     req = _req(0, NO_SLOT, last=None)
     policy.admit(req, source_slot=5)
     first = policy.plan_extend(req, start=0, num_new=40, chunk=8, is_last_chunk=False)
     assert (first.track_len, first.track_chunk, first.target_slot) == (32, 3, req.slots.keep)
     assert first.in_place and first.source_slot == 5
-    second = policy.plan_extend(req, start=40, num_new=5, chunk=8, is_last_chunk=True)
-    assert second.track_len is None and second.target_slot == NO_SLOT
+    assert policy.chunk_donation(req) == Donation(32, req.slots.keep)  # before the next chunk
+    second = policy.plan_extend(req, start=40, num_new=20, chunk=8, is_last_chunk=True)
+    assert (second.track_len, second.track_chunk) == (56, 1)  # 40 + 16, not a multiple of G
     assert second.source_slot == req.slots.working  # later chunks continue from working
+    assert policy.chunk_donation(req) is None  # the last chunk's goes in at prefill end
+    third = policy.plan_extend(req, start=60, num_new=15, chunk=8, is_last_chunk=True)
+    assert third.track_len is None and third.target_slot == NO_SLOT
     policy.settle_extend(first)
     assert req.slots.last_track_len == 32
+
+
+def test_settled_chunk_checkpoint_taken_by_the_tree_is_not_relabelled():
+    """Once the tree took the previous chunk's keep slot (``take_keep`` before the next
+    chunk), that chunk's late result must not relabel the fresh keep slot."""
+    slots = SlotAllocator(8)
+    policy = SlotPolicy(EXTRA_BUFFER_LAZY, INTERVAL, D, slots, grid=8)
+    req = _req(0, NO_SLOT, last=None)
+    policy.admit(req, source_slot=NO_SLOT)
+    first = policy.plan_extend(req, start=0, num_new=16, chunk=8, is_last_chunk=False)
+    taken = policy.take_keep(req)
+    assert taken == first.target_slot != req.slots.keep
+    policy.settle_extend(first)
+    assert req.slots.last_track_len is None
+
+
+def test_no_buffer_last_chunk_copies_its_final_state():
+    slots = SlotAllocator(4)
+    policy = SlotPolicy(NO_BUFFER, INTERVAL, D, slots)
+    req = _req(0, NO_SLOT, last=None)
+    req.fill_ids = list(range(30))
+    policy.admit(req, source_slot=NO_SLOT)
+    first = policy.plan_extend(req, start=0, num_new=16, chunk=8, is_last_chunk=False)
+    assert first.copy_slot == NO_SLOT and first.target_slot == NO_SLOT
+    last = policy.plan_extend(req, start=16, num_new=14, chunk=8, is_last_chunk=True)
+    assert last.copy_slot == req.slots.spare != NO_SLOT
+    assert policy.donation(req, [], finished=False) == Donation(30, last.copy_slot)
+    assert policy.take_keep(req) == last.copy_slot and req.slots.spare == NO_SLOT

@@ -70,7 +70,14 @@ class Pools:
         self.kv = KVAllocator(num_pages, PAGE)
         self.slots = SlotAllocator(num_slots)
         self.tree = RadixCache(PAGE, self.kv, self.slots)
-        policy = SlotPolicy(layout.strategy, INTERVAL, num_verify, self.slots, self.tree)
+        policy = SlotPolicy(
+            layout.strategy,
+            INTERVAL,
+            num_verify,
+            self.slots,
+            self.tree,
+            grid=layout.prefill_track_grid,
+        )
         cache = RequestCache(layout, self.tree, self.kv, self.slots)
         self.num_verify = num_verify
         self.sched = Scheduler(layout, policy, cache, eos_ids=(2,))
@@ -154,7 +161,9 @@ def test_admission_limited_by_state_slots():
     pools.sched.add(second)
     pools.step()
     assert pools.sched.running == [first] and list(pools.sched.waiting) == [second]
-    assert pools.slots.num_free == 2
+    # 3 pinned, and the prompt's checkpoint at 16 (G = 16) went to the tree with the keep
+    # slot, the request continuing on a fresh one
+    assert pools.slots.num_free == 1 and pools.tree.num_cached_slots == 1
     _run_until_finished(pools, [first])
     pools.step()
     assert pools.sched.running == [second]
@@ -213,14 +222,16 @@ def test_abort_running_request_mid_prefill_frees_everything():
     pools = Pools()
     req = _req("a", 150, max_new=8)
     pools.sched.add(req)
-    pools.step()  # first chunk processed: an in-prompt checkpoint is settled, not cached
-    plan = pools.sched.schedule()  # second chunk planned, not yet processed
+    pools.step()  # first chunk processed: its checkpoint (64) is settled, not cached
+    assert pools.tree.num_cached_tokens == 0
+    plan = pools.sched.schedule()  # second chunk planned (the first's checkpoint cached)
     assert plan.kind == "extend" and req.fill_len == 128
-    assert pools.slots.num_free == 12 - 3 and pools.kv.num_free_pages < 128
+    assert pools.tree.num_cached_tokens == 64 and req.prefix_len == 64
+    assert pools.slots.num_free == 12 - 3 - 1 and pools.kv.num_free_pages < 128
     assert pools.sched.abort("a")
     assert req.finished and not pools.sched.running and not pools.sched.waiting
-    assert pools.slots.num_free == 12 and pools.kv.num_free_pages == 128
-    assert pools.tree.num_cached_tokens == 0  # an abort caches nothing
+    assert pools.slots.num_free == 12 - 1 and pools.kv.num_free_pages == 128 - 64 // PAGE
+    assert pools.tree.num_cached_tokens == 64  # the abort itself caches nothing
     # results of a dropped request
     pools.sched.process(plan, fake_results(plan, 1, 5, 1), inflight=())
     assert not req.output_ids
@@ -278,12 +289,14 @@ def test_chunked_prefill_pieces_and_batches():
         assert a.working_slot[b] == req.slots.working
         assert a.state_src_slot[b] == (0 if start == 0 else req.slots.working)
         np.testing.assert_array_equal(a.kv_read_idx[b, :150], own_rows[:150])
-        if num_new == CHUNKED_PREFILL:  # checkpoint at the chunk's end (a multiple of 32)
+        if num_new == CHUNKED_PREFILL:  # checkpoint at the chunk's end (on the grid G = 16)
             assert a.next_token[b] == req.input_ids[start + num_new]
             assert a.track_slot[b] == req.slots.keep
             assert a.track_chunk[b] == CHUNKED_PREFILL // CHUNK - 1
-        else:  # 128..150 crosses no multiple of 32
-            assert a.track_slot[b] == sentinel_slot and a.track_chunk[b] == 0
+            # the previous chunk's checkpoint went to the tree before this chunk was planned
+            assert req.prefix_len == start
+        else:  # 128..150: checkpoint at 128 + (22 // 16) * 16 = 144, after one scan chunk
+            assert a.track_slot[b] == req.slots.keep and a.track_chunk[b] == 0
         if start == 0:  # the short requests ride along in the first extend step
             assert [r.req for r in plan.records] == [req, *others]
             assert a.num_new.tolist() == [64, 40, 9, 0]
@@ -296,9 +309,10 @@ def test_chunked_prefill_pieces_and_batches():
             assert [r.req for r in plan.records] == [req]
         pools.sched.process(plan, fake_results(plan, 1, 5, 1), inflight=())
     assert pieces == [(0, 64, (4, 64), False), (64, 64, (1, 64), False), (128, 22, (1, 32), True)]
-    # the prefill ended: its last in-prompt checkpoint (128) went to the tree
-    assert req.output_ids == [5] and pools.tree.num_cached_tokens >= 128
-    assert pools.tree.match_prefix(req.input_ids).prefix_len == 128
+    # the prefill ended: its last in-prompt checkpoint (144) went to the tree
+    assert req.output_ids == [5] and pools.tree.num_cached_tokens >= 144
+    assert pools.tree.match_prefix(req.input_ids).prefix_len == 144
+    assert pools.tree.match_prefix(req.input_ids[:143]).prefix_len == 128
     plan = pools.sched.schedule()
     assert plan.kind == "decode" and [r.req for r in plan.records] == [req, *others]
     a = plan.batch
