@@ -41,6 +41,8 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     kernel_backend: str | None = None
     skip_warmup: bool = False
+    # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
+    schedule_conservativeness: float = 1.0
     # Fault injection / experiments (tests and benchmarks only).
     debug_fail_spare_alloc: bool = False
     debug_lazy_evict_on_failure: bool = False
@@ -64,6 +66,15 @@ class EngineConfig:
             "chunked_prefill_size",
         ):
             _check_positive(name, getattr(self, name))
+        conservativeness = self.schedule_conservativeness
+        if (
+            not isinstance(conservativeness, (int, float))
+            or isinstance(conservativeness, bool)
+            or not 0 < conservativeness < float("inf")
+        ):
+            raise ValueError(
+                f"schedule_conservativeness={conservativeness!r} must be a positive number"
+            )
         for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -98,7 +98,9 @@ class ReqSlots:
     settled (``last_track_len`` None = no checkpoint of this request yet); ``spare`` is the
     ping-pong scratch (extra_buffer) or the lazily borrowed spare (extra_buffer_lazy);
     ``keep_clobbered`` says an in-place write left ``keep`` past ``last_track_len`` (it may
-    not be donated); ``source`` is where the next extend reads its initial state.
+    not be donated); ``source`` is where the next extend reads its initial state;
+    ``retired`` are slots of a retracted request that a step still in flight may write
+    (freed when that step is processed; never counted as the request's own).
     """
 
     working: int = NO_SLOT
@@ -107,6 +109,7 @@ class ReqSlots:
     last_track_len: int | None = None
     keep_clobbered: bool = False
     source: int = NO_SLOT
+    retired: tuple[int, ...] = ()
 
     def owned(self) -> list[int]:
         """The distinct slots the request holds, sorted."""
@@ -139,6 +142,7 @@ class Req:
     seq_len: int = 0  # tokens whose state + KV are committed (processed results)
     inflight_decode: int = 0  # decode steps launched but not yet processed
     spec_verify_ct: int = 0
+    num_retractions: int = 0  # times retracted to free KV (resumed by recompute)
     accept_hist: list[int] = field(default_factory=list)
 
     fill_ids: list[int] = field(
