@@ -17,6 +17,12 @@ A request's token positions, who owns each range's KV, and what ``cache_req`` do
 ``length`` is the donated checkpoint's length (the state slot holds the state after
 exactly ``length`` tokens; whole pages by construction); without a donation nothing is
 inserted and ``length`` = ``prefix_len``.
+
+``end`` grows: admission gives the prompt's pages and the run-past headroom
+(``pages_needed``), each decode step the
+pages up to its committed length plus the run-past headroom (``pages_to_cover`` /
+``grow``). A retracted request ends with ``drop``: everything it owns goes back, nothing
+enters the tree.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ class RequestCache:
     # ------------------------------------------------------------------ queries
 
     def pages_needed(self, req: Req, fill_len: int, prefix_len: int) -> int:
-        """KV pages allocated at admission: the prompt past the matched prefix. Decode
-        steps add pages as they reach them (``pages_to_cover`` / ``grow``)."""
-        return max(-(-(fill_len - prefix_len) // self.page_size), 0)
+        """KV pages allocated at admission: the prompt past the matched prefix and the
+        run-past headroom (the last prefill step drafts past the prompt). Decode steps
+        add pages as they reach them (``pages_to_cover`` / ``grow``)."""
+        need = min(fill_len + self.layout.run_past_headroom, self.layout.context_len)
+        return max(-(-(need - prefix_len) // self.page_size), 0)
 
     def covered_len(self, req: Req) -> int:
         """Token positions of ``req``'s row that have KV rows: the prefix, then its pages."""

@@ -102,19 +102,19 @@ class Scheduler:
         """What admitting ``req`` takes, or None if it does not fit now (evictable cache
         entries counted). A query: only the match's LRU touch and statistics change.
 
-        Pages are taken for the prompt; beyond it the pool must keep the run-past headroom
-        and, while other requests run, the tokens every running request and ``req`` are
+        Pages are taken for the prompt and the run-past headroom; beyond them, while other
+        requests run, the pool must keep the tokens every running request and ``req`` are
         estimated to still produce (``NewTokenRatio``). A request admitted alone needs
-        only its prompt and the headroom: nothing else could be retracted for it."""
+        only its own pages: nothing else could be retracted for it."""
         if len(self.running) >= self.layout.max_running:
             return None
         fill_ids = req.all_ids
         match = self.tree.match_prefix(fill_ids[:-1])
         num_slots = self.policy.slots_needed()
         num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len)
-        reserved = self.layout.run_past_headroom
+        reserved = 0
         if self.running:
-            reserved += sum(self._estimated_new_tokens(r) for r in (*self.running, req))
+            reserved = sum(self._estimated_new_tokens(r) for r in (*self.running, req))
         if not self.cache.fits(match, num_slots, num_pages, reserved):
             return None
         return Admission(fill_ids, match, num_slots, num_pages)

@@ -85,7 +85,8 @@ def test_a_request_that_fits_after_eviction_is_admitted_with_exactly_its_resourc
     req = _req("r", rng.integers(1, 100, 20).tolist(), 20)
     admission = sched.can_admit(req)
     assert admission is not None and admission.num_slots == 3
-    assert admission.num_pages == 20  # the prompt: decode steps allocate as they go
+    # the prompt and the run-past headroom: decode steps allocate as they go
+    assert admission.num_pages == 20 + sched.layout.run_past_headroom
     sched.admit(req, admission)
     assert req.phase is Phase.PREFILL and len(req.slots.owned()) == 3
     assert len(req.own_pages) == admission.num_pages

@@ -173,8 +173,8 @@ def _idle(sched: Scheduler) -> None:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_short_outputs_run_at_full_concurrency_in_a_pool_short_of_max_tokens(overlap):
     # 4 x (20 prompt + 40 max new + 3 headroom) = 252 tokens would be reserved up front;
-    # the pool has 200. Estimated (0.7 x 40 per request) they all fit; each stops after 6.
-    sched = _scheduler(num_pages=100)
+    # the pool has 220. Estimated (0.7 x 40 per request) they all fit; each stops after 6.
+    sched = _scheduler(num_pages=110)
     reqs = [_req(f"r{i}", 20, 40, seed=i, stop_after=6) for i in range(4)]
     for req in reqs:
         sched.add(req)
@@ -191,7 +191,7 @@ def test_short_outputs_run_at_full_concurrency_in_a_pool_short_of_max_tokens(ove
 
 def test_the_estimate_limits_admission_while_others_run():
     # the same pool and requests with max_new 100: 0.7 x 100 each no longer fits four
-    sched = _scheduler(num_pages=100)
+    sched = _scheduler(num_pages=110)
     for i in range(4):
         sched.add(_req(f"r{i}", 20, 100, seed=i))
     sched.schedule()
