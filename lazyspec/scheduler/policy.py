@@ -241,8 +241,9 @@ class SlotPolicy:
     def retract(self, req: Req, inflight: Iterable[RowRecord]) -> None:
         """Mutates: free every slot of retracted ``req`` but the checkpoint targets of its
         in-flight steps (``inflight``), which move to ``slots.retired`` until
-        ``free_retired``: a slot a launched step may still write is never handed out again
-        before that step is processed. Nothing is donated."""
+        ``free_retired``: a checkpoint target of a launched step is never handed out again
+        before that step is processed (its working slot is: no later step runs before
+        it on the device). Nothing is donated."""
         writing = {r.target_slot for r in inflight if r.req is req}
         owned = req.slots.owned()
         self.slots.free([s for s in owned if s not in writing])
