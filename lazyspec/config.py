@@ -43,6 +43,8 @@ class EngineConfig:
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
     skip_warmup: bool = False
+    # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
+    schedule_conservativeness: float = 1.0
     # Fault injection / experiments (tests and benchmarks only).
     debug_fail_spare_alloc: bool = False
     debug_lazy_evict_on_failure: bool = False
@@ -67,6 +69,15 @@ class EngineConfig:
             "chunked_prefill_size",
         ):
             _check_positive(name, getattr(self, name))
+        conservativeness = self.schedule_conservativeness
+        if (
+            not isinstance(conservativeness, (int, float))
+            or isinstance(conservativeness, bool)
+            or not 0 < conservativeness < float("inf")
+        ):
+            raise ValueError(
+                f"schedule_conservativeness={conservativeness!r} must be a positive number"
+            )
         for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -26,6 +26,7 @@ from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
 from lazyspec.scheduler.scheduler import Scheduler
+from lazyspec.scheduler.token_ratio import NewTokenRatio
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class EngineStats:
     cached_kv_tokens: int
     state_slots: int  # total, the sink slot excluded
     kv_tokens: int  # total KV token rows, the sink page excluded
+    num_retractions: int  # requests retracted so far to free KV for a decode step
 
 
 class Engine:
@@ -118,7 +120,13 @@ class Engine:
             evict_on_failure=c.debug_lazy_evict_on_failure,
         )
         cache = RequestCache(layout, self.tree, self.kv_allocator, self.slot_allocator)
-        self.scheduler = Scheduler(layout, self.policy, cache, cfg.eos_token_ids)
+        self.scheduler = Scheduler(
+            layout,
+            self.policy,
+            cache,
+            cfg.eos_token_ids,
+            NewTokenRatio(c.schedule_conservativeness),
+        )
         self.max_running = layout.max_running
         self._memory_plan = layout.memory_plan(
             self.runner.slot_bytes(), self.runner.kv_bytes_per_token()
@@ -198,7 +206,7 @@ class Engine:
         """One iteration of the (overlapped) loop: plan and launch step n+1, then process
         step n's results with step n+1's records as the in-flight ones."""
         sched = self.scheduler
-        plan = sched.schedule()
+        plan = sched.schedule(self._inflight_records())
         outputs = self.runner.launch(plan.batch) if plan else None
         if self.config.disable_overlap_schedule:
             if plan:
@@ -292,6 +300,8 @@ class Engine:
         """
         running = self.scheduler.running
         held_slots = [slot for r in running for slot in r.slots.owned()]
+        # a retracted request's slots that a launched step may still write
+        held_slots += [slot for r in self.scheduler.waiting for slot in r.slots.retired]
         held_pages = [int(p) for r in running if r.own_pages is not None for p in r.own_pages]
         check_all(self.kv_allocator, self.slot_allocator, self.tree, held_slots, held_pages)
 
@@ -313,6 +323,7 @@ class Engine:
                 # once per admitted request (a request waiting for room is not re-counted)
                 "cache_hit_tokens": sched.num_cached_tokens,
                 "cache_queried_tokens": sched.num_admitted_tokens,
+                "new_token_ratio": sched.token_ratio.value,
             }
         )
         if steps and self.config.spec_enabled:
@@ -357,6 +368,7 @@ class Engine:
             cached_kv_tokens=self.tree.num_cached_tokens,
             state_slots=self.layout.num_slots,
             kv_tokens=self.layout.kv_tokens,
+            num_retractions=self.scheduler.num_retractions,
         )
 
     def num_compiled(self) -> int:

@@ -17,6 +17,12 @@ A request's token positions, who owns each range's KV, and what ``cache_req`` do
 ``length`` is the donated checkpoint's length (the state slot holds the state after
 exactly ``length`` tokens; whole pages by construction); without a donation nothing is
 inserted and ``length`` = ``prefix_len``.
+
+``end`` grows: admission gives the prompt's pages and the run-past headroom
+(``pages_needed``), each decode step the
+pages up to its committed length plus the run-past headroom (``pages_to_cover`` /
+``grow``). A retracted request ends with ``drop``: everything it owns goes back, nothing
+enters the tree.
 """
 
 from __future__ import annotations
@@ -44,22 +50,40 @@ class RequestCache:
     # ------------------------------------------------------------------ queries
 
     def pages_needed(self, req: Req, fill_len: int, prefix_len: int) -> int:
-        """KV pages reserved at admission: the whole prompt, every output token, and the
-        run-past headroom of the overlapped / speculative loop, past the matched prefix."""
-        need = fill_len + req.sampling.max_new_tokens + self.layout.run_past_headroom
-        need = min(need, self.layout.context_len)
+        """KV pages allocated at admission: the prompt past the matched prefix and the
+        run-past headroom (the last prefill step drafts past the prompt). Decode steps
+        add pages as they reach them (``pages_to_cover`` / ``grow``)."""
+        need = min(fill_len + self.layout.run_past_headroom, self.layout.context_len)
         return max(-(-(need - prefix_len) // self.page_size), 0)
 
-    def fits(self, match: MatchResult, num_slots: int, num_pages: int) -> bool:
-        """Whether a free row, ``num_slots`` slots and ``num_pages`` pages can be had, counting
-        what eviction could free once ``match.node`` is locked. Changes nothing."""
+    def covered_len(self, req: Req) -> int:
+        """Token positions of ``req``'s row that have KV rows: the prefix, then its pages."""
+        return req.prefix_len + len(req.own_pages) * self.page_size
+
+    def pages_to_cover(self, req: Req, length: int) -> int:
+        """Pages ``grow`` must add so that positions [0, length) have KV rows (a query)."""
+        length = min(length, self.layout.context_len)
+        return max(-(-(length - self.covered_len(req)) // self.page_size), 0)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus those eviction could free now (a query)."""
+        return self.kv.num_free_pages + self.tree.num_evictable_kv_tokens // self.page_size
+
+    def fits(
+        self, match: MatchResult, num_slots: int, num_pages: int, reserved_tokens: int = 0
+    ) -> bool:
+        """Whether a free row, ``num_slots`` slots and ``num_pages`` pages can be had with
+        ``reserved_tokens`` more KV tokens still to spare, counting what eviction could
+        free once ``match.node`` is locked. Changes nothing."""
         if not self.free_rows:
             return False
         lock_slots, lock_tokens = self.tree.lock_cost(match.node)
         slots = self.slots.num_free + self.tree.num_evictable_slots - lock_slots
         tokens = self.tree.num_evictable_kv_tokens - lock_tokens
         pages = self.kv.num_free_pages + tokens // self.page_size
-        return slots >= num_slots and pages >= num_pages
+        spare_tokens = (pages - num_pages) * self.page_size
+        return slots >= num_slots and pages >= num_pages and spare_tokens >= reserved_tokens
 
     # ------------------------------------------------------------------ admission
 
@@ -78,7 +102,9 @@ class RequestCache:
         page_ids = self.kv.alloc_pages(num_pages)
         req.req_row = self.free_rows.pop()
         req.prefix_node = match.node
-        req.prefix_len = req.cached_tokens = match.prefix_len
+        req.prefix_len = match.prefix_len
+        if not req.num_retractions:  # a resumed request reports its first admission's hit
+            req.cached_tokens = match.prefix_len
         row = self.req_to_token[req.req_row]
         row[:] = 0
         row[: match.prefix_len] = match.kv_indices
@@ -87,6 +113,32 @@ class RequestCache:
         end = min(match.prefix_len + len(own), self.layout.context_len)
         row[match.prefix_len : end] = own[: end - match.prefix_len]
         req.own_pages = page_ids
+
+    # ------------------------------------------------------------------ decode growth
+
+    def grow(self, req: Req, length: int) -> None:
+        """Mutates: give ``req`` the pages ``pages_to_cover(req, length)`` says, evicting
+        cached KV if needed (``num_available_pages`` said there are enough)."""
+        num_pages = self.pages_to_cover(req, length)
+        if num_pages == 0:
+            return
+        if self.kv.num_free_pages < num_pages:
+            self.tree.evict_kv((num_pages - self.kv.num_free_pages) * self.page_size)
+        page_ids = self.kv.alloc_pages(num_pages)
+        assert page_ids is not None, "grow() without the pages it needs"
+        start = self.covered_len(req)
+        end = min(start + num_pages * self.page_size, self.layout.context_len)
+        rows = self.kv.pages_to_token_indices(page_ids)
+        self.req_to_token[req.req_row, start:end] = rows[: end - start]
+        req.own_pages = np.concatenate([req.own_pages, page_ids]).astype(req.own_pages.dtype)
+
+    def drop(self, req: Req) -> None:
+        """Mutates: give back ``req``'s pages, prefix lock and row with nothing inserted into
+        the tree (a retracted request: its KV past the prefix is recomputed on resume)."""
+        self.cache_req(req, 0, NO_SLOT, finished=True)
+        req.own_pages = None
+        req.prefix_node = None
+        req.req_row = 0
 
     # ------------------------------------------------------------------ insertion
 

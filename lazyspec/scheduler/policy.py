@@ -30,6 +30,8 @@ a request's slots. The scheduler calls, in a request's life:
 |                                   |                             | (no_buffer: hands over spare)  |
 | ``give_back(slot)``               | the tree refused a donation | frees it                       |
 | ``release(req, kept)``            | finish                      | frees all but ``kept``         |
+| ``retract(req, inflight)``        | retraction                  | frees all but in-flight targets|
+| ``free_retired(record)``          | that in-flight step settled | frees its target               |
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class SlotPolicy:
         """Allocate a newly admitted request's pinned slots; the next extend reads its state
         from ``source_slot`` (a cached node's slot, or NO_SLOT = zeros). The caller has made
         sure ``slots_needed()`` slots are free."""
+        assert not req.slots.retired, "admit() before the retracted slots were freed"
         slot_ids = self.slots.alloc(self.slots_needed())
         assert slot_ids is not None, "admit() without the free slots it needs"
         checkpoints = self.strategy.checkpoint_slots
@@ -278,3 +281,22 @@ class SlotPolicy:
         slots = req.slots
         self.slots.free([s for s in slots.owned() if s != kept])
         slots.working = slots.keep = slots.spare = NO_SLOT
+
+    def retract(self, req: Req, inflight: Iterable[RowRecord]) -> None:
+        """Mutates: free every slot of retracted ``req`` but the checkpoint targets of its
+        in-flight steps (``inflight``), which move to ``slots.retired`` until
+        ``free_retired``: a checkpoint target of a launched step is never handed out again
+        before that step is processed (its working slot is: no later step runs before
+        it on the device). Nothing is donated."""
+        writing = {r.target_slot for r in inflight if r.req is req}
+        owned = req.slots.owned()
+        self.slots.free([s for s in owned if s not in writing])
+        req.slots = ReqSlots(retired=tuple(s for s in owned if s in writing))
+
+    def free_retired(self, record: RowRecord) -> None:
+        """Mutates: the step of ``record`` is processed; free its target if ``record.req``
+        was retracted while it was in flight."""
+        slots = record.req.slots
+        if record.target_slot in slots.retired:
+            self.slots.free([record.target_slot])
+            slots.retired = tuple(s for s in slots.retired if s != record.target_slot)

@@ -100,7 +100,9 @@ class ReqSlots:
     ``keep_clobbered`` says an in-place write left ``keep`` past ``last_track_len`` (it may
     not be donated); ``chunk_track_len`` is the checkpoint a planned prefill chunk (not the
     last) writes into ``keep``, inserted before the next chunk is planned; ``source`` is
-    where the next extend reads its initial state.
+    where the next extend reads its initial state; ``retired`` are slots of a retracted
+    request that a step still in flight may write (freed when that step is processed;
+    never counted as the request's own).
     """
 
     working: int = NO_SLOT
@@ -110,6 +112,7 @@ class ReqSlots:
     keep_clobbered: bool = False
     chunk_track_len: int | None = None
     source: int = NO_SLOT
+    retired: tuple[int, ...] = ()
 
     def owned(self) -> list[int]:
         """The distinct slots the request holds, sorted."""
@@ -142,6 +145,7 @@ class Req:
     seq_len: int = 0  # tokens whose state + KV are committed (processed results)
     inflight_decode: int = 0  # decode steps launched but not yet processed
     spec_verify_ct: int = 0
+    num_retractions: int = 0  # times retracted to free KV (resumed by recompute)
     accept_hist: list[int] = field(default_factory=list)
 
     fill_ids: list[int] = field(

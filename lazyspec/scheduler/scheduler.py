@@ -3,7 +3,15 @@
 Host-only (no jax). ``schedule()`` returns the next ``StepPlan`` (a typed host batch + the
 per-row records) or None; ``process(plan, results, inflight)`` applies a step's read-back
 results. Under the overlapped loop ``process`` for step n runs after step n+1 was planned
-and launched: ``inflight`` is step n+1's records, which decide what may be donated.
+and launched: ``inflight`` is step n+1's records, which decide what may be donated; and
+``schedule(inflight)`` plans step n+1 while step n (``inflight``) is unprocessed, which
+decides what a retraction may free.
+
+KV is not reserved up front: admission counts each request's prompt plus an estimate of
+the tokens it will still produce (``NewTokenRatio``), and a decode step allocates the
+pages it reaches. When a decode step cannot get its pages, the requests with the least
+progress are retracted (``_retract``): pages, row and slots given back with nothing
+inserted into the tree, re-queued at the front to resume by recompute from their tokens.
 
 Who owns what: ``SlotPolicy`` the requests' state slots (policy.py), ``RequestCache`` their
 KV rows, pages and tree insertion (cache.py); the scheduler owns the queues, the request
@@ -32,6 +40,7 @@ from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import Layout
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import NO_SLOT, Phase, Req
+from lazyspec.scheduler.token_ratio import NewTokenRatio
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +69,7 @@ class Scheduler:
         policy: SlotPolicy,
         cache: RequestCache,
         eos_ids: tuple[int, ...],
+        token_ratio: NewTokenRatio | None = None,
     ) -> None:
         self.layout = layout
         self.policy = policy
@@ -74,6 +84,8 @@ class Scheduler:
         # prefix-cache statistics, counted once per admitted request
         self.num_admitted_tokens = 0  # prompt tokens of admitted requests
         self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
+        self.token_ratio = token_ratio or NewTokenRatio()
+        self.num_retractions = 0  # requests retracted to free KV for a decode step
 
     # ------------------------------------------------------------------ queries
 
@@ -88,16 +100,28 @@ class Scheduler:
 
     def can_admit(self, req: Req) -> Admission | None:
         """What admitting ``req`` takes, or None if it does not fit now (evictable cache
-        entries counted). A query: only the match's LRU touch and statistics change."""
+        entries counted). A query: only the match's LRU touch and statistics change.
+
+        Pages are taken for the prompt and the run-past headroom; beyond them, while other
+        requests run, the pool must keep the tokens every running request and ``req`` are
+        estimated to still produce (``NewTokenRatio``). A request admitted alone needs
+        only its own pages: nothing else could be retracted for it."""
         if len(self.running) >= self.layout.max_running:
             return None
         fill_ids = req.all_ids
         match = self.tree.match_prefix(fill_ids[:-1])
         num_slots = self.policy.slots_needed()
         num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len)
-        if not self.cache.fits(match, num_slots, num_pages):
+        reserved = 0
+        if self.running:
+            reserved = sum(self._estimated_new_tokens(r) for r in (*self.running, req))
+        if not self.cache.fits(match, num_slots, num_pages, reserved):
             return None
         return Admission(fill_ids, match, num_slots, num_pages)
+
+    def _estimated_new_tokens(self, req: Req) -> int:
+        remaining = req.sampling.max_new_tokens - len(req.output_ids)
+        return self.token_ratio.estimate(remaining)
 
     def _prepare(self, req: Req) -> bool:
         """Convert the head waiting request's per-step values (``sampling_row``) before it
@@ -131,12 +155,16 @@ class Scheduler:
         req.fill_len = req.seq_len = match.prefix_len
         req.phase = Phase.PREFILL
         self.running.append(req)
-        self.num_admitted_tokens += len(admission.fill_ids)
-        self.num_cached_tokens += match.prefix_len
+        if not req.num_retractions:  # a resumed request is counted once, when first admitted
+            self.num_admitted_tokens += len(admission.fill_ids)
+            self.num_cached_tokens += match.prefix_len
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, inflight: Iterable[RowRecord] = ()) -> StepPlan | None:
+        """The next step's plan, or None. Mutates: admits, plans slots and pages; may
+        retract or fail requests when a decode step cannot get its pages. ``inflight``:
+        the records of the launched step not yet processed (empty without overlap)."""
         while self.waiting:
             if not self._prepare(self.waiting[0]):
                 continue  # it failed and left the queue; the next one is the head now
@@ -149,8 +177,11 @@ class Scheduler:
             return self._plan_extend(prefilling[: self.layout.max_extend_rows])
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
         if decoding:
-            return self._plan_decode(decoding)
-        if self.waiting and not self.running:
+            decoding = self._make_room(decoding, list(inflight))
+            # all retracted or failed: the next call admits again with what they freed
+            return self._plan_decode(decoding) if decoding else None
+        self.token_ratio.reset()  # nothing runs
+        if self.waiting:
             req = self.waiting.popleft()
             reason = {
                 "type": "abort",
@@ -177,6 +208,82 @@ class Scheduler:
         batch = build_extend(self.layout, records, self.cache.req_to_token)
         return StepPlan("extend", records, batch)
 
+    def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
+        """Mutates: give every request of the next decode step the pages its writes may
+        reach (the run-past headroom past its committed length), retracting the requests
+        with the least progress (fewest outputs, then longest prompt) until the rest fit.
+        A request that does not fit with every other one retracted fails alone. Returns
+        the requests left to decode."""
+        reqs = list(reqs)
+        retracted = False
+        while reqs:
+            need = sum(self.cache.pages_to_cover(r, self._decode_reach(r)) for r in reqs)
+            if need <= self.cache.num_available_pages:
+                break
+            if len(reqs) == 1:
+                self._fail_alone(reqs.pop(), need, inflight)
+                break
+            victim = min(reqs, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+            reqs.remove(victim)
+            self._retract(victim, inflight)
+            retracted = True
+        for req in reqs:
+            self.cache.grow(req, self._decode_reach(req))
+        if retracted and reqs:
+            self.token_ratio.after_retraction(
+                sum(len(r.output_ids) for r in reqs),
+                sum(r.sampling.max_new_tokens for r in reqs),
+                len(reqs),
+            )
+        elif reqs:
+            self.token_ratio.step()
+        return reqs
+
+    def _decode_reach(self, req: Req) -> int:
+        """Positions a decode step planned now may write up to (exclusive): the committed
+        length, the in-flight steps' and this step's tokens, and one step of slack."""
+        return req.seq_len + self.layout.run_past_headroom
+
+    def _retract(self, req: Req, inflight: list[RowRecord]) -> None:
+        """Mutates: take a decoding request out of the running batch to resume later by
+        recompute. Its pages and row go back with nothing inserted into the tree; its slots
+        too, except the targets of its in-flight steps (freed when those are processed).
+        Its outputs stay: on resume it prefills prompt + outputs and continues."""
+        self.running.remove(req)
+        self.cache.drop(req)
+        self.policy.retract(req, inflight)
+        req.phase = Phase.WAITING
+        req.fill_ids, req.fill_len, req.seq_len = [], 0, 0
+        self.waiting.appendleft(req)
+        req.num_retractions += 1
+        self.num_retractions += 1
+        logger.info(
+            "retracted request %s (%d prompt + %d output tokens) to free KV; %d running",
+            req.rid,
+            len(req.input_ids),
+            len(req.output_ids),
+            len(self.running),
+        )
+
+    def _fail_alone(self, req: Req, need: int, inflight: list[RowRecord]) -> None:
+        """Mutates: ``req`` needs more pages than the pool can give it with every other
+        request retracted: it ends with an error, freeing as a retraction does."""
+        self.running.remove(req)
+        self.cache.drop(req)
+        self.policy.retract(req, inflight)
+        req.phase = Phase.FINISHED
+        req.finish_reason = {
+            "type": "abort",
+            "message": (
+                f"the request does not fit in the KV pool: its next decode step needs {need} "
+                f"more pages, {self.cache.num_available_pages} can be had with every other "
+                f"request retracted ({len(req.input_ids)} prompt + {len(req.output_ids)} "
+                "output tokens so far)"
+            ),
+            "status_code": 400,
+        }
+        logger.warning("request %s failed: %s", req.rid, req.finish_reason["message"])
+
     def _plan_decode(self, reqs: list[Req]) -> StepPlan:
         records = [self.policy.plan_decode(req) for req in reqs]
         for req in reqs:
@@ -200,8 +307,9 @@ class Scheduler:
     def _process_extend(self, plan: StepPlan, results, inflight: list[RowRecord]) -> None:
         for b, record in enumerate(plan.records):
             req = record.req
-            if req.finished:
-                continue
+            self.policy.free_retired(record)
+            if req.finished or req.phase is Phase.WAITING:
+                continue  # finished, or retracted since this step was planned
             self.policy.settle_extend(record)
             if record.is_last_chunk:
                 self._cache_prefill_checkpoint(req, inflight)
@@ -221,8 +329,9 @@ class Scheduler:
         for b, record in enumerate(plan.records):
             req = record.req
             req.inflight_decode -= 1
-            if req.finished:
-                continue
+            self.policy.free_retired(record)
+            if req.finished or req.phase is Phase.WAITING:
+                continue  # finished, or retracted since this step was planned
             n = int(results["accept_len"][b])
             pre = int(results["pre"][b])
             req.seq_len = pre + n
@@ -274,7 +383,7 @@ class Scheduler:
                 reason = {"type": "length", "length": req.sampling.max_new_tokens}
                 self._finish(req, reason, inflight)
                 return
-            if len(req.fill_ids) + len(req.output_ids) >= limit:
+            if len(req.input_ids) + len(req.output_ids) >= limit:
                 self._finish(req, {"type": "length", "length": len(req.output_ids)}, inflight)
                 return
 

@@ -72,6 +72,9 @@ HELP = {
     "matmul over routed experts), xla (the sort + ragged_dot dispatch) or auto (= xla on "
     "GPU and TPU, where the kernel's check is incomplete; pallas in interpret mode on CPU).",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
+    "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
+    "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
+    "the requests with the least progress).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "
     "allocation fails.",
@@ -93,7 +96,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             group.add_argument(*names, dest=f.name, action="store_true", default=None, help=text)
             continue
-        convert = int if kind.startswith("int") else str
+        convert = int if kind.startswith("int") else float if kind == "float" else str
         default = f"(default: {f.default})" if f.default is not None else ""
         group.add_argument(
             *names,

@@ -66,8 +66,8 @@ def test_a_request_that_cannot_fit_evicts_nothing():
         _cache_prefix(sched, rng.integers(1, 100, 16).tolist())
     before = _state(sched)
     assert before[0] == 0 and before[2] == 48 and before[3] == 3
-    # 40 prompt + 30 new tokens need more pages than free + evictable (64 in all)
-    big = _req("big", rng.integers(1, 100, 40).tolist(), 30)
+    # 46 prompt tokens + the run-past headroom (3) need more than free + evictable (48)
+    big = _req("big", rng.integers(1, 100, 46).tolist(), 30)
     assert sched.can_admit(big) is None
     assert _state(sched) == before
     sched.add(big)
@@ -85,7 +85,8 @@ def test_a_request_that_fits_after_eviction_is_admitted_with_exactly_its_resourc
     req = _req("r", rng.integers(1, 100, 20).tolist(), 20)
     admission = sched.can_admit(req)
     assert admission is not None and admission.num_slots == 3
-    assert admission.num_pages == 20 + 20 + sched.layout.run_past_headroom
+    # the prompt and the run-past headroom: decode steps allocate as they go
+    assert admission.num_pages == 20 + sched.layout.run_past_headroom
     sched.admit(req, admission)
     assert req.phase is Phase.PREFILL and len(req.slots.owned()) == 3
     assert len(req.own_pages) == admission.num_pages
