@@ -20,11 +20,14 @@ import numpy as np
 from lazyspec.engine.steps import (
     DecodeBatch,
     ExtendBatch,
+    PackedBatch,
     Pools,
     StepStatic,
     apply_table_updates,
     decode_step,
     extend_step,
+    pack_batch,
+    unpack_batch,
 )
 from lazyspec.models.interface import KVPools
 from lazyspec.scheduler.layout import Layout
@@ -36,8 +39,18 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # The config, the family and the static settings are static arguments hashed by value, so
 # every runner of an equal model and equal settings shares one compilation per shape.
-_extend_jit = jax.jit(extend_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
-_decode_jit = jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _unpacking(step):
+    """``step`` taking its batch packed (``PackedBatch``)."""
+
+    @functools.wraps(step)
+    def run(fam, cfg, static, params, pools, packed: PackedBatch):
+        return step(fam, cfg, static, params, pools, unpack_batch(packed))
+
+    return run
+
+
+_extend_jit = jax.jit(_unpacking(extend_step), static_argnums=(0, 1, 2), donate_argnums=(4,))
+_decode_jit = jax.jit(_unpacking(decode_step), static_argnums=(0, 1, 2), donate_argnums=(4,))
 _table_jit = jax.jit(apply_table_updates, donate_argnums=(0,))
 
 
@@ -104,13 +117,13 @@ class Runner:
     def launch(
         self, batch: ExtendBatch | DecodeBatch, table_chunks: list[np.ndarray] = ()
     ) -> dict[str, jax.Array]:
-        """Dispatch the step for ``batch`` (a host batch, moved to the device as it is, in
-        one transfer) after applying ``table_chunks`` (request-table updates past the
+        """Dispatch the step for ``batch`` (a host batch, moved to the device packed into one
+        int32 array: one transfer) after applying ``table_chunks`` (request-table updates past the
         batch's own); returns its outputs as device arrays without waiting for them."""
         for chunk in table_chunks:
             self.update_table(chunk)
         step = self._extend if isinstance(batch, ExtendBatch) else self._decode
-        outputs, self.pools = step(self.params, self.pools, jax.device_put(batch))
+        outputs, self.pools = step(self.params, self.pools, jax.device_put(pack_batch(batch)))
         return outputs
 
     def update_table(self, updates: np.ndarray) -> None:

@@ -22,12 +22,15 @@ write, so slot 0, page 0 and request row 0 are never written.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lazyspec.engine.sampling import (
     sample_from,
@@ -65,11 +68,60 @@ class Pools:
 
 
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
-# pytrees here, moved to the device as they are.
+# pytrees here, moved to the device packed (``pack_batch``) and unpacked in the step.
 for _batch in (ExtendBatch, DecodeBatch):
     jax.tree_util.register_dataclass(
         _batch, data_fields=[f.name for f in dataclasses.fields(_batch)], meta_fields=[]
     )
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each leaf of a packed batch lies: the batch's tree structure and each leaf's
+    (shape, dtype name), in flattening order. Static: one compilation per layout, which a
+    bucket fixes."""
+
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["words"], meta_fields=["layout"])
+@dataclass
+class PackedBatch:
+    """A host batch as one int32 array (every leaf flattened and bit-cast; bools as 0 / 1),
+    so a launch moves it to the device in one transfer; ``unpack_batch`` restores it."""
+
+    words: Any  # [N] int32
+    layout: PackedLayout
+
+    @property
+    def num_rows(self) -> int:
+        return self.layout.leaves[0][0][0]  # req_row [B] leads both batch kinds
+
+
+def pack_batch(batch: ExtendBatch | DecodeBatch) -> PackedBatch:
+    """Host side: ``batch``'s leaves, each 4 bytes wide (int32, uint32, float32) or bool."""
+    leaves, treedef = jax.tree.flatten(batch)
+    words = []
+    for leaf in leaves:
+        flat = np.ascontiguousarray(leaf).reshape(-1)
+        words.append(flat.astype(np.int32) if flat.dtype == np.bool_ else flat.view(np.int32))
+    layout = PackedLayout(treedef, tuple((leaf.shape, leaf.dtype.name) for leaf in leaves))
+    return PackedBatch(np.concatenate(words), layout)
+
+
+def unpack_batch(packed: PackedBatch) -> ExtendBatch | DecodeBatch:
+    """Device side (traced): the batch ``pack_batch`` packed."""
+    leaves, offset = [], 0
+    for shape, dtype in packed.layout.leaves:
+        size = math.prod(shape)
+        words = packed.words[offset : offset + size].reshape(shape)
+        offset += size
+        if dtype == "bool":
+            leaves.append(words != 0)
+        else:
+            leaves.append(jax.lax.bitcast_convert_type(words, jnp.dtype(dtype)))
+    return jax.tree.unflatten(packed.layout.treedef, leaves)
 
 
 @dataclass(frozen=True)

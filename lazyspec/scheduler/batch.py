@@ -6,8 +6,8 @@ scheduled requests and their ``RowRecord``s; padding rows point at the drop sent
 changes nothing for them. Nothing in a batch grows with the context: a step reads its rows'
 KV indices from the device's request table, after applying the table updates it carries
 (``table_updates``; see ``RequestCache.take_updates``). The engine registers these
-dataclasses as pytrees and hands them, moved to the device as they are, to the jitted
-steps (``(params, pools, batch)``).
+dataclasses as pytrees and hands them to the jitted steps (``(params, pools, batch)``),
+moved to the device packed into one int32 array and unpacked there.
 """
 
 from __future__ import annotations
