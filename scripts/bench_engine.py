@@ -208,7 +208,7 @@ class _Recorder:
         import jax
 
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-        if self.args is None or shapes[2].req_row.shape[0] > self.args[2].req_row.shape[0]:
+        if self.args is None or shapes[2].num_rows > self.args[2].num_rows:
             self.args = shapes
         return self.jitted(*args)
 
@@ -229,7 +229,7 @@ def decode_memory(model, backend: str, args) -> dict:
     return {
         "backend": backend,
         "batch": args.batch,
-        "rows": recorder.args[2].req_row.shape[0],
+        "rows": recorder.args[2].num_rows,
         "temp_mib": mib(analysis.temp_size_in_bytes),
         "argument_mib": mib(analysis.argument_size_in_bytes),
         "output_mib": mib(analysis.output_size_in_bytes),

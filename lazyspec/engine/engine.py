@@ -20,7 +20,7 @@ from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
 from lazyspec.engine.runner import Runner
 from lazyspec.engine.steps import StepStatic
-from lazyspec.scheduler.batch import build_decode, build_extend
+from lazyspec.scheduler.batch import build_decode, build_extend, table_updates
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
@@ -138,22 +138,27 @@ class Engine:
 
         ``progress(done, total)`` is called with ``done = 0`` first and after each shape; an
         exception it raises stops the warm-up (and propagates)."""
-        layout, table = self.layout, self.scheduler.cache.req_to_token
+        layout, runner = self.layout, self.runner
         rows_buckets, length_buckets = layout.extend_buckets
         batches = [
-            functools.partial(build_extend, num_rows=rows, length=length)
+            functools.partial(build_extend, layout, [], num_rows=rows, length=length)
             for rows in rows_buckets
             for length in length_buckets
         ]
         batches += [
-            functools.partial(build_decode, num_rows=rows) for rows in layout.decode_buckets
+            functools.partial(build_decode, layout, [], num_rows=rows)
+            for rows in layout.decode_buckets
         ]
-        for done, build in enumerate(batches):
+        # an all-padding chunk compiles the table-update program and writes nothing
+        chunk = table_updates(layout, None, layout.table_chunk_len)
+        programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
+        programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
+        for done, compile_program in enumerate(programs):
             if progress is not None:
-                progress(done, len(batches))
-            self.runner.fetch(self.runner.launch(build(layout, [], table)))
+                progress(done, len(programs))
+            compile_program()
         if progress is not None:
-            progress(len(batches), len(batches))
+            progress(len(programs), len(programs))
 
     # ------------------------------------------------------------------ requests
 
@@ -207,7 +212,7 @@ class Engine:
         step n's results with step n+1's records as the in-flight ones."""
         sched = self.scheduler
         plan = sched.schedule(self._inflight_records())
-        outputs = self.runner.launch(plan.batch) if plan else None
+        outputs = self.runner.launch(plan.batch, plan.table_chunks) if plan else None
         if self.config.disable_overlap_schedule:
             if plan:
                 sched.process(plan, self.runner.fetch(outputs), inflight=())
@@ -304,6 +309,19 @@ class Engine:
         held_slots += [slot for r in self.scheduler.waiting for slot in r.slots.retired]
         held_pages = [int(p) for r in running if r.own_pages is not None for p in r.own_pages]
         check_all(self.kv_allocator, self.slot_allocator, self.tree, held_slots, held_pages)
+        self._check_table()
+
+    def _check_table(self) -> None:
+        """AssertionError unless the device request table equals the host's once the pending
+        updates are applied (waits for the launched steps)."""
+        cache = self.scheduler.cache
+        table = self.runner.read_table()
+        pending = cache.pending_updates()
+        table[pending[0], pending[1]] = pending[2]
+        wrong = np.argwhere(table != cache.req_to_token)
+        assert not wrong.size, (
+            f"device request table differs from the host's at (row, position) {wrong[:5]}"
+        )
 
     def get_server_info(self) -> dict:
         sched = self.scheduler

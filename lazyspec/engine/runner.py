@@ -7,6 +7,7 @@ returns device arrays; ``fetch`` blocks on one step's small outputs only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -19,10 +20,14 @@ import numpy as np
 from lazyspec.engine.steps import (
     DecodeBatch,
     ExtendBatch,
+    PackedBatch,
     Pools,
     StepStatic,
+    apply_table_updates,
     decode_step,
     extend_step,
+    pack_batch,
+    unpack_batch,
 )
 from lazyspec.models.interface import KVPools
 from lazyspec.scheduler.layout import Layout
@@ -34,8 +39,19 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # The config, the family and the static settings are static arguments hashed by value, so
 # every runner of an equal model and equal settings shares one compilation per shape.
-_extend_jit = jax.jit(extend_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
-_decode_jit = jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _unpacking(step):
+    """``step`` taking its batch packed (``PackedBatch``)."""
+
+    @functools.wraps(step)
+    def run(fam, cfg, static, params, pools, packed: PackedBatch):
+        return step(fam, cfg, static, params, pools, unpack_batch(packed))
+
+    return run
+
+
+_extend_jit = jax.jit(_unpacking(extend_step), static_argnums=(0, 1, 2), donate_argnums=(4,))
+_decode_jit = jax.jit(_unpacking(decode_step), static_argnums=(0, 1, 2), donate_argnums=(4,))
+_table_jit = jax.jit(apply_table_updates, donate_argnums=(0,))
 
 
 def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
@@ -59,6 +75,7 @@ def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtyp
         seq_len=jax.ShapeDtypeStruct((rows,), jnp.int32),
         last_token=jax.ShapeDtypeStruct((rows,), jnp.int32),
         drafts=jax.ShapeDtypeStruct((rows, layout.num_draft_positions), jnp.int32),
+        req_to_token=jax.ShapeDtypeStruct((rows, layout.context_len), jnp.int32),
     )
 
 
@@ -97,12 +114,26 @@ class Runner:
 
     # ------------------------------------------------------------------ steps
 
-    def launch(self, batch: ExtendBatch | DecodeBatch) -> dict[str, jax.Array]:
-        """Dispatch the step for ``batch`` (a host batch, moved to the device as it is);
-        returns its outputs as device arrays without waiting for them."""
+    def launch(
+        self, batch: ExtendBatch | DecodeBatch, table_chunks: list[np.ndarray] = ()
+    ) -> dict[str, jax.Array]:
+        """Dispatch the step for ``batch`` (a host batch, moved to the device packed into one
+        int32 array: one transfer) after applying ``table_chunks`` (request-table updates past the
+        batch's own); returns its outputs as device arrays without waiting for them."""
+        for chunk in table_chunks:
+            self.update_table(chunk)
         step = self._extend if isinstance(batch, ExtendBatch) else self._decode
-        outputs, self.pools = step(self.params, self.pools, jax.device_put(batch))
+        outputs, self.pools = step(self.params, self.pools, jax.device_put(pack_batch(batch)))
         return outputs
+
+    def update_table(self, updates: np.ndarray) -> None:
+        """Apply one padded chunk of request-table updates ``[3, table_chunk_len]``."""
+        table = _table_jit(self.pools.req_to_token, jax.device_put(updates))
+        self.pools = dataclasses.replace(self.pools, req_to_token=table)
+
+    def read_table(self) -> np.ndarray:
+        """A writable host copy of the device request table (waits for the launched steps)."""
+        return np.array(self.pools.req_to_token)
 
     @staticmethod
     def fetch(outputs: dict[str, jax.Array]) -> dict[str, np.ndarray]:
@@ -112,7 +143,7 @@ class Runner:
     def num_compiled() -> int:
         """Programs the jitted steps hold, for every runner of this process (runners of equal
         configs and settings share theirs)."""
-        return _extend_jit._cache_size() + _decode_jit._cache_size()
+        return _extend_jit._cache_size() + _decode_jit._cache_size() + _table_jit._cache_size()
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of one slot's (conv, ssm) state, for tests and debugging."""

@@ -12,6 +12,10 @@ results to build step n+1):
   tokens feed the next step without a host round trip. Recurrent layers write the state
   after every position into per-row scratch; the commit is two masked scatters (DESIGN §7).
 
+Both steps first apply the request-table updates their batch carries to
+``pools.req_to_token`` and then gather their rows' KV indices from it (``_read_table``):
+the host sends table deltas, never whole rows.
+
 Every scatter uses an out-of-range sentinel with ``mode="drop"`` for rows that must not
 write, so slot 0, page 0 and request row 0 are never written.
 """
@@ -19,12 +23,15 @@ write, so slot 0, page 0 and request row 0 are never written.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lazyspec.engine.sampling import (
     sample_from,
@@ -58,14 +65,64 @@ class Pools:
     seq_len: jax.Array  # [max_reqs + 1] int32, tokens covered by the working state
     last_token: jax.Array  # [max_reqs + 1] int32, next input token
     drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
+    req_to_token: jax.Array  # [max_reqs + 1, context_len] int32, the host table's copy
 
 
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
-# pytrees here, moved to the device as they are.
+# pytrees here, moved to the device packed (``pack_batch``) and unpacked in the step.
 for _batch in (ExtendBatch, DecodeBatch):
     jax.tree_util.register_dataclass(
         _batch, data_fields=[f.name for f in dataclasses.fields(_batch)], meta_fields=[]
     )
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each leaf of a packed batch lies: the batch's tree structure and each leaf's
+    (shape, dtype name), in flattening order. Static: one compilation per layout, which a
+    bucket fixes."""
+
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["words"], meta_fields=["layout"])
+@dataclass
+class PackedBatch:
+    """A host batch as one int32 array (every leaf flattened and bit-cast; bools as 0 / 1),
+    so a launch moves it to the device in one transfer; ``unpack_batch`` restores it."""
+
+    words: Any  # [N] int32
+    layout: PackedLayout
+
+    @property
+    def num_rows(self) -> int:
+        return self.layout.leaves[0][0][0]  # req_row [B] leads both batch kinds
+
+
+def pack_batch(batch: ExtendBatch | DecodeBatch) -> PackedBatch:
+    """Host side: ``batch``'s leaves, each 4 bytes wide (int32, uint32, float32) or bool."""
+    leaves, treedef = jax.tree.flatten(batch)
+    words = []
+    for leaf in leaves:
+        flat = np.ascontiguousarray(leaf).reshape(-1)
+        words.append(flat.astype(np.int32) if flat.dtype == np.bool_ else flat.view(np.int32))
+    layout = PackedLayout(treedef, tuple((leaf.shape, leaf.dtype.name) for leaf in leaves))
+    return PackedBatch(np.concatenate(words), layout)
+
+
+def unpack_batch(packed: PackedBatch) -> ExtendBatch | DecodeBatch:
+    """Device side (traced): the batch ``pack_batch`` packed."""
+    leaves, offset = [], 0
+    for shape, dtype in packed.layout.leaves:
+        size = math.prod(shape)
+        words = packed.words[offset : offset + size].reshape(shape)
+        offset += size
+        if dtype == "bool":
+            leaves.append(words != 0)
+        else:
+            leaves.append(jax.lax.bitcast_convert_type(words, jnp.dtype(dtype)))
+    return jax.tree.unflatten(packed.layout.treedef, leaves)
 
 
 @dataclass(frozen=True)
@@ -98,6 +155,21 @@ class StepStatic:
     def kernels(self) -> Kernels:
         """The kernels of ``backend``, resolved once per backend (``kernels_for`` caches)."""
         return kernels_for(self.backend, moe_runner=self.moe_runner)
+
+
+def apply_table_updates(table: jax.Array, updates: jax.Array) -> jax.Array:
+    """``table[row, position] = kv_row`` for each column of ``updates`` ``[3, U]``; columns
+    whose row is the drop sentinel (one past the table) write nothing. Each (row, position)
+    occurs once, so the result does not depend on the scatter's order."""
+    return table.at[updates[0], updates[1]].set(updates[2], mode="drop")
+
+
+def _read_table(static: StepStatic, pools: Pools, batch: ExtendBatch | DecodeBatch):
+    """The request table after the batch's updates, and each row's KV indices ``[B, C]``
+    (padding rows read the null row 0: the null page)."""
+    table = apply_table_updates(pools.req_to_token, batch.table_updates)
+    rows = jnp.where(batch.req_row <= static.max_reqs, batch.req_row, 0)
+    return table, table[rows]
 
 
 def _gather_state(pools: Pools, slots: jax.Array) -> StateRows:
@@ -146,17 +218,18 @@ def extend_step(
 ):
     num_rows, num_tokens = batch.tokens.shape
     real = batch.num_new > 0
+    table, kv_read_idx = _read_table(static, pools, batch)
     t_idx = jnp.arange(num_tokens)[None, :]
     positions = batch.start_pos[:, None] + t_idx
     valid = t_idx < batch.num_new[:, None]
-    write_idx = jnp.take_along_axis(batch.kv_read_idx, jnp.where(valid, positions, 0), axis=1)
+    write_idx = jnp.take_along_axis(kv_read_idx, jnp.where(valid, positions, 0), axis=1)
     write_idx = jnp.where(valid, write_idx, static.sentinel_kv_row)
     inputs = ForwardInputs(
         tokens=batch.tokens,
         positions=positions,
         num_new=batch.num_new,
         kv_write_idx=write_idx,
-        kv_read_idx=batch.kv_read_idx,
+        kv_read_idx=kv_read_idx,
         ctx_len=batch.start_pos + batch.num_new,
     )
     rec = _gather_state(pools, batch.state_src_slot)
@@ -210,7 +283,7 @@ def extend_step(
             mtp_hidden[rows, last],
             tail,
             last_pos,
-            batch.kv_read_idx,
+            kv_read_idx,
             real & batch.is_last_chunk,
         )
         drafts = drafts.at[done_row].set(new_drafts, mode="drop")
@@ -222,6 +295,7 @@ def extend_step(
         seq_len=seq_len,
         last_token=last_token,
         drafts=drafts,
+        req_to_token=table,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
@@ -272,18 +346,19 @@ def decode_step(
     num_pos = static.num_verify
     real = batch.req_row <= static.max_reqs
     row = jnp.minimum(batch.req_row, static.max_reqs)
+    table, kv_read_idx = _read_table(static, pools, batch)
     pre = pools.seq_len[row]
     drafts = pools.drafts[row][:, : num_pos - 1]
     tokens = jnp.concatenate([pools.last_token[row][:, None], drafts], axis=1)
     positions = pre[:, None] + jnp.arange(num_pos)[None, :]
-    write_idx = jnp.take_along_axis(batch.kv_read_idx, positions, axis=1)
+    write_idx = jnp.take_along_axis(kv_read_idx, positions, axis=1)
     write_idx = jnp.where(real[:, None], write_idx, static.sentinel_kv_row)
     inputs = ForwardInputs(
         tokens=tokens,
         positions=positions,
         num_new=jnp.where(real, num_pos, 0),
         kv_write_idx=write_idx,
-        kv_read_idx=batch.kv_read_idx,
+        kv_read_idx=kv_read_idx,
         ctx_len=pre + num_pos,
     )
     # the pools themselves, each row at its working slot: the Pallas update reads them in
@@ -340,7 +415,7 @@ def decode_step(
             mtp_hidden[rows, accept_len - 1],
             bonus,
             post - 1,
-            batch.kv_read_idx,
+            kv_read_idx,
             real,
         )
         new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
@@ -352,6 +427,7 @@ def decode_step(
         seq_len=seq_len,
         last_token=last_token,
         drafts=new_drafts,
+        req_to_token=table,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits)

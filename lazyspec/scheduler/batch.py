@@ -3,8 +3,11 @@
 One builder per step kind (``build_extend``, ``build_decode``) fills a typed batch from the
 scheduled requests and their ``RowRecord``s; padding rows point at the drop sentinels
 (request row, working and checkpoint slot) and the null slot / page, so the device step
-changes nothing for them. The engine registers these dataclasses as pytrees and hands
-them, moved to the device as they are, to the jitted steps (``(params, pools, batch)``).
+changes nothing for them. Nothing in a batch grows with the context: a step reads its rows'
+KV indices from the device's request table, after applying the table updates it carries
+(``table_updates``; see ``RequestCache.take_updates``). The engine registers these
+dataclasses as pytrees and hands them to the jitted steps (``(params, pools, batch)``),
+moved to the device packed into one int32 array and unpacked there.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lazyspec.scheduler.layout import Layout
+from lazyspec.scheduler.layout import TABLE_UPDATES_PER_STEP, Layout
 from lazyspec.scheduler.policy import RowRecord
 from lazyspec.scheduler.request import NO_SLOT, Req
 
@@ -33,7 +36,7 @@ class ExtendBatch:
     tokens: np.ndarray  # [B, T]
     start_pos: np.ndarray  # [B]
     num_new: np.ndarray  # [B]
-    kv_read_idx: np.ndarray  # [B, C]
+    table_updates: np.ndarray  # [3, U] request-table writes (row, position, KV row)
     state_src_slot: np.ndarray  # [B] initial state (null slot = zeros)
     working_slot: np.ndarray  # [B] (sentinel = padding)
     track_slot: np.ndarray  # [B] (sentinel = no checkpoint)
@@ -47,7 +50,7 @@ class ExtendBatch:
 @dataclass
 class DecodeBatch:
     req_row: np.ndarray  # [B] (sentinel = padding)
-    kv_read_idx: np.ndarray  # [B, C]
+    table_updates: np.ndarray  # [3, U] request-table writes (row, position, KV row)
     working_slot: np.ndarray  # [B] (sentinel = padding)
     track_slot: np.ndarray  # [B] checkpoint target if a boundary is crossed (sentinel = none)
     track_interval: np.ndarray  # [] int32 (traced: no recompile per value)
@@ -104,15 +107,39 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
     return rows
 
 
+def table_updates(layout: Layout, updates: np.ndarray | None, length: int) -> np.ndarray:
+    """``updates`` ([3, n] (row, position, KV row), n <= length; None = none) padded to
+    ``[3, length]`` with writes to the drop-sentinel row."""
+    padded = np.zeros((3, length), np.int32)
+    padded[0] = layout.sentinel_row
+    if updates is not None:
+        assert updates.shape[1] <= length, (updates.shape, length)
+        padded[:, : updates.shape[1]] = updates
+    return padded
+
+
+def split_table_updates(layout: Layout, updates: np.ndarray) -> tuple[np.ndarray, list]:
+    """A step's request-table updates ``[3, n]``: the part the step carries (at most
+    ``TABLE_UPDATES_PER_STEP``) and the rest as padded ``[3, table_chunk_len]`` chunks,
+    applied before the step. Each entry occurs once, so the parts commute."""
+    carried, rest = updates[:, :TABLE_UPDATES_PER_STEP], updates[:, TABLE_UPDATES_PER_STEP:]
+    size = layout.table_chunk_len
+    chunks = [
+        table_updates(layout, rest[:, i : i + size], size) for i in range(0, rest.shape[1], size)
+    ]
+    return carried, chunks
+
+
 def build_extend(
     layout: Layout,
     records: list[RowRecord],
-    req_to_token: np.ndarray,
+    updates: np.ndarray | None = None,
     num_rows: int | None = None,
     length: int | None = None,
 ) -> ExtendBatch:
-    """The extend batch of ``records`` (one prefill chunk each, from ``record.start``);
-    bucket shapes picked from the layout unless given (warm-up builds empty ones)."""
+    """The extend batch of ``records`` (one prefill chunk each, from ``record.start``)
+    carrying ``updates`` (at most ``TABLE_UPDATES_PER_STEP``); bucket shapes picked from
+    the layout unless given (warm-up builds empty ones)."""
     rows_bucket, len_bucket = layout.extend_buckets
     num_rows = num_rows or bucket(len(records), rows_bucket)
     length = length or bucket(max(r.num_new for r in records), len_bucket)
@@ -122,7 +149,7 @@ def build_extend(
         tokens=np.zeros((num_rows, length), np.int32),
         start_pos=np.zeros(num_rows, np.int32),
         num_new=np.zeros(num_rows, np.int32),
-        kv_read_idx=np.zeros((num_rows, layout.context_len), np.int32),
+        table_updates=table_updates(layout, updates, TABLE_UPDATES_PER_STEP),
         state_src_slot=np.full(num_rows, NO_SLOT, np.int32),
         working_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         track_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
@@ -138,7 +165,6 @@ def build_extend(
         batch.tokens[b, :num_new] = req.fill_ids[start : start + num_new]
         batch.start_pos[b] = start
         batch.num_new[b] = num_new
-        batch.kv_read_idx[b] = req_to_token[req.req_row]
         batch.state_src_slot[b] = record.source_slot
         batch.working_slot[b] = req.slots.working
         if record.target_slot != NO_SLOT:
@@ -153,13 +179,17 @@ def build_extend(
 
 
 def build_decode(
-    layout: Layout, records: list[RowRecord], req_to_token: np.ndarray, num_rows: int | None = None
+    layout: Layout,
+    records: list[RowRecord],
+    updates: np.ndarray | None = None,
+    num_rows: int | None = None,
 ) -> DecodeBatch:
-    """The decode batch of ``records`` (D verify positions per row, read on the device)."""
+    """The decode batch of ``records`` (D verify positions per row, read on the device)
+    carrying ``updates`` (at most ``TABLE_UPDATES_PER_STEP``)."""
     num_rows = num_rows or bucket(len(records), layout.decode_buckets)
     batch = DecodeBatch(
         req_row=np.full(num_rows, layout.sentinel_row, np.int32),
-        kv_read_idx=np.zeros((num_rows, layout.context_len), np.int32),
+        table_updates=table_updates(layout, updates, TABLE_UPDATES_PER_STEP),
         working_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         track_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         track_interval=np.asarray(layout.track_interval, np.int32),
@@ -168,7 +198,6 @@ def build_decode(
     for b, record in enumerate(records):
         req = record.req
         batch.req_row[b] = req.req_row
-        batch.kv_read_idx[b] = req_to_token[req.req_row]
         batch.working_slot[b] = req.slots.working
         if record.target_slot != NO_SLOT:
             batch.track_slot[b] = record.target_slot

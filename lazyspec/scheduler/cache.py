@@ -5,6 +5,11 @@ request), the free request rows, the requests' own KV pages and their locks on t
 ``SlotPolicy`` owns the state slots. ``cache_req`` is the only code that inserts a request
 into the tree.
 
+The table has a device copy (the runner's ``Pools.req_to_token``), kept equal by deltas:
+every write goes through ``_write``, which records the entries it changed; ``take_updates``
+hands a step the changed entries of the rows it reads, with their current values. An entry
+changed twice is sent once, so the order in which a step applies its updates is free.
+
 A request's token positions, who owns each range's KV, and what ``cache_req`` does with it
 (running: ``finished=False``, at finish: ``finished=True``):
 
@@ -45,6 +50,10 @@ class RequestCache:
         self.slots = slots
         self.page_size = layout.page_size
         self.req_to_token = np.zeros((layout.num_req_rows, layout.context_len), np.int32)
+        # per row: positions changed since the device copy last received the row
+        self._pending: dict[int, list[np.ndarray]] = {}
+        # per row: entries past this are zero (what the next admission must clear)
+        self._row_extent = np.zeros(layout.num_req_rows, np.int64)
         self.free_rows = list(range(layout.max_running, 0, -1))
 
     # ------------------------------------------------------------------ queries
@@ -105,13 +114,14 @@ class RequestCache:
         req.prefix_len = match.prefix_len
         if not req.num_retractions:  # a resumed request reports its first admission's hit
             req.cached_tokens = match.prefix_len
-        row = self.req_to_token[req.req_row]
-        row[:] = 0
-        row[: match.prefix_len] = match.kv_indices
         offsets = np.arange(self.page_size, dtype=np.int32)
         own = (page_ids[:, None] * self.page_size + offsets[None, :]).reshape(-1)
         end = min(match.prefix_len + len(own), self.layout.context_len)
-        row[match.prefix_len : end] = own[: end - match.prefix_len]
+        row = req.req_row
+        stale = max(int(self._row_extent[row]) - end, 0)  # the previous holder's entries
+        values = [match.kv_indices, own[: end - match.prefix_len], np.zeros(stale, np.int32)]
+        self._write(row, 0, np.concatenate(values))
+        self._row_extent[row] = end
         req.own_pages = page_ids
 
     # ------------------------------------------------------------------ decode growth
@@ -129,7 +139,8 @@ class RequestCache:
         start = self.covered_len(req)
         end = min(start + num_pages * self.page_size, self.layout.context_len)
         rows = self.kv.pages_to_token_indices(page_ids)
-        self.req_to_token[req.req_row, start:end] = rows[: end - start]
+        self._write(req.req_row, start, rows[: end - start])
+        self._row_extent[req.req_row] = max(int(self._row_extent[req.req_row]), end)
         req.own_pages = np.concatenate([req.own_pages, page_ids]).astype(req.own_pages.dtype)
 
     def drop(self, req: Req) -> None:
@@ -168,11 +179,42 @@ class RequestCache:
 
     def _continue_from_tree(self, req: Req, length: int) -> None:
         """After a running request's insert: its first ``length`` tokens are the tree's."""
-        row = self.req_to_token[req.req_row]
         match = self.tree.match_prefix(req.all_ids[:length])
         assert match.prefix_len == length, (match.prefix_len, length)
-        row[:length] = match.kv_indices  # our duplicate pages may have been freed
+        self._write(req.req_row, 0, match.kv_indices)  # our duplicate pages may have been freed
         self.tree.inc_lock(match.node)
         self.tree.dec_lock(req.prefix_node)
         req.own_pages = req.own_pages[(length - req.prefix_len) // self.page_size :]
         req.prefix_node, req.prefix_len = match.node, length
+
+    # ------------------------------------------------------------------ the table
+
+    def _write(self, row: int, start: int, values: np.ndarray) -> None:
+        """Mutates: ``req_to_token[row, start:start + len(values)] = values``, recording the
+        changed entries for the device copy. The only writer of the table."""
+        current = self.req_to_token[row, start : start + len(values)]
+        changed = np.flatnonzero(current != values)
+        if changed.size:
+            current[changed] = values[changed]
+            self._pending.setdefault(row, []).append(changed + start)
+
+    def take_updates(self, rows: list[int]) -> np.ndarray:
+        """Mutates: the pending updates of ``rows`` (each row once), ``[3, n]`` int32 of
+        (row, position, KV row) with the table's current values; they are no longer
+        pending. A step takes those of the rows it reads before it reads them."""
+        return self._updates(rows, consume=True)
+
+    def pending_updates(self) -> np.ndarray:
+        """Every pending update, as ``take_updates`` would give it; reads only."""
+        return self._updates(list(self._pending), consume=False)
+
+    def _updates(self, rows: list[int], consume: bool) -> np.ndarray:
+        parts = []
+        for row in rows:
+            changed = self._pending.pop(row, None) if consume else self._pending.get(row)
+            if changed is None:
+                continue
+            positions = np.unique(np.concatenate(changed)).astype(np.int32)
+            row_ids = np.full_like(positions, row)
+            parts.append(np.stack([row_ids, positions, self.req_to_token[row, positions]]))
+        return np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int32)

@@ -38,6 +38,9 @@ DEFAULT_SLOTS_PER_RUNNING = 6
 # overlapped loop launches one more step, each step writes up to D tokens, and one step of
 # slack keeps the write positions inside the row.
 RUN_PAST_STEPS = 3
+# Request-table updates (entry writes) a step carries itself; more go to the device first in
+# chunks of a context row each (Runner.launch), so no count of updates overflows.
+TABLE_UPDATES_PER_STEP = 256
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,11 @@ class Layout:
     def num_draft_positions(self) -> int:
         """Width of the per-request draft table (at least 1, so shapes never vanish)."""
         return max(1, self.num_verify - 1)
+
+    @property
+    def table_chunk_len(self) -> int:
+        """Updates in each chunk applied before a step (past the step's own bucket)."""
+        return self.context_len
 
     @property
     def max_extend_rows(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from lazyspec.scheduler.batch import (
     build_decode,
     build_extend,
     sampling_row,
+    split_table_updates,
 )
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import Layout
@@ -50,6 +51,9 @@ class StepPlan:
     kind: str  # "extend" | "decode"
     records: list[RowRecord]
     batch: ExtendBatch | DecodeBatch
+    # request-table updates past the batch's own bucket, [3, layout.table_chunk_len] each,
+    # applied on the device before the step (usually none)
+    table_chunks: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -205,8 +209,9 @@ class Scheduler:
             if is_last:
                 req.phase = Phase.DECODE
                 req.seq_len = len(req.fill_ids)
-        batch = build_extend(self.layout, records, self.cache.req_to_token)
-        return StepPlan("extend", records, batch)
+        updates, chunks = self._table_updates(records)
+        batch = build_extend(self.layout, records, updates)
+        return StepPlan("extend", records, batch, chunks)
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
         """Mutates: give every request of the next decode step the pages its writes may
@@ -288,8 +293,15 @@ class Scheduler:
         records = [self.policy.plan_decode(req) for req in reqs]
         for req in reqs:
             req.inflight_decode += 1
-        batch = build_decode(self.layout, records, self.cache.req_to_token)
-        return StepPlan("decode", records, batch)
+        updates, chunks = self._table_updates(records)
+        batch = build_decode(self.layout, records, updates)
+        return StepPlan("decode", records, batch, chunks)
+
+    def _table_updates(self, records: list[RowRecord]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The pending request-table updates of the rows a step reads: the batch's part and
+        the chunks applied before it."""
+        updates = self.cache.take_updates([record.req.req_row for record in records])
+        return split_table_updates(self.layout, updates)
 
     # ------------------------------------------------------------------ results
 

@@ -1,13 +1,17 @@
 """``Engine.check_integrity`` accounts for every KV page as well as every state slot: each
 is exactly one of free, cached in the tree, or owned by one running request. A page leaked,
-freed behind a running request's back, or held twice is reported."""
+freed behind a running request's back, or held twice is reported. It also compares the
+device's request table with the host's (pending updates applied)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from lazyspec.engine.engine import Engine
+from lazyspec.scheduler import batch as batch_module
 from lazyspec.testing.tiny_models import tiny_model
 
 
@@ -86,3 +90,52 @@ def test_run_to_completion_after_the_checks(running_engine):
     assert engine.flush_cache()
     engine.check_integrity()
     assert engine.kv_allocator.num_free_pages == engine.layout.num_pages
+
+
+def test_request_table_differing_from_the_host_is_reported(running_engine):
+    engine, reqs = running_engine
+    runner, row = engine.runner, reqs[0].req_row
+    table = runner.pools.req_to_token
+    runner.pools = dataclasses.replace(runner.pools, req_to_token=table.at[row, 3].add(1))
+    try:
+        with pytest.raises(AssertionError, match="device request table differs"):
+            engine.check_integrity()
+    finally:
+        runner.pools = dataclasses.replace(runner.pools, req_to_token=table)
+    engine.check_integrity()
+
+
+def test_request_table_follows_every_kind_of_host_write(monkeypatch):
+    """Admission (a fresh row, a matched prefix, a reused row) and the switch of a running
+    request onto the tree's pages reach the device table; checked after every step. A
+    small per-step bucket sends most updates in the chunks applied before a step."""
+    monkeypatch.setattr(batch_module, "TABLE_UPDATES_PER_STEP", 8)
+    engine = Engine(
+        model=tiny_model(),
+        mamba_scheduler_strategy="extra_buffer_lazy",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=32,
+        max_running_requests=2,
+        max_total_tokens=1024,
+        context_length=128,
+        skip_warmup=True,
+    )
+    rng = np.random.default_rng(5)
+    prompt = list(rng.integers(3, 128, size=40))
+    params = {"max_new_tokens": 12, "ignore_eos": True}
+    first, twin = (engine.add_request(input_ids=prompt, sampling_params=params) for _ in "ab")
+    table = engine.scheduler.cache.req_to_token
+    own_start = None
+    while not twin.output_ids:  # until the twin's prefill results are processed
+        engine.step()
+        engine.check_integrity()
+        own_start = own_start if own_start is not None else table[twin.req_row, 0]
+    # its checkpointed prompt now reads the first one's pages (its own duplicates are freed)
+    assert table[twin.req_row, 0] != own_start
+    np.testing.assert_array_equal(table[twin.req_row, :32], table[first.req_row, :32])
+    # a prefix match and a reused row (the longer previous holder's entries are cleared)
+    engine.run_until_done([first, twin], check=Engine.check_integrity)
+    later = engine.add_request(input_ids=prompt[:36], sampling_params={"max_new_tokens": 2})
+    engine.run_until_done([later], check=Engine.check_integrity)
+    assert later.cached_tokens == 32 and later.req_row in (first.req_row, twin.req_row)

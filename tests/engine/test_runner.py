@@ -1,17 +1,22 @@
 """The jitted steps take the model config as a static argument hashed by value: engines of
 equal configs built separately share one compilation per shape; a different config
-compiles its own."""
+compiles its own. A batch travels packed into one array and unpacks bit for bit."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import jax
+import numpy as np
 
+from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.runner import Runner
+from lazyspec.engine.steps import pack_batch, unpack_batch
 from lazyspec.models import nemotron_h
 from lazyspec.models.registry import parse_hf_config
+from lazyspec.scheduler.batch import build_decode, build_extend
+from lazyspec.scheduler.layout import plan_memory
 from lazyspec.testing.tiny_models import NEMOTRON_HF
 
 
@@ -43,3 +48,23 @@ def test_equal_configs_share_compiled_steps():
     assert Runner.num_compiled() == compiled
     _serve(_model(layer_norm_epsilon=1e-6))  # a different config: its own programs
     assert Runner.num_compiled() > compiled
+
+
+def test_packed_batch_round_trips():
+    """A launch moves the batch as one int32 array: every leaf comes back bit for bit, in
+    its dtype (uint32 seeds and float32 values bit-cast, bools as 0 / 1)."""
+    config = EngineConfig(max_total_tokens=1024, context_length=256, chunked_prefill_size=64)
+    layout = plan_memory(config, SimpleNamespace(max_position_embeddings=4096))
+    rng = np.random.default_rng(0)
+    for batch in (build_extend(layout, [], num_rows=2, length=64), build_decode(layout, [])):
+        for leaf in jax.tree.leaves(batch):  # random bits in every leaf, in place
+            bits = rng.integers(0, 2**32, size=leaf.shape, dtype=np.uint32)
+            leaf[...] = bits % 2 if leaf.dtype == bool else bits.view(leaf.dtype)
+        packed = pack_batch(batch)
+        assert packed.words.dtype == np.int32 and packed.num_rows == len(batch.req_row)
+        unpacked = jax.jit(unpack_batch)(jax.device_put(packed))
+        assert type(unpacked) is type(batch)
+        for leaf, back in zip(jax.tree.leaves(batch), jax.tree.leaves(unpacked)):
+            back = np.asarray(back)
+            assert back.dtype == leaf.dtype
+            assert back.tobytes() == leaf.tobytes()

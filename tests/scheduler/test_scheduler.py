@@ -265,8 +265,19 @@ def test_abort_and_stop_while_decoding():
     assert pools.tree.num_cached_tokens == cached  # no checkpoint settled since prefill
 
 
+def _apply_updates(table: np.ndarray, plan) -> None:
+    """What the device does with a plan's request-table updates (chunks, then the batch's);
+    writes to rows past the table (the drop sentinel) are dropped."""
+    for updates in [*plan.table_chunks, plan.batch.table_updates]:
+        keep = updates[0] < len(table)
+        positions = list(zip(updates[0, keep], updates[1, keep]))
+        assert len(set(positions)) == len(positions)  # each entry once: order is free
+        table[updates[0, keep], updates[1, keep]] = updates[2, keep]
+
+
 def test_chunked_prefill_pieces_and_batches():
     pools = Pools(max_running=4)
+    device_table = np.zeros_like(pools.sched.cache.req_to_token)
     req = _req("a", 150, max_new=3)
     others = [_req("b", 40, max_new=3, seed=1), _req("c", 9, max_new=3, seed=2)]
     for r in [req, *others]:
@@ -277,6 +288,7 @@ def test_chunked_prefill_pieces_and_batches():
     for _ in range(3):
         plan = pools.sched.schedule()
         assert plan.kind == "extend"
+        _apply_updates(device_table, plan)
         a = plan.batch
         b = [r.req for r in plan.records].index(req)
         if own_rows is None:
@@ -290,7 +302,7 @@ def test_chunked_prefill_pieces_and_batches():
         assert a.req_row[b] == req.req_row
         assert a.working_slot[b] == req.slots.working
         assert a.state_src_slot[b] == (0 if start == 0 else req.slots.working)
-        np.testing.assert_array_equal(a.kv_read_idx[b, :150], own_rows[:150])
+        np.testing.assert_array_equal(device_table[req.req_row, :150], own_rows[:150])
         if num_new == CHUNKED_PREFILL:  # checkpoint at the chunk's end (on the grid G = 16)
             assert a.next_token[b] == req.input_ids[start + num_new]
             assert a.track_slot[b] == req.slots.keep
@@ -306,7 +318,10 @@ def test_chunked_prefill_pieces_and_batches():
             # row 3 pads the bucket of 4: it points at no request, slot or checkpoint
             assert a.req_row[3] == sentinel_row and a.working_slot[3] == sentinel_slot
             assert a.track_slot[3] == sentinel_slot and a.state_src_slot[3] == 0
-            assert not a.kv_read_idx[3].any() and not a.tokens[3].any()
+            assert not a.tokens[3].any()
+            # the first step carries its three rows' whole table rows, nothing else
+            updated_rows = np.concatenate([u[0] for u in [*plan.table_chunks, a.table_updates]])
+            assert set(updated_rows.tolist()) == {*a.req_row[:3].tolist(), sentinel_row}
         else:
             assert [r.req for r in plan.records] == [req]
         pools.sched.process(plan, fake_results(plan, 1, 5, 1), inflight=())
@@ -320,7 +335,8 @@ def test_chunked_prefill_pieces_and_batches():
     a = plan.batch
     b = [r.req for r in plan.records].index(req)
     assert a.working_slot[b] == req.slots.working and a.track_slot[b] == req.slots.spare
-    np.testing.assert_array_equal(a.kv_read_idx[b], pools.sched.cache.req_to_token[req.req_row])
+    _apply_updates(device_table, plan)
+    np.testing.assert_array_equal(device_table, pools.sched.cache.req_to_token)
     pools.sched.process(plan, fake_results(plan, 1, 7, 1), inflight=())
     assert req.output_ids == [5, 7]
     _run_until_finished(pools, [req, *others])

@@ -1,0 +1,77 @@
+"""Host time of one decode step: ``Scheduler.schedule()`` + ``Runner.launch()``.
+
+Runs a batch of decoding requests on the tiny random-weight model of ``bench_engine.py``
+(on CPU) with a long context and times, per decode step, the two host calls that come
+before the device works: planning the batch and dispatching it (moving the batch to the
+device included). The device time itself is not measured.
+
+    python scripts/bench_host_step.py --batch 64 --context 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    args = p.parse_args(argv)
+
+    from bench_engine import build_model
+
+    from lazyspec.engine.engine import Engine
+
+    model = build_model("tiny", "float32")
+    engine = Engine(
+        model=model,
+        kernel_backend="xla",
+        max_running_requests=args.batch,
+        mamba_track_interval=256,
+        chunked_prefill_size=64,
+        context_length=args.context,
+        max_total_tokens=args.batch * 256,
+        skip_warmup=True,
+    )
+    rng = np.random.default_rng(0)
+    params = {"max_new_tokens": args.steps + 10, "ignore_eos": True}
+    for _ in range(args.batch):
+        prompt = [int(t) for t in rng.integers(1, 500, size=args.prompt_len)]
+        engine.add_request(input_ids=prompt, sampling_params=params)
+    sched, runner = engine.scheduler, engine.runner
+    schedule_s, launch_s = [], []
+    inflight = None
+    while len(schedule_s) < args.steps + 3:
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        outputs = runner.launch(plan.batch, plan.table_chunks)
+        t2 = time.perf_counter()
+        if plan.kind == "decode" and len(plan.records) == args.batch:
+            schedule_s.append(t1 - t0)
+            launch_s.append(t2 - t1)
+        if inflight is not None:
+            sched.process(inflight[0], runner.fetch(inflight[1]), plan.records)
+        inflight = (plan, outputs)
+    # the first decode steps compile
+    schedule_ms = 1e3 * np.median(schedule_s[3:])
+    launch_ms = 1e3 * np.median(launch_s[3:])
+    print(
+        f"batch {args.batch}, context {args.context}: median per decode step "
+        f"schedule {schedule_ms:.3f} ms, launch {launch_ms:.3f} ms, "
+        f"total {schedule_ms + launch_ms:.3f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
