@@ -50,8 +50,8 @@ class RequestCache:
         self.slots = slots
         self.page_size = layout.page_size
         self.req_to_token = np.zeros((layout.num_req_rows, layout.context_len), np.int32)
-        # per row: positions changed since the device copy last received the row
-        self._pending: dict[int, list[np.ndarray]] = {}
+        # (rows, positions) of entries changed since the device copy last received them
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         # per row: entries past this are zero (what the next admission must clear)
         self._row_extent = np.zeros(layout.num_req_rows, np.int64)
         self.free_rows = list(range(layout.max_running, 0, -1))
@@ -126,22 +126,34 @@ class RequestCache:
 
     # ------------------------------------------------------------------ decode growth
 
-    def grow(self, req: Req, length: int) -> None:
-        """Mutates: give ``req`` the pages ``pages_to_cover(req, length)`` says, evicting
-        cached KV if needed (``num_available_pages`` said there are enough)."""
-        num_pages = self.pages_to_cover(req, length)
-        if num_pages == 0:
+    def grow(self, reqs: list[Req], lengths: list[int]) -> None:
+        """Mutates: give each request the pages ``pages_to_cover(req, length)`` says, in one
+        allocation and one table write, evicting cached KV if needed
+        (``num_available_pages`` said there are enough)."""
+        counts = [self.pages_to_cover(req, n) for req, n in zip(reqs, lengths)]
+        total = sum(counts)
+        if total == 0:
             return
-        if self.kv.num_free_pages < num_pages:
-            self.tree.evict_kv((num_pages - self.kv.num_free_pages) * self.page_size)
-        page_ids = self.kv.alloc_pages(num_pages)
+        if self.kv.num_free_pages < total:
+            self.tree.evict_kv((total - self.kv.num_free_pages) * self.page_size)
+        page_ids = self.kv.alloc_pages(total)
         assert page_ids is not None, "grow() without the pages it needs"
-        start = self.covered_len(req)
-        end = min(start + num_pages * self.page_size, self.layout.context_len)
-        rows = self.kv.pages_to_token_indices(page_ids)
-        self._write(req.req_row, start, rows[: end - start])
-        self._row_extent[req.req_row] = max(int(self._row_extent[req.req_row]), end)
-        req.own_pages = np.concatenate([req.own_pages, page_ids]).astype(req.own_pages.dtype)
+        tokens = self.kv.pages_to_token_indices(page_ids)
+        rows, positions, values = [], [], []
+        first = 0
+        for req, count in zip(reqs, counts):
+            if not count:
+                continue
+            start = self.covered_len(req)
+            end = min(start + count * self.page_size, self.layout.context_len)
+            rows.append(np.full(end - start, req.req_row, np.int64))
+            positions.append(np.arange(start, end))
+            values.append(tokens[first * self.page_size : first * self.page_size + end - start])
+            mine = page_ids[first : first + count]
+            req.own_pages = np.concatenate([req.own_pages, mine]).astype(req.own_pages.dtype)
+            self._row_extent[req.req_row] = max(int(self._row_extent[req.req_row]), end)
+            first += count
+        self._write_entries(np.concatenate(rows), np.concatenate(positions), np.concatenate(values))
 
     def drop(self, req: Req) -> None:
         """Mutates: give back ``req``'s pages, prefix lock and row with nothing inserted into
@@ -190,13 +202,19 @@ class RequestCache:
     # ------------------------------------------------------------------ the table
 
     def _write(self, row: int, start: int, values: np.ndarray) -> None:
-        """Mutates: ``req_to_token[row, start:start + len(values)] = values``, recording the
-        changed entries for the device copy. The only writer of the table."""
-        current = self.req_to_token[row, start : start + len(values)]
-        changed = np.flatnonzero(current != values)
-        if changed.size:
-            current[changed] = values[changed]
-            self._pending.setdefault(row, []).append(changed + start)
+        """Mutates: ``req_to_token[row, start:start + len(values)] = values`` (see
+        ``_write_entries``)."""
+        positions = np.arange(start, start + len(values))
+        self._write_entries(np.full(len(values), row, np.int64), positions, values)
+
+    def _write_entries(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+        """Mutates: ``req_to_token[rows, positions] = values`` (distinct entries), recording
+        the changed ones for the device copy. The only writer of the table."""
+        changed = self.req_to_token[rows, positions] != values
+        if changed.any():
+            rows, positions = rows[changed], positions[changed]
+            self.req_to_token[rows, positions] = values[changed]
+            self._pending.append((rows, positions))
 
     def take_updates(self, rows: list[int]) -> np.ndarray:
         """Mutates: the pending updates of ``rows`` (each row once), ``[3, n]`` int32 of
@@ -206,15 +224,21 @@ class RequestCache:
 
     def pending_updates(self) -> np.ndarray:
         """Every pending update, as ``take_updates`` would give it; reads only."""
-        return self._updates(list(self._pending), consume=False)
+        return self._updates(None, consume=False)
 
-    def _updates(self, rows: list[int], consume: bool) -> np.ndarray:
-        parts = []
-        for row in rows:
-            changed = self._pending.pop(row, None) if consume else self._pending.get(row)
-            if changed is None:
-                continue
-            positions = np.unique(np.concatenate(changed)).astype(np.int32)
-            row_ids = np.full_like(positions, row)
-            parts.append(np.stack([row_ids, positions, self.req_to_token[row, positions]]))
-        return np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int32)
+    def _updates(self, rows: list[int] | None, consume: bool) -> np.ndarray:
+        """The pending entries of ``rows`` (None: all), each once, sorted by (row,
+        position), with the table's current values."""
+        if not self._pending:
+            return np.zeros((3, 0), np.int32)
+        all_rows = np.concatenate([r for r, _ in self._pending])
+        all_positions = np.concatenate([p for _, p in self._pending])
+        wanted = np.ones(len(all_rows), bool) if rows is None else np.isin(all_rows, rows)
+        if consume:
+            rest = ~wanted
+            self._pending = [(all_rows[rest], all_positions[rest])] if rest.any() else []
+        width = self.layout.context_len
+        keys = np.unique(all_rows[wanted] * width + all_positions[wanted])
+        row_ids, positions = keys // width, keys % width
+        values = self.req_to_token[row_ids, positions]
+        return np.stack([row_ids, positions, values]).astype(np.int32)

@@ -232,8 +232,7 @@ class Scheduler:
             reqs.remove(victim)
             self._retract(victim, inflight)
             retracted = True
-        for req in reqs:
-            self.cache.grow(req, self._decode_reach(req))
+        self.cache.grow(reqs, [self._decode_reach(r) for r in reqs])
         if retracted and reqs:
             self.token_ratio.after_retraction(
                 sum(len(r.output_ids) for r in reqs),
