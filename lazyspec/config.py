@@ -16,6 +16,7 @@ STRATEGY_CHOICES = ("auto", *(name for name in STRATEGIES if name != NONE.name))
 DTYPES = ("float32", "bfloat16")
 SPEC_ALGORITHMS = (None, "NEXTN", "MTP")
 KERNEL_BACKENDS = (None, "xla", "pallas")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class EngineConfig:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     kernel_backend: str | None = None
+    load_format: str = "auto"  # "dummy": random weights, no tensor read
+    tp_size: int = 1  # devices of the tensor-parallel mesh (experts shard over it too)
     skip_warmup: bool = False
     # Fault injection / experiments (tests and benchmarks only).
     debug_fail_spare_alloc: bool = False
@@ -56,12 +59,14 @@ class EngineConfig:
         _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGY_CHOICES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
         for name in (
             "page_size",
             "max_total_tokens",
             "mamba_track_interval",
             "mamba_chunk_size",
             "chunked_prefill_size",
+            "tp_size",
         ):
             _check_positive(name, getattr(self, name))
         for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):

@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lazyspec.config import DTYPES, KERNEL_BACKENDS, SPEC_ALGORITHMS, STRATEGY_CHOICES, EngineConfig
+from lazyspec.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    LOAD_FORMATS,
+    SPEC_ALGORITHMS,
+    STRATEGY_CHOICES,
+    EngineConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +37,7 @@ CHOICES = {
     "mamba_scheduler_strategy": STRATEGY_CHOICES,
     "speculative_algorithm": tuple(a for a in SPEC_ALGORITHMS if a is not None),
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
+    "load_format": LOAD_FORMATS,
 }
 HELP = {
     "model_path": "Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
@@ -59,6 +67,12 @@ HELP = {
     "speculative_num_draft_tokens": "Verify positions per step; must be num-steps + 1.",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
     "on CPU and TPU; pallas on TPU is untested).",
+    "load_format": "auto: read the safetensors (each device reads only its slices); dummy: "
+    "random weights drawn directly on the devices (benchmarks; the folder's config.json "
+    "and tokenizer are still read).",
+    "tp_size": "Tensor-parallel size: devices of the mesh the weights and pools are sharded "
+    "over (attention / GDN / Mamba2 by heads, MLPs by width, experts by expert, embedding "
+    "and lm_head by vocabulary).",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "
