@@ -153,8 +153,9 @@ class ShardingPlan:
 
 
 def sharding_plan(cfg: Any, tp_size: int) -> ShardingPlan:
-    """The mesh over ``tp_size`` devices and the rules for ``cfg``: KV heads replicate when
-    tp_size exceeds them (each shard then holds a copy, as SGLang does)."""
+    """The mesh over ``tp_size`` devices and the rules for ``cfg``. When tp_size exceeds the
+    KV heads, the KV projections and pools are replicated whole: every device holds all KV
+    heads (SGLang gives each device one copied head, tp / KV-heads times less KV memory)."""
     check_tp_size(cfg, tp_size)
     rules = RULES
     if tp_size > cfg.num_kv_heads:

@@ -23,7 +23,7 @@ from lazyspec.testing.tiny_models import tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 TP_SIZES = (1, 2, 4)
 FAMILIES = ("qwen3_next", "nemotron_h")
-KV_HEADS = 2  # both tiny models'; tp = 4 replicates them
+KV_HEADS = 2  # both tiny models'; tp = 4 replicates them whole
 
 
 def _run_worker(tp: int) -> dict:
@@ -82,8 +82,8 @@ def test_sharded_arrays_hold_one_tp_th_per_device(reports, family):
         single = reports[1][family]["memory_plan"]
         assert plan["weight_bytes_per_device"] < single["weight_bytes_per_device"]
         assert plan["state_bytes_per_device"] * tp == single["state_bytes_per_device"]
-        # KV by KV heads, replicated once tp exceeds them
-        kv_shards = min(tp, KV_HEADS)
+        # KV by KV heads; every device holds them all once tp exceeds them
+        kv_shards = tp if tp <= KV_HEADS else 1
         assert plan["kv_bytes_per_device"] * kv_shards == single["kv_bytes_per_device"], tp
 
 
