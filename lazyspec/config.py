@@ -17,6 +17,7 @@ DTYPES = ("float32", "bfloat16")
 SPEC_ALGORITHMS = (None, "NEXTN", "MTP")
 KERNEL_BACKENDS = (None, "xla", "pallas")
 MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
+    load_format: str = "auto"  # "dummy": random weights, no tensor read
+    tp_size: int = 1  # devices of the tensor-parallel mesh (experts shard over it too)
     skip_warmup: bool = False
     # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
     schedule_conservativeness: float = 1.0
@@ -61,12 +64,14 @@ class EngineConfig:
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _check_choice("moe_runner_backend", self.moe_runner_backend, MOE_RUNNER_BACKENDS)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
         for name in (
             "page_size",
             "max_total_tokens",
             "mamba_track_interval",
             "mamba_chunk_size",
             "chunked_prefill_size",
+            "tp_size",
         ):
             _check_positive(name, getattr(self, name))
         conservativeness = self.schedule_conservativeness

@@ -245,7 +245,7 @@ class _LastDecode:
         self.jitted, self.batch, self.rows = jitted, None, -1
 
     def __call__(self, params, pools, batch):
-        rows = batch.req_row.shape[0]
+        rows = batch.num_rows  # a PackedBatch
         if rows > self.rows:
             self.batch, self.rows = batch, rows
         return self.jitted(params, pools, batch)
@@ -290,7 +290,13 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, float]:
     step = runner._decode.jitted
     hlo = (
         _decode_jit.lower(
-            runner.family, runner.cfg, runner.static, runner.params, runner.pools, batch
+            runner.family,
+            runner.cfg,
+            runner.static,
+            runner.sharding,
+            runner.params,
+            runner.pools,
+            batch,
         )
         .compile()
         .as_text()

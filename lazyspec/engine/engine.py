@@ -56,13 +56,26 @@ class Engine:
         **kwargs: Any,
     ) -> None:
         """``warmup_progress(done, total)`` is called as warm-up compiles (see ``warmup``)."""
-        self.config = EngineConfig(**kwargs)
+        self.config = c = EngineConfig(**kwargs)
+        from lazyspec.engine.sharding import sharding_plan
+
         if model is None:
-            if self.config.model_path is None:
+            if c.model_path is None:
                 raise ValueError("Engine needs model_path (a Hugging Face model folder) or model=")
             from lazyspec.models import load_model
+            from lazyspec.models.registry import load_model_config
 
-            model = load_model(self.config.model_path, dtype=self.config.dtype)
+            # the mesh first, so that each device reads only its slices of the checkpoint
+            self.sharding = sharding_plan(load_model_config(c.model_path), c.tp_size)
+            model = load_model(
+                c.model_path,
+                dtype=c.dtype,
+                place=self.sharding.sharding,
+                load_format=c.load_format,
+                seed=c.random_seed,
+            )
+        else:
+            self.sharding = sharding_plan(model.config, c.tp_size)
         self.model = model
         cfg = model.config
         if self.config.spec_enabled and "mtp" not in model.params:
@@ -93,6 +106,12 @@ class Engine:
         from lazyspec.kernels.backend import resolve_backend
 
         backend = resolve_backend(c.kernel_backend)  # pallas on GPU, xla on CPU and TPU
+        if c.tp_size > 1 and backend == "pallas":
+            # the Pallas calls are not wrapped per shard yet: XLA could only gather around them
+            if c.kernel_backend == "pallas":
+                raise ValueError(f"kernel_backend=pallas does not run with tp_size={c.tp_size}")
+            logger.info("tp_size=%d: the recurrent-state kernels use the xla backend", c.tp_size)
+            backend = "xla"
         static = StepStatic(
             num_slots=layout.num_slots,
             max_reqs=layout.max_running,
@@ -103,7 +122,7 @@ class Engine:
             backend=backend,
             moe_runner=c.moe_runner_backend,
         )
-        self.runner = Runner(self.model, layout, static, c.dtype, c.mamba_ssm_dtype)
+        self.runner = Runner(self.model, layout, static, c.dtype, c.mamba_ssm_dtype, self.sharding)
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
         self.tree = RadixCache(
@@ -131,6 +150,7 @@ class Engine:
         self._memory_plan = layout.memory_plan(
             self.runner.slot_bytes(), self.runner.kv_bytes_per_token()
         )
+        self._memory_plan.update(self.runner.bytes_per_device())
         logger.info("memory plan: %s", self._memory_plan)
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import (
     DecodeBatch,
     ExtendBatch,
@@ -37,8 +38,6 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-# The config, the family and the static settings are static arguments hashed by value, so
-# every runner of an equal model and equal settings shares one compilation per shape.
 def _unpacking(step):
     """``step`` taking its batch packed (``PackedBatch``)."""
 
@@ -49,8 +48,30 @@ def _unpacking(step):
     return run
 
 
-_extend_jit = jax.jit(_unpacking(extend_step), static_argnums=(0, 1, 2), donate_argnums=(4,))
-_decode_jit = jax.jit(_unpacking(decode_step), static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _sharded(step):
+    """``step`` with the sharding plan as a further static argument: the pools it returns
+    keep the shardings they came in with (so the next launch reuses the program, and every
+    masked scatter writes the pool in place) and its small outputs are replicated."""
+
+    def run(fam, cfg, static, sharding: ShardingPlan, params, pools, batch):
+        outputs, pools = step(fam, cfg, static, params, pools, batch)
+        pools = jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
+        outputs = jax.lax.with_sharding_constraint(outputs, sharding.replicated)
+        return outputs, pools
+
+    run.__name__ = step.__name__
+    return run
+
+
+# The config, the family, the static settings and the sharding plan are static arguments
+# hashed by value, so every runner of an equal model and equal settings shares one
+# compilation per shape. The steps take their batch packed into one array.
+_extend_jit = jax.jit(
+    _sharded(_unpacking(extend_step)), static_argnums=(0, 1, 2, 3), donate_argnums=(5,)
+)
+_decode_jit = jax.jit(
+    _sharded(_unpacking(decode_step)), static_argnums=(0, 1, 2, 3), donate_argnums=(5,)
+)
 _table_jit = jax.jit(apply_table_updates, donate_argnums=(0,))
 
 
@@ -95,22 +116,49 @@ def kv_bytes_per_token(pools: Pools) -> int:
 
 class Runner:
     def __init__(
-        self, model: Any, layout: Layout, static: StepStatic, kv_dtype: str, ssm_dtype: str
+        self,
+        model: Any,
+        layout: Layout,
+        static: StepStatic,
+        kv_dtype: str,
+        ssm_dtype: str,
+        sharding: ShardingPlan,
     ) -> None:
+        """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
+        allocates the pools there, each array with the sharding the rule table gives it."""
         self.family = model.family
         self.cfg = model.config
-        self.params = model.params
+        self.sharding = sharding
+        plan = model.family.weight_plan(self.cfg, model.params)
+        self.param_shardings = sharding.param_shardings(plan, model.params)
+        self.params = jax.device_put(model.params, self.param_shardings)
         self.static = static
         self.abstract = abstract_pools(self.cfg, layout, static.spec, kv_dtype, ssm_dtype)
-        self.pools = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), self.abstract)
-        self._extend = functools.partial(_extend_jit, self.family, self.cfg, static)
-        self._decode = functools.partial(_decode_jit, self.family, self.cfg, static)
+        self.pool_shardings = sharding.pool_shardings(self.abstract)
+        self.pools = jax.tree.map(
+            lambda leaf, where: jnp.zeros(leaf.shape, leaf.dtype, device=where),
+            self.abstract,
+            self.pool_shardings,
+        )
+        self._extend = functools.partial(_extend_jit, self.family, self.cfg, static, sharding)
+        self._decode = functools.partial(_decode_jit, self.family, self.cfg, static, sharding)
 
     def slot_bytes(self) -> int:
         return slot_bytes(self.abstract)
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.abstract)
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """Bytes one device of the mesh holds: weights, KV pools (the draft head's included),
+        recurrent-state slot pools; reads only."""
+        pools = self.pools
+        return {
+            "tp_size": self.sharding.tp_size,
+            "weight_bytes_per_device": device_bytes(self.params),
+            "kv_bytes_per_device": device_bytes([pools.kv, pools.mtp_kv]),
+            "state_bytes_per_device": device_bytes([pools.conv, pools.ssm]),
+        }
 
     # ------------------------------------------------------------------ steps
 
@@ -123,12 +171,15 @@ class Runner:
         for chunk in table_chunks:
             self.update_table(chunk)
         step = self._extend if isinstance(batch, ExtendBatch) else self._decode
-        outputs, self.pools = step(self.params, self.pools, jax.device_put(pack_batch(batch)))
+        packed = jax.device_put(pack_batch(batch), self.sharding.replicated)
+        outputs, self.pools = step(self.params, self.pools, packed)
         return outputs
 
     def update_table(self, updates: np.ndarray) -> None:
         """Apply one padded chunk of request-table updates ``[3, table_chunk_len]``."""
-        table = _table_jit(self.pools.req_to_token, jax.device_put(updates))
+        table = _table_jit(
+            self.pools.req_to_token, jax.device_put(updates, self.sharding.replicated)
+        )
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
 
     def read_table(self) -> np.ndarray:

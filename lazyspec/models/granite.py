@@ -30,7 +30,11 @@ import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
-from lazyspec.models.granite_params import init_params, load_params  # noqa: F401 (family API)
+from lazyspec.models.granite_params import (  # noqa: F401 (family API)
+    init_params,
+    load_params,
+    weight_plan,
+)
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,

@@ -17,7 +17,7 @@ from lazyspec.models.config import RECURRENT, ModelConfig
 from lazyspec.models.layers.attention import attention_plan
 from lazyspec.models.layers.mamba2 import mamba2_plan
 from lazyspec.models.layers.moe import ExpertStack
-from lazyspec.models.plan import Params, TensorSpec, init_plan, linear_spec, load_plan
+from lazyspec.models.plan import Params, Placement, TensorSpec, init_plan, linear_spec, load_plan
 
 
 def _ffn_plan(cfg: ModelConfig, prefix: str) -> Params:
@@ -26,8 +26,14 @@ def _ffn_plan(cfg: ModelConfig, prefix: str) -> Params:
     h, width = cfg.hidden_size, arch.shared_intermediate_size
     plan = {
         "shared_mlp": {
-            "gate_up_proj": linear_spec(f"{prefix}.shared_mlp.input_linear", h, 2 * width),
-            "down_proj": linear_spec(f"{prefix}.shared_mlp.output_linear", width, h),
+            # gate then up: an even shard of the fused columns mixes the two halves, so the
+            # fused projection is a mixed layout (``mlp_fused``)
+            "gate_up_proj": linear_spec(
+                f"{prefix}.shared_mlp.input_linear", h, 2 * width, axes=("embed", "mlp_fused")
+            ),
+            "down_proj": linear_spec(
+                f"{prefix}.shared_mlp.output_linear", width, h, axes=("mlp", "embed")
+            ),
         }
     }
     if arch.moe is not None:
@@ -74,20 +80,30 @@ def param_plan(cfg: ModelConfig) -> Params:
     ties it to the embedding and does not save it)."""
     h = cfg.hidden_size
     plan = {
-        "embed_tokens": TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, h)),
+        "embed_tokens": TensorSpec(
+            "model.embed_tokens.weight", (cfg.vocab_size, h), axes=("vocab", "embed")
+        ),
         "norm": TensorSpec("model.norm.weight", (h,), init="ones"),
         "layers": [_layer_plan(cfg, i, role) for i, role in enumerate(cfg.layer_roles)],
     }
     if not cfg.tie_word_embeddings:
-        plan["lm_head"] = linear_spec("lm_head", h, cfg.vocab_size)
+        plan["lm_head"] = linear_spec("lm_head", h, cfg.vocab_size, axes=("embed", "vocab"))
     return plan
 
 
-def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> Params:
+def weight_plan(cfg: ModelConfig, params: Params) -> Params:
+    """The plan ``params`` were built from (its ``axes`` drive the shardings); reads only
+    which top-level keys ``params`` has (``mtp``, ``lm_head``)."""
+    return param_plan(cfg)
+
+
+def load_params(
+    cfg: ModelConfig, reader, dtype=jnp.float32, place: Placement | None = None
+) -> Params:
     """Params from a ``SafetensorsReader`` over a folder written by GraniteMoeHybridForCausalLM
     (released checkpoints and ``save_pretrained`` share its names). A missing tensor raises
     ``MissingTensorError`` naming it; a misshapen one ValueError with both shapes."""
-    return load_plan(param_plan(cfg), reader, dtype)
+    return load_plan(param_plan(cfg), reader, dtype, place)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:

@@ -62,6 +62,18 @@ class SafetensorsReader:
             )
         return np.asarray(array, dtype=dtype) if dtype is not None else array
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape in the file, read from its header only."""
+        if name not in self._file_of:
+            raise KeyError(f"checkpoint has no tensor {name!r} (folder {str(self.folder)!r})")
+        return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``tensor[index]`` in the file's dtype, reading only those elements' pages."""
+        if name not in self._file_of:
+            raise KeyError(f"checkpoint has no tensor {name!r} (folder {str(self.folder)!r})")
+        return self._handle(self._file_of[name]).get_slice(name)[index]
+
     def iter_prefix(self, prefix: str) -> Iterator[str]:
         return (n for n in self.names() if n.startswith(prefix))
 

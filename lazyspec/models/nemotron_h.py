@@ -43,7 +43,11 @@ from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mamba2 import Mamba2Dims, mamba2_mixer
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.relu2_moe import MoESpec, relu2_mlp, sparse_moe
-from lazyspec.models.nemotron_h_params import init_params, load_params  # noqa: F401 (family API)
+from lazyspec.models.nemotron_h_params import (  # noqa: F401 (family API)
+    init_params,
+    load_params,
+    weight_plan,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from lazyspec.models.config import ModelConfig
 from lazyspec.models.layers.attention import attention_plan
 from lazyspec.models.layers.mamba2 import mamba2_plan
 from lazyspec.models.layers.relu2_moe import moe_plan, relu2_mlp_plan
-from lazyspec.models.plan import Params, TensorSpec, init_plan, linear_spec, load_plan
+from lazyspec.models.plan import Params, Placement, TensorSpec, init_plan, linear_spec, load_plan
 
 
 def _mixer_plan(cfg: ModelConfig, kind: str, prefix: str) -> Params:
@@ -46,12 +46,14 @@ def param_plan(cfg: ModelConfig, root: str = "backbone", with_lm_head: bool = Tr
         for i, kind in enumerate(cfg.arch.block_kinds)
     ]
     plan = {
-        "embed_tokens": TensorSpec(f"{root}.embeddings.weight", (cfg.vocab_size, hidden)),
+        "embed_tokens": TensorSpec(
+            f"{root}.embeddings.weight", (cfg.vocab_size, hidden), axes=("vocab", "embed")
+        ),
         "norm": TensorSpec(f"{root}.norm_f.weight", (hidden,), init="ones"),
         "layers": layers,
     }
     if with_lm_head:
-        plan["lm_head"] = linear_spec("lm_head", hidden, cfg.vocab_size)
+        plan["lm_head"] = linear_spec("lm_head", hidden, cfg.vocab_size, axes=("embed", "vocab"))
     return plan
 
 
@@ -60,7 +62,15 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     return init_plan(param_plan(cfg, with_lm_head=not cfg.tie_word_embeddings), key, dtype)
 
 
-def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> Params:
+def weight_plan(cfg: ModelConfig, params: Params) -> Params:
+    """The plan ``params`` were built from (its ``axes`` drive the shardings); reads only
+    which top-level keys ``params`` has (``mtp``, ``lm_head``)."""
+    return param_plan(cfg, with_lm_head="lm_head" in params)
+
+
+def load_params(
+    cfg: ModelConfig, reader, dtype=jnp.float32, place: Placement | None = None
+) -> Params:
     """Params from a ``SafetensorsReader`` over a folder written by NemotronHForCausalLM.
 
     Tensor names are transformers' (``backbone.*``; ``model.*`` is accepted too). A missing
@@ -71,4 +81,4 @@ def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> Params:
     # transformers' NemotronHForCausalLM never ties lm_head (its tied-keys map is empty) and
     # saves it even with tie_word_embeddings; only a checkpoint without it reuses the embedding.
     with_lm_head = "lm_head.weight" in reader or not cfg.tie_word_embeddings
-    return load_plan(param_plan(cfg, root, with_lm_head), reader, dtype)
+    return load_plan(param_plan(cfg, root, with_lm_head), reader, dtype, place)

@@ -9,12 +9,14 @@ and export read one description.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 Params = dict[str, Any]
 
@@ -43,6 +45,8 @@ class TensorSpec:
     ``init_plan``'s scale times ``init_scale``), "zeros", "ones", "a_log" (log of
     uniform(1, 16)), "dt_bias" (inverse softplus of a dt log-uniform in ``DT_INIT_RANGE``)
     or "fan_in_uniform" (uniform within +-1/sqrt(last axis), PyTorch's conv default).
+    ``axes`` names the logical axis of each axis of the param (``engine/sharding.py``
+    maps them to mesh axes); None: replicated on every device.
     """
 
     name: str
@@ -52,28 +56,55 @@ class TensorSpec:
     init: str = "normal"
     init_scale: float = 1.0
     dtype: str | None = None
+    axes: tuple[str | None, ...] | None = None
 
     def _to_param(self, array: np.ndarray) -> np.ndarray:
         if self.transpose:
             array = array.T
         return array.reshape(self.reshape) if self.reshape is not None else array
 
-    def load(self, reader, dtype) -> np.ndarray:
-        """Read, check the shape, cast to ``dtype``; clear errors naming the tensor."""
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        shape = tuple(reversed(self.shape)) if self.transpose else tuple(self.shape)
+        return tuple(self.reshape) if self.reshape is not None else shape
+
+    def _check(self, reader) -> None:
         if self.name not in reader:
             raise MissingTensorError(
                 f"checkpoint has no tensor {self.name!r} (expected shape {self.shape})"
             )
-        array = reader.get(self.name, dtype=None)
-        if tuple(array.shape) != tuple(self.shape):
-            raise ValueError(
-                f"tensor {self.name!r} has shape {tuple(array.shape)}, expected {self.shape}"
-            )
-        return self._to_param(np.asarray(array, dtype=dtype))
+        shape = reader.shape(self.name)
+        if tuple(shape) != tuple(self.shape):
+            raise ValueError(f"tensor {self.name!r} has shape {shape}, expected {self.shape}")
 
-    def random(self, rng: np.random.Generator, scale: float) -> np.ndarray:
-        """A random float32 param of the final shape, per ``init``."""
-        shape = self._to_param(np.empty(self.shape, dtype=np.int8)).shape
+    def load(self, reader, dtype, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Read, check the shape, cast to ``dtype``; clear errors naming the tensor.
+
+        ``index`` (slices of the param's axes) reads only that block of the param: straight
+        from the file where the layout allows (a transpose, a reshape that drops unit axes),
+        else by slicing the whole tensor."""
+        self._check(reader)
+        if index is None:
+            return self._to_param(np.asarray(reader.get(self.name, dtype=None), dtype=dtype))
+        index = tuple(index)
+        if self.reshape is None:
+            file_index = index[::-1] if self.transpose else index
+            return self._to_param(np.asarray(reader.get_slice(self.name, file_index), dtype))
+        if not self.transpose and 1 not in self.reshape:
+            if [n for n in self.shape if n != 1] == list(self.reshape):
+                blocks = iter(index)
+                file_index = tuple(slice(None) if n == 1 else next(blocks) for n in self.shape)
+                block = np.asarray(reader.get_slice(self.name, file_index), dtype)
+                return block.reshape([n for n in block.shape if n != 1])
+        return self.load(reader, dtype)[index]
+
+    def random(
+        self, rng: np.random.Generator, scale: float, index: tuple[slice, ...] | None = None
+    ) -> np.ndarray:
+        """A random float32 param of the final shape, per ``init``; ``index``: only that
+        block of it (drawn on its own, so a block's values depend on the blocks' layout)."""
+        full = self.param_shape
+        shape = full if index is None else _block_shape(full, index)
         if self.init == "zeros":
             return np.zeros(shape, np.float32)
         if self.init == "ones":
@@ -85,7 +116,7 @@ class TensorSpec:
             dt = np.exp(rng.uniform(low, high, shape))
             return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
         if self.init == "fan_in_uniform":
-            bound = shape[-1] ** -0.5
+            bound = full[-1] ** -0.5
             return rng.uniform(-bound, bound, shape).astype(np.float32)
         if self.init == "normal":
             return (scale * self.init_scale * rng.standard_normal(shape)).astype(np.float32)
@@ -93,15 +124,28 @@ class TensorSpec:
 
 
 def linear_spec(
-    name: str, in_features: int, out_features: int, bias: bool = False, init_scale: float = 1.0
+    name: str,
+    in_features: int,
+    out_features: int,
+    bias: bool = False,
+    init_scale: float = 1.0,
+    axes: tuple[str | None, str | None] = (None, None),
 ) -> Params:
-    """Plan of an ``nn.Linear`` stored as ``{name}.weight`` (and ``{name}.bias``, zero-init)."""
+    """Plan of an ``nn.Linear`` stored as ``{name}.weight`` (and ``{name}.bias``, zero-init).
+
+    ``axes`` are the logical axes of the param ``[in, out]``; the bias takes the output's.
+    """
     weight = TensorSpec(
-        f"{name}.weight", (out_features, in_features), transpose=True, init_scale=init_scale
+        f"{name}.weight",
+        (out_features, in_features),
+        transpose=True,
+        init_scale=init_scale,
+        axes=axes,
     )
     if not bias:
         return {"weight": weight}
-    return {"weight": weight, "bias": TensorSpec(f"{name}.bias", (out_features,), init="zeros")}
+    bias_spec = TensorSpec(f"{name}.bias", (out_features,), init="zeros", axes=axes[1:])
+    return {"weight": weight, "bias": bias_spec}
 
 
 def _is_leaf(node: Any) -> bool:
@@ -113,24 +157,66 @@ def _param_dtype(leaf: Any, dtype) -> np.dtype:
     return jnp.dtype(leaf.dtype if leaf.dtype is not None else dtype)
 
 
-def load_plan(plan: Params, reader, dtype) -> Params:
+# Where a param goes: ``place(axes, shape) -> jax.sharding.Sharding`` (e.g.
+# ``engine.sharding.ShardingPlan.sharding``), from the leaf's logical axes and its shape.
+Placement = Callable[[tuple[str | None, ...], tuple[int, ...]], Any]
+
+
+def _sharded(leaf: Any, place: Placement, block: Callable[[tuple[slice, ...]], np.ndarray]):
+    """The param as a sharded array, each device receiving ``block(its index)`` only."""
+    shape = leaf.param_shape
+    return jax.make_array_from_callback(shape, place(leaf.axes or (), shape), block)
+
+
+def load_plan(plan: Params, reader, dtype, place: Placement | None = None) -> Params:
     """Params read tensor by tensor from ``reader`` (a ``SafetensorsReader``), cast to dtype
-    (or to a leaf's own dtype)."""
-    return jax.tree.map(
-        lambda s: jnp.asarray(s.load(reader, _param_dtype(s, dtype))), plan, is_leaf=_is_leaf
-    )
+    (or to a leaf's own dtype). With ``place``, each device reads only its block of each
+    tensor straight into its shard."""
+
+    def load(leaf: Any) -> jax.Array:
+        leaf_dtype = _param_dtype(leaf, dtype)
+        if place is None:
+            return jnp.asarray(leaf.load(reader, leaf_dtype))
+        return _sharded(leaf, place, lambda index: leaf.load(reader, leaf_dtype, index))
+
+    return jax.tree.map(load, plan, is_leaf=_is_leaf)
 
 
-def init_plan(plan: Params, key: jax.Array, dtype, scale: float = 0.02) -> Params:
+def init_plan(
+    plan: Params, key: jax.Array, dtype, scale: float = 0.02, place: Placement | None = None
+) -> Params:
     """Random params for ``plan`` in ``dtype`` (or a leaf's own dtype), deterministic in ``key``.
 
     Drawn on the host with numpy (one generator per leaf, seeded from ``key`` and the
-    leaf's index): compiling a random program per leaf shape would cost far more.
+    leaf's index): compiling a random program per leaf shape would cost far more. With
+    ``place``, each device draws only its block (a generator per leaf and block start), so
+    the values depend on the sharding, and no host ever holds a whole sharded param.
     """
     leaves, treedef = jax.tree.flatten(plan, is_leaf=_is_leaf)
     root = np.random.SeedSequence(np.asarray(jax.random.key_data(key)).ravel().tolist())
-    rngs = [np.random.default_rng(seq) for seq in root.spawn(len(leaves))]
-    arrays = [
-        jnp.asarray(s.random(rng, scale), _param_dtype(s, dtype)) for s, rng in zip(leaves, rngs)
-    ]
+    seqs = root.spawn(len(leaves))
+
+    def draw(leaf: Any, seq: np.random.SeedSequence) -> jax.Array:
+        leaf_dtype = _param_dtype(leaf, dtype)
+        if place is None:
+            return jnp.asarray(leaf.random(np.random.default_rng(seq), scale), leaf_dtype)
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            starts = [s.indices(n)[0] for s, n in zip(index, leaf.param_shape)]
+            rng = np.random.default_rng([*seq.generate_state(4), *starts])
+            return np.asarray(leaf.random(rng, scale, index), leaf_dtype)
+
+        return _sharded(leaf, place, block)
+
+    arrays = [draw(leaf, seq) for leaf, seq in zip(leaves, seqs)]
     return jax.tree.unflatten(treedef, arrays)
+
+
+def leaf_axes(plan: Params) -> Params:
+    """The plan's tree with each leaf replaced by a ``PartitionSpec`` of its logical axis
+    names (empty: replicated), the form flax's logical-partitioning helpers read."""
+    return jax.tree.map(lambda s: PartitionSpec(*(s.axes or ())), plan, is_leaf=_is_leaf)
+
+
+def _block_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(len(range(*s.indices(size))) for s, size in zip(index, shape))

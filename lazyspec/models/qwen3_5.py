@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from lazyspec.models import qwen3_next
 from lazyspec.models.config import ModelConfig, require
 from lazyspec.models.layers.moe import MoESpec
-from lazyspec.models.plan import Params
+from lazyspec.models.plan import Params, Placement
 from lazyspec.models.qwen3_next import (  # noqa: F401  (the family contract)
     compute_logits,
     compute_mtp_logits,
@@ -37,6 +37,7 @@ from lazyspec.models.qwen3_next import (  # noqa: F401  (the family contract)
     init_params,
     mtp_forward,
     reference_forward,
+    weight_plan,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,12 @@ def _text_prefix(reader) -> str:
     return VL_TEXT_PREFIX
 
 
-def load_params(cfg: ModelConfig, reader, dtype=jnp.float32) -> Params:
+def load_params(
+    cfg: ModelConfig, reader, dtype=jnp.float32, place: Placement | None = None
+) -> Params:
     """Params read tensor by tensor from a ``SafetensorsReader`` and cast to ``dtype``.
 
     Reads a text-only or a vision-language checkpoint; the MTP head as in
     ``qwen3_next.load_params``. Missing or misshapen tensors raise ValueError.
     """
-    return qwen3_next.load_params(cfg, reader, dtype, prefix=_text_prefix(reader))
+    return qwen3_next.load_params(cfg, reader, dtype, _text_prefix(reader), place)

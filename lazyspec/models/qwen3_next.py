@@ -46,7 +46,7 @@ from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.layers.moe import MoESpec, moe_plan, sparse_moe
 from lazyspec.models.layers.norms import rms_norm
-from lazyspec.models.plan import Params, TensorSpec, init_plan, linear_spec, load_plan
+from lazyspec.models.plan import Params, Placement, TensorSpec, init_plan, linear_spec, load_plan
 
 FAMILY = "qwen3_next"
 MODES = ("extend", "decode", "verify")
@@ -266,7 +266,9 @@ def param_plan(cfg: ModelConfig, with_mtp: bool, prefix: str = "model") -> Param
     """
     plan = {
         "embed_tokens": TensorSpec(
-            f"{prefix}.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)
+            f"{prefix}.embed_tokens.weight",
+            (cfg.vocab_size, cfg.hidden_size),
+            axes=("vocab", "embed"),
         ),
         "norm": _norm_spec(f"{prefix}.norm", cfg.hidden_size),
         "layers": [
@@ -275,13 +277,21 @@ def param_plan(cfg: ModelConfig, with_mtp: bool, prefix: str = "model") -> Param
         ],
     }
     if not cfg.tie_word_embeddings:
-        plan["lm_head"] = linear_spec("lm_head", cfg.hidden_size, cfg.vocab_size)
+        plan["lm_head"] = linear_spec(
+            "lm_head", cfg.hidden_size, cfg.vocab_size, axes=("embed", "vocab")
+        )
     if with_mtp:
         plan["mtp"] = _mtp_plan(cfg)
     return plan
 
 
-def load_params(cfg: ModelConfig, reader, dtype=jnp.float32, prefix: str = "model") -> Params:
+def load_params(
+    cfg: ModelConfig,
+    reader,
+    dtype=jnp.float32,
+    prefix: str = "model",
+    place: Placement | None = None,
+) -> Params:
     """Params read tensor by tensor from a ``SafetensorsReader`` and cast to ``dtype``.
 
     The MTP head is loaded when the config declares one and the checkpoint has it; the
@@ -289,7 +299,13 @@ def load_params(cfg: ModelConfig, reader, dtype=jnp.float32, prefix: str = "mode
     as in ``param_plan``.
     """
     with_mtp = cfg.has_mtp and MTP_PROBE in reader
-    return load_plan(param_plan(cfg, with_mtp, prefix), reader, dtype)
+    return load_plan(param_plan(cfg, with_mtp, prefix), reader, dtype, place)
+
+
+def weight_plan(cfg: ModelConfig, params: Params) -> Params:
+    """The plan ``params`` were built from (its ``axes`` drive the shardings); reads only
+    which top-level keys ``params`` has (``mtp``, ``lm_head``)."""
+    return param_plan(cfg, "mtp" in params)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:

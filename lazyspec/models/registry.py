@@ -21,10 +21,12 @@ from lazyspec.models.config import ModelConfig
 from lazyspec.models.interface import ModelFamily
 from lazyspec.models.loader import SafetensorsReader, load_tokenizer
 from lazyspec.models.model import Model
+from lazyspec.models.plan import Placement, init_plan
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")  # SGLang's names: read the safetensors, or random weights
 
 
 @dataclass(frozen=True)
@@ -88,19 +90,38 @@ def load_model_config(path: str | Path) -> ModelConfig:
         return parse_hf_config(json.load(f))
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> Model:
+def load_model(
+    path: str | Path,
+    dtype: str = "float32",
+    place: Placement | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> Model:
     """Load a Hugging Face model folder (config.json, safetensors, tokenizer.json).
 
     When the config declares an MTP head the checkpoint lacks, the returned config has
-    ``num_mtp_layers = 0`` (logged), so ``Model.has_mtp`` and the config agree.
+    ``num_mtp_layers = 0`` (logged), so ``Model.has_mtp`` and the config agree. ``place``
+    (see ``plan.load_plan``): each device reads only its blocks of the tensors.
+    ``load_format="dummy"`` reads no tensor: random weights from ``seed`` (MTP head included
+    when the config declares one), each device drawing its own blocks with ``place``.
     """
+    import jax
     import jax.numpy as jnp
 
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {DTYPES}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not one of {list(LOAD_FORMATS)}")
     cfg = load_model_config(path)
     family = family_module(cfg.family)
-    params = family.load_params(cfg, SafetensorsReader(path), jnp.dtype(dtype))
+    if load_format == "dummy":
+        heads = {"mtp": None} if cfg.has_mtp else {}
+        if not cfg.tie_word_embeddings:
+            heads["lm_head"] = None
+        plan = family.weight_plan(cfg, heads)
+        params = init_plan(plan, jax.random.PRNGKey(seed), jnp.dtype(dtype), place=place)
+        return Model(cfg, params, load_tokenizer(path), family)
+    params = family.load_params(cfg, SafetensorsReader(path), jnp.dtype(dtype), place=place)
     if cfg.has_mtp and "mtp" not in params:
         logger.warning(
             "config declares %d MTP layer(s) but the checkpoint has no mtp.* "

@@ -19,6 +19,7 @@ from typing import Any
 from lazyspec.config import (
     DTYPES,
     KERNEL_BACKENDS,
+    LOAD_FORMATS,
     MOE_RUNNER_BACKENDS,
     SPEC_ALGORITHMS,
     STRATEGY_CHOICES,
@@ -38,6 +39,7 @@ CHOICES = {
     "speculative_algorithm": tuple(a for a in SPEC_ALGORITHMS if a is not None),
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
     "moe_runner_backend": MOE_RUNNER_BACKENDS,
+    "load_format": LOAD_FORMATS,
 }
 HELP = {
     "model_path": "Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
@@ -71,6 +73,12 @@ HELP = {
     "moe_runner_backend": "Routed experts with kernel-backend pallas: pallas (the grouped "
     "matmul over routed experts), xla (the sort + ragged_dot dispatch) or auto (= xla on "
     "GPU and TPU, where the kernel's check is incomplete; pallas in interpret mode on CPU).",
+    "load_format": "auto: read the safetensors (each device reads only its slices); dummy: "
+    "random weights drawn directly on the devices (benchmarks; the folder's config.json "
+    "and tokenizer are still read).",
+    "tp_size": "Tensor-parallel size: devices of the mesh the weights and pools are sharded "
+    "over (attention / GDN / Mamba2 by heads, MLPs by width, experts by expert, embedding "
+    "and lm_head by vocabulary).",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "

@@ -48,16 +48,21 @@ class AttentionSpec:
         return self.head_dim**-0.5 if self.scaling is None else self.scaling
 
 
+# Logical axes of the projections: head-major columns (rows for o_proj), so a shard of
+# the heads axis holds whole heads (and, with output_gate, each head's gate beside it).
+_Q, _KV, _O = ("embed", "q_heads"), ("embed", "kv_heads"), ("q_heads", "embed")
+
+
 def attention_plan(prefix: str, hidden_size: int, spec: AttentionSpec) -> Params:
     """Checkpoint plan of one attention layer whose modules sit under ``prefix``."""
     q_width = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1)
     kv_width = spec.num_kv_heads * spec.head_dim
     o_width, bias = spec.num_heads * spec.head_dim, spec.bias
     plan = {
-        "q_proj": linear_spec(f"{prefix}.q_proj", hidden_size, q_width, bias),
-        "k_proj": linear_spec(f"{prefix}.k_proj", hidden_size, kv_width, bias),
-        "v_proj": linear_spec(f"{prefix}.v_proj", hidden_size, kv_width, bias),
-        "o_proj": linear_spec(f"{prefix}.o_proj", o_width, hidden_size, bias),
+        "q_proj": linear_spec(f"{prefix}.q_proj", hidden_size, q_width, bias, axes=_Q),
+        "k_proj": linear_spec(f"{prefix}.k_proj", hidden_size, kv_width, bias, axes=_KV),
+        "v_proj": linear_spec(f"{prefix}.v_proj", hidden_size, kv_width, bias, axes=_KV),
+        "o_proj": linear_spec(f"{prefix}.o_proj", o_width, hidden_size, bias, axes=_O),
     }
     if spec.qk_norm:
         init = "zeros" if spec.zero_centered_qk_norm else "ones"

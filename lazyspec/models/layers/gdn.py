@@ -77,10 +77,17 @@ def _projection_plan(prefix: str, spec: GDNSpec) -> Params:
     h, hv = spec.hidden_size, spec.num_v_heads
     if spec.split_projections:
         widths = {"qkv": spec.conv_dim, "z": spec.value_dim, "b": hv, "a": hv}
+        # qkv's columns are the conv channels [q | k | v]; z, b, a are per value head
+        axes = {"qkv": "linear_conv", "z": "linear_v_heads", "b": "linear_v_heads"}
+        axes["a"] = "linear_v_heads"
     else:
         widths = {"qkvz": spec.conv_dim + spec.value_dim, "ba": 2 * hv}
+        # both fused projections are grouped per key head: a shard holds whole groups
+        axes = {"qkvz": "linear_k_heads", "ba": "linear_k_heads"}
     return {
-        f"in_proj_{part}": linear_spec(f"{prefix}.in_proj_{part}", h, width)
+        f"in_proj_{part}": linear_spec(
+            f"{prefix}.in_proj_{part}", h, width, axes=("embed", axes[part])
+        )
         for part, width in widths.items()
     }
 
@@ -89,15 +96,25 @@ def gdn_plan(prefix: str, spec: GDNSpec) -> Params:
     """Checkpoint plan of one GDN mixer whose modules sit under ``prefix``."""
     return {
         **_projection_plan(prefix, spec),
-        "out_proj": linear_spec(f"{prefix}.out_proj", spec.value_dim, spec.hidden_size),
+        "out_proj": linear_spec(
+            f"{prefix}.out_proj",
+            spec.value_dim,
+            spec.hidden_size,
+            axes=("linear_v_heads", "embed"),
+        ),
         "conv1d": TensorSpec(
             f"{prefix}.conv1d.weight",
             (spec.conv_dim, 1, spec.conv_kernel),
             reshape=(spec.conv_dim, spec.conv_kernel),
             init="fan_in_uniform",
+            axes=("linear_conv", None),
         ),
-        "dt_bias": TensorSpec(f"{prefix}.dt_bias", (spec.num_v_heads,), init="ones"),
-        "A_log": TensorSpec(f"{prefix}.A_log", (spec.num_v_heads,), init="a_log"),
+        "dt_bias": TensorSpec(
+            f"{prefix}.dt_bias", (spec.num_v_heads,), init="ones", axes=("linear_v_heads",)
+        ),
+        "A_log": TensorSpec(
+            f"{prefix}.A_log", (spec.num_v_heads,), init="a_log", axes=("linear_v_heads",)
+        ),
         "norm": TensorSpec(f"{prefix}.norm.weight", (spec.head_v_dim,), init="ones"),
     }
 

@@ -287,24 +287,44 @@ def mamba2_plan(
     ``out_scale``), fan-in uniform conv taps, A in [1, 16], dt log-uniform, D and norm ones.
     """
     heads, conv_dim, inter = dims.num_heads, dims.conv_dim, dims.intermediate_size
+    # in_proj's columns are [z | xBC | dt] and the conv channels [x | B | C]: mixed layouts
+    # (``mamba_proj`` / ``mamba_conv``); z, x, norm and out_proj's rows are head-major
+    # (``mamba_inner``), dt_bias / A_log / D per head
+    head_axes = ("mamba_heads",)
     plan = {
         "in_proj": linear_spec(
-            f"{prefix}.in_proj", dims.hidden_size, dims.projection_size, use_bias
+            f"{prefix}.in_proj",
+            dims.hidden_size,
+            dims.projection_size,
+            use_bias,
+            axes=("embed", "mamba_proj"),
         ),
         "conv_weight": TensorSpec(
             f"{prefix}.conv1d.weight",
             (conv_dim, 1, dims.conv_kernel),
             reshape=(conv_dim, dims.conv_kernel),
             init="fan_in_uniform",
+            axes=("mamba_conv", None),
         ),
-        "dt_bias": TensorSpec(f"{prefix}.dt_bias", (heads,), init="dt_bias", dtype="float32"),
-        "A_log": TensorSpec(f"{prefix}.A_log", (heads,), init="a_log", dtype="float32"),
-        "D": TensorSpec(f"{prefix}.D", (heads,), init="ones", dtype="float32"),
-        "norm": TensorSpec(f"{prefix}.norm.weight", (inter,), init="ones"),
+        "dt_bias": TensorSpec(
+            f"{prefix}.dt_bias", (heads,), init="dt_bias", dtype="float32", axes=head_axes
+        ),
+        "A_log": TensorSpec(
+            f"{prefix}.A_log", (heads,), init="a_log", dtype="float32", axes=head_axes
+        ),
+        "D": TensorSpec(f"{prefix}.D", (heads,), init="ones", dtype="float32", axes=head_axes),
+        "norm": TensorSpec(f"{prefix}.norm.weight", (inter,), init="ones", axes=("mamba_inner",)),
         "out_proj": linear_spec(
-            f"{prefix}.out_proj", inter, dims.hidden_size, use_bias, init_scale=out_scale
+            f"{prefix}.out_proj",
+            inter,
+            dims.hidden_size,
+            use_bias,
+            init_scale=out_scale,
+            axes=("mamba_inner", "embed"),
         ),
     }
     if use_conv_bias:
-        plan["conv_bias"] = TensorSpec(f"{prefix}.conv1d.bias", (conv_dim,), init="zeros")
+        plan["conv_bias"] = TensorSpec(
+            f"{prefix}.conv1d.bias", (conv_dim,), init="zeros", axes=("mamba_conv",)
+        )
     return plan

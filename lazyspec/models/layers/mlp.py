@@ -8,6 +8,9 @@ import jax.numpy as jnp
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import Params, linear_spec
 
+# Logical axes of an MLP's projections: sharded by the intermediate width.
+UP, DOWN = ("embed", "mlp"), ("mlp", "embed")
+
 
 @jax.named_scope("mlp")
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
@@ -24,7 +27,7 @@ def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
 def mlp_plan(prefix: str, hidden_size: int, intermediate_size: int) -> Params:
     """Plan of a SwiGLU MLP whose projections sit under ``prefix``."""
     return {
-        "gate_proj": linear_spec(f"{prefix}.gate_proj", hidden_size, intermediate_size),
-        "up_proj": linear_spec(f"{prefix}.up_proj", hidden_size, intermediate_size),
-        "down_proj": linear_spec(f"{prefix}.down_proj", intermediate_size, hidden_size),
+        "gate_proj": linear_spec(f"{prefix}.gate_proj", hidden_size, intermediate_size, axes=UP),
+        "up_proj": linear_spec(f"{prefix}.up_proj", hidden_size, intermediate_size, axes=UP),
+        "down_proj": linear_spec(f"{prefix}.down_proj", intermediate_size, hidden_size, axes=DOWN),
     }

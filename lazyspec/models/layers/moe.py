@@ -57,6 +57,11 @@ class ExpertStack:
     dtype: str | None = None
     fused_name: str | None = None
 
+    @property
+    def axes(self) -> tuple[str | None, ...]:
+        """Logical axes of ``[E, in, out]``: sharded by expert (expert parallel)."""
+        return ("experts", None, None)
+
     def _expert_shape(self) -> tuple[int, int]:
         """Per-expert checkpoint shape ``[out, in]``."""
         h, i = self.hidden_size, self.intermediate_size
@@ -69,29 +74,42 @@ class ExpertStack:
             return f"{self.prefix}.gate_up_proj"
         return f"{self.prefix}.{self.proj}"
 
-    def _load_fused(self, reader, dtype) -> np.ndarray:
+    @property
+    def param_shape(self) -> tuple[int, int, int]:
+        out, inp = self._expert_shape()
+        return (self.num_experts, inp, out)
+
+    def _load_fused(self, reader, dtype, experts: slice) -> np.ndarray:
         out, inp = self._expert_shape()
         shared = self.fused_gate_up and self.proj != "down_proj"
         rows = 2 * out if shared else out
-        array = TensorSpec(self._fused_name(), (self.num_experts, rows, inp)).load(reader, dtype)
+        fused = TensorSpec(self._fused_name(), (self.num_experts, rows, inp))
+        array = fused.load(reader, dtype, (experts, slice(None), slice(None)))
         if shared:
             array = array[:, :out] if self.proj == "gate_proj" else array[:, out:]
         return np.ascontiguousarray(np.swapaxes(array, 1, 2))
 
-    def load(self, reader, dtype) -> np.ndarray:
-        """``[E, in, out]`` from whichever layout the checkpoint has."""
+    def load(self, reader, dtype, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """``[E, in, out]`` from whichever layout the checkpoint has; ``index`` (slices of
+        those axes): only that block, reading only the experts it holds."""
+        index = (slice(None),) * 3 if index is None else tuple(index)
+        experts, rest = index[0], (slice(None), *index[1:])
         if f"{self.prefix}.0.{self.proj}.weight" not in reader:
             if self._fused_name() in reader:
-                return self._load_fused(reader, dtype)
+                return self._load_fused(reader, dtype, experts)[rest]
         per_expert = [
             TensorSpec(f"{self.prefix}.{e}.{self.proj}.weight", self._expert_shape(), True)
-            for e in range(self.num_experts)
+            for e in range(self.num_experts)[experts]
         ]
-        return np.stack([s.load(reader, dtype) for s in per_expert])
+        return np.stack([s.load(reader, dtype, index[1:]) for s in per_expert])
 
-    def random(self, rng: np.random.Generator, scale: float) -> np.ndarray:
-        out, inp = self._expert_shape()
-        return (scale * rng.standard_normal((self.num_experts, inp, out))).astype(np.float32)
+    def random(
+        self, rng: np.random.Generator, scale: float, index: tuple[slice, ...] | None = None
+    ) -> np.ndarray:
+        shape = self.param_shape
+        if index is not None:
+            shape = tuple(len(range(*s.indices(size))) for s, size in zip(index, shape))
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
 
 
 def moe_plan(prefix: str, spec: MoESpec) -> Params:
@@ -105,7 +123,7 @@ def moe_plan(prefix: str, spec: MoESpec) -> Params:
         "gate": TensorSpec(f"{prefix}.gate.weight", (e, h), transpose=True),
         "experts": experts,
         "shared_expert": mlp_plan(f"{prefix}.shared_expert", h, spec.shared_intermediate_size),
-        "shared_expert_gate": linear_spec(f"{prefix}.shared_expert_gate", h, 1),
+        "shared_expert_gate": linear_spec(f"{prefix}.shared_expert_gate", h, 1),  # replicated
     }
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from lazyspec.kernels.backend import MoEExpertsFn
 from lazyspec.models.layers.linear import linear
+from lazyspec.models.layers.mlp import DOWN, UP
 from lazyspec.models.layers.moe import ExpertStack, grouped_experts
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
@@ -33,8 +34,8 @@ class MoESpec:
 def relu2_mlp_plan(prefix: str, hidden_size: int, width: int, bias: bool) -> Params:
     """Plan of a relu^2 MLP whose ``up_proj`` / ``down_proj`` sit under ``prefix``."""
     return {
-        "up_proj": linear_spec(f"{prefix}.up_proj", hidden_size, width, bias),
-        "down_proj": linear_spec(f"{prefix}.down_proj", width, hidden_size, bias),
+        "up_proj": linear_spec(f"{prefix}.up_proj", hidden_size, width, bias, axes=UP),
+        "down_proj": linear_spec(f"{prefix}.down_proj", width, hidden_size, bias, axes=DOWN),
     }
 
 

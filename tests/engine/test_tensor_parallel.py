@@ -1,0 +1,126 @@
+"""Tensor parallelism over fake CPU devices: tp = 1, 2, 4 serve token-identical greedy output
+(Qwen3-Next with speculation, Nemotron-H; extra_buffer_lazy and the radix cache over a
+multi-turn workload) with identical cached tokens; every weight and pool is sharded as the
+rule table says, and a sharded array holds 1/tp of its bytes per device.
+
+Each tp runs in its own process (``tp_worker.py``): the device count is fixed when jax is
+first imported, and this process already has jax with one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lazyspec.engine.sharding import check_tp_size, make_mesh
+from lazyspec.testing.tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TP_SIZES = (1, 2, 4)
+FAMILIES = ("qwen3_next", "nemotron_h")
+KV_HEADS = 2  # both tiny models'; tp = 4 replicates them whole
+
+
+def _run_worker(tp: int) -> dict:
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={max(TP_SIZES)}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.engine.tp_worker", str(tp)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[int, dict]:
+    return {tp: _run_worker(tp) for tp in TP_SIZES}
+
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_and_cached_tokens_equal_across_tp(reports, family):
+    base = reports[1][family]["outputs"]
+    assert any(cached > 0 for _, cached in base)  # turn 2 hits the radix cache
+    assert len({tuple(ids) for ids, _ in base}) == len(base)  # outputs differ per request
+    for tp in TP_SIZES[1:]:
+        assert reports[tp][family]["outputs"] == base, tp
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_weight_and_pool_sharded_by_the_rule_table(reports, family):
+    for tp in TP_SIZES:
+        assert reports[tp][family]["sharding_errors"] == [], tp
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_arrays_hold_one_tp_th_per_device(reports, family):
+    for tp in TP_SIZES:
+        report = reports[tp][family]
+        if tp == 1:
+            assert report["num_sharded"] == 0
+            continue
+        assert report["num_sharded"] > 0
+        assert report["device_bytes"] * tp == report["total_bytes"], tp
+        plan = report["memory_plan"]
+        assert plan["tp_size"] == tp
+        single = reports[1][family]["memory_plan"]
+        assert plan["weight_bytes_per_device"] < single["weight_bytes_per_device"]
+        assert plan["state_bytes_per_device"] * tp == single["state_bytes_per_device"]
+        # KV by KV heads; every device holds them all once tp exceeds them
+        kv_shards = tp if tp <= KV_HEADS else 1
+        assert plan["kv_bytes_per_device"] * kv_shards == single["kv_bytes_per_device"], tp
+
+
+def test_tp_sizes_that_do_not_divide_are_named():
+    cfg = tiny_model("qwen3_next").config  # 4 attention heads, 2 KV heads, 2 GDN key heads
+    with pytest.raises(ValueError, match="tp_size=3 does not divide the 4 attention heads"):
+        check_tp_size(cfg, 3)
+    with pytest.raises(ValueError, match="tp_size=4 does not divide the 2 GDN key heads"):
+        check_tp_size(cfg, 4)
+    check_tp_size(cfg, 2)
+    with pytest.raises(ValueError, match="tp_size=2 needs 2 devices, but only 1"):
+        make_mesh(2)
+
+
+def test_checkpoints_load_straight_into_shards(reports):
+    for tp in TP_SIZES:
+        assert reports[tp]["loading"] == {"per_expert": [], "fused": [], "dummy": []}, tp
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_block_reads_only_its_slice_of_the_file(tmp_path, monkeypatch, fused):
+    """``load(index)`` equals the whole param's block, and reads no whole tensor where the
+    layout allows slicing the file (everything but the conv weights' leading-axis case)."""
+    import jax
+    import numpy as np
+
+    from lazyspec.models.loader import SafetensorsReader
+    from lazyspec.models.plan import _is_leaf
+    from lazyspec.models.qwen3_next import param_plan
+    from lazyspec.models.registry import load_model_config
+    from tests.models.tiny_qwen import config_dict, write_checkpoint
+
+    write_checkpoint(tmp_path, config_dict("moe"), seed=3, fused_experts=fused)
+    reader = SafetensorsReader(tmp_path)
+    leaves = jax.tree.leaves(param_plan(load_model_config(tmp_path), False), is_leaf=_is_leaf)
+    wholes = [leaf.load(reader, np.float32) for leaf in leaves]
+    monkeypatch.setattr(reader, "get", lambda *a, **k: pytest.fail(f"whole read of {a[0]}"))
+    for leaf, whole in zip(leaves, wholes):
+        index = tuple(slice(size // 2, size) for size in whole.shape)
+        np.testing.assert_array_equal(leaf.load(reader, np.float32, index), whole[index])

@@ -1,0 +1,177 @@
+"""One tensor-parallel size's checks, run in a fresh process that sees fake CPU devices.
+
+``python -m tests.engine.tp_worker TP`` (with ``XLA_FLAGS=--xla_force_host_platform_device_count``
+set before jax is imported) serves a multi-turn workload on tiny Qwen3-Next (speculative) and
+Nemotron-H engines, then walks every weight and pool, and prints one JSON line: the outputs
+and cached tokens, the shardings that differ from the rule table's, and the bytes per device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+
+from lazyspec.engine.engine import Engine
+from lazyspec.engine.sharding import (
+    CONV_POOL_AXES,
+    KV_POOL_AXES,
+    RULES,
+    SSM_POOL_AXES,
+    TP_AXIS,
+    sharding_plan,
+)
+from lazyspec.models.plan import leaf_axes
+from lazyspec.models.registry import parse_hf_config
+from lazyspec.testing.tiny_models import NEMOTRON_HF, QWEN_HF
+
+# Four GDN key heads (eight value heads), so tp = 4 holds whole key-head groups; the two
+# KV heads replicate at tp = 4.
+QWEN_TP_HF = dict(QWEN_HF, linear_num_key_heads=4, linear_num_value_heads=8)
+FAMILIES = {"qwen3_next": (QWEN_TP_HF, True), "nemotron_h": (NEMOTRON_HF, False)}
+
+
+def tiny(family: str) -> SimpleNamespace:
+    hf, _ = FAMILIES[family]
+    cfg = parse_hf_config(dict(hf))
+    module = importlib.import_module(f"lazyspec.models.{family}")
+    params = module.init_params(cfg, jax.random.PRNGKey(0))
+    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
+
+
+def workload(engine: Engine) -> list[list]:
+    """Two conversations of two turns each (turn 2 extends turn 1's prompt and output)."""
+    rng = np.random.default_rng(0)
+    params = {"max_new_tokens": 6, "ignore_eos": True}
+    results = []
+    for length in (13, 21):
+        prompt = [int(t) for t in rng.integers(3, 128, size=length)]
+        first = engine.generate(input_ids=prompt, sampling_params=params)
+        turn2 = prompt + first["output_ids"] + [5, 6, 7]
+        second = engine.generate(input_ids=turn2, sampling_params=params)
+        results += [[r["output_ids"], r["meta_info"]["cached_tokens"]] for r in (first, second)]
+        engine.check_integrity()
+    return results
+
+
+def expected_shard_shape(shape, axes, tp: int, kv_heads: int) -> tuple[int, ...]:
+    """The shard shape the rule table gives, derived here independently of the engine."""
+    table = dict(RULES)
+    out = []
+    for size, name in zip(shape, axes or (None,) * len(shape)):
+        split = table.get(name) == TP_AXIS and size % tp == 0
+        if name == "kv_heads" and tp > kv_heads:
+            split = False
+        out.append(size // tp if split else size)
+    return tuple(out)
+
+
+def walk(engine: Engine, tp: int) -> tuple[list[str], int, int, int]:
+    """(mismatches, sharded arrays, their bytes on device 0, their total bytes)."""
+    runner = engine.runner
+    cfg = runner.cfg
+    plan = runner.family.weight_plan(cfg, runner.params)
+    axes = jax.tree.leaves(leaf_axes(plan))
+    arrays = jax.tree.leaves_with_path(runner.params)
+    pools = runner.pools
+    named = [(jax.tree_util.keystr(p), a, tuple(x)) for (p, a), x in zip(arrays, axes)]
+    for kv in (pools.kv, pools.mtp_kv):
+        if kv is not None:
+            named += [("kv", pool, KV_POOL_AXES) for pool in kv.k + kv.v]
+    named += [("conv", pools.conv, CONV_POOL_AXES), ("ssm", pools.ssm, SSM_POOL_AXES)]
+    named += [
+        (name, getattr(pools, name), ())
+        for name in ("seq_len", "last_token", "drafts", "req_to_token")
+    ]
+    mesh_devices = set(runner.sharding.mesh.devices.flat)
+    errors, num_sharded, device_bytes, total_bytes = [], 0, 0, 0
+    for name, array, leaf_axes_ in named:
+        want = expected_shard_shape(array.shape, leaf_axes_, tp, cfg.num_kv_heads)
+        shards = array.addressable_shards
+        got = {tuple(s.data.shape) for s in shards}
+        if got != {want} or {s.device for s in shards} != mesh_devices:
+            errors.append(f"{name}: shards {sorted(got)} on {len(shards)} devices, want {want}")
+        if want != tuple(array.shape):
+            num_sharded += 1
+            first = min(shards, key=lambda s: s.device.id)
+            device_bytes += first.data.nbytes
+            total_bytes += array.nbytes
+    return errors, num_sharded, device_bytes, total_bytes
+
+
+def loading(tp: int, folder: Path) -> dict[str, list[str]]:
+    """Checkpoints loaded straight into shards equal the whole-tensor load (per-expert and
+    fused expert layouts); dummy weights land sharded as the rule table says."""
+    from lazyspec.models import load_model
+    from tests.models.tiny_qwen import config_dict, write_checkpoint
+
+    config = config_dict(
+        "moe", num_nextn_predict_layers=1, linear_num_key_heads=4, linear_num_value_heads=8
+    )
+    report: dict[str, list[str]] = {}
+    for layout, fused in (("per_expert", False), ("fused", True)):
+        where = folder / layout
+        where.mkdir()
+        write_checkpoint(where, config, seed=1, fused_experts=fused)
+        whole = load_model(where)
+        plan = sharding_plan(whole.config, tp)
+        sharded = load_model(where, place=plan.sharding)
+        errors = []
+        for (path, want), got in zip(
+            jax.tree.leaves_with_path(whole.params), jax.tree.leaves(sharded.params)
+        ):
+            if not np.array_equal(np.asarray(want), np.asarray(got)):
+                errors.append(f"{jax.tree_util.keystr(path)}: values differ")
+        engine = Engine(model=sharded, tp_size=tp, skip_warmup=True, max_total_tokens=256)
+        errors += walk(engine, tp)[0]
+        report[layout] = errors
+    engine = Engine(
+        model_path=str(folder / "fused"),
+        load_format="dummy",
+        tp_size=tp,
+        skip_warmup=True,
+        max_total_tokens=256,
+    )
+    report["dummy"] = walk(engine, tp)[0]
+    return report
+
+
+def run(tp: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        report = {"loading": loading(tp, Path(folder))}
+    for family, (_, spec) in FAMILIES.items():
+        kw = {"speculative_algorithm": "NEXTN"} if spec else {}
+        engine = Engine(
+            model=tiny(family),
+            tp_size=tp,
+            mamba_scheduler_strategy="extra_buffer_lazy",
+            mamba_track_interval=16,
+            mamba_chunk_size=16,
+            chunked_prefill_size=16,
+            max_running_requests=1,
+            max_total_tokens=1024,
+            context_length=128,
+            skip_warmup=True,
+            **kw,
+        )
+        outputs = workload(engine)
+        errors, num_sharded, device_bytes, total_bytes = walk(engine, tp)
+        report[family] = {
+            "outputs": outputs,
+            "sharding_errors": errors,
+            "num_sharded": num_sharded,
+            "device_bytes": device_bytes,
+            "total_bytes": total_bytes,
+            "memory_plan": engine.memory_plan,
+        }
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(int(sys.argv[1]))))
