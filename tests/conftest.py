@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # several test processes on one machine: none may take most of an accelerator's memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @pytest.fixture(autouse=True, scope="module")
