@@ -13,6 +13,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``), a test file is one unit of work and the
+    server tests are one unit together: they share a live engine whose compiled programs
+    must not be dropped by another file's tests running between them in the same worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = item.module.__name__
+        group = "tests.server" if module.startswith("tests.server") else module
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs(request):
     """Drop JAX's compiled programs after each test module: one process runs the whole

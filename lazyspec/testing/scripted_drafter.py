@@ -41,6 +41,15 @@ class ScriptedFamily:
     def reference_forward(self, *args, **kwargs):
         return self.base.reference_forward(*args, **kwargs)
 
+    def weight_plan(self, cfg, params):
+        """The base model's plan, plus the script (replicated)."""
+        from lazyspec.models.plan import TensorSpec
+
+        base = {name: value for name, value in params.items() if name != "script"}
+        plan = dict(self.base.weight_plan(cfg, base))
+        plan["script"] = TensorSpec("script", tuple(params["script"].shape))
+        return plan
+
     def mtp_forward(self, params, cfg, hidden, next_tokens, inputs, mtp_kv):
         # An MTP input at position p predicts the token at p + 2; carry that position.
         encoded = jnp.zeros(hidden.shape, jnp.float32)
