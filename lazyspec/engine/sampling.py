@@ -1,5 +1,8 @@
-"""Device-side sampling: greedy, temperature, top-k, top-p, per-request seeds, and the
-speculative accept rule (greedy match, or rejection sampling against a one-hot draft).
+"""Device-side sampling: logit bias, min_new_tokens masking, greedy, temperature, top-k,
+top-p, per-request seeds, and the speculative accept rule (greedy match, or rejection
+sampling against a one-hot draft). Plain sampling and the accept rule both use the processed
+distribution (``processed_logits`` then temperature / top-k / top-p); greedy rows take the
+argmax of the processed logits.
 
 Randomness is a pure function of (request seed, absolute position, purpose), so a request's
 samples do not depend on how it was batched or on the checkpoint strategy.
@@ -21,7 +24,8 @@ PURPOSE_ACCEPT = 1
 
 
 # Per-row sampling parameters: the host batches' ``SamplingRows`` (temperature [B] float32,
-# 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; seed [B] uint32), as a pytree.
+# 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; seed [B] uint32; min_len [B] and
+# mask_ids [B, M]; bias_ids / bias_values [B, K]), as a pytree.
 SamplingArrays = SamplingRows
 jax.tree_util.register_dataclass(
     SamplingArrays,
@@ -53,8 +57,29 @@ def _key(seed, position, purpose):
     return jax.random.fold_in(key, purpose)
 
 
-def target_probs(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """The sampling distribution per position: [B, T, V] logits -> probs (greedy rows: one-hot)."""
+def processed_logits(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
+    """[B, T, V] logits at absolute positions [B, T] with each row's logit bias added and its
+    EOS / stop ids at -inf where the row has fewer than min_new_tokens outputs (the token
+    sampled at position p is output number p + 1 - prompt length)."""
+    batch, _, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    logits = logits.astype(jnp.float32)
+    bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # vocab: dropped
+    bias = (
+        jnp.zeros((batch, vocab), jnp.float32)
+        .at[rows, bias_ids]
+        .add(params.bias_values, mode="drop")
+    )
+    mask_ids = jnp.where(params.mask_ids >= 0, params.mask_ids, vocab)
+    masked = jnp.zeros((batch, vocab), bool).at[rows, mask_ids].set(True, mode="drop")
+    early = (positions + 1 < params.min_len[:, None])[..., None]  # [B, T, 1]
+    return jnp.where(early & masked[:, None], NEG_INF, logits + bias[:, None])
+
+
+def target_probs(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
+    """The sampling distribution per position: [B, T, V] logits at positions [B, T] -> probs
+    of the processed logits (greedy rows: one-hot at their argmax)."""
+    logits = processed_logits(logits, params, positions)
     t = params.temperature[:, None]
     filtered = _filtered_logits(logits, t, params.top_p[:, None], params.top_k[:, None])
     probs = jax.nn.softmax(filtered, axis=-1)
@@ -81,7 +106,7 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
     tokens[b, :accept_len[b]] are the emitted tokens (accepted drafts then the bonus).
     """
     batch, num_pos, _ = logits.shape
-    probs = target_probs(logits, params)  # [B, D, V]
+    probs = target_probs(logits, params, positions)  # [B, D, V]
     num_drafts = num_pos - 1
     greedy = (params.temperature == 0)[:, None]
     if num_drafts > 0:
@@ -90,8 +115,8 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
             params.seed, positions[:, :num_drafts], PURPOSE_ACCEPT
         )
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))(keys)
-        target_argmax = jnp.argmax(logits[:, :num_drafts], axis=-1)
-        ok = jnp.where(greedy, target_argmax == drafts, u < p_draft)
+        # greedy rows' probs are one-hot at the processed argmax
+        ok = jnp.where(greedy, p_draft > 0.5, u < p_draft)
         num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
     else:
         num_accepted = jnp.zeros((batch,), jnp.int32)

@@ -259,7 +259,7 @@ def extend_step(
         logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
     last_pos = batch.start_pos + last
     with jax.named_scope("sampling"):
-        probs = target_probs(logits, batch.sampling)[:, 0]
+        probs = target_probs(logits, batch.sampling, last_pos[:, None])[:, 0]
         token = sample_from(probs, batch.sampling.seed, last_pos)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row

@@ -19,7 +19,15 @@ import numpy as np
 
 from lazyspec.scheduler.layout import TABLE_UPDATES_PER_STEP, Layout
 from lazyspec.scheduler.policy import RowRecord
-from lazyspec.scheduler.request import NO_SLOT, Req
+from lazyspec.scheduler.request import (
+    MAX_LOGIT_BIAS,
+    MAX_MIN_TOKENS_STOP_IDS,
+    NO_SLOT,
+    Req,
+)
+
+# the per-row masked-id list: a request's stop_token_ids and the model's EOS ids
+MASK_IDS = 2 * MAX_MIN_TOKENS_STOP_IDS
 
 
 @dataclass
@@ -28,6 +36,12 @@ class SamplingRows:
     top_p: np.ndarray  # [B] float32
     top_k: np.ndarray  # [B] int32, <= 0 = off
     seed: np.ndarray  # [B] uint32
+    # EOS / stop ids (mask_ids, -1 = none) get -inf logits at the positions p with
+    # p + 1 < min_len (prompt length + min_new_tokens: fewer outputs than that so far)
+    min_len: np.ndarray  # [B] int32
+    mask_ids: np.ndarray  # [B, MASK_IDS] int32
+    bias_ids: np.ndarray  # [B, MAX_LOGIT_BIAS] int32, -1 = none
+    bias_values: np.ndarray  # [B, MAX_LOGIT_BIAS] float32, added to the logits
 
 
 @dataclass
@@ -78,17 +92,41 @@ class SamplingRow:
     top_p: np.float32
     top_k: np.int32
     seed: np.uint32
+    min_len: np.int32
+    mask_ids: np.ndarray  # [MASK_IDS] int32
+    bias_ids: np.ndarray  # [MAX_LOGIT_BIAS] int32
+    bias_values: np.ndarray  # [MAX_LOGIT_BIAS] float32
 
 
-def sampling_row(req: Req) -> SamplingRow:
+def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
     """``req``'s SamplingRow; ValueError / OverflowError if a value does not fit its dtype
-    (the default seed is the CRC-32 of the request id)."""
+    (the default seed is the CRC-32 of the request id). ``eos_ids`` are the model's, masked
+    with the stop ids while ``min_new_tokens`` is not reached."""
     params = req.sampling
     if not (abs(params.temperature) <= FLOAT32_MAX and abs(params.top_p) <= FLOAT32_MAX):
         raise ValueError(f"temperature / top_p do not fit float32: {params}")
     temperature, top_p = np.float32(params.temperature), np.float32(params.top_p)
     seed = params.seed if params.seed is not None else zlib.crc32(req.rid.encode())
-    return SamplingRow(temperature, top_p, np.int32(params.top_k), np.uint32(seed & 0xFFFFFFFF))
+    mask_ids = np.full(MASK_IDS, -1, np.int32)
+    if params.min_new_tokens > 0:
+        masked = sorted(set(params.stop_token_ids) | set(eos_ids))
+        if len(masked) > MASK_IDS:
+            raise ValueError(f"{len(masked)} EOS / stop ids exceed the {MASK_IDS} maskable")
+        mask_ids[: len(masked)] = masked
+    bias_ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+    bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for i, (token, bias) in enumerate(params.logit_bias):
+        bias_ids[i], bias_values[i] = token, bias
+    return SamplingRow(
+        temperature,
+        top_p,
+        np.int32(params.top_k),
+        np.uint32(seed & 0xFFFFFFFF),
+        np.int32(len(req.input_ids) + params.min_new_tokens),
+        mask_ids,
+        bias_ids,
+        bias_values,
+    )
 
 
 def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
@@ -97,6 +135,10 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         top_p=np.ones(num_rows, np.float32),
         top_k=np.full(num_rows, -1, np.int32),
         seed=np.zeros(num_rows, np.uint32),
+        min_len=np.zeros(num_rows, np.int32),
+        mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
+        bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
+        bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
     )
     for b, req in enumerate(reqs):
         row = req.sampling_row
@@ -104,6 +146,10 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         rows.top_p[b] = row.top_p
         rows.top_k[b] = row.top_k
         rows.seed[b] = row.seed
+        rows.min_len[b] = row.min_len
+        rows.mask_ids[b] = row.mask_ids
+        rows.bias_ids[b] = row.bias_ids
+        rows.bias_values[b] = row.bias_values
     return rows
 
 

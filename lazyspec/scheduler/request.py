@@ -11,6 +11,11 @@ NO_SLOT = 0  # the null slot: "none" for every slot field
 TOP_LOGPROBS = 5  # most likely tokens reported per position (top_logprobs_num <= this)
 MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float32 precision anyway
 SEED_RANGE = (-(2**63), 2**64 - 1)  # inclusive: any 64-bit seed; the low 32 bits are used
+MAX_LOGIT_BIAS = 16  # (token, bias) pairs per request (a fixed width in the step batch)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # inclusive, as OpenAI's
+# stop_token_ids a request with min_new_tokens > 0 may give: they and the model's EOS ids
+# are masked on the device, in a fixed-width per-row list
+MAX_MIN_TOKENS_STOP_IDS = 16
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -34,6 +41,8 @@ class SamplingParams:
             "ignore_eos",
             "stop_token_ids",
             "seed",
+            "min_new_tokens",
+            "logit_bias",
         }
         unknown = set(params) - known
         if unknown:
@@ -44,6 +53,12 @@ class SamplingParams:
             params["stop_token_ids"] = tuple(int(t) for t in params["stop_token_ids"])
         elif "stop_token_ids" in params:
             params["stop_token_ids"] = ()
+        if isinstance(params.get("logit_bias"), dict):
+            params["logit_bias"] = tuple(
+                (int(t), float(b)) for t, b in params["logit_bias"].items()
+            )
+        elif params.get("logit_bias") is None:
+            params.pop("logit_bias", None)
         out = cls(**params)
         out.validate()
         return out
@@ -72,6 +87,39 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids holds {token!r}, outside the vocabulary [0, {vocab_size})"
                 )
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={self.min_new_tokens!r} must be an integer in "
+                f"[0, max_new_tokens={self.max_new_tokens}]"
+            )
+        if self.min_new_tokens > 0 and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise ValueError(
+                f"min_new_tokens > 0 takes at most {MAX_MIN_TOKENS_STOP_IDS} stop_token_ids "
+                f"(got {len(self.stop_token_ids)})"
+            )
+        _validate_logit_bias(self.logit_bias, vocab_size)
+
+
+def _validate_logit_bias(pairs: Any, vocab_size: int | None) -> None:
+    if not isinstance(pairs, tuple):
+        raise ValueError(f"logit_bias={pairs!r} must map token ids to numbers")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(
+            f"logit_bias holds {len(pairs)} tokens; at most {MAX_LOGIT_BIAS} are supported"
+        )
+    low, high = LOGIT_BIAS_RANGE
+    tokens = set()
+    for pair in pairs:
+        token, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+        if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ValueError(
+                f"logit_bias names token {token!r}, outside the vocabulary [0, {vocab_size})"
+            )
+        if token in tokens:
+            raise ValueError(f"logit_bias names token {token} twice")
+        tokens.add(token)
+        if not _is_real(bias) or not low <= bias <= high:
+            raise ValueError(f"logit_bias[{token}]={bias!r} must be a number in [{low}, {high}]")
 
 
 def _is_int(value: Any) -> bool:

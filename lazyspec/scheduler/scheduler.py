@@ -135,7 +135,7 @@ class Scheduler:
         if req.sampling_row is not None:
             return True
         try:
-            req.sampling_row = sampling_row(req)
+            req.sampling_row = sampling_row(req, self.eos_ids)
         except Exception as exc:  # any failure is this request's: isolate it
             logger.warning("request %s failed before admission: %r", req.rid, exc)
             self.waiting.popleft()

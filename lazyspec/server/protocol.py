@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from lazyspec.scheduler.request import MAX_TEMPERATURE, SEED_RANGE, TOP_LOGPROBS, SamplingParams
+from lazyspec.scheduler.request import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_MIN_TOKENS_STOP_IDS,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
+    TOP_LOGPROBS,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
@@ -257,8 +265,45 @@ def parse_prompts(
     return [_token_ids(value, limits, param)], [None], False
 
 
+def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: {token id (an integer or its decimal string): bias in [-100, 100]}."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(f"logit_bias={value!r} must map token ids to numbers", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ApiError(
+            f"logit_bias holds {len(value)} tokens; at most {MAX_LOGIT_BIAS} are supported",
+            param="logit_bias",
+        )
+    low, high = LOGIT_BIAS_RANGE
+    pairs = {}
+    for key, bias in value.items():
+        text = str(key)
+        if not (text.isascii() and text.isdigit()) or not 0 <= int(text) < limits.vocab_size:
+            raise ApiError(
+                f"logit_bias key {key!r} is not a token id in [0, {limits.vocab_size})",
+                param="logit_bias",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+            raise ApiError(
+                f"logit_bias[{key!r}]={bias!r} must be a number in [{low}, {high}]",
+                param="logit_bias",
+            )
+        if int(text) in pairs:
+            raise ApiError(f"logit_bias names token {int(text)} twice", param="logit_bias")
+        pairs[int(text)] = float(bias)
+    return tuple(pairs.items())
+
+
 def _sampling(
-    body: dict, max_new: int | None, prompts: list[list[int]], limits: Limits, max_param: str
+    body: dict,
+    max_new: int | None,
+    prompts: list[list[int]],
+    limits: Limits,
+    max_param: str,
+    min_param: str,
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context."""
     temperature = _number(body, "temperature", 1.0)
@@ -282,6 +327,13 @@ def _sampling(
             f"stop_token_ids={stop_ids!r} must be a list of token ids", param="stop_token_ids"
         )
     stop_ids = _token_ids(stop_ids, limits, "stop_token_ids") if stop_ids else []
+    min_new = _integer(body, min_param, 0, 0, limits.max_context)
+    if min_new > 0 and len(stop_ids) > MAX_MIN_TOKENS_STOP_IDS:
+        raise ApiError(
+            f"{min_param} > 0 takes at most {MAX_MIN_TOKENS_STOP_IDS} stop_token_ids",
+            param="stop_token_ids",
+        )
+    logit_bias = _logit_bias(body, limits)
     out = []
     for ids in prompts:
         room = limits.max_context - len(ids)
@@ -292,6 +344,10 @@ def _sampling(
                 f"context limit {limits.max_context}",
                 param=max_param,
             )
+        if min_new > wanted:
+            raise ApiError(
+                f"{min_param}={min_new} must be <= {max_param} ({wanted})", param=min_param
+            )
         out.append(
             SamplingParams(
                 max_new_tokens=wanted,
@@ -301,6 +357,8 @@ def _sampling(
                 ignore_eos=_boolean(body, "ignore_eos", False),
                 stop_token_ids=tuple(stop_ids),
                 seed=seed,
+                min_new_tokens=min_new,
+                logit_bias=logit_bias,
             )
         )
     return out
@@ -337,7 +395,7 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     return GenerationSpec(
         prompts,
         texts,
-        _sampling(body, max_new, prompts, limits, "max_tokens"),
+        _sampling(body, max_new, prompts, limits, "max_tokens", "min_tokens"),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -363,7 +421,7 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     return GenerationSpec(
         [prompt],
         [None],
-        _sampling(body, max_new, [prompt], limits, "max_tokens"),
+        _sampling(body, max_new, [prompt], limits, "max_tokens", "min_tokens"),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -398,6 +456,8 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "stop",
         "stop_token_ids",
         "seed",
+        "min_new_tokens",
+        "logit_bias",
         "skip_special_tokens",
         "no_stop_trim",
         "n",
@@ -411,7 +471,7 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     return GenerationSpec(
         prompts,
         texts,
-        _sampling(params, max_new, prompts, limits, "max_new_tokens"),
+        _sampling(params, max_new, prompts, limits, "max_new_tokens", "min_new_tokens"),
         _stop_strings(params),
         _boolean(body, "stream", False),
         logprobs=top if _boolean(body, "return_logprob", False) else None,

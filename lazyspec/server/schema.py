@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lazyspec.scheduler.request import MAX_TEMPERATURE, SEED_RANGE
+from lazyspec.scheduler.request import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
+)
 from lazyspec.server.protocol import MAX_LOGPROBS, MAX_STOP_STRINGS, ROLES, Limits
 
 Schema = dict[str, Any]
@@ -73,6 +78,18 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
             }
         ),
         "n": {"enum": [1, None]},
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "maxProperties": MAX_LOGIT_BIAS,
+                "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": {
+                    "type": "number",
+                    "minimum": LOGIT_BIAS_RANGE[0],
+                    "maximum": LOGIT_BIAS_RANGE[1],
+                },
+            }
+        ),
     }
 
 
@@ -80,6 +97,7 @@ def _openai_common(limits: Limits) -> dict[str, Schema]:
     return {
         "model": _nullable({"enum": list(limits.model_names)}),
         **_sampling(limits),
+        "min_tokens": _integer(0, limits.max_context),
         "best_of": {"enum": [1, None]},
         "presence_penalty": {"enum": [0, None]},
         "frequency_penalty": {"enum": [0, None]},
@@ -144,6 +162,7 @@ def generate_body(limits: Limits) -> Schema:
     sampling = {
         **_sampling(limits),
         "max_new_tokens": _integer(0, limits.max_context),
+        "min_new_tokens": _integer(0, limits.max_context),
         "skip_special_tokens": {},
         "no_stop_trim": {},
     }

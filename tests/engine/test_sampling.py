@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.engine.sampling import SamplingArrays, verify_and_sample
+from lazyspec.scheduler.batch import MASK_IDS
+from lazyspec.scheduler.request import MAX_LOGIT_BIAS
 
 VOCAB = 6
 NUM_ROWS = 20_000
@@ -43,17 +45,28 @@ def _chi2(tokens: np.ndarray, probs: np.ndarray) -> float:
     return float(np.sum((observed - expected) ** 2 / expected))
 
 
-def _emitted() -> tuple[np.ndarray, np.ndarray]:
+def sampling_arrays(num_rows: int, temperature: float, **rows) -> SamplingArrays:
+    """Rows with no bias and no min_new_tokens unless ``rows`` gives other arrays."""
+    fields = dict(
+        temperature=np.full(num_rows, temperature, np.float32),
+        top_p=np.ones(num_rows, np.float32),
+        top_k=np.full(num_rows, -1, np.int32),
+        seed=np.arange(num_rows, dtype=np.uint32),
+        min_len=np.zeros(num_rows, np.int32),
+        mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
+        bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
+        bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
+    )
+    fields.update(rows)
+    return SamplingArrays(**{k: jnp.asarray(v) for k, v in fields.items()})
+
+
+def _emitted(params: SamplingArrays | None = None) -> tuple[np.ndarray, np.ndarray]:
     drafts = np.argmax(DRAFT_LOGITS, axis=-1).astype(np.int32)
     logits = jnp.broadcast_to(jnp.asarray(TARGET_LOGITS), (NUM_ROWS, *TARGET_LOGITS.shape))
     rows = np.arange(NUM_ROWS)
     positions = (100 + rows % 13)[:, None] + np.arange(TARGET_LOGITS.shape[0])[None, :]
-    params = SamplingArrays(
-        temperature=jnp.full(NUM_ROWS, TEMPERATURE, jnp.float32),
-        top_p=jnp.ones(NUM_ROWS, jnp.float32),
-        top_k=jnp.full(NUM_ROWS, -1, jnp.int32),
-        seed=jnp.asarray(rows, jnp.uint32),
-    )
+    params = params or sampling_arrays(NUM_ROWS, TEMPERATURE)
     tokens, accept_len = jax.jit(verify_and_sample)(
         logits,
         jnp.broadcast_to(jnp.asarray(drafts), (NUM_ROWS, len(drafts))),
@@ -80,3 +93,68 @@ def test_emitted_tokens_follow_the_target_distribution():
     # the bound has power: resampling from p itself (d not removed) is rejected
     wrong = (1 - p0[drafts[0]]) * p0 + p0[drafts[0]] * np.eye(VOCAB)[drafts[0]]
     assert _chi2(tokens[:, 0], wrong) > 10 * critical
+
+
+def test_bias_and_min_tokens_shape_the_speculative_distribution():
+    """Position 0 (absolute 100 + rows % 13) is before each row's min_len, so token 1 is
+    masked there; position 1 sees only the logit bias (+1.5 on token 4). Both the
+    accept test and the resample use that processed distribution."""
+    bias_ids = np.full((NUM_ROWS, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((NUM_ROWS, MAX_LOGIT_BIAS), np.float32)
+    bias_ids[:, 0], bias_values[:, 0] = 4, 1.5
+    mask_ids = np.full((NUM_ROWS, MASK_IDS), -1, np.int32)
+    mask_ids[:, 0] = 1
+    rows = np.arange(NUM_ROWS)
+    # masked while position + 1 < min_len: position 0 (100 + rows % 13) only
+    min_len = (102 + rows % 13).astype(np.int32)
+    params = sampling_arrays(
+        NUM_ROWS,
+        TEMPERATURE,
+        min_len=min_len,
+        mask_ids=mask_ids,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+    )
+    tokens, accept_len = _emitted(params)
+    processed = TARGET_LOGITS.astype(np.float64).copy()
+    processed[:, 4] += 1.5
+    p = [np.exp(row / TEMPERATURE - np.max(row / TEMPERATURE)) for row in processed]
+    p0 = p[0].copy()
+    p0[1] = 0.0
+    p0, p1 = p0 / p0.sum(), p[1] / p[1].sum()
+    critical = CHI2_CRITICAL_P001[VOCAB - 1]
+    assert not np.any(tokens[:, 0] == 1)
+    nonzero = p0 > 0
+    first = _chi2(np.searchsorted(np.flatnonzero(nonzero), tokens[:, 0]), p0[nonzero])
+    assert first < CHI2_CRITICAL_P001[VOCAB - 2], (first, p0)
+    accepted = accept_len >= 2
+    second = _chi2(tokens[accepted, 1], p1)
+    assert second < critical, (second, p1)
+    # the bound has power: the unbiased target is rejected at position 1
+    assert _chi2(tokens[accepted, 1], _target_probs(1)) > 10 * critical
+
+
+def test_greedy_rows_take_the_processed_argmax():
+    """Greedy: a +bias token wins; a masked argmax loses while the row is short; the draft
+    is accepted iff it is the processed argmax."""
+    logits = jnp.asarray(np.tile(TARGET_LOGITS, (2, 1, 1)))  # argmax per position: 1, 2, 3
+    bias_ids = np.full((2, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((2, MAX_LOGIT_BIAS), np.float32)
+    bias_ids[0, 0], bias_values[0, 0] = 5, 100.0
+    mask_ids = np.full((2, MASK_IDS), -1, np.int32)
+    mask_ids[1, :2] = [1, 2]
+    params = sampling_arrays(
+        2,
+        0.0,
+        min_len=np.array([0, 12], np.int32),  # row 1: positions 10 masked, 11 not
+        mask_ids=mask_ids,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+    )
+    drafts = jnp.asarray([[5, 5], [3, 2]], jnp.int32)
+    positions = jnp.asarray([[10, 11, 12], [10, 11, 12]], jnp.int32)
+    tokens, accept_len = jax.jit(verify_and_sample)(logits, drafts, positions, params)
+    # row 0: token 5 everywhere; row 1: position 10 masks 1 and 2 -> argmax 3, accepted;
+    # position 11 unmasked -> argmax 2, accepted; bonus at 12 -> 3
+    assert np.asarray(tokens).tolist() == [[5, 5, 5], [3, 2, 3]]
+    assert np.asarray(accept_len).tolist() == [3, 3]

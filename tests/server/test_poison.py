@@ -29,10 +29,10 @@ def poison_seed(monkeypatch):
 
     real = scheduler.sampling_row
 
-    def failing(req):
+    def failing(req, eos_ids=()):
         if req.sampling.seed == POISON_SEED:
             raise RuntimeError("injected failure while preparing the request")
-        return real(req)
+        return real(req, eos_ids)
 
     monkeypatch.setattr(scheduler, "sampling_row", failing)
 
