@@ -197,26 +197,38 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
     )
 
 
-class _Recorder:
-    """Stands in for a jitted step: calls it and keeps the abstract arguments of its widest
-    call (most decode rows)."""
+class _WidestDecode:
+    """Stands in for the runner's jitted decode step: calls it and keeps, of its widest call
+    (most rows), the device batch (to re-run the step alone) and the abstract arguments (to
+    lower it again). The abstract arguments are taken only when the widest call changes, so
+    the served steps carry no extra host work."""
 
     def __init__(self, jitted):
-        self.jitted, self.args = jitted, None
+        self.jitted, self.batch, self.args, self.rows = jitted, None, None, -1
 
-    def __call__(self, *args):
-        import jax
+    def __call__(self, params, pools, batch):
+        rows = batch.num_rows  # a PackedBatch
+        if rows > self.rows:
+            import jax
 
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-        if self.args is None or shapes[2].num_rows > self.args[2].num_rows:
-            self.args = shapes
-        return self.jitted(*args)
+            to_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+            self.args = jax.tree.map(to_abstract, (params, pools, batch))
+            self.batch, self.rows = batch, rows
+        return self.jitted(params, pools, batch)
+
+
+def _compiled_decode(runner, params, pools, batch):
+    """The runner's decode step compiled for these (concrete or abstract) arguments."""
+    from lazyspec.engine.runner import _decode_jit
+
+    static = (runner.family, runner.cfg, runner.static, runner.sharding)
+    return _decode_jit.lower(*static, params, pools, batch).compile()
 
 
 def decode_memory(model, backend: str, args) -> dict:
     """XLA's memory analysis of the decode step compiled at the widest shape served."""
     engine = make_engine(model, backend, args, args.batch, args.spec)
-    recorder = _Recorder(engine.runner._decode)
+    recorder = _WidestDecode(engine.runner._decode)
     engine.runner._decode = recorder
     rng = np.random.default_rng(0)
     prompts = [
@@ -224,31 +236,17 @@ def decode_memory(model, backend: str, args) -> dict:
         for _ in range(args.batch)
     ]
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
-    analysis = recorder.jitted.lower(*recorder.args).compile().memory_analysis()
+    analysis = _compiled_decode(engine.runner, *recorder.args).memory_analysis()
     mib = lambda n: n / 2**20  # noqa: E731
     return {
         "backend": backend,
         "batch": args.batch,
-        "rows": recorder.args[2].num_rows,
+        "rows": recorder.rows,
         "temp_mib": mib(analysis.temp_size_in_bytes),
         "argument_mib": mib(analysis.argument_size_in_bytes),
         "output_mib": mib(analysis.output_size_in_bytes),
         "alias_mib": mib(analysis.alias_size_in_bytes),
     }
-
-
-class _LastDecode:
-    """Stands in for the runner's jitted decode step: calls it and keeps the device batch of
-    its widest call, so the step can be re-run alone after the workload."""
-
-    def __init__(self, jitted):
-        self.jitted, self.batch, self.rows = jitted, None, -1
-
-    def __call__(self, params, pools, batch):
-        rows = batch.num_rows  # a PackedBatch
-        if rows > self.rows:
-            self.batch, self.rows = batch, rows
-        return self.jitted(params, pools, batch)
 
 
 def _step_alone_seconds(engine, batch, calls: tuple[int, int] = (2, 12), iters: int = 5):
@@ -284,23 +282,10 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, float]:
     import jax
 
     from lazyspec.bench.floor import device_breakdown
-    from lazyspec.engine.runner import _decode_jit
 
     runner = engine.runner
     step = runner._decode.jitted
-    hlo = (
-        _decode_jit.lower(
-            runner.family,
-            runner.cfg,
-            runner.static,
-            runner.sharding,
-            runner.params,
-            runner.pools,
-            batch,
-        )
-        .compile()
-        .as_text()
-    )
+    hlo = _compiled_decode(runner, runner.params, runner.pools, batch).as_text()
     shutil.rmtree(out_dir, ignore_errors=True)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         for _ in range(calls):
@@ -317,7 +302,7 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
     from lazyspec.engine.runner import kv_bytes_per_token, slot_bytes
 
     engine = make_engine(model, backend, args, batch, spec)
-    recorder = _LastDecode(engine.runner._decode)
+    recorder = _WidestDecode(engine.runner._decode)
     engine.runner._decode = recorder
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
