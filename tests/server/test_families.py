@@ -55,7 +55,7 @@ MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 SETTINGS = dict(
     mamba_track_interval=32,
     mamba_chunk_size=16,
-    chunked_prefill_size=32,
+    chunked_prefill_size=16,
     max_running_requests=1,
     max_total_tokens=2048,
     context_length=256,
@@ -81,7 +81,13 @@ def qwen3_5_vl_folder(root: Path, vocab_size: int) -> Path:
     """A dense Qwen3.5 vision-language checkpoint with one MTP layer."""
     text = {k: v for k, v in QWEN35_HF.items() if k not in MOE_FIELDS}
     del text["shared_expert_intermediate_size"]
-    text.update(model_type="qwen3_5_text", vocab_size=vocab_size, eos_token_id=EOS_ID)
+    text.update(
+        model_type="qwen3_5_text",
+        vocab_size=vocab_size,
+        eos_token_id=EOS_ID,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
     config = {
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForConditionalGeneration"],
