@@ -2,7 +2,9 @@
 (``Qwen3_5ForConditionalGeneration``: the decoder under ``model.language_model``, a vision
 tower, a dense MTP head) served with NEXTN speculation, and a Granite 4.0-H folder. Each
 folder has its own chat template in tokenizer_config.json; /v1/chat/completions renders it,
-the vision tower is skipped with a log line, and an image content part is a 400 naming it.
+the vision tower is skipped with a log line, an image content part is a 400 naming it, and
+the served tokens equal the cache-free greedy reference (speculative, for Qwen3.5's dense MTP
+head).
 
 The folders are written from random params through the families' own weight plans (the
 inverse of loading; numpy only), with the session's byte-level tokenizer.
@@ -21,7 +23,12 @@ from safetensors.numpy import save_file
 
 from lazyspec.models import granite, qwen3_5, qwen3_next
 from lazyspec.models.registry import parse_hf_config
-from lazyspec.testing.tiny_models import GRANITE_HF, GRANITE_INIT_SCALE, QWEN35_HF
+from lazyspec.testing.tiny_models import (
+    GRANITE_HF,
+    GRANITE_INIT_SCALE,
+    QWEN35_HF,
+    reference_greedy,
+)
 from lazyspec.training.export import checkpoint_tensors
 from tests.server.conftest import EOS_ID, train_tokenizer
 
@@ -167,6 +174,8 @@ def test_chat_on_a_new_family_checkpoint(folders, caplog, name, spec):
         assert chat.json()["choices"][0]["message"]["content"] == plain.json()["text"]
         assert chat.json()["usage"]["completion_tokens"] == len(plain.json()["output_ids"])
         assert plain.json()["meta_info"]["cached_tokens"] > 0  # the chat's prompt, cached
+        out_ids = plain.json()["output_ids"]
+        assert out_ids == reference_greedy(engine.model, ids, len(out_ids), pad_len=128)[0]
 
         with_image = [
             MESSAGES[0],
