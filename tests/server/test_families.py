@@ -190,3 +190,13 @@ def test_chat_on_a_new_family_checkpoint(folders, caplog, name, spec):
             assert info["speculative_algorithm"] == "NEXTN" and info["num_verify_steps"] > 0, info
     finally:
         worker.stop()
+
+
+def test_every_media_part_is_refused_by_name():
+    from lazyspec.server.protocol import MEDIA_PARTS, ApiError, parse_messages
+
+    for kind in MEDIA_PARTS:
+        parts = [{"type": "text", "text": "look"}, {"type": kind, kind: {}}]
+        with pytest.raises(ApiError, match=rf"messages\[0\].content\[1\] has type '{kind}'"):
+            parse_messages([{"role": "user", "content": parts}])
+    assert parse_messages([{"role": "user", "content": parts[:1]}])[0]["content"] == "look"
