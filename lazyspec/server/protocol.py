@@ -493,10 +493,26 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+# OpenAI content part types that carry media: served models read text only (the vision
+# tower of a vision-language checkpoint is not loaded)
+MEDIA_PARTS = ("image_url", "input_audio", "video_url", "file")
+
+
 def _content(content: Any, i: int) -> str:
+    """A message's content as text: a string, or a list of ``{"type": "text"}`` parts
+    (joined). A media part is refused by name (the model reads text only)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ApiError(
+                    f"messages[{i}].content[{j}] has type {kind!r}: this server reads text "
+                    "only (image, audio, video and file input are not supported)",
+                    param="messages",
+                    code="unsupported_content",
+                )
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(texts)

@@ -1,7 +1,7 @@
 """Tensor parallelism over fake CPU devices: tp = 1, 2, 4 serve token-identical greedy output
-(Qwen3-Next with speculation, Nemotron-H; extra_buffer_lazy and the radix cache over a
-multi-turn workload) with identical cached tokens; every weight and pool is sharded as the
-rule table says, and a sharded array holds 1/tp of its bytes per device.
+(Qwen3-Next and Qwen3.5 with speculation, Nemotron-H, Granite 4.0-H; extra_buffer_lazy and the
+radix cache over a multi-turn workload) with identical cached tokens; every weight and pool
+is sharded as the rule table says, and a sharded array holds 1/tp of its bytes per device.
 
 Each tp runs in its own process (``tp_worker.py``): the device count is fixed when jax is
 first imported, and this process already has jax with one device.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ from lazyspec.testing.tiny_models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_SIZES = (1, 2, 4)
-FAMILIES = ("qwen3_next", "nemotron_h")
-KV_HEADS = 2  # both tiny models'; tp = 4 replicates them whole
+FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "granitemoehybrid")
+KV_HEADS = 2  # every tiny model's; tp = 4 replicates them whole
 
 
 def _run_worker(tp: int) -> dict:
@@ -96,6 +97,36 @@ def test_tp_sizes_that_do_not_divide_are_named():
     check_tp_size(cfg, 2)
     with pytest.raises(ValueError, match="tp_size=2 needs 2 devices, but only 1"):
         make_mesh(2)
+
+
+# Weights every family keeps whole on each device: norms, MoE routers, the shared-expert
+# gate and the MTP head's input projection (all small, or on the replicated residual width).
+REPLICATED_LEAVES = re.compile(r"norm|\['gate'\]$|\['shared_expert_gate'\]|\['mtp'\]\['fc'\]")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_other_weight_has_an_axis_the_rule_table_splits(family):
+    """A plan leaf without logical axes would be replicated silently (the walk of the
+    workers compares shards with the plan's own axes): each weight outside the replicated
+    kinds names an axis the rule table maps to the tp mesh axis."""
+    import jax
+
+    from lazyspec.engine.sharding import RULES, TP_AXIS
+    from lazyspec.models.plan import leaf_axes
+
+    model = tiny_model(family)
+    plan = model.family.weight_plan(model.config, model.params)
+    split = {name for name, mesh_axis in RULES if mesh_axis == TP_AXIS}
+    paths = jax.tree.leaves_with_path(model.params)
+    whole = sorted(
+        {
+            re.sub(r"\[\d+\]", "[i]", jax.tree_util.keystr(path))
+            for (path, _), axes in zip(paths, jax.tree.leaves(leaf_axes(plan)))
+            if not split.intersection(tuple(axes))
+        }
+    )
+    assert whole, family  # the norms at least
+    assert [name for name in whole if not REPLICATED_LEAVES.search(name)] == [], whole
 
 
 def test_checkpoints_load_straight_into_shards(reports):

@@ -1,14 +1,14 @@
 """One tensor-parallel size's checks, run in a fresh process that sees fake CPU devices.
 
 ``python -m tests.engine.tp_worker TP`` (with ``XLA_FLAGS=--xla_force_host_platform_device_count``
-set before jax is imported) serves a multi-turn workload on tiny Qwen3-Next (speculative) and
-Nemotron-H engines, then walks every weight and pool, and prints one JSON line: the outputs
-and cached tokens, the shardings that differ from the rule table's, and the bytes per device.
+set before jax is imported) serves a multi-turn workload on tiny Qwen3-Next and Qwen3.5
+(speculative), Nemotron-H and Granite 4.0-H engines, then walks every weight and pool, and
+prints one JSON line: the outputs and cached tokens, the shardings that differ from the rule
+table's, and the bytes per device.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import tempfile
@@ -28,20 +28,33 @@ from lazyspec.engine.sharding import (
     sharding_plan,
 )
 from lazyspec.models.plan import leaf_axes
-from lazyspec.models.registry import parse_hf_config
-from lazyspec.testing.tiny_models import NEMOTRON_HF, QWEN_HF
+from lazyspec.models.registry import family_module, parse_hf_config
+from lazyspec.testing.tiny_models import (
+    GRANITE_HF,
+    GRANITE_INIT_SCALE,
+    NEMOTRON_HF,
+    QWEN35_HF,
+    QWEN_HF,
+)
 
 # Four GDN key heads (eight value heads), so tp = 4 holds whole key-head groups; the two
 # KV heads replicate at tp = 4.
 QWEN_TP_HF = dict(QWEN_HF, linear_num_key_heads=4, linear_num_value_heads=8)
-FAMILIES = {"qwen3_next": (QWEN_TP_HF, True), "nemotron_h": (NEMOTRON_HF, False)}
+QWEN35_TP_HF = dict(QWEN35_HF, linear_num_key_heads=4, linear_num_value_heads=8)
+FAMILIES = {
+    "qwen3_next": (QWEN_TP_HF, True),
+    "nemotron_h": (NEMOTRON_HF, False),
+    "qwen3_5": (QWEN35_TP_HF, True),
+    "granitemoehybrid": (GRANITE_HF, False),
+}
 
 
 def tiny(family: str) -> SimpleNamespace:
     hf, _ = FAMILIES[family]
     cfg = parse_hf_config(dict(hf))
-    module = importlib.import_module(f"lazyspec.models.{family}")
-    params = module.init_params(cfg, jax.random.PRNGKey(0))
+    module = family_module(cfg.family)
+    kw = {"scale": GRANITE_INIT_SCALE} if family == "granitemoehybrid" else {}
+    params = module.init_params(cfg, jax.random.PRNGKey(0), **kw)
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
