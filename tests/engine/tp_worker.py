@@ -3,7 +3,8 @@
 ``python -m tests.engine.tp_worker TP`` (with ``XLA_FLAGS=--xla_force_host_platform_device_count``
 set before jax is imported) serves a multi-turn workload on tiny Qwen3-Next (speculative) and
 Nemotron-H engines, then walks every weight and pool, and prints one JSON line: the outputs
-and cached tokens, the shardings that differ from the rule table's, and the bytes per device.
+and cached tokens, the shardings that differ from the rule table's, and the bytes per device;
+and the outputs of a shorter workload with the Pallas kernels (interpret mode) per shard.
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ def tiny(family: str) -> SimpleNamespace:
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
-def workload(engine: Engine) -> list[list]:
-    """Two conversations of two turns each (turn 2 extends turn 1's prompt and output)."""
+def workload(engine: Engine, lengths: tuple[int, ...] = (13, 21)) -> list[list]:
+    """A conversation of two turns per prompt length (turn 2 extends turn 1's prompt and
+    output)."""
     rng = np.random.default_rng(0)
     params = {"max_new_tokens": 6, "ignore_eos": True}
     results = []
-    for length in (13, 21):
+    for length in lengths:
         prompt = [int(t) for t in rng.integers(3, 128, size=length)]
         first = engine.generate(input_ids=prompt, sampling_params=params)
         turn2 = prompt + first["output_ids"] + [5, 6, 7]
@@ -142,24 +144,39 @@ def loading(tp: int, folder: Path) -> dict[str, list[str]]:
     return report
 
 
+def engine_for(family: str, tp: int, **kw) -> Engine:
+    if FAMILIES[family][1]:
+        kw["speculative_algorithm"] = "NEXTN"
+    return Engine(
+        model=tiny(family),
+        tp_size=tp,
+        mamba_scheduler_strategy="extra_buffer_lazy",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=16,
+        max_running_requests=1,
+        max_total_tokens=1024,
+        context_length=128,
+        skip_warmup=True,
+        **kw,
+    )
+
+
+def pallas_run(family: str, tp: int) -> dict:
+    """The Pallas kernels (interpret mode) on one conversation: outputs, cached tokens and
+    the mesh size the kernels run per shard over (0: whole arrays)."""
+    engine = engine_for(family, tp, kernel_backend="pallas")
+    kernels = engine.runner.static.kernels
+    mesh_size = 0 if kernels.mesh is None else kernels.mesh.size
+    return {"outputs": workload(engine, (13,)), "kernels_mesh_size": mesh_size}
+
+
 def run(tp: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         report = {"loading": loading(tp, Path(folder))}
-    for family, (_, spec) in FAMILIES.items():
-        kw = {"speculative_algorithm": "NEXTN"} if spec else {}
-        engine = Engine(
-            model=tiny(family),
-            tp_size=tp,
-            mamba_scheduler_strategy="extra_buffer_lazy",
-            mamba_track_interval=16,
-            mamba_chunk_size=16,
-            chunked_prefill_size=16,
-            max_running_requests=1,
-            max_total_tokens=1024,
-            context_length=128,
-            skip_warmup=True,
-            **kw,
-        )
+    report["pallas"] = {family: pallas_run(family, tp) for family in FAMILIES}
+    for family in FAMILIES:
+        engine = engine_for(family, tp)
         outputs = workload(engine)
         errors, num_sharded, device_bytes, total_bytes = walk(engine, tp)
         report[family] = {
