@@ -66,6 +66,9 @@ def _at(position: int, axis: str | None) -> P:
 
 
 def _map(plan: ShardingPlan, body: Callable, in_specs: Any, out_specs: Any) -> Callable:
+    # check_vma off: a pallas_call's out_shape carries no varying-axes type; an output
+    # spec without the tp axis is a promise kept by the psum (experts) or by inputs that
+    # are replicated
     return jax.shard_map(
         body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
@@ -168,24 +171,21 @@ def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
     return run
 
 
-def _moe_experts(plan: ShardingPlan) -> Callable:
-    """The routed experts with each device running its own experts (``moe_launch`` decides
-    kernel or XLA form as unsharded; the XLA form runs on the global arrays)."""
+def _moe_experts(moe: Callable, plan: ShardingPlan) -> Callable:
+    """``moe`` (``MoEExpertsFn``) with each device running its own experts on every token
+    (``moe_launch`` chooses kernel or XLA form as for the whole call; the XLA form runs on
+    the global arrays)."""
 
     def run(x, weights, expert_ids, up, down, gate=None, *, xla_form):
-        launch = moe_launch(x.shape[0], up, down)
         stack_spec = _spec(plan, EXPERT_AXES, up.shape)
-        if launch is None:
-            return xla_form()
+        launch = moe_launch(x.shape[0], up, down)
+        if launch is None or _head_axis(stack_spec, 0) is None:
+            return moe(x, weights, expert_ids, up, down, gate, xla_form=xla_form)
         stacks = (up, down) if gate is None else (up, down, gate)
 
         def body(x, weights, expert_ids, *stacks):
             first = jax.lax.axis_index(TP_AXIS) * stacks[0].shape[0]
-            if _head_axis(stack_spec, 0) is None:
-                first = 0  # experts replicated: every device runs them all, no sum
             local = moe_experts_pallas(x, weights, expert_ids - first, *stacks, **launch)
-            if _head_axis(stack_spec, 0) is None:
-                return local
             return jax.lax.psum(local, TP_AXIS)
 
         in_specs = (P(), P(), P()) + (stack_spec,) * len(stacks)
@@ -208,7 +208,7 @@ def per_shard(kernels: Kernels, plan: ShardingPlan) -> Kernels:
 
     moe = kernels.moe_experts
     if moe is not None:
-        moe = None if kernels.platform == "tpu" else _moe_experts(plan)
+        moe = None if kernels.platform == "tpu" else _moe_experts(moe, plan)
     return dataclasses.replace(
         kernels,
         gdn_state_update=wrap(kernels.gdn_state_update, _state_update),

@@ -9,6 +9,7 @@ and the outputs of a shorter workload with the Pallas kernels (interpret mode) p
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.engine.engine import Engine
@@ -46,18 +48,31 @@ def tiny(family: str) -> SimpleNamespace:
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
-def workload(engine: Engine, lengths: tuple[int, ...] = (13, 21)) -> list[list]:
+def workload(
+    engine: Engine, lengths: tuple[int, ...] = (13, 21), logprobs: bool = False
+) -> list[list]:
     """A conversation of two turns per prompt length (turn 2 extends turn 1's prompt and
-    output)."""
+    output): [output ids, cached tokens] per request, and its output logprobs if asked."""
     rng = np.random.default_rng(0)
     params = {"max_new_tokens": 6, "ignore_eos": True}
     results = []
+
+    def result(out: dict) -> list:
+        meta = out["meta_info"]
+        if not logprobs:
+            return [out["output_ids"], meta["cached_tokens"]]
+        return [
+            out["output_ids"],
+            meta["cached_tokens"],
+            [lp for lp, _ in meta["output_token_logprobs"]],
+        ]
+
     for length in lengths:
         prompt = [int(t) for t in rng.integers(3, 128, size=length)]
-        first = engine.generate(input_ids=prompt, sampling_params=params)
+        first = engine.generate(input_ids=prompt, sampling_params=params, return_logprob=logprobs)
         turn2 = prompt + first["output_ids"] + [5, 6, 7]
-        second = engine.generate(input_ids=turn2, sampling_params=params)
-        results += [[r["output_ids"], r["meta_info"]["cached_tokens"]] for r in (first, second)]
+        second = engine.generate(input_ids=turn2, sampling_params=params, return_logprob=logprobs)
+        results += [result(r) for r in (first, second)]
         engine.check_integrity()
     return results
 
@@ -163,18 +178,74 @@ def engine_for(family: str, tp: int, **kw) -> Engine:
 
 
 def pallas_run(family: str, tp: int) -> dict:
-    """The Pallas kernels (interpret mode) on one conversation: outputs, cached tokens and
-    the mesh size the kernels run per shard over (0: whole arrays)."""
+    """The Pallas kernels (interpret mode) on one conversation: outputs, cached tokens,
+    logprobs and the mesh size the kernels run per shard over (0: whole arrays)."""
     engine = engine_for(family, tp, kernel_backend="pallas")
     kernels = engine.runner.static.kernels
     mesh_size = 0 if kernels.mesh is None else kernels.mesh.size
-    return {"outputs": workload(engine, (13,)), "kernels_mesh_size": mesh_size}
+    return {"outputs": workload(engine, (13,), logprobs=True), "kernels_mesh_size": mesh_size}
+
+
+def decode_update_diffs(tp: int) -> dict[str, float]:
+    """Largest difference between the per-shard and the whole-array Pallas state update in
+    decode mode (the pool written in place: the mode the engine's steps do not use) on
+    random inputs at the tiny models' shapes, per mixer: outputs and the updated pool."""
+    from lazyspec.engine.shard_kernels import per_shard
+    from lazyspec.kernels.backend import kernels_for
+    from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
+
+    rng = np.random.default_rng(tp)
+    whole = kernels_for("pallas", "cpu")
+    sharded = per_shard(whole, sharding_plan(tiny("qwen3_next").config, tp))
+    assert sharded.mesh is not None
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    rows, steps = 3, 2
+    slot = jnp.asarray([2, 1, 0], jnp.int32)  # row 2 pads: slot 0 is never written
+    cases = {
+        "gdn": (
+            normal(2, 4, 8, 8, 8),
+            GdnTokens(
+                q=normal(rows, steps, 8, 8),
+                k=normal(rows, steps, 8, 8) * 0.3,
+                v=normal(rows, steps, 8, 8),
+                g=-jnp.abs(normal(rows, steps, 8)),
+                beta=jax.nn.sigmoid(normal(rows, steps, 8)),
+            ),
+        ),
+        "mamba2": (
+            normal(2, 4, 4, 8, 16),
+            Mamba2Tokens(
+                x=normal(rows, steps, 4, 8),
+                b=normal(rows, steps, 2, 16),
+                c=normal(rows, steps, 2, 16),
+                dt=jnp.abs(normal(rows, steps, 4)),
+                a=-jnp.abs(normal(4)),
+                d=normal(4),
+            ),
+        ),
+    }
+    diffs = {}
+    for mixer, (pool, tokens) in cases.items():
+        name = f"{mixer}_state_update"
+
+        def update(kernels, pool, tokens, name=name):
+            return getattr(kernels, name)(pool, slot, tokens, mode="decode", layer=1)
+
+        want = jax.jit(functools.partial(update, whole))(pool, tokens)
+        got = jax.jit(functools.partial(update, sharded))(pool, tokens)
+        assert float(jnp.max(jnp.abs(want.pool - pool))) > 0  # the slots were written
+        diffs[mixer] = max(
+            float(jnp.max(jnp.abs(got.outputs - want.outputs))),
+            float(jnp.max(jnp.abs(got.pool - want.pool))),
+        )
+    return diffs
 
 
 def run(tp: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         report = {"loading": loading(tp, Path(folder))}
     report["pallas"] = {family: pallas_run(family, tp) for family in FAMILIES}
+    report["decode_update_diffs"] = decode_update_diffs(tp) if tp > 1 else {}
     for family in FAMILIES:
         engine = engine_for(family, tp)
         outputs = workload(engine)
