@@ -98,6 +98,15 @@ def test_state_updates_per_shard_write_the_pool_in_place_as_whole(reports):
         assert max(diffs.values()) <= 1e-6, (tp, diffs)
 
 
+def test_kernels_per_shard_lower_to_triton(reports):
+    """For CUDA, each per-shard kernel lowers to one Triton call per device program; paged
+    attention over replicated KV pools (tp = 4 > 2 KV heads) to one per KV head (the
+    branches of the device's switch)."""
+    want = {"mamba2_state_update": 1, "state_scatter": 1}
+    assert reports[2]["triton_calls"] == {**want, "paged_attention": 1}
+    assert reports[4]["triton_calls"] == {**want, "paged_attention": KV_HEADS}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_weight_and_pool_sharded_by_the_rule_table(reports, family):
     for tp in TP_SIZES:

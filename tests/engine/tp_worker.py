@@ -241,11 +241,81 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
     return diffs
 
 
+def triton_calls(tp: int) -> dict[str, int]:
+    """Triton calls in the CUDA lowering (built, not compiled) of the per-shard Mamba2 state
+    update (one group of B / C: repeated per device), state scatter and paged attention (2
+    KV heads: split at tp = 2, replicated at tp = 4, one branch per KV head) at model-sized
+    shapes, each kernel in its Triton (not interpret) launch."""
+    from lazyspec.engine import shard_kernels as sk
+    from lazyspec.kernels import paged_attention as pa
+    from lazyspec.kernels import state_scatter as ss
+    from lazyspec.kernels import state_update as su
+    from lazyspec.kernels.backend import pallas_compiler_params
+
+    plan = sharding_plan(tiny("qwen3_next").config, tp)
+    params = pallas_compiler_params("gpu")
+    spec = jax.ShapeDtypeStruct
+    f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    rows, steps, heads, channels = 4, 4, 8, 10240
+    update = sk._state_update(
+        functools.partial(su.mamba2_state_update_pallas, block_value=32, compiler_params=params),
+        plan,
+    )
+    tokens = su.Mamba2Tokens(
+        spec((rows, steps, heads, 64), bf16),
+        *(spec((rows, steps, 1, 128), bf16),) * 2,
+        spec((rows, steps, heads), f32),
+        *(spec((heads,), f32),) * 2,
+    )
+    scatter = sk._state_scatter(
+        functools.partial(
+            ss.state_scatter_pallas, block_rows=32, block_channels=512, compiler_params=params
+        ),
+        plan,
+    )
+    attention = sk._paged_attention(
+        functools.partial(pa.paged_attention, compiler_params=params), plan
+    )
+    cases = {
+        "mamba2_state_update": (
+            lambda p, s, t: update(p, s, t, mode="verify", layer=1),
+            (spec((3, 9, heads, 64, 128), f32), spec((rows,), i32), tokens),
+        ),
+        "state_scatter": (
+            scatter,
+            (
+                spec((4, 9, heads, 64, 128), f32),
+                spec((4, 9, channels, 3), bf16),
+                spec((4, rows, steps, heads, 64, 128), f32),
+                spec((4, rows, steps, channels, 3), bf16),
+                spec((rows,), i32),
+                spec((rows,), i32),
+            ),
+        ),
+        "paged_attention": (
+            lambda *a: attention(*a, 0.0625),
+            (
+                spec((rows, 1, 16, 256), bf16),
+                *(spec((1000, 2, 256), bf16),) * 2,
+                spec((rows, 300), i32),
+                spec((rows,), i32),
+                spec((rows, 1), i32),
+            ),
+        ),
+    }
+    counts = {}
+    for name, (fn, args) in cases.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        counts[name] = text.count("__gpu$xla.gpu.triton")
+    return counts
+
+
 def run(tp: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         report = {"loading": loading(tp, Path(folder))}
     report["pallas"] = {family: pallas_run(family, tp) for family in FAMILIES}
     report["decode_update_diffs"] = decode_update_diffs(tp) if tp > 1 else {}
+    report["triton_calls"] = triton_calls(tp) if tp > 1 else {}
     for family in FAMILIES:
         engine = engine_for(family, tp)
         outputs = workload(engine)
