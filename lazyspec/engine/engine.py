@@ -105,13 +105,8 @@ class Engine:
             )
         from lazyspec.kernels.backend import resolve_backend
 
-        backend = resolve_backend(c.kernel_backend)  # pallas on GPU, xla on CPU and TPU
-        if c.tp_size > 1 and backend == "pallas":
-            # the Pallas calls are not wrapped per shard yet: XLA could only gather around them
-            if c.kernel_backend == "pallas":
-                raise ValueError(f"kernel_backend=pallas does not run with tp_size={c.tp_size}")
-            logger.info("tp_size=%d: the recurrent-state kernels use the xla backend", c.tp_size)
-            backend = "xla"
+        # pallas on GPU, xla on CPU and TPU, at any tp_size (the kernels run per shard)
+        backend = resolve_backend(c.kernel_backend)
         static = StepStatic(
             num_slots=layout.num_slots,
             max_reqs=layout.max_running,

@@ -125,14 +125,15 @@ class Runner:
         sharding: ShardingPlan,
     ) -> None:
         """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
-        allocates the pools there, each array with the sharding the rule table gives it."""
+        allocates the pools there, each array with the sharding the rule table gives it;
+        the steps' kernels run per shard of it (``StepStatic.sharding``)."""
         self.family = model.family
         self.cfg = model.config
         self.sharding = sharding
         plan = model.family.weight_plan(self.cfg, model.params)
         self.param_shardings = sharding.param_shardings(plan, model.params)
         self.params = jax.device_put(model.params, self.param_shardings)
-        self.static = static
+        self.static = static = dataclasses.replace(static, sharding=sharding)
         self.abstract = abstract_pools(self.cfg, layout, static.spec, kv_dtype, ssm_dtype)
         self.pool_shardings = sharding.pool_shardings(self.abstract)
         self.pools = jax.tree.map(

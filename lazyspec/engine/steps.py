@@ -40,6 +40,8 @@ from lazyspec.engine.sampling import (
     top_logprobs,
     verify_and_sample,
 )
+from lazyspec.engine.shard_kernels import per_shard
+from lazyspec.engine.sharding import ShardingPlan
 from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.models.interface import (
     ChunkStates,
@@ -138,6 +140,7 @@ class StepStatic:
     spec: bool
     backend: str
     moe_runner: str = "auto"  # EngineConfig.moe_runner_backend
+    sharding: ShardingPlan | None = None  # the runner's; the kernels run per shard of it
 
     @property
     def sentinel_slot(self) -> int:
@@ -153,8 +156,10 @@ class StepStatic:
 
     @property
     def kernels(self) -> Kernels:
-        """The kernels of ``backend``, resolved once per backend (``kernels_for`` caches)."""
-        return kernels_for(self.backend, moe_runner=self.moe_runner)
+        """The kernels of ``backend``, each run per shard of ``sharding``'s mesh
+        (``shard_kernels.per_shard``); resolved once (both functions cache)."""
+        kernels = kernels_for(self.backend, moe_runner=self.moe_runner)
+        return kernels if self.sharding is None else per_shard(kernels, self.sharding)
 
 
 def apply_table_updates(table: jax.Array, updates: jax.Array) -> jax.Array:
