@@ -3,10 +3,11 @@
 ``python -m tests.engine.multihost_worker PORT RANK`` joins two processes at 127.0.0.1:PORT
 as process RANK (each with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``; tp = 4
 over the two), loads a safetensors folder and dummy weights onto the mesh, then serves
-``tp_worker.workload`` on tiny Qwen3-Next (NEXTN, extra_buffer_lazy, radix cache): process 0
-schedules, process 1 follows. ``python -m tests.engine.multihost_worker reference`` (four
-devices, one process) serves the same at tp = 1 and loads the same folder and dummy weights at
-tp = 4. Each prints one JSON line.
+``tp_worker.workload`` and a 300-token prompt on tiny Qwen3-Next (NEXTN, extra_buffer_lazy,
+radix cache): process 0 schedules, process 1 follows.
+``python -m tests.engine.multihost_worker reference`` (four devices, one process) serves the
+same at tp = 1 and loads the same folder and dummy weights at tp = 4. Each prints one JSON
+line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ SETTINGS = dict(
     chunked_prefill_size=16,
     max_running_requests=1,
     max_total_tokens=1024,
-    context_length=128,
+    context_length=384,
 )
 
 
@@ -78,13 +79,26 @@ def loading(folder: Path, mesh_kw: dict) -> dict:
     return {"errors": errors, "num_blocks": num_blocks, "dummy": block_digests(dummy.params)}
 
 
+def long_prompt(engine: Engine) -> list:
+    """A prompt past the updates a batch carries: its admission sends a table chunk too."""
+    chunks = []
+    runner_update = engine.runner.update_table
+    engine.runner.update_table = lambda updates: (chunks.append(1), runner_update(updates))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 128, size=300)]
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    result = engine.generate(input_ids=prompt, sampling_params=params)
+    engine.check_integrity()
+    engine.runner.update_table = runner_update
+    return [result["output_ids"], result["meta_info"]["cached_tokens"], len(chunks)]
+
+
 def serve(mesh_kw: dict) -> dict:
     engine = Engine(model=tiny("qwen3_next"), **SETTINGS, **mesh_kw)
     compiled = engine.num_compiled()
     if not engine.config.is_leader:
         num_calls = engine.follow()
         return {"num_calls": num_calls, "num_compiled": engine.num_compiled()}
-    outputs = workload(engine)
+    outputs = workload(engine) + [long_prompt(engine)]
     engine.shutdown()
     return {
         "outputs": outputs,

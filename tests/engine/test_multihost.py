@@ -1,9 +1,11 @@
-"""Tensor parallelism over two processes (``jax.distributed`` on 127.0.0.1, gloo): tp = 4 over
-two CPU processes of two devices each serves the tokens and cached tokens of a one-process
-tp = 1 run (Qwen3-Next with NEXTN speculation, extra_buffer_lazy, the radix cache, two
-two-turn conversations); process 1 makes every device call process 0 makes and compiles
-the same programs; a safetensors folder and dummy weights load block for block as in one
-process. Plus the flags' checks.
+"""Tensor parallelism over two processes (``jax.distributed`` on 127.0.0.1, gloo).
+
+tp = 4 over two CPU processes of two devices each serves the tokens and cached tokens of a
+one-process tp = 1 run (Qwen3-Next with NEXTN speculation, extra_buffer_lazy, the radix
+cache, two two-turn conversations and a prompt long enough to send a request-table chunk);
+process 1 makes every device call process 0 makes and compiles the same programs; a
+safetensors folder and dummy weights load block for block as in one process. Plus the
+flags' checks.
 
 The runs are subprocesses (``multihost_worker.py``) with timeouts, so a hang fails the test.
 Every run compiles with XLA's CPU backend optimisations off (the same flags in all three):
@@ -100,8 +102,10 @@ pytestmark = pytest.mark.slow
 def test_two_processes_serve_the_tokens_and_cached_tokens_of_one(reports):
     served = reports["leader"]["serve"]
     base = reports["reference"]["serve"]["outputs"]
-    assert any(cached > 0 for _, cached in base)  # turn 2 hits the radix cache
-    assert len({tuple(ids) for ids, _ in base}) == len(base)  # outputs differ per request
+    *turns, (_, _, num_table_chunks) = base
+    assert num_table_chunks > 0  # the long prompt's table updates went as a chunk too
+    assert any(cached > 0 for _, cached in turns)  # turn 2 hits the radix cache
+    assert len({tuple(ids) for ids, *_ in base}) == len(base)  # outputs differ per request
     assert served["mesh_processes"] == [0, 1]  # the mesh really spans both processes
     assert served["outputs"] == base
 
