@@ -57,7 +57,10 @@ class Engine:
     ) -> None:
         """``warmup_progress(done, total)`` is called as warm-up compiles (see ``warmup``)."""
         self.config = c = EngineConfig(**kwargs)
+        from lazyspec.engine import multihost
         from lazyspec.engine.sharding import sharding_plan
+
+        multihost.initialize(c)  # several processes: join them before touching a device
 
         if model is None:
             if c.model_path is None:
@@ -66,7 +69,7 @@ class Engine:
             from lazyspec.models.registry import load_model_config
 
             # the mesh first, so that each device reads only its slices of the checkpoint
-            self.sharding = sharding_plan(load_model_config(c.model_path), c.tp_size)
+            self.sharding = sharding_plan(load_model_config(c.model_path), c.tp_size, c.nnodes)
             model = load_model(
                 c.model_path,
                 dtype=c.dtype,
@@ -75,7 +78,7 @@ class Engine:
                 seed=c.random_seed,
             )
         else:
-            self.sharding = sharding_plan(model.config, c.tp_size)
+            self.sharding = sharding_plan(model.config, c.tp_size, c.nnodes)
         self.model = model
         cfg = model.config
         if self.config.spec_enabled and "mtp" not in model.params:
@@ -86,7 +89,8 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
-        if not self.config.skip_warmup:
+        # the other processes compile as process 0's warm-up sends them its calls (follow)
+        if not self.config.skip_warmup and self.config.is_leader:
             self.warmup(warmup_progress)
 
     # ------------------------------------------------------------------ construction
@@ -117,7 +121,19 @@ class Engine:
             backend=backend,
             moe_runner=c.moe_runner_backend,
         )
-        self.runner = Runner(self.model, layout, static, c.dtype, c.mamba_ssm_dtype, self.sharding)
+        from lazyspec.engine.multihost import StepBroadcast
+
+        # several processes: process 0 sends every device call, the others receive them
+        self.broadcast = StepBroadcast(layout) if c.nnodes > 1 else None
+        self.runner = Runner(
+            self.model,
+            layout,
+            static,
+            c.dtype,
+            c.mamba_ssm_dtype,
+            self.sharding,
+            broadcast=self.broadcast if c.is_leader else None,
+        )
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
         self.tree = RadixCache(
@@ -225,6 +241,11 @@ class Engine:
     def step(self) -> None:
         """One iteration of the (overlapped) loop: plan and launch step n+1, then process
         step n's results with step n+1's records as the in-flight ones."""
+        if not self.config.is_leader:
+            raise RuntimeError(
+                f"node_rank={self.config.node_rank} runs no scheduler: call follow(), and send "
+                "requests to node_rank 0"
+            )
         sched = self.scheduler
         plan = sched.schedule(self._inflight_records())
         outputs = self.runner.launch(plan.batch, plan.table_chunks) if plan else None
@@ -367,8 +388,19 @@ class Engine:
         return info
 
     def shutdown(self) -> None:
+        """Mutates: finishes the in-flight step; with several processes, then releases the
+        others from ``follow`` (no step can run after that)."""
         while self._inflight is not None:
             self.step()
+        if self.broadcast is not None and self.config.is_leader:
+            self.broadcast.send_stop()
+
+    def follow(self) -> int:
+        """On node_rank > 0: make every device call process 0's engine makes (its warm-up
+        included) until its ``shutdown``; returns the number of calls. Blocks."""
+        if self.config.is_leader:
+            raise RuntimeError("node_rank=0 runs the scheduler: it has no one to follow")
+        return self.runner.follow(self.broadcast)
 
     # ------------------------------------------------------------------ serving surface
     # What a server may call. The engine is not thread-safe: call the methods that read or

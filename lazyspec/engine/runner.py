@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.engine.multihost import DECODE, EXTEND, STOP, TABLE, StepBroadcast
 from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import (
     DecodeBatch,
@@ -123,10 +124,14 @@ class Runner:
         kv_dtype: str,
         ssm_dtype: str,
         sharding: ShardingPlan,
+        broadcast: StepBroadcast | None = None,
     ) -> None:
         """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
         allocates the pools there, each array with the sharding the rule table gives it;
-        the steps' kernels run per shard of it (``StepStatic.sharding``)."""
+        the steps' kernels run per shard of it (``StepStatic.sharding``). ``broadcast``
+        (process 0 of several): every device call is sent through it first, so the other
+        processes (in ``follow``) make the same call."""
+        self.broadcast = broadcast
         self.family = model.family
         self.cfg = model.config
         self.sharding = sharding
@@ -171,17 +176,47 @@ class Runner:
         batch's own); returns its outputs as device arrays without waiting for them."""
         for chunk in table_chunks:
             self.update_table(chunk)
-        step = self._extend if isinstance(batch, ExtendBatch) else self._decode
-        packed = jax.device_put(pack_batch(batch), self.sharding.replicated)
-        outputs, self.pools = step(self.params, self.pools, packed)
+        packed = pack_batch(batch)
+        if self.broadcast is not None:
+            self.broadcast.send_step(batch, packed)
+        return self._launch_packed(isinstance(batch, ExtendBatch), packed)
+
+    def _launch_packed(self, extend: bool, packed: PackedBatch) -> dict[str, jax.Array]:
+        step = self._extend if extend else self._decode
+        words = jax.device_put(packed.words, self.sharding.replicated)
+        outputs, self.pools = step(
+            self.params, self.pools, dataclasses.replace(packed, words=words)
+        )
         return outputs
 
     def update_table(self, updates: np.ndarray) -> None:
         """Apply one padded chunk of request-table updates ``[3, table_chunk_len]``."""
+        updates = np.asarray(updates, np.int32)
+        if self.broadcast is not None:
+            self.broadcast.send_table(updates)
+        self._apply_table(updates)
+
+    def _apply_table(self, updates: np.ndarray) -> None:
         table = _table_jit(
             self.pools.req_to_token, jax.device_put(updates, self.sharding.replicated)
         )
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
+
+    def follow(self, broadcast: StepBroadcast) -> int:
+        """On a process other than 0: make every device call process 0 sends, in its order,
+        until it sends ``STOP``; returns the number of calls made. The outputs stay here
+        (process 0 reads its own copy)."""
+        num_calls = 0
+        while True:
+            kind, payload = broadcast.receive()
+            if kind == STOP:
+                return num_calls
+            if kind == TABLE:
+                self._apply_table(payload)
+            else:
+                assert kind in (EXTEND, DECODE), kind
+                self._launch_packed(kind == EXTEND, payload)
+            num_calls += 1
 
     def read_table(self) -> np.ndarray:
         """A writable host copy of the device request table (waits for the launched steps)."""
