@@ -130,7 +130,13 @@ class _Frontend:
         pool so that a long prompt never blocks the event loop."""
 
         def work() -> GenerationSpec:
-            return parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+            spec = parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+            for sampling in spec.sampling:
+                try:  # compiled here, off the engine thread; the engine finds it cached
+                    self.worker.engine.check_grammar(sampling)
+                except ValueError as exc:
+                    raise ApiError(str(exc), param="grammar") from None
+            return spec
 
         return await asyncio.get_running_loop().run_in_executor(self.parse_pool, work)
 
