@@ -87,7 +87,12 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
-        self._grammars: GrammarBackend | None = None
+        # built now (xgrammar is imported at the first compile) so that threads share it
+        self._grammars = (
+            GrammarBackend(model.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+            if model.tokenizer is not None
+            else None
+        )
         if not self.config.skip_warmup:
             self.warmup(warmup_progress)
 
@@ -237,12 +242,10 @@ class Engine:
 
     @property
     def grammar_backend(self) -> GrammarBackend:
-        """The grammar compiler of this model's tokenizer (built on first use; ValueError
-        without a tokenizer). Thread-safe: a server compiles in its parse threads."""
+        """The grammar compiler of this model's tokenizer (ValueError without one).
+        Thread-safe: a server compiles in its parse threads."""
         if self._grammars is None:
-            self._grammars = GrammarBackend(
-                self.model.tokenizer, self.vocab_size, tuple(self.model.config.eos_token_ids)
-            )
+            raise ValueError("constrained decoding needs the model folder's tokenizer.json")
         return self._grammars
 
     def check_grammar(self, sampling: SamplingParams) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from lazyspec.engine.engine import Engine
 from lazyspec.scheduler.grammar import GrammarBackend, mask_width
+from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.tiny_models import _logits_at, tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>"]  # </s> is the tiny model's EOS (id 2)
@@ -155,3 +156,14 @@ def test_masks_follow_the_drafts_and_the_matcher_rolls_back(model):
     grammar.fill_masks(words, [ids["a"], ids["c"], ids["7"]])  # "c" is refused after "a"
     assert allowed(words[1]) == allowed(words[2]) == allowed(words[3]) == {ids["b"]}
     assert grammar.accept(ids["a"])  # the matcher was rolled back to the start
+
+
+def test_grammar_fields_are_validated(model):
+    with pytest.raises(ValueError, match="at most one"):
+        SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'})
+    with pytest.raises(ValueError, match="must be a string"):
+        SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    backend = GrammarBackend(model.tokenizer, model.config.vocab_size, (2,))
+    with pytest.raises(ValueError, match="invalid regex"):
+        backend.compile("regex", "a(b")
+    assert backend.compile("regex", "ab") is backend.compile("regex", "ab")  # cached by text
