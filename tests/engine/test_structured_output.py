@@ -108,8 +108,10 @@ def case(model):
     "strategy,spec",
     [
         ("extra_buffer", True),
-        ("no_buffer", False),
         ("extra_buffer_lazy", True),
+        ("no_buffer", False),
+        ("extra_buffer", False),
+        ("extra_buffer_lazy", False),
     ],
 )
 def test_constrained_outputs_parse_and_equal_the_masked_oracle(model, case, strategy, spec):
