@@ -31,6 +31,10 @@ def _post(server, path: str, body: dict) -> httpx.Response:
 
 
 def test_generate_json_schema_and_regex_outputs_parse(server):
+    for text in (["the state of", "draft tokens are"], "a slot"):  # the same batch shapes
+        plain = {"text": text, "sampling_params": {"max_new_tokens": 8}}
+        assert _post(server, "/generate", plain).status_code == 200
+    compiled = server.info()["num_compiled_programs"]
     body = {
         "text": ["the state of", "draft tokens are"],
         "sampling_params": {"max_new_tokens": 40, "json_schema": json.dumps(SCHEMA)},
@@ -44,6 +48,7 @@ def test_generate_json_schema_and_regex_outputs_parse(server):
     response = _post(server, "/generate", body)
     assert response.status_code == 200, response.text
     assert re.fullmatch(REGEX, response.json()["text"]), response.json()
+    assert server.info()["num_compiled_programs"] == compiled  # the mask update is warm
 
 
 def test_chat_response_format_json_schema(server):
