@@ -95,7 +95,8 @@ class GrammarBackend:
         return compiled
 
     @property
-    def num_compiled(self) -> int:
+    def num_grammars(self) -> int:
+        """Distinct grammar texts compiled so far."""
         return len(self._compiled)
 
     def matcher(self, kind: str, text: str) -> RequestGrammar:

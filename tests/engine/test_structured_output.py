@@ -133,7 +133,7 @@ def test_constrained_outputs_parse_and_equal_the_masked_oracle(model, case, stra
     jsonschema.validate(json.loads(texts[2]), SCHEMA)
     assert reqs[0].output_ids == want[0]
     assert reqs[1].output_ids == want[1]
-    assert engine.grammar_backend.num_compiled == 2  # the schema once, the regex once
+    assert engine.grammar_backend.num_grammars == 2  # the schema once, the regex once
 
 
 def test_masks_follow_the_drafts_and_the_matcher_rolls_back(model):
