@@ -19,6 +19,7 @@ import pytest
 from lazyspec.engine.engine import Engine
 from lazyspec.scheduler.grammar import GrammarBackend, mask_width
 from lazyspec.scheduler.request import SamplingParams
+from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.tiny_models import _logits_at, tiny_model
 
 SPECIALS = ["<pad>", "<s>", "</s>"]  # </s> is the tiny model's EOS (id 2)
@@ -169,3 +170,22 @@ def test_grammar_fields_are_validated(model):
     with pytest.raises(ValueError, match="invalid regex"):
         backend.compile("regex", "a(b")
     assert backend.compile("regex", "ab") is backend.compile("regex", "ab")  # cached by text
+
+
+def test_drafts_the_grammar_allows_are_accepted(model, case):
+    """With drafts that follow the constrained greedy output (a scripted draft head, a few
+    positions corrupted), verify steps accept up to D tokens under a grammar: position j is
+    masked with the state after the first j drafts, so the right drafts stay allowed."""
+    prompts, schema, want = case
+    script = make_script(prompts[0] + want[0], 256, 0.1, model.config.vocab_size, seed=2)
+    scripted = scripted_model(model, script)
+    scripted.tokenizer = model.tokenizer
+    engine = _engine(scripted, "extra_buffer", spec=True)
+    req = engine.add_request(
+        input_ids=prompts[0], sampling_params={"max_new_tokens": 48, "json_schema": schema}
+    )
+    engine.run_until_done([req])
+    assert req.output_ids == want[0]
+    num_verify = SPEC["speculative_num_steps"] + 1
+    assert req.accept_hist.count(num_verify) >= 3, req.accept_hist
+    assert len(req.accept_hist) < len(want[0]) / 2, req.accept_hist
