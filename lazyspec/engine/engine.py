@@ -22,6 +22,7 @@ from lazyspec.engine.runner import Runner
 from lazyspec.engine.steps import StepStatic
 from lazyspec.scheduler.batch import build_decode, build_extend, table_updates
 from lazyspec.scheduler.cache import RequestCache
+from lazyspec.scheduler.grammar import GrammarBackend, grammar_of
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
@@ -89,6 +90,12 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
+        # built now (xgrammar is imported at the first compile) so that threads share it
+        self._grammars = (
+            GrammarBackend(model.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+            if model.tokenizer is not None
+            else None
+        )
         # the other processes compile as process 0's warm-up sends them its calls (follow)
         if not self.config.skip_warmup and self.config.is_leader:
             self.warmup(warmup_progress)
@@ -184,6 +191,9 @@ class Engine:
         chunk = table_updates(layout, None, layout.table_chunk_len)
         programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
         programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
+        # so does an all-padding grammar-mask update
+        no_masks = np.zeros((0, *runner.abstract.vocab_mask.shape[1:]), np.int32)
+        programs.append(lambda: runner.update_vocab_masks(np.zeros(0, np.int32), no_masks))
         for done, compile_program in enumerate(programs):
             if progress is not None:
                 progress(done, len(programs))
@@ -223,6 +233,12 @@ class Engine:
             else SamplingParams.from_dict(sampling_params)
         )
         sampling.validate(vocab_size=vocab)
+        grammar = grammar_of(sampling)
+        if grammar is not None and self.config.nnodes > 1:
+            # the grammar masks are written outside the device calls process 0 broadcasts
+            raise ValueError(
+                f"json_schema / regex / ebnf do not run with nnodes={self.config.nnodes}"
+            )
         limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
@@ -235,8 +251,25 @@ class Engine:
             sampling=sampling,
             return_logprob=return_logprob,
         )
+        if grammar is not None:
+            req.grammar = self.grammar_backend.matcher(*grammar)
         self.scheduler.add(req)
         return req
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar compiler of this model's tokenizer (ValueError without one).
+        Thread-safe: a server compiles in its parse threads."""
+        if self._grammars is None:
+            raise ValueError("constrained decoding needs the model folder's tokenizer.json")
+        return self._grammars
+
+    def check_grammar(self, sampling: SamplingParams) -> None:
+        """Compile ``sampling``'s grammar if it has one (cached for ``add_request``);
+        ValueError with the compiler's message if it is malformed. Safe from any thread."""
+        grammar = grammar_of(sampling)
+        if grammar is not None:
+            self.grammar_backend.compile(*grammar)
 
     def step(self) -> None:
         """One iteration of the (overlapped) loop: plan and launch step n+1, then process
@@ -247,9 +280,17 @@ class Engine:
                 "requests to node_rank 0"
             )
         sched = self.scheduler
+        # a grammar row's masks follow the previous step's tokens: such steps run without
+        # overlap (the step in flight is processed before the next is planned)
+        sync = self.config.disable_overlap_schedule or sched.has_grammar_requests
+        if sync and self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            sched.process(previous[0], self.runner.fetch(previous[1]), inflight=())
         plan = sched.schedule(self._inflight_records())
+        if plan and plan.mask_rows is not None:
+            self.runner.update_vocab_masks(plan.mask_rows, plan.mask_words)
         outputs = self.runner.launch(plan.batch, plan.table_chunks) if plan else None
-        if self.config.disable_overlap_schedule:
+        if sync:
             if plan:
                 sched.process(plan, self.runner.fetch(outputs), inflight=())
             return

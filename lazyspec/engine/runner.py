@@ -26,12 +26,14 @@ from lazyspec.engine.steps import (
     Pools,
     StepStatic,
     apply_table_updates,
+    apply_vocab_masks,
     decode_step,
     extend_step,
     pack_batch,
     unpack_batch,
 )
 from lazyspec.models.interface import KVPools
+from lazyspec.scheduler.grammar import mask_width
 from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,10 @@ _decode_jit = jax.jit(
     _sharded(_unpacking(decode_step)), static_argnums=(0, 1, 2, 3), donate_argnums=(5,)
 )
 _table_jit = jax.jit(apply_table_updates, donate_argnums=(0,))
+_mask_jit = jax.jit(apply_vocab_masks, donate_argnums=(0,))
+# grammar rows whose bitmasks one mask update writes (one compiled shape; more rows take
+# several updates)
+MASK_ROWS_PER_UPDATE = 8
 
 
 def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
@@ -98,6 +104,9 @@ def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtyp
         last_token=jax.ShapeDtypeStruct((rows,), jnp.int32),
         drafts=jax.ShapeDtypeStruct((rows, layout.num_draft_positions), jnp.int32),
         req_to_token=jax.ShapeDtypeStruct((rows, layout.context_len), jnp.int32),
+        vocab_mask=jax.ShapeDtypeStruct(
+            (rows, layout.num_verify, mask_width(cfg.vocab_size)), jnp.int32
+        ),
     )
 
 
@@ -218,6 +227,24 @@ class Runner:
                 self._launch_packed(kind == EXTEND, payload)
             num_calls += 1
 
+    def update_vocab_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
+        """Write the grammar bitmasks ``masks [n, D, W]`` of request rows ``rows [n]``
+        (before the step that reads them), ``MASK_ROWS_PER_UPDATE`` rows per update."""
+        size = MASK_ROWS_PER_UPDATE
+        for start in range(0, max(len(rows), 1), size):
+            chunk_rows = np.full(size, self.static.sentinel_row, np.int32)
+            chunk_masks = np.zeros((size, *self.abstract.vocab_mask.shape[1:]), np.int32)
+            part = slice(start, start + size)
+            chunk_rows[: len(rows[part])] = rows[part]
+            chunk_masks[: len(rows[part])] = masks[part]
+            place = self.sharding.replicated
+            vocab_mask = _mask_jit(
+                self.pools.vocab_mask,
+                jax.device_put(chunk_rows, place),
+                jax.device_put(chunk_masks, place),
+            )
+            self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
+
     def read_table(self) -> np.ndarray:
         """A writable host copy of the device request table (waits for the launched steps)."""
         return np.array(self.pools.req_to_token)
@@ -230,7 +257,9 @@ class Runner:
     def num_compiled() -> int:
         """Programs the jitted steps hold, for every runner of this process (runners of equal
         configs and settings share theirs)."""
-        return _extend_jit._cache_size() + _decode_jit._cache_size() + _table_jit._cache_size()
+        return sum(
+            jitted._cache_size() for jitted in (_extend_jit, _decode_jit, _table_jit, _mask_jit)
+        )
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of one slot's (conv, ssm) state, for tests and debugging."""

@@ -1,8 +1,8 @@
-"""Device-side sampling: logit bias, min_new_tokens masking, greedy, temperature, top-k,
-top-p, per-request seeds, and the speculative accept rule (greedy match, or rejection
-sampling against a one-hot draft). Plain sampling and the accept rule both use the processed
-distribution (``processed_logits`` then temperature / top-k / top-p); greedy rows take the
-argmax of the processed logits.
+"""Device-side sampling: logit bias, min_new_tokens masking, grammar bitmasks, greedy,
+temperature, top-k, top-p, per-request seeds, and the speculative accept rule (greedy
+match, or rejection sampling against a one-hot draft). Plain sampling and the accept rule
+both use the processed distribution (``processed_logits`` then temperature / top-k /
+top-p); greedy rows take the argmax of the processed logits.
 
 Randomness is a pure function of (request seed, absolute position, purpose), so a request's
 samples do not depend on how it was batched or on the checkpoint strategy.
@@ -57,29 +57,68 @@ def _key(seed, position, purpose):
     return jax.random.fold_in(key, purpose)
 
 
-def processed_logits(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
-    """[B, T, V] logits at absolute positions [B, T] with each row's logit bias added and its
-    EOS / stop ids at -inf where the row has fewer than min_new_tokens outputs (the token
-    sampled at position p is output number p + 1 - prompt length)."""
+def _biased(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """[B, T, V] float32 logits with each row's logit bias added."""
     batch, _, vocab = logits.shape
     rows = jnp.arange(batch)[:, None]
-    logits = logits.astype(jnp.float32)
     bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # vocab: dropped
     bias = (
         jnp.zeros((batch, vocab), jnp.float32)
         .at[rows, bias_ids]
         .add(params.bias_values, mode="drop")
     )
+    return logits.astype(jnp.float32) + bias[:, None]
+
+
+def _min_tokens_masked(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
+    """EOS / stop ids at -inf where the row has fewer than min_new_tokens outputs."""
+    batch, _, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
     mask_ids = jnp.where(params.mask_ids >= 0, params.mask_ids, vocab)
     masked = jnp.zeros((batch, vocab), bool).at[rows, mask_ids].set(True, mode="drop")
     early = (positions + 1 < params.min_len[:, None])[..., None]  # [B, T, 1]
-    return jnp.where(early & masked[:, None], NEG_INF, logits + bias[:, None])
+    return jnp.where(early & masked[:, None], NEG_INF, logits)
 
 
-def target_probs(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
+def grammar_masked(logits: jax.Array, allowed: jax.Array | None, constrained) -> jax.Array:
+    """[B, T, V] logits with the tokens outside each constrained row's bitmask at -inf.
+
+    ``allowed [B, T, W]`` int32 words (xgrammar's layout: token t allowed iff bit t % 32 of
+    word t // 32 is set), one per position; ``constrained [B]`` bool. Rows without a grammar
+    are unchanged; a batch with none skips the unpacking (``lax.cond``)."""
+    if allowed is None:
+        return logits
+    vocab = logits.shape[-1]
+
+    def apply(logits):
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (allowed[..., None] >> shifts) & 1  # [B, T, W, 32]
+        ok = bits.reshape(*allowed.shape[:2], -1)[..., :vocab] != 0
+        return jnp.where(constrained[:, None, None] & ~ok, NEG_INF, logits)
+
+    return jax.lax.cond(jnp.any(constrained), apply, lambda logits: logits, logits)
+
+
+def processed_logits(
+    logits: jax.Array, params: SamplingArrays, positions, allowed: jax.Array | None = None
+) -> jax.Array:
+    """[B, T, V] logits at absolute positions [B, T], processed stage by stage: each row's
+    logit bias added; its EOS / stop ids at -inf where the row has fewer than
+    min_new_tokens outputs (the token sampled at position p is output number p + 1 -
+    prompt length); for rows with a grammar, the tokens outside ``allowed`` [B, T, W] at
+    -inf."""
+    logits = _biased(logits, params)
+    logits = _min_tokens_masked(logits, params, positions)
+    return grammar_masked(logits, allowed, params.constrained)
+
+
+def target_probs(
+    logits: jax.Array, params: SamplingArrays, positions, allowed: jax.Array | None = None
+) -> jax.Array:
     """The sampling distribution per position: [B, T, V] logits at positions [B, T] -> probs
-    of the processed logits (greedy rows: one-hot at their argmax)."""
-    logits = processed_logits(logits, params, positions)
+    of the processed logits (greedy rows: one-hot at their argmax); ``allowed``: the
+    grammar bitmasks [B, T, W] (see ``grammar_masked``)."""
+    logits = processed_logits(logits, params, positions, allowed)
     t = params.temperature[:, None]
     filtered = _filtered_logits(logits, t, params.top_p[:, None], params.top_k[:, None])
     probs = jax.nn.softmax(filtered, axis=-1)
@@ -95,7 +134,7 @@ def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE) -> jax
     return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
 
 
-def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
+def verify_and_sample(logits, drafts, positions, params: SamplingArrays, allowed=None):
     """Accept a chain of drafts against the target and sample the bonus token.
 
     logits [B, D, V] at the D verify positions; drafts [B, D-1] (the proposals for positions
@@ -104,9 +143,11 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays):
     probability p_i(d) and, on rejection, resamples from p_i with d removed; greedy rows
     accept iff d is the target argmax. Returns (tokens [B, D], accept_len [B]) where
     tokens[b, :accept_len[b]] are the emitted tokens (accepted drafts then the bonus).
+    ``allowed`` [B, D, W]: position j's grammar bitmask, the state after the first j drafts
+    (a draft outside its position's mask has probability 0 and is rejected).
     """
     batch, num_pos, _ = logits.shape
-    probs = target_probs(logits, params, positions)  # [B, D, V]
+    probs = target_probs(logits, params, positions, allowed)  # [B, D, V]
     num_drafts = num_pos - 1
     greedy = (params.temperature == 0)[:, None]
     if num_drafts > 0:

@@ -160,6 +160,7 @@ class ShardingPlan:
             last_token=self.replicated,
             drafts=self.replicated,
             req_to_token=self.replicated,
+            vocab_mask=self.replicated,
         )
 
     def _kv_shardings(self, kv: Any) -> Any:

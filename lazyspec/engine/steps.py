@@ -68,6 +68,9 @@ class Pools:
     last_token: jax.Array  # [max_reqs + 1] int32, next input token
     drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
     req_to_token: jax.Array  # [max_reqs + 1, context_len] int32, the host table's copy
+    # allowed-token bitmasks of the rows with a grammar, per verify position (xgrammar's
+    # int32 words), written by the host before each step that reads them
+    vocab_mask: jax.Array  # [max_reqs + 1, D, ceil(V / 32)] int32
 
 
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
@@ -169,6 +172,12 @@ def apply_table_updates(table: jax.Array, updates: jax.Array) -> jax.Array:
     return table.at[updates[0], updates[1]].set(updates[2], mode="drop")
 
 
+def apply_vocab_masks(vocab_mask: jax.Array, rows: jax.Array, masks: jax.Array) -> jax.Array:
+    """``vocab_mask[rows[i]] = masks[i]`` (``masks [K, D, W]``); rows past the table (the
+    drop sentinel) write nothing."""
+    return vocab_mask.at[rows].set(masks, mode="drop")
+
+
 def _read_table(static: StepStatic, pools: Pools, batch: ExtendBatch | DecodeBatch):
     """The request table after the batch's updates, and each row's KV indices ``[B, C]``
     (padding rows read the null row 0: the null page)."""
@@ -263,8 +272,9 @@ def extend_step(
     with jax.named_scope("lm_head"):
         logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
     last_pos = batch.start_pos + last
+    allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_reqs), :1]  # [B, 1, W]
     with jax.named_scope("sampling"):
-        probs = target_probs(logits, batch.sampling, last_pos[:, None])[:, 0]
+        probs = target_probs(logits, batch.sampling, last_pos[:, None], allowed)[:, 0]
         token = sample_from(probs, batch.sampling.seed, last_pos)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
@@ -273,6 +283,7 @@ def extend_step(
     done_row = jnp.where(real & batch.is_last_chunk, batch.req_row, sentinel_row)
     last_token = pools.last_token.at[done_row].set(token, mode="drop")
     drafts, mtp_kv = pools.drafts, pools.mtp_kv
+    new_drafts = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
@@ -301,10 +312,17 @@ def extend_step(
         last_token=last_token,
         drafts=drafts,
         req_to_token=table,
+        vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
-    outputs = {"token": token, "logprob": logprob, "top_logprobs": top_values, "top_ids": top_ids}
+    outputs = {
+        "token": token,
+        "logprob": logprob,
+        "top_logprobs": top_values,
+        "top_ids": top_ids,
+        "drafts": new_drafts,  # the next verify's drafts (grammar rows' masks need them)
+    }
     return outputs, new_pools
 
 
@@ -385,7 +403,10 @@ def decode_step(
     with jax.named_scope("lm_head"):
         logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
     with jax.named_scope("sampling"):
-        out_tokens, accept_len = verify_and_sample(logits, drafts, positions, batch.sampling)
+        allowed = pools.vocab_mask[row]  # [B, D, W]
+        out_tokens, accept_len = verify_and_sample(
+            logits, drafts, positions, batch.sampling, allowed
+        )
         logprobs = token_logprobs(logits, out_tokens)
     # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
     interval = batch.track_interval
@@ -407,6 +428,7 @@ def decode_step(
     seq_len = pools.seq_len.at[dest].set(post, mode="drop")
     last_token = pools.last_token.at[dest].set(bonus, mode="drop")
     new_drafts, mtp_kv = pools.drafts, pools.mtp_kv
+    chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
         with jax.named_scope("draft_extend"):
@@ -433,6 +455,7 @@ def decode_step(
         last_token=last_token,
         drafts=new_drafts,
         req_to_token=table,
+        vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits)
@@ -444,5 +467,6 @@ def decode_step(
         "top_ids": top_ids,
         "crossed": crossed,
         "pre": pre,
+        "drafts": chain,  # the next verify's drafts (grammar rows' masks need them)
     }
     return outputs, new_pools

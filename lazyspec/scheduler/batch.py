@@ -42,6 +42,9 @@ class SamplingRows:
     mask_ids: np.ndarray  # [B, MASK_IDS] int32
     bias_ids: np.ndarray  # [B, MAX_LOGIT_BIAS] int32, -1 = none
     bias_values: np.ndarray  # [B, MAX_LOGIT_BIAS] float32, added to the logits
+    # the row has a grammar: its logits outside the allowed-token bitmask (the device's
+    # ``Pools.vocab_mask`` row, written by the host before the step) are -inf
+    constrained: np.ndarray  # [B] bool
 
 
 @dataclass
@@ -96,6 +99,7 @@ class SamplingRow:
     mask_ids: np.ndarray  # [MASK_IDS] int32
     bias_ids: np.ndarray  # [MAX_LOGIT_BIAS] int32
     bias_values: np.ndarray  # [MAX_LOGIT_BIAS] float32
+    constrained: bool  # the request has a grammar
 
 
 def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
@@ -126,6 +130,7 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         mask_ids,
         bias_ids,
         bias_values,
+        req.grammar is not None,
     )
 
 
@@ -139,6 +144,7 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
         bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
         bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
+        constrained=np.zeros(num_rows, bool),
     )
     for b, req in enumerate(reqs):
         row = req.sampling_row
@@ -150,6 +156,7 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         rows.mask_ids[b] = row.mask_ids
         rows.bias_ids[b] = row.bias_ids
         rows.bias_values[b] = row.bias_values
+        rows.constrained[b] = row.constrained
     return rows
 
 

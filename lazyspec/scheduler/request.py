@@ -16,6 +16,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # inclusive, as OpenAI's
 # stop_token_ids a request with min_new_tokens > 0 may give: they and the model's EOS ids
 # are masked on the device, in a fixed-width per-row list
 MAX_MIN_TOKENS_STOP_IDS = 16
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # constrained decoding, at most one
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits
+    # constrained decoding (at most one): a JSON schema, a regex or an EBNF grammar, as text
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -43,6 +48,9 @@ class SamplingParams:
             "seed",
             "min_new_tokens",
             "logit_bias",
+            "json_schema",
+            "regex",
+            "ebnf",
         }
         unknown = set(params) - known
         if unknown:
@@ -98,6 +106,16 @@ class SamplingParams:
                 f"(got {len(self.stop_token_ids)})"
             )
         _validate_logit_bias(self.logit_bias, vocab_size)
+        _validate_grammar(self)
+
+
+def _validate_grammar(params: SamplingParams) -> None:
+    given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, regex and ebnf (got {given})")
+    for name in given:
+        if not isinstance(getattr(params, name), str):
+            raise ValueError(f"{name}={getattr(params, name)!r} must be a string")
 
 
 def _validate_logit_bias(pairs: Any, vocab_size: int | None) -> None:
@@ -200,6 +218,9 @@ class Req:
         default_factory=list
     )  # tokens the prefill covers (fixed at admission)
     sampling_row: Any = None  # batch.SamplingRow: the sampling values in batch dtypes
+    grammar: Any = None  # grammar.RequestGrammar when the output is constrained
+    # the draft tokens the next verify step reads (the last step's, fetched for grammar rows)
+    next_drafts: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from lazyspec.scheduler.grammar import JSON_OBJECT_SCHEMA
 from lazyspec.scheduler.request import (
+    GRAMMAR_FIELDS,
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_MIN_TOKENS_STOP_IDS,
@@ -30,6 +32,7 @@ from lazyspec.scheduler.request import (
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_JSON_DEPTH = 64  # nested arrays/objects in a body; json.loads recurses once per level
 
 
@@ -297,6 +300,46 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
     return tuple(pairs.items())
 
 
+def _response_format(body: dict) -> dict[str, str]:
+    """/v1 ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON
+    object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, as
+    the SamplingParams grammar field it sets."""
+    value = body.get("response_format")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise ApiError(
+            f"response_format={value!r} must be an object with type one of {RESPONSE_FORMATS}",
+            param="response_format",
+        )
+    if value["type"] == "text":
+        return {}
+    if value["type"] == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    spec = value.get("json_schema")
+    schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(
+            f"response_format json_schema needs {{'name': ..., 'schema': {{...}}}}, got {spec!r}",
+            param="response_format",
+        )
+    return {"json_schema": json.dumps(schema)}
+
+
+def _grammar(params: dict) -> dict[str, str]:
+    """/generate's ``json_schema``, ``regex`` or ``ebnf`` (strings; at most one)."""
+    given = {name: params[name] for name in GRAMMAR_FIELDS if params.get(name) is not None}
+    if len(given) > 1:
+        raise ApiError(
+            f"give at most one of json_schema, regex and ebnf (got {sorted(given)})",
+            param=sorted(given)[1],
+        )
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise ApiError(f"{name}={value!r} must be a string", param=name)
+    return given
+
+
 def _sampling(
     body: dict,
     max_new: int | None,
@@ -304,8 +347,10 @@ def _sampling(
     limits: Limits,
     max_param: str,
     min_param: str,
+    grammar: dict[str, str] | None = None,
 ) -> list[SamplingParams]:
-    """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context."""
+    """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context;
+    ``grammar``: the one grammar field to constrain the output with, if any."""
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
@@ -359,6 +404,7 @@ def _sampling(
                 seed=seed,
                 min_new_tokens=min_new,
                 logit_bias=logit_bias,
+                **(grammar or {}),
             )
         )
     return out
@@ -395,7 +441,9 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     return GenerationSpec(
         prompts,
         texts,
-        _sampling(body, max_new, prompts, limits, "max_tokens", "min_tokens"),
+        _sampling(
+            body, max_new, prompts, limits, "max_tokens", "min_tokens", _response_format(body)
+        ),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -421,7 +469,9 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     return GenerationSpec(
         [prompt],
         [None],
-        _sampling(body, max_new, [prompt], limits, "max_tokens", "min_tokens"),
+        _sampling(
+            body, max_new, [prompt], limits, "max_tokens", "min_tokens", _response_format(body)
+        ),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -458,6 +508,9 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "seed",
         "min_new_tokens",
         "logit_bias",
+        "json_schema",
+        "regex",
+        "ebnf",
         "skip_special_tokens",
         "no_stop_trim",
         "n",
@@ -471,7 +524,15 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     return GenerationSpec(
         prompts,
         texts,
-        _sampling(params, max_new, prompts, limits, "max_new_tokens", "min_new_tokens"),
+        _sampling(
+            params,
+            max_new,
+            prompts,
+            limits,
+            "max_new_tokens",
+            "min_new_tokens",
+            _grammar(params),
+        ),
         _stop_strings(params),
         _boolean(body, "stream", False),
         logprobs=top if _boolean(body, "return_logprob", False) else None,
