@@ -80,23 +80,6 @@ PRESETS = {
         rope_theta=10000000.0,
         num_nextn_predict_layers=1,
     ),
-    # Qwen3-Next-80B-A3B's whole configuration (its config.json): 48 layers, 512 experts
-    # top-10, ~80 B params (~160 GB in bf16: --tp-size 2 or more on H200s)
-    "qwen3_next_80b": dict(
-        _QWEN_WIDTHS,
-        model_type="qwen3_next",
-        intermediate_size=5120,
-        num_hidden_layers=48,
-        layer_types=_QWEN_LAYERS * 12,
-        num_experts=512,
-        num_experts_per_tok=10,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        norm_topk_prob=True,
-        vocab_size=151936,
-        rope_theta=10000000.0,
-        num_nextn_predict_layers=1,
-    ),
     # transformers' Qwen3_5MoeTextConfig defaults (256 experts, top-8, 248k vocabulary) on 8
     # layers, with an MTP layer
     "qwen35_moe": dict(
@@ -176,6 +159,13 @@ PRESETS = {
         num_nextn_predict_layers=1,
     ),
 }
+
+
+# Qwen3-Next-80B-A3B's whole configuration (its config.json): the widths above on 48 layers
+# with 512 experts top-10, ~81 B params (~163 GB in bf16: --tp-size 2 or more on H200s)
+PRESETS["qwen3_next_80b"] = dict(
+    PRESETS["qwen3_next_moe"], num_hidden_layers=48, layer_types=_QWEN_LAYERS * 12, num_experts=512
+)
 
 
 def build_model(preset: str, dtype: str, tp_size: int = 1):
