@@ -20,7 +20,12 @@ from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
 from lazyspec.engine.runner import Runner
 from lazyspec.engine.steps import StepStatic
-from lazyspec.scheduler.batch import build_decode, build_extend, table_updates
+from lazyspec.scheduler.batch import (
+    build_decode,
+    build_extend,
+    empty_count_seed,
+    table_updates,
+)
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
@@ -169,10 +174,13 @@ class Engine:
             functools.partial(build_decode, layout, [], num_rows=rows)
             for rows in layout.decode_buckets
         ]
-        # an all-padding chunk compiles the table-update program and writes nothing
+        # an all-padding chunk compiles the table-update program and writes nothing (and an
+        # empty seed the token-count one)
         chunk = table_updates(layout, None, layout.table_chunk_len)
         programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
         programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
+        seed = empty_count_seed(layout)
+        programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
         for done, compile_program in enumerate(programs):
             if progress is not None:
                 progress(done, len(programs))
@@ -232,7 +240,9 @@ class Engine:
         step n's results with step n+1's records as the in-flight ones."""
         sched = self.scheduler
         plan = sched.schedule(self._inflight_records())
-        outputs = self.runner.launch(plan.batch, plan.table_chunks) if plan else None
+        outputs = (
+            self.runner.launch(plan.batch, plan.table_chunks, plan.count_seeds) if plan else None
+        )
         if self.config.disable_overlap_schedule:
             if plan:
                 sched.process(plan, self.runner.fetch(outputs), inflight=())

@@ -16,6 +16,8 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # inclusive, as OpenAI's
 # stop_token_ids a request with min_new_tokens > 0 may give: they and the model's EOS ids
 # are masked on the device, in a fixed-width per-row list
 MAX_MIN_TOKENS_STOP_IDS = 16
+PENALTY_RANGE = (-2.0, 2.0)  # inclusive: frequency_penalty and presence_penalty, as OpenAI's
+REPETITION_PENALTY_MAX = 2.0  # repetition_penalty in (0, this], as SGLang's
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,12 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits
+    # OpenAI: minus frequency * (times the token was output) and presence * (output at all)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # SGLang / HF: a token of the prompt or the outputs has its logit divided by this when
+    # positive, multiplied when not (1 = off)
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -43,6 +51,9 @@ class SamplingParams:
             "seed",
             "min_new_tokens",
             "logit_bias",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
         }
         unknown = set(params) - known
         if unknown:
@@ -98,6 +109,26 @@ class SamplingParams:
                 f"(got {len(self.stop_token_ids)})"
             )
         _validate_logit_bias(self.logit_bias, vocab_size)
+        low, high = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r} must be a number in [{low}, {high}]")
+        value = self.repetition_penalty
+        if not _is_real(value) or not 0 < value <= REPETITION_PENALTY_MAX:
+            raise ValueError(
+                f"repetition_penalty={value!r} must be a number in (0, {REPETITION_PENALTY_MAX}]"
+            )
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a frequency, presence or repetition penalty changes the logits (the
+        request's row of the token-count pools must then be exact)."""
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
 
 def _validate_logit_bias(pairs: Any, vocab_size: int | None) -> None:

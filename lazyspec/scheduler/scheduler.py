@@ -30,10 +30,12 @@ import numpy as np
 
 from lazyspec.cache.radix_cache import MatchResult
 from lazyspec.scheduler.batch import (
+    CountSeed,
     DecodeBatch,
     ExtendBatch,
     build_decode,
     build_extend,
+    count_seeds,
     sampling_row,
     split_table_updates,
 )
@@ -54,6 +56,9 @@ class StepPlan:
     # request-table updates past the batch's own bucket, [3, layout.table_chunk_len] each,
     # applied on the device before the step (usually none)
     table_chunks: list[np.ndarray] = field(default_factory=list)
+    # the token histories of the rows admitted since the last plan (requests with
+    # penalties), written into the token-count pools before the step
+    count_seeds: list[CountSeed] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class Scheduler:
         self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
         self.token_ratio = token_ratio or NewTokenRatio()
         self.num_retractions = 0  # requests retracted to free KV for a decode step
+        self._count_seeds: list[CountSeed] = []  # admitted rows' histories, for the next plan
 
     # ------------------------------------------------------------------ queries
 
@@ -159,6 +165,8 @@ class Scheduler:
         req.fill_len = req.seq_len = match.prefix_len
         req.phase = Phase.PREFILL
         self.running.append(req)
+        if req.sampling.has_penalties:  # the row's previous owner left its counts there
+            self._count_seeds += count_seeds(req)
         if not req.num_retractions:  # a resumed request is counted once, when first admitted
             self.num_admitted_tokens += len(admission.fill_ids)
             self.num_cached_tokens += match.prefix_len
@@ -211,7 +219,8 @@ class Scheduler:
                 req.seq_len = len(req.fill_ids)
         updates, chunks = self._table_updates(records)
         batch = build_extend(self.layout, records, updates)
-        return StepPlan("extend", records, batch, chunks)
+        seeds, self._count_seeds = self._count_seeds, []
+        return StepPlan("extend", records, batch, chunks, seeds)
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
         """Mutates: give every request of the next decode step the pages its writes may

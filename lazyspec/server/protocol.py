@@ -22,6 +22,8 @@ from lazyspec.scheduler.request import (
     MAX_LOGIT_BIAS,
     MAX_MIN_TOKENS_STOP_IDS,
     MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_MAX,
     SEED_RANGE,
     TOP_LOGPROBS,
     SamplingParams,
@@ -297,6 +299,24 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
     return tuple(pairs.items())
 
 
+def _penalties(body: dict) -> dict[str, float]:
+    """frequency_penalty and presence_penalty in [-2, 2] (OpenAI's range), repetition_penalty
+    in (0, 2] (SGLang's)."""
+    low, high = PENALTY_RANGE
+    out = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        out[name] = _number(body, name, 0.0)
+        if not low <= out[name] <= high:
+            raise ApiError(f"{name}={out[name]} must be in [{low}, {high}]", param=name)
+    out["repetition_penalty"] = value = _number(body, "repetition_penalty", 1.0)
+    if not 0 < value <= REPETITION_PENALTY_MAX:
+        raise ApiError(
+            f"repetition_penalty={value} must be in (0, {REPETITION_PENALTY_MAX}]",
+            param="repetition_penalty",
+        )
+    return out
+
+
 def _sampling(
     body: dict,
     max_new: int | None,
@@ -334,6 +354,7 @@ def _sampling(
             param="stop_token_ids",
         )
     logit_bias = _logit_bias(body, limits)
+    penalties = _penalties(body)
     out = []
     for ids in prompts:
         room = limits.max_context - len(ids)
@@ -359,6 +380,7 @@ def _sampling(
                 seed=seed,
                 min_new_tokens=min_new,
                 logit_bias=logit_bias,
+                **penalties,
             )
         )
     return out
@@ -367,9 +389,6 @@ def _sampling(
 def _unsupported(body: dict) -> None:
     if _integer(body, "n", 1) != 1 or _integer(body, "best_of", 1) != 1:
         raise ApiError("only n=1 (and best_of=1) is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise ApiError(f"{name} is not supported (must be 0)", param=name)
 
 
 def _include_usage(body: dict) -> bool:
@@ -458,6 +477,9 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "seed",
         "min_new_tokens",
         "logit_bias",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
         "skip_special_tokens",
         "no_stop_trim",
         "n",

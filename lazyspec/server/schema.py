@@ -14,6 +14,8 @@ from lazyspec.scheduler.request import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_MAX,
     SEED_RANGE,
 )
 from lazyspec.server.protocol import MAX_LOGPROBS, MAX_STOP_STRINGS, ROLES, Limits
@@ -62,6 +64,7 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
     stop_string = {"type": "string", "minLength": 1}
     stop_ids = {"type": "array", "items": _token_ids(limits)["items"]}
     top_k = {"type": "integer", "minimum": 1, "maximum": limits.vocab_size}
+    low, high = PENALTY_RANGE
     return {
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -78,6 +81,11 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
             }
         ),
         "n": {"enum": [1, None]},
+        "frequency_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
+        "presence_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
+        "repetition_penalty": _nullable(
+            {"type": "number", "exclusiveMinimum": 0, "maximum": REPETITION_PENALTY_MAX}
+        ),
         "logit_bias": _nullable(
             {
                 "type": "object",
@@ -99,8 +107,6 @@ def _openai_common(limits: Limits) -> dict[str, Schema]:
         **_sampling(limits),
         "min_tokens": _integer(0, limits.max_context),
         "best_of": {"enum": [1, None]},
-        "presence_penalty": {"enum": [0, None]},
-        "frequency_penalty": {"enum": [0, None]},
         "stream": _boolean(),
         "stream_options": _nullable(
             {"type": "object", "properties": {"include_usage": _boolean()}}

@@ -56,6 +56,9 @@ def sampling_arrays(num_rows: int, temperature: float, **rows) -> SamplingArrays
         mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
         bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
         bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
+        frequency_penalty=np.zeros(num_rows, np.float32),
+        presence_penalty=np.zeros(num_rows, np.float32),
+        repetition_penalty=np.ones(num_rows, np.float32),
     )
     fields.update(rows)
     return SamplingArrays(**{k: jnp.asarray(v) for k, v in fields.items()})
