@@ -154,8 +154,11 @@ class _Frontend:
                 code="queue_full",
                 error_type="server_overloaded",
             )
+        # copy j > 0 of a prompt waits for copy 0's prefill, then matches its checkpoint
         subs = [
-            Submission(f"req-{uuid.uuid4().hex}", i, ids, sampling)
+            Submission(
+                f"req-{uuid.uuid4().hex}", i, ids, sampling, i - i % spec.n if i % spec.n else None
+            )
             for i, (ids, sampling) in enumerate(zip(spec.prompts, spec.sampling))
         ]
         group = RequestGroup(self.worker, subs)

@@ -9,6 +9,7 @@ split a UTF-8 character and never show any part of a stop string.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from lazyspec.scheduler.request import (
 )
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 128  # n: samples per prompt
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_JSON_DEPTH = 64  # nested arrays/objects in a body; json.loads recurses once per level
@@ -86,7 +88,9 @@ def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """What every generation endpoint boils down to: one engine request per prompt."""
+    """What every generation endpoint boils down to: one engine request per choice, ``n``
+    per prompt, prompt-major (choice i samples prompt i // n; ``prompts``, ``prompt_texts``
+    and ``sampling`` hold one entry per choice)."""
 
     prompts: list[list[int]]
     prompt_texts: list[str | None]
@@ -97,6 +101,49 @@ class GenerationSpec:
     logprobs: int | None = None  # None: off; else how many alternatives were asked for
     echo: bool = False
     batched: bool = False
+    n: int = 1  # choices per prompt: copy j > 0 waits for copy 0's prefill (prefix cache)
+
+
+def _num_choices(body: dict, best_of: bool) -> int:
+    """``n`` in [1, MAX_CHOICES]; ``best_of`` (where the endpoint has it) may only equal n."""
+    n = _integer(body, "n", 1, 1, MAX_CHOICES)
+    if best_of:
+        value = _integer(body, "best_of", None)
+        if value is not None and value != n:
+            raise ApiError(
+                f"best_of={value} is not supported: only best_of = n ({n}) is (no server-side "
+                "ranking of extra samples)",
+                param="best_of",
+            )
+    return n
+
+
+def copy_seed(seed: int | None, copy: int) -> int | None:
+    """The seed of copy ``copy`` of a request seeded with ``seed``: copies differ in the low
+    32 bits the engine uses (for copy < 2**32) and stay in SEED_RANGE; None stays None (each
+    request's default seed differs already)."""
+    if seed is None or copy == 0:
+        return seed
+    shifted = seed + copy
+    return shifted if shifted <= SEED_RANGE[1] else shifted - 2**32
+
+
+def with_choices(spec: GenerationSpec) -> GenerationSpec:
+    """``spec`` (one entry per prompt) with each prompt repeated ``spec.n`` times, copy j's
+    seed ``copy_seed(seed, j)``."""
+    if spec.n == 1:
+        return spec
+    n, indices = spec.n, [i for i in range(len(spec.prompts)) for _ in range(spec.n)]
+    sampling = [
+        dataclasses.replace(spec.sampling[i], seed=copy_seed(spec.sampling[i].seed, k % n))
+        for k, i in enumerate(indices)
+    ]
+    return dataclasses.replace(
+        spec,
+        prompts=[spec.prompts[i] for i in indices],
+        prompt_texts=[spec.prompt_texts[i] for i in indices],
+        sampling=sampling,
+    )
 
 
 # ---------------------------------------------------------------- field readers
@@ -386,11 +433,6 @@ def _sampling(
     return out
 
 
-def _unsupported(body: dict) -> None:
-    if _integer(body, "n", 1) != 1 or _integer(body, "best_of", 1) != 1:
-        raise ApiError("only n=1 (and best_of=1) is supported", param="n")
-
-
 def _include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
@@ -406,12 +448,12 @@ def _include_usage(body: dict) -> bool:
 def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
     """POST /v1/completions."""
     _check_model(body, limits)
-    _unsupported(body)
+    n = _num_choices(body, best_of=True)
     if "prompt" not in body:
         raise ApiError("prompt is required", param="prompt")
     prompts, texts, _ = parse_prompts(body["prompt"], tokenizer, limits, "prompt")
     max_new = _integer(body, "max_tokens", 16, 1, limits.max_context)
-    return GenerationSpec(
+    spec = GenerationSpec(
         prompts,
         texts,
         _sampling(body, max_new, prompts, limits, "max_tokens", "min_tokens"),
@@ -420,13 +462,15 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
         _include_usage(body),
         _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
         _boolean(body, "echo", False),
+        n=n,
     )
+    return with_choices(spec)
 
 
 def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> GenerationSpec:
     """POST /v1/chat/completions; ``template`` renders the messages (a ChatTemplate)."""
     _check_model(body, limits)
-    _unsupported(body)
+    n = _num_choices(body, best_of=False)
     messages = parse_messages(body.get("messages"))
     _check_text_len(sum(len(m["content"]) for m in messages), limits, "messages")
     prompt = _encode(template.render(messages), tokenizer, limits, "messages", special=False)
@@ -437,7 +481,7 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     want = _boolean(body, "logprobs", False)
     if top is not None and not want:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
-    return GenerationSpec(
+    spec = GenerationSpec(
         [prompt],
         [None],
         _sampling(body, max_new, [prompt], limits, "max_tokens", "min_tokens"),
@@ -445,7 +489,9 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
         _boolean(body, "stream", False),
         _include_usage(body),
         (top or 0) if want else None,
+        n=n,
     )
+    return with_choices(spec)
 
 
 def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
@@ -487,18 +533,20 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     unknown = sorted(set(params) - known)
     if unknown:
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
-    _unsupported(params)
+    n = _num_choices(params, best_of=False)
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
     top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
-    return GenerationSpec(
+    spec = GenerationSpec(
         prompts,
         texts,
         _sampling(params, max_new, prompts, limits, "max_new_tokens", "min_new_tokens"),
         _stop_strings(params),
         _boolean(body, "stream", False),
         logprobs=top if _boolean(body, "return_logprob", False) else None,
-        batched=batched,
+        batched=batched or n > 1,  # SGLang answers n > 1 with a list
+        n=n,
     )
+    return with_choices(spec)
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:

@@ -64,14 +64,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    prompt = sum(c.prompt_tokens for c in choices)
+def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
+    """Token counts of ``choices`` (``n`` per prompt, prompt-major): each prompt counted
+    once, with the most of it any of its choices found cached; every choice's outputs."""
+    groups = [choices[i : i + n] for i in range(0, len(choices), n)]
+    prompt = sum(group[0].prompt_tokens for group in groups)
+    cached = sum(max(c.cached_tokens for c in group) for group in groups)
     completion = sum(len(c.token_ids) for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -111,8 +115,8 @@ class _Renderer:
             "choices": choices,
         }
 
-    def usage_chunk(self, choices: list[Choice]) -> str:
-        return sse({**self.envelope([]), "usage": usage(choices)})
+    def usage_chunk(self, choices: list[Choice], object_name: str | None = None) -> str:
+        return sse({**self.envelope([], object_name), "usage": usage(choices, self.spec.n)})
 
 
 class CompletionRenderer(_Renderer):
@@ -169,7 +173,7 @@ class CompletionRenderer(_Renderer):
                     "finish_reason": _openai_finish(c),
                 }
             )
-        return {**self.envelope(out), "usage": usage(choices)}
+        return {**self.envelope(out), "usage": usage(choices, self.spec.n)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
         if self.spec.echo:
@@ -218,24 +222,27 @@ class ChatRenderer(_Renderer):
         return None if self.spec.logprobs is None else self.logprobs(token_ids, logprobs, tops)
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
-        c = choices[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text.text},
-            "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
-            "finish_reason": _openai_finish(c),
-        }
-        return {**self.envelope([choice]), "usage": usage(choices)}
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text.text},
+                "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
+                "finish_reason": _openai_finish(c),
+            }
+            for i, c in enumerate(choices)
+        ]
+        return {**self.envelope(out), "usage": usage(choices, self.spec.n)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
         chunk = "chat.completion.chunk"
-        first = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        yield sse(self.envelope([first], chunk))
+        for i in range(len(choices)):
+            first = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield sse(self.envelope([first], chunk))
         async for i, delta, event in events:
             c = choices[i]
             logprobs = self._logprobs_or_none(event.token_ids, event.logprobs, event.top_logprobs)
@@ -248,7 +255,7 @@ class ChatRenderer(_Renderer):
                 }
                 yield sse(self.envelope([body], chunk))
         if self.spec.include_usage:
-            yield sse({**self.envelope([], chunk), "usage": usage(choices)})
+            yield self.usage_chunk(choices, chunk)
 
 
 def _openai_finish(choice: Choice) -> str | None:

@@ -2,8 +2,9 @@
 
 Each field has the type and range its parser in ``protocol`` accepts; ``null`` is accepted
 wherever the parser treats it as "not given". Fields the parsers do not read are allowed and
-ignored (except in ``sampling_params``, where an unknown name is an error). One rule spans
-fields and is left to the server: prompt tokens + new tokens <= ``max_context``.
+ignored (except in ``sampling_params``, where an unknown name is an error). Two rules span
+fields and are left to the server: prompt tokens + new tokens <= ``max_context``; and
+/v1/completions' ``best_of`` must equal ``n``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from lazyspec.scheduler.request import (
     REPETITION_PENALTY_MAX,
     SEED_RANGE,
 )
-from lazyspec.server.protocol import MAX_LOGPROBS, MAX_STOP_STRINGS, ROLES, Limits
+from lazyspec.server.protocol import (
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    ROLES,
+    Limits,
+)
 
 Schema = dict[str, Any]
 
@@ -80,7 +87,7 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
                 ]
             }
         ),
-        "n": {"enum": [1, None]},
+        "n": _integer(1, MAX_CHOICES),
         "frequency_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
         "presence_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
         "repetition_penalty": _nullable(
@@ -106,7 +113,6 @@ def _openai_common(limits: Limits) -> dict[str, Schema]:
         "model": _nullable({"enum": list(limits.model_names)}),
         **_sampling(limits),
         "min_tokens": _integer(0, limits.max_context),
-        "best_of": {"enum": [1, None]},
         "stream": _boolean(),
         "stream_options": _nullable(
             {"type": "object", "properties": {"include_usage": _boolean()}}
@@ -122,6 +128,7 @@ def completion_body(limits: Limits) -> Schema:
         "max_tokens": _integer(1, limits.max_context),
         "logprobs": _integer(0, MAX_LOGPROBS),
         "echo": _boolean(),
+        "best_of": _integer(1, MAX_CHOICES),  # the server refuses any value but n
     }
     return {"type": "object", "properties": properties, "required": ["prompt"]}
 
