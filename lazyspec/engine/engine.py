@@ -29,7 +29,7 @@ from lazyspec.scheduler.batch import (
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
-from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
+from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
 from lazyspec.scheduler.scheduler import Scheduler
 from lazyspec.scheduler.token_ratio import NewTokenRatio
 
@@ -202,7 +202,11 @@ class Engine:
         sampling_params: dict | SamplingParams | None = None,
         return_logprob: bool = False,
         rid: str | None = None,
+        logprob_start_len: int | None = None,
     ) -> Req:
+        """Queue a request. ``logprob_start_len`` asks for the logprobs of the prompt tokens
+        from that index on (in [0, prompt length); its prefix is then matched in the cache
+        only up to there, so the positions are computed)."""
         if input_ids is None:
             if prompt is None:
                 raise ValueError("give prompt or input_ids")
@@ -226,11 +230,21 @@ class Engine:
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                 f"exceeds the context limit {limit}"
             )
+        if logprob_start_len is not None and (
+            isinstance(logprob_start_len, bool)
+            or not isinstance(logprob_start_len, int)
+            or not 0 <= logprob_start_len < len(input_ids)
+        ):
+            raise ValueError(
+                f"logprob_start_len={logprob_start_len!r} must be in [0, {len(input_ids)}) "
+                "(the prompt's length)"
+            )
         req = Req(
             rid=rid or f"req-{next(self._ids)}",
             input_ids=input_ids,
             sampling=sampling,
             return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
         )
         self.scheduler.add(req)
         return req
@@ -245,12 +259,18 @@ class Engine:
         )
         if self.config.disable_overlap_schedule:
             if plan:
-                sched.process(plan, self.runner.fetch(outputs), inflight=())
+                sched.process(plan, self._fetch(plan, outputs), inflight=())
             return
         previous = self._inflight
         self._inflight = (plan, outputs) if plan else None
         if previous:
-            sched.process(previous[0], self.runner.fetch(previous[1]), self._inflight_records())
+            sched.process(previous[0], self._fetch(*previous), self._inflight_records())
+
+    def _fetch(self, plan, outputs: dict) -> dict:
+        """The step's outputs on the host; the prompt logprobs only if a row asked."""
+        if not plan.prompt_logprobs:
+            outputs = {k: v for k, v in outputs.items() if not k.startswith("prompt_")}
+        return self.runner.fetch(outputs)
 
     def _inflight_records(self) -> list[RowRecord]:
         """The records of the launched step whose results are not processed yet."""
@@ -275,6 +295,7 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int | None = None,
     ) -> dict | list[dict]:
         if not 0 <= top_logprobs_num <= TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
@@ -291,6 +312,7 @@ class Engine:
                 prompt=prompts[i] if prompt is not None else None,
                 sampling_params=params[i],
                 return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
             )
             for i in range(count)
         ]
@@ -307,6 +329,12 @@ class Engine:
             "finish_reason": req.finish_reason,
             "spec_verify_ct": req.spec_verify_ct,
         }
+        if req.logprob_start_len is not None:
+            meta["input_token_logprobs"] = input_token_logprobs(req)
+            if top_logprobs_num:
+                meta["input_top_logprobs"] = [None] * (req.logprob_start_len == 0) + [
+                    top[:top_logprobs_num] for top in req.input_top_logprobs
+                ]
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
             if top_logprobs_num:

@@ -53,6 +53,7 @@ from lazyspec.models.interface import (
 )
 from lazyspec.scheduler.batch import CountSeed, DecodeBatch, ExtendBatch
 from lazyspec.scheduler.layout import NULL_SLOT
+from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NO_STEP = -1  # state_scatter: this row writes nothing
 
@@ -191,6 +192,48 @@ def _count_outputs(output_counts: jax.Array, rows: jax.Array, tokens: jax.Array)
     the drop sentinel write nothing)."""
     tokens = jnp.where(tokens >= 0, tokens, output_counts.shape[1])
     return output_counts.at[rows[:, None], tokens].add(1, mode="drop")
+
+
+PROMPT_LOGPROB_BLOCK = 256  # positions whose logits a prompt-logprob pass holds at once
+
+
+def _prompt_logprobs(fam, cfg, params, hidden, batch: ExtendBatch, positions):
+    """Logprobs (raw logits, temperature 1) of each chunk position's next prompt token and
+    the position's top alternatives: ([B, T], [B, T, K], [B, T, K]). Computed only when a
+    row asks (``logprob_start``), over blocks of positions so that the logits of a whole
+    chunk are never held; zeros otherwise."""
+    num_rows, num_tokens = batch.tokens.shape
+    targets = jnp.concatenate([batch.tokens[:, 1:], batch.next_token[:, None]], axis=1)
+    t_idx = jnp.arange(num_tokens)[None, :]
+    wanted = (positions + 1 >= batch.logprob_start[:, None]) & (t_idx < batch.num_new[:, None])
+    block = math.gcd(num_tokens, PROMPT_LOGPROB_BLOCK)
+    num_blocks = num_tokens // block
+
+    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
+        x = x.reshape(num_rows, num_blocks, block, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def unblock(x):
+        return jnp.moveaxis(x, 0, 1).reshape(num_rows, num_tokens, *x.shape[3:])
+
+    def one_block(args):
+        hidden_block, target_block = args
+        logits = fam.compute_logits(params, cfg, hidden_block)
+        values, ids = top_logprobs(logits)
+        return token_logprobs(logits, target_block), values, ids
+
+    def compute(_):
+        out = jax.lax.map(one_block, (blocks(hidden), blocks(targets)))
+        return tuple(unblock(x) for x in out)
+
+    def skip(_):
+        return (
+            jnp.zeros((num_rows, num_tokens), jnp.float32),
+            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.float32),
+            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.int32),
+        )
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip, None)
 
 
 def _read_table(static: StepStatic, pools: Pools, batch: ExtendBatch | DecodeBatch):
@@ -335,7 +378,19 @@ def extend_step(
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
-    outputs = {"token": token, "logprob": logprob, "top_logprobs": top_values, "top_ids": top_ids}
+    with jax.named_scope("prompt_logprobs"):
+        prompt_lp, prompt_top, prompt_top_ids = _prompt_logprobs(
+            fam, cfg, params, hidden, batch, positions
+        )
+    outputs = {
+        "token": token,
+        "logprob": logprob,
+        "top_logprobs": top_values,
+        "top_ids": top_ids,
+        "prompt_logprobs": prompt_lp,
+        "prompt_top_logprobs": prompt_top,
+        "prompt_top_ids": prompt_top_ids,
+    }
     return outputs, new_pools
 
 

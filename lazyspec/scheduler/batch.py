@@ -30,6 +30,7 @@ from lazyspec.scheduler.request import (
 MASK_IDS = 2 * MAX_MIN_TOKENS_STOP_IDS
 # distinct token ids one CountSeed carries (a longer history takes several)
 COUNT_SEED_TOKENS = 1024
+NO_PROMPT_LOGPROBS = 2**30  # ExtendBatch.logprob_start of a row that wants none
 
 
 @dataclass
@@ -64,6 +65,8 @@ class ExtendBatch:
     copy_slot: np.ndarray  # [B] also receives the final state (sentinel = none)
     is_last_chunk: np.ndarray  # [B] bool: the prompt ends in this chunk (sample + draft)
     next_token: np.ndarray  # [B] first token of the next chunk (MTP input), when not last
+    # logprobs of the chunk's next tokens from this token index on (NO_PROMPT_LOGPROBS: none)
+    logprob_start: np.ndarray  # [B] int32
     sampling: SamplingRows
 
 
@@ -273,6 +276,7 @@ def build_extend(
         copy_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         is_last_chunk=np.zeros(num_rows, bool),
         next_token=np.zeros(num_rows, np.int32),
+        logprob_start=np.full(num_rows, NO_PROMPT_LOGPROBS, np.int32),
         sampling=_sampling(num_rows, reqs),
     )
     for b, record in enumerate(records):
@@ -291,6 +295,8 @@ def build_extend(
         batch.is_last_chunk[b] = record.is_last_chunk
         if not record.is_last_chunk:
             batch.next_token[b] = req.fill_ids[start + num_new]
+        if req.next_prompt_logprob is not None:
+            batch.logprob_start[b] = req.next_prompt_logprob
     return batch
 
 

@@ -206,6 +206,10 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    # prompt logprobs from this token index on (None: none); token 0 has none
+    logprob_start_len: int | None = None
+    input_logprobs: list[float] = field(default_factory=list)  # from max(start, 1) on
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -237,5 +241,22 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
+    def next_prompt_logprob(self) -> int | None:
+        """Index of the next prompt token whose logprob is still to be computed (a prefill
+        computes it at the position before); None when none is (left)."""
+        if self.logprob_start_len is None:
+            return None
+        index = max(self.logprob_start_len, 1) + len(self.input_logprobs)
+        return index if index < len(self.input_ids) else None
+
+    @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+
+def input_token_logprobs(req: Req) -> list[tuple[float | None, int]]:
+    """(logprob, token id) of ``req``'s prompt from its ``logprob_start_len`` on (computed so
+    far); the first prompt token has no logprob (None)."""
+    start = req.logprob_start_len
+    logprobs = [None] * (start == 0) + list(req.input_logprobs)
+    return list(zip(logprobs, req.input_ids[start:]))

@@ -59,6 +59,7 @@ class StepPlan:
     # the token histories of the rows admitted since the last plan (requests with
     # penalties), written into the token-count pools before the step
     count_seeds: list[CountSeed] = field(default_factory=list)
+    prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,10 @@ class Scheduler:
         if len(self.running) >= self.layout.max_running:
             return None
         fill_ids = req.all_ids
-        match = self.tree.match_prefix(fill_ids[:-1])
+        key = fill_ids[:-1]
+        if req.next_prompt_logprob is not None:  # its logits come from the position before
+            key = key[: req.next_prompt_logprob - 1]
+        match = self.tree.match_prefix(key)
         num_slots = self.policy.slots_needed()
         num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len)
         reserved = 0
@@ -220,7 +224,8 @@ class Scheduler:
         updates, chunks = self._table_updates(records)
         batch = build_extend(self.layout, records, updates)
         seeds, self._count_seeds = self._count_seeds, []
-        return StepPlan("extend", records, batch, chunks, seeds)
+        wants = any(r.req.next_prompt_logprob is not None for r in records)
+        return StepPlan("extend", records, batch, chunks, seeds, wants)
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
         """Mutates: give every request of the next decode step the pages its writes may
@@ -331,6 +336,8 @@ class Scheduler:
             if req.finished or req.phase is Phase.WAITING:
                 continue  # finished, or retracted since this step was planned
             self.policy.settle_extend(record)
+            if req.next_prompt_logprob is not None:
+                _take_prompt_logprobs(req, record.start, record.num_new, results, b)
             if record.is_last_chunk:
                 self._cache_prefill_checkpoint(req, inflight)
                 if req.sampling.max_new_tokens == 0:
@@ -476,6 +483,18 @@ class Scheduler:
         length, slot = (donation.length, donation.slot) if donation else (0, NO_SLOT)
         taken = self.cache.cache_req(req, length, slot, finished=True)
         self.policy.release(req, kept=slot if taken else NO_SLOT)
+
+
+def _take_prompt_logprobs(req: Req, start: int, num_new: int, results, b: int) -> None:
+    """Mutates ``req``: append the logprobs of the prompt tokens this chunk's positions
+    predict (position q gives token q + 1), from its next missing one on."""
+    for q in range(start, start + num_new):
+        if q + 1 != req.next_prompt_logprob:
+            continue
+        t = q - start
+        req.input_logprobs.append(float(results["prompt_logprobs"][b, t]))
+        values, ids = results["prompt_top_logprobs"][b, t], results["prompt_top_ids"][b, t]
+        req.input_top_logprobs.append([(float(v), int(i)) for v, i in zip(values, ids)])
 
 
 def _top(results: dict[str, np.ndarray], b: int, i: int | None) -> list[tuple[float, int]]:

@@ -102,6 +102,7 @@ class GenerationSpec:
     echo: bool = False
     batched: bool = False
     n: int = 1  # choices per prompt: copy j > 0 waits for copy 0's prefill (prefix cache)
+    logprob_start_len: int | None = None  # prompt logprobs from this token on (None: none)
 
 
 def _num_choices(body: dict, best_of: bool) -> int:
@@ -460,9 +461,10 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
-        _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
-        _boolean(body, "echo", False),
+        logprobs := _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
+        echo := _boolean(body, "echo", False),
         n=n,
+        logprob_start_len=0 if echo and logprobs is not None else None,
     )
     return with_choices(spec)
 
@@ -536,15 +538,25 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     n = _num_choices(params, best_of=False)
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
     top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
+    return_logprob = _boolean(body, "return_logprob", False)
+    start = _integer(body, "logprob_start_len", -1, -1, limits.max_context)
+    shortest = min(len(ids) for ids in prompts)
+    if return_logprob and start >= shortest:
+        raise ApiError(
+            f"logprob_start_len={start} must be -1 (no prompt logprobs) or in [0, {shortest}) "
+            "(the prompt's length)",
+            param="logprob_start_len",
+        )
     spec = GenerationSpec(
         prompts,
         texts,
         _sampling(params, max_new, prompts, limits, "max_new_tokens", "min_new_tokens"),
         _stop_strings(params),
         _boolean(body, "stream", False),
-        logprobs=top if _boolean(body, "return_logprob", False) else None,
+        logprobs=top if return_logprob else None,
         batched=batched or n > 1,  # SGLang answers n > 1 with a list
         n=n,
+        logprob_start_len=start if return_logprob and start >= 0 else None,
     )
     return with_choices(spec)
 

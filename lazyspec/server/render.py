@@ -25,6 +25,9 @@ class Choice:
         self.cached_tokens = self.spec_verify_ct = 0
         self.finish_reason: dict[str, Any] | None = None
         self.error: ApiError | None = None  # the engine ended this request with an error
+        # prompt logprobs (logprob_start_len): (logprob, id) pairs and each one's top pairs
+        self.input_logprobs: list[tuple[float | None, int]] | None = None
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
     def apply(self, event: TokenEvent) -> str:
         """Take one event; returns the new text that may be shown."""
@@ -32,6 +35,9 @@ class Choice:
         self.logprobs += event.logprobs
         self.top_logprobs += event.top_logprobs
         self.cached_tokens, self.spec_verify_ct = event.cached_tokens, event.spec_verify_ct
+        if event.input_logprobs is not None:
+            self.input_logprobs = event.input_logprobs
+            self.input_top_logprobs = event.input_top_logprobs
         final = event.finish_reason is not None
         delta = self.text.push(event.token_ids, final=final)
         if self.text.stopped is not None:
@@ -153,6 +159,15 @@ class CompletionRenderer(_Renderer):
             text = self.tokenizer.decode(self.spec.prompts[index])
         return text or ""
 
+    def echoed_logprobs(self, index: int, choice: Choice) -> tuple[list, list, list]:
+        """The echoed prompt's (ids, logprobs, tops): computed on the prompt (the first
+        token's logprob null), or all null when the engine sent none."""
+        ids = self.spec.prompts[index]
+        if choice.input_logprobs is None:
+            return list(ids), [None] * len(ids), [[]] * len(ids)
+        tops = [top or [] for top in choice.input_top_logprobs]
+        return list(ids), [lp for lp, _ in choice.input_logprobs], tops
+
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         out = []
         for i, c in enumerate(choices):
@@ -161,9 +176,8 @@ class CompletionRenderer(_Renderer):
             if self.spec.logprobs is not None:
                 ids, lps, tops = c.token_ids, list(c.logprobs), list(c.top_logprobs)
                 if self.spec.echo:
-                    echoed = len(self.spec.prompts[i])
-                    ids, lps = self.spec.prompts[i] + ids, [None] * echoed + lps
-                    tops = [[]] * echoed + tops
+                    echo_ids, echo_lps, echo_tops = self.echoed_logprobs(i, c)
+                    ids, lps, tops = echo_ids + ids, echo_lps + lps, echo_tops + tops
                 logprobs = self.logprobs(ids, lps, tops, 0)
             out.append(
                 {
@@ -176,11 +190,15 @@ class CompletionRenderer(_Renderer):
         return {**self.envelope(out), "usage": usage(choices, self.spec.n)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
-        if self.spec.echo:
-            for i in range(len(choices)):
-                yield sse(self.envelope([self._chunk(i, self.prompt_text(i), None, None)]))
+        echoed: set[int] = set()
         async for i, delta, event in events:
             c = choices[i]
+            if self.spec.echo and i not in echoed:  # after its first event: its logprobs
+                echoed.add(i)
+                echo_logprobs = None
+                if self.spec.logprobs is not None:
+                    echo_logprobs = self.logprobs(*self.echoed_logprobs(i, c), 0)
+                yield sse(self.envelope([self._chunk(i, self.prompt_text(i), echo_logprobs, None)]))
             logprobs = None
             if self.spec.logprobs is not None:
                 logprobs = self.logprobs(
@@ -272,6 +290,13 @@ def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
         "spec_verify_ct": c.spec_verify_ct,
     }
+    if c.input_logprobs is not None:
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in c.input_logprobs]
+        if spec.logprobs:
+            meta["input_top_logprobs"] = [
+                None if top is None else [[v, t, None] for v, t in top[: spec.logprobs]]
+                for top in c.input_top_logprobs
+            ]
     if spec.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
         if spec.logprobs:

@@ -3,8 +3,9 @@
 Each field has the type and range its parser in ``protocol`` accepts; ``null`` is accepted
 wherever the parser treats it as "not given". Fields the parsers do not read are allowed and
 ignored (except in ``sampling_params``, where an unknown name is an error). Two rules span
-fields and are left to the server: prompt tokens + new tokens <= ``max_context``; and
-/v1/completions' ``best_of`` must equal ``n``.
+fields and are left to the server: prompt tokens + new tokens <= ``max_context`` (and
+/generate's ``logprob_start_len`` < the prompt's length); /v1/completions' ``best_of`` must
+equal ``n``.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def generate_body(limits: Limits) -> Schema:
         "stream": _boolean(),
         "return_logprob": _boolean(),
         "top_logprobs_num": _integer(0, MAX_LOGPROBS),
+        "logprob_start_len": _integer(-1, limits.max_context),
     }
     absent = {"type": "null"}
     return {

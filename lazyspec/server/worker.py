@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lazyspec.scheduler.request import Req, SamplingParams
+from lazyspec.scheduler.request import Req, SamplingParams, input_token_logprobs
 from lazyspec.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Submission:
     input_ids: list[int]
     sampling: SamplingParams
     after: int | None = None
+    logprob_start_len: int | None = None  # prompt logprobs from this token on
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,11 @@ class TokenEvent:
     finish_reason: dict[str, Any] | None = None  # set on the request's last event
     error: str | None = None  # the engine failed while running this request
     error_status: int = 500  # the HTTP status that error is answered with
+    # on the request's first event, when it asked for them: (logprob, id) of the prompt
+    # tokens from its logprob_start_len on (the first token's logprob None), and each one's
+    # top (logprob, id) pairs (None for the first token)
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @dataclass
@@ -216,6 +223,7 @@ class EngineWorker:
                         sampling_params=sub.sampling,
                         return_logprob=True,
                         rid=sub.rid,
+                        logprob_start_len=sub.logprob_start_len,
                     )
                 )
         except (ValueError, TypeError):
@@ -245,6 +253,7 @@ class EngineWorker:
                         sampling_params=sub.sampling,
                         return_logprob=True,
                         rid=sub.rid,
+                        logprob_start_len=sub.logprob_start_len,
                     )
                 except (ValueError, TypeError) as exc:
                     event = TokenEvent(
@@ -286,6 +295,13 @@ class EngineWorker:
                 error=error,
                 error_status=status,
             )
+            if stream.sent == 0 and req.logprob_start_len is not None:
+                event = dataclasses.replace(
+                    event,
+                    input_logprobs=input_token_logprobs(req),
+                    input_top_logprobs=[None] * (req.logprob_start_len == 0)
+                    + list(req.input_top_logprobs),
+                )
             self._observe_latency(stream, num - stream.sent, now)
             self._observe_accepts(stream)
             stream.sent = num

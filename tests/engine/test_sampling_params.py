@@ -6,7 +6,10 @@ validation of the new fields."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -78,6 +81,62 @@ def test_greedy_with_processed_logits_equals_the_processed_reference(model, proc
     assert len(reqs[0].output_ids) >= 4  # EOS / the stop id suppressed for 4 tokens
     assert reqs[1].output_ids == [7] * 8  # +100 forces the token
     assert reqs[5].cached_tokens == 32
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _all_logprobs(family, cfg, params, tokens):
+    hidden = family.reference_forward(params, cfg, tokens)
+    return jax.nn.log_softmax(family.compute_logits(params, cfg, hidden), axis=-1)
+
+
+def _oracle_logprobs(model, ids: list[int]) -> np.ndarray:
+    """log softmax of the cache-free oracle's logits at every position of ``ids``."""
+    tokens = jnp.asarray([ids], jnp.int32)
+    return np.asarray(_all_logprobs(model.family, model.config, model.params, tokens))[0]
+
+
+def test_prompt_logprobs_equal_the_oracle_across_chunks_and_a_cached_prefix(model):
+    """A 70-token prompt (two prefill chunks, a checkpoint at 64) with every prompt logprob,
+    then one sharing its first 68 tokens asking from token 60 on (it may not match the
+    checkpoint at 64: those positions must be computed) and from token 66 on (it does);
+    every logprob equals the cache-free oracle's."""
+    engine = Engine(
+        model=model,
+        disable_overlap_schedule=False,
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=4,
+        max_total_tokens=4096,
+        context_length=256,
+        skip_warmup=True,
+    )
+    rng = np.random.default_rng(12)
+    first = [int(t) for t in rng.integers(3, 128, size=70)]
+    second = first[:68] + [int(t) for t in rng.integers(3, 128, size=20)]
+    cases = ((first, 0), (second, 60), (second, 66))
+    results = [
+        engine.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 2},
+            logprob_start_len=start,
+            top_logprobs_num=2,
+        )
+        for ids, start in cases
+    ]
+    assert [r["meta_info"]["cached_tokens"] for r in results] == [0, 0, 64]
+    for (ids, start), result in zip(cases, results):
+        pairs = result["meta_info"]["input_token_logprobs"]
+        assert [t for _, t in pairs] == ids[start:]
+        assert (pairs[0][0] is None) == (start == 0)
+        oracle = _oracle_logprobs(model, ids)
+        begin = max(start, 1)
+        want = [oracle[j - 1, ids[j]] for j in range(begin, len(ids))]
+        got = [lp for lp, _ in pairs[begin - start :]]
+        np.testing.assert_allclose(got, want, atol=2e-4)
+        tops = result["meta_info"]["input_top_logprobs"][begin - start :]
+        assert [top[0][1] for top in tops] == [
+            int(np.argmax(oracle[j - 1])) for j in range(begin, len(ids))
+        ]
 
 
 LIMITS = Limits(vocab_size=256, max_context=128, model_names=("m",))

@@ -107,3 +107,55 @@ def test_penalties_change_greedy_output_over_http(server):
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     generate = {"input_ids": ids, "sampling_params": {**params, "repetition_penalty": 1.5}}
     assert _post(server, "/generate", generate).status_code == 200
+
+
+def _oracle_logprobs(server, ids: list[int]) -> np.ndarray:
+    from lazyspec.models import load_model, reference_logits
+
+    logits = reference_logits(load_model(server.model_dir), ids).astype(np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def test_generate_prompt_logprobs_from_logprob_start_len(server):
+    """A prompt cached up to 128 asked again for logprobs from token 100 on: the cache is
+    matched only below that (64), and the logprobs equal a cache-free recompute."""
+    ids = _prompt(server, 33)
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    _post(server, "/generate", {"input_ids": ids, "sampling_params": params})
+    body = {
+        "input_ids": ids,
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": 100,
+        "top_logprobs_num": 2,
+    }
+    meta = _post(server, "/generate", body).json()["meta_info"]
+    assert meta["cached_tokens"] == 64
+    pairs = meta["input_token_logprobs"]
+    assert [t for _, t, _ in pairs] == ids[100:]
+    oracle = _oracle_logprobs(server, ids)
+    want = [oracle[j - 1, ids[j]] for j in range(100, PROMPT_LEN)]
+    np.testing.assert_allclose([lp for lp, _, _ in pairs], want, atol=1e-4)
+    tops = meta["input_top_logprobs"]
+    assert [top[0][1] for top in tops] == [int(np.argmax(oracle[j - 1])) for j in range(100, 150)]
+    too_far = {**body, "logprob_start_len": PROMPT_LEN}
+    response = _post(server, "/generate", too_far)
+    assert response.status_code == 400 and "logprob_start_len=150" in response.text
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(server):
+    ids = _prompt(server, 34)[:20]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    logprobs = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 23
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    oracle = _oracle_logprobs(server, ids)
+    want = [oracle[j - 1, ids[j]] for j in range(1, 20)]
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:20], want, atol=1e-4)
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    first = json.loads(lines[0][len("data: ") :])["choices"][0]
+    assert first["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:20]
