@@ -332,6 +332,32 @@ def state_scatter(
     )
 
 
+def moe_launch(
+    num_tokens: int, up: jax.Array, down: jax.Array, interpret: bool = False, **tiles: Any
+) -> dict[str, Any] | None:
+    """The keyword arguments ``moe_experts_pallas`` runs ``num_tokens`` tokens with (tiles
+    not given take ``DEFAULT_MOE_TILES``, fitted to the widths), or None where the caller's
+    XLA form runs instead: more than ``MOE_KERNEL_MAX_TOKENS`` tokens or, compiled for
+    Triton, widths whose fitted tiles fall below ``TRITON_MIN_DOT`` (interpret mode runs any
+    tile, so the tiny test models still exercise the kernel). Depends on the widths only,
+    not on the number of experts."""
+    if num_tokens > MOE_KERNEL_MAX_TOKENS:
+        return None
+    inner, out_width = up.shape[2], down.shape[2]
+    defaults = DEFAULT_MOE_TILES
+    tiles.setdefault("block_rows", defaults["block_rows"])
+    tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
+    tiles.setdefault("block_out", fitted_tile(out_width, defaults["block_out"]))
+    tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
+    params = pallas_compiler_params(
+        num_warps=defaults["num_warps"], num_stages=defaults["num_stages"]
+    )
+    options = _pallas_options(interpret, params)
+    if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
+        return None  # widths with no power-of-two tile Triton's dots take
+    return {**tiles, **options}
+
+
 def _pallas_moe_experts(
     x: jax.Array,
     weights: jax.Array,
@@ -344,26 +370,13 @@ def _pallas_moe_experts(
     interpret: bool = False,
     **tiles: Any,
 ) -> jax.Array:
-    """The routed experts by shape: ``moe_experts_pallas`` for up to ``MOE_KERNEL_MAX_TOKENS``
-    tokens (tiles not given take ``DEFAULT_MOE_TILES``, fitted to the widths), else
-    ``xla_form()``, the caller's sort-based dispatch with the same contract. Compiled for
-    Triton, widths whose fitted tiles fall below ``TRITON_MIN_DOT`` take ``xla_form()`` too
-    (interpret mode runs any tile, so the tiny test models still exercise the kernel)."""
-    if x.shape[0] > MOE_KERNEL_MAX_TOKENS:
+    """The routed experts by shape: ``moe_experts_pallas`` where ``moe_launch`` gives its
+    arguments, else ``xla_form()``, the caller's sort-based dispatch with the same
+    contract."""
+    launch = moe_launch(x.shape[0], up, down, interpret, **tiles)
+    if launch is None:
         return xla_form()
-    inner, out_width = up.shape[2], down.shape[2]
-    defaults = DEFAULT_MOE_TILES
-    tiles.setdefault("block_rows", defaults["block_rows"])
-    tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
-    tiles.setdefault("block_out", fitted_tile(out_width, defaults["block_out"]))
-    tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
-    params = pallas_compiler_params(
-        num_warps=defaults["num_warps"], num_stages=defaults["num_stages"]
-    )
-    options = _pallas_options(interpret, params)
-    if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
-        return xla_form()  # widths with no power-of-two tile Triton's dots take
-    return moe_experts_pallas(x, weights, expert_ids, up, down, gate, **tiles, **options)
+    return moe_experts_pallas(x, weights, expert_ids, up, down, gate, **launch)
 
 
 def _tpu_moe_experts(
@@ -450,8 +463,9 @@ class Kernels:
     token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
     sort-based dispatch. ``paged_attention`` has the contract of
     ``paged_attention.paged_attention``; None on XLA and on TPU, where the attention layers
-    run their masked jnp form. Compared and hashed by backend and platform (the functions
-    follow from them)."""
+    run their masked jnp form. Compared and hashed by backend, platform, MoE runner and
+    mesh (the functions follow from them): ``mesh`` is None for whole-array calls, else
+    the tensor-parallel mesh whose shards each call runs on (``engine.shard_kernels``)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
@@ -461,6 +475,7 @@ class Kernels:
     moe_experts: MoEExpertsFn | None = field(default=None, compare=False)
     paged_attention: PagedAttentionFn | None = field(default=None, compare=False)
     moe_runner: str = "auto"  # as asked (MOE_RUNNER_BACKENDS); with platform, names moe_experts
+    mesh: Any = None  # the mesh the functions run per shard over (``engine.shard_kernels``)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)

@@ -5,7 +5,9 @@ Contract. x ``[N, d]``, routing ``weights [N, k]`` and ``expert_ids [N, k]`` (di
 experts per token), expert stacks ``up [E, d, I]``, ``down [E, I, d_out]`` and, for SwiGLU
 experts, ``gate [E, d, I]``. Returns float32 ``[N, d_out]``: ``sum_j weights[n, j] *
 expert_{ids[n, j]}(x[n])`` where an expert is ``down(silu(gate(x)) * up(x))`` with a gate,
-else ``down(relu(up(x))^2)`` (Nemotron-H). This is ``layers.moe.grouped_experts`` with the
+else ``down(relu(up(x))^2)`` (Nemotron-H). A pair whose id is outside ``[0, E)`` adds
+nothing and takes no staged row (expert parallelism: the stacks are one shard's experts,
+ids shifted by the shard's first expert). This is ``layers.moe.grouped_experts`` with the
 SwiGLU or relu^2 expert function, computed with float32 accumulation (the intermediate is
 rounded once to the weights' dtype, as the XLA form rounds it).
 
@@ -75,26 +77,37 @@ def group_pairs(
     num_tokens, top_k = expert_ids.shape
     num_pairs = num_tokens * top_k
     flat = expert_ids.reshape(-1).astype(jnp.int32)
-    one_hot = flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]
+    local = (flat >= 0) & (flat < num_experts)  # other pairs are another shard's
+    flat = jnp.where(local, flat, 0)
+    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]) & local[:, None]
     counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
     before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot  # earlier pairs, same e
     rank = jnp.take_along_axis(before, flat[:, None], axis=1)[:, 0]
     tiles = (counts + block_rows - 1) // block_rows
     tile_end = jnp.cumsum(tiles)
-    pair_row = (tile_end - tiles)[flat] * block_rows + rank
     tile = jnp.arange(max_tiles(num_pairs, num_experts, block_rows), dtype=jnp.int32)
+    num_rows = tile.shape[0] * block_rows
+    # a dropped pair's row is one past the staged rows: written nowhere, combined as 0
+    pair_row = jnp.where(local, (tile_end - tiles)[flat] * block_rows + rank, num_rows)
     # the expert of tile t is the first whose tiles end after t
     tile_expert = jnp.sum(tile_end[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tile < tile_end[-1], tile_expert, UNUSED_TILE)
-    num_rows = tile.shape[0] * block_rows
     pair_token = jnp.arange(num_pairs, dtype=jnp.int32) // top_k
-    row_token = jnp.zeros((num_rows,), jnp.int32).at[pair_row].set(pair_token)
+    row_token = jnp.zeros((num_rows,), jnp.int32).at[pair_row].set(pair_token, mode="drop")
     row_weight = (
         jnp.zeros((num_rows,), jnp.float32)
         .at[pair_row]
-        .set(weights.reshape(-1).astype(jnp.float32))
+        .set(weights.reshape(-1).astype(jnp.float32), mode="drop")
     )
     return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
+
+
+def combine_pairs(rows: jax.Array, pair_row: jax.Array) -> jax.Array:
+    """Each token's sum of its pairs' weighted rows ``[N, d_out]`` (a gather, no
+    scatter-add); a dropped pair (row past ``rows``: another shard's expert) adds 0."""
+    kept = pair_row < rows.shape[0]
+    picked = rows[jnp.where(kept, pair_row, 0)]
+    return jnp.sum(jnp.where(kept[..., None], picked, 0.0), axis=1)
 
 
 # ---------------------------------------------------------------- kernels
@@ -219,4 +232,4 @@ def moe_experts_pallas(
         name="moe_experts_down",
         **options,
     )(grouped.tile_expert, hidden, down, grouped.row_weight)
-    return jnp.sum(rows[grouped.pair_row], axis=1)
+    return combine_pairs(rows, grouped.pair_row)

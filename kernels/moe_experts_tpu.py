@@ -23,7 +23,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lazyspec.kernels.moe_experts import UNUSED_TILE, check_experts, group_pairs
+from lazyspec.kernels.moe_experts import (
+    UNUSED_TILE,
+    check_experts,
+    combine_pairs,
+    group_pairs,
+)
 from lazyspec.kernels.state_update import check_tile
 
 
@@ -129,4 +134,4 @@ def moe_experts_tpu(
         name="moe_experts_down",
         interpret=interpret,
     )(*tables, hidden, down, grouped.row_weight[:, None])
-    return jnp.sum(rows[grouped.pair_row], axis=1)
+    return combine_pairs(rows, grouped.pair_row)

@@ -2,7 +2,9 @@
 kernel whose cost follows each row's context length, and the masked jnp form it replaces.
 
 Contract (both forms). q ``[B, T, Hq, D]``; pools ``[R, Hkv, D]`` (``Hq % Hkv == 0``: GQA,
-query head j reads kv head ``j // (Hq // Hkv)``); ``token_table [B, C]`` names the pool row
+query head j reads kv head ``j // (Hq // Hkv)``; the kernel's ``kv_head=i`` instead has
+every query head read kv head i, for a shard holding part of one group of query heads
+next to the whole pools); ``token_table [B, C]`` names the pool row
 of each context position; ``ctx_len [B]``; ``positions [B, T]``. Query t of row b attends
 to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``, scores ``q . k * scale``
 and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype. A query with no visible
@@ -64,12 +66,16 @@ def _check_inputs(
     token_table: jax.Array,
     ctx_len: jax.Array,
     positions: jax.Array,
+    kv_head: int | None = None,
 ) -> None:
-    """ValueError unless the shapes fit the module contract."""
+    """ValueError unless the shapes fit the module contract (and ``kv_head`` names a pool
+    head when given)."""
     batch, num_tokens, num_heads, head_dim = q.shape
     if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.shape[2] != head_dim:
         raise ValueError(f"pools {k_pool.shape} / {v_pool.shape} must both be [R, Hkv, {head_dim}]")
-    if num_heads % k_pool.shape[1]:
+    if kv_head is not None and not 0 <= kv_head < k_pool.shape[1]:
+        raise ValueError(f"kv_head={kv_head} is not one of the pools' {k_pool.shape[1]} heads")
+    if kv_head is None and num_heads % k_pool.shape[1]:
         raise ValueError(f"{num_heads} query heads are not a multiple of {k_pool.shape[1]}")
     if token_table.ndim != 2 or token_table.shape[0] != batch:
         raise ValueError(f"token_table {token_table.shape} must be [{batch}, C]")
@@ -232,15 +238,21 @@ def paged_attention(
     block_rows: int | None = None,
     block_kv: int = DEFAULT_ATTENTION_TILES["block_kv"],
     num_splits: int | None = None,
+    kv_head: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
     """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
     None takes ``default_row_tile``; ``num_splits``
-    None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``."""
-    _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``.
+    ``kv_head=j``: every query head of q reads pool head j (q holds some of the query
+    heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
+    pools are read in place, no head is sliced out of them."""
+    _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
     batch, num_tokens, num_heads, head_dim = q.shape
-    num_rows_total, num_kv_heads = k_pool.shape[:2]
+    num_rows_total = k_pool.shape[0]
+    num_kv_heads = k_pool.shape[1] if kv_head is None else 1  # kv heads q's heads read
+    head_base = 0 if kv_head is None else kv_head
     if block_rows is None:
         num_query_rows = num_tokens * num_heads // num_kv_heads
         block_rows = default_row_tile(num_query_rows, head_dim, q.dtype.itemsize)
@@ -259,7 +271,9 @@ def paged_attention(
     kernel = functools.partial(
         _attention_kernel, scale=float(scale), block_kv=block_kv, num_splits=num_splits
     )
-    pool_spec = pl.BlockSpec((num_rows_total, None, head_dim), lambda b, h, i, s: (0, h, 0))
+    pool_spec = pl.BlockSpec(
+        (num_rows_total, None, head_dim), lambda b, h, i, s: (0, head_base + h, 0)
+    )
     partial_shape = (num_splits, batch, num_kv_heads, rows.shape[2])
     out, run_max, run_sum = pl.pallas_call(
         kernel,

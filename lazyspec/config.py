@@ -45,6 +45,9 @@ class EngineConfig:
     moe_runner_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights, no tensor read
     tp_size: int = 1  # devices of the tensor-parallel mesh (experts shard over it too)
+    nnodes: int = 1  # processes the mesh spans (jax.distributed), tp_size / nnodes devices each
+    node_rank: int = 0  # this process's id: 0 runs the scheduler, the others follow it
+    dist_init_addr: str | None = None  # host:port of the coordinator (process 0) when nnodes > 1
     skip_warmup: bool = False
     # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
     schedule_conservativeness: float = 1.0
@@ -72,8 +75,10 @@ class EngineConfig:
             "mamba_chunk_size",
             "chunked_prefill_size",
             "tp_size",
+            "nnodes",
         ):
             _check_positive(name, getattr(self, name))
+        self._check_nodes()
         conservativeness = self.schedule_conservativeness
         if (
             not isinstance(conservativeness, (int, float))
@@ -108,6 +113,31 @@ class EngineConfig:
             )
         self._resolve_spec()
         self._resolve_strategy()
+
+    def _check_nodes(self) -> None:
+        """The process flags: a rank in range, a coordinator, whole devices per process."""
+        rank = self.node_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.nnodes:
+            raise ValueError(f"node_rank={rank!r} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes == 1:
+            return
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size={self.tp_size} is not a multiple of nnodes={self.nnodes} (every "
+                "process holds the same number of the mesh's devices)"
+            )
+        address = self.dist_init_addr
+        host, _, port = (address or "").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"dist_init_addr={address!r}: nnodes={self.nnodes} needs the coordinator's "
+                "host:port (process 0 listens there)"
+            )
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the process that runs the scheduler (node_rank 0)."""
+        return self.node_rank == 0
 
     # ------------------------------------------------------------------ resolution
 

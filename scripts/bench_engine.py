@@ -80,6 +80,23 @@ PRESETS = {
         rope_theta=10000000.0,
         num_nextn_predict_layers=1,
     ),
+    # Qwen3-Next-80B-A3B's whole configuration (its config.json): 48 layers, 512 experts
+    # top-10, ~80 B params (~160 GB in bf16: --tp-size 2 or more on H200s)
+    "qwen3_next_80b": dict(
+        _QWEN_WIDTHS,
+        model_type="qwen3_next",
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        layer_types=_QWEN_LAYERS * 12,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        rope_theta=10000000.0,
+        num_nextn_predict_layers=1,
+    ),
     # transformers' Qwen3_5MoeTextConfig defaults (256 experts, top-8, 248k vocabulary) on 8
     # layers, with an MTP layer
     "qwen35_moe": dict(
@@ -161,32 +178,35 @@ PRESETS = {
 }
 
 
-def build_model(preset: str, dtype: str):
-    """A random-weight model of ``preset`` in ``dtype``, built on the device."""
-    from types import SimpleNamespace
+def build_model(preset: str, dtype: str, tp_size: int = 1):
+    """A random-weight model of ``preset`` in ``dtype``: the engine's ``--load-format dummy``
+    path, each device drawing its own shards of the ``tp_size`` mesh."""
+    import json
+    import tempfile
 
-    import jax
-    import jax.numpy as jnp
+    from lazyspec.engine.sharding import sharding_plan
+    from lazyspec.models.registry import load_model, parse_hf_config
 
-    from lazyspec.models.registry import family_module, parse_hf_config
-
-    cfg = parse_hf_config(dict(PRESETS[preset]))
-    family = family_module(cfg.family)
-    params = family.init_params(
-        cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    )
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=family)
+    folder = Path(tempfile.mkdtemp(prefix=f"bench-{preset}-"))
+    (folder / "config.json").write_text(json.dumps(PRESETS[preset]))
+    plan = sharding_plan(parse_hf_config(dict(PRESETS[preset])), tp_size)
+    start = time.perf_counter()
+    model = load_model(folder, dtype=dtype, place=plan.sharding, load_format="dummy")
+    print(f"{preset}: random weights on {tp_size} device(s) in {time.perf_counter() - start:.1f} s")
+    return model
 
 
 def make_engine(model, backend: str, args, batch: int, spec: bool):
     from lazyspec.engine.engine import Engine
 
     nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
-    return Engine(
+    start = time.perf_counter()
+    engine = Engine(
         model=model,
         kernel_backend=backend,
         moe_runner_backend=args.moe_runner_backend,
         dtype=args.dtype,
+        tp_size=args.tp_size,
         max_running_requests=batch,
         mamba_track_interval=256,
         chunked_prefill_size=args.prompt_len,
@@ -195,6 +215,14 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
         skip_warmup=True,
         **(nextn if spec else {}),
     )
+    mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
+    print(
+        f"engine (backend {backend}, tp {args.tp_size}, {batch} rows) in "
+        f"{time.perf_counter() - start:.1f} s; MiB per device: "
+        + ", ".join(f"{k.removesuffix('_bytes_per_device')} {v:.0f}" for k, v in mib.items()),
+        flush=True,
+    )
+    return engine
 
 
 class _WidestDecode:
@@ -298,7 +326,7 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, float]:
 def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> dict:
     """One row: ``batch`` requests decoded together (all admitted at once), timed per step in
     the engine loop and alone, against the floor of the bytes a step moves."""
-    from lazyspec.bench.floor import step_floor_bytes
+    from lazyspec.bench.floor import shard_shapes, step_floor_bytes
     from lazyspec.engine.runner import kv_bytes_per_token, slot_bytes
 
     engine = make_engine(model, backend, args, batch, spec)
@@ -309,8 +337,10 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
     prompts = [[int(t) for t in rng.integers(1, vocab, size=args.prompt_len)] for _ in range(batch)]
     params = {"max_new_tokens": args.output_len, "ignore_eos": True}
     # warm-up pass compiles the shapes this workload uses
+    start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     engine.flush_cache()
+    print(f"  warm-up (compiles) {time.perf_counter() - start:.1f} s", flush=True)
     reqs = [engine.add_request(input_ids=p, sampling_params=params) for p in prompts]
     times = {"extend": [], "decode": []}
     start = time.perf_counter()
@@ -325,10 +355,11 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
     decode_time = sum(times["decode"])
     loop_ms = 1e3 * float(np.median(times["decode"])) if times["decode"] else 0.0
     alone_ms = 1e3 * _step_alone_seconds(engine, recorder.batch)
-    abstract = engine.runner.abstract
+    # one device's shards: over a mesh the floor is that of one device
+    abstract = shard_shapes(engine.runner.pools)
     positions = engine.layout.num_verify
     floor = step_floor_bytes(
-        model.params,
+        shard_shapes(engine.runner.params),
         model.config,
         rows=batch,
         positions=positions,
@@ -336,11 +367,13 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
         slot_bytes=slot_bytes(abstract),
         kv_bytes_per_token=kv_bytes_per_token(abstract),
         mtp_kv_bytes_per_token=_mtp_kv_bytes(abstract),
+        tp_size=args.tp_size,
     )
     floor_ms = 1e3 * floor.total / bandwidth
     info = engine.get_server_info()
     row = {
         "preset": args.preset,
+        "tp": args.tp_size,
         "backend": backend,
         "batch": batch,
         "spec": f"NEXTN {args.spec_steps}" if spec else "-",
@@ -364,6 +397,57 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
         row["breakdown_ms"] = breakdown
         row["host_ms"] = max(loop_ms - sum(breakdown.values()), 0.0)
     return row
+
+
+def transformers_row(args, batch: int, floor_ms: float) -> dict:
+    """The peer: transformers' model of the same config (random bf16 weights, on the GPU),
+    ``generate`` greedy at this batch; decode ms/step is the time of ``output_len`` new
+    tokens less that of one (the prefill), over ``output_len - 1``. Its kernels are
+    whatever transformers picks with what is installed (fla / mamba_ssm when present)."""
+    import torch
+    import transformers
+
+    hf = dict(PRESETS[args.preset])
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, size=(batch, args.prompt_len))
+    input_ids = torch.tensor(prompts, device="cuda")
+
+    def generate(new_tokens: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    generate(4)  # warm-up
+    prefill, full = generate(1), generate(args.output_len)
+    step_ms = 1e3 * (full - prefill) / (args.output_len - 1)
+    return {
+        "preset": args.preset,
+        "tp": 1,
+        "backend": f"transformers {transformers.__version__}",
+        "batch": batch,
+        "spec": "-",
+        "loop_ms": step_ms,
+        "alone_ms": float("nan"),
+        "floor_ms": floor_ms,
+        "pct_loop": 100 * floor_ms / step_ms,
+        "pct_alone": float("nan"),
+        "decode_tok_s": 1e3 * batch / step_ms,
+        "accept_len": 1.0,
+    }
 
 
 def _mtp_kv_bytes(abstract) -> int:
@@ -398,6 +482,7 @@ def main(argv=None) -> None:
         default="auto",
         help="routed experts' form (EngineConfig.moe_runner_backend)",
     )
+    p.add_argument("--tp-size", type=int, default=1, help="devices of the tensor-parallel mesh")
     p.add_argument("--batches", default="1,16,64", help="decode batch sizes, one row each")
     p.add_argument("--batch", type=int, default=16, help="batch of --memory")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -413,9 +498,14 @@ def main(argv=None) -> None:
         action="store_true",
         help="report the compiled decode step's memory analysis instead of timing",
     )
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="also transformers' model of the same config, one row per batch (GPU, torch)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    model = build_model(args.preset, args.dtype)
+    model = build_model(args.preset, args.dtype, args.tp_size)
     if args.memory:
         return memory_table(model, args)
     bandwidth, bandwidth_line = copy_bandwidth(args.copy_mib * 2**20)
@@ -428,23 +518,38 @@ def main(argv=None) -> None:
                 row = run(model, backend, args, batch, spec, bandwidth)
                 print(row, flush=True)
                 rows.append(row)
+    if args.peer:
+        floors = {r["batch"]: r["floor_ms"] for r in rows if r["spec"] == "-"}
+        for batch in (int(b) for b in args.batches.split(",")):
+            try:
+                row = transformers_row(args, batch, floors.get(batch, float("nan")))
+            except Exception as exc:  # the peer's failure is a result too: keep its message
+                print(f"transformers peer, batch {batch}: {type(exc).__name__}: {exc}")
+                continue
+            print(row, flush=True)
+            rows.append(row)
     lines = [
         bandwidth_line,
         "",
-        "| preset | backend | batch | spec | ms/step (engine loop) | step alone (ms) "
-        "| floor (ms) | % of floor (loop / alone) | floor GB: weights + state + KV "
+        "| preset | tp | backend | batch | spec | ms/step (engine loop) | step alone (ms) "
+        "| floor (ms) | % of floor (loop / alone) | floor GB per device: weights + state + KV "
         "| decode tok/s | accept len |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['preset']} | {r['backend']} | {r['batch']} | {r['spec']} | "
+            f"| {r['preset']} | {r['tp']} | {r['backend']} | {r['batch']} | {r['spec']} | "
             f"{r['loop_ms']:.2f} | {r['alone_ms']:.2f} | {r['floor_ms']:.3f} | "
             f"{r['pct_loop']:.0f} % / {r['pct_alone']:.0f} % | "
-            f"{r['weights_gb']:.3f} + {r['state_gb']:.3f} + {r['kv_gb']:.3f} | "
-            f"{r['decode_tok_s']:.0f} | {r['accept_len']:.2f} |"
+            + (
+                f"{r['weights_gb']:.3f} + {r['state_gb']:.3f} + {r['kv_gb']:.3f} | "
+                if "weights_gb" in r
+                else "as above | "
+            )
+            + f"{r['decode_tok_s']:.0f} | {r['accept_len']:.2f} |"
         )
     if args.profile:
+        rows = [r for r in rows if "breakdown_ms" in r]
         cats = sorted({c for r in rows for c in r["breakdown_ms"]})
         lines += [
             "",

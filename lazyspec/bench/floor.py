@@ -65,11 +65,15 @@ def _path(keys) -> str:
     return jax.tree_util.keystr(keys)
 
 
-def touched_weight_bytes(params: Any, num_experts: int, top_k: int, num_tokens: int) -> float:
+def touched_weight_bytes(
+    params: Any, num_experts: int, top_k: int, num_tokens: int, expert_rows: int | None = None
+) -> float:
     """Bytes of ``params`` a forward over ``num_tokens`` tokens reads: every leaf, except
-    that an expert stack (a leaf under ``experts*`` with ``num_experts`` rows) counts only its
-    expected routed share and the embedding table only the tokens' rows (the whole table
-    when it is also the head, i.e. there is no ``lm_head``)."""
+    that an expert stack (a leaf under ``experts*`` with ``expert_rows`` rows: one device's
+    share of the ``num_experts``, all of them by default) counts only its expected routed
+    share and the embedding table only the tokens' rows (the whole table when it is also the
+    head, i.e. there is no ``lm_head``)."""
+    expert_rows = num_experts if expert_rows is None else expert_rows
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [_path(keys) for keys, _ in leaves]
     tied = not any("lm_head" in p for p in paths)
@@ -78,7 +82,7 @@ def touched_weight_bytes(params: Any, num_experts: int, top_k: int, num_tokens: 
     for path, (_, leaf) in zip(paths, leaves):
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         stack = "['experts" in path and "shared" not in path
-        if stack and num_experts and leaf.shape[0] == num_experts:
+        if stack and num_experts and leaf.shape[0] == expert_rows:
             total += nbytes * routed / num_experts
         elif "embed_tokens" in path and not tied:
             total += min(num_tokens, leaf.shape[0]) * nbytes / leaf.shape[0]
@@ -97,18 +101,31 @@ def step_floor_bytes(
     slot_bytes: int,
     kv_bytes_per_token: int,
     mtp_kv_bytes_per_token: int = 0,
+    tp_size: int = 1,
 ) -> FloorBytes:
     """The bytes one decode step of ``rows`` requests, ``positions`` tokens each (1, or D
     with speculation), must move at ``mean_context`` tokens of context per row. With an MTP
     head (``"mtp"`` in params) its weights count once, at the step's token count, and its
-    KV like the target's."""
+    KV like the target's. Over a mesh of ``tp_size`` devices, pass one device's shapes
+    (``shard_shapes``) and byte counts: the floor is then that of one device."""
     num_experts, top_k = _moe_shape(cfg)
     tokens = rows * positions
-    weights = touched_weight_bytes(params, num_experts, top_k, tokens)
+    expert_rows = num_experts // tp_size if num_experts else None
+    weights = touched_weight_bytes(params, num_experts, top_k, tokens, expert_rows)
     state = 2.0 * rows * slot_bytes
     per_token = kv_bytes_per_token + mtp_kv_bytes_per_token
     kv = rows * (mean_context + positions) * per_token
     return FloorBytes(weights=weights, state=state, kv=kv)
+
+
+def shard_shapes(tree: Any) -> Any:
+    """Each array of ``tree`` as a ``jax.ShapeDtypeStruct`` of one device's shard."""
+
+    def shard(leaf: Any) -> jax.ShapeDtypeStruct:
+        shape = leaf.sharding.shard_shape(leaf.shape) if hasattr(leaf, "sharding") else leaf.shape
+        return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+    return jax.tree.map(shard, tree)
 
 
 def _moe_shape(cfg: Any) -> tuple[int, int]:

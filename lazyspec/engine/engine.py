@@ -27,6 +27,7 @@ from lazyspec.scheduler.batch import (
     table_updates,
 )
 from lazyspec.scheduler.cache import RequestCache
+from lazyspec.scheduler.grammar import GrammarBackend, grammar_of
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
@@ -62,7 +63,10 @@ class Engine:
     ) -> None:
         """``warmup_progress(done, total)`` is called as warm-up compiles (see ``warmup``)."""
         self.config = c = EngineConfig(**kwargs)
+        from lazyspec.engine import multihost
         from lazyspec.engine.sharding import sharding_plan
+
+        multihost.initialize(c)  # several processes: join them before touching a device
 
         if model is None:
             if c.model_path is None:
@@ -71,7 +75,7 @@ class Engine:
             from lazyspec.models.registry import load_model_config
 
             # the mesh first, so that each device reads only its slices of the checkpoint
-            self.sharding = sharding_plan(load_model_config(c.model_path), c.tp_size)
+            self.sharding = sharding_plan(load_model_config(c.model_path), c.tp_size, c.nnodes)
             model = load_model(
                 c.model_path,
                 dtype=c.dtype,
@@ -80,7 +84,7 @@ class Engine:
                 seed=c.random_seed,
             )
         else:
-            self.sharding = sharding_plan(model.config, c.tp_size)
+            self.sharding = sharding_plan(model.config, c.tp_size, c.nnodes)
         self.model = model
         cfg = model.config
         if self.config.spec_enabled and "mtp" not in model.params:
@@ -91,7 +95,14 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
-        if not self.config.skip_warmup:
+        # built now (xgrammar is imported at the first compile) so that threads share it
+        self._grammars = (
+            GrammarBackend(model.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+            if model.tokenizer is not None
+            else None
+        )
+        # the other processes compile as process 0's warm-up sends them its calls (follow)
+        if not self.config.skip_warmup and self.config.is_leader:
             self.warmup(warmup_progress)
 
     # ------------------------------------------------------------------ construction
@@ -110,13 +121,8 @@ class Engine:
             )
         from lazyspec.kernels.backend import resolve_backend
 
-        backend = resolve_backend(c.kernel_backend)  # pallas on GPU, xla on CPU and TPU
-        if c.tp_size > 1 and backend == "pallas":
-            # the Pallas calls are not wrapped per shard yet: XLA could only gather around them
-            if c.kernel_backend == "pallas":
-                raise ValueError(f"kernel_backend=pallas does not run with tp_size={c.tp_size}")
-            logger.info("tp_size=%d: the recurrent-state kernels use the xla backend", c.tp_size)
-            backend = "xla"
+        # pallas on GPU, xla on CPU and TPU, at any tp_size (the kernels run per shard)
+        backend = resolve_backend(c.kernel_backend)
         static = StepStatic(
             num_slots=layout.num_slots,
             max_reqs=layout.max_running,
@@ -127,7 +133,19 @@ class Engine:
             backend=backend,
             moe_runner=c.moe_runner_backend,
         )
-        self.runner = Runner(self.model, layout, static, c.dtype, c.mamba_ssm_dtype, self.sharding)
+        from lazyspec.engine.multihost import StepBroadcast
+
+        # several processes: process 0 sends every device call, the others receive them
+        self.broadcast = StepBroadcast(layout) if c.nnodes > 1 else None
+        self.runner = Runner(
+            self.model,
+            layout,
+            static,
+            c.dtype,
+            c.mamba_ssm_dtype,
+            self.sharding,
+            broadcast=self.broadcast if c.is_leader else None,
+        )
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
         self.tree = RadixCache(
@@ -179,8 +197,12 @@ class Engine:
         chunk = table_updates(layout, None, layout.table_chunk_len)
         programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
         programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
-        seed = empty_count_seed(layout)
-        programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
+        if runner.broadcast is None:  # penalties are refused across several processes
+            seed = empty_count_seed(layout)
+            programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
+        # so does an all-padding grammar-mask update
+        no_masks = np.zeros((0, *runner.abstract.vocab_mask.shape[1:]), np.int32)
+        programs.append(lambda: runner.update_vocab_masks(np.zeros(0, np.int32), no_masks))
         for done, compile_program in enumerate(programs):
             if progress is not None:
                 progress(done, len(programs))
@@ -224,6 +246,18 @@ class Engine:
             else SamplingParams.from_dict(sampling_params)
         )
         sampling.validate(vocab_size=vocab)
+        grammar = grammar_of(sampling)
+        if grammar is not None and self.config.nnodes > 1:
+            # the grammar masks are written outside the device calls process 0 broadcasts
+            raise ValueError(
+                f"json_schema / regex / ebnf do not run with nnodes={self.config.nnodes}"
+            )
+        if sampling.has_penalties and self.config.nnodes > 1:
+            # the token-count seeds are written outside the device calls process 0 broadcasts
+            raise ValueError(
+                "frequency_penalty / presence_penalty / repetition_penalty do not run with "
+                f"nnodes={self.config.nnodes}"
+            )
         limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
@@ -246,18 +280,48 @@ class Engine:
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
         )
+        if grammar is not None:
+            req.grammar = self.grammar_backend.matcher(*grammar)
         self.scheduler.add(req)
         return req
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar compiler of this model's tokenizer (ValueError without one).
+        Thread-safe: a server compiles in its parse threads."""
+        if self._grammars is None:
+            raise ValueError("constrained decoding needs the model folder's tokenizer.json")
+        return self._grammars
+
+    def check_grammar(self, sampling: SamplingParams) -> None:
+        """Compile ``sampling``'s grammar if it has one (cached for ``add_request``);
+        ValueError with the compiler's message if it is malformed. Safe from any thread."""
+        grammar = grammar_of(sampling)
+        if grammar is not None:
+            self.grammar_backend.compile(*grammar)
 
     def step(self) -> None:
         """One iteration of the (overlapped) loop: plan and launch step n+1, then process
         step n's results with step n+1's records as the in-flight ones."""
+        if not self.config.is_leader:
+            raise RuntimeError(
+                f"node_rank={self.config.node_rank} runs no scheduler: call follow(), and send "
+                "requests to node_rank 0"
+            )
         sched = self.scheduler
+        # a grammar row's masks follow the previous step's tokens: such steps run without
+        # overlap (the step in flight is processed before the next is planned)
+        sync = self.config.disable_overlap_schedule or sched.has_grammar_requests
+        if sync and self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            sched.process(previous[0], self._fetch(*previous), inflight=())
         plan = sched.schedule(self._inflight_records())
+        if plan and plan.mask_rows is not None:
+            self.runner.update_vocab_masks(plan.mask_rows, plan.mask_words)
         outputs = (
             self.runner.launch(plan.batch, plan.table_chunks, plan.count_seeds) if plan else None
         )
-        if self.config.disable_overlap_schedule:
+        if sync:
             if plan:
                 sched.process(plan, self._fetch(plan, outputs), inflight=())
             return
@@ -410,8 +474,19 @@ class Engine:
         return info
 
     def shutdown(self) -> None:
+        """Mutates: finishes the in-flight step; with several processes, then releases the
+        others from ``follow`` (no step can run after that)."""
         while self._inflight is not None:
             self.step()
+        if self.broadcast is not None and self.config.is_leader:
+            self.broadcast.send_stop()
+
+    def follow(self) -> int:
+        """On node_rank > 0: make every device call process 0's engine makes (its warm-up
+        included) until its ``shutdown``; returns the number of calls. Blocks."""
+        if self.config.is_leader:
+            raise RuntimeError("node_rank=0 runs the scheduler: it has no one to follow")
+        return self.runner.follow(self.broadcast)
 
     # ------------------------------------------------------------------ serving surface
     # What a server may call. The engine is not thread-safe: call the methods that read or

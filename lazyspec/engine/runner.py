@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.engine.multihost import DECODE, EXTEND, STOP, TABLE, StepBroadcast
 from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import (
     DecodeBatch,
@@ -25,6 +26,7 @@ from lazyspec.engine.steps import (
     Pools,
     StepStatic,
     apply_table_updates,
+    apply_vocab_masks,
     decode_step,
     extend_step,
     pack_batch,
@@ -33,6 +35,7 @@ from lazyspec.engine.steps import (
 )
 from lazyspec.models.interface import KVPools
 from lazyspec.scheduler.batch import CountSeed
+from lazyspec.scheduler.grammar import mask_width
 from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,10 @@ _decode_jit = jax.jit(
     _sharded(_unpacking(decode_step)), static_argnums=(0, 1, 2, 3), donate_argnums=(5,)
 )
 _table_jit = jax.jit(apply_table_updates, donate_argnums=(0,))
+_mask_jit = jax.jit(apply_vocab_masks, donate_argnums=(0,))
+# grammar rows whose bitmasks one mask update writes (one compiled shape; more rows take
+# several updates)
+MASK_ROWS_PER_UPDATE = 8
 
 
 def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
@@ -108,6 +115,9 @@ def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtyp
         req_to_token=jax.ShapeDtypeStruct((rows, layout.context_len), jnp.int32),
         output_counts=jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.int32),
         in_prompt=jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.bool_),
+        vocab_mask=jax.ShapeDtypeStruct(
+            (rows, layout.num_verify, mask_width(cfg.vocab_size)), jnp.int32
+        ),
     )
 
 
@@ -134,16 +144,21 @@ class Runner:
         kv_dtype: str,
         ssm_dtype: str,
         sharding: ShardingPlan,
+        broadcast: StepBroadcast | None = None,
     ) -> None:
         """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
-        allocates the pools there, each array with the sharding the rule table gives it."""
+        allocates the pools there, each array with the sharding the rule table gives it;
+        the steps' kernels run per shard of it (``StepStatic.sharding``). ``broadcast``
+        (process 0 of several): every device call is sent through it first, so the other
+        processes (in ``follow``) make the same call."""
+        self.broadcast = broadcast
         self.family = model.family
         self.cfg = model.config
         self.sharding = sharding
         plan = model.family.weight_plan(self.cfg, model.params)
         self.param_shardings = sharding.param_shardings(plan, model.params)
         self.params = jax.device_put(model.params, self.param_shardings)
-        self.static = static
+        self.static = static = dataclasses.replace(static, sharding=sharding)
         self.abstract = abstract_pools(self.cfg, layout, static.spec, kv_dtype, ssm_dtype)
         self.pool_shardings = sharding.pool_shardings(self.abstract)
         self.pools = jax.tree.map(
@@ -188,13 +203,27 @@ class Runner:
             self.update_table(chunk)
         for seed in count_seeds:
             self.seed_counts(seed)
-        step = self._extend if isinstance(batch, ExtendBatch) else self._decode
-        packed = jax.device_put(pack_batch(batch), self.sharding.replicated)
-        outputs, self.pools = step(self.params, self.pools, packed)
+        packed = pack_batch(batch)
+        if self.broadcast is not None:
+            self.broadcast.send_step(batch, packed)
+        return self._launch_packed(isinstance(batch, ExtendBatch), packed)
+
+    def _launch_packed(self, extend: bool, packed: PackedBatch) -> dict[str, jax.Array]:
+        step = self._extend if extend else self._decode
+        words = jax.device_put(packed.words, self.sharding.replicated)
+        outputs, self.pools = step(
+            self.params, self.pools, dataclasses.replace(packed, words=words)
+        )
         return outputs
 
     def update_table(self, updates: np.ndarray) -> None:
         """Apply one padded chunk of request-table updates ``[3, table_chunk_len]``."""
+        updates = np.asarray(updates, np.int32)
+        if self.broadcast is not None:
+            self.broadcast.send_table(updates)
+        self._apply_table(updates)
+
+    def _apply_table(self, updates: np.ndarray) -> None:
         table = _table_jit(
             self.pools.req_to_token, jax.device_put(updates, self.sharding.replicated)
         )
@@ -202,7 +231,10 @@ class Runner:
 
     def seed_counts(self, seed: CountSeed) -> None:
         """Write one request row's token history into the token-count pools (after every
-        step launched before: the row's previous owner may still be written by one)."""
+        step launched before: the row's previous owner may still be written by one). Not
+        broadcast: the engine refuses penalties across several processes."""
+        if self.broadcast is not None:
+            raise RuntimeError("token-count seeds are not sent to the other processes")
         packed = jax.device_put(pack_batch(seed), self.sharding.replicated)
         counts, in_prompt = _seed_jit(self.pools.output_counts, self.pools.in_prompt, packed)
         self.pools = dataclasses.replace(self.pools, output_counts=counts, in_prompt=in_prompt)
@@ -210,6 +242,40 @@ class Runner:
     def read_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of one request row's (output counts, prompt marks), for tests."""
         return np.asarray(self.pools.output_counts[row]), np.asarray(self.pools.in_prompt[row])
+
+    def follow(self, broadcast: StepBroadcast) -> int:
+        """On a process other than 0: make every device call process 0 sends, in its order,
+        until it sends ``STOP``; returns the number of calls made. The outputs stay here
+        (process 0 reads its own copy)."""
+        num_calls = 0
+        while True:
+            kind, payload = broadcast.receive()
+            if kind == STOP:
+                return num_calls
+            if kind == TABLE:
+                self._apply_table(payload)
+            else:
+                assert kind in (EXTEND, DECODE), kind
+                self._launch_packed(kind == EXTEND, payload)
+            num_calls += 1
+
+    def update_vocab_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
+        """Write the grammar bitmasks ``masks [n, D, W]`` of request rows ``rows [n]``
+        (before the step that reads them), ``MASK_ROWS_PER_UPDATE`` rows per update."""
+        size = MASK_ROWS_PER_UPDATE
+        for start in range(0, max(len(rows), 1), size):
+            chunk_rows = np.full(size, self.static.sentinel_row, np.int32)
+            chunk_masks = np.zeros((size, *self.abstract.vocab_mask.shape[1:]), np.int32)
+            part = slice(start, start + size)
+            chunk_rows[: len(rows[part])] = rows[part]
+            chunk_masks[: len(rows[part])] = masks[part]
+            place = self.sharding.replicated
+            vocab_mask = _mask_jit(
+                self.pools.vocab_mask,
+                jax.device_put(chunk_rows, place),
+                jax.device_put(chunk_masks, place),
+            )
+            self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
 
     def read_table(self) -> np.ndarray:
         """A writable host copy of the device request table (waits for the launched steps)."""
@@ -224,7 +290,8 @@ class Runner:
         """Programs the jitted steps hold, for every runner of this process (runners of equal
         configs and settings share theirs)."""
         return sum(
-            program._cache_size() for program in (_extend_jit, _decode_jit, _table_jit, _seed_jit)
+            jitted._cache_size()
+            for jitted in (_extend_jit, _decode_jit, _table_jit, _mask_jit, _seed_jit)
         )
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,11 +1,13 @@
 """Device-side sampling: frequency / presence / repetition penalties, logit bias,
-min_new_tokens masking, greedy, temperature, top-k, top-p, per-request seeds, and the
-speculative accept rule (greedy match, or rejection sampling against a one-hot draft). Plain
-sampling and the accept rule both use the processed distribution (``processed_logits`` then
-temperature / top-k / top-p); greedy rows take the argmax of the processed logits.
+min_new_tokens masking, grammar bitmasks, greedy, temperature, top-k, top-p, per-request
+seeds, and the speculative accept rule (greedy match, or rejection sampling against a one-hot
+draft). Plain sampling and the accept rule both use the processed distribution
+(``processed_logits`` then temperature / top-k / top-p); greedy rows take the argmax of the
+processed logits.
 
 ``processed_logits`` is one function per stage, in SGLang's order: penalties (repetition,
-then frequency / presence) on the raw logits, the logit bias, then the min_new_tokens mask.
+then frequency / presence) on the raw logits, the logit bias, the min_new_tokens mask, then
+the grammar bitmask (last, so nothing re-enables a token the grammar forbids).
 
 Randomness is a pure function of (request seed, absolute position, purpose), so a request's
 samples do not depend on how it was batched or on the checkpoint strategy.
@@ -30,7 +32,7 @@ PURPOSE_ACCEPT = 1
 # Per-row sampling parameters: the host batches' ``SamplingRows`` (temperature [B] float32,
 # 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; seed [B] uint32; min_len [B] and
 # mask_ids [B, M]; bias_ids / bias_values [B, K]; frequency / presence / repetition
-# penalties [B] float32), as a pytree.
+# penalties [B] float32; constrained [B] bool: the row has a grammar), as a pytree.
 SamplingArrays = SamplingRows
 jax.tree_util.register_dataclass(
     SamplingArrays,
@@ -121,27 +123,55 @@ def _key(seed, position, purpose):
     return jax.random.fold_in(key, purpose)
 
 
+def grammar_masked(logits: jax.Array, allowed: jax.Array | None, constrained) -> jax.Array:
+    """[B, T, V] logits with the tokens outside each constrained row's bitmask at -inf.
+
+    ``allowed [B, T, W]`` int32 words (xgrammar's layout: token t allowed iff bit t % 32 of
+    word t // 32 is set), one per position; ``constrained [B]`` bool. Rows without a grammar
+    are unchanged; a batch with none skips the unpacking (``lax.cond``)."""
+    if allowed is None:
+        return logits
+    vocab = logits.shape[-1]
+
+    def apply(logits):
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (allowed[..., None] >> shifts) & 1  # [B, T, W, 32]
+        ok = bits.reshape(*allowed.shape[:2], -1)[..., :vocab] != 0
+        return jnp.where(constrained[:, None, None] & ~ok, NEG_INF, logits)
+
+    return jax.lax.cond(jnp.any(constrained), apply, lambda logits: logits, logits)
+
+
 def processed_logits(
     logits: jax.Array,
     params: SamplingArrays,
     positions,
     history: TokenHistory | None = None,
+    allowed: jax.Array | None = None,
 ) -> jax.Array:
     """[B, T, V] logits at absolute positions [B, T], float32, through every stage:
-    penalties (given the ``history``; None: no penalties), logit bias, min_new_tokens."""
+    penalties (given the ``history``; None: no penalties), logit bias, min_new_tokens, then
+    for rows with a grammar the tokens outside ``allowed`` [B, T, W] at -inf (None: no
+    grammar masks)."""
     logits = logits.astype(jnp.float32)
     if history is not None:
         logits = penalized_logits(logits, params, history)
     logits = biased_logits(logits, params)
-    return min_tokens_masked(logits, params, positions)
+    logits = min_tokens_masked(logits, params, positions)
+    return grammar_masked(logits, allowed, params.constrained)
 
 
 def target_probs(
-    logits: jax.Array, params: SamplingArrays, positions, history: TokenHistory | None = None
+    logits: jax.Array,
+    params: SamplingArrays,
+    positions,
+    history: TokenHistory | None = None,
+    allowed: jax.Array | None = None,
 ) -> jax.Array:
     """The sampling distribution per position: [B, T, V] logits at positions [B, T] -> probs
-    of the processed logits (greedy rows: one-hot at their argmax)."""
-    logits = processed_logits(logits, params, positions, history)
+    of the processed logits (greedy rows: one-hot at their argmax); ``history`` the
+    penalties' view, ``allowed`` the grammar bitmasks [B, T, W] (see ``grammar_masked``)."""
+    logits = processed_logits(logits, params, positions, history, allowed)
     t = params.temperature[:, None]
     filtered = _filtered_logits(logits, t, params.top_p[:, None], params.top_k[:, None])
     probs = jax.nn.softmax(filtered, axis=-1)
@@ -158,7 +188,12 @@ def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE) -> jax
 
 
 def verify_and_sample(
-    logits, drafts, positions, params: SamplingArrays, history: TokenHistory | None = None
+    logits,
+    drafts,
+    positions,
+    params: SamplingArrays,
+    history: TokenHistory | None = None,
+    allowed=None,
 ):
     """Accept a chain of drafts against the target and sample the bonus token.
 
@@ -169,9 +204,11 @@ def verify_and_sample(
     probability p_i(d) and, on rejection, resamples from p_i with d removed; greedy rows
     accept iff d is the target argmax. Returns (tokens [B, D], accept_len [B]) where
     tokens[b, :accept_len[b]] are the emitted tokens (accepted drafts then the bonus).
+    ``allowed`` [B, D, W]: position j's grammar bitmask, the state after the first j drafts
+    (a draft outside its position's mask has probability 0 and is rejected).
     """
     batch, num_pos, _ = logits.shape
-    probs = target_probs(logits, params, positions, history)  # [B, D, V]
+    probs = target_probs(logits, params, positions, history, allowed)  # [B, D, V]
     num_drafts = num_pos - 1
     greedy = (params.temperature == 0)[:, None]
     if num_drafts > 0:

@@ -85,15 +85,31 @@ def check_tp_size(cfg: Any, tp_size: int) -> None:
         )
 
 
-def make_mesh(tp_size: int) -> Mesh:
-    """A one-axis ``tp`` mesh over the first ``tp_size`` devices (ValueError if too few)."""
+def make_mesh(tp_size: int, nnodes: int = 1) -> Mesh:
+    """A one-axis ``tp`` mesh: the first ``tp_size`` devices, or with ``nnodes`` processes
+    (``jax.distributed``) the first ``tp_size // nnodes`` devices of each process, in process
+    order (ValueError naming the numbers if too few)."""
     devices = jax.devices()
-    if tp_size > len(devices):
-        raise ValueError(
-            f"tp_size={tp_size} needs {tp_size} devices, but only {len(devices)} "
-            f"{jax.default_backend()} devices are visible"
-        )
-    return Mesh(np.asarray(devices[:tp_size]), (TP_AXIS,))
+    if nnodes == 1:
+        if tp_size > len(devices):
+            raise ValueError(
+                f"tp_size={tp_size} needs {tp_size} devices, but only {len(devices)} "
+                f"{jax.default_backend()} devices are visible"
+            )
+        return Mesh(np.asarray(devices[:tp_size]), (TP_AXIS,))
+    if jax.process_count() != nnodes:
+        raise ValueError(f"nnodes={nnodes}, but jax runs {jax.process_count()} processes")
+    per_node = tp_size // nnodes
+    chosen = []
+    for process in range(nnodes):
+        local = [d for d in devices if d.process_index == process]
+        if per_node > len(local):
+            raise ValueError(
+                f"tp_size={tp_size} over nnodes={nnodes} needs {per_node} devices per "
+                f"process, but process {process} has {len(local)}"
+            )
+        chosen += local[:per_node]
+    return Mesh(np.asarray(chosen), (TP_AXIS,))
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,7 @@ class ShardingPlan:
             req_to_token=self.replicated,
             output_counts=self.replicated,
             in_prompt=self.replicated,
+            vocab_mask=self.replicated,
         )
 
     def _kv_shardings(self, kv: Any) -> Any:
@@ -155,10 +172,11 @@ class ShardingPlan:
         return type(kv)(k=per, v=list(per))
 
 
-def sharding_plan(cfg: Any, tp_size: int) -> ShardingPlan:
-    """The mesh over ``tp_size`` devices and the rules for ``cfg``. When tp_size exceeds the
-    KV heads, the KV projections and pools are replicated whole: every device holds all KV
-    heads (SGLang gives each device one copied head, tp / KV-heads times less KV memory)."""
+def sharding_plan(cfg: Any, tp_size: int, nnodes: int = 1) -> ShardingPlan:
+    """The mesh over ``tp_size`` devices (of ``nnodes`` processes) and the rules for ``cfg``.
+    When tp_size exceeds the KV heads, the KV projections and pools are replicated whole:
+    every device holds all KV heads (SGLang gives each device one copied head, tp / KV-heads
+    times less KV memory)."""
     check_tp_size(cfg, tp_size)
     rules = RULES
     if tp_size > cfg.num_kv_heads:
@@ -168,7 +186,7 @@ def sharding_plan(cfg: Any, tp_size: int) -> ShardingPlan:
             cfg.num_kv_heads,
         )
         rules = tuple((name, None if name == "kv_heads" else axis) for name, axis in rules)
-    return ShardingPlan(make_mesh(tp_size), rules)
+    return ShardingPlan(make_mesh(tp_size, nnodes), rules)
 
 
 def device_bytes(tree: Any) -> int:

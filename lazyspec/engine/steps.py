@@ -42,6 +42,8 @@ from lazyspec.engine.sampling import (
     verify_and_sample,
     verify_history,
 )
+from lazyspec.engine.shard_kernels import per_shard
+from lazyspec.engine.sharding import ShardingPlan
 from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.models.interface import (
     ChunkStates,
@@ -73,6 +75,9 @@ class Pools:
     # (seeded when it is admitted, ``seed_counts``); other rows' values are never used
     output_counts: jax.Array  # [max_reqs + 1, vocab] int32, times each token was output
     in_prompt: jax.Array  # [max_reqs + 1, vocab] bool, the prompt holds the token
+    # allowed-token bitmasks of the rows with a grammar, per verify position (xgrammar's
+    # int32 words), written by the host before each step that reads them
+    vocab_mask: jax.Array  # [max_reqs + 1, D, ceil(V / 32)] int32
 
 
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
@@ -145,6 +150,7 @@ class StepStatic:
     spec: bool
     backend: str
     moe_runner: str = "auto"  # EngineConfig.moe_runner_backend
+    sharding: ShardingPlan | None = None  # the runner's; the kernels run per shard of it
 
     @property
     def sentinel_slot(self) -> int:
@@ -160,8 +166,10 @@ class StepStatic:
 
     @property
     def kernels(self) -> Kernels:
-        """The kernels of ``backend``, resolved once per backend (``kernels_for`` caches)."""
-        return kernels_for(self.backend, moe_runner=self.moe_runner)
+        """The kernels of ``backend``, each run per shard of ``sharding``'s mesh
+        (``shard_kernels.per_shard``); resolved once (both functions cache)."""
+        kernels = kernels_for(self.backend, moe_runner=self.moe_runner)
+        return kernels if self.sharding is None else per_shard(kernels, self.sharding)
 
 
 def apply_table_updates(table: jax.Array, updates: jax.Array) -> jax.Array:
@@ -234,6 +242,12 @@ def _prompt_logprobs(fam, cfg, params, hidden, batch: ExtendBatch, positions):
         )
 
     return jax.lax.cond(jnp.any(wanted), compute, skip, None)
+
+
+def apply_vocab_masks(vocab_mask: jax.Array, rows: jax.Array, masks: jax.Array) -> jax.Array:
+    """``vocab_mask[rows[i]] = masks[i]`` (``masks [K, D, W]``); rows past the table (the
+    drop sentinel) write nothing."""
+    return vocab_mask.at[rows].set(masks, mode="drop")
 
 
 def _read_table(static: StepStatic, pools: Pools, batch: ExtendBatch | DecodeBatch):
@@ -334,8 +348,9 @@ def extend_step(
     history = TokenHistory(
         output_counts=pools.output_counts[read_row][:, None], in_prompt=pools.in_prompt[read_row]
     )
+    allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_reqs), :1]  # [B, 1, W]
     with jax.named_scope("sampling"):
-        probs = target_probs(logits, batch.sampling, last_pos[:, None], history)[:, 0]
+        probs = target_probs(logits, batch.sampling, last_pos[:, None], history, allowed)[:, 0]
         token = sample_from(probs, batch.sampling.seed, last_pos)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
@@ -345,6 +360,7 @@ def extend_step(
     last_token = pools.last_token.at[done_row].set(token, mode="drop")
     output_counts = _count_outputs(pools.output_counts, done_row, token[:, None])
     drafts, mtp_kv = pools.drafts, pools.mtp_kv
+    new_drafts = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
@@ -375,6 +391,7 @@ def extend_step(
         drafts=drafts,
         req_to_token=table,
         output_counts=output_counts,
+        vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
@@ -390,6 +407,7 @@ def extend_step(
         "prompt_logprobs": prompt_lp,
         "prompt_top_logprobs": prompt_top,
         "prompt_top_ids": prompt_top_ids,
+        "drafts": new_drafts,  # the next verify's drafts (grammar rows' masks need them)
     }
     return outputs, new_pools
 
@@ -472,8 +490,9 @@ def decode_step(
         logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
     history = verify_history(pools.output_counts[row], pools.in_prompt[row], drafts, num_pos)
     with jax.named_scope("sampling"):
+        allowed = pools.vocab_mask[row]  # [B, D, W]
         out_tokens, accept_len = verify_and_sample(
-            logits, drafts, positions, batch.sampling, history
+            logits, drafts, positions, batch.sampling, history, allowed
         )
         logprobs = token_logprobs(logits, out_tokens)
     # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
@@ -497,6 +516,7 @@ def decode_step(
     last_token = pools.last_token.at[dest].set(bonus, mode="drop")
     output_counts = _count_outputs(pools.output_counts, dest, out_tokens)
     new_drafts, mtp_kv = pools.drafts, pools.mtp_kv
+    chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
         with jax.named_scope("draft_extend"):
@@ -525,6 +545,7 @@ def decode_step(
         drafts=new_drafts,
         req_to_token=table,
         output_counts=output_counts,
+        vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits)
@@ -536,5 +557,6 @@ def decode_step(
         "top_ids": top_ids,
         "crossed": crossed,
         "pre": pre,
+        "drafts": chain,  # the next verify's drafts (grammar rows' masks need them)
     }
     return outputs, new_pools

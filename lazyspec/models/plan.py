@@ -9,6 +9,7 @@ and export read one description.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +192,8 @@ def init_plan(
     leaf's index): compiling a random program per leaf shape would cost far more. With
     ``place``, each device draws only its block (a generator per leaf and block start), so
     the values depend on the sharding, and no host ever holds a whole sharded param.
+    Normal leaves of ``DEVICE_DRAW_MIN_SIZE`` elements or more are drawn on the devices
+    instead (``jax.random``, straight into their shardings).
     """
     leaves, treedef = jax.tree.flatten(plan, is_leaf=_is_leaf)
     root = np.random.SeedSequence(np.asarray(jax.random.key_data(key)).ravel().tolist())
@@ -208,8 +211,31 @@ def init_plan(
 
         return _sharded(leaf, place, block)
 
-    arrays = [draw(leaf, seq) for leaf, seq in zip(leaves, seqs)]
+    def draw_any(leaf: Any, seq: np.random.SeedSequence) -> jax.Array:
+        size = int(np.prod(leaf.param_shape))
+        if size < DEVICE_DRAW_MIN_SIZE or getattr(leaf, "init", "normal") != "normal":
+            return draw(leaf, seq)
+        sharding = place(leaf.axes or (), leaf.param_shape) if place is not None else None
+        std = scale * getattr(leaf, "init_scale", 1.0)
+        program = _device_normal(leaf.param_shape, _param_dtype(leaf, dtype), sharding)
+        return program(jax.random.PRNGKey(int(seq.generate_state(1)[0])), np.float32(std))
+
+    arrays = [draw_any(leaf, seq) for leaf, seq in zip(leaves, seqs)]
     return jax.tree.unflatten(treedef, arrays)
+
+
+# Normal leaves of at least this many elements are drawn on the devices, each device its
+# own shard: host draws of a checkpoint-sized model (tens of billions of values) would take
+# many minutes. One program per (shape, dtype, sharding): a model repeats few shapes.
+DEVICE_DRAW_MIN_SIZE = 1 << 24
+
+
+@functools.cache
+def _device_normal(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Callable:
+    def normal(key: jax.Array, std: jax.Array) -> jax.Array:
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return jax.jit(normal, out_shardings=sharding)
 
 
 def leaf_axes(plan: Params) -> Params:

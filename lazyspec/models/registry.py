@@ -50,9 +50,14 @@ VARIANTS: dict[str, tuple[str, str]] = {
 }
 
 
+def family_architectures(family: str) -> list[str]:
+    """The ``architectures`` names whose checkpoints ``family`` loads."""
+    names = [FAMILIES[family].architecture]
+    return sorted(set(names + [arch for fam, arch in VARIANTS.values() if fam == family]))
+
+
 def supported_architectures() -> list[str]:
-    names = [entry.architecture for entry in FAMILIES.values()]
-    return sorted(set(names + [architecture for _, architecture in VARIANTS.values()]))
+    return sorted({name for family in FAMILIES for name in family_architectures(family)})
 
 
 def family_of(model_type: str | None) -> str | None:
@@ -70,12 +75,25 @@ def family_module(family: str) -> ModelFamily:
 
 
 def parse_hf_config(hf: dict[str, Any]) -> ModelConfig:
-    """Parse a Hugging Face config dict; unknown architectures raise ValueError."""
+    """Parse a Hugging Face config dict. ValueError naming the supported architectures for
+    an unknown model_type, or for ``architectures`` (when given) of which the family loads
+    none (another head on a known decoder, e.g. a sequence classifier)."""
     model_type = hf.get("model_type")
+    architectures = hf.get("architectures")
     family = family_of(model_type)
     if family is None:
         raise ValueError(
-            f"unsupported model_type {model_type!r} (architectures={hf.get('architectures')!r}); "
+            f"unsupported model_type {model_type!r} (architectures={architectures!r}); "
+            f"supported: {supported_architectures()}"
+        )
+    if architectures is not None and (
+        not isinstance(architectures, list)
+        or not set(family_architectures(family)).intersection(
+            a for a in architectures if isinstance(a, str)
+        )
+    ):
+        raise ValueError(
+            f"unsupported architectures={architectures!r} for model_type {model_type!r}; "
             f"supported: {supported_architectures()}"
         )
     return family_module(family).parse_config(hf)

@@ -49,6 +49,9 @@ class SamplingRows:
     frequency_penalty: np.ndarray  # [B] float32
     presence_penalty: np.ndarray  # [B] float32
     repetition_penalty: np.ndarray  # [B] float32
+    # the row has a grammar: its logits outside the allowed-token bitmask (the device's
+    # ``Pools.vocab_mask`` row, written by the host before the step) are -inf
+    constrained: np.ndarray  # [B] bool
 
 
 @dataclass
@@ -108,6 +111,7 @@ class SamplingRow:
     frequency_penalty: np.float32
     presence_penalty: np.float32
     repetition_penalty: np.float32
+    constrained: bool  # the request has a grammar
 
 
 def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
@@ -141,6 +145,7 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         np.float32(params.frequency_penalty),
         np.float32(params.presence_penalty),
         np.float32(params.repetition_penalty),
+        req.grammar is not None,
     )
 
 
@@ -157,6 +162,7 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         frequency_penalty=np.zeros(num_rows, np.float32),
         presence_penalty=np.zeros(num_rows, np.float32),
         repetition_penalty=np.ones(num_rows, np.float32),
+        constrained=np.zeros(num_rows, bool),
     )
     for b, req in enumerate(reqs):
         row = req.sampling_row
@@ -171,6 +177,7 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         rows.frequency_penalty[b] = row.frequency_penalty
         rows.presence_penalty[b] = row.presence_penalty
         rows.repetition_penalty[b] = row.repetition_penalty
+        rows.constrained[b] = row.constrained
     return rows
 
 

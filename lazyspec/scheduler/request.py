@@ -18,6 +18,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # inclusive, as OpenAI's
 MAX_MIN_TOKENS_STOP_IDS = 16
 PENALTY_RANGE = (-2.0, 2.0)  # inclusive: frequency_penalty and presence_penalty, as OpenAI's
 REPETITION_PENALTY_MAX = 2.0  # repetition_penalty in (0, this], as SGLang's
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # constrained decoding, at most one
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class SamplingParams:
     # SGLang / HF: a token of the prompt or the outputs has its logit divided by this when
     # positive, multiplied when not (1 = off)
     repetition_penalty: float = 1.0
+    # constrained decoding (at most one): a JSON schema, a regex or an EBNF grammar, as text
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
@@ -54,6 +59,9 @@ class SamplingParams:
             "frequency_penalty",
             "presence_penalty",
             "repetition_penalty",
+            "json_schema",
+            "regex",
+            "ebnf",
         }
         unknown = set(params) - known
         if unknown:
@@ -119,6 +127,7 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty={value!r} must be a number in (0, {REPETITION_PENALTY_MAX}]"
             )
+        _validate_grammar(self)
 
     @property
     def has_penalties(self) -> bool:
@@ -129,6 +138,15 @@ class SamplingParams:
             or self.presence_penalty != 0
             or self.repetition_penalty != 1
         )
+
+
+def _validate_grammar(params: SamplingParams) -> None:
+    given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, regex and ebnf (got {given})")
+    for name in given:
+        if not isinstance(getattr(params, name), str):
+            raise ValueError(f"{name}={getattr(params, name)!r} must be a string")
 
 
 def _validate_logit_bias(pairs: Any, vocab_size: int | None) -> None:
@@ -235,6 +253,9 @@ class Req:
         default_factory=list
     )  # tokens the prefill covers (fixed at admission)
     sampling_row: Any = None  # batch.SamplingRow: the sampling values in batch dtypes
+    grammar: Any = None  # grammar.RequestGrammar when the output is constrained
+    # the draft tokens the next verify step reads (the last step's, fetched for grammar rows)
+    next_drafts: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

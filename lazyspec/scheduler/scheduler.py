@@ -60,6 +60,10 @@ class StepPlan:
     # penalties), written into the token-count pools before the step
     count_seeds: list[CountSeed] = field(default_factory=list)
     prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
+    # allowed-token bitmasks of the rows with a grammar: request rows [n] and their masks
+    # [n, D, W], written on the device before the step (none without grammar rows)
+    mask_rows: np.ndarray | None = None
+    mask_words: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,18 @@ class Scheduler:
         batch = build_extend(self.layout, records, updates)
         seeds, self._count_seeds = self._count_seeds, []
         wants = any(r.req.next_prompt_logprob is not None for r in records)
-        return StepPlan("extend", records, batch, chunks, seeds, wants)
+        sampled = [r.req for r in records if r.is_last_chunk]
+        mask_rows, mask_words = self._grammar_masks(sampled)
+        return StepPlan(
+            "extend",
+            records,
+            batch,
+            chunks,
+            count_seeds=seeds,
+            prompt_logprobs=wants,
+            mask_rows=mask_rows,
+            mask_words=mask_words,
+        )
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
         """Mutates: give every request of the next decode step the pages its writes may
@@ -308,7 +323,24 @@ class Scheduler:
             req.inflight_decode += 1
         updates, chunks = self._table_updates(records)
         batch = build_decode(self.layout, records, updates)
-        return StepPlan("decode", records, batch, chunks)
+        mask_rows, mask_words = self._grammar_masks(reqs)
+        return StepPlan(
+            "decode", records, batch, chunks, mask_rows=mask_rows, mask_words=mask_words
+        )
+
+    def _grammar_masks(self, reqs: list[Req]) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The request rows and bitmasks [n, D, W] of the ``reqs`` with a grammar that a
+        step samples: position j's mask is the matcher state after the request's first j
+        drafts (``Req.next_drafts``: the previous step's, read back). Needs every earlier
+        step processed (the engine runs steps with grammar rows without overlap)."""
+        constrained = [req for req in reqs if req.grammar is not None]
+        if not constrained:
+            return None, None
+        num_pos = self.layout.num_verify
+        words = np.zeros((len(constrained), num_pos, constrained[0].grammar.width), np.int32)
+        for i, req in enumerate(constrained):
+            req.grammar.fill_masks(words[i], req.next_drafts[: num_pos - 1])
+        return np.array([req.req_row for req in constrained], np.int32), words
 
     def _table_updates(self, records: list[RowRecord]) -> tuple[np.ndarray, list[np.ndarray]]:
         """The pending request-table updates of the rows a step reads: the batch's part and
@@ -343,6 +375,7 @@ class Scheduler:
                 if req.sampling.max_new_tokens == 0:
                     self._finish(req, {"type": "length", "length": 0}, inflight)
                     continue
+                self._read_drafts(req, results, b)
                 self._append(
                     req,
                     [int(results["token"][b])],
@@ -359,6 +392,7 @@ class Scheduler:
             self.policy.free_retired(record)
             if req.finished or req.phase is Phase.WAITING:
                 continue  # finished, or retracted since this step was planned
+            self._read_drafts(req, results, b)
             n = int(results["accept_len"][b])
             pre = int(results["pre"][b])
             req.seq_len = pre + n
@@ -378,6 +412,18 @@ class Scheduler:
                 inflight,
             )
 
+    @staticmethod
+    def _read_drafts(req: Req, results: dict[str, np.ndarray], b: int) -> None:
+        """A grammar row keeps the drafts its next verify reads (its masks follow them)."""
+        if req.grammar is not None and "drafts" in results:
+            req.next_drafts = [int(t) for t in results["drafts"][b]]
+
+    @property
+    def has_grammar_requests(self) -> bool:
+        """Some waiting or running request has a grammar (its steps run without overlap:
+        each step's masks follow the previous step's tokens)."""
+        return any(r.grammar is not None for r in (*self.running, *self.waiting))
+
     def _would_finish(self, req: Req, tokens: list[int]) -> bool:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         if len(tokens) >= remaining:
@@ -387,6 +433,8 @@ class Scheduler:
     def _is_stop(self, req: Req, token: int) -> bool:
         if token in req.sampling.stop_token_ids:
             return True
+        if req.grammar is not None and token in self.eos_ids:
+            return True  # the grammar's stop tokens are the EOS ids: it terminates
         return not req.sampling.ignore_eos and token in self.eos_ids
 
     def _append(
@@ -403,6 +451,14 @@ class Scheduler:
             req.output_logprobs.append(logprob)
             if req.return_logprob:
                 req.output_top_logprobs.append(top)
+            if req.grammar is not None and not req.grammar.accept(token):
+                reason = {
+                    "type": "abort",
+                    "message": f"token {token} is outside the request's grammar",
+                    "status_code": 500,
+                }
+                self._finish(req, reason, inflight)
+                return
             if self._is_stop(req, token):
                 self._finish(req, {"type": "stop", "matched": token}, inflight)
                 return

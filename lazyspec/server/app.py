@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lazyspec.scheduler.grammar import grammar_of
 from lazyspec.server.guard import (
     DEFAULT_MAX_REQUEST_BYTES,
     LOOPBACK_HOSTS,
@@ -130,7 +131,13 @@ class _Frontend:
         pool so that a long prompt never blocks the event loop."""
 
         def work() -> GenerationSpec:
-            return parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+            spec = parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+            for sampling in spec.sampling:
+                try:  # compiled here, off the engine thread; the engine finds it cached
+                    self.worker.engine.check_grammar(sampling)
+                except ValueError as exc:
+                    raise ApiError(str(exc), param=grammar_of(sampling)[0]) from None
+            return spec
 
         return await asyncio.get_running_loop().run_in_executor(self.parse_pool, work)
 

@@ -79,6 +79,12 @@ HELP = {
     "tp_size": "Tensor-parallel size: devices of the mesh the weights and pools are sharded "
     "over (attention / GDN / Mamba2 by heads, MLPs by width, experts by expert, embedding "
     "and lm_head by vocabulary).",
+    "nnodes": "Processes (hosts) the tensor-parallel mesh spans; each runs serve.py with "
+    "the same flags and its own --node-rank and holds tp-size / nnodes devices.",
+    "node_rank": "This process's rank among --nnodes: 0 runs the scheduler and the HTTP "
+    "server, the others follow its device calls.",
+    "dist_init_addr": "host:port of the jax.distributed coordinator (node-rank 0 listens "
+    "there); needed with --nnodes > 1.",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
@@ -258,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = enable_compilation_cache(args.compilation_cache_dir)
     logger.info("compilation cache: %s", cache or "off")
+    if not config.is_leader:
+        _follow(kwargs)
+        return
     settings = _server_settings(args, kwargs["model_path"])
     holder = StartingApp()
     server = GracefulServer(
@@ -281,6 +290,17 @@ def main(argv: list[str] | None = None) -> None:
         startup.finish()
     if startup.error is not None:
         sys.exit(f"error: {startup.error}")
+
+
+def _follow(kwargs: dict[str, Any]) -> None:
+    """node_rank > 0: build the engine's share of the mesh, then make process 0's device
+    calls until its engine shuts down; no HTTP server."""
+    from lazyspec.engine.engine import Engine
+
+    engine = Engine(**kwargs)
+    logger.info("node_rank=%d follows process 0", engine.config.node_rank)
+    num_calls = engine.follow()
+    logger.info("process 0 shut down after %d device calls", num_calls)
 
 
 def _server_settings(args: argparse.Namespace, model_path: str) -> Any:

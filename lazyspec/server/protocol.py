@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from lazyspec.scheduler.grammar import JSON_OBJECT_SCHEMA
 from lazyspec.scheduler.request import (
+    GRAMMAR_FIELDS,
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_MIN_TOKENS_STOP_IDS,
@@ -34,6 +36,7 @@ MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128  # n: samples per prompt
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_JSON_DEPTH = 64  # nested arrays/objects in a body; json.loads recurses once per level
 
 
@@ -365,6 +368,46 @@ def _penalties(body: dict) -> dict[str, float]:
     return out
 
 
+def _response_format(body: dict) -> dict[str, str]:
+    """/v1 ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON
+    object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, as
+    the SamplingParams grammar field it sets."""
+    value = body.get("response_format")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise ApiError(
+            f"response_format={value!r} must be an object with type one of {RESPONSE_FORMATS}",
+            param="response_format",
+        )
+    if value["type"] == "text":
+        return {}
+    if value["type"] == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    spec = value.get("json_schema")
+    schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(
+            f"response_format json_schema needs {{'name': ..., 'schema': {{...}}}}, got {spec!r}",
+            param="response_format",
+        )
+    return {"json_schema": json.dumps(schema)}
+
+
+def _grammar(params: dict) -> dict[str, str]:
+    """/generate's ``json_schema``, ``regex`` or ``ebnf`` (strings; at most one)."""
+    given = {name: params[name] for name in GRAMMAR_FIELDS if params.get(name) is not None}
+    if len(given) > 1:
+        raise ApiError(
+            f"give at most one of json_schema, regex and ebnf (got {sorted(given)})",
+            param=sorted(given)[1],
+        )
+    for name, value in given.items():
+        if not isinstance(value, str):
+            raise ApiError(f"{name}={value!r} must be a string", param=name)
+    return given
+
+
 def _sampling(
     body: dict,
     max_new: int | None,
@@ -372,8 +415,10 @@ def _sampling(
     limits: Limits,
     max_param: str,
     min_param: str,
+    grammar: dict[str, str] | None = None,
 ) -> list[SamplingParams]:
-    """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context."""
+    """One SamplingParams per prompt; ``max_new`` None = fill the rest of the context;
+    ``grammar``: the one grammar field to constrain the output with, if any."""
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
@@ -429,6 +474,7 @@ def _sampling(
                 min_new_tokens=min_new,
                 logit_bias=logit_bias,
                 **penalties,
+                **(grammar or {}),
             )
         )
     return out
@@ -457,7 +503,9 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     spec = GenerationSpec(
         prompts,
         texts,
-        _sampling(body, max_new, prompts, limits, "max_tokens", "min_tokens"),
+        _sampling(
+            body, max_new, prompts, limits, "max_tokens", "min_tokens", _response_format(body)
+        ),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -486,7 +534,9 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     spec = GenerationSpec(
         [prompt],
         [None],
-        _sampling(body, max_new, [prompt], limits, "max_tokens", "min_tokens"),
+        _sampling(
+            body, max_new, [prompt], limits, "max_tokens", "min_tokens", _response_format(body)
+        ),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -528,6 +578,9 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "frequency_penalty",
         "presence_penalty",
         "repetition_penalty",
+        "json_schema",
+        "regex",
+        "ebnf",
         "skip_special_tokens",
         "no_stop_trim",
         "n",
@@ -550,7 +603,15 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     spec = GenerationSpec(
         prompts,
         texts,
-        _sampling(params, max_new, prompts, limits, "max_new_tokens", "min_new_tokens"),
+        _sampling(
+            params,
+            max_new,
+            prompts,
+            limits,
+            "max_new_tokens",
+            "min_new_tokens",
+            _grammar(params),
+        ),
         _stop_strings(params),
         _boolean(body, "stream", False),
         logprobs=top if return_logprob else None,
@@ -575,10 +636,26 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+# OpenAI content part types that carry media: served models read text only (the vision
+# tower of a vision-language checkpoint is not loaded)
+MEDIA_PARTS = ("image_url", "input_audio", "video_url", "file")
+
+
 def _content(content: Any, i: int) -> str:
+    """A message's content as text: a string, or a list of ``{"type": "text"}`` parts
+    (joined). A media part is refused by name (the model reads text only)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ApiError(
+                    f"messages[{i}].content[{j}] has type {kind!r}: this server reads text "
+                    "only (image, audio, video and file input are not supported)",
+                    param="messages",
+                    code="unsupported_content",
+                )
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
             return "".join(texts)

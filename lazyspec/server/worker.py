@@ -380,6 +380,7 @@ class EngineWorker:
         try:
             while self.engine.busy:
                 self.engine.step()
+            self.engine.shutdown()  # several processes: releases the others
         except Exception:
             logger.exception("draining the engine at shutdown failed")
         self._publish()

@@ -59,6 +59,7 @@ def sampling_arrays(num_rows: int, temperature: float, **rows) -> SamplingArrays
         frequency_penalty=np.zeros(num_rows, np.float32),
         presence_penalty=np.zeros(num_rows, np.float32),
         repetition_penalty=np.ones(num_rows, np.float32),
+        constrained=np.zeros(num_rows, bool),
     )
     fields.update(rows)
     return SamplingArrays(**{k: jnp.asarray(v) for k, v in fields.items()})
@@ -161,3 +162,26 @@ def test_greedy_rows_take_the_processed_argmax():
     # position 11 unmasked -> argmax 2, accepted; bonus at 12 -> 3
     assert np.asarray(tokens).tolist() == [[5, 5, 5], [3, 2, 3]]
     assert np.asarray(accept_len).tolist() == [3, 3]
+
+
+def _bitmask(allowed_per_position: list[set[int]]) -> np.ndarray:
+    """xgrammar's layout, one int32 word per position (the vocabulary is < 32)."""
+    return np.array([[sum(1 << t for t in allowed)] for allowed in allowed_per_position], np.int32)
+
+
+def test_grammar_masks_constrain_each_verify_position_of_their_rows_only():
+    logits = jnp.asarray(np.tile(TARGET_LOGITS, (2, 1, 1)))  # argmax per position: 1, 2, ...
+    masks = _bitmask([{3, 4}, {0, 4}, {5}])  # position j: the state after j drafts
+    allowed = jnp.asarray(np.stack([masks, masks]))  # [B, D, W]
+    params = sampling_arrays(2, 0.0, constrained=np.array([True, False]))
+    drafts = jnp.asarray([[3, 2], [1, 2]], jnp.int32)
+    positions = jnp.asarray([[10, 11, 12], [10, 11, 12]], jnp.int32)
+    tokens, accept_len = jax.jit(verify_and_sample)(
+        logits, drafts, positions, params, allowed=allowed
+    )
+    # row 0: position 0 allows {3, 4} -> argmax 3 = the draft, accepted; position 1 allows
+    # {0, 4} -> 4, so draft 2 is rejected and 4 is the bonus. Row 1 has no grammar: its
+    # drafts match the plain argmax and the bonus is position 2's argmax
+    bonus = int(np.argmax(TARGET_LOGITS[2]))
+    assert np.asarray(tokens).tolist() == [[3, 4, -1], [1, 2, bonus]]
+    assert np.asarray(accept_len).tolist() == [2, 3]

@@ -140,6 +140,42 @@ def test_scripted_drafts_see_the_penalties_of_the_accepted_prefix(scripted_case)
     assert max(req.accept_hist) == D, req.accept_hist
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_case():
+    """Tiny Qwen3.5 (MoE, with its MTP head): two conversations sharing a prefix, each
+    with a second turn that extends the first turn's prompt and output."""
+    model = tiny_model("qwen3_5")
+    rng = np.random.default_rng(11)
+    shared = list(rng.integers(3, 128, size=24))
+    prompts = [shared + list(rng.integers(3, 128, size=int(n))) for n in (5, 19)]
+    first = [reference_greedy(model, p, 12, pad_len=256)[0] for p in prompts]
+    turn2 = [p + out + [7, 8, 9] for p, out in zip(prompts, first)]
+    second = [reference_greedy(model, p, 8, pad_len=256)[0] for p in turn2]
+    return model, prompts, first, turn2, second
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer_lazy", "extra_buffer"])
+def test_qwen3_5_mtp_speculation_equals_greedy(qwen3_5_case, strategy):
+    """NEXTN with Qwen3.5's own MTP head (split GDN projections, MoE draft layer): greedy
+    output equals the cache-free reference, turn 2 hits the radix cache, every request ran
+    verify steps, with overlap on and the integrity checks after every step."""
+    model, prompts, first, turn2, second = qwen3_5_case
+    assert model.config.has_mtp
+    engine = _engine(model, strategy, True, spec=True, max_running_requests=2)
+    for inputs, num_new, want in ((prompts, 12, first), (turn2, 8, second)):
+        params = {"max_new_tokens": num_new, "ignore_eos": True}
+        reqs = [engine.add_request(input_ids=p, sampling_params=params) for p in inputs]
+        engine.run_until_done(reqs, check=Engine.check_integrity)
+        assert [r.output_ids for r in reqs] == want
+        assert all(r.spec_verify_ct > 0 for r in reqs)
+    assert all(r.cached_tokens > 0 for r in reqs)  # turn 2 resumed from checkpoints
+    info = engine.get_server_info()
+    assert info["num_verify_steps"] > 0 and info["avg_accept_length"] >= 1.0
+    assert_null_sinks_zero(engine)
+    assert engine.flush_cache()
+    assert engine.slot_allocator.num_free == engine.layout.num_slots
+
+
 def test_no_buffer_with_spec_is_rejected():
     with pytest.raises(ValueError, match="no_buffer"):
         _engine(tiny_model("qwen3_next"), "no_buffer", False, spec=True)

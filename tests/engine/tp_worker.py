@@ -1,14 +1,16 @@
 """One tensor-parallel size's checks, run in a fresh process that sees fake CPU devices.
 
 ``python -m tests.engine.tp_worker TP`` (with ``XLA_FLAGS=--xla_force_host_platform_device_count``
-set before jax is imported) serves a multi-turn workload on tiny Qwen3-Next (speculative) and
-Nemotron-H engines, then walks every weight and pool, and prints one JSON line: the outputs
-and cached tokens, the shardings that differ from the rule table's, and the bytes per device.
+set before jax is imported) serves a multi-turn workload on tiny Qwen3-Next and Qwen3.5
+(speculative), Nemotron-H and Granite 4.0-H engines, then walks every weight and pool, and
+prints one JSON line: the outputs and cached tokens, the shardings that differ from the rule
+table's, and the bytes per device; and the outputs of a shorter workload with the Pallas
+kernels (interpret mode) per shard.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import json
 import sys
 import tempfile
@@ -16,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.engine.engine import Engine
@@ -28,34 +31,61 @@ from lazyspec.engine.sharding import (
     sharding_plan,
 )
 from lazyspec.models.plan import leaf_axes
-from lazyspec.models.registry import parse_hf_config
-from lazyspec.testing.tiny_models import NEMOTRON_HF, QWEN_HF
+from lazyspec.models.registry import family_module, parse_hf_config
+from lazyspec.testing.tiny_models import (
+    GRANITE_HF,
+    GRANITE_INIT_SCALE,
+    NEMOTRON_HF,
+    QWEN35_HF,
+    QWEN_HF,
+)
 
 # Four GDN key heads (eight value heads), so tp = 4 holds whole key-head groups; the two
 # KV heads replicate at tp = 4.
 QWEN_TP_HF = dict(QWEN_HF, linear_num_key_heads=4, linear_num_value_heads=8)
-FAMILIES = {"qwen3_next": (QWEN_TP_HF, True), "nemotron_h": (NEMOTRON_HF, False)}
+QWEN35_TP_HF = dict(QWEN35_HF, linear_num_key_heads=4, linear_num_value_heads=8)
+FAMILIES = {
+    "qwen3_next": (QWEN_TP_HF, True),
+    "nemotron_h": (NEMOTRON_HF, False),
+    "qwen3_5": (QWEN35_TP_HF, True),
+    "granitemoehybrid": (GRANITE_HF, False),
+}
 
 
 def tiny(family: str) -> SimpleNamespace:
     hf, _ = FAMILIES[family]
     cfg = parse_hf_config(dict(hf))
-    module = importlib.import_module(f"lazyspec.models.{family}")
-    params = module.init_params(cfg, jax.random.PRNGKey(0))
+    module = family_module(cfg.family)
+    kw = {"scale": GRANITE_INIT_SCALE} if family == "granitemoehybrid" else {}
+    params = module.init_params(cfg, jax.random.PRNGKey(0), **kw)
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
 
 
-def workload(engine: Engine) -> list[list]:
-    """Two conversations of two turns each (turn 2 extends turn 1's prompt and output)."""
+def workload(
+    engine: Engine, lengths: tuple[int, ...] = (13, 21), logprobs: bool = False
+) -> list[list]:
+    """A conversation of two turns per prompt length (turn 2 extends turn 1's prompt and
+    output): [output ids, cached tokens] per request, and its output logprobs if asked."""
     rng = np.random.default_rng(0)
     params = {"max_new_tokens": 6, "ignore_eos": True}
     results = []
-    for length in (13, 21):
+
+    def result(out: dict) -> list:
+        meta = out["meta_info"]
+        if not logprobs:
+            return [out["output_ids"], meta["cached_tokens"]]
+        return [
+            out["output_ids"],
+            meta["cached_tokens"],
+            [lp for lp, _ in meta["output_token_logprobs"]],
+        ]
+
+    for length in lengths:
         prompt = [int(t) for t in rng.integers(3, 128, size=length)]
-        first = engine.generate(input_ids=prompt, sampling_params=params)
+        first = engine.generate(input_ids=prompt, sampling_params=params, return_logprob=logprobs)
         turn2 = prompt + first["output_ids"] + [5, 6, 7]
-        second = engine.generate(input_ids=turn2, sampling_params=params)
-        results += [[r["output_ids"], r["meta_info"]["cached_tokens"]] for r in (first, second)]
+        second = engine.generate(input_ids=turn2, sampling_params=params, return_logprob=logprobs)
+        results += [result(r) for r in (first, second)]
         engine.check_integrity()
     return results
 
@@ -142,24 +172,169 @@ def loading(tp: int, folder: Path) -> dict[str, list[str]]:
     return report
 
 
+def engine_for(family: str, tp: int, **kw) -> Engine:
+    if FAMILIES[family][1]:
+        kw["speculative_algorithm"] = "NEXTN"
+    return Engine(
+        model=tiny(family),
+        tp_size=tp,
+        mamba_scheduler_strategy="extra_buffer_lazy",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=16,
+        max_running_requests=1,
+        max_total_tokens=1024,
+        context_length=128,
+        skip_warmup=True,
+        **kw,
+    )
+
+
+# interpret-mode Pallas is slow on CPU: one family of each recurrent layer kind
+PALLAS_FAMILIES = ("qwen3_next", "nemotron_h")
+
+
+def pallas_run(family: str, tp: int) -> dict:
+    """The Pallas kernels (interpret mode) on one conversation: outputs, cached tokens,
+    logprobs and the mesh size the kernels run per shard over (0: whole arrays)."""
+    engine = engine_for(family, tp, kernel_backend="pallas")
+    kernels = engine.runner.static.kernels
+    mesh_size = 0 if kernels.mesh is None else kernels.mesh.size
+    return {"outputs": workload(engine, (13,), logprobs=True), "kernels_mesh_size": mesh_size}
+
+
+def decode_update_diffs(tp: int) -> dict[str, float]:
+    """Largest difference between the per-shard and the whole-array Pallas state update in
+    decode mode (the pool written in place: the mode the engine's steps do not use) on
+    random inputs at the tiny models' shapes, per mixer: outputs and the updated pool."""
+    from lazyspec.engine.shard_kernels import per_shard
+    from lazyspec.kernels.backend import kernels_for
+    from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
+
+    rng = np.random.default_rng(tp)
+    whole = kernels_for("pallas", "cpu")
+    sharded = per_shard(whole, sharding_plan(tiny("qwen3_next").config, tp))
+    assert sharded.mesh is not None
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    rows, steps = 3, 2
+    slot = jnp.asarray([2, 1, 0], jnp.int32)  # row 2 pads: slot 0 is never written
+    cases = {
+        "gdn": (
+            normal(2, 4, 8, 8, 8),
+            GdnTokens(
+                q=normal(rows, steps, 8, 8),
+                k=normal(rows, steps, 8, 8) * 0.3,
+                v=normal(rows, steps, 8, 8),
+                g=-jnp.abs(normal(rows, steps, 8)),
+                beta=jax.nn.sigmoid(normal(rows, steps, 8)),
+            ),
+        ),
+        "mamba2": (
+            normal(2, 4, 4, 8, 16),
+            Mamba2Tokens(
+                x=normal(rows, steps, 4, 8),
+                b=normal(rows, steps, 2, 16),
+                c=normal(rows, steps, 2, 16),
+                dt=jnp.abs(normal(rows, steps, 4)),
+                a=-jnp.abs(normal(4)),
+                d=normal(4),
+            ),
+        ),
+    }
+    diffs = {}
+    for mixer, (pool, tokens) in cases.items():
+        name = f"{mixer}_state_update"
+
+        def update(kernels, pool, tokens, name=name):
+            return getattr(kernels, name)(pool, slot, tokens, mode="decode", layer=1)
+
+        want = jax.jit(functools.partial(update, whole))(pool, tokens)
+        got = jax.jit(functools.partial(update, sharded))(pool, tokens)
+        assert float(jnp.max(jnp.abs(want.pool - pool))) > 0  # the slots were written
+        diffs[mixer] = max(
+            float(jnp.max(jnp.abs(got.outputs - want.outputs))),
+            float(jnp.max(jnp.abs(got.pool - want.pool))),
+        )
+    return diffs
+
+
+def triton_calls(tp: int) -> dict[str, int]:
+    """Triton calls in the CUDA lowering (built, not compiled) of the per-shard Mamba2 state
+    update (one group of B / C: repeated per device), state scatter and paged attention (2
+    KV heads: split at tp = 2, replicated at tp = 4, one branch per KV head) at model-sized
+    shapes, each kernel in its Triton (not interpret) launch."""
+    from lazyspec.engine import shard_kernels as sk
+    from lazyspec.kernels import paged_attention as pa
+    from lazyspec.kernels import state_scatter as ss
+    from lazyspec.kernels import state_update as su
+    from lazyspec.kernels.backend import pallas_compiler_params
+
+    plan = sharding_plan(tiny("qwen3_next").config, tp)
+    params = pallas_compiler_params("gpu")
+    spec = jax.ShapeDtypeStruct
+    f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    rows, steps, heads, channels = 4, 4, 8, 10240
+    update = sk._state_update(
+        functools.partial(su.mamba2_state_update_pallas, block_value=32, compiler_params=params),
+        plan,
+    )
+    tokens = su.Mamba2Tokens(
+        spec((rows, steps, heads, 64), bf16),
+        *(spec((rows, steps, 1, 128), bf16),) * 2,
+        spec((rows, steps, heads), f32),
+        *(spec((heads,), f32),) * 2,
+    )
+    scatter = sk._state_scatter(
+        functools.partial(
+            ss.state_scatter_pallas, block_rows=32, block_channels=512, compiler_params=params
+        ),
+        plan,
+    )
+    attention = sk._paged_attention(
+        functools.partial(pa.paged_attention, compiler_params=params), plan
+    )
+    cases = {
+        "mamba2_state_update": (
+            lambda p, s, t: update(p, s, t, mode="verify", layer=1),
+            (spec((3, 9, heads, 64, 128), f32), spec((rows,), i32), tokens),
+        ),
+        "state_scatter": (
+            scatter,
+            (
+                spec((4, 9, heads, 64, 128), f32),
+                spec((4, 9, channels, 3), bf16),
+                spec((4, rows, steps, heads, 64, 128), f32),
+                spec((4, rows, steps, channels, 3), bf16),
+                spec((rows,), i32),
+                spec((rows,), i32),
+            ),
+        ),
+        "paged_attention": (
+            lambda *a: attention(*a, 0.0625),
+            (
+                spec((rows, 1, 16, 256), bf16),
+                *(spec((1000, 2, 256), bf16),) * 2,
+                spec((rows, 300), i32),
+                spec((rows,), i32),
+                spec((rows, 1), i32),
+            ),
+        ),
+    }
+    counts = {}
+    for name, (fn, args) in cases.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        counts[name] = text.count("__gpu$xla.gpu.triton")
+    return counts
+
+
 def run(tp: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         report = {"loading": loading(tp, Path(folder))}
-    for family, (_, spec) in FAMILIES.items():
-        kw = {"speculative_algorithm": "NEXTN"} if spec else {}
-        engine = Engine(
-            model=tiny(family),
-            tp_size=tp,
-            mamba_scheduler_strategy="extra_buffer_lazy",
-            mamba_track_interval=16,
-            mamba_chunk_size=16,
-            chunked_prefill_size=16,
-            max_running_requests=1,
-            max_total_tokens=1024,
-            context_length=128,
-            skip_warmup=True,
-            **kw,
-        )
+    report["pallas"] = {family: pallas_run(family, tp) for family in PALLAS_FAMILIES}
+    report["decode_update_diffs"] = decode_update_diffs(tp) if tp > 1 else {}
+    report["triton_calls"] = triton_calls(tp) if tp > 1 else {}
+    for family in FAMILIES:
+        engine = engine_for(family, tp)
         outputs = workload(engine)
         errors, num_sharded, device_bytes, total_bytes = walk(engine, tp)
         report[family] = {

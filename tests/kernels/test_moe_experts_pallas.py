@@ -114,6 +114,35 @@ def test_grouping_gives_only_routed_experts_their_tiles_pallas():
         assert (tile_expert[rows // block_rows] == np.asarray(ids)).all()
 
 
+def test_pairs_outside_the_stacks_are_dropped_pallas():
+    """Expert parallelism: each shard runs its block of the experts with ids shifted by its
+    first expert; pairs of the other shards add nothing and take no staged row, and the
+    shards' results sum to the whole call's."""
+    rng = np.random.default_rng(15)
+    num_experts, num_shards = 8, 2
+    weights, ids = routing(rng, 5, 3, num_experts, False)
+    up, down, gate = expert_stacks(rng, num_experts, jnp.float32, True)
+    x = jnp.asarray(rng.standard_normal((5, WIDTH)), jnp.float32)
+    want = reference(x, weights, ids, up, down, gate)
+    per = num_experts // num_shards
+    kernel = jax.jit(lambda *a: me.moe_experts_pallas(*a, block_rows=4, interpret=True))
+    total = 0.0
+    for shard in range(num_shards):
+        block = slice(shard * per, (shard + 1) * per)
+        local = ids - shard * per
+        mine = (local >= 0) & (local < per)
+        assert bool(mine.any()) and not bool(mine.all())
+        got = kernel(x, weights, local, up[block], down[block], gate[block])
+        tiles = me.group_pairs(weights, local, per, 4)
+        counts = np.bincount(np.asarray(local)[np.asarray(mine)], minlength=per)
+        used = int((np.asarray(tiles.tile_expert) != me.UNUSED_TILE).sum())
+        assert used == int((-(-counts // 4)).sum())  # tiles for this shard's pairs only
+        only = reference(x, jnp.where(mine, weights, 0.0), ids, up, down, gate)
+        assert_close(got, only, FP32_TOL, f"shard {shard}")
+        total = total + got
+    assert_close(total, want, FP32_TOL, "sum over shards")
+
+
 def test_unrouted_experts_may_hold_nan_pallas():
     """NaN weights in every expert no token chose leave the result finite and right."""
     rng = np.random.default_rng(13)

@@ -139,6 +139,26 @@ def test_empty_rows_give_zero_not_nan_pallas():
     assert real.sum() == 1 and np.abs(got[real]).max() > 0
 
 
+def test_kv_head_reads_one_pool_head_for_part_of_its_group_pallas():
+    """``kv_head=j``: a shard's query heads (one, then two of a group of four) read pool
+    head j in place, as the whole call's heads of that group do."""
+    rng = np.random.default_rng(7)
+    case = attention_case(rng, 2, 3, 8, 2, 64, [30, 9], jnp.float32)
+    scale = 64**-0.5
+    args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
+    clean = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
+    want = np.asarray(pa.paged_attention_reference(case["q"], *clean, scale))
+    real = np.asarray(case["positions"] >= 0)
+    for kv_head, heads in ((0, slice(1, 2)), (1, slice(6, 8))):
+        got = pa.paged_attention(
+            case["q"][:, :, heads], *args, scale, kv_head=kv_head, block_kv=16, interpret=True
+        )
+        assert got.shape == case["q"][:, :, heads].shape
+        assert_close(np.asarray(got)[real], want[:, :, heads][real], FP32_TOL, f"kv {kv_head}")
+    with pytest.raises(ValueError, match="kv_head=2"):
+        pa.paged_attention(case["q"][:, :, :1], *args, scale, kv_head=2, interpret=True)
+
+
 def test_tiles_are_validated_pallas():
     rng = np.random.default_rng(5)
     case = attention_case(rng, 1, 1, 2, 2, 64, [3], jnp.float32)

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import pytest
 
 from lazyspec.models.config import ATTENTION, RECURRENT
 from lazyspec.models.qwen3_next import Qwen3NextArch
-from lazyspec.models.registry import load_model_config, parse_hf_config
+from lazyspec.models.registry import (
+    FAMILIES,
+    load_model_config,
+    parse_hf_config,
+    supported_architectures,
+)
+from lazyspec.testing.tiny_models import GRANITE_HF
 from tests.models.tiny_qwen import config_dict
 
 
@@ -119,10 +126,32 @@ def test_bad_values_raise():
 
 
 def test_unknown_architecture(tmp_path):
-    with pytest.raises(ValueError, match="llama"):
+    with pytest.raises(ValueError, match="llama") as error:
         parse_hf_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    for name in supported_architectures():
+        assert name in str(error.value)
+    # a known decoder under a head the engine does not run
+    other_head = _base(architectures=["Qwen3NextForSequenceClassification"])
+    with pytest.raises(ValueError, match="Qwen3NextForSequenceClassification") as error:
+        parse_hf_config(other_head)
+    assert "GraniteMoeHybridForCausalLM" in str(error.value)
+    with pytest.raises(ValueError, match="architectures='Qwen3NextForCausalLM'"):
+        parse_hf_config(_base(architectures="Qwen3NextForCausalLM"))
+    # any architecture of the family is accepted, and a config may leave the field out
+    granite = dict(GRANITE_HF, architectures=["LlamaForCausalLM", "GraniteMoeHybridForCausalLM"])
+    assert parse_hf_config(granite).family == "granitemoehybrid"
+    assert parse_hf_config({k: v for k, v in _base().items() if k != "architectures"})
     with pytest.raises(FileNotFoundError):
         load_model_config(tmp_path)
+
+
+def test_readme_lists_every_supported_architecture():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("| family (`model_type`) |", 1)[1].split("\n\n", 1)[0]
+    for name in supported_architectures():
+        assert f"`{name}`" in table, name
+    for family in FAMILIES:
+        assert f"| `{family}`" in table, family
 
 
 def test_equal_configs_hash_and_compile_as_one():

@@ -1,0 +1,143 @@
+"""Several processes, one mesh: joining them and sending process 0's device calls to the rest.
+
+With ``nnodes > 1`` every process runs ``jax.distributed`` and holds ``tp_size // nnodes``
+devices of the one ``tp`` mesh. Process 0 alone runs the scheduler; every jitted call its
+``Runner`` makes (a table chunk, an extend or a decode step) must be made by every process
+with the same inputs, in the same order. ``StepBroadcast`` carries those inputs through a
+JAX collective (``multihost_utils.broadcast_one_to_all``): first a fixed header (the call's
+kind, its bucket, the payload's length), which fixes the payload's shape, then the payload
+(the table chunk, or the batch packed into one int32 array). The others loop on
+``receive`` until process 0 sends ``STOP``. With one process nothing is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from lazyspec.config import EngineConfig
+from lazyspec.engine.steps import PackedBatch, pack_batch
+from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch, build_decode, build_extend
+from lazyspec.scheduler.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+STOP, TABLE, EXTEND, DECODE = range(4)  # the kinds of call a header announces
+HEADER_LEN = 4  # kind, first dim, second dim (0 when none), payload words
+
+
+def initialize(config: EngineConfig) -> None:
+    """Join the ``config.nnodes`` processes (``jax.distributed.initialize``); call it before
+    anything touches a device. A no-op for one process or once joined (ValueError if the
+    joined group differs from ``config``)."""
+    if config.nnodes == 1:
+        return
+    if not jax.distributed.is_initialized():
+        # CPU devices of different processes reach each other through gloo; the setting
+        # touches only the CPU backend
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        logger.info(
+            "joining %d processes at %s as process %d",
+            config.nnodes,
+            config.dist_init_addr,
+            config.node_rank,
+        )
+        jax.distributed.initialize(config.dist_init_addr, config.nnodes, config.node_rank)
+    joined = (jax.process_count(), jax.process_index())
+    if joined != (config.nnodes, config.node_rank):
+        raise ValueError(
+            f"nnodes={config.nnodes}, node_rank={config.node_rank}, but this process is "
+            f"process {joined[1]} of {joined[0]}"
+        )
+
+
+class StepBroadcast:
+    """Process 0's device calls, sent to the other processes (``send_*`` on process 0,
+    ``receive`` on the others). Every send is a collective: all processes take part, so
+    the others must be in ``receive`` while process 0 runs."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.stopped = False  # process 0 sent STOP: the others no longer listen
+        self.num_sent = 0  # device calls sent (STOP excluded)
+        self._packed_layouts: dict[tuple[int, int, int], Any] = {}  # receive's cache
+
+    # ------------------------------------------------------------------ process 0
+
+    def send_table(self, updates: np.ndarray) -> None:
+        """Announce and send one table chunk ``[3, n]`` int32."""
+        assert updates.dtype == np.int32 and updates.ndim == 2, (updates.dtype, updates.shape)
+        rows, length = updates.shape
+        self._check_listening()
+        _broadcast(np.array([TABLE, rows, length, updates.size], np.int32))
+        _broadcast(updates)
+        self.num_sent += 1
+
+    def send_step(self, batch: ExtendBatch | DecodeBatch, packed: PackedBatch) -> None:
+        """Announce ``batch``'s kind and bucket, then send its packed words."""
+        rows = batch.req_row.shape[0]
+        if isinstance(batch, ExtendBatch):
+            kind, length = EXTEND, batch.tokens.shape[1]
+        else:
+            kind, length = DECODE, 0
+        self._check_listening()
+        _broadcast(np.array([kind, rows, length, packed.words.size], np.int32))
+        _broadcast(packed.words)
+        self.num_sent += 1
+
+    def send_stop(self) -> None:
+        """Release the other processes from their ``receive`` loop (once; later calls
+        do nothing)."""
+        if not self.stopped:
+            _broadcast(np.array([STOP, 0, 0, 0], np.int32))
+            self.stopped = True
+
+    def _check_listening(self) -> None:
+        if self.stopped:
+            raise RuntimeError("the other processes were released (STOP sent): no more steps")
+
+    # ------------------------------------------------------------------ the others
+
+    def receive(self) -> tuple[int, Any]:
+        """The next call: ``(STOP, None)``, ``(TABLE, chunk)`` or ``(EXTEND | DECODE,
+        PackedBatch)``; blocks until process 0 sends it."""
+        kind, first, second, num_words = (
+            int(v) for v in _broadcast(np.zeros(HEADER_LEN, np.int32))
+        )
+        if kind == STOP:
+            return STOP, None
+        if kind == TABLE:
+            return TABLE, _broadcast(np.zeros((first, second), np.int32))
+        if kind not in (EXTEND, DECODE):
+            raise RuntimeError(f"process 0 announced an unknown call kind {kind}")
+        layout = self._packed_layout(kind, first, second)
+        expected = sum(int(np.prod(shape)) for shape, _ in layout.leaves)
+        if expected != num_words:
+            raise RuntimeError(
+                f"process 0 sends a batch of {num_words} words where this process's bucket "
+                f"(kind {kind}, {first} rows, length {second}) packs {expected}: the processes "
+                "were started with different settings"
+            )
+        return kind, PackedBatch(_broadcast(np.zeros(num_words, np.int32)), layout)
+
+    def _packed_layout(self, kind: int, rows: int, length: int) -> Any:
+        """The ``PackedLayout`` of a bucket, from an empty batch of it (the same tree and leaf
+        shapes as any batch of that bucket: warm-up compiles from the same)."""
+        key = (kind, rows, length)
+        if key not in self._packed_layouts:
+            if kind == EXTEND:
+                batch = build_extend(self.layout, [], num_rows=rows, length=length)
+            else:
+                batch = build_decode(self.layout, [], num_rows=rows)
+            self._packed_layouts[key] = pack_batch(batch).layout
+        return self._packed_layouts[key]
+
+
+def _broadcast(array: np.ndarray) -> np.ndarray:
+    """Process 0's ``array`` on every process (the others pass one of the same shape)."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(array))

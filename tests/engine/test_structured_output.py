@@ -1,0 +1,191 @@
+"""Constrained decoding: grammar bitmasks applied on the device, every strategy, spec on / off.
+
+The tiny model has random weights, so only the mask makes its output valid. A character
+tokenizer (printable ASCII, one token per character) fits its 128-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+from lazyspec.engine.engine import Engine
+from lazyspec.scheduler.grammar import GrammarBackend, mask_width
+from lazyspec.scheduler.request import SamplingParams
+from lazyspec.testing.scripted_drafter import make_script, scripted_model
+from lazyspec.testing.tiny_models import _logits_at, tiny_model
+
+SPECIALS = ["<pad>", "<s>", "</s>"]  # </s> is the tiny model's EOS (id 2)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["ab", "xyz"]},
+    },
+    "required": ["ok", "n", "tag"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-f]{2,5}-[0-9]{3}"
+SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = SPECIALS + list(string.printable[:95])  # digits, letters, punctuation, space
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.decoder = decoders.Fuse()
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    base = tiny_model("qwen3_next")
+    return SimpleNamespace(**{**vars(base), "tokenizer": char_tokenizer()})
+
+
+def _engine(model, strategy: str, spec: bool) -> Engine:
+    return Engine(
+        model=model,
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=strategy == "no_buffer",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=4,
+        max_total_tokens=4096,
+        context_length=256,
+        skip_warmup=True,
+        **(SPEC if spec else {}),
+    )
+
+
+def constrained_greedy(model, backend, prompt, kind, text, max_new) -> list[int]:
+    """The cache-free oracle: argmax of the masked logits, one matcher step at a time."""
+    grammar = backend.matcher(kind, text)
+    words = np.zeros((1, mask_width(model.config.vocab_size)), np.int32)
+    ids, out = list(prompt), []
+    for _ in range(max_new):
+        tokens = np.zeros((1, 256), np.int32)
+        tokens[0, : len(ids)] = ids
+        logits = _logits_at(
+            model.family, model.config, model.params, jnp.asarray(tokens), len(ids) - 1
+        )
+        grammar.fill_masks(words, [])
+        allowed = np.unpackbits(words[0].view(np.uint8), bitorder="little")
+        logits = np.where(allowed[: logits.shape[-1]] == 1, np.asarray(logits)[0], -np.inf)
+        token = int(np.argmax(logits))
+        out.append(token)
+        ids.append(token)
+        assert grammar.accept(token)
+        if grammar.terminated:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def case(model):
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(3, 128, size=n))) for n in (7, 40, 19)]
+    backend = GrammarBackend(model.tokenizer, model.config.vocab_size, (2,))
+    schema = json.dumps(SCHEMA)
+    want = [
+        constrained_greedy(model, backend, prompts[0], "json_schema", schema, 48),
+        constrained_greedy(model, backend, prompts[1], "regex", REGEX, 48),
+    ]
+    return prompts, schema, want
+
+
+@pytest.mark.parametrize(
+    "strategy,spec",
+    [
+        ("extra_buffer", True),
+        ("extra_buffer_lazy", True),
+        ("no_buffer", False),
+        ("extra_buffer", False),
+        ("extra_buffer_lazy", False),
+    ],
+)
+def test_constrained_outputs_parse_and_equal_the_masked_oracle(model, case, strategy, spec):
+    prompts, schema, want = case
+    engine = _engine(model, strategy, spec)
+    sampled = {"temperature": 1.0, "seed": 5, "json_schema": schema}
+    params = [{"json_schema": schema}, {"regex": REGEX}, sampled]
+    reqs = [
+        engine.add_request(input_ids=p, sampling_params={"max_new_tokens": 48, **extra})
+        for p, extra in zip(prompts, params)
+    ]
+    engine.run_until_done(reqs, check=lambda e: e.check_integrity())
+    for req in reqs:
+        assert req.finish_reason["type"] == "stop", (req.finish_reason, req.output_ids)
+        assert req.output_ids[-1] == 2  # the grammar's stop token ends it
+    texts = [engine.result(req)["text"] for req in reqs]
+    jsonschema.validate(json.loads(texts[0]), SCHEMA)
+    assert re.fullmatch(REGEX, texts[1]), texts[1]
+    jsonschema.validate(json.loads(texts[2]), SCHEMA)
+    assert reqs[0].output_ids == want[0]
+    assert reqs[1].output_ids == want[1]
+    assert engine.grammar_backend.num_grammars == 2  # the schema once, the regex once
+
+
+def test_masks_follow_the_drafts_and_the_matcher_rolls_back(model):
+    """Verify position j's mask is the state after the first j drafts; a refused draft
+    repeats its position's mask; the matcher ends where it started."""
+    backend = GrammarBackend(model.tokenizer, model.config.vocab_size, (2,))
+    grammar = backend.matcher("regex", "ab[0-9]c")
+    ids = {c: model.tokenizer.token_to_id(c) for c in "abc07"}
+
+    def allowed(row):
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist())
+
+    words = np.zeros((4, mask_width(model.config.vocab_size)), np.int32)
+    grammar.fill_masks(words, [ids["a"], ids["b"], ids["7"]])
+    digits = {model.tokenizer.token_to_id(c) for c in "0123456789"}
+    assert allowed(words[0]) == {ids["a"]}
+    assert allowed(words[1]) == {ids["b"]}
+    assert allowed(words[2]) == digits
+    assert allowed(words[3]) == {ids["c"]}
+    words[:] = 0
+    grammar.fill_masks(words, [ids["a"], ids["c"], ids["7"]])  # "c" is refused after "a"
+    assert allowed(words[1]) == allowed(words[2]) == allowed(words[3]) == {ids["b"]}
+    assert grammar.accept(ids["a"])  # the matcher was rolled back to the start
+
+
+def test_grammar_fields_are_validated(model):
+    with pytest.raises(ValueError, match="at most one"):
+        SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'})
+    with pytest.raises(ValueError, match="must be a string"):
+        SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    backend = GrammarBackend(model.tokenizer, model.config.vocab_size, (2,))
+    with pytest.raises(ValueError, match="invalid regex"):
+        backend.compile("regex", "a(b")
+    assert backend.compile("regex", "ab") is backend.compile("regex", "ab")  # cached by text
+
+
+def test_drafts_the_grammar_allows_are_accepted(model, case):
+    """With drafts that follow the constrained greedy output (a scripted draft head, a few
+    positions corrupted), verify steps accept up to D tokens under a grammar: position j is
+    masked with the state after the first j drafts, so the right drafts stay allowed."""
+    prompts, schema, want = case
+    script = make_script(prompts[0] + want[0], 256, 0.1, model.config.vocab_size, seed=2)
+    scripted = scripted_model(model, script)
+    scripted.tokenizer = model.tokenizer
+    engine = _engine(scripted, "extra_buffer", spec=True)
+    req = engine.add_request(
+        input_ids=prompts[0], sampling_params={"max_new_tokens": 48, "json_schema": schema}
+    )
+    engine.run_until_done([req])
+    assert req.output_ids == want[0]
+    num_verify = SPEC["speculative_num_steps"] + 1
+    assert req.accept_hist.count(num_verify) >= 3, req.accept_hist
+    assert len(req.accept_hist) < len(want[0]) / 2, req.accept_hist
