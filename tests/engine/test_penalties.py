@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.engine.sampling import TokenHistory, processed_logits, verify_history
+from lazyspec.engine.sampling import NEG_INF, TokenHistory, processed_logits, verify_history
 from lazyspec.engine.steps import seed_counts
 from lazyspec.scheduler.batch import COUNT_SEED_TOKENS, MASK_IDS, count_seeds
 from lazyspec.scheduler.request import MAX_LOGIT_BIAS, Req, SamplingParams
@@ -113,3 +113,41 @@ def test_count_seeds_reset_the_row_and_write_its_history():
     others = [0, 1, 3]
     np.testing.assert_array_equal(counts[others], stale[others])
     np.testing.assert_array_equal(in_prompt[others], stale_prompt[others])
+
+
+def test_the_grammar_mask_comes_after_the_penalties_and_the_bias():
+    """The grammar mask is the last stage: a grammar row's forbidden tokens are exactly -inf
+    whatever the earlier stages did (a +100 bias, penalties on seen tokens); its allowed
+    tokens and the rows without a grammar keep the values of the stages before the mask."""
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(0, 3, size=(2, 1, VOCAB)).astype(np.float32))
+    bias_ids = np.full((2, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_values = np.zeros((2, MAX_LOGIT_BIAS), np.float32)
+    bias_ids[:, 0], bias_values[:, 0] = 3, 100.0
+    params = sampling_arrays(
+        2,
+        0.0,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        repetition_penalty=np.full(2, 0.5, np.float32),
+        frequency_penalty=np.full(2, -1.0, np.float32),
+        constrained=np.array([True, False]),
+    )
+    counts = np.zeros((2, VOCAB), np.int32)
+    counts[:, [3, 7]] = 4
+    history = TokenHistory(jnp.asarray(counts)[:, None], jnp.zeros((2, VOCAB), bool))
+    allowed_ids = [1, 5, 9]
+    words = np.zeros((2, 1, (VOCAB + 31) // 32), np.int32)
+    for t in allowed_ids:
+        words[:, 0, t // 32] |= 1 << (t % 32)
+    positions = jnp.zeros((2, 1), jnp.int32)
+    run = jax.jit(processed_logits)
+    unmasked = np.asarray(run(logits, params, positions, history))
+    got = np.asarray(run(logits, params, positions, history, jnp.asarray(words)))
+    assert unmasked[0, 0].argmax() == 3  # the bias wins without the mask
+    forbidden = np.setdiff1d(np.arange(VOCAB), allowed_ids)
+    # exactly -inf: a penalty after the mask would scale the seen tokens' -inf (3 and 7)
+    assert (got[0, 0, forbidden] == np.float32(NEG_INF)).all()
+    np.testing.assert_array_equal(got[0, 0, allowed_ids], unmasked[0, 0, allowed_ids])
+    np.testing.assert_array_equal(got[1], unmasked[1])
+    assert not np.allclose(unmasked[:, 0, 7], np.asarray(logits)[:, 0, 7])  # penalized
