@@ -20,12 +20,17 @@ from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
 from lazyspec.engine.runner import Runner
 from lazyspec.engine.steps import StepStatic
-from lazyspec.scheduler.batch import build_decode, build_extend, table_updates
+from lazyspec.scheduler.batch import (
+    build_decode,
+    build_extend,
+    empty_count_seed,
+    table_updates,
+)
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.grammar import GrammarBackend, grammar_of
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
-from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
+from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
 from lazyspec.scheduler.scheduler import Scheduler
 from lazyspec.scheduler.token_ratio import NewTokenRatio
 
@@ -187,10 +192,14 @@ class Engine:
             functools.partial(build_decode, layout, [], num_rows=rows)
             for rows in layout.decode_buckets
         ]
-        # an all-padding chunk compiles the table-update program and writes nothing
+        # an all-padding chunk compiles the table-update program and writes nothing (and an
+        # empty seed the token-count one)
         chunk = table_updates(layout, None, layout.table_chunk_len)
         programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
         programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
+        if runner.broadcast is None:  # penalties are refused across several processes
+            seed = empty_count_seed(layout)
+            programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
         # so does an all-padding grammar-mask update
         no_masks = np.zeros((0, *runner.abstract.vocab_mask.shape[1:]), np.int32)
         programs.append(lambda: runner.update_vocab_masks(np.zeros(0, np.int32), no_masks))
@@ -215,7 +224,11 @@ class Engine:
         sampling_params: dict | SamplingParams | None = None,
         return_logprob: bool = False,
         rid: str | None = None,
+        logprob_start_len: int | None = None,
     ) -> Req:
+        """Queue a request. ``logprob_start_len`` asks for the logprobs of the prompt tokens
+        from that index on (in [0, prompt length); its prefix is then matched in the cache
+        only up to there, so the positions are computed)."""
         if input_ids is None:
             if prompt is None:
                 raise ValueError("give prompt or input_ids")
@@ -239,17 +252,33 @@ class Engine:
             raise ValueError(
                 f"json_schema / regex / ebnf do not run with nnodes={self.config.nnodes}"
             )
+        if sampling.has_penalties and self.config.nnodes > 1:
+            # the token-count seeds are written outside the device calls process 0 broadcasts
+            raise ValueError(
+                "frequency_penalty / presence_penalty / repetition_penalty do not run with "
+                f"nnodes={self.config.nnodes}"
+            )
         limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({len(input_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                 f"exceeds the context limit {limit}"
             )
+        if logprob_start_len is not None and (
+            isinstance(logprob_start_len, bool)
+            or not isinstance(logprob_start_len, int)
+            or not 0 <= logprob_start_len < len(input_ids)
+        ):
+            raise ValueError(
+                f"logprob_start_len={logprob_start_len!r} must be in [0, {len(input_ids)}) "
+                "(the prompt's length)"
+            )
         req = Req(
             rid=rid or f"req-{next(self._ids)}",
             input_ids=input_ids,
             sampling=sampling,
             return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
         )
         if grammar is not None:
             req.grammar = self.grammar_backend.matcher(*grammar)
@@ -285,19 +314,27 @@ class Engine:
         sync = self.config.disable_overlap_schedule or sched.has_grammar_requests
         if sync and self._inflight is not None:
             previous, self._inflight = self._inflight, None
-            sched.process(previous[0], self.runner.fetch(previous[1]), inflight=())
+            sched.process(previous[0], self._fetch(*previous), inflight=())
         plan = sched.schedule(self._inflight_records())
         if plan and plan.mask_rows is not None:
             self.runner.update_vocab_masks(plan.mask_rows, plan.mask_words)
-        outputs = self.runner.launch(plan.batch, plan.table_chunks) if plan else None
+        outputs = (
+            self.runner.launch(plan.batch, plan.table_chunks, plan.count_seeds) if plan else None
+        )
         if sync:
             if plan:
-                sched.process(plan, self.runner.fetch(outputs), inflight=())
+                sched.process(plan, self._fetch(plan, outputs), inflight=())
             return
         previous = self._inflight
         self._inflight = (plan, outputs) if plan else None
         if previous:
-            sched.process(previous[0], self.runner.fetch(previous[1]), self._inflight_records())
+            sched.process(previous[0], self._fetch(*previous), self._inflight_records())
+
+    def _fetch(self, plan, outputs: dict) -> dict:
+        """The step's outputs on the host; the prompt logprobs only if a row asked."""
+        if not plan.prompt_logprobs:
+            outputs = {k: v for k, v in outputs.items() if not k.startswith("prompt_")}
+        return self.runner.fetch(outputs)
 
     def _inflight_records(self) -> list[RowRecord]:
         """The records of the launched step whose results are not processed yet."""
@@ -322,6 +359,7 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int | None = None,
     ) -> dict | list[dict]:
         if not 0 <= top_logprobs_num <= TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num={top_logprobs_num} must be in [0, {TOP_LOGPROBS}]")
@@ -338,6 +376,7 @@ class Engine:
                 prompt=prompts[i] if prompt is not None else None,
                 sampling_params=params[i],
                 return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
             )
             for i in range(count)
         ]
@@ -354,6 +393,12 @@ class Engine:
             "finish_reason": req.finish_reason,
             "spec_verify_ct": req.spec_verify_ct,
         }
+        if req.logprob_start_len is not None:
+            meta["input_token_logprobs"] = input_token_logprobs(req)
+            if top_logprobs_num:
+                meta["input_top_logprobs"] = [None] * (req.logprob_start_len == 0) + [
+                    top[:top_logprobs_num] for top in req.input_top_logprobs
+                ]
         if req.return_logprob:
             meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
             if top_logprobs_num:

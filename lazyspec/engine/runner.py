@@ -30,9 +30,11 @@ from lazyspec.engine.steps import (
     decode_step,
     extend_step,
     pack_batch,
+    seed_counts,
     unpack_batch,
 )
 from lazyspec.models.interface import KVPools
+from lazyspec.scheduler.batch import CountSeed
 from lazyspec.scheduler.grammar import mask_width
 from lazyspec.scheduler.layout import Layout
 
@@ -82,6 +84,13 @@ _mask_jit = jax.jit(apply_vocab_masks, donate_argnums=(0,))
 MASK_ROWS_PER_UPDATE = 8
 
 
+def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
+    return seed_counts(output_counts, in_prompt, unpack_batch(packed))
+
+
+_seed_jit = jax.jit(_seed_packed, donate_argnums=(0, 1))
+
+
 def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
     """The pools' shapes and dtypes (``jax.ShapeDtypeStruct`` leaves): the one description
     that allocation and byte accounting read. Slot 0, page 0 and request row 0 are the null
@@ -104,6 +113,8 @@ def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtyp
         last_token=jax.ShapeDtypeStruct((rows,), jnp.int32),
         drafts=jax.ShapeDtypeStruct((rows, layout.num_draft_positions), jnp.int32),
         req_to_token=jax.ShapeDtypeStruct((rows, layout.context_len), jnp.int32),
+        output_counts=jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.int32),
+        in_prompt=jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.bool_),
         vocab_mask=jax.ShapeDtypeStruct(
             (rows, layout.num_verify, mask_width(cfg.vocab_size)), jnp.int32
         ),
@@ -166,25 +177,32 @@ class Runner:
 
     def bytes_per_device(self) -> dict[str, int]:
         """Bytes one device of the mesh holds: weights, KV pools (the draft head's included),
-        recurrent-state slot pools; reads only."""
+        recurrent-state slot pools, the penalties' token-count pools; reads only."""
         pools = self.pools
         return {
             "tp_size": self.sharding.tp_size,
             "weight_bytes_per_device": device_bytes(self.params),
             "kv_bytes_per_device": device_bytes([pools.kv, pools.mtp_kv]),
             "state_bytes_per_device": device_bytes([pools.conv, pools.ssm]),
+            "token_count_bytes_per_device": device_bytes([pools.output_counts, pools.in_prompt]),
         }
 
     # ------------------------------------------------------------------ steps
 
     def launch(
-        self, batch: ExtendBatch | DecodeBatch, table_chunks: list[np.ndarray] = ()
+        self,
+        batch: ExtendBatch | DecodeBatch,
+        table_chunks: list[np.ndarray] = (),
+        count_seeds: list[CountSeed] = (),
     ) -> dict[str, jax.Array]:
         """Dispatch the step for ``batch`` (a host batch, moved to the device packed into one
         int32 array: one transfer) after applying ``table_chunks`` (request-table updates past the
-        batch's own); returns its outputs as device arrays without waiting for them."""
+        batch's own) and ``count_seeds`` (the token histories of newly admitted rows); returns
+        its outputs as device arrays without waiting for them."""
         for chunk in table_chunks:
             self.update_table(chunk)
+        for seed in count_seeds:
+            self.seed_counts(seed)
         packed = pack_batch(batch)
         if self.broadcast is not None:
             self.broadcast.send_step(batch, packed)
@@ -210,6 +228,20 @@ class Runner:
             self.pools.req_to_token, jax.device_put(updates, self.sharding.replicated)
         )
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
+
+    def seed_counts(self, seed: CountSeed) -> None:
+        """Write one request row's token history into the token-count pools (after every
+        step launched before: the row's previous owner may still be written by one). Not
+        broadcast: the engine refuses penalties across several processes."""
+        if self.broadcast is not None:
+            raise RuntimeError("token-count seeds are not sent to the other processes")
+        packed = jax.device_put(pack_batch(seed), self.sharding.replicated)
+        counts, in_prompt = _seed_jit(self.pools.output_counts, self.pools.in_prompt, packed)
+        self.pools = dataclasses.replace(self.pools, output_counts=counts, in_prompt=in_prompt)
+
+    def read_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copy of one request row's (output counts, prompt marks), for tests."""
+        return np.asarray(self.pools.output_counts[row]), np.asarray(self.pools.in_prompt[row])
 
     def follow(self, broadcast: StepBroadcast) -> int:
         """On a process other than 0: make every device call process 0 sends, in its order,
@@ -258,7 +290,8 @@ class Runner:
         """Programs the jitted steps hold, for every runner of this process (runners of equal
         configs and settings share theirs)."""
         return sum(
-            jitted._cache_size() for jitted in (_extend_jit, _decode_jit, _table_jit, _mask_jit)
+            jitted._cache_size()
+            for jitted in (_extend_jit, _decode_jit, _table_jit, _mask_jit, _seed_jit)
         )
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:

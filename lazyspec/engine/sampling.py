@@ -1,8 +1,13 @@
-"""Device-side sampling: logit bias, min_new_tokens masking, grammar bitmasks, greedy,
-temperature, top-k, top-p, per-request seeds, and the speculative accept rule (greedy
-match, or rejection sampling against a one-hot draft). Plain sampling and the accept rule
-both use the processed distribution (``processed_logits`` then temperature / top-k /
-top-p); greedy rows take the argmax of the processed logits.
+"""Device-side sampling: frequency / presence / repetition penalties, logit bias,
+min_new_tokens masking, grammar bitmasks, greedy, temperature, top-k, top-p, per-request
+seeds, and the speculative accept rule (greedy match, or rejection sampling against a one-hot
+draft). Plain sampling and the accept rule both use the processed distribution
+(``processed_logits`` then temperature / top-k / top-p); greedy rows take the argmax of the
+processed logits.
+
+``processed_logits`` is one function per stage, in SGLang's order: penalties (repetition,
+then frequency / presence) on the raw logits, the logit bias, the min_new_tokens mask, then
+the grammar bitmask (last, so nothing re-enables a token the grammar forbids).
 
 Randomness is a pure function of (request seed, absolute position, purpose), so a request's
 samples do not depend on how it was batched or on the checkpoint strategy.
@@ -11,6 +16,7 @@ samples do not depend on how it was batched or on the checkpoint strategy.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +31,73 @@ PURPOSE_ACCEPT = 1
 
 # Per-row sampling parameters: the host batches' ``SamplingRows`` (temperature [B] float32,
 # 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; seed [B] uint32; min_len [B] and
-# mask_ids [B, M]; bias_ids / bias_values [B, K]), as a pytree.
+# mask_ids [B, M]; bias_ids / bias_values [B, K]; frequency / presence / repetition
+# penalties [B] float32; constrained [B] bool: the row has a grammar), as a pytree.
 SamplingArrays = SamplingRows
 jax.tree_util.register_dataclass(
     SamplingArrays,
     data_fields=[f.name for f in dataclasses.fields(SamplingArrays)],
     meta_fields=[],
 )
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenHistory:
+    """What the penalties see at each position: the outputs before it and the prompt."""
+
+    output_counts: jax.Array  # [B, T, V] int32: times each token was output before position t
+    in_prompt: jax.Array  # [B, V] bool: the prompt holds the token
+
+
+def verify_history(output_counts, in_prompt, drafts, num_pos: int) -> TokenHistory:
+    """The history at the D verify positions: the row's counts ([B, V], every output so far)
+    plus the drafts before each position (drafts [B, D-1]: position j is reached only with
+    drafts 0..j-1 accepted, so they are outputs by then)."""
+    vocab = output_counts.shape[-1]
+    draft_counts = jnp.cumsum(jax.nn.one_hot(drafts, vocab, dtype=jnp.int32), axis=1)
+    counts = jnp.concatenate([output_counts[:, None], output_counts[:, None] + draft_counts], 1)
+    return TokenHistory(output_counts=counts[:, :num_pos], in_prompt=in_prompt)
+
+
+def penalized_logits(logits: jax.Array, params: SamplingArrays, history: TokenHistory):
+    """[B, T, V] float32 logits with each row's penalties applied: a token of the prompt or
+    of the outputs so far has its logit divided by repetition_penalty when positive and
+    multiplied by it otherwise; then frequency * count and presence * (count > 0) are
+    subtracted (counts of outputs only). Rows with penalties (0, 0, 1) are unchanged."""
+    counts = history.output_counts
+    seen = (counts > 0) | history.in_prompt[:, None]
+    repetition = params.repetition_penalty[:, None, None]
+    repeated = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    logits = jnp.where(seen, repeated, logits)
+    frequency = params.frequency_penalty[:, None, None] * counts.astype(jnp.float32)
+    presence = params.presence_penalty[:, None, None] * (counts > 0).astype(jnp.float32)
+    return logits - frequency - presence
+
+
+def biased_logits(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """[B, T, V] logits plus each row's logit bias (at most MAX_LOGIT_BIAS tokens)."""
+    batch, _, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # vocab: dropped
+    bias = (
+        jnp.zeros((batch, vocab), jnp.float32)
+        .at[rows, bias_ids]
+        .add(params.bias_values, mode="drop")
+    )
+    return logits + bias[:, None]
+
+
+def min_tokens_masked(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
+    """[B, T, V] logits at positions [B, T] with the row's EOS / stop ids at -inf where it
+    has fewer than min_new_tokens outputs (the token sampled at position p is output number
+    p + 1 - prompt length)."""
+    batch, _, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    mask_ids = jnp.where(params.mask_ids >= 0, params.mask_ids, vocab)
+    masked = jnp.zeros((batch, vocab), bool).at[rows, mask_ids].set(True, mode="drop")
+    early = (positions + 1 < params.min_len[:, None])[..., None]  # [B, T, 1]
+    return jnp.where(early & masked[:, None], NEG_INF, logits)
 
 
 def _filtered_logits(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
@@ -57,29 +123,6 @@ def _key(seed, position, purpose):
     return jax.random.fold_in(key, purpose)
 
 
-def _biased(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """[B, T, V] float32 logits with each row's logit bias added."""
-    batch, _, vocab = logits.shape
-    rows = jnp.arange(batch)[:, None]
-    bias_ids = jnp.where(params.bias_ids >= 0, params.bias_ids, vocab)  # vocab: dropped
-    bias = (
-        jnp.zeros((batch, vocab), jnp.float32)
-        .at[rows, bias_ids]
-        .add(params.bias_values, mode="drop")
-    )
-    return logits.astype(jnp.float32) + bias[:, None]
-
-
-def _min_tokens_masked(logits: jax.Array, params: SamplingArrays, positions) -> jax.Array:
-    """EOS / stop ids at -inf where the row has fewer than min_new_tokens outputs."""
-    batch, _, vocab = logits.shape
-    rows = jnp.arange(batch)[:, None]
-    mask_ids = jnp.where(params.mask_ids >= 0, params.mask_ids, vocab)
-    masked = jnp.zeros((batch, vocab), bool).at[rows, mask_ids].set(True, mode="drop")
-    early = (positions + 1 < params.min_len[:, None])[..., None]  # [B, T, 1]
-    return jnp.where(early & masked[:, None], NEG_INF, logits)
-
-
 def grammar_masked(logits: jax.Array, allowed: jax.Array | None, constrained) -> jax.Array:
     """[B, T, V] logits with the tokens outside each constrained row's bitmask at -inf.
 
@@ -100,25 +143,35 @@ def grammar_masked(logits: jax.Array, allowed: jax.Array | None, constrained) ->
 
 
 def processed_logits(
-    logits: jax.Array, params: SamplingArrays, positions, allowed: jax.Array | None = None
+    logits: jax.Array,
+    params: SamplingArrays,
+    positions,
+    history: TokenHistory | None = None,
+    allowed: jax.Array | None = None,
 ) -> jax.Array:
-    """[B, T, V] logits at absolute positions [B, T], processed stage by stage: each row's
-    logit bias added; its EOS / stop ids at -inf where the row has fewer than
-    min_new_tokens outputs (the token sampled at position p is output number p + 1 -
-    prompt length); for rows with a grammar, the tokens outside ``allowed`` [B, T, W] at
-    -inf."""
-    logits = _biased(logits, params)
-    logits = _min_tokens_masked(logits, params, positions)
+    """[B, T, V] logits at absolute positions [B, T], float32, through every stage:
+    penalties (given the ``history``; None: no penalties), logit bias, min_new_tokens, then
+    for rows with a grammar the tokens outside ``allowed`` [B, T, W] at -inf (None: no
+    grammar masks)."""
+    logits = logits.astype(jnp.float32)
+    if history is not None:
+        logits = penalized_logits(logits, params, history)
+    logits = biased_logits(logits, params)
+    logits = min_tokens_masked(logits, params, positions)
     return grammar_masked(logits, allowed, params.constrained)
 
 
 def target_probs(
-    logits: jax.Array, params: SamplingArrays, positions, allowed: jax.Array | None = None
+    logits: jax.Array,
+    params: SamplingArrays,
+    positions,
+    history: TokenHistory | None = None,
+    allowed: jax.Array | None = None,
 ) -> jax.Array:
     """The sampling distribution per position: [B, T, V] logits at positions [B, T] -> probs
-    of the processed logits (greedy rows: one-hot at their argmax); ``allowed``: the
-    grammar bitmasks [B, T, W] (see ``grammar_masked``)."""
-    logits = processed_logits(logits, params, positions, allowed)
+    of the processed logits (greedy rows: one-hot at their argmax); ``history`` the
+    penalties' view, ``allowed`` the grammar bitmasks [B, T, W] (see ``grammar_masked``)."""
+    logits = processed_logits(logits, params, positions, history, allowed)
     t = params.temperature[:, None]
     filtered = _filtered_logits(logits, t, params.top_p[:, None], params.top_k[:, None])
     probs = jax.nn.softmax(filtered, axis=-1)
@@ -134,11 +187,19 @@ def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE) -> jax
     return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
 
 
-def verify_and_sample(logits, drafts, positions, params: SamplingArrays, allowed=None):
+def verify_and_sample(
+    logits,
+    drafts,
+    positions,
+    params: SamplingArrays,
+    history: TokenHistory | None = None,
+    allowed=None,
+):
     """Accept a chain of drafts against the target and sample the bonus token.
 
     logits [B, D, V] at the D verify positions; drafts [B, D-1] (the proposals for positions
-    1..D-1); positions [B, D] absolute positions of the verify inputs. The draft is one-hot
+    1..D-1); positions [B, D] absolute positions of the verify inputs; ``history`` the
+    penalties' view at each position (``verify_history``; None: no penalties). The draft is one-hot
     (argmax of the draft head), so rejection sampling accepts draft d at step i with
     probability p_i(d) and, on rejection, resamples from p_i with d removed; greedy rows
     accept iff d is the target argmax. Returns (tokens [B, D], accept_len [B]) where
@@ -147,7 +208,7 @@ def verify_and_sample(logits, drafts, positions, params: SamplingArrays, allowed
     (a draft outside its position's mask has probability 0 and is rejected).
     """
     batch, num_pos, _ = logits.shape
-    probs = target_probs(logits, params, positions, allowed)  # [B, D, V]
+    probs = target_probs(logits, params, positions, history, allowed)  # [B, D, V]
     num_drafts = num_pos - 1
     greedy = (params.temperature == 0)[:, None]
     if num_drafts > 0:

@@ -160,6 +160,8 @@ class ShardingPlan:
             last_token=self.replicated,
             drafts=self.replicated,
             req_to_token=self.replicated,
+            output_counts=self.replicated,
+            in_prompt=self.replicated,
             vocab_mask=self.replicated,
         )
 

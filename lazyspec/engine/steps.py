@@ -34,11 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.engine.sampling import (
+    TokenHistory,
     sample_from,
     target_probs,
     token_logprobs,
     top_logprobs,
     verify_and_sample,
+    verify_history,
 )
 from lazyspec.engine.shard_kernels import per_shard
 from lazyspec.engine.sharding import ShardingPlan
@@ -51,8 +53,9 @@ from lazyspec.models.interface import (
     StateRows,
     StepStates,
 )
-from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch
+from lazyspec.scheduler.batch import CountSeed, DecodeBatch, ExtendBatch
 from lazyspec.scheduler.layout import NULL_SLOT
+from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NO_STEP = -1  # state_scatter: this row writes nothing
 
@@ -68,6 +71,10 @@ class Pools:
     last_token: jax.Array  # [max_reqs + 1] int32, next input token
     drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
     req_to_token: jax.Array  # [max_reqs + 1, context_len] int32, the host table's copy
+    # the penalties' token history per request row: exact for a request with penalties
+    # (seeded when it is admitted, ``seed_counts``); other rows' values are never used
+    output_counts: jax.Array  # [max_reqs + 1, vocab] int32, times each token was output
+    in_prompt: jax.Array  # [max_reqs + 1, vocab] bool, the prompt holds the token
     # allowed-token bitmasks of the rows with a grammar, per verify position (xgrammar's
     # int32 words), written by the host before each step that reads them
     vocab_mask: jax.Array  # [max_reqs + 1, D, ceil(V / 32)] int32
@@ -75,7 +82,7 @@ class Pools:
 
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
 # pytrees here, moved to the device packed (``pack_batch``) and unpacked in the step.
-for _batch in (ExtendBatch, DecodeBatch):
+for _batch in (ExtendBatch, DecodeBatch, CountSeed):
     jax.tree_util.register_dataclass(
         _batch, data_fields=[f.name for f in dataclasses.fields(_batch)], meta_fields=[]
     )
@@ -170,6 +177,71 @@ def apply_table_updates(table: jax.Array, updates: jax.Array) -> jax.Array:
     whose row is the drop sentinel (one past the table) write nothing. Each (row, position)
     occurs once, so the result does not depend on the scatter's order."""
     return table.at[updates[0], updates[1]].set(updates[2], mode="drop")
+
+
+def seed_counts(
+    output_counts: jax.Array, in_prompt: jax.Array, seed: CountSeed
+) -> tuple[jax.Array, jax.Array]:
+    """Write one ``CountSeed`` into the token-count pools (both donated): zero its row first
+    when ``seed.reset``, then set its tokens' counts and prompt marks. A seed of the
+    drop-sentinel row writes nothing."""
+    drop_row = output_counts.shape[0]
+    reset_row = jnp.where(seed.reset, seed.req_row, drop_row)
+    output_counts = output_counts.at[reset_row].set(0, mode="drop")
+    in_prompt = in_prompt.at[reset_row].set(False, mode="drop")
+    token_ids = jnp.where(seed.token_ids >= 0, seed.token_ids, output_counts.shape[1])
+    output_counts = output_counts.at[seed.req_row, token_ids].set(seed.output_counts, mode="drop")
+    in_prompt = in_prompt.at[seed.req_row, token_ids].set(seed.in_prompt, mode="drop")
+    return output_counts, in_prompt
+
+
+def _count_outputs(output_counts: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``output_counts[rows[b], tokens[b, t]] += 1`` for every token >= 0 (-1: none; rows at
+    the drop sentinel write nothing)."""
+    tokens = jnp.where(tokens >= 0, tokens, output_counts.shape[1])
+    return output_counts.at[rows[:, None], tokens].add(1, mode="drop")
+
+
+PROMPT_LOGPROB_BLOCK = 256  # positions whose logits a prompt-logprob pass holds at once
+
+
+def _prompt_logprobs(fam, cfg, params, hidden, batch: ExtendBatch, positions):
+    """Logprobs (raw logits, temperature 1) of each chunk position's next prompt token and
+    the position's top alternatives: ([B, T], [B, T, K], [B, T, K]). Computed only when a
+    row asks (``logprob_start``), over blocks of positions so that the logits of a whole
+    chunk are never held; zeros otherwise."""
+    num_rows, num_tokens = batch.tokens.shape
+    targets = jnp.concatenate([batch.tokens[:, 1:], batch.next_token[:, None]], axis=1)
+    t_idx = jnp.arange(num_tokens)[None, :]
+    wanted = (positions + 1 >= batch.logprob_start[:, None]) & (t_idx < batch.num_new[:, None])
+    block = math.gcd(num_tokens, PROMPT_LOGPROB_BLOCK)
+    num_blocks = num_tokens // block
+
+    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
+        x = x.reshape(num_rows, num_blocks, block, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def unblock(x):
+        return jnp.moveaxis(x, 0, 1).reshape(num_rows, num_tokens, *x.shape[3:])
+
+    def one_block(args):
+        hidden_block, target_block = args
+        logits = fam.compute_logits(params, cfg, hidden_block)
+        values, ids = top_logprobs(logits)
+        return token_logprobs(logits, target_block), values, ids
+
+    def compute(_):
+        out = jax.lax.map(one_block, (blocks(hidden), blocks(targets)))
+        return tuple(unblock(x) for x in out)
+
+    def skip(_):
+        return (
+            jnp.zeros((num_rows, num_tokens), jnp.float32),
+            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.float32),
+            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.int32),
+        )
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip, None)
 
 
 def apply_vocab_masks(vocab_mask: jax.Array, rows: jax.Array, masks: jax.Array) -> jax.Array:
@@ -272,9 +344,13 @@ def extend_step(
     with jax.named_scope("lm_head"):
         logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
     last_pos = batch.start_pos + last
+    read_row = jnp.where(batch.req_row <= static.max_reqs, batch.req_row, 0)
+    history = TokenHistory(
+        output_counts=pools.output_counts[read_row][:, None], in_prompt=pools.in_prompt[read_row]
+    )
     allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_reqs), :1]  # [B, 1, W]
     with jax.named_scope("sampling"):
-        probs = target_probs(logits, batch.sampling, last_pos[:, None], allowed)[:, 0]
+        probs = target_probs(logits, batch.sampling, last_pos[:, None], history, allowed)[:, 0]
         token = sample_from(probs, batch.sampling.seed, last_pos)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
@@ -282,6 +358,7 @@ def extend_step(
     seq_len = pools.seq_len.at[row].set(batch.start_pos + batch.num_new, mode="drop")
     done_row = jnp.where(real & batch.is_last_chunk, batch.req_row, sentinel_row)
     last_token = pools.last_token.at[done_row].set(token, mode="drop")
+    output_counts = _count_outputs(pools.output_counts, done_row, token[:, None])
     drafts, mtp_kv = pools.drafts, pools.mtp_kv
     new_drafts = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
@@ -303,7 +380,8 @@ def extend_step(
             real & batch.is_last_chunk,
         )
         drafts = drafts.at[done_row].set(new_drafts, mode="drop")
-    new_pools = Pools(
+    new_pools = dataclasses.replace(
+        pools,
         kv=kv,
         mtp_kv=mtp_kv,
         conv=conv,
@@ -312,15 +390,23 @@ def extend_step(
         last_token=last_token,
         drafts=drafts,
         req_to_token=table,
+        output_counts=output_counts,
         vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
+    with jax.named_scope("prompt_logprobs"):
+        prompt_lp, prompt_top, prompt_top_ids = _prompt_logprobs(
+            fam, cfg, params, hidden, batch, positions
+        )
     outputs = {
         "token": token,
         "logprob": logprob,
         "top_logprobs": top_values,
         "top_ids": top_ids,
+        "prompt_logprobs": prompt_lp,
+        "prompt_top_logprobs": prompt_top,
+        "prompt_top_ids": prompt_top_ids,
         "drafts": new_drafts,  # the next verify's drafts (grammar rows' masks need them)
     }
     return outputs, new_pools
@@ -402,10 +488,11 @@ def decode_step(
         )
     with jax.named_scope("lm_head"):
         logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
+    history = verify_history(pools.output_counts[row], pools.in_prompt[row], drafts, num_pos)
     with jax.named_scope("sampling"):
         allowed = pools.vocab_mask[row]  # [B, D, W]
         out_tokens, accept_len = verify_and_sample(
-            logits, drafts, positions, batch.sampling, allowed
+            logits, drafts, positions, batch.sampling, history, allowed
         )
         logprobs = token_logprobs(logits, out_tokens)
     # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
@@ -427,6 +514,7 @@ def decode_step(
     bonus = out_tokens[rows, accept_len - 1]
     seq_len = pools.seq_len.at[dest].set(post, mode="drop")
     last_token = pools.last_token.at[dest].set(bonus, mode="drop")
+    output_counts = _count_outputs(pools.output_counts, dest, out_tokens)
     new_drafts, mtp_kv = pools.drafts, pools.mtp_kv
     chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
@@ -446,7 +534,8 @@ def decode_step(
             real,
         )
         new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
-    new_pools = Pools(
+    new_pools = dataclasses.replace(
+        pools,
         kv=kv,
         mtp_kv=mtp_kv,
         conv=conv,
@@ -455,6 +544,7 @@ def decode_step(
         last_token=last_token,
         drafts=new_drafts,
         req_to_token=table,
+        output_counts=output_counts,
         vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):

@@ -28,6 +28,9 @@ from lazyspec.scheduler.request import (
 
 # the per-row masked-id list: a request's stop_token_ids and the model's EOS ids
 MASK_IDS = 2 * MAX_MIN_TOKENS_STOP_IDS
+# distinct token ids one CountSeed carries (a longer history takes several)
+COUNT_SEED_TOKENS = 1024
+NO_PROMPT_LOGPROBS = 2**30  # ExtendBatch.logprob_start of a row that wants none
 
 
 @dataclass
@@ -42,6 +45,10 @@ class SamplingRows:
     mask_ids: np.ndarray  # [B, MASK_IDS] int32
     bias_ids: np.ndarray  # [B, MAX_LOGIT_BIAS] int32, -1 = none
     bias_values: np.ndarray  # [B, MAX_LOGIT_BIAS] float32, added to the logits
+    # penalties over the request row's token counts (off: 0, 0, 1)
+    frequency_penalty: np.ndarray  # [B] float32
+    presence_penalty: np.ndarray  # [B] float32
+    repetition_penalty: np.ndarray  # [B] float32
     # the row has a grammar: its logits outside the allowed-token bitmask (the device's
     # ``Pools.vocab_mask`` row, written by the host before the step) are -inf
     constrained: np.ndarray  # [B] bool
@@ -61,6 +68,8 @@ class ExtendBatch:
     copy_slot: np.ndarray  # [B] also receives the final state (sentinel = none)
     is_last_chunk: np.ndarray  # [B] bool: the prompt ends in this chunk (sample + draft)
     next_token: np.ndarray  # [B] first token of the next chunk (MTP input), when not last
+    # logprobs of the chunk's next tokens from this token index on (NO_PROMPT_LOGPROBS: none)
+    logprob_start: np.ndarray  # [B] int32
     sampling: SamplingRows
 
 
@@ -99,6 +108,9 @@ class SamplingRow:
     mask_ids: np.ndarray  # [MASK_IDS] int32
     bias_ids: np.ndarray  # [MAX_LOGIT_BIAS] int32
     bias_values: np.ndarray  # [MAX_LOGIT_BIAS] float32
+    frequency_penalty: np.float32
+    presence_penalty: np.float32
+    repetition_penalty: np.float32
     constrained: bool  # the request has a grammar
 
 
@@ -130,6 +142,9 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         mask_ids,
         bias_ids,
         bias_values,
+        np.float32(params.frequency_penalty),
+        np.float32(params.presence_penalty),
+        np.float32(params.repetition_penalty),
         req.grammar is not None,
     )
 
@@ -144,6 +159,9 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
         bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
         bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
+        frequency_penalty=np.zeros(num_rows, np.float32),
+        presence_penalty=np.zeros(num_rows, np.float32),
+        repetition_penalty=np.ones(num_rows, np.float32),
         constrained=np.zeros(num_rows, bool),
     )
     for b, req in enumerate(reqs):
@@ -156,8 +174,63 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         rows.mask_ids[b] = row.mask_ids
         rows.bias_ids[b] = row.bias_ids
         rows.bias_values[b] = row.bias_values
+        rows.frequency_penalty[b] = row.frequency_penalty
+        rows.presence_penalty[b] = row.presence_penalty
+        rows.repetition_penalty[b] = row.repetition_penalty
         rows.constrained[b] = row.constrained
     return rows
+
+
+@dataclass
+class CountSeed:
+    """Part of one request row's token history, written into the device's token-count pools
+    before a step (``count_seeds``): a fixed number of distinct token ids (-1 = padding)
+    with their output counts and whether the prompt holds them."""
+
+    req_row: np.ndarray  # [] int32
+    reset: np.ndarray  # [] bool: zero the row first (the request's first seed)
+    token_ids: np.ndarray  # [COUNT_SEED_TOKENS] int32, -1 = padding
+    output_counts: np.ndarray  # [COUNT_SEED_TOKENS] int32, times output so far
+    in_prompt: np.ndarray  # [COUNT_SEED_TOKENS] bool
+
+
+def count_seeds(req: Req) -> list[CountSeed]:
+    """The seeds that set ``req``'s row of the token-count pools to its history: the prompt
+    (``input_ids``) marked and the outputs so far (a request resumed after a retraction
+    has some) counted. The first resets the row; at least one seed is returned."""
+    prompt = np.asarray(req.input_ids, np.int64)
+    outputs = np.asarray(req.output_ids, np.int64)
+    token_ids = np.union1d(prompt, outputs)
+    output_ids, counts = np.unique(outputs, return_counts=True)
+    output_counts = np.zeros(token_ids.size, np.int32)
+    output_counts[np.searchsorted(token_ids, output_ids)] = counts
+    in_prompt = np.isin(token_ids, prompt)
+    seeds = []
+    for start in range(0, max(token_ids.size, 1), COUNT_SEED_TOKENS):
+        stop = min(start + COUNT_SEED_TOKENS, token_ids.size)
+        seed = CountSeed(
+            req_row=np.asarray(req.req_row, np.int32),
+            reset=np.asarray(start == 0),
+            token_ids=np.full(COUNT_SEED_TOKENS, -1, np.int32),
+            output_counts=np.zeros(COUNT_SEED_TOKENS, np.int32),
+            in_prompt=np.zeros(COUNT_SEED_TOKENS, bool),
+        )
+        seed.token_ids[: stop - start] = token_ids[start:stop]
+        seed.output_counts[: stop - start] = output_counts[start:stop]
+        seed.in_prompt[: stop - start] = in_prompt[start:stop]
+        seeds.append(seed)
+    return seeds
+
+
+def empty_count_seed(layout: Layout) -> CountSeed:
+    """A seed that writes nothing (the drop-sentinel row; warm-up compiles with it)."""
+    return CountSeed(
+        req_row=np.asarray(layout.sentinel_row, np.int32),
+        reset=np.asarray(False),
+        token_ids=np.full(COUNT_SEED_TOKENS, -1, np.int32),
+        output_counts=np.zeros(COUNT_SEED_TOKENS, np.int32),
+        in_prompt=np.zeros(COUNT_SEED_TOKENS, bool),
+    )
 
 
 def table_updates(layout: Layout, updates: np.ndarray | None, length: int) -> np.ndarray:
@@ -210,6 +283,7 @@ def build_extend(
         copy_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         is_last_chunk=np.zeros(num_rows, bool),
         next_token=np.zeros(num_rows, np.int32),
+        logprob_start=np.full(num_rows, NO_PROMPT_LOGPROBS, np.int32),
         sampling=_sampling(num_rows, reqs),
     )
     for b, record in enumerate(records):
@@ -228,6 +302,8 @@ def build_extend(
         batch.is_last_chunk[b] = record.is_last_chunk
         if not record.is_last_chunk:
             batch.next_token[b] = req.fill_ids[start + num_new]
+        if req.next_prompt_logprob is not None:
+            batch.logprob_start[b] = req.next_prompt_logprob
     return batch
 
 

@@ -16,6 +16,8 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # inclusive, as OpenAI's
 # stop_token_ids a request with min_new_tokens > 0 may give: they and the model's EOS ids
 # are masked on the device, in a fixed-width per-row list
 MAX_MIN_TOKENS_STOP_IDS = 16
+PENALTY_RANGE = (-2.0, 2.0)  # inclusive: frequency_penalty and presence_penalty, as OpenAI's
+REPETITION_PENALTY_MAX = 2.0  # repetition_penalty in (0, this], as SGLang's
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # constrained decoding, at most one
 
 
@@ -30,6 +32,12 @@ class SamplingParams:
     seed: int | None = None
     min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits
+    # OpenAI: minus frequency * (times the token was output) and presence * (output at all)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # SGLang / HF: a token of the prompt or the outputs has its logit divided by this when
+    # positive, multiplied when not (1 = off)
+    repetition_penalty: float = 1.0
     # constrained decoding (at most one): a JSON schema, a regex or an EBNF grammar, as text
     json_schema: str | None = None
     regex: str | None = None
@@ -48,6 +56,9 @@ class SamplingParams:
             "seed",
             "min_new_tokens",
             "logit_bias",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
             "json_schema",
             "regex",
             "ebnf",
@@ -106,7 +117,27 @@ class SamplingParams:
                 f"(got {len(self.stop_token_ids)})"
             )
         _validate_logit_bias(self.logit_bias, vocab_size)
+        low, high = PENALTY_RANGE
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not low <= value <= high:
+                raise ValueError(f"{name}={value!r} must be a number in [{low}, {high}]")
+        value = self.repetition_penalty
+        if not _is_real(value) or not 0 < value <= REPETITION_PENALTY_MAX:
+            raise ValueError(
+                f"repetition_penalty={value!r} must be a number in (0, {REPETITION_PENALTY_MAX}]"
+            )
         _validate_grammar(self)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a frequency, presence or repetition penalty changes the logits (the
+        request's row of the token-count pools must then be exact)."""
+        return (
+            self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
 
 def _validate_grammar(params: SamplingParams) -> None:
@@ -193,6 +224,10 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     return_logprob: bool = False
+    # prompt logprobs from this token index on (None: none); token 0 has none
+    logprob_start_len: int | None = None
+    input_logprobs: list[float] = field(default_factory=list)  # from max(start, 1) on
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     arrival: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -227,5 +262,22 @@ class Req:
         return self.input_ids + self.output_ids
 
     @property
+    def next_prompt_logprob(self) -> int | None:
+        """Index of the next prompt token whose logprob is still to be computed (a prefill
+        computes it at the position before); None when none is (left)."""
+        if self.logprob_start_len is None:
+            return None
+        index = max(self.logprob_start_len, 1) + len(self.input_logprobs)
+        return index if index < len(self.input_ids) else None
+
+    @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+
+def input_token_logprobs(req: Req) -> list[tuple[float | None, int]]:
+    """(logprob, token id) of ``req``'s prompt from its ``logprob_start_len`` on (computed so
+    far); the first prompt token has no logprob (None)."""
+    start = req.logprob_start_len
+    logprobs = [None] * (start == 0) + list(req.input_logprobs)
+    return list(zip(logprobs, req.input_ids[start:]))

@@ -30,10 +30,12 @@ import numpy as np
 
 from lazyspec.cache.radix_cache import MatchResult
 from lazyspec.scheduler.batch import (
+    CountSeed,
     DecodeBatch,
     ExtendBatch,
     build_decode,
     build_extend,
+    count_seeds,
     sampling_row,
     split_table_updates,
 )
@@ -54,6 +56,10 @@ class StepPlan:
     # request-table updates past the batch's own bucket, [3, layout.table_chunk_len] each,
     # applied on the device before the step (usually none)
     table_chunks: list[np.ndarray] = field(default_factory=list)
+    # the token histories of the rows admitted since the last plan (requests with
+    # penalties), written into the token-count pools before the step
+    count_seeds: list[CountSeed] = field(default_factory=list)
+    prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
     # allowed-token bitmasks of the rows with a grammar: request rows [n] and their masks
     # [n, D, W], written on the device before the step (none without grammar rows)
     mask_rows: np.ndarray | None = None
@@ -94,6 +100,7 @@ class Scheduler:
         self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
         self.token_ratio = token_ratio or NewTokenRatio()
         self.num_retractions = 0  # requests retracted to free KV for a decode step
+        self._count_seeds: list[CountSeed] = []  # admitted rows' histories, for the next plan
 
     # ------------------------------------------------------------------ queries
 
@@ -117,7 +124,10 @@ class Scheduler:
         if len(self.running) >= self.layout.max_running:
             return None
         fill_ids = req.all_ids
-        match = self.tree.match_prefix(fill_ids[:-1])
+        key = fill_ids[:-1]
+        if req.next_prompt_logprob is not None:  # its logits come from the position before
+            key = key[: req.next_prompt_logprob - 1]
+        match = self.tree.match_prefix(key)
         num_slots = self.policy.slots_needed()
         num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len)
         reserved = 0
@@ -163,6 +173,8 @@ class Scheduler:
         req.fill_len = req.seq_len = match.prefix_len
         req.phase = Phase.PREFILL
         self.running.append(req)
+        if req.sampling.has_penalties:  # the row's previous owner left its counts there
+            self._count_seeds += count_seeds(req)
         if not req.num_retractions:  # a resumed request is counted once, when first admitted
             self.num_admitted_tokens += len(admission.fill_ids)
             self.num_cached_tokens += match.prefix_len
@@ -215,8 +227,20 @@ class Scheduler:
                 req.seq_len = len(req.fill_ids)
         updates, chunks = self._table_updates(records)
         batch = build_extend(self.layout, records, updates)
+        seeds, self._count_seeds = self._count_seeds, []
+        wants = any(r.req.next_prompt_logprob is not None for r in records)
         sampled = [r.req for r in records if r.is_last_chunk]
-        return StepPlan("extend", records, batch, chunks, *self._grammar_masks(sampled))
+        mask_rows, mask_words = self._grammar_masks(sampled)
+        return StepPlan(
+            "extend",
+            records,
+            batch,
+            chunks,
+            count_seeds=seeds,
+            prompt_logprobs=wants,
+            mask_rows=mask_rows,
+            mask_words=mask_words,
+        )
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
         """Mutates: give every request of the next decode step the pages its writes may
@@ -299,7 +323,10 @@ class Scheduler:
             req.inflight_decode += 1
         updates, chunks = self._table_updates(records)
         batch = build_decode(self.layout, records, updates)
-        return StepPlan("decode", records, batch, chunks, *self._grammar_masks(reqs))
+        mask_rows, mask_words = self._grammar_masks(reqs)
+        return StepPlan(
+            "decode", records, batch, chunks, mask_rows=mask_rows, mask_words=mask_words
+        )
 
     def _grammar_masks(self, reqs: list[Req]) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The request rows and bitmasks [n, D, W] of the ``reqs`` with a grammar that a
@@ -341,6 +368,8 @@ class Scheduler:
             if req.finished or req.phase is Phase.WAITING:
                 continue  # finished, or retracted since this step was planned
             self.policy.settle_extend(record)
+            if req.next_prompt_logprob is not None:
+                _take_prompt_logprobs(req, record.start, record.num_new, results, b)
             if record.is_last_chunk:
                 self._cache_prefill_checkpoint(req, inflight)
                 if req.sampling.max_new_tokens == 0:
@@ -510,6 +539,18 @@ class Scheduler:
         length, slot = (donation.length, donation.slot) if donation else (0, NO_SLOT)
         taken = self.cache.cache_req(req, length, slot, finished=True)
         self.policy.release(req, kept=slot if taken else NO_SLOT)
+
+
+def _take_prompt_logprobs(req: Req, start: int, num_new: int, results, b: int) -> None:
+    """Mutates ``req``: append the logprobs of the prompt tokens this chunk's positions
+    predict (position q gives token q + 1), from its next missing one on."""
+    for q in range(start, start + num_new):
+        if q + 1 != req.next_prompt_logprob:
+            continue
+        t = q - start
+        req.input_logprobs.append(float(results["prompt_logprobs"][b, t]))
+        values, ids = results["prompt_top_logprobs"][b, t], results["prompt_top_ids"][b, t]
+        req.input_top_logprobs.append([(float(v), int(i)) for v, i in zip(values, ids)])
 
 
 def _top(results: dict[str, np.ndarray], b: int, i: int | None) -> list[tuple[float, int]]:

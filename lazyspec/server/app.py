@@ -161,8 +161,16 @@ class _Frontend:
                 code="queue_full",
                 error_type="server_overloaded",
             )
+        # copy j > 0 of a prompt waits for copy 0's prefill, then matches its checkpoint
         subs = [
-            Submission(f"req-{uuid.uuid4().hex}", i, ids, sampling)
+            Submission(
+                f"req-{uuid.uuid4().hex}",
+                i,
+                ids,
+                sampling,
+                i - i % spec.n if i % spec.n else None,
+                spec.logprob_start_len,
+            )
             for i, (ids, sampling) in enumerate(zip(spec.prompts, spec.sampling))
         ]
         group = RequestGroup(self.worker, subs)

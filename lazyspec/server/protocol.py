@@ -9,6 +9,7 @@ split a UTF-8 character and never show any part of a stop string.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -24,12 +25,15 @@ from lazyspec.scheduler.request import (
     MAX_LOGIT_BIAS,
     MAX_MIN_TOKENS_STOP_IDS,
     MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_MAX,
     SEED_RANGE,
     TOP_LOGPROBS,
     SamplingParams,
 )
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 128  # n: samples per prompt
 MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -87,7 +91,9 @@ def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """What every generation endpoint boils down to: one engine request per prompt."""
+    """What every generation endpoint boils down to: one engine request per choice, ``n``
+    per prompt, prompt-major (choice i samples prompt i // n; ``prompts``, ``prompt_texts``
+    and ``sampling`` hold one entry per choice)."""
 
     prompts: list[list[int]]
     prompt_texts: list[str | None]
@@ -98,6 +104,50 @@ class GenerationSpec:
     logprobs: int | None = None  # None: off; else how many alternatives were asked for
     echo: bool = False
     batched: bool = False
+    n: int = 1  # choices per prompt: copy j > 0 waits for copy 0's prefill (prefix cache)
+    logprob_start_len: int | None = None  # prompt logprobs from this token on (None: none)
+
+
+def _num_choices(body: dict, best_of: bool) -> int:
+    """``n`` in [1, MAX_CHOICES]; ``best_of`` (where the endpoint has it) may only equal n."""
+    n = _integer(body, "n", 1, 1, MAX_CHOICES)
+    if best_of:
+        value = _integer(body, "best_of", None)
+        if value is not None and value != n:
+            raise ApiError(
+                f"best_of={value} is not supported: only best_of = n ({n}) is (no server-side "
+                "ranking of extra samples)",
+                param="best_of",
+            )
+    return n
+
+
+def copy_seed(seed: int | None, copy: int) -> int | None:
+    """The seed of copy ``copy`` of a request seeded with ``seed``: copies differ in the low
+    32 bits the engine uses (for copy < 2**32) and stay in SEED_RANGE; None stays None (each
+    request's default seed differs already)."""
+    if seed is None or copy == 0:
+        return seed
+    shifted = seed + copy
+    return shifted if shifted <= SEED_RANGE[1] else shifted - 2**32
+
+
+def with_choices(spec: GenerationSpec) -> GenerationSpec:
+    """``spec`` (one entry per prompt) with each prompt repeated ``spec.n`` times, copy j's
+    seed ``copy_seed(seed, j)``."""
+    if spec.n == 1:
+        return spec
+    n, indices = spec.n, [i for i in range(len(spec.prompts)) for _ in range(spec.n)]
+    sampling = [
+        dataclasses.replace(spec.sampling[i], seed=copy_seed(spec.sampling[i].seed, k % n))
+        for k, i in enumerate(indices)
+    ]
+    return dataclasses.replace(
+        spec,
+        prompts=[spec.prompts[i] for i in indices],
+        prompt_texts=[spec.prompt_texts[i] for i in indices],
+        sampling=sampling,
+    )
 
 
 # ---------------------------------------------------------------- field readers
@@ -300,6 +350,24 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
     return tuple(pairs.items())
 
 
+def _penalties(body: dict) -> dict[str, float]:
+    """frequency_penalty and presence_penalty in [-2, 2] (OpenAI's range), repetition_penalty
+    in (0, 2] (SGLang's)."""
+    low, high = PENALTY_RANGE
+    out = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        out[name] = _number(body, name, 0.0)
+        if not low <= out[name] <= high:
+            raise ApiError(f"{name}={out[name]} must be in [{low}, {high}]", param=name)
+    out["repetition_penalty"] = value = _number(body, "repetition_penalty", 1.0)
+    if not 0 < value <= REPETITION_PENALTY_MAX:
+        raise ApiError(
+            f"repetition_penalty={value} must be in (0, {REPETITION_PENALTY_MAX}]",
+            param="repetition_penalty",
+        )
+    return out
+
+
 def _response_format(body: dict) -> dict[str, str]:
     """/v1 ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON
     object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``, as
@@ -379,6 +447,7 @@ def _sampling(
             param="stop_token_ids",
         )
     logit_bias = _logit_bias(body, limits)
+    penalties = _penalties(body)
     out = []
     for ids in prompts:
         room = limits.max_context - len(ids)
@@ -404,18 +473,11 @@ def _sampling(
                 seed=seed,
                 min_new_tokens=min_new,
                 logit_bias=logit_bias,
+                **penalties,
                 **(grammar or {}),
             )
         )
     return out
-
-
-def _unsupported(body: dict) -> None:
-    if _integer(body, "n", 1) != 1 or _integer(body, "best_of", 1) != 1:
-        raise ApiError("only n=1 (and best_of=1) is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise ApiError(f"{name} is not supported (must be 0)", param=name)
 
 
 def _include_usage(body: dict) -> bool:
@@ -433,12 +495,12 @@ def _include_usage(body: dict) -> bool:
 def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
     """POST /v1/completions."""
     _check_model(body, limits)
-    _unsupported(body)
+    n = _num_choices(body, best_of=True)
     if "prompt" not in body:
         raise ApiError("prompt is required", param="prompt")
     prompts, texts, _ = parse_prompts(body["prompt"], tokenizer, limits, "prompt")
     max_new = _integer(body, "max_tokens", 16, 1, limits.max_context)
-    return GenerationSpec(
+    spec = GenerationSpec(
         prompts,
         texts,
         _sampling(
@@ -447,15 +509,18 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
-        _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
-        _boolean(body, "echo", False),
+        logprobs := _integer(body, "logprobs", None, 0, MAX_LOGPROBS),
+        echo := _boolean(body, "echo", False),
+        n=n,
+        logprob_start_len=0 if echo and logprobs is not None else None,
     )
+    return with_choices(spec)
 
 
 def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> GenerationSpec:
     """POST /v1/chat/completions; ``template`` renders the messages (a ChatTemplate)."""
     _check_model(body, limits)
-    _unsupported(body)
+    n = _num_choices(body, best_of=False)
     messages = parse_messages(body.get("messages"))
     _check_text_len(sum(len(m["content"]) for m in messages), limits, "messages")
     prompt = _encode(template.render(messages), tokenizer, limits, "messages", special=False)
@@ -466,7 +531,7 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     want = _boolean(body, "logprobs", False)
     if top is not None and not want:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
-    return GenerationSpec(
+    spec = GenerationSpec(
         [prompt],
         [None],
         _sampling(
@@ -476,7 +541,9 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
         _boolean(body, "stream", False),
         _include_usage(body),
         (top or 0) if want else None,
+        n=n,
     )
+    return with_choices(spec)
 
 
 def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec:
@@ -508,6 +575,9 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "seed",
         "min_new_tokens",
         "logit_bias",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
         "json_schema",
         "regex",
         "ebnf",
@@ -518,10 +588,19 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     unknown = sorted(set(params) - known)
     if unknown:
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
-    _unsupported(params)
+    n = _num_choices(params, best_of=False)
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
     top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
-    return GenerationSpec(
+    return_logprob = _boolean(body, "return_logprob", False)
+    start = _integer(body, "logprob_start_len", -1, -1, limits.max_context)
+    shortest = min(len(ids) for ids in prompts)
+    if return_logprob and start >= shortest:
+        raise ApiError(
+            f"logprob_start_len={start} must be -1 (no prompt logprobs) or in [0, {shortest}) "
+            "(the prompt's length)",
+            param="logprob_start_len",
+        )
+    spec = GenerationSpec(
         prompts,
         texts,
         _sampling(
@@ -535,9 +614,12 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         ),
         _stop_strings(params),
         _boolean(body, "stream", False),
-        logprobs=top if _boolean(body, "return_logprob", False) else None,
-        batched=batched,
+        logprobs=top if return_logprob else None,
+        batched=batched or n > 1,  # SGLang answers n > 1 with a list
+        n=n,
+        logprob_start_len=start if return_logprob and start >= 0 else None,
     )
+    return with_choices(spec)
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:

@@ -25,6 +25,9 @@ class Choice:
         self.cached_tokens = self.spec_verify_ct = 0
         self.finish_reason: dict[str, Any] | None = None
         self.error: ApiError | None = None  # the engine ended this request with an error
+        # prompt logprobs (logprob_start_len): (logprob, id) pairs and each one's top pairs
+        self.input_logprobs: list[tuple[float | None, int]] | None = None
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
     def apply(self, event: TokenEvent) -> str:
         """Take one event; returns the new text that may be shown."""
@@ -32,6 +35,9 @@ class Choice:
         self.logprobs += event.logprobs
         self.top_logprobs += event.top_logprobs
         self.cached_tokens, self.spec_verify_ct = event.cached_tokens, event.spec_verify_ct
+        if event.input_logprobs is not None:
+            self.input_logprobs = event.input_logprobs
+            self.input_top_logprobs = event.input_top_logprobs
         final = event.finish_reason is not None
         delta = self.text.push(event.token_ids, final=final)
         if self.text.stopped is not None:
@@ -64,14 +70,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    prompt = sum(c.prompt_tokens for c in choices)
+def usage(choices: list[Choice], n: int = 1) -> dict[str, Any]:
+    """Token counts of ``choices`` (``n`` per prompt, prompt-major): each prompt counted
+    once, with the most of it any of its choices found cached; every choice's outputs."""
+    groups = [choices[i : i + n] for i in range(0, len(choices), n)]
+    prompt = sum(group[0].prompt_tokens for group in groups)
+    cached = sum(max(c.cached_tokens for c in group) for group in groups)
     completion = sum(len(c.token_ids) for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -111,8 +121,8 @@ class _Renderer:
             "choices": choices,
         }
 
-    def usage_chunk(self, choices: list[Choice]) -> str:
-        return sse({**self.envelope([]), "usage": usage(choices)})
+    def usage_chunk(self, choices: list[Choice], object_name: str | None = None) -> str:
+        return sse({**self.envelope([], object_name), "usage": usage(choices, self.spec.n)})
 
 
 class CompletionRenderer(_Renderer):
@@ -149,6 +159,15 @@ class CompletionRenderer(_Renderer):
             text = self.tokenizer.decode(self.spec.prompts[index])
         return text or ""
 
+    def echoed_logprobs(self, index: int, choice: Choice) -> tuple[list, list, list]:
+        """The echoed prompt's (ids, logprobs, tops): computed on the prompt (the first
+        token's logprob null), or all null when the engine sent none."""
+        ids = self.spec.prompts[index]
+        if choice.input_logprobs is None:
+            return list(ids), [None] * len(ids), [[]] * len(ids)
+        tops = [top or [] for top in choice.input_top_logprobs]
+        return list(ids), [lp for lp, _ in choice.input_logprobs], tops
+
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         out = []
         for i, c in enumerate(choices):
@@ -157,9 +176,8 @@ class CompletionRenderer(_Renderer):
             if self.spec.logprobs is not None:
                 ids, lps, tops = c.token_ids, list(c.logprobs), list(c.top_logprobs)
                 if self.spec.echo:
-                    echoed = len(self.spec.prompts[i])
-                    ids, lps = self.spec.prompts[i] + ids, [None] * echoed + lps
-                    tops = [[]] * echoed + tops
+                    echo_ids, echo_lps, echo_tops = self.echoed_logprobs(i, c)
+                    ids, lps, tops = echo_ids + ids, echo_lps + lps, echo_tops + tops
                 logprobs = self.logprobs(ids, lps, tops, 0)
             out.append(
                 {
@@ -169,14 +187,18 @@ class CompletionRenderer(_Renderer):
                     "finish_reason": _openai_finish(c),
                 }
             )
-        return {**self.envelope(out), "usage": usage(choices)}
+        return {**self.envelope(out), "usage": usage(choices, self.spec.n)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
-        if self.spec.echo:
-            for i in range(len(choices)):
-                yield sse(self.envelope([self._chunk(i, self.prompt_text(i), None, None)]))
+        echoed: set[int] = set()
         async for i, delta, event in events:
             c = choices[i]
+            if self.spec.echo and i not in echoed:  # after its first event: its logprobs
+                echoed.add(i)
+                echo_logprobs = None
+                if self.spec.logprobs is not None:
+                    echo_logprobs = self.logprobs(*self.echoed_logprobs(i, c), 0)
+                yield sse(self.envelope([self._chunk(i, self.prompt_text(i), echo_logprobs, None)]))
             logprobs = None
             if self.spec.logprobs is not None:
                 logprobs = self.logprobs(
@@ -218,24 +240,27 @@ class ChatRenderer(_Renderer):
         return None if self.spec.logprobs is None else self.logprobs(token_ids, logprobs, tops)
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
-        c = choices[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text.text},
-            "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
-            "finish_reason": _openai_finish(c),
-        }
-        return {**self.envelope([choice]), "usage": usage(choices)}
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text.text},
+                "logprobs": self._logprobs_or_none(c.token_ids, c.logprobs, c.top_logprobs),
+                "finish_reason": _openai_finish(c),
+            }
+            for i, c in enumerate(choices)
+        ]
+        return {**self.envelope(out), "usage": usage(choices, self.spec.n)}
 
     async def stream(self, events, choices: list[Choice]) -> AsyncIterator[str]:
         chunk = "chat.completion.chunk"
-        first = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        yield sse(self.envelope([first], chunk))
+        for i in range(len(choices)):
+            first = {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield sse(self.envelope([first], chunk))
         async for i, delta, event in events:
             c = choices[i]
             logprobs = self._logprobs_or_none(event.token_ids, event.logprobs, event.top_logprobs)
@@ -248,7 +273,7 @@ class ChatRenderer(_Renderer):
                 }
                 yield sse(self.envelope([body], chunk))
         if self.spec.include_usage:
-            yield sse({**self.envelope([], chunk), "usage": usage(choices)})
+            yield self.usage_chunk(choices, chunk)
 
 
 def _openai_finish(choice: Choice) -> str | None:
@@ -265,6 +290,13 @@ def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
         "spec_verify_ct": c.spec_verify_ct,
     }
+    if c.input_logprobs is not None:
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in c.input_logprobs]
+        if spec.logprobs:
+            meta["input_top_logprobs"] = [
+                None if top is None else [[v, t, None] for v, t in top[: spec.logprobs]]
+                for top in c.input_top_logprobs
+            ]
     if spec.logprobs is not None:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
         if spec.logprobs:

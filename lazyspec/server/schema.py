@@ -2,8 +2,10 @@
 
 Each field has the type and range its parser in ``protocol`` accepts; ``null`` is accepted
 wherever the parser treats it as "not given". Fields the parsers do not read are allowed and
-ignored (except in ``sampling_params``, where an unknown name is an error). One rule spans
-fields and is left to the server: prompt tokens + new tokens <= ``max_context``.
+ignored (except in ``sampling_params``, where an unknown name is an error). Two rules span
+fields and are left to the server: prompt tokens + new tokens <= ``max_context`` (and
+/generate's ``logprob_start_len`` < the prompt's length); /v1/completions' ``best_of`` must
+equal ``n``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ from lazyspec.scheduler.request import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_MAX,
     SEED_RANGE,
 )
-from lazyspec.server.protocol import MAX_LOGPROBS, MAX_STOP_STRINGS, ROLES, Limits
+from lazyspec.server.protocol import (
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    ROLES,
+    Limits,
+)
 
 Schema = dict[str, Any]
 
@@ -62,6 +72,7 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
     stop_string = {"type": "string", "minLength": 1}
     stop_ids = {"type": "array", "items": _token_ids(limits)["items"]}
     top_k = {"type": "integer", "minimum": 1, "maximum": limits.vocab_size}
+    low, high = PENALTY_RANGE
     return {
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -77,7 +88,12 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
                 ]
             }
         ),
-        "n": {"enum": [1, None]},
+        "n": _integer(1, MAX_CHOICES),
+        "frequency_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
+        "presence_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
+        "repetition_penalty": _nullable(
+            {"type": "number", "exclusiveMinimum": 0, "maximum": REPETITION_PENALTY_MAX}
+        ),
         "logit_bias": _nullable(
             {
                 "type": "object",
@@ -98,9 +114,6 @@ def _openai_common(limits: Limits) -> dict[str, Schema]:
         "model": _nullable({"enum": list(limits.model_names)}),
         **_sampling(limits),
         "min_tokens": _integer(0, limits.max_context),
-        "best_of": {"enum": [1, None]},
-        "presence_penalty": {"enum": [0, None]},
-        "frequency_penalty": {"enum": [0, None]},
         "stream": _boolean(),
         "stream_options": _nullable(
             {"type": "object", "properties": {"include_usage": _boolean()}}
@@ -116,6 +129,7 @@ def completion_body(limits: Limits) -> Schema:
         "max_tokens": _integer(1, limits.max_context),
         "logprobs": _integer(0, MAX_LOGPROBS),
         "echo": _boolean(),
+        "best_of": _integer(1, MAX_CHOICES),  # the server refuses any value but n
     }
     return {"type": "object", "properties": properties, "required": ["prompt"]}
 
@@ -173,6 +187,7 @@ def generate_body(limits: Limits) -> Schema:
         "stream": _boolean(),
         "return_logprob": _boolean(),
         "top_logprobs_num": _integer(0, MAX_LOGPROBS),
+        "logprob_start_len": _integer(-1, limits.max_context),
     }
     absent = {"type": "null"}
     return {

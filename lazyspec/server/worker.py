@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lazyspec.scheduler.request import Req, SamplingParams
+from lazyspec.scheduler.request import Req, SamplingParams, input_token_logprobs
 from lazyspec.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -35,12 +36,17 @@ IDLE_POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Submission:
-    """One engine request: ``index`` tags its events within its HTTP request."""
+    """One engine request: ``index`` tags its events within its HTTP request. With ``after``
+    (the index of another submission of the same call, with the same prompt) it reaches the
+    engine only once that one has finished its prefill, so that it matches the prompt's
+    cached checkpoint instead of prefilling it again (``n`` > 1)."""
 
     rid: str
     index: int
     input_ids: list[int]
     sampling: SamplingParams
+    after: int | None = None
+    logprob_start_len: int | None = None  # prompt logprobs from this token on
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,11 @@ class TokenEvent:
     finish_reason: dict[str, Any] | None = None  # set on the request's last event
     error: str | None = None  # the engine failed while running this request
     error_status: int = 500  # the HTTP status that error is answered with
+    # on the request's first event, when it asked for them: (logprob, id) of the prompt
+    # tokens from its logprob_start_len on (the first token's logprob None), and each one's
+    # top (logprob, id) pairs (None for the first token)
+    input_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @dataclass
@@ -91,6 +102,8 @@ class EngineWorker:
         self.counters = _Counters()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        # submissions waiting for another request's prefill, by that request's id
+        self._held: dict[str, list[tuple[Submission, Any, asyncio.Queue, float]]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="lazyspec-engine", daemon=True)
 
@@ -175,6 +188,7 @@ class EngineWorker:
                 self._add(*payload)
                 result = None
             elif kind == "abort":
+                self._drop_held(set(payload))
                 for rid in payload:
                     self.engine.abort(rid)
                 result = None
@@ -196,23 +210,70 @@ class EngineWorker:
             future.set_result(result)
 
     def _add(self, submissions: list[Submission], loop, sink, arrival: float) -> None:
+        """Add the submissions without ``after`` now and hold the others. A held one has its
+        leader's prompt and sampling but the seed, so the leader's acceptance stands for
+        it."""
+        now = [sub for sub in submissions if sub.after is None]
         added: list[Req] = []
         try:
-            for sub in submissions:
+            for sub in now:
                 added.append(
                     self.engine.add_request(
                         input_ids=sub.input_ids,
                         sampling_params=sub.sampling,
                         return_logprob=True,
                         rid=sub.rid,
+                        logprob_start_len=sub.logprob_start_len,
                     )
                 )
         except (ValueError, TypeError):
             for req in added:
                 self.engine.abort(req.rid)
             raise
-        for sub, req in zip(submissions, added):
+        for sub, req in zip(now, added):
             self._streams[sub.rid] = _Stream(req, sub.index, loop, sink, arrival)
+        for sub in submissions:
+            if sub.after is not None:
+                leader = submissions[sub.after].rid
+                self._held.setdefault(leader, []).append((sub, loop, sink, arrival))
+
+    def _release_held(self) -> None:
+        """Add the held submissions whose leader has its first output (its prompt's
+        checkpoint is in the tree now) or has finished; one the engine refuses gets an error
+        event."""
+        for leader, held in list(self._held.items()):
+            stream = self._streams.get(leader)
+            if stream is not None and not stream.req.output_ids and not stream.req.finished:
+                continue
+            del self._held[leader]
+            for sub, loop, sink, arrival in held:
+                try:
+                    req = self.engine.add_request(
+                        input_ids=sub.input_ids,
+                        sampling_params=sub.sampling,
+                        return_logprob=True,
+                        rid=sub.rid,
+                        logprob_start_len=sub.logprob_start_len,
+                    )
+                except (ValueError, TypeError) as exc:
+                    event = TokenEvent(
+                        sub.index, [], [], [], 0, 0, {"type": "abort"}, str(exc), 400
+                    )
+                    _deliver_to(loop, sink, event)
+                    continue
+                self._streams[sub.rid] = _Stream(req, sub.index, loop, sink, arrival)
+
+    def _drop_held(self, rids: set[str]) -> list[tuple[Submission, Any, asyncio.Queue, float]]:
+        """Mutates: forget the held submissions with these ids; returns them."""
+        dropped = []
+        for leader, held in list(self._held.items()):
+            keep = [entry for entry in held if entry[0].rid not in rids]
+            dropped += [entry for entry in held if entry[0].rid in rids]
+            if keep:
+                self._held[leader] = keep
+            else:
+                del self._held[leader]
+        return dropped
 
     def _publish(self) -> None:
         """Push every request's new tokens / finish to its queue; forget finished ones."""
@@ -234,6 +295,13 @@ class EngineWorker:
                 error=error,
                 error_status=status,
             )
+            if stream.sent == 0 and req.logprob_start_len is not None:
+                event = dataclasses.replace(
+                    event,
+                    input_logprobs=input_token_logprobs(req),
+                    input_top_logprobs=[None] * (req.logprob_start_len == 0)
+                    + list(req.input_top_logprobs),
+                )
             self._observe_latency(stream, num - stream.sent, now)
             self._observe_accepts(stream)
             stream.sent = num
@@ -241,6 +309,7 @@ class EngineWorker:
                 del self._streams[rid]
                 self._observe_finish(req)
             self._deliver(stream, event)
+        self._release_held()
 
     def _deliver(self, stream: _Stream, event: TokenEvent) -> None:
         try:
@@ -280,6 +349,12 @@ class EngineWorker:
         return self.counters.accepted_tokens / steps if steps else None
 
     def _fail_all(self, message: str) -> None:
+        held = [entry for entries in self._held.values() for entry in entries]
+        self._held.clear()
+        for sub, loop, sink, _ in held:
+            _deliver_to(
+                loop, sink, TokenEvent(sub.index, [], [], [], 0, 0, {"type": "abort"}, message)
+            )
         for rid, stream in list(self._streams.items()):
             try:
                 self.engine.abort(rid)
@@ -299,6 +374,7 @@ class EngineWorker:
             self._deliver(stream, event)
 
     def _shutdown(self) -> None:
+        self._held.clear()
         for rid in list(self._streams):
             self.engine.abort(rid)
         try:
@@ -337,6 +413,14 @@ class EngineWorker:
             }
         )
         return info
+
+
+def _deliver_to(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, event: TokenEvent) -> None:
+    """Put ``event`` on ``sink`` in ``loop`` (nothing if that loop is gone)."""
+    try:
+        loop.call_soon_threadsafe(sink.put_nowait, event)
+    except RuntimeError:
+        pass
 
 
 def _engine_error(req: Req) -> tuple[str | None, int]:

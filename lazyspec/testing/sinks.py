@@ -6,10 +6,13 @@ import numpy as np
 
 
 def null_sink_rows(engine) -> dict[str, np.ndarray]:
-    """Host copies of everything that must stay zero: slot 0 of the conv / ssm pools and
-    rows 0..page_size-1 (page 0) of every target and MTP KV pool."""
+    """Host copies of everything that must stay zero: slot 0 of the conv / ssm pools, rows
+    0..page_size-1 (page 0) of every target and MTP KV pool, and request row 0 of the
+    token-count pools."""
     pools, page_size = engine.runner.pools, engine.layout.page_size
     rows = {"conv slot 0": np.asarray(pools.conv[:, 0]), "ssm slot 0": np.asarray(pools.ssm[:, 0])}
+    rows["output_counts row 0"] = np.asarray(pools.output_counts[0])
+    rows["in_prompt row 0"] = np.asarray(pools.in_prompt[0])
     kv_pools = {"kv": pools.kv}
     if pools.mtp_kv is not None:
         kv_pools["mtp_kv"] = pools.mtp_kv

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.models.registry import parse_hf_config
+from lazyspec.scheduler.request import SamplingParams
 
 NEMOTRON_HF = dict(
     model_type="nemotron_h",
@@ -155,3 +156,51 @@ def reference_greedy(
         logprobs.append(float(logp[token]))
         ids.append(token)
     return out, logprobs
+
+
+def processed_logits_reference(
+    logits: np.ndarray,
+    sampling: SamplingParams,
+    prompt: list[int],
+    outputs: list[int],
+    eos_ids: tuple[int, ...],
+) -> np.ndarray:
+    """One position's logits [V] processed as the device does, in numpy float32: the
+    repetition penalty over the tokens of ``prompt`` and ``outputs`` (the outputs before
+    this position), frequency / presence penalties over ``outputs``, the logit bias, then
+    the EOS / stop ids at -1e30 while fewer than ``min_new_tokens`` are out."""
+    logits = np.array(logits, np.float32)
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=logits.size)
+    seen = counts > 0
+    seen[np.asarray(prompt, np.int64)] = True
+    p = np.float32(sampling.repetition_penalty)
+    logits = np.where(seen, np.where(logits > 0, logits / p, logits * p), logits)
+    logits = logits - np.float32(sampling.frequency_penalty) * counts.astype(np.float32)
+    logits = logits - np.float32(sampling.presence_penalty) * (counts > 0).astype(np.float32)
+    for token, bias in sampling.logit_bias:
+        logits[token] += np.float32(bias)
+    if len(outputs) < sampling.min_new_tokens:
+        logits[[*eos_ids, *sampling.stop_token_ids]] = -1e30
+    return logits.astype(np.float32)
+
+
+def reference_processed_greedy(
+    model, prompt: list[int], sampling: SamplingParams, pad_len: int = 256
+) -> list[int]:
+    """Greedy by full cache-free recompute on the processed logits
+    (``processed_logits_reference``), stopping as the engine does: at an EOS id (unless
+    ``ignore_eos``), a stop id, or ``max_new_tokens``."""
+    eos_ids = tuple(model.config.eos_token_ids)
+    ids, out = list(prompt), []
+    for _ in range(sampling.max_new_tokens):
+        tokens = np.zeros((1, pad_len), np.int32)
+        tokens[0, : len(ids)] = ids
+        index = len(ids) - 1
+        logits = _logits_at(model.family, model.config, model.params, jnp.asarray(tokens), index)
+        logits = processed_logits_reference(np.asarray(logits)[0], sampling, prompt, out, eos_ids)
+        token = int(np.argmax(logits))
+        out.append(token)
+        ids.append(token)
+        if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_ids):
+            break
+    return out

@@ -151,5 +151,10 @@ def test_zero_recompiles_after_warmup():
     compiled = engine.runner.num_compiled()
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(3, 128, size=int(n))) for n in rng.integers(5, 300, size=6)]
-    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    # every other request with penalties: its row's token counts are seeded before its step
+    params = [
+        {"max_new_tokens": 8, "ignore_eos": True, "frequency_penalty": 0.5 * (i % 2)}
+        for i in range(len(prompts))
+    ]
+    engine.generate(input_ids=prompts, sampling_params=params)
     assert engine.runner.num_compiled() == compiled

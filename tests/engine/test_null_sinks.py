@@ -1,6 +1,6 @@
-"""Slot 0 and page 0 are sinks that nothing writes: after a serving run with the radix cache
-disabled, or with speculation at page size 2, the null state slot and every KV pool's rows
-of the null page are still zero.
+"""Slot 0, page 0 and request row 0 are sinks that nothing writes: after a serving run with
+the radix cache disabled, or with speculation at page size 2, the null state slot, every KV
+pool's rows of the null page and request row 0 of the token-count pools are still zero.
 
 The workload pads every batch (3 requests in buckets of 4), reuses a cached prefix and
 mixes greedy and sampled requests, so padded lanes, copy-on-write reads from tree slots and
@@ -35,7 +35,7 @@ def _run_workload(engine: Engine) -> None:
     params = [
         {"max_new_tokens": 14, "ignore_eos": True},
         {"max_new_tokens": 9, "ignore_eos": True, "temperature": 0.8, "seed": 3},
-        {"max_new_tokens": 20, "ignore_eos": True},
+        {"max_new_tokens": 20, "ignore_eos": True, "repetition_penalty": 1.3},
     ]
     first = engine.generate(input_ids=prompts, sampling_params=params)
     turn2 = [p + r["output_ids"] + [7, 8, 9] for p, r in zip(prompts, first)]
@@ -61,13 +61,14 @@ def test_null_slot_and_null_page_stay_zero(strategy, no_cache, spec, page_size):
     before = null_sink_rows(engine)
     cfg = engine.model.config
     num_kv_pools = len(cfg.attention_layer_ids) + (cfg.num_mtp_layers if spec else 0)
-    assert len(before) == 2 + 2 * num_kv_pools, sorted(before)
+    assert len(before) == 4 + 2 * num_kv_pools, sorted(before)
     assert all(not a.any() for a in before.values())
     _run_workload(engine)
     engine.check_integrity()
     # the run wrote real slots and pages (so zero sinks are not just an idle pool)
     pools = engine.runner.pools
     assert np.asarray(pools.ssm[:, 1:]).any() and np.asarray(pools.kv.k[0][page_size:]).any()
+    assert np.asarray(pools.output_counts[1:]).any() and np.asarray(pools.in_prompt[1:]).any()
     if spec:
         assert np.asarray(pools.mtp_kv.k[0][page_size:]).any()
     assert_null_sinks_zero(engine)

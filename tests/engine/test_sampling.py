@@ -56,6 +56,9 @@ def sampling_arrays(num_rows: int, temperature: float, **rows) -> SamplingArrays
         mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
         bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
         bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
+        frequency_penalty=np.zeros(num_rows, np.float32),
+        presence_penalty=np.zeros(num_rows, np.float32),
+        repetition_penalty=np.ones(num_rows, np.float32),
         constrained=np.zeros(num_rows, bool),
     )
     fields.update(rows)
@@ -173,7 +176,9 @@ def test_grammar_masks_constrain_each_verify_position_of_their_rows_only():
     params = sampling_arrays(2, 0.0, constrained=np.array([True, False]))
     drafts = jnp.asarray([[3, 2], [1, 2]], jnp.int32)
     positions = jnp.asarray([[10, 11, 12], [10, 11, 12]], jnp.int32)
-    tokens, accept_len = jax.jit(verify_and_sample)(logits, drafts, positions, params, allowed)
+    tokens, accept_len = jax.jit(verify_and_sample)(
+        logits, drafts, positions, params, allowed=allowed
+    )
     # row 0: position 0 allows {3, 4} -> argmax 3 = the draft, accepted; position 1 allows
     # {0, 4} -> 4, so draft 2 is rejected and 4 is the bonus. Row 1 has no grammar: its
     # drafts match the plain argmax and the bonus is position 2's argmax

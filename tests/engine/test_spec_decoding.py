@@ -9,10 +9,11 @@ import pytest
 
 from lazyspec.bench import boundary
 from lazyspec.engine.engine import Engine
+from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.sinks import assert_null_sinks_zero
 from lazyspec.testing.state_oracle import TreeStateOracle, _prefix
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, reference_processed_greedy, tiny_model
 
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 D = 4
@@ -118,6 +119,25 @@ def test_scripted_drafts_every_accept_length(scripted_case, strategy, overlap, f
 
 
 _ACCEPT: dict[str, list[int]] = {}
+
+
+def test_scripted_drafts_see_the_penalties_of_the_accepted_prefix(scripted_case):
+    """Penalties at verify position j count the drafts accepted before j: the draft head
+    proposes the penalized greedy continuation itself (a few positions corrupted), so most
+    verify steps accept several drafts, and the output equals the cache-free penalized
+    reference (which differs from plain greedy)."""
+    model, prompt, _, greedy = scripted_case
+    params = SamplingParams(
+        max_new_tokens=40, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.5
+    )
+    want = reference_processed_greedy(model, prompt, params)
+    assert want != greedy[:40]
+    script = make_script(prompt + want, 512, corrupt_prob=0.2, vocab=128, seed=4)
+    engine = _engine(scripted_model(model, script), "extra_buffer", True, spec=True)
+    req = engine.add_request(input_ids=prompt, sampling_params=params)
+    engine.run_until_done([req], check=Engine.check_integrity)
+    assert req.output_ids == want
+    assert max(req.accept_hist) == D, req.accept_hist
 
 
 @pytest.fixture(scope="module")

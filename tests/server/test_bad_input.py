@@ -44,11 +44,19 @@ BAD_BODIES = [
     (COMPLETIONS, {"prompt": "hi", "stop": 5}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 99}, "logprobs"),
-    (COMPLETIONS, {"prompt": "hi", "n": 3}, "n"),
+    (COMPLETIONS, {"prompt": "hi", "n": 0}, "n"),
+    (COMPLETIONS, {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    (CHAT, {"messages": USER, "n": 500}, "n"),
     (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream"),
     (COMPLETIONS, {"prompt": "hi", "stream_options": 3}, "stream_options"),
     (COMPLETIONS, {"prompt": "hi", "seed": "x"}, "seed"),
-    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"messages": USER, "frequency_penalty": -3}, "frequency_penalty"),
+    (
+        "/generate",
+        {"text": "a", "sampling_params": {"repetition_penalty": 0}},
+        "repetition_penalty",
+    ),  # noqa: E501
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": "hello"}, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
@@ -91,6 +99,13 @@ def test_range_errors_name_the_allowed_range(server):
     body = {"prompt": "x", "temperature": 1e39}
     message = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=30).json()["error"]
     assert "[0, 100.0]" in message["message"], message
+    response = httpx.post(
+        f"{server.url}{COMPLETIONS}", json={"prompt": "x", "frequency_penalty": 3}, timeout=30
+    )
+    assert response.status_code == 400 and "[-2.0, 2.0]" in response.json()["error"]["message"]
+    body = {"text": "x", "sampling_params": {"repetition_penalty": -1}}
+    message = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()["error"]
+    assert "(0, 2.0]" in message["message"], message
 
 
 def _check_error(response: httpx.Response, status: int | None = None, param: str | None = None):

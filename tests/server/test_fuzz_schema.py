@@ -16,7 +16,8 @@ from hypothesis_jsonschema import from_schema
 
 from tests.server.conftest import SERVED_NAME
 
-LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
+# generation lengths, and n (choices per prompt), capped so that a run stays short
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "n")
 LENGTH_CAP = 3
 JUNK = st.one_of(
     st.none(),
