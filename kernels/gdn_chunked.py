@@ -37,6 +37,37 @@ def _mask_invalid(num_valid: jax.Array, num_tokens: int, *arrays: jax.Array):
     return [jnp.where(valid.reshape(-1, *([1] * (a.ndim - 1))), a, 0) for a in arrays]
 
 
+def _substitute(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    """Forward substitution, one row of the chunk at a time (see ``solve_unit_lower``)."""
+    strict = jnp.tril(system, -1)
+
+    def row(i, x):
+        weights = jax.lax.dynamic_index_in_dim(strict, i, axis=-2)  # [..., 1, C]
+        value = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2)
+        value = value - jnp.matmul(weights, x, precision=HIGHEST)  # rows >= i weigh 0
+        return jax.lax.dynamic_update_index_in_dim(x, value, i, axis=-2)
+
+    return jax.lax.fori_loop(1, system.shape[-1], row, rhs)
+
+
+def _lapack_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    return jax.lax.linalg.triangular_solve(
+        system, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+
+
+def solve_unit_lower(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    """X with ``system @ X = rhs``: system ``[..., C, C]`` unit lower-triangular (its upper
+    part is ignored), rhs ``[..., C, R]``.
+
+    On CPU by forward substitution in jnp: jaxlib's CPU triangular solve splits its batch over
+    the thread pool the calling program runs on, and waits for it, so two of them running at
+    once (two solves of one program, or one per device of a multi-device CPU program) can
+    take every thread of a small pool and wait forever. Elsewhere the backend's batched
+    solve (cuBLAS on GPUs)."""
+    return jax.lax.platform_dependent(system, rhs, cpu=_substitute, default=_lapack_solve)
+
+
 def gdn_chunked(
     h0: jax.Array,
     q: jax.Array,
@@ -76,13 +107,9 @@ def gdn_chunked(
     strict = decay * (1.0 - jnp.eye(chunk_size, dtype=f32))
     system = jnp.eye(chunk_size, dtype=f32) + beta[..., :, None] * kk * strict
 
-    # One solve over both right-hand sides: jaxlib's CPU backend can deadlock when two
-    # independent batched triangular solves run concurrently on a small thread pool.
     d_v = v.shape[-1]
     rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(cum))[..., None] * k], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(
-        system, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    solved = solve_unit_lower(system, rhs)
     u_base, w = solved[..., :d_v], solved[..., d_v:]  # [N, H, C, d_v], [N, H, C, d_k]
     qk = jnp.einsum("nhtd,nhsd->nhts", q, k, precision=HIGHEST) * decay
     q_decayed = q * jnp.exp(cum)[..., None]

@@ -1,0 +1,45 @@
+"""``scripts/bench_engine.py`` end to end on CPU: the tiny preset at tp = 2 over two fake
+devices, a batch of two rows, one row of the table with its floor.
+
+It is also the regression run of a hang: every tensor-parallel step of more than one
+request row at these shapes used to stop forever inside jaxlib's CPU triangular solve (the
+chunked GDN prefill), which splits its batch over the thread pool both devices' programs
+run on (``kernels/gdn_chunked.solve_unit_lower``). A subprocess with a timeout, so a hang
+fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300
+
+
+def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
+    out = tmp_path / "table.md"
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_engine.py"),
+        "--preset", "tiny", "--backends", "xla", "--tp-size", "2", "--batches", "2",
+        "--prompt-len", "64", "--output-len", "8", "--copy-mib", "16", "--out", str(out),
+    ]  # fmt: skip
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"bench_engine at tp 2 with two rows hung past {TIMEOUT_S} s")
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 1, out.read_text()
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[1:4] == ["2", "xla", "2"]  # tp, backend, batch
+    loop_ms, alone_ms, floor_ms = (float(c) for c in cells[5:8])
+    assert loop_ms > 0 and alone_ms > 0 and 0 < floor_ms < alone_ms
