@@ -197,9 +197,8 @@ class Engine:
         chunk = table_updates(layout, None, layout.table_chunk_len)
         programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
         programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
-        if runner.broadcast is None:  # penalties are refused across several processes
-            seed = empty_count_seed(layout)
-            programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
+        seed = empty_count_seed(layout)
+        programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
         # so does an all-padding grammar-mask update
         no_masks = np.zeros((0, *runner.abstract.vocab_mask.shape[1:]), np.int32)
         programs.append(lambda: runner.update_vocab_masks(np.zeros(0, np.int32), no_masks))
@@ -247,17 +246,6 @@ class Engine:
         )
         sampling.validate(vocab_size=vocab)
         grammar = grammar_of(sampling)
-        if grammar is not None and self.config.nnodes > 1:
-            # the grammar masks are written outside the device calls process 0 broadcasts
-            raise ValueError(
-                f"json_schema / regex / ebnf do not run with nnodes={self.config.nnodes}"
-            )
-        if sampling.has_penalties and self.config.nnodes > 1:
-            # the token-count seeds are written outside the device calls process 0 broadcasts
-            raise ValueError(
-                "frequency_penalty / presence_penalty / repetition_penalty do not run with "
-                f"nnodes={self.config.nnodes}"
-            )
         limit = self.max_request_len
         if len(input_ids) + sampling.max_new_tokens > limit:
             raise ValueError(

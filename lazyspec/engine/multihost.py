@@ -6,8 +6,10 @@ devices of the one ``tp`` mesh. Process 0 alone runs the scheduler; every jitted
 with the same inputs, in the same order. ``StepBroadcast`` carries those inputs through a
 JAX collective (``multihost_utils.broadcast_one_to_all``): first a fixed header (the call's
 kind, its bucket, the payload's length), which fixes the payload's shape, then the payload
-(the table chunk, or the batch packed into one int32 array). The others loop on
-``receive`` until process 0 sends ``STOP``. With one process nothing is sent.
+(a table chunk; a batch or a token-count seed packed into one int32 array; grammar-mask
+rows and their bitmasks). The others loop on ``receive`` until process 0 sends ``STOP``.
+A device call of process 0 that is not sent would leave the processes in different
+collectives, waiting for each other forever. With one process nothing is sent.
 """
 
 from __future__ import annotations
@@ -20,12 +22,18 @@ import numpy as np
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.steps import PackedBatch, pack_batch
-from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch, build_decode, build_extend
+from lazyspec.scheduler.batch import (
+    DecodeBatch,
+    ExtendBatch,
+    build_decode,
+    build_extend,
+    empty_count_seed,
+)
 from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
 
-STOP, TABLE, EXTEND, DECODE = range(4)  # the kinds of call a header announces
+STOP, TABLE, EXTEND, DECODE, SEED, MASK = range(6)  # the kinds of call a header announces
 HEADER_LEN = 4  # kind, first dim, second dim (0 when none), payload words
 
 
@@ -88,6 +96,23 @@ class StepBroadcast:
         _broadcast(packed.words)
         self.num_sent += 1
 
+    def send_seed(self, packed: PackedBatch) -> None:
+        """Announce and send one token-count seed, packed (``pack_batch(CountSeed)``)."""
+        self._check_listening()
+        _broadcast(np.array([SEED, 0, 0, packed.words.size], np.int32))
+        _broadcast(packed.words)
+        self.num_sent += 1
+
+    def send_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
+        """Announce and send one grammar-mask update: request rows ``[n]`` int32 and their
+        bitmasks ``[n, ...]`` int32."""
+        assert rows.dtype == masks.dtype == np.int32, (rows.dtype, masks.dtype)
+        num_rows, words = rows.size, masks.size // max(rows.size, 1)
+        self._check_listening()
+        _broadcast(np.array([MASK, num_rows, words, rows.size + masks.size], np.int32))
+        _broadcast(np.concatenate([rows.ravel(), masks.ravel()]))
+        self.num_sent += 1
+
     def send_stop(self) -> None:
         """Release the other processes from their ``receive`` loop (once; later calls
         do nothing)."""
@@ -102,8 +127,9 @@ class StepBroadcast:
     # ------------------------------------------------------------------ the others
 
     def receive(self) -> tuple[int, Any]:
-        """The next call: ``(STOP, None)``, ``(TABLE, chunk)`` or ``(EXTEND | DECODE,
-        PackedBatch)``; blocks until process 0 sends it."""
+        """The next call: ``(STOP, None)``, ``(TABLE, chunk)``, ``(EXTEND | DECODE | SEED,
+        PackedBatch)`` or ``(MASK, (rows [n], masks [n, words]))``; blocks until process 0
+        sends it."""
         kind, first, second, num_words = (
             int(v) for v in _broadcast(np.zeros(HEADER_LEN, np.int32))
         )
@@ -111,7 +137,10 @@ class StepBroadcast:
             return STOP, None
         if kind == TABLE:
             return TABLE, _broadcast(np.zeros((first, second), np.int32))
-        if kind not in (EXTEND, DECODE):
+        if kind == MASK:
+            words = _broadcast(np.zeros(num_words, np.int32))
+            return MASK, (words[:first], words[first:].reshape(first, second))
+        if kind not in (EXTEND, DECODE, SEED):
             raise RuntimeError(f"process 0 announced an unknown call kind {kind}")
         layout = self._packed_layout(kind, first, second)
         expected = sum(int(np.prod(shape)) for shape, _ in layout.leaves)
@@ -128,7 +157,9 @@ class StepBroadcast:
         shapes as any batch of that bucket: warm-up compiles from the same)."""
         key = (kind, rows, length)
         if key not in self._packed_layouts:
-            if kind == EXTEND:
+            if kind == SEED:
+                batch = empty_count_seed(self.layout)
+            elif kind == EXTEND:
                 batch = build_extend(self.layout, [], num_rows=rows, length=length)
             else:
                 batch = build_decode(self.layout, [], num_rows=rows)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.engine.multihost import DECODE, EXTEND, STOP, TABLE, StepBroadcast
+from lazyspec.engine.multihost import DECODE, EXTEND, MASK, SEED, STOP, TABLE, StepBroadcast
 from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import (
     DecodeBatch,
@@ -231,12 +231,17 @@ class Runner:
 
     def seed_counts(self, seed: CountSeed) -> None:
         """Write one request row's token history into the token-count pools (after every
-        step launched before: the row's previous owner may still be written by one). Not
-        broadcast: the engine refuses penalties across several processes."""
+        step launched before: the row's previous owner may still be written by one)."""
+        packed = pack_batch(seed)
         if self.broadcast is not None:
-            raise RuntimeError("token-count seeds are not sent to the other processes")
-        packed = jax.device_put(pack_batch(seed), self.sharding.replicated)
-        counts, in_prompt = _seed_jit(self.pools.output_counts, self.pools.in_prompt, packed)
+            self.broadcast.send_seed(packed)
+        self._apply_seed(packed)
+
+    def _apply_seed(self, packed: PackedBatch) -> None:
+        words = jax.device_put(packed.words, self.sharding.replicated)
+        counts, in_prompt = _seed_jit(
+            self.pools.output_counts, self.pools.in_prompt, dataclasses.replace(packed, words=words)
+        )
         self.pools = dataclasses.replace(self.pools, output_counts=counts, in_prompt=in_prompt)
 
     def read_counts(self, row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,6 +259,13 @@ class Runner:
                 return num_calls
             if kind == TABLE:
                 self._apply_table(payload)
+            elif kind == SEED:
+                self._apply_seed(payload)
+            elif kind == MASK:
+                rows, masks = payload
+                self._apply_masks(
+                    rows, masks.reshape(len(rows), *self.abstract.vocab_mask.shape[1:])
+                )
             else:
                 assert kind in (EXTEND, DECODE), kind
                 self._launch_packed(kind == EXTEND, payload)
@@ -269,13 +281,16 @@ class Runner:
             part = slice(start, start + size)
             chunk_rows[: len(rows[part])] = rows[part]
             chunk_masks[: len(rows[part])] = masks[part]
-            place = self.sharding.replicated
-            vocab_mask = _mask_jit(
-                self.pools.vocab_mask,
-                jax.device_put(chunk_rows, place),
-                jax.device_put(chunk_masks, place),
-            )
-            self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
+            if self.broadcast is not None:
+                self.broadcast.send_masks(chunk_rows, chunk_masks)
+            self._apply_masks(chunk_rows, chunk_masks)
+
+    def _apply_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
+        place = self.sharding.replicated
+        vocab_mask = _mask_jit(
+            self.pools.vocab_mask, jax.device_put(rows, place), jax.device_put(masks, place)
+        )
+        self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
 
     def read_table(self) -> np.ndarray:
         """A writable host copy of the device request table (waits for the launched steps)."""

@@ -4,7 +4,8 @@
 as process RANK (each with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``; tp = 4
 over the two), loads a safetensors folder and dummy weights onto the mesh, then serves
 ``tp_worker.workload`` and a 300-token prompt on tiny Qwen3-Next (NEXTN, extra_buffer_lazy,
-radix cache): process 0 schedules, process 1 follows.
+radix cache), then a request with penalties and one constrained by a regex (their token-count
+seeds and grammar masks are device writes too): process 0 schedules, process 1 follows.
 ``python -m tests.engine.multihost_worker reference`` (four devices, one process) serves the
 same at tp = 1 and loads the same folder and dummy weights at tp = 4. Each prints one JSON
 line.
@@ -25,6 +26,7 @@ from lazyspec.config import EngineConfig
 from lazyspec.engine import multihost
 from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
+from lazyspec.testing.char_tokenizer import char_tokenizer
 from tests.engine.tp_worker import tiny, workload
 from tests.models.tiny_qwen import config_dict, write_checkpoint
 
@@ -37,7 +39,7 @@ SETTINGS = dict(
     mamba_track_interval=16,
     mamba_chunk_size=16,
     chunked_prefill_size=16,
-    max_running_requests=1,
+    max_running_requests=2,
     max_total_tokens=1024,
     context_length=384,
 )
@@ -92,16 +94,39 @@ def long_prompt(engine: Engine) -> list:
     return [result["output_ids"], result["meta_info"]["cached_tokens"], len(chunks)]
 
 
+REGEX = r"[a-f]{2,5}-[0-9]{3}"
+PENALTIES = {"repetition_penalty": 1.5, "frequency_penalty": 1.0, "presence_penalty": 0.5}
+
+
+def sampled_extras(engine: Engine) -> dict:
+    """One prompt served plain, with penalties and under ``REGEX``: output ids of each."""
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 98, size=24)]
+    plain = {"max_new_tokens": 16, "ignore_eos": True}
+    outputs = {}
+    for name, params in (
+        ("plain", plain),
+        ("penalties", dict(plain, **PENALTIES)),
+        ("regex", {"max_new_tokens": 16, "regex": REGEX}),
+    ):
+        outputs[name] = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    engine.check_integrity()
+    return outputs
+
+
 def serve(mesh_kw: dict) -> dict:
-    engine = Engine(model=tiny("qwen3_next"), **SETTINGS, **mesh_kw)
+    model = tiny("qwen3_next")
+    model.tokenizer = char_tokenizer()
+    engine = Engine(model=model, **SETTINGS, **mesh_kw)
     compiled = engine.num_compiled()
     if not engine.config.is_leader:
         num_calls = engine.follow()
         return {"num_calls": num_calls, "num_compiled": engine.num_compiled()}
     outputs = workload(engine) + [long_prompt(engine)]
+    extras = sampled_extras(engine)
     engine.shutdown()
     return {
         "outputs": outputs,
+        "extras": extras,
         "num_compiled_warm": compiled,
         "num_compiled": engine.num_compiled(),
         "num_sent": engine.broadcast.num_sent if engine.broadcast else 0,

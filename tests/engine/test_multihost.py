@@ -2,7 +2,8 @@
 
 tp = 4 over two CPU processes of two devices each serves the tokens and cached tokens of a
 one-process tp = 1 run (Qwen3-Next with NEXTN speculation, extra_buffer_lazy, the radix
-cache, two two-turn conversations and a prompt long enough to send a request-table chunk);
+cache, two two-turn conversations, a prompt long enough to send a request-table chunk, and
+requests with penalties and a regex);
 process 1 makes every device call process 0 makes and compiles the same programs; a
 safetensors folder and dummy weights load block for block as in one process. Plus the
 flags' checks.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -108,6 +110,19 @@ def test_two_processes_serve_the_tokens_and_cached_tokens_of_one(reports):
     assert len({tuple(ids) for ids, *_ in base}) == len(base)  # outputs differ per request
     assert served["mesh_processes"] == [0, 1]  # the mesh really spans both processes
     assert served["outputs"] == base
+
+
+def test_penalties_and_grammars_run_across_processes(reports):
+    """Token-count seeds and grammar masks reach every process: the outputs equal one
+    process's, the penalties change the plain output, and the regex output matches."""
+    from lazyspec.testing.char_tokenizer import char_tokenizer
+    from tests.engine.multihost_worker import REGEX
+
+    served, base = reports["leader"]["serve"]["extras"], reports["reference"]["serve"]["extras"]
+    assert served == base
+    assert served["penalties"] != served["plain"]
+    assert served["regex"][-1] == 2  # ended by the grammar's stop token
+    assert re.fullmatch(REGEX, char_tokenizer().decode(served["regex"][:-1]))
 
 
 def test_process_1_makes_every_call_of_process_0(reports):

@@ -214,21 +214,3 @@ def test_sampling_params_validation():
         with pytest.raises(ValueError, match=None) as err:
             SamplingParams.from_dict(bad)
         assert words in str(err.value)
-
-
-def test_penalties_are_refused_across_several_processes(model):
-    """The token-count seeds are not among the calls process 0 broadcasts: with nnodes > 1
-    a request with a penalty is refused by name, one without is queued."""
-    engine = Engine(model=model, max_total_tokens=1024, context_length=128, skip_warmup=True)
-    engine.config = dataclasses.replace(
-        engine.config, nnodes=2, tp_size=2, dist_init_addr="127.0.0.1:1"
-    )
-    for params in (
-        {"frequency_penalty": 0.5},
-        {"presence_penalty": -1},
-        {"repetition_penalty": 1.2},
-    ):
-        with pytest.raises(ValueError, match="repetition_penalty do not run with nnodes=2"):
-            engine.add_request(input_ids=[5, 6, 7], sampling_params=params)
-    req = engine.add_request(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 1})
-    assert engine.scheduler.waiting[-1] is req

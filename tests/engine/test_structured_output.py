@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import string
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -19,10 +18,10 @@ import pytest
 from lazyspec.engine.engine import Engine
 from lazyspec.scheduler.grammar import GrammarBackend, mask_width
 from lazyspec.scheduler.request import SamplingParams
+from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.tiny_models import _logits_at, tiny_model
 
-SPECIALS = ["<pad>", "<s>", "</s>"]  # </s> is the tiny model's EOS (id 2)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -35,16 +34,6 @@ SCHEMA = {
 }
 REGEX = r"[a-f]{2,5}-[0-9]{3}"
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
-
-
-def char_tokenizer():
-    from tokenizers import Tokenizer, decoders, models
-
-    chars = SPECIALS + list(string.printable[:95])  # digits, letters, punctuation, space
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
-    tokenizer.add_special_tokens(SPECIALS)
-    tokenizer.decoder = decoders.Fuse()
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

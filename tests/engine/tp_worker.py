@@ -64,11 +64,11 @@ def tiny(family: str) -> SimpleNamespace:
 def workload(
     engine: Engine, lengths: tuple[int, ...] = (13, 21), logprobs: bool = False
 ) -> list[list]:
-    """A conversation of two turns per prompt length (turn 2 extends turn 1's prompt and
-    output): [output ids, cached tokens] per request, and its output logprobs if asked."""
+    """Two turns of one conversation per prompt length, the conversations side by side (the
+    turns of all of them in one batch; turn 2 extends turn 1's prompt and output): [output
+    ids, cached tokens] per request, and its output logprobs if asked."""
     rng = np.random.default_rng(0)
     params = {"max_new_tokens": 6, "ignore_eos": True}
-    results = []
 
     def result(out: dict) -> list:
         meta = out["meta_info"]
@@ -80,14 +80,15 @@ def workload(
             [lp for lp, _ in meta["output_token_logprobs"]],
         ]
 
-    for length in lengths:
-        prompt = [int(t) for t in rng.integers(3, 128, size=length)]
-        first = engine.generate(input_ids=prompt, sampling_params=params, return_logprob=logprobs)
-        turn2 = prompt + first["output_ids"] + [5, 6, 7]
-        second = engine.generate(input_ids=turn2, sampling_params=params, return_logprob=logprobs)
-        results += [result(r) for r in (first, second)]
+    def turn(prompts: list[list[int]]) -> list[dict]:
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=logprobs)
         engine.check_integrity()
-    return results
+        return outs if isinstance(outs, list) else [outs]
+
+    prompts = [[int(t) for t in rng.integers(3, 128, size=length)] for length in lengths]
+    first = turn(prompts)
+    second = turn([p + out["output_ids"] + [5, 6, 7] for p, out in zip(prompts, first)])
+    return [result(r) for pair in zip(first, second) for r in pair]
 
 
 def expected_shard_shape(shape, axes, tp: int, kv_heads: int) -> tuple[int, ...]:
@@ -182,7 +183,7 @@ def engine_for(family: str, tp: int, **kw) -> Engine:
         mamba_track_interval=16,
         mamba_chunk_size=16,
         chunked_prefill_size=16,
-        max_running_requests=1,
+        max_running_requests=2,
         max_total_tokens=1024,
         context_length=128,
         skip_warmup=True,
