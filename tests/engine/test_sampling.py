@@ -185,3 +185,77 @@ def test_grammar_masks_constrain_each_verify_position_of_their_rows_only():
     bonus = int(np.argmax(TARGET_LOGITS[2]))
     assert np.asarray(tokens).tolist() == [[3, 4, -1], [1, 2, bonus]]
     assert np.asarray(accept_len).tolist() == [2, 3]
+
+
+def _penalized(logits: np.ndarray, counts: np.ndarray, in_prompt: np.ndarray) -> np.ndarray:
+    """The penalties on one position's logits, in float64 (OpenAI's frequency / presence on
+    output counts, SGLang's repetition on tokens of the prompt or the outputs)."""
+    out = logits.astype(np.float64).copy()
+    seen = (counts > 0) | in_prompt
+    out[seen] = np.where(out[seen] > 0, out[seen] / PENALTIES[2], out[seen] * PENALTIES[2])
+    return out - PENALTIES[0] * counts - PENALTIES[1] * (counts > 0)
+
+
+PENALTIES = (0.6, 0.4, 1.4)  # frequency, presence, repetition
+
+
+def test_penalties_and_a_grammar_shape_the_speculative_distribution():
+    """Temperature 0.7 with penalties over a history (outputs and prompt) and a grammar mask
+    per verify position: the accepted-or-resampled token at position 0 follows the processed
+    target, and at position 1 (draft 0 accepted) the target processed with draft 0 counted
+    as an output. Computed here in numpy, independently of the engine's stages."""
+    from lazyspec.engine.sampling import verify_history
+
+    drafts = np.argmax(DRAFT_LOGITS, axis=-1).astype(np.int32)  # 3, then 1
+    counts = np.array([0, 2, 1, 0, 0, 0], np.int32)  # outputs so far: token 1 twice, 2 once
+    in_prompt = np.array([True, False, False, False, False, True])
+    allowed = [{0, 1, 2, 3, 4}, {1, 2, 3, 4, 5}]  # position 0 bans 5, position 1 bans 0
+    masks = np.array([[sum(1 << t for t in a)] for a in allowed + [set(range(VOCAB))]], np.int32)
+    rows = np.arange(NUM_ROWS)
+    positions = (100 + rows % 13)[:, None] + np.arange(TARGET_LOGITS.shape[0])[None, :]
+    history = verify_history(
+        jnp.asarray(np.tile(counts, (NUM_ROWS, 1))),
+        jnp.asarray(np.tile(in_prompt, (NUM_ROWS, 1))),
+        jnp.asarray(np.tile(drafts, (NUM_ROWS, 1))),
+        TARGET_LOGITS.shape[0],
+    )
+    params = sampling_arrays(
+        NUM_ROWS,
+        TEMPERATURE,
+        frequency_penalty=np.full(NUM_ROWS, PENALTIES[0], np.float32),
+        presence_penalty=np.full(NUM_ROWS, PENALTIES[1], np.float32),
+        repetition_penalty=np.full(NUM_ROWS, PENALTIES[2], np.float32),
+        constrained=np.ones(NUM_ROWS, bool),
+    )
+    logits = jnp.broadcast_to(jnp.asarray(TARGET_LOGITS), (NUM_ROWS, *TARGET_LOGITS.shape))
+    tokens, accept_len = jax.jit(verify_and_sample)(
+        logits,
+        jnp.broadcast_to(jnp.asarray(drafts), (NUM_ROWS, len(drafts))),
+        jnp.asarray(positions, jnp.int32),
+        params,
+        history,
+        jnp.asarray(np.broadcast_to(masks, (NUM_ROWS, *masks.shape))),
+    )
+    tokens, accept_len = np.asarray(tokens), np.asarray(accept_len)
+
+    def expected(position: int, counts_then: np.ndarray) -> np.ndarray:
+        scaled = _penalized(TARGET_LOGITS[position], counts_then, in_prompt) / TEMPERATURE
+        p = np.exp(scaled - scaled.max())
+        p[[t for t in range(VOCAB) if t not in allowed[position]]] = 0.0
+        return p / p.sum()
+
+    p0 = expected(0, counts)
+    p1 = expected(1, counts + np.eye(VOCAB, dtype=np.int32)[drafts[0]])
+    assert not np.any(tokens[:, 0] == 5)  # banned by the grammar at position 0
+    first = _chi2(tokens[:, 0], p0[:5])
+    assert first < CHI2_CRITICAL_P001[VOCAB - 2], (first, p0)
+    accepted = accept_len >= 2
+    assert not np.any(tokens[accepted, 1] == 0)  # banned at position 1
+    second = _chi2(tokens[accepted, 1] - 1, p1[1:])
+    assert second < CHI2_CRITICAL_P001[VOCAB - 2], (second, p1)
+    # the bound has power: without the penalties (the grammar alone), or at position 1
+    # without draft 0 counted, the emitted tokens are rejected
+    no_penalty = _target_probs(0)[:5] / _target_probs(0)[:5].sum()
+    assert _chi2(tokens[:, 0], no_penalty) > 10 * CHI2_CRITICAL_P001[VOCAB - 2]
+    stale = expected(1, counts)
+    assert _chi2(tokens[accepted, 1] - 1, stale[1:]) > 5 * CHI2_CRITICAL_P001[VOCAB - 2]
