@@ -101,9 +101,17 @@ def min_tokens_masked(logits: jax.Array, params: SamplingArrays, positions) -> j
 
 
 def _filtered_logits(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
-    """Temperature-scaled logits with top-k / top-p masked to -inf ([..., V], per-row params)."""
+    """Temperature-scaled logits with top-k / top-p masked to -inf ([..., V], per-row params).
+    A batch with neither (every top_k off or >= V, every top_p >= 1) skips the sort over the
+    vocabulary (``lax.cond``), as SGLang skips it."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
+    filters = jnp.any((top_k > 0) & (top_k < vocab)) | jnp.any(top_p < 1.0)
+    return jax.lax.cond(filters, lambda x: _top_k_top_p(x, top_p, top_k), lambda x: x, scaled)
+
+
+def _top_k_top_p(scaled: jax.Array, top_p, top_k) -> jax.Array:
+    vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(sorted_desc, (k - 1)[..., None], axis=-1)
@@ -179,12 +187,22 @@ def target_probs(
     return jnp.where((t == 0)[..., None], one_hot, probs)
 
 
-def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE) -> jax.Array:
-    """Sample one token per row from probs [B, V] with keys from (seed, position)."""
-    keys = jax.vmap(_key, in_axes=(0, 0, None))(seed, position, purpose)
-    logp = jnp.log(jnp.maximum(probs, 1e-30))
-    logp = jnp.where(probs > 0, logp, NEG_INF)
-    return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
+def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE, greedy=None) -> jax.Array:
+    """Sample one token per row from probs [B, V] with keys from (seed, position).
+    ``greedy`` [B] (optional): rows whose probs are one-hot at their argmax; a batch of
+    only such rows takes the argmax and draws no noise over the vocabulary (``lax.cond``:
+    the same tokens)."""
+
+    def draw(probs):
+        keys = jax.vmap(_key, in_axes=(0, 0, None))(seed, position, purpose)
+        logp = jnp.log(jnp.maximum(probs, 1e-30))
+        logp = jnp.where(probs > 0, logp, NEG_INF)
+        return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
+
+    if greedy is None:
+        return draw(probs)
+    argmax = lambda probs: jnp.argmax(probs, axis=-1).astype(jnp.int32)  # noqa: E731
+    return jax.lax.cond(jnp.all(greedy), argmax, draw, probs)
 
 
 def verify_and_sample(
@@ -231,7 +249,9 @@ def verify_and_sample(
         removed = removed / jnp.maximum(jnp.sum(removed, axis=-1, keepdims=True), 1e-30)
         use_removed = rejected & ~greedy[:, 0]
         bonus_probs = jnp.where(use_removed[:, None], removed, bonus_probs)
-    bonus = sample_from(bonus_probs, params.seed, positions[rows, num_accepted])
+    bonus = sample_from(
+        bonus_probs, params.seed, positions[rows, num_accepted], greedy=greedy[:, 0]
+    )
     padded_drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)
     idx = jnp.arange(num_pos)[None, :]
     tokens = jnp.where(idx < num_accepted[:, None], padded_drafts, -1)

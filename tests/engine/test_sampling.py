@@ -19,7 +19,7 @@ from lazyspec.scheduler.request import MAX_LOGIT_BIAS
 VOCAB = 6
 NUM_ROWS = 20_000
 TEMPERATURE = 0.7
-CHI2_CRITICAL_P001 = {4: 18.467, 5: 20.515}  # upper 0.1 % points of chi-square(df)
+CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}  # chi-square(df)
 # target logits at the three verify positions; the drafts are the argmax of other logits
 TARGET_LOGITS = np.array(
     [
@@ -259,3 +259,40 @@ def test_penalties_and_a_grammar_shape_the_speculative_distribution():
     assert _chi2(tokens[:, 0], no_penalty) > 10 * CHI2_CRITICAL_P001[VOCAB - 2]
     stale = expected(1, counts)
     assert _chi2(tokens[accepted, 1] - 1, stale[1:]) > 5 * CHI2_CRITICAL_P001[VOCAB - 2]
+
+
+def _top_k_top_p_probs(position: int, top_k: int, top_p: float) -> np.ndarray:
+    """numpy: the target at ``position`` kept to its top_k tokens, then to the smallest
+    prefix (by probability) whose mass reaches top_p, renormalised."""
+    p = _target_probs(position)
+    order = np.argsort(-p)
+    keep = np.zeros(VOCAB, bool)
+    keep[order[: top_k if top_k > 0 else VOCAB]] = True
+    q = np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
+    before = np.cumsum(q[order]) - q[order]
+    keep[order[before >= top_p]] = False
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def test_top_k_and_top_p_rows_beside_plain_rows():
+    """A batch of thirds: top_k = 3, top_p = 0.6, and plain rows. Position 0 of each follows
+    its filtered target; the plain rows draw the very tokens they draw in a batch where no
+    row filters (which skips the sort over the vocabulary)."""
+    third = NUM_ROWS // 3
+    kind = np.arange(NUM_ROWS) // third  # 0: top_k, 1: top_p, 2 (and the rest): plain
+    top_k = np.where(kind == 0, 3, -1).astype(np.int32)
+    top_p = np.where(kind == 1, 0.6, 1.0).astype(np.float32)
+    tokens, _ = _emitted(sampling_arrays(NUM_ROWS, TEMPERATURE, top_k=top_k, top_p=top_p))
+    plain_only, _ = _emitted()
+    critical = CHI2_CRITICAL_P001
+    for which, (k, p) in enumerate([(3, 1.0), (-1, 0.6)]):
+        want = _top_k_top_p_probs(0, k, p)
+        kept = np.flatnonzero(want > 0)
+        got = tokens[kind == which, 0]
+        assert set(np.unique(got)) <= set(kept), (which, np.unique(got), kept)
+        stat = _chi2(np.searchsorted(kept, got), want[kept])
+        assert stat < critical[len(kept) - 1], (which, stat, want)
+    plain = kind >= 2
+    assert np.array_equal(tokens[plain], plain_only[plain])
+    assert _chi2(tokens[plain, 0], _target_probs(0)) < critical[VOCAB - 1]
