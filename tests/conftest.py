@@ -8,9 +8,14 @@ import sys
 
 import pytest
 
+from lazyspec.testing.xla_flags import with_fast_compile
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # several test processes on one machine: none may take most of an accelerator's memory
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# compile without LLVM's costly passes (lazyspec.testing.xla_flags); before jax is imported
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,16 +27,16 @@ import pytest
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.sharding import make_mesh
+from lazyspec.testing.xla_flags import with_fast_compile
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 400
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _env(num_devices: int) -> dict[str, str]:
     return dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE}",
+        XLA_FLAGS=with_fast_compile(f"--xla_force_host_platform_device_count={num_devices}"),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )

@@ -22,6 +22,7 @@ import pytest
 
 from lazyspec.engine.sharding import check_tp_size, make_mesh
 from lazyspec.testing.tiny_models import tiny_model
+from lazyspec.testing.xla_flags import with_fast_compile
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_SIZES = (1, 2, 4)
@@ -33,12 +34,9 @@ LOGPROB_TOL = 1e-5
 
 
 def _run_worker(tp: int) -> dict:
-    # the interpret-mode Pallas steps spend most of their time in LLVM: unoptimised code
-    # runs these tiny shapes as fast and compiles in about half the time
-    flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={max(TP_SIZES)} {flags}",
+        XLA_FLAGS=with_fast_compile(f"--xla_force_host_platform_device_count={max(TP_SIZES)}"),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
