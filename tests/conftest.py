@@ -18,10 +18,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``--dist loadgroup``), a test file is one unit of work and the
     server tests are one unit together: they share a live engine whose compiled programs
-    must not be dropped by another file's tests running between them in the same worker."""
+    must not be dropped by another file's tests running between them in the same worker.
+    Before xdist's own hook (``tryfirst``), which reads the groups: run after it, the marks
+    came too late and every file's tests were spread over both workers, each building the
+    file's module-scoped engines and subprocess runs again."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
