@@ -237,10 +237,8 @@ class _WidestDecode:
 
 def _compiled_decode(runner, params, pools, batch):
     """The runner's decode step compiled for these (concrete or abstract) arguments."""
-    from lazyspec.engine.runner import _decode_jit
-
     static = (runner.family, runner.cfg, runner.static, runner.sharding)
-    return _decode_jit.lower(*static, params, pools, batch).compile()
+    return runner.programs.decode.lower(*static, params, pools, batch).compile()
 
 
 def decode_memory(model, backend: str, args) -> dict:

@@ -54,9 +54,9 @@ def _unpacking(step):
 
 
 def _sharded(step):
-    """``step`` with the sharding plan as a further static argument: the pools it returns
-    keep the shardings they came in with (so the next launch reuses the program, and every
-    masked scatter writes the pool in place) and its small outputs are replicated."""
+    """``step`` with the sharding plan as a further static argument: the pools it returns are
+    constrained to the shardings they came in with (every masked scatter writes a pool in
+    place) and its small outputs are replicated."""
 
     def run(fam, cfg, static, sharding: ShardingPlan, params, pools, batch):
         outputs, pools = step(fam, cfg, static, params, pools, batch)
@@ -68,27 +68,73 @@ def _sharded(step):
     return run
 
 
-# The config, the family, the static settings and the sharding plan are static arguments
-# hashed by value, so every runner of an equal model and equal settings shares one
-# compilation per shape. The steps take their batch packed into one array.
-_extend_jit = jax.jit(
-    _sharded(_unpacking(extend_step)), static_argnums=(0, 1, 2, 3), donate_argnums=(5,)
-)
-_decode_jit = jax.jit(
-    _sharded(_unpacking(decode_step)), static_argnums=(0, 1, 2, 3), donate_argnums=(5,)
-)
-_table_jit = jax.jit(apply_table_updates, donate_argnums=(0,))
-_mask_jit = jax.jit(apply_vocab_masks, donate_argnums=(0,))
-# grammar rows whose bitmasks one mask update writes (one compiled shape; more rows take
-# several updates)
-MASK_ROWS_PER_UPDATE = 8
-
-
 def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
     return seed_counts(output_counts, in_prompt, unpack_batch(packed))
 
 
-_seed_jit = jax.jit(_seed_packed, donate_argnums=(0, 1))
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The jitted programs of runners whose pools have one set of shardings. Each program
+    returns the pools it changes with exactly the shardings they were allocated with
+    (``out_shardings``), so every call after the first matches the first call's signature:
+    XLA alone may return an equivalent sharding under another spec (on one device, ``P()``
+    for ``P(None, 'tp', None)``), which jit's dispatch cache counts as a new signature."""
+
+    extend: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (outputs, pools)
+    decode: Any
+    table: Any  # (req_to_token, updates) -> req_to_token
+    mask: Any  # (vocab_mask, rows, masks) -> vocab_mask
+    seed: Any  # (output_counts, in_prompt, packed) -> (output_counts, in_prompt)
+
+    def all(self) -> tuple[Any, ...]:
+        return (self.extend, self.decode, self.table, self.mask, self.seed)
+
+
+# One Programs per set of pool shardings: every runner of an equal model and equal settings
+# shares one compilation per shape (the config, the family, the static settings and the
+# sharding plan are static arguments hashed by value). The steps take their batch packed.
+_PROGRAMS: dict[tuple, Programs] = {}
+
+
+def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
+    """The programs whose pool outputs carry ``pool_shardings`` (made once per such set)."""
+    leaves, treedef = jax.tree.flatten(pool_shardings)
+    key = (sharding, treedef, tuple(leaves))
+    if key not in _PROGRAMS:
+        step_out = (sharding.replicated, pool_shardings)
+        _PROGRAMS[key] = Programs(
+            extend=jax.jit(
+                _sharded(_unpacking(extend_step)),
+                static_argnums=(0, 1, 2, 3),
+                donate_argnums=(5,),
+                out_shardings=step_out,
+            ),
+            decode=jax.jit(
+                _sharded(_unpacking(decode_step)),
+                static_argnums=(0, 1, 2, 3),
+                donate_argnums=(5,),
+                out_shardings=step_out,
+            ),
+            table=jax.jit(
+                apply_table_updates,
+                donate_argnums=(0,),
+                out_shardings=pool_shardings.req_to_token,
+            ),
+            mask=jax.jit(
+                apply_vocab_masks, donate_argnums=(0,), out_shardings=pool_shardings.vocab_mask
+            ),
+            seed=jax.jit(
+                _seed_packed,
+                donate_argnums=(0, 1),
+                out_shardings=(pool_shardings.output_counts, pool_shardings.in_prompt),
+            ),
+        )
+    return _PROGRAMS[key]
+
+
+# grammar rows whose bitmasks one mask update writes (one compiled shape; more rows take
+# several updates)
+MASK_ROWS_PER_UPDATE = 8
 
 
 def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
@@ -166,8 +212,9 @@ class Runner:
             self.abstract,
             self.pool_shardings,
         )
-        self._extend = functools.partial(_extend_jit, self.family, self.cfg, static, sharding)
-        self._decode = functools.partial(_decode_jit, self.family, self.cfg, static, sharding)
+        self.programs = programs = programs_for(sharding, self.pool_shardings)
+        self._extend = functools.partial(programs.extend, self.family, self.cfg, static, sharding)
+        self._decode = functools.partial(programs.decode, self.family, self.cfg, static, sharding)
 
     def slot_bytes(self) -> int:
         return slot_bytes(self.abstract)
@@ -224,7 +271,7 @@ class Runner:
         self._apply_table(updates)
 
     def _apply_table(self, updates: np.ndarray) -> None:
-        table = _table_jit(
+        table = self.programs.table(
             self.pools.req_to_token, jax.device_put(updates, self.sharding.replicated)
         )
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
@@ -239,7 +286,7 @@ class Runner:
 
     def _apply_seed(self, packed: PackedBatch) -> None:
         words = jax.device_put(packed.words, self.sharding.replicated)
-        counts, in_prompt = _seed_jit(
+        counts, in_prompt = self.programs.seed(
             self.pools.output_counts, self.pools.in_prompt, dataclasses.replace(packed, words=words)
         )
         self.pools = dataclasses.replace(self.pools, output_counts=counts, in_prompt=in_prompt)
@@ -287,7 +334,7 @@ class Runner:
 
     def _apply_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
         place = self.sharding.replicated
-        vocab_mask = _mask_jit(
+        vocab_mask = self.programs.mask(
             self.pools.vocab_mask, jax.device_put(rows, place), jax.device_put(masks, place)
         )
         self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
@@ -305,8 +352,7 @@ class Runner:
         """Programs the jitted steps hold, for every runner of this process (runners of equal
         configs and settings share theirs)."""
         return sum(
-            jitted._cache_size()
-            for jitted in (_extend_jit, _decode_jit, _table_jit, _mask_jit, _seed_jit)
+            jitted._cache_size() for programs in _PROGRAMS.values() for jitted in programs.all()
         )
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
