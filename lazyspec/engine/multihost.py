@@ -78,39 +78,32 @@ class StepBroadcast:
     def send_table(self, updates: np.ndarray) -> None:
         """Announce and send one table chunk ``[3, n]`` int32."""
         assert updates.dtype == np.int32 and updates.ndim == 2, (updates.dtype, updates.shape)
-        rows, length = updates.shape
-        self._check_listening()
-        _broadcast(np.array([TABLE, rows, length, updates.size], np.int32))
-        _broadcast(updates)
-        self.num_sent += 1
+        self._send(TABLE, *updates.shape, updates)
 
     def send_step(self, batch: ExtendBatch | DecodeBatch, packed: PackedBatch) -> None:
         """Announce ``batch``'s kind and bucket, then send its packed words."""
         rows = batch.req_row.shape[0]
         if isinstance(batch, ExtendBatch):
-            kind, length = EXTEND, batch.tokens.shape[1]
+            self._send(EXTEND, rows, batch.tokens.shape[1], packed.words)
         else:
-            kind, length = DECODE, 0
-        self._check_listening()
-        _broadcast(np.array([kind, rows, length, packed.words.size], np.int32))
-        _broadcast(packed.words)
-        self.num_sent += 1
+            self._send(DECODE, rows, 0, packed.words)
 
     def send_seed(self, packed: PackedBatch) -> None:
         """Announce and send one token-count seed, packed (``pack_batch(CountSeed)``)."""
-        self._check_listening()
-        _broadcast(np.array([SEED, 0, 0, packed.words.size], np.int32))
-        _broadcast(packed.words)
-        self.num_sent += 1
+        self._send(SEED, 0, 0, packed.words)
 
     def send_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
         """Announce and send one grammar-mask update: request rows ``[n]`` int32 and their
         bitmasks ``[n, ...]`` int32."""
         assert rows.dtype == masks.dtype == np.int32, (rows.dtype, masks.dtype)
-        num_rows, words = rows.size, masks.size // max(rows.size, 1)
+        words = masks.size // max(rows.size, 1)
+        self._send(MASK, rows.size, words, np.concatenate([rows.ravel(), masks.ravel()]))
+
+    def _send(self, kind: int, first: int, second: int, payload: np.ndarray) -> None:
+        """The header ``[kind, first, second, payload.size]``, then the int32 payload."""
         self._check_listening()
-        _broadcast(np.array([MASK, num_rows, words, rows.size + masks.size], np.int32))
-        _broadcast(np.concatenate([rows.ravel(), masks.ravel()]))
+        _broadcast(np.array([kind, first, second, payload.size], np.int32))
+        _broadcast(payload)
         self.num_sent += 1
 
     def send_stop(self) -> None:

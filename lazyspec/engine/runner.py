@@ -102,19 +102,18 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
     key = (sharding, treedef, tuple(leaves))
     if key not in _PROGRAMS:
         step_out = (sharding.replicated, pool_shardings)
+
+        def step_jit(step):
+            return jax.jit(
+                _sharded(_unpacking(step)),
+                static_argnums=(0, 1, 2, 3),
+                donate_argnums=(5,),
+                out_shardings=step_out,
+            )
+
         _PROGRAMS[key] = Programs(
-            extend=jax.jit(
-                _sharded(_unpacking(extend_step)),
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5,),
-                out_shardings=step_out,
-            ),
-            decode=jax.jit(
-                _sharded(_unpacking(decode_step)),
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5,),
-                out_shardings=step_out,
-            ),
+            extend=step_jit(extend_step),
+            decode=step_jit(decode_step),
             table=jax.jit(
                 apply_table_updates,
                 donate_argnums=(0,),

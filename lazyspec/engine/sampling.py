@@ -187,11 +187,11 @@ def target_probs(
     return jnp.where((t == 0)[..., None], one_hot, probs)
 
 
-def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE, greedy=None) -> jax.Array:
+def sample_from(probs: jax.Array, seed, position, greedy, purpose=PURPOSE_SAMPLE) -> jax.Array:
     """Sample one token per row from probs [B, V] with keys from (seed, position).
-    ``greedy`` [B] (optional): rows whose probs are one-hot at their argmax; a batch of
-    only such rows takes the argmax and draws no noise over the vocabulary (``lax.cond``:
-    the same tokens)."""
+    ``greedy`` [B]: rows whose probs are one-hot at their argmax; a batch of only such rows
+    takes the argmax and draws no noise over the vocabulary (``lax.cond``: the same
+    tokens)."""
 
     def draw(probs):
         keys = jax.vmap(_key, in_axes=(0, 0, None))(seed, position, purpose)
@@ -199,8 +199,6 @@ def sample_from(probs: jax.Array, seed, position, purpose=PURPOSE_SAMPLE, greedy
         logp = jnp.where(probs > 0, logp, NEG_INF)
         return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
 
-    if greedy is None:
-        return draw(probs)
     argmax = lambda probs: jnp.argmax(probs, axis=-1).astype(jnp.int32)  # noqa: E731
     return jax.lax.cond(jnp.all(greedy), argmax, draw, probs)
 
@@ -249,9 +247,7 @@ def verify_and_sample(
         removed = removed / jnp.maximum(jnp.sum(removed, axis=-1, keepdims=True), 1e-30)
         use_removed = rejected & ~greedy[:, 0]
         bonus_probs = jnp.where(use_removed[:, None], removed, bonus_probs)
-    bonus = sample_from(
-        bonus_probs, params.seed, positions[rows, num_accepted], greedy=greedy[:, 0]
-    )
+    bonus = sample_from(bonus_probs, params.seed, positions[rows, num_accepted], greedy[:, 0])
     padded_drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)
     idx = jnp.arange(num_pos)[None, :]
     tokens = jnp.where(idx < num_accepted[:, None], padded_drafts, -1)

@@ -351,9 +351,7 @@ def extend_step(
     allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_reqs), :1]  # [B, 1, W]
     with jax.named_scope("sampling"):
         probs = target_probs(logits, batch.sampling, last_pos[:, None], history, allowed)[:, 0]
-        token = sample_from(
-            probs, batch.sampling.seed, last_pos, greedy=batch.sampling.temperature == 0
-        )
+        token = sample_from(probs, batch.sampling.seed, last_pos, batch.sampling.temperature == 0)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
     row = jnp.where(real, batch.req_row, sentinel_row)
