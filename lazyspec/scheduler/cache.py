@@ -149,8 +149,7 @@ class RequestCache:
             rows.append(np.full(end - start, req.req_row, np.int64))
             positions.append(np.arange(start, end))
             values.append(tokens[first * self.page_size : first * self.page_size + end - start])
-            mine = page_ids[first : first + count]
-            req.own_pages = np.concatenate([req.own_pages, mine]).astype(req.own_pages.dtype)
+            _append_pages(req, page_ids[first : first + count])
             self._row_extent[req.req_row] = max(int(self._row_extent[req.req_row]), end)
             first += count
         self._write_entries(np.concatenate(rows), np.concatenate(positions), np.concatenate(values))
@@ -242,3 +241,24 @@ class RequestCache:
         row_ids, positions = keys // width, keys % width
         values = self.req_to_token[row_ids, positions]
         return np.stack([row_ids, positions, values]).astype(np.int32)
+
+
+def _append_pages(req: Req, pages: np.ndarray) -> None:
+    """Mutates: ``req.own_pages`` followed by ``pages``, amortised O(len(pages)): appended
+    in place into ``req.page_buffer`` while ``own_pages`` is still its prefix and it has room
+    (at page size 1 a decode step adds a page per row, and copying the whole list each time
+    cost O(context) per row per step), else copied into a buffer of twice the length."""
+    own, buffer = req.own_pages, req.page_buffer
+    end = len(own) + len(pages)
+    in_place = (
+        buffer is not None
+        and own.base is buffer
+        and own.ctypes.data == buffer.ctypes.data
+        and len(buffer) >= end
+    )
+    if not in_place:
+        buffer = np.empty(max(2 * end, 16), own.dtype)
+        buffer[: len(own)] = own
+        req.page_buffer = buffer
+    buffer[len(own) : end] = pages
+    req.own_pages = buffer[:end]

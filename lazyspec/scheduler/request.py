@@ -241,6 +241,8 @@ class Req:
     prefix_len: int = 0
     cached_tokens: int = 0
     own_pages: Any = None  # np.ndarray of the KV pages this request allocated
+    # the buffer ``RequestCache.grow`` appends pages into (``own_pages`` a prefix of it)
+    page_buffer: Any = None
     # progress
     fill_len: int = 0  # tokens of ``fill_ids`` scheduled for prefill
     seq_len: int = 0  # tokens whose state + KV are committed (processed results)

@@ -1,0 +1,61 @@
+"""``RequestCache``'s decode growth: a request's own pages grow in place, one page a step,
+and stay exactly the pages its row of the request table points at."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lazyspec.cache.allocators import check_all
+from lazyspec.scheduler.request import Req, SamplingParams
+from tests.scheduler.test_admission import _scheduler
+
+
+def _own_rows_in_table(cache, req: Req) -> np.ndarray:
+    """The KV rows the request table gives the request's own positions."""
+    end = cache.covered_len(req)
+    return cache.req_to_token[req.req_row, req.prefix_len : end]
+
+
+def test_decode_growth_appends_pages_in_place():
+    sched = _scheduler(max_total_tokens=256, context_length=200)
+    cache = sched.cache
+    req = Req("a", list(range(1, 9)), SamplingParams(max_new_tokens=150, ignore_eos=True))
+    match = sched.tree.match_prefix(req.input_ids)
+    cache.admit(req, match, cache.pages_needed(req, len(req.input_ids), 0))
+    addresses = []  # where the list lies after each step: a move copies every page
+    for length in range(cache.covered_len(req) + 1, 160):
+        assert cache.pages_to_cover(req, length) == 1
+        cache.grow([req], [length])
+        assert cache.covered_len(req) == length
+        own = cache.kv.pages_to_token_indices(req.own_pages)
+        np.testing.assert_array_equal(_own_rows_in_table(cache, req), own)
+        addresses.append(req.own_pages.ctypes.data)
+    moves = sum(a != b for a, b in zip(addresses, addresses[1:]))
+    check_all(cache.kv, cache.slots, sched.tree, [], req.own_pages)
+    # ~150 appends, each new buffer twice the length of the last: a handful of moves
+    assert moves <= 5, moves
+    assert len(set(req.own_pages.tolist())) == len(req.own_pages)
+
+
+def test_growth_after_trimming_keeps_the_pages_apart():
+    """A running request's insert trims its own pages (the tree owns the front); growing
+    after that must neither write into pages still listed elsewhere nor lose any."""
+    sched = _scheduler(max_total_tokens=256, context_length=200)
+    cache = sched.cache
+    req = Req("a", list(range(1, 9)), SamplingParams(max_new_tokens=150, ignore_eos=True))
+    cache.admit(req, sched.tree.match_prefix(req.input_ids), 8 + cache.layout.run_past_headroom)
+    for length in range(cache.covered_len(req) + 1, 40):
+        cache.grow([req], [length])
+    req.output_ids = list(range(100, 130))
+    before = req.own_pages.copy()
+    taken = cache.cache_req(req, 24, slot=cache.slots.alloc(1)[0], finished=False)
+    assert taken and req.prefix_len == 24
+    trimmed = req.own_pages.copy()
+    np.testing.assert_array_equal(trimmed, before[24:])
+    for length in range(cache.covered_len(req) + 1, 90):
+        cache.grow([req], [length])
+    np.testing.assert_array_equal(req.own_pages[: len(trimmed)], trimmed)
+    np.testing.assert_array_equal(
+        _own_rows_in_table(cache, req), cache.kv.pages_to_token_indices(req.own_pages)
+    )
+    assert not np.isin(req.own_pages, before[:24]).any()  # the tree's pages stay the tree's
