@@ -16,6 +16,7 @@ samples do not depend on how it was batched or on the checkpoint strategy.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
@@ -27,6 +28,32 @@ from lazyspec.scheduler.request import TOP_LOGPROBS
 NEG_INF = -1e30
 PURPOSE_SAMPLE = 0
 PURPOSE_ACCEPT = 1
+
+# XLA on GPUs runs a ``lax.cond`` by copying its predicate to the host and waiting for it, so
+# the thread that dispatches a step cannot run ahead of the device and the overlapped loop
+# loses its overlap (one H200, batch 1: the decode step's dispatch took 4.1 ms with the
+# sampling conds, 2.3 ms without; BENCHMARKS.md, "Host path"). Batches of at most this many
+# sampled positions do the work a cond would skip (cheap at that size) and select per row.
+BRANCH_FREE_MAX_POSITIONS = 8
+
+
+def _branch_free(x: jax.Array) -> bool:
+    """Whether ``x [..., V]`` (one vocabulary row per sampled position) is small enough to
+    compute every branch of a stage rather than skip one with a ``lax.cond``."""
+    return math.prod(x.shape[:-1]) <= BRANCH_FREE_MAX_POSITIONS
+
+
+def _rows_where(wanted: jax.Array, fn, x: jax.Array) -> jax.Array:
+    """``fn(x)`` on the rows where ``wanted`` (leading axes of ``x``), ``x`` elsewhere. A
+    large batch with no such row skips ``fn`` (``lax.cond``); a small one computes it
+    always (``BRANCH_FREE_MAX_POSITIONS``)."""
+
+    def apply(x):
+        return jnp.where(wanted.reshape(wanted.shape + (1,) * (x.ndim - wanted.ndim)), fn(x), x)
+
+    if _branch_free(x):
+        return apply(x)
+    return jax.lax.cond(jnp.any(wanted), apply, lambda x: x, x)
 
 
 # Per-row sampling parameters: the host batches' ``SamplingRows`` (temperature [B] float32,
@@ -101,13 +128,13 @@ def min_tokens_masked(logits: jax.Array, params: SamplingArrays, positions) -> j
 
 
 def _filtered_logits(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
-    """Temperature-scaled logits with top-k / top-p masked to -inf ([..., V], per-row params).
-    A batch with neither (every top_k off or >= V, every top_p >= 1) skips the sort over the
-    vocabulary (``lax.cond``), as SGLang skips it."""
+    """Temperature-scaled logits with top-k / top-p masked to -inf ([..., V], per-row params)
+    on the rows that ask for either (top_k on and < V, or top_p < 1). A large batch with no
+    such row skips the sort over the vocabulary, as SGLang skips it (``_rows_where``)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
-    filters = jnp.any((top_k > 0) & (top_k < vocab)) | jnp.any(top_p < 1.0)
-    return jax.lax.cond(filters, lambda x: _top_k_top_p(x, top_p, top_k), lambda x: x, scaled)
+    filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+    return _rows_where(filters, lambda x: _top_k_top_p(x, top_p, top_k), scaled)
 
 
 def _top_k_top_p(scaled: jax.Array, top_p, top_k) -> jax.Array:
@@ -136,7 +163,7 @@ def grammar_masked(logits: jax.Array, allowed: jax.Array | None, constrained) ->
 
     ``allowed [B, T, W]`` int32 words (xgrammar's layout: token t allowed iff bit t % 32 of
     word t // 32 is set), one per position; ``constrained [B]`` bool. Rows without a grammar
-    are unchanged; a batch with none skips the unpacking (``lax.cond``)."""
+    are unchanged; a large batch with none skips the unpacking (``_rows_where``)."""
     if allowed is None:
         return logits
     vocab = logits.shape[-1]
@@ -147,7 +174,7 @@ def grammar_masked(logits: jax.Array, allowed: jax.Array | None, constrained) ->
         ok = bits.reshape(*allowed.shape[:2], -1)[..., :vocab] != 0
         return jnp.where(constrained[:, None, None] & ~ok, NEG_INF, logits)
 
-    return jax.lax.cond(jnp.any(constrained), apply, lambda logits: logits, logits)
+    return _rows_where(constrained, apply, logits)
 
 
 def processed_logits(
@@ -189,9 +216,9 @@ def target_probs(
 
 def sample_from(probs: jax.Array, seed, position, greedy, purpose=PURPOSE_SAMPLE) -> jax.Array:
     """Sample one token per row from probs [B, V] with keys from (seed, position).
-    ``greedy`` [B]: rows whose probs are one-hot at their argmax; a batch of only such rows
-    takes the argmax and draws no noise over the vocabulary (``lax.cond``: the same
-    tokens)."""
+    ``greedy`` [B]: rows whose probs are one-hot at their argmax (they take the argmax: the
+    token a draw would give them); a large batch of only such rows draws no noise over the
+    vocabulary (``lax.cond``), a small one always draws (``BRANCH_FREE_MAX_POSITIONS``)."""
 
     def draw(probs):
         keys = jax.vmap(_key, in_axes=(0, 0, None))(seed, position, purpose)
@@ -200,6 +227,8 @@ def sample_from(probs: jax.Array, seed, position, greedy, purpose=PURPOSE_SAMPLE
         return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
 
     argmax = lambda probs: jnp.argmax(probs, axis=-1).astype(jnp.int32)  # noqa: E731
+    if _branch_free(probs):
+        return jnp.where(greedy, argmax(probs), draw(probs))
     return jax.lax.cond(jnp.all(greedy), argmax, draw, probs)
 
 

@@ -8,6 +8,8 @@ at p = 0.001."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -296,3 +298,57 @@ def test_top_k_and_top_p_rows_beside_plain_rows():
     plain = kind >= 2
     assert np.array_equal(tokens[plain], plain_only[plain])
     assert _chi2(tokens[plain, 0], _target_probs(0)) < critical[VOCAB - 1]
+
+
+def _has_cond(fn, *args) -> bool:
+    """Whether ``fn``'s jaxpr (nested ones included) holds a ``lax.cond``."""
+
+    def walk(jaxpr) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "cond":
+                return True
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None and walk(getattr(inner, "jaxpr", inner)):
+                        return True
+        return False
+
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_small_batches_sample_without_conditionals_and_draw_the_same_tokens():
+    """A small verify batch (at most BRANCH_FREE_MAX_POSITIONS positions) has no
+    ``lax.cond`` (a GPU waits on the host for its predicate) and emits, row for row, what
+    the same rows emit inside a large batch, whose stages skip by ``lax.cond``: greedy,
+    plain, top-k, top-p and grammar rows, at temperature 0 and 0.7."""
+    num_rows = 64
+    rng = np.random.default_rng(3)
+    kind = np.arange(num_rows) % 5  # 0 greedy, 1 plain, 2 top-k, 3 top-p, 4 grammar
+    params = sampling_arrays(
+        num_rows,
+        TEMPERATURE,
+        top_k=np.where(kind == 2, 2, -1).astype(np.int32),
+        top_p=np.where(kind == 3, 0.5, 1.0).astype(np.float32),
+        constrained=kind == 4,
+        seed=rng.integers(0, 2**32, num_rows, dtype=np.uint32),
+    )
+    greedy_rows = jnp.asarray(np.where(kind == 0, 0.0, TEMPERATURE), jnp.float32)
+    params = dataclasses.replace(params, temperature=greedy_rows)
+    logits = jnp.asarray(rng.standard_normal((num_rows, 2, VOCAB)), jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, VOCAB, (num_rows, 1)), jnp.int32)
+    positions = jnp.asarray(50 + np.arange(num_rows)[:, None] + np.arange(2)[None, :], jnp.int32)
+    allowed = jnp.asarray(rng.integers(1, 2**VOCAB, (num_rows, 2, 1)), jnp.int32)
+
+    def run(rows: slice):
+        part = jax.tree.map(lambda x: x[rows], params)
+        args = (logits[rows], drafts[rows], positions[rows], part, None, allowed[rows])
+        return _has_cond(verify_and_sample, *args), jax.jit(verify_and_sample)(*args)
+
+    large_cond, (large_tokens, large_accept) = run(slice(None))
+    assert large_cond  # the large batch takes the skipping path: the comparison has a point
+    for start in range(0, num_rows, 4):  # 4 rows x 2 positions: the branch-free bound
+        small_cond, (tokens, accept) = run(slice(start, start + 4))
+        assert not small_cond
+        np.testing.assert_array_equal(tokens, large_tokens[start : start + 4])
+        np.testing.assert_array_equal(accept, large_accept[start : start + 4])
