@@ -102,6 +102,11 @@ DEFAULT_MOE_TILES = {
 # and ragged_dot's grouped matmul amortises its sort. To be re-measured with bench_moe.py.
 MOE_KERNEL_MAX_TOKENS = 64
 TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
+# From this many tokens the up launch takes intermediate tiles of 64 columns (H200,
+# bench_moe.py: 113 against 157 us at 64 tokens of Qwen3-Next widths, 327 against 446 us at
+# Qwen3.5's); below it the grid of 32-column tiles keeps more multiprocessors busy (one token
+# of Qwen3.5: 28 against 47 us).
+MOE_WIDE_INNER_TOKENS = 16
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -346,7 +351,8 @@ def moe_launch(
     inner, out_width = up.shape[2], down.shape[2]
     defaults = DEFAULT_MOE_TILES
     tiles.setdefault("block_rows", defaults["block_rows"])
-    tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
+    block_inner = defaults["block_inner"] * (2 if num_tokens >= MOE_WIDE_INNER_TOKENS else 1)
+    tiles.setdefault("block_inner", fitted_tile(inner, block_inner))
     tiles.setdefault("block_out", fitted_tile(out_width, defaults["block_out"]))
     tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
     params = pallas_compiler_params(
@@ -490,8 +496,8 @@ def kernels_for(
     ``state_update_tpu`` and ``moe_experts_tpu``, the XLA scatter and the jnp attention;
     elsewhere the Triton-layout kernels (in interpret mode on CPU). ``moe_runner`` picks the
     routed experts' form: "pallas" the kernel, "xla" none (the layers' sort-based
-    dispatch), "auto" the kernel only in interpret mode (CPU): on GPU and TPU its check is
-    not complete yet (BENCHMARKS.md, engine decode)."""
+    dispatch), "auto" the kernel on GPUs (Triton) and in interpret mode (CPU), the XLA
+    dispatch on TPUs (whose layout, ``moe_experts_tpu``, has not run on a TPU)."""
     platform = jax.default_backend() if platform is None else platform
     if resolve_backend(kernel_backend, platform) == "xla":
         return XLA_KERNELS
@@ -501,8 +507,8 @@ def kernels_for(
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
         attention = _pallas_paged_attention
-    if moe_runner == "xla" or (moe_runner == "auto" and platform != "cpu"):
-        moe = None  # auto: the kernel runs by default only where it was checked (interpret)
+    if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
+        moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
     return Kernels(
         "pallas",
         platform,

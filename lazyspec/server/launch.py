@@ -71,8 +71,8 @@ HELP = {
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
     "on CPU and TPU; pallas on TPU is untested).",
     "moe_runner_backend": "Routed experts with kernel-backend pallas: pallas (the grouped "
-    "matmul over routed experts), xla (the sort + ragged_dot dispatch) or auto (= xla on "
-    "GPU and TPU, where the kernel's check is incomplete; pallas in interpret mode on CPU).",
+    "matmul over routed experts), xla (the sort + ragged_dot dispatch) or auto (= pallas on "
+    "GPU and in interpret mode on CPU; xla on TPU, where the kernel has not run).",
     "load_format": "auto: read the safetensors (each device reads only its slices); dummy: "
     "random weights drawn directly on the devices (benchmarks; the folder's config.json "
     "and tokenizer are still read).",

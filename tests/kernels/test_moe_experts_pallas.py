@@ -44,7 +44,9 @@ def expert_stacks(rng, num_experts, dtype, gated):
 
 
 def reference(x, weights, ids, up, down, gate):
-    """``grouped_experts`` with the layers' own SwiGLU / relu^2 expert functions."""
+    """``grouped_experts`` with the layers' own SwiGLU / relu^2 expert functions, its float32
+    dots in full precision (on GPUs XLA's default is TF32, up to 8e-4 off the kernel's IEEE
+    dots at these widths, where full precision agrees within 1.1e-7: BENCHMARKS.md)."""
 
     def experts(xs, sizes):
         xs = xs.astype(up.dtype)
@@ -55,7 +57,8 @@ def reference(x, weights, ids, up, down, gate):
         h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * u
         return jax.lax.ragged_dot(h, down, sizes)
 
-    return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
+    with jax.default_matmul_precision("highest"):
+        return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
 
 
 CASES = [  # seed, tokens, top_k, experts, skewed, gated, dtype
@@ -177,6 +180,17 @@ def test_dispatch_chooses_kernel_by_token_count_pallas():
     assert_close(got, want, FP32_TOL, "dispatched routed experts")
 
 
+def test_intermediate_tile_widens_from_sixteen_tokens_pallas():
+    """At Qwen3-Next's expert widths the up launch's intermediate tile is 32 columns below
+    MOE_WIDE_INNER_TOKENS tokens and 64 from there; a width below 64 keeps its fitted tile."""
+    up, down = jnp.zeros((8, 2048, 512)), jnp.zeros((8, 512, 2048))
+    wide = backend.MOE_WIDE_INNER_TOKENS
+    assert backend.moe_launch(wide - 1, up, down, interpret=True)["block_inner"] == 32
+    assert backend.moe_launch(wide, up, down, interpret=True)["block_inner"] == 64
+    narrow_up, narrow_down = jnp.zeros((8, 2048, 48)), jnp.zeros((8, 48, 2048))
+    assert backend.moe_launch(wide, narrow_up, narrow_down, interpret=True)["block_inner"] == 16
+
+
 def test_dispatch_leaves_widths_below_triton_dots_to_xla_pallas(monkeypatch):
     """Compiled for Triton (not interpret), an intermediate width of 24 (largest power-of-two
     tile 8 < 16) runs the XLA form; 32 runs the kernel."""
@@ -263,9 +277,10 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
 
 
 def test_moe_runner_picks_the_routed_experts_form_pallas():
-    """auto: the kernel in interpret mode only (CPU); pallas: everywhere; xla: nowhere."""
+    """auto: the kernel on GPUs and in interpret mode (CPU), not on TPUs; pallas:
+    everywhere; xla: nowhere."""
     assert backend.kernels_for("pallas", "cpu").moe_experts is not None
-    assert backend.kernels_for("pallas", "gpu").moe_experts is None
+    assert backend.kernels_for("pallas", "gpu").moe_experts is not None
     assert backend.kernels_for("pallas", "tpu").moe_experts is None
     assert backend.kernels_for("pallas", "gpu", moe_runner="pallas").moe_experts is not None
     assert backend.kernels_for("pallas", "cpu", moe_runner="xla").moe_experts is None
