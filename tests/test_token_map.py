@@ -5,7 +5,9 @@ count that ``scripts/build_token_map.py`` writes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from lazyspec.token_map import (
     read_token_map,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 SPEC = dict(speculative_algorithm="NEXTN")
 
 
@@ -117,3 +120,43 @@ def test_most_frequent_ids_order_ties_and_unseen():
     assert most_frequent_ids(counts, 10).tolist() == [2, 6, 1, 3, 5]  # unseen ids never
     with pytest.raises(ValueError, match="k=0"):
         most_frequent_ids(counts, 0)
+
+
+def _build_token_map_script():
+    spec = importlib.util.spec_from_file_location(
+        "build_token_map", ROOT / "scripts" / "build_token_map.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("suffix", [".json", ".npy", ".txt"])
+def test_build_token_map_writes_the_most_frequent_ids(tmp_path, suffix):
+    """A character tokenizer over a tiny corpus: 'a' x 9, 'b' x 5, 'c' x 5, 'd' x 1 over two
+    files (and a file the glob skips): the top 3 are a, then b and c by id."""
+    from lazyspec.testing.char_tokenizer import char_tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    tokenizer = char_tokenizer()
+    tokenizer.save(str(model / "tokenizer.json"))
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "one.txt").write_text("aaaabbbcc")
+    (data / "sub" / "two.txt").write_text("aaaaabbcccd")
+    (data / "skip.md").write_text("dddddddddddddddddddddddd")
+    out = tmp_path / f"map{suffix}"
+    ids = _build_token_map_script().main(
+        ["--model-path", str(model), "--corpus", str(data), "--glob", "*.txt"]
+        + ["--num-tokens", "3", "--output", str(out)]
+    )
+    want = [tokenizer.token_to_id(c) for c in "abc"]
+    assert want[0] < want[1] < want[2]
+    assert ids == want
+    assert read_token_map(out).tolist() == want
+    everything = _build_token_map_script().main(
+        ["--model-path", str(model), "--corpus", str(data / "one.txt"), str(data / "sub")]
+        + ["--num-tokens", "50", "--output", str(tmp_path / "all.txt")]
+    )
+    assert everything == [tokenizer.token_to_id(c) for c in "abcd"]  # only seen ids
