@@ -1,11 +1,16 @@
 """A speculative token map: each draft is the argmax of the MTP logits over the map's ids
 (the draft function against a numpy recompute, untied and tied lm_head), every draft an
 engine emits lies in the map, greedy output is unchanged (the cache-free oracle, overlap on
-and off), and an id outside the vocabulary is refused when the engine is built."""
+and off; at tp = 2 too, with the reduced head sharded by columns like the lm_head), and an
+id outside the vocabulary is refused when the engine is built."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,7 +20,10 @@ from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab, draft_ar
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.sharding import sharding_plan
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.xla_flags import with_fast_compile
 from lazyspec.token_map import draft_token_ids
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MAP_IDS = [5, 9, 17, 33, 34, 60, 61, 62, 90, 127]  # the tiny models' vocabulary is 128
 EOS = 2
@@ -134,3 +142,62 @@ def test_id_outside_the_vocabulary_is_refused(tmp_path):
             context_length=128,
             skip_warmup=True,
         )
+
+
+TP2_RUN = """
+import json, sys
+import numpy as np
+from lazyspec.engine.engine import Engine
+from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+
+model = tiny_model("qwen3_next")
+prompts = json.loads(sys.argv[2])
+engine = Engine(
+    model=model, speculative_algorithm="NEXTN", speculative_num_steps=3, tp_size=2,
+    speculative_token_map=sys.argv[1], mamba_track_interval=16, mamba_chunk_size=16,
+    chunked_prefill_size=64, max_running_requests=2, max_total_tokens=4096,
+    context_length=256, skip_warmup=True,
+)
+drafts, fetch = [], engine.runner.fetch
+engine.runner.fetch = lambda out: drafts.append(fetch(out)) or drafts[-1]
+params = {"max_new_tokens": 10, "ignore_eos": True}
+reqs = [engine.add_request(input_ids=p, sampling_params=params) for p in prompts]
+engine.run_until_done(reqs)
+head = engine.runner.params["draft_vocab"]
+print(json.dumps({
+    "same": [r.output_ids == reference_greedy(model, p, 10, pad_len=256)[0]
+             for r, p in zip(reqs, prompts)],
+    "drafts": sorted({int(d) for out in drafts for d in out["drafts"].ravel()}),
+    "lm_head_spec": list(head.lm_head.sharding.spec),
+    "ids_spec": list(head.token_ids.sharding.spec),
+}))
+"""
+
+
+def test_tensor_parallel_map_is_sharded_by_columns_and_exact(case):
+    """tp = 2 over two fake CPU devices (its own process: the device count is fixed when
+    jax is first imported): the reduced head's K columns are split over tp as the rule table
+    splits the lm_head's, the ids replicated; two requests in one batch stay exact and draft
+    only map ids."""
+    _, prompts, _, _, path = case
+    env = dict(
+        os.environ,
+        XLA_FLAGS=with_fast_compile("--xla_force_host_platform_device_count=2"),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    args = [path, json.dumps([[int(t) for t in p] for p in prompts[:2]])]
+    done = subprocess.run(
+        [sys.executable, "-c", TP2_RUN, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["same"] == [True, True]
+    assert report["lm_head_spec"] == [None, "tp"]
+    assert report["ids_spec"] in ([], [None])
+    assert report["drafts"] and set(report["drafts"]) <= {EOS, *MAP_IDS}
