@@ -49,7 +49,13 @@ def read_token_map(path: str | Path) -> np.ndarray:
             raise ValueError(
                 f"speculative_token_map={str(path)!r}: {value!r} is not an integer token id"
             )
-    ids = np.asarray(values, np.int64)
+    try:
+        ids = np.asarray(values, np.int64)
+    except OverflowError:
+        big = max(values, key=abs)
+        raise ValueError(
+            f"speculative_token_map={str(path)!r}: token id {big} is too large"
+        ) from None
     if ids.size == 0:
         raise ValueError(f"speculative_token_map={str(path)!r} holds no token id")
     if ids.min() < 0:

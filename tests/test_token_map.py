@@ -50,6 +50,11 @@ def test_every_format_reads_the_same_ids(tmp_path, suffix):
         ("dict.json", '{"ids": [1]}', "expected a JSON list"),
         ("broken.json", "[1, 2", "cannot read it"),
         ("word.txt", "12\nthe\n", "line 2: 'the' is not an integer"),
+        (
+            "huge.txt",
+            "3\n123456789012345678901234567890\n",
+            "123456789012345678901234567890 is too",
+        ),
         ("bad.npy", "not numpy", "cannot read it"),
     ],
 )
