@@ -1,8 +1,9 @@
 """A speculative token map: each draft is the argmax of the MTP logits over the map's ids
 (the draft function against a numpy recompute, untied and tied lm_head), every draft an
 engine emits lies in the map, greedy output is unchanged (the cache-free oracle, overlap on
-and off; at tp = 2 too, with the reduced head sharded by columns like the lm_head), and an
-id outside the vocabulary is refused when the engine is built."""
+and off; at tp = 2 too, with the reduced head sharded by columns like the lm_head), warm-up
+compiles every program serving with a map uses, and an id outside the vocabulary is refused
+when the engine is built."""
 
 from __future__ import annotations
 
@@ -128,6 +129,30 @@ def test_without_a_map_drafts_leave_the_map(case):
     assert outputs == want
     assert not set(drafts.tolist()) <= {EOS, *MAP_IDS}
     assert DRAFT_VOCAB not in engine.runner.params
+
+
+def test_warmup_compiles_every_program_the_map_needs(case):
+    """The reduced head is part of the params warm-up compiles with: serving after warm-up
+    compiles nothing new."""
+    model, prompts, _, want, path = case
+    engine = Engine(
+        model=model,
+        speculative_algorithm="NEXTN",
+        speculative_token_map=path,
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=2,
+        max_total_tokens=2048,
+        context_length=128,
+    )
+    compiled = engine.runner.num_compiled()
+    assert compiled > 0
+    out = engine.generate(
+        input_ids=prompts[:2], sampling_params={"max_new_tokens": 6, "ignore_eos": True}
+    )
+    assert [o["output_ids"] for o in out] == [w[:6] for w in want[:2]]
+    assert engine.runner.num_compiled() == compiled
 
 
 def test_id_outside_the_vocabulary_is_refused(tmp_path):
