@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field, fields, replace
 
 from lazyspec.scheduler.strategy import EXTRA_BUFFER, NONE, STRATEGIES, Strategy
+from lazyspec.token_map import read_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # a file of "hot" token ids the draft head scores (lazyspec/token_map.py); None: all
+    speculative_token_map: str | None = None
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights, no tensor read
@@ -143,10 +146,16 @@ class EngineConfig:
 
     def _resolve_spec(self) -> None:
         if self.speculative_algorithm is None:
-            for name in ("speculative_num_steps", "speculative_num_draft_tokens"):
+            for name in (
+                "speculative_num_steps",
+                "speculative_num_draft_tokens",
+                "speculative_token_map",
+            ):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is set but speculative_algorithm is None")
             return
+        if self.speculative_token_map is not None:
+            read_token_map(self.speculative_token_map)  # the file's own checks, early
         object.__setattr__(self, "speculative_algorithm", "NEXTN")
         steps = self.speculative_num_steps if self.speculative_num_steps is not None else 3
         _check_positive("speculative_num_steps", steps)

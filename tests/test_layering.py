@@ -1,7 +1,8 @@
 """The package's layering rules, checked by folder rather than by a hand-kept module list.
 
-* Host-only folders (``lazyspec/cache``, ``lazyspec/scheduler``) and ``lazyspec/config.py``
-  never import jax: every module in them imports, and the cache runs, with jax blocked.
+* Host-only folders (``lazyspec/cache``, ``lazyspec/scheduler``), ``lazyspec/config.py`` and
+  ``lazyspec/token_map.py`` never import jax: every module in them imports, and the cache
+  runs, with jax blocked.
 * The import graph of ``lazyspec`` (module-level imports) has no cycle.
 """
 
@@ -17,7 +18,7 @@ from lazyspec.testing.no_jax import BLOCK_JAX
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lazyspec"
 HOST_FOLDERS = ("cache", "scheduler")
-HOST_MODULES = ("lazyspec.config",)
+HOST_MODULES = ("lazyspec.config", "lazyspec.token_map")
 
 RUN_HOST_MODULES = (
     BLOCK_JAX

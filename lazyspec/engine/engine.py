@@ -33,6 +33,7 @@ from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
 from lazyspec.scheduler.scheduler import Scheduler
 from lazyspec.scheduler.token_ratio import NewTokenRatio
+from lazyspec.token_map import draft_token_ids, read_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class Engine:
             c.mamba_ssm_dtype,
             self.sharding,
             broadcast=self.broadcast if c.is_leader else None,
+            draft_token_ids=self._draft_token_ids(cfg),
         )
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
@@ -175,6 +177,22 @@ class Engine:
         )
         self._memory_plan.update(self.runner.bytes_per_device())
         logger.info("memory plan: %s", self._memory_plan)
+
+    def _draft_token_ids(self, cfg: Any) -> np.ndarray | None:
+        """The speculative token map's ids completed for this model (EOS added, padded), or
+        None without a map; ValueError naming an id outside the vocabulary."""
+        path = self.config.speculative_token_map
+        if path is None:
+            return None
+        ids = draft_token_ids(read_token_map(path), cfg.vocab_size, cfg.eos_token_ids)
+        logger.info(
+            "speculative token map %s: the draft head scores %d of %d token ids (%d columns)",
+            path,
+            len(np.unique(ids)),
+            cfg.vocab_size,
+            len(ids),
+        )
+        return ids
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compile every bucket shape now, so serving compiles nothing new.

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab
 from lazyspec.engine.multihost import DECODE, EXTEND, MASK, SEED, STOP, TABLE, StepBroadcast
 from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import (
@@ -190,12 +191,15 @@ class Runner:
         ssm_dtype: str,
         sharding: ShardingPlan,
         broadcast: StepBroadcast | None = None,
+        draft_token_ids: np.ndarray | None = None,
     ) -> None:
         """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
         allocates the pools there, each array with the sharding the rule table gives it;
         the steps' kernels run per shard of it (``StepStatic.sharding``). ``broadcast``
         (process 0 of several): every device call is sent through it first, so the other
-        processes (in ``follow``) make the same call."""
+        processes (in ``follow``) make the same call. ``draft_token_ids`` (a speculative
+        token map, ``token_map.draft_token_ids``): the draft head's reduced lm_head is
+        gathered once and kept in the params (``draft_vocab.DRAFT_VOCAB``)."""
         self.broadcast = broadcast
         self.family = model.family
         self.cfg = model.config
@@ -203,6 +207,9 @@ class Runner:
         plan = model.family.weight_plan(self.cfg, model.params)
         self.param_shardings = sharding.param_shardings(plan, model.params)
         self.params = jax.device_put(model.params, self.param_shardings)
+        if draft_token_ids is not None:
+            draft = build_draft_vocab(self.family, self.cfg, self.params, draft_token_ids, sharding)
+            self.params = {**self.params, DRAFT_VOCAB: draft}
         self.static = static = dataclasses.replace(static, sharding=sharding)
         self.abstract = abstract_pools(self.cfg, layout, static.spec, kv_dtype, ssm_dtype)
         self.pool_shardings = sharding.pool_shardings(self.abstract)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.engine.draft_vocab import draft_argmax
 from lazyspec.engine.sampling import (
     TokenHistory,
     sample_from,
@@ -419,14 +420,15 @@ def _draft_chain(
 
     ``hidden0`` is the MTP hidden at position ``pos0`` (whose input token's successor is
     ``token0``); its logits give draft 1. Each further draft runs the MTP layer one position
-    ahead on (previous MTP hidden, previous draft). Returns (drafts [B, S], mtp_kv).
+    ahead on (previous MTP hidden, previous draft). Each draft is the argmax over the whole
+    vocabulary, or over a speculative token map's ids when the params hold its reduced
+    lm_head (``draft_vocab.draft_argmax``). Returns (drafts [B, S], mtp_kv).
     """
     num_steps = static.num_verify - 1
     drafts = []
     hidden, pos = hidden0, pos0
     for step in range(num_steps):
-        logits = fam.compute_mtp_logits(params, cfg, hidden[:, None])[:, 0]
-        draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        draft = draft_argmax(fam, cfg, params, hidden)
         drafts.append(draft)
         if step == num_steps - 1:
             break

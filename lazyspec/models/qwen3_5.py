@@ -35,6 +35,7 @@ from lazyspec.models.qwen3_next import (  # noqa: F401  (the family contract)
     compute_mtp_logits,
     forward,
     init_params,
+    lm_head_columns,
     mtp_forward,
     reference_forward,
     weight_plan,

@@ -8,7 +8,8 @@ more attention decoder layer fed ``fc([norm(embed(next_token)), norm(hidden)])``
 
 The module exposes the family contract of ``interface.py``: ``parse_config``,
 ``load_params``, ``init_params``, ``forward``, ``reference_forward``, ``compute_logits``,
-``mtp_forward`` and ``compute_mtp_logits``.
+``mtp_forward``, ``compute_mtp_logits`` and ``lm_head_columns`` (the draft head's reduced
+lm_head of a speculative token map).
 
 Params (HF module names, linears as in ``layers/mlp.linear``): ``{"embed_tokens": [V, H],
 "norm": [H], "lm_head": linear (absent when tied), "layers": [{"input_layernorm",
@@ -497,6 +498,20 @@ def mtp_forward(
     return x, KVPools(k_pools, v_pools)
 
 
-def compute_mtp_logits(params: Params, cfg: ModelConfig, mtp_hidden: jax.Array) -> jax.Array:
-    """``mtp.norm`` then the shared lm_head: float32 ``[..., vocab]``."""
-    return _lm_head(params, norm(mtp_hidden, params["mtp"]["norm"], cfg))
+def compute_mtp_logits(
+    params: Params, cfg: ModelConfig, mtp_hidden: jax.Array, lm_head: jax.Array | None = None
+) -> jax.Array:
+    """``mtp.norm`` then the shared lm_head: float32 ``[..., vocab]``; with ``lm_head``
+    (``[hidden, K]``, from ``lm_head_columns``) only those K columns' logits ``[..., K]``."""
+    h = norm(mtp_hidden, params["mtp"]["norm"], cfg)
+    if lm_head is None:
+        return _lm_head(params, h)
+    return jnp.matmul(h.astype(lm_head.dtype), lm_head).astype(jnp.float32)
+
+
+def lm_head_columns(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """The lm_head's columns of ``token_ids`` (the embedding's rows when tied) as one
+    ``[hidden, K]`` matrix: ``compute_mtp_logits(..., lm_head=)`` scores only those ids."""
+    if "lm_head" in params:
+        return params["lm_head"]["weight"][:, token_ids]
+    return params["embed_tokens"][token_ids].T

@@ -68,6 +68,11 @@ HELP = {
     "speculative_num_steps": "Draft tokens per step (default 3 when speculation is on).",
     "speculative_eagle_topk": "Draft branching; only 1 (chain drafting) is supported.",
     "speculative_num_draft_tokens": "Verify positions per step; must be num-steps + 1.",
+    "speculative_token_map": "File of 'hot' token ids the draft head scores (the others are "
+    "never drafted; verify still scores the whole vocabulary, so outputs are unchanged): a "
+    ".json list of ints, a .npy 1-D integer array, or text with one id per line. The EOS "
+    "ids are always added and the list is padded to a multiple of 128 columns. Needs "
+    "--speculative-algorithm; scripts/build_token_map.py writes one from a corpus.",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
     "on CPU and TPU; pallas on TPU is untested).",
     "moe_runner_backend": "Routed experts with kernel-backend pallas: pallas (the grouped "
