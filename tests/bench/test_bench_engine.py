@@ -39,8 +39,12 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
         pytest.fail(f"bench_engine at tp 2 with two rows hung past {TIMEOUT_S} s")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 1, out.read_text()
+    assert len(rows) == 2, out.read_text()  # the step row, then its host calls
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1:4] == ["2", "xla", "2"]  # tp, backend, batch
     loop_ms, alone_ms, floor_ms = (float(c) for c in cells[5:8])
     assert loop_ms > 0 and alone_ms > 0 and 0 < floor_ms < alone_ms
+    host = [c.strip() for c in rows[1].strip("|").split("|")]
+    schedule, launch, dispatch, fetch, process = (float(c) for c in host[5:])
+    assert float(host[4]) == loop_ms and 0 < dispatch <= launch < loop_ms
+    assert schedule > 0 and fetch > 0 and process > 0
