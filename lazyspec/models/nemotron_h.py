@@ -263,7 +263,7 @@ def forward(
     form = "chunked" if mode == "extend" else "steps"
     k_pools, v_pools, states = list(kv.k), list(kv.v), []
     attention_ids = iter(range(len(k_pools)))
-    view = for_mode(rec, mode)  # a writing view: the pools as the layers so far left them
+    view = for_mode(rec, mode)  # in decode from pools: as the layers so far wrote them
 
     def mamba_fn(mixer, x):
         nonlocal view
