@@ -25,7 +25,12 @@ from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, c
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
 from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
-from lazyspec.kernels.state_scatter import state_scatter_pallas, state_scatter_xla
+from lazyspec.kernels.state_scatter import (
+    state_copy_pallas,
+    state_copy_xla,
+    state_scatter_pallas,
+    state_scatter_xla,
+)
 from lazyspec.kernels.state_update import (
     GdnTokens,
     Mamba2Tokens,
@@ -337,6 +342,54 @@ def state_scatter(
     )
 
 
+def _pallas_state_copy(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    src_slot: jax.Array,
+    dst_slot: jax.Array,
+    *,
+    block_heads: int = 1,
+    block_rows: int | None = None,
+    block_channels: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The Pallas pool-to-pool copy; tiles left as None take ``DEFAULT_SCATTER_TILES``."""
+    if block_rows is None:
+        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
+    if block_channels is None:
+        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
+    return state_copy_pallas(
+        ssm_pool,
+        conv_pool,
+        src_slot,
+        dst_slot,
+        block_heads=block_heads,
+        block_rows=block_rows,
+        block_channels=block_channels,
+        **_pallas_options(interpret, compiler_params),
+    )
+
+
+def state_copy(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    src_slot: jax.Array,
+    dst_slot: jax.Array,
+    *,
+    kernel_backend: str | None = None,
+    interpret: bool = False,
+    **tiles: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """Masked pool-to-pool copy ``pool[l, dst_slot[b]] = pool[l, src_slot[b]]`` (rows with
+    ``dst_slot[b] == 0`` write nothing) on the chosen backend (XLA on TPU); tiles as
+    ``state_scatter``'s."""
+    args = (ssm_pool, conv_pool, src_slot, dst_slot)
+    if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
+        return state_copy_xla(*args)
+    return _pallas_state_copy(*args, interpret=interpret, **tiles)
+
+
 def moe_launch(
     num_tokens: int, up: jax.Array, down: jax.Array, interpret: bool = False, **tiles: Any
 ) -> dict[str, Any] | None:
@@ -450,6 +503,8 @@ def _pallas_paged_attention(
 StateUpdateFn = Callable[..., StateUpdateResult]
 # (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
 StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
+# (ssm_pool, conv_pool, src_slot, dst_slot) -> (ssm, conv), as ``state_copy``
+StateCopyFn = Callable[..., tuple[jax.Array, jax.Array]]
 # (x, weights, expert_ids, up, down, gate=None, *, xla_form) -> float32 [N, d_out], as
 # ``moe_experts_pallas``; ``xla_form()`` computes the same by the XLA dispatch
 MoEExpertsFn = Callable[..., jax.Array]
@@ -464,7 +519,8 @@ class Kernels:
 
     ``gdn_state_update`` / ``mamba2_state_update`` have the contract of ``state_update``
     (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
-    ``state_scatter`` has the contract of ``state_scatter``. ``moe_experts`` runs the
+    ``state_scatter`` and ``state_copy`` have the contracts of ``state_scatter`` and
+    ``state_copy``. ``moe_experts`` runs the
     routed experts (``MoEExpertsFn``), choosing the kernel or the caller's XLA form by
     token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
     sort-based dispatch. ``paged_attention`` has the contract of
@@ -482,6 +538,7 @@ class Kernels:
     paged_attention: PagedAttentionFn | None = field(default=None, compare=False)
     moe_runner: str = "auto"  # as asked (MOE_RUNNER_BACKENDS); with platform, names moe_experts
     mesh: Any = None  # the mesh the functions run per shard over (``engine.shard_kernels``)
+    state_copy: StateCopyFn = field(default=state_copy_xla, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -503,10 +560,10 @@ def kernels_for(
         return XLA_KERNELS
     if platform == "tpu":
         update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
-        attention = None
+        attention, copy = None, state_copy_xla
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
-        attention = _pallas_paged_attention
+        attention, copy = _pallas_paged_attention, _pallas_state_copy
     if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
         moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
     return Kernels(
@@ -518,4 +575,5 @@ def kernels_for(
         moe,
         attention,
         moe_runner,
+        state_copy=copy,
     )

@@ -22,6 +22,13 @@ a channel tile of the conv window (column by column, so every moved conv array i
 ``[block_channels]``). Pools and
 scratch are whole-array refs indexed inside the kernel; the pools are aliased in place.
 Untested on TPU (whole-array refs would be staged into VMEM; see ``state_update``).
+
+``state_copy`` is the pool-to-pool form, for a decode step that updated the working slots in
+place: for every layer l and row b with ``dst_slot[b] != 0``,
+``pool[l, dst_slot[b]] = pool[l, src_slot[b]]`` (both pools); other rows write nothing.
+Caller contract: written rows name distinct destinations, none of them a source slot of any
+row. The Pallas form has the scatter's grid and tiles and reads the source rows from the
+pools it writes (aliased), so only the copied rows move.
 """
 
 from __future__ import annotations
@@ -177,6 +184,111 @@ def state_scatter_pallas(
         interpret=interpret,
         compiler_params=compiler_params,
     )(dst_slot, step, ssm_steps, conv_steps, ssm_pool, conv_pool)
+
+
+def _copy_kernel(
+    src_ref,
+    dst_ref,
+    ssm_in_ref,
+    conv_in_ref,
+    ssm_ref,
+    conv_ref,
+    *,
+    block_heads,
+    block_rows,
+    block_channels,
+    num_state_tiles,
+):
+    # the in refs are the pools before the copy (aliased to the out refs): a source row is
+    # never a destination, so reading them is reading what the copy leaves in place
+    layer, row, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    src, dst = src_ref[row], dst_ref[row]
+
+    @pl.when((dst != 0) & (tile < num_state_tiles))
+    def _copy_ssm():
+        row_tiles = ssm_ref.shape[3] // block_rows
+        heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
+        rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
+        ssm_ref[layer, dst, heads, rows, :] = ssm_in_ref[layer, src, heads, rows, :]
+
+    @pl.when((dst != 0) & (tile >= num_state_tiles))
+    def _copy_conv():
+        chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
+        for j in range(conv_ref.shape[-1]):
+            conv_ref[layer, dst, chans, j] = conv_in_ref[layer, src, chans, j]
+
+
+def _check_copy(
+    ssm_pool: jax.Array, conv_pool: jax.Array, src_slot: jax.Array, dst_slot: jax.Array
+) -> None:
+    if ssm_pool.ndim != 5 or conv_pool.ndim != 4 or ssm_pool.shape[:2] != conv_pool.shape[:2]:
+        raise ValueError(
+            f"ssm_pool {ssm_pool.shape} and conv_pool {conv_pool.shape} must be "
+            "[L, S+1, H, d_a, d_b] and [L, S+1, C, K-1]"
+        )
+    if src_slot.ndim != 1 or src_slot.shape != dst_slot.shape:
+        raise ValueError(f"src_slot {src_slot.shape} and dst_slot {dst_slot.shape} must be [B]")
+
+
+def state_copy_pallas(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    src_slot: jax.Array,
+    dst_slot: jax.Array,
+    *,
+    block_heads: int = 1,
+    block_rows: int | None = None,
+    block_channels: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Pallas pool-to-pool copy (``state_copy`` in the module docstring). Returns the updated
+    (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
+    _check_copy(ssm_pool, conv_pool, src_slot, dst_slot)
+    bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
+    br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
+    bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
+    num_state_tiles = (ssm_pool.shape[2] // bh) * (ssm_pool.shape[3] // br)
+    grid = (ssm_pool.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
+
+    def state_copy(*refs):  # the kernel's name in profiles
+        _copy_kernel(
+            *refs,
+            block_heads=bh,
+            block_rows=br,
+            block_channels=bc,
+            num_state_tiles=num_state_tiles,
+        )
+
+    return pl.pallas_call(
+        state_copy,
+        grid=grid,
+        in_specs=[whole()] * 4,
+        out_specs=(whole(), whole()),
+        out_shape=(
+            jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
+            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+        ),
+        input_output_aliases={2: 0, 3: 1},
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(src_slot, dst_slot, ssm_pool, conv_pool)
+
+
+def state_copy_xla(
+    ssm_pool: jax.Array, conv_pool: jax.Array, src_slot: jax.Array, dst_slot: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Same contract as ``state_copy_pallas``: the source rows gathered, then one
+    ``.at[].set(mode="drop")`` per pool, masked rows sent to an out-of-range slot. Under
+    ``lax.cond``: a step where no row copies reads nothing."""
+    _check_copy(ssm_pool, conv_pool, src_slot, dst_slot)
+    write = dst_slot != 0
+    target = jnp.where(write, dst_slot, ssm_pool.shape[1])
+
+    def copy(pools):
+        return tuple(pool.at[:, target].set(pool[:, src_slot], mode="drop") for pool in pools)
+
+    return jax.lax.cond(jnp.any(write), copy, lambda pools: pools, (ssm_pool, conv_pool))
 
 
 def state_scatter_xla(

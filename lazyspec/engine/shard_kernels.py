@@ -11,6 +11,8 @@ the kernel on the blocks it holds and XLA never gathers a pool around the call:
 * state scatter: its heads of the ssm pool and scratch, its block of the conv pool's
   channels and of the scratch's (a copy per channel, so the even split of the mixed
   ``[q | k | v]`` / ``[x | B | C]`` channels is exact).
+* state copy (pool to pool, a decode step's checkpoint): its heads of the ssm pool and its
+  block of the conv pool's channels, both pools read and written in place.
 * paged attention: its query heads. KV pools split by kv heads: its kv heads (whole GQA
   groups). KV pools replicated (tp > kv heads): the one kv head its query heads read,
   picked by the kernel's index map (``kv_head``; one static branch per kv head), the pools
@@ -140,6 +142,20 @@ def _state_scatter(scatter: Callable, plan: ShardingPlan) -> Callable:
     return run
 
 
+def _state_copy(copy: Callable, plan: ShardingPlan) -> Callable:
+    """``copy`` (the ``state_copy`` contract) on each device's heads and channels."""
+
+    def run(ssm_pool, conv_pool, src_slot, dst_slot):
+        ssm_spec = _spec(plan, SSM_POOL_AXES, ssm_pool.shape)
+        conv_spec = _spec(plan, CONV_POOL_AXES, conv_pool.shape)
+        in_specs = (ssm_spec, conv_spec, P(), P())
+        return _map(plan, copy, in_specs, (ssm_spec, conv_spec))(
+            ssm_pool, conv_pool, src_slot, dst_slot
+        )
+
+    return run
+
+
 def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
     """``attention`` (the ``paged_attention`` contract) on each device's query heads."""
 
@@ -214,6 +230,7 @@ def per_shard(kernels: Kernels, plan: ShardingPlan) -> Kernels:
         gdn_state_update=wrap(kernels.gdn_state_update, _state_update),
         mamba2_state_update=wrap(kernels.mamba2_state_update, _state_update),
         state_scatter=_state_scatter(kernels.state_scatter, plan),
+        state_copy=_state_copy(kernels.state_copy, plan),
         moe_experts=moe,
         paged_attention=wrap(kernels.paged_attention, _paged_attention),
         mesh=plan.mesh,

@@ -9,8 +9,13 @@ results to build step n+1):
   chunk-boundary state on the prefill grid) into ``track_slot``.
 * ``decode``: D tokens per row (D=1 without speculation; D = draft tokens + 1 with it), read
   from device-side per-request arrays (``last_token``, ``drafts``, ``seq_len``), so accepted
-  tokens feed the next step without a host round trip. Recurrent layers write the state
-  after every position into per-row scratch; the commit is two masked scatters (DESIGN §7).
+  tokens feed the next step without a host round trip. With D = 1 the model runs in decode
+  mode on the pools: each recurrent layer writes its new state straight into the row's
+  working slot (the update kernel's decode mode, aliased; a masked scatter in the jnp
+  forms), and a row whose length crosses a multiple of the track interval then copies its
+  working slot into its planned checkpoint slot, pool to pool (``state_copy``). With D > 1
+  (verify) the layers write the state after every position into per-row scratch and the
+  commit is two masked scatters from it (DESIGN §7).
 
 Both steps first apply the request-table updates their batch carries to
 ``pools.req_to_token`` and then gather their rows' KV indices from it (``_read_table``):
@@ -300,6 +305,44 @@ def _commit_picked(
     return conv, ssm
 
 
+def _commit_verify(
+    static: StepStatic,
+    pools: Pools,
+    steps: StepStates,
+    batch: DecodeBatch,
+    accept_len: jax.Array,
+    pre: jax.Array,
+    crossed: jax.Array,
+):
+    """A verify's commit (DESIGN §7), two masked scatters from the per-position states
+    ``steps``: the last accepted state into the working slot, and for rows that crossed a
+    multiple of the interval the crossing state into the planned checkpoint slot. Returns
+    (conv, ssm)."""
+    interval = batch.track_interval
+    real = batch.req_row <= static.max_reqs
+    t_cross = ((pre + accept_len) // interval) * interval - pre - 1
+    sentinel_slot = static.sentinel_slot
+    working = jnp.where(real, batch.working_slot, sentinel_slot)
+    track = jnp.where(crossed, batch.track_slot, sentinel_slot)
+    conv, ssm = _commit_picked(static, pools.conv, pools.ssm, steps, working, accept_len - 1)
+    return _commit_picked(static, conv, ssm, steps, track, t_cross)
+
+
+def _copy_checkpoint(static: StepStatic, written: PoolView, batch: DecodeBatch, crossed):
+    """An in-place decode's commit: the working slots already hold the new state
+    (``written``, the pools the forward returned), so a row that crossed a multiple of the
+    interval copies its working slot into its planned checkpoint slot, pool to pool. Rows
+    that did not cross, or have no real target (the drop sentinel), copy nothing (their
+    destination reads as the null slot, which ``state_copy`` never writes). Returns
+    (conv, ssm)."""
+    track = batch.track_slot
+    write = crossed & (track >= 1) & (track <= static.num_slots)
+    dst = jnp.where(write, track, NULL_SLOT)
+    src = jnp.where(write, batch.working_slot, NULL_SLOT)
+    ssm, conv = static.kernels.state_copy(written.ssm_pool, written.conv_pool, src, dst)
+    return conv, ssm
+
+
 def extend_step(
     fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: ExtendBatch
 ):
@@ -473,18 +516,20 @@ def decode_step(
         ctx_len=pre + num_pos,
     )
     # the pools themselves, each row at its working slot: the Pallas update reads them in
-    # place (the XLA forms gather inside the layer); padding rows read the null slot
+    # place (the XLA forms gather inside the layer); padding rows read the null slot. One
+    # position per row (no speculation): decode writes the working slots in place
+    in_place = num_pos == 1
     rec = PoolView(
         conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
     )
-    with jax.named_scope("target_verify"):
+    with jax.named_scope("target_decode" if in_place else "target_verify"):
         hidden, kv, out = fam.forward(
             params,
             cfg,
             inputs,
             pools.kv,
             rec,
-            mode="verify",
+            mode="decode" if in_place else "verify",
             chunk_size=static.chunk_size,
             kernels=static.kernels,
         )
@@ -497,19 +542,14 @@ def decode_step(
             logits, drafts, positions, batch.sampling, history, allowed
         )
         logprobs = token_logprobs(logits, out_tokens)
-    # commit: last accepted state -> working slot; crossing state -> planned checkpoint slot
     interval = batch.track_interval
     post = pre + accept_len
     crossed = real & (pre // interval != post // interval)
-    t_cross = (post // interval) * interval - pre - 1
-    sentinel_slot = static.sentinel_slot
-    working = jnp.where(real, batch.working_slot, sentinel_slot)
-    track = jnp.where(crossed, batch.track_slot, sentinel_slot)
     with jax.named_scope("state_commit"):
-        conv, ssm = _commit_picked(
-            static, pools.conv, pools.ssm, out.steps, working, accept_len - 1
-        )
-        conv, ssm = _commit_picked(static, conv, ssm, out.steps, track, t_cross)
+        if in_place:
+            conv, ssm = _copy_checkpoint(static, out.pools, batch, crossed)
+        else:
+            conv, ssm = _commit_verify(static, pools, out.steps, batch, accept_len, pre, crossed)
     sentinel_row = static.sentinel_row
     dest = jnp.where(real, batch.req_row, sentinel_row)
     rows = jnp.arange(num_rows)

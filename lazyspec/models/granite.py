@@ -42,6 +42,8 @@ from lazyspec.models.interface import (
     PoolView,
     RecurrentOut,
     StateRows,
+    after_layer,
+    for_mode,
     keep_chunk_states,
     recurrent_out,
 )
@@ -274,7 +276,9 @@ def forward(
     ``chunk_size`` new tokens of the row, or only ``keep_chunk``'s); ``decode`` / ``verify``
     the T-step form (``verify`` also fills ``RecurrentOut.steps``), whose SSM update runs in
     ``kernels.mamba2_state_update``, the attention in ``kernels.paged_attention`` and the
-    routed experts in ``kernels.moe_experts`` when it has them. Pure: returns new pools.
+    routed experts in ``kernels.moe_experts`` when it has them. ``decode`` from a
+    ``PoolView`` writes each layer's new state into the pools (``RecurrentOut.pools``).
+    Pure: returns new pools.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -282,13 +286,16 @@ def forward(
     form = "chunked" if mode == "extend" else "steps"
     k_pools, v_pools, states = list(kv.k), list(kv.v), []
     attention_ids = iter(range(len(k_pools)))
+    view = for_mode(rec, mode)  # in decode from pools: as the layers so far wrote them
 
     def mamba_fn(mixer, x):
+        nonlocal view
+        r = len(states)
         out, st = mamba2_mixer(
             mixer,
             arch.mamba,
             x,
-            *rec.layer(len(states)),
+            *view.layer(r),
             inputs.num_new,
             form=form,
             chunk_size=chunk_size,
@@ -299,6 +306,7 @@ def forward(
             conv_trace = keep_chunk_states(conv_trace, keep_chunk)
             ssm_trace = keep_chunk_states(ssm_trace, keep_chunk)
         states.append(LayerStates(st.conv, st.ssm, conv_trace, ssm_trace))
+        view = after_layer(view, r, st.conv, st.ssm, st.ssm_pool)
         return out
 
     def attention_fn(mixer, x):
@@ -319,7 +327,7 @@ def forward(
         return out
 
     hidden = _run_layers(params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels)
-    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(states, rec, mode)
+    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(states, view, mode)
 
 
 def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

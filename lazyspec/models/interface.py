@@ -25,7 +25,11 @@ they hash and compare by value, so jit takes them as static arguments.
   ``chunk_size`` tokens of the row, ``RecurrentOut.chunks``: ``ChunkStates``, stacked),
   ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the state after every position,
   ``RecurrentOut.steps``: ``StepStates``, one array per layer). ``RecurrentOut.final``
-  (``StateRows``) is the state after each row's new tokens.
+  (``StateRows``) is the state after each row's new tokens. ``"decode"`` from a
+  ``PoolView`` writes in place instead: each layer's new state goes straight into the
+  pools at each row's slot (rows at slot 0 write nothing), through the state-update
+  kernel's decode mode or a masked scatter; ``RecurrentOut.pools`` is the written view
+  and there is no ``final``.
 * ``kernels`` (static): the ``kernels.backend.Kernels`` of the engine's backend, resolved
   once; the recurrent layers' decode / verify state update runs in its kernel when it has
   one (``XLA_KERNELS`` has none: the jnp token scans).
@@ -43,7 +47,7 @@ ids))``: the logits of those ids only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -73,11 +77,14 @@ class KVPools:
 @dataclass(frozen=True)
 class PoolRows:
     """Rows ``pool[layer, slot[b]]`` of a stacked state pool, not gathered yet: a state-update
-    kernel reads them in place; every other form calls ``rows()``."""
+    kernel reads them in place; every other form calls ``rows()``. ``write``: the decode
+    step writes the rows' new state back in place (a kernel in its decode mode; the caller
+    scatters the rows of a form without one)."""
 
     pool: jax.Array  # [L_rec, S+1, ...]
     slot: jax.Array  # [B]
     layer: int
+    write: bool = False
 
     @property
     def dtype(self):
@@ -104,16 +111,40 @@ class StateRows:
 @dataclass
 class PoolView:
     """The slot pools themselves, row b's state at ``slot[b]``: handed over ungathered, so a
-    state-update kernel reads the rows in place."""
+    state-update kernel reads the rows in place. ``write`` (static; set by ``for_mode`` in
+    decode): the forward writes each layer's new state into the pools (``written``)."""
 
     conv_pool: jax.Array  # [L_rec, S+1, conv_dim, K-1]
     ssm_pool: jax.Array  # [L_rec, S+1, H, d_a, d_b]
     slot: jax.Array  # [B] int
+    write: bool = field(default=False, metadata={"static": True})
 
     def layer(self, layer: int) -> tuple[jax.Array, PoolRows]:
         """(conv rows [B, ...], ``PoolRows`` of the ssm rows) of recurrent layer ``layer``; the
         conv window (small) is always gathered."""
-        return self.conv_pool[layer][self.slot], PoolRows(self.ssm_pool, self.slot, layer)
+        ssm = PoolRows(self.ssm_pool, self.slot, layer, self.write)
+        return self.conv_pool[layer][self.slot], ssm
+
+    def written(
+        self,
+        layer: int,
+        conv: jax.Array,
+        ssm: jax.Array | None = None,
+        ssm_pool: jax.Array | None = None,
+    ) -> PoolView:
+        """This view after recurrent layer ``layer`` wrote its new state: the conv rows
+        ``[B, conv_dim, K-1]`` scattered into ``slot[b]``, and either the ssm rows ``[B, ...]``
+        likewise or ``ssm_pool``, the stacked pool a state-update kernel returned with the
+        rows already written (taken as it is). Rows at slot 0 write nothing. Pure."""
+        target = jnp.where(self.slot != 0, self.slot, self.conv_pool.shape[1])  # 0: dropped
+
+        def scatter(pool: jax.Array, rows: jax.Array) -> jax.Array:
+            return pool.at[layer, target].set(rows.astype(pool.dtype), mode="drop")
+
+        if ssm_pool is None:
+            ssm_pool = scatter(self.ssm_pool, ssm)
+        conv_pool = scatter(self.conv_pool, conv)
+        return PoolView(conv_pool, ssm_pool, self.slot, self.write)
 
     def rows(self) -> StateRows:
         """Every layer's rows, gathered."""
@@ -167,16 +198,44 @@ def keep_chunk_states(trace: jax.Array, keep_chunk: jax.Array | None) -> jax.Arr
 @jax.tree_util.register_dataclass
 @dataclass
 class RecurrentOut:
-    final: StateRows  # after each row's num_new tokens
+    final: StateRows | None  # after each row's num_new tokens (None when written in place)
     steps: StepStates | None  # verify only
     chunks: ChunkStates | None  # extend only
+    pools: PoolView | None = None  # decode from a PoolView: the pools, every layer written
+
+
+def for_mode(rec: StateRows | PoolView, mode: str) -> StateRows | PoolView:
+    """``rec`` as a forward in ``mode`` reads it: a ``PoolView`` in decode is written in place
+    (``PoolView.write``); anything else is returned as it is."""
+    if mode == "decode" and isinstance(rec, PoolView):
+        return PoolView(rec.conv_pool, rec.ssm_pool, rec.slot, write=True)
+    return rec
+
+
+def after_layer(
+    rec: StateRows | PoolView,
+    layer: int,
+    conv: jax.Array,
+    ssm: jax.Array | None,
+    ssm_pool: jax.Array | None = None,
+) -> StateRows | PoolView:
+    """``rec`` after recurrent layer ``layer`` left the states ``conv`` / ``ssm`` rows (or the
+    ssm pool its kernel wrote, ``ssm_pool``): a writing ``PoolView`` takes them
+    (``PoolView.written``), so the next layer reads the pools this one returned; anything
+    else is returned as it is."""
+    if isinstance(rec, PoolView) and rec.write:
+        return rec.written(layer, conv, ssm, ssm_pool)
+    return rec
 
 
 def recurrent_out(layers: list[LayerStates], rec: StateRows | PoolView, mode: str) -> RecurrentOut:
     """Per-layer states as the ``RecurrentOut`` that ``mode`` promises: ``final`` stacked
     (``[L_rec, B, ...]``); the trace as ``steps`` in verify (kept per layer), as stacked
     ``chunks`` in extend, dropped in decode. With no recurrent layer, ``final`` is ``rec``'s
-    (empty) rows and there is no trace."""
+    (empty) rows and there is no trace. A writing ``PoolView`` (decode, every layer's state
+    already in it through ``after_layer``) is returned as ``pools``, with no ``final``."""
+    if isinstance(rec, PoolView) and rec.write:
+        return RecurrentOut(final=None, steps=None, chunks=None, pools=rec)
     if not layers:
         final = rec if isinstance(rec, StateRows) else rec.rows()
         return RecurrentOut(final=final, steps=None, chunks=None)

@@ -31,6 +31,8 @@ from lazyspec.models.interface import (
     PoolView,
     RecurrentOut,
     StateRows,
+    after_layer,
+    for_mode,
     keep_chunk_states,
     recurrent_out,
 )
@@ -252,7 +254,8 @@ def forward(
     (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
     runs in ``kernels.mamba2_state_update``, the attention in ``kernels.paged_attention`` and
     the routed experts in ``kernels.moe_experts`` when it has them. ``keep_chunk`` as in
-    ``interface.py``. Pure; pools are returned, not mutated.
+    ``interface.py``. ``decode`` from a ``PoolView`` writes each layer's new state into the
+    pools (``RecurrentOut.pools``). Pure; pools are returned, not mutated.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
@@ -260,14 +263,16 @@ def forward(
     form = "chunked" if mode == "extend" else "steps"
     k_pools, v_pools, states = list(kv.k), list(kv.v), []
     attention_ids = iter(range(len(k_pools)))
+    view = for_mode(rec, mode)  # in decode from pools: as the layers so far wrote them
 
     def mamba_fn(mixer, x):
+        nonlocal view
         r = len(states)
         out, state = mamba2_mixer(
             mixer,
             arch.mamba,
             x,
-            *rec.layer(r),
+            *view.layer(r),
             inputs.num_new,
             form=form,
             chunk_size=chunk_size,
@@ -280,6 +285,7 @@ def forward(
                 trace_ssm=keep_chunk_states(state.trace_ssm, keep_chunk),
             )
         states.append(state)
+        view = after_layer(view, r, state.conv, state.ssm, state.ssm_pool)
         return out
 
     def attention_fn(mixer, x):
@@ -301,7 +307,7 @@ def forward(
 
     hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels)
     layers = [LayerStates(s.conv, s.ssm, s.trace_conv, s.trace_ssm) for s in states]
-    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, rec, mode)
+    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, view, mode)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -33,6 +33,8 @@ from lazyspec.models.interface import (
     PoolView,
     RecurrentOut,
     StateRows,
+    after_layer,
+    for_mode,
     keep_chunk_states,
     recurrent_out,
 )
@@ -379,12 +381,14 @@ def forward(
     (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in
     ``kernels.gdn_state_update`` when it has one, the attention in ``kernels.paged_attention``
     and the routed experts in ``kernels.moe_experts`` likewise. ``keep_chunk`` as in
-    ``interface.py``.
+    ``interface.py``. ``decode`` from a ``PoolView`` writes each layer's new state into the
+    pools (``RecurrentOut.pools``), through the kernel's decode mode when it has one.
     Pure: returns new pools.
     """
     if mode not in MODES:
         raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
     form = "chunked" if mode == "extend" else "steps"
+    rec = for_mode(rec, mode)
     x = params["embed_tokens"][inputs.tokens]
     k_pools, v_pools = list(kv.k), list(kv.v)
     states, r, a = [], 0, 0
@@ -408,6 +412,7 @@ def forward(
                         ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk),
                     )
                 states.append(st)
+                rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool)
                 x, r = mlp_block(lp, cfg, kind, x + h, kernels), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(

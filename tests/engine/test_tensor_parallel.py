@@ -89,11 +89,12 @@ def test_pallas_kernels_per_shard_give_the_outputs_of_tp_1(reports, family):
 
 
 def test_state_updates_per_shard_write_the_pool_in_place_as_whole(reports):
-    """Decode mode (the pool aliased and written, which the engine's steps leave to the
-    scatter) per shard equals the whole-array call, outputs and pool, for both mixers."""
+    """Decode mode (the pool aliased and written, as a decode step without speculation
+    does) per shard equals the whole-array call, outputs and pool, for both mixers; so does
+    the state copy (its checkpoint), both pools."""
     for tp in TP_SIZES[1:]:
         diffs = reports[tp]["decode_update_diffs"]
-        assert set(diffs) == {"gdn", "mamba2"}, tp
+        assert set(diffs) == {"gdn", "mamba2", "state_copy"}, tp
         assert max(diffs.values()) <= 1e-6, (tp, diffs)
 
 
@@ -101,7 +102,7 @@ def test_kernels_per_shard_lower_to_triton(reports):
     """For CUDA, each per-shard kernel lowers to one Triton call per device program; paged
     attention over replicated KV pools (tp = 4 > 2 KV heads) to one per KV head (the
     branches of the device's switch)."""
-    want = {"mamba2_state_update": 1, "state_scatter": 1}
+    want = {"mamba2_state_update": 1, "state_scatter": 1, "state_copy": 1}
     assert reports[2]["triton_calls"] == {**want, "paged_attention": 1}
     assert reports[4]["triton_calls"] == {**want, "paged_attention": KV_HEADS}
 

@@ -206,8 +206,9 @@ def pallas_run(family: str, tp: int) -> dict:
 
 def decode_update_diffs(tp: int) -> dict[str, float]:
     """Largest difference between the per-shard and the whole-array Pallas state update in
-    decode mode (the pool written in place: the mode the engine's steps do not use) on
-    random inputs at the tiny models' shapes, per mixer: outputs and the updated pool."""
+    decode mode (the pool written in place, as a decode step without speculation does) on
+    random inputs at the tiny models' shapes, per mixer: outputs and the updated pool; and
+    likewise for the state copy (both pools)."""
     from lazyspec.engine.shard_kernels import per_shard
     from lazyspec.kernels.backend import kernels_for
     from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
@@ -256,14 +257,22 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
             float(jnp.max(jnp.abs(got.outputs - want.outputs))),
             float(jnp.max(jnp.abs(got.pool - want.pool))),
         )
+    pools = (normal(2, 6, 8, 8, 8), normal(2, 6, 16, 3))
+    src = jnp.asarray([1, 2, 0], jnp.int32)
+    dst = jnp.asarray([4, 0, 0], jnp.int32)  # row 1 copies nothing, row 2 pads
+    want = jax.jit(whole.state_copy)(*pools, src, dst)
+    got = jax.jit(sharded.state_copy)(*pools, src, dst)
+    for new, old in zip(want, pools):
+        assert float(jnp.max(jnp.abs(new - old))) > 0  # slot 4 was written
+    diffs["state_copy"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want))
     return diffs
 
 
 def triton_calls(tp: int) -> dict[str, int]:
     """Triton calls in the CUDA lowering (built, not compiled) of the per-shard Mamba2 state
-    update (one group of B / C: repeated per device), state scatter and paged attention (2
-    KV heads: split at tp = 2, replicated at tp = 4, one branch per KV head) at model-sized
-    shapes, each kernel in its Triton (not interpret) launch."""
+    update (one group of B / C: repeated per device), state scatter, state copy and paged
+    attention (2 KV heads: split at tp = 2, replicated at tp = 4, one branch per KV head)
+    at model-sized shapes, each kernel in its Triton (not interpret) launch."""
     from lazyspec.engine import shard_kernels as sk
     from lazyspec.kernels import paged_attention as pa
     from lazyspec.kernels import state_scatter as ss
@@ -291,6 +300,12 @@ def triton_calls(tp: int) -> dict[str, int]:
         ),
         plan,
     )
+    copy = sk._state_copy(
+        functools.partial(
+            ss.state_copy_pallas, block_rows=32, block_channels=512, compiler_params=params
+        ),
+        plan,
+    )
     attention = sk._paged_attention(
         functools.partial(pa.paged_attention, compiler_params=params), plan
     )
@@ -306,6 +321,15 @@ def triton_calls(tp: int) -> dict[str, int]:
                 spec((4, 9, channels, 3), bf16),
                 spec((4, rows, steps, heads, 64, 128), f32),
                 spec((4, rows, steps, channels, 3), bf16),
+                spec((rows,), i32),
+                spec((rows,), i32),
+            ),
+        ),
+        "state_copy": (
+            copy,
+            (
+                spec((4, 9, heads, 64, 128), f32),
+                spec((4, 9, channels, 3), bf16),
                 spec((rows,), i32),
                 spec((rows,), i32),
             ),

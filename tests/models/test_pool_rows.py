@@ -99,3 +99,51 @@ def test_forward_calls_the_state_update_it_is_given(family):
     model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
     num_rec = len(cfg.recurrent_layer_ids)
     assert calls == [("verify", layer, SLOTS + 1) for layer in range(num_rec)]
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid"])
+def test_decode_from_pools_writes_in_place_pallas(family, backend):
+    """Decode from a ``PoolView`` writes each row's new state into the pools at its slot (ssm
+    and conv, every recurrent layer) and returns them as ``RecurrentOut.pools``: the
+    written rows equal decode's final state from the gathered ``StateRows``, the hidden
+    states are the same, and every other slot is bit-identical: the null slot too, which
+    row 1 reads with a token of its own (so its new state differs) and must not write. No
+    final rows and no per-position states are returned."""
+    model = tiny_model(family)
+    cfg, fam, kernels = model.config, model.family, kernels_for(backend)
+    rng = np.random.default_rng(13)
+    num_new = [1, 1, 1]
+    slot = jnp.asarray([5, 0, 2], jnp.int32)
+    kv, rows_rec = empty_caches(cfg, 1 + len(num_new) * CONTEXT, SLOTS + 1, jnp.float32)
+    kv = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), kv)
+    pools = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec)
+    inputs = _verify_inputs(rng, cfg.vocab_size, num_new)
+    inputs = dataclasses.replace(
+        inputs,
+        tokens=inputs.tokens[:, :1],
+        positions=inputs.positions[:, :1],
+        kv_write_idx=inputs.kv_write_idx[:, :1],
+        ctx_len=inputs.positions[:, 0] + jnp.asarray(num_new),
+    )
+
+    def run(rec):
+        return jax.jit(
+            lambda r: fam.forward(model.params, cfg, inputs, kv, r, mode="decode", kernels=kernels)
+        )(rec)
+
+    hidden, _, out = run(PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot))
+    want_hidden, _, want = run(StateRows(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot]))
+    assert out.final is None and out.steps is None and out.chunks is None
+    assert isinstance(out.pools, PoolView) and isinstance(want.final, StateRows)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), atol=1e-6)
+    written = np.asarray([0, 2])  # the rows on real slots
+    others = np.setdiff1d(np.arange(SLOTS + 1), np.asarray(slot)[written])
+    assert 0 in others
+    for name in ("conv", "ssm"):
+        new = np.asarray(getattr(out.pools, f"{name}_pool"))
+        old = np.asarray(getattr(pools, name))
+        final = np.asarray(getattr(want.final, name))
+        assert new.shape == old.shape and not np.allclose(new[:, 5], old[:, 5])
+        np.testing.assert_allclose(new[:, np.asarray(slot)[written]], final[:, written], atol=1e-6)
+        np.testing.assert_array_equal(new[:, others], old[:, others])

@@ -27,7 +27,12 @@ from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.models.interface import gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
-from lazyspec.models.layers.state_kernels import gdn_tokens, kernel_steps
+from lazyspec.models.layers.state_kernels import (
+    gdn_tokens,
+    kernel_steps,
+    kernel_write,
+    writes_in_place,
+)
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 FORMS = ("reference", "steps", "chunked")
@@ -64,12 +69,15 @@ class GDNSpec:
 
 
 class GDNStates(NamedTuple):
-    """States a GDN call returns; ``conv_trace``/``ssm_trace`` are per step or per chunk."""
+    """States a GDN call returns; ``conv_trace``/``ssm_trace`` are per step or per chunk.
+    Written in place by a kernel (writing ``PoolRows``): ``ssm_pool`` is the stacked pool
+    it returned and ``ssm`` / ``ssm_trace`` are None."""
 
     conv: jax.Array  # [B, conv_dim, K-1]
-    ssm: jax.Array  # [B, Hv, d_k, d_v]
+    ssm: jax.Array | None  # [B, Hv, d_k, d_v]
     conv_trace: jax.Array | None  # [B, S, conv_dim, K-1]
     ssm_trace: jax.Array | None  # [B, S, Hv, d_k, d_v]
+    ssm_pool: jax.Array | None = None  # [L_rec, S+1, Hv, d_k, d_v]
 
 
 def _projection_plan(prefix: str, spec: GDNSpec) -> Params:
@@ -187,7 +195,11 @@ def _mix_steps_kernel(update, params, spec, mixed, a, b, conv0, ssm0, num_new):
     """T-step form with the state update in the kernel ``update`` (conv stays in jnp)."""
     valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
     tokens, conv_final, conv_trace = _conv_tokens(params, spec, mixed, a, b, conv0, valid)
-    outs, ssm_final, ssm_trace = kernel_steps(update, ssm0, gdn_tokens(*tokens, num_new), num_new)
+    tokens = gdn_tokens(*tokens, num_new)
+    if writes_in_place(ssm0, update):
+        outs, pool = kernel_write(update, ssm0, tokens)
+        return outs, GDNStates(conv_final, None, conv_trace, None, pool)
+    outs, ssm_final, ssm_trace = kernel_steps(update, ssm0, tokens, num_new)
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
@@ -222,7 +234,8 @@ def gdn_mixer(
     ``num_new[b]`` tokens of row b change them. ``state_update``
     (``Kernels.gdn_state_update``) runs the state update of the steps form; None: the jnp
     token scan. Returns (output ``[B, T, hidden]``, ``GDNStates`` in the dtypes of conv0 /
-    ssm0). Pure; mutates nothing.
+    ssm0). Writing ``PoolRows`` with a kernel: the kernel's decode mode writes the rows in
+    place and returns the pool (``GDNStates.ssm_pool``). Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
@@ -240,10 +253,12 @@ def gdn_mixer(
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
     outs = gated_rms_norm(outs.astype(x.dtype), z, params["norm"], spec.norm_eps)
     out = linear(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim))
+    cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = GDNStates(
         states.conv.astype(conv0.dtype),
-        states.ssm.astype(ssm0.dtype),
+        cast(states.ssm, ssm0),
         states.conv_trace.astype(conv0.dtype),
-        states.ssm_trace.astype(ssm0.dtype),
+        cast(states.ssm_trace, ssm0),
+        states.ssm_pool,
     )
     return out, states

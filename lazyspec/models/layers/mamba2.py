@@ -34,7 +34,12 @@ from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba
 from lazyspec.models.interface import gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
-from lazyspec.models.layers.state_kernels import kernel_steps, mamba2_tokens
+from lazyspec.models.layers.state_kernels import (
+    kernel_steps,
+    kernel_write,
+    mamba2_tokens,
+    writes_in_place,
+)
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 FORMS = ("reference", "chunked", "steps")
@@ -71,12 +76,15 @@ class Mamba2Dims:
 @jax.tree_util.register_dataclass
 @dataclass
 class MixerStates:
-    """States a mixer call leaves behind (per row); ``trace_*`` depend on the form."""
+    """States a mixer call leaves behind (per row); ``trace_*`` depend on the form. Written
+    in place by a kernel (writing ``PoolRows``): ``ssm_pool`` is the stacked pool it
+    returned and ``ssm`` / ``trace_ssm`` are None."""
 
     conv: jax.Array  # [B, conv_dim, K-1] after each row's valid tokens
-    ssm: jax.Array  # [B, H, P, N]
+    ssm: jax.Array | None  # [B, H, P, N]
     trace_conv: jax.Array  # [B, S, conv_dim, K-1]: per token / per chunk / per step
-    trace_ssm: jax.Array  # [B, S, H, P, N]
+    trace_ssm: jax.Array | None  # [B, S, H, P, N]
+    ssm_pool: jax.Array | None = None  # [L_rec, S+1, H, P, N]
 
 
 def split_projection(
@@ -194,14 +202,19 @@ _ROW_FORMS = {"reference": _row_reference, "chunked": _row_chunked, "steps": _ro
 
 
 def _steps_kernel(update, dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_new):
-    """T-step form with the SSM update in the kernel ``update`` (conv stays in jnp)."""
+    """T-step form with the SSM update in the kernel ``update`` (conv stays in jnp): a
+    ``RowResult`` for all rows, then the pool the kernel wrote (writing ``PoolRows``; the
+    ssm final and trace are None then) or None."""
     valid = jnp.arange(xbc.shape[1])[None, :] < num_new[:, None]
     conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, rec.conv_weight, rec.conv_bias, ok))
     conv_out, conv_final, conv_trace = conv(conv0, xbc, valid)
     x, b, c = split_xbc(dims, conv_out)
     tokens = mamba2_tokens(x, b, c, dt, rec.a, rec.d, num_new)
+    if writes_in_place(ssm0, update):
+        y, pool = kernel_write(update, ssm0, tokens)
+        return y, conv_final, None, conv_trace, None, pool
     y, ssm_final, ssm_trace = kernel_steps(update, ssm0, tokens, num_new)
-    return y, conv_final, ssm_final, conv_trace, ssm_trace
+    return y, conv_final, ssm_final, conv_trace, ssm_trace, None
 
 
 @jax.named_scope("recurrent")
@@ -224,7 +237,9 @@ def mamba2_mixer(
     ``state_update`` (``Kernels.mamba2_state_update``) runs the SSM update of the steps
     form; None: the fused jnp steps.
     Returns (output [B, T, D] in hidden's dtype, MixerStates). Padding tokens never change a
-    state; their outputs are finite but meaningless. Pure; never mutates.
+    state; their outputs are finite but meaningless. Writing ``PoolRows`` with a kernel:
+    the kernel's decode mode writes the rows in place and returns the pool
+    (``MixerStates.ssm_pool``). Pure; never mutates.
     """
     if form not in _ROW_FORMS:
         raise ValueError(f"unknown Mamba2 form {form!r}; expected one of {FORMS}")
@@ -246,8 +261,9 @@ def mamba2_mixer(
     def row(conv_row, ssm_row, xbc_row, dt_row, count):
         return row_fn(dims, rec, conv_row, ssm_row, xbc_row, dt_row, count, chunk_size)
 
+    ssm_pool = None
     if use_kernel:
-        y, conv_final, ssm_final, conv_trace, ssm_trace = _steps_kernel(
+        y, conv_final, ssm_final, conv_trace, ssm_trace, ssm_pool = _steps_kernel(
             state_update, dims, rec, conv0, ssm0, xbc, dt, num_new
         )
     else:
@@ -260,11 +276,13 @@ def mamba2_mixer(
         y, gate, params["norm"], dims.norm_eps, group_size=group_size, norm_before_gate=False
     )
     out = linear(params["out_proj"], normed)
+    cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = MixerStates(
         conv=conv_final.astype(conv0.dtype),
-        ssm=ssm_final.astype(ssm0.dtype),
+        ssm=cast(ssm_final, ssm0),
         trace_conv=conv_trace.astype(conv0.dtype),
-        trace_ssm=ssm_trace.astype(ssm0.dtype),
+        trace_ssm=cast(ssm_trace, ssm0),
+        ssm_pool=ssm_pool,
     )
     return out.astype(hidden.dtype), states
 

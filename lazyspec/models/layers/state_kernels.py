@@ -2,7 +2,9 @@
 ``Kernels`` field, e.g. the Pallas ``state_update``) instead of the jnp scan.
 
 The kernel wants a pool and slot ids. Given ``PoolRows`` (the engine's decode step) it gets
-the stacked pool, the layer and the slots as they are: nothing is gathered. Given gathered
+the stacked pool, the layer and the slots as they are: nothing is gathered; writing
+``PoolRows`` (``PoolRows.write``) run it in decode mode, which writes each row's new state
+into the pool in place (``kernel_write``). Given gathered
 rows, those serve as the pool (row b is slot b; no copy), slot 0 included: its row's
 outputs and step states are computed like any other (verify mode only reads the pool).
 Tokens past a row's ``num_new`` are made identity steps (GDN: no decay and beta 0; Mamba2:
@@ -43,6 +45,22 @@ def kernel_steps(
         result = update(ssm0.astype(jnp.float32), slot, tokens, mode="verify")
     final = _final(result.step_states, gathered(ssm0), num_new)
     return result.outputs, final, result.step_states
+
+
+def kernel_write(
+    update: StateUpdateFn, ssm0: PoolRows, tokens: GdnTokens | Mamba2Tokens
+) -> tuple[jax.Array, jax.Array]:
+    """(outputs [B, T, H, ...], the stacked pool with row b's state after its tokens written
+    at ``slot[b]``) through ``update`` in decode mode: no per-row state leaves the kernel.
+    Rows at slot 0 write nothing; tokens past a row's ``num_new`` are identity steps, so
+    such a row writes back the state it read."""
+    result = update(ssm0.pool, ssm0.slot, tokens, mode="decode", layer=ssm0.layer)
+    return result.outputs, result.pool
+
+
+def writes_in_place(ssm0: jax.Array | PoolRows, state_update: StateUpdateFn | None) -> bool:
+    """Whether a mixer's steps form hands ``ssm0`` to ``kernel_write``."""
+    return state_update is not None and isinstance(ssm0, PoolRows) and ssm0.write
 
 
 def gdn_tokens(q, k, v, g, beta, num_new) -> GdnTokens:
