@@ -201,3 +201,25 @@ def test_grammar_masks_are_filled_while_the_forward_runs(model):
     # the unconstrained request shared split steps with the grammar rows
     shared = [n for n in split if any(r.req is reqs[-1] for r in planned[n].records)]
     assert len(shared) >= 5, shared
+
+
+def test_a_retracted_grammar_request_resumes_as_without_overlap(model):
+    """A grammar request retracted while a split step is in flight drops that step's
+    outputs (its matcher never saw them) and resumes from its matcher's state: the tokens
+    equal the loop without overlap, and the outputs match."""
+    long_regex = r"[a-f]{36}-[0-9]{3}"
+    rng = np.random.default_rng(8)
+    requests = [
+        (list(map(int, rng.integers(3, 128, size=n))), {"max_new_tokens": 48, "regex": long_regex})
+        for n in (30, 45, 12, 38)
+    ] + _requests()[CONSTRAINED : CONSTRAINED + 2]
+    served = {}
+    for overlap in (True, False):
+        engine = _engine(model, "extra_buffer_lazy", False, overlap, max_total_tokens=192)
+        served[overlap] = _serve(engine, requests)
+    reqs = served[True]
+    assert any(req.num_retractions for req in reqs[:4]), [r.num_retractions for r in reqs]
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in served[False]]
+    for req in reqs[:4]:
+        assert req.finish_reason["type"] == "stop", req.finish_reason
+        assert re.fullmatch(long_regex, char_tokenizer().decode(req.output_ids[:-1]))
