@@ -60,11 +60,9 @@ class StepPlan:
     # penalties), written into the token-count pools before the step
     count_seeds: list[CountSeed] = field(default_factory=list)
     prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
-    # the requests with a grammar whose rows the step samples, and those rows (a request
-    # that ends gives its row back): their allowed-token bitmasks
+    # the requests with a grammar whose rows the step samples: their allowed-token bitmasks
     # (``Scheduler.grammar_masks``) are written on the device before the step samples
     grammar_reqs: list[Req] = field(default_factory=list)
-    grammar_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -239,7 +237,6 @@ class Scheduler:
             count_seeds=seeds,
             prompt_logprobs=wants,
             grammar_reqs=sampled,
-            grammar_rows=[req.req_row for req in sampled],
         )
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
@@ -324,33 +321,30 @@ class Scheduler:
         updates, chunks = self._table_updates(records)
         batch = build_decode(self.layout, records, updates)
         constrained = [req for req in reqs if req.grammar is not None]
-        return StepPlan(
-            "decode",
-            records,
-            batch,
-            chunks,
-            grammar_reqs=constrained,
-            grammar_rows=[req.req_row for req in constrained],
-        )
+        return StepPlan("decode", records, batch, chunks, grammar_reqs=constrained)
 
     def grammar_masks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """The request rows [n] and bitmasks [n, D, W] of ``plan.grammar_reqs``: position j's
         mask is the matcher state after the request's first j drafts (``Req.next_drafts``:
-        the previous step's, read back). Call it once every step launched before ``plan``
-        is processed (a decode step's masks follow the previous step's tokens and drafts; a
-        prefill's first token has no step before it that samples). A request that ended or
-        was retracted since ``plan`` was planned (its outputs of ``plan`` are dropped) gets
-        every token allowed. Reads only: each matcher ends where it started."""
+        the previous step's, read back). For a decode plan, call it once every step
+        launched before it is processed (its masks follow their tokens and drafts); a
+        prefill plan's at once (its first token has no step before it that samples, so the
+        matchers are where the plan found them). A request that ended
+        since ``plan`` was planned (its outputs of ``plan`` are dropped; a finished request
+        keeps its row number) gets every token allowed. Reads only: each matcher ends where
+        it started."""
         reqs = plan.grammar_reqs
         num_pos = self.layout.num_verify
         width = reqs[0].grammar.width if reqs else 0
         words = np.zeros((len(reqs), num_pos, width), np.int32)
         for i, req in enumerate(reqs):
-            if req.finished or req.phase is Phase.WAITING:
+            if req.finished:
                 words[i] = -1
             else:
                 req.grammar.fill_masks(words[i], req.next_drafts[: num_pos - 1])
-        return np.array(plan.grammar_rows, np.int32), words
+        # a retraction comes only from planning, before the plan: its requests hold rows
+        assert all(req.phase is not Phase.WAITING for req in reqs), "retracted after its plan"
+        return np.array([req.req_row for req in reqs], np.int32), words
 
     def _table_updates(self, records: list[RowRecord]) -> tuple[np.ndarray, list[np.ndarray]]:
         """The pending request-table updates of the rows a step reads: the batch's part and
