@@ -20,6 +20,7 @@ import pytest
 
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.char_tokenizer import char_tokenizer
+from lazyspec.testing.sinks import assert_null_sinks_zero
 from lazyspec.testing.tiny_models import tiny_model
 
 SCHEMA = {
@@ -123,6 +124,8 @@ def test_overlapped_grammar_batches_give_the_tokens_of_the_synchronous_loop(
         engine = _engine(model, strategy, spec, overlap, max_total_tokens=pool)
         counts[overlap] = _count_calls(engine)
         served[overlap] = _serve(engine, requests)
+        assert_null_sinks_zero(engine)
+        assert not np.asarray(engine.runner.pools.vocab_mask[0]).any()  # the null row
         if pool < 4096:
             assert engine.stats().num_retractions > 0  # the small pool did retract
     outputs = {overlap: [req.output_ids for req in reqs] for overlap, reqs in served.items()}
