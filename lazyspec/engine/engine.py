@@ -1,7 +1,9 @@
 """The offline engine, shaped like ``sglang.Engine``: generate / flush_cache / server info.
 
 The loop is the overlapped one of DESIGN §5: plan step n+1, launch it, then read back and
-process step n. ``disable_overlap_schedule`` processes each step right after launching it.
+process step n. A decode step with grammar rows is launched in two programs, its masks
+filled between them, after step n is processed. ``disable_overlap_schedule`` processes each
+step right after launching it.
 """
 
 from __future__ import annotations
@@ -206,14 +208,21 @@ class Engine:
             for rows in rows_buckets
             for length in length_buckets
         ]
-        batches += [
+        decodes = [
             functools.partial(build_decode, layout, [], num_rows=rows)
             for rows in layout.decode_buckets
         ]
+        batches += decodes
         # an all-padding chunk compiles the table-update program and writes nothing (and an
         # empty seed the token-count one)
         chunk = table_updates(layout, None, layout.table_chunk_len)
         programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
+        if self._grammars is not None and not self.config.disable_overlap_schedule:
+            # the split decode step of the overlapped loop's batches with grammar rows
+            def split_step(build):
+                return runner.fetch(runner.launch_finish(runner.launch_forward(build())))
+
+            programs += [functools.partial(split_step, build) for build in decodes]
         programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
         seed = empty_count_seed(layout)
         programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
@@ -314,19 +323,17 @@ class Engine:
                 f"node_rank={self.config.node_rank} runs no scheduler: call follow(), and send "
                 "requests to node_rank 0"
             )
-        sched = self.scheduler
-        # a grammar row's masks follow the previous step's tokens: such steps run without
-        # overlap (the step in flight is processed before the next is planned)
-        sync = self.config.disable_overlap_schedule or sched.has_grammar_requests
-        if sync and self._inflight is not None:
-            previous, self._inflight = self._inflight, None
-            sched.process(previous[0], self._fetch(*previous), inflight=())
+        sched, runner = self.scheduler, self.runner
+        sync = self.config.disable_overlap_schedule
         plan = sched.schedule(self._inflight_records())
-        if plan and plan.mask_rows is not None:
-            self.runner.update_vocab_masks(plan.mask_rows, plan.mask_words)
-        outputs = (
-            self.runner.launch(plan.batch, plan.table_chunks, plan.count_seeds) if plan else None
-        )
+        if plan and plan.kind == "decode" and plan.grammar_reqs and not sync:
+            self._step_split(plan)
+            return
+        if plan and plan.grammar_reqs:
+            # a prefill's first token is sampled under the matcher's state now (no step in
+            # flight samples for its rows); without overlap every step is processed
+            runner.update_vocab_masks(*sched.grammar_masks(plan))
+        outputs = runner.launch(plan.batch, plan.table_chunks, plan.count_seeds) if plan else None
         if sync:
             if plan:
                 sched.process(plan, self._fetch(plan, outputs), inflight=())
@@ -335,6 +342,19 @@ class Engine:
         self._inflight = (plan, outputs) if plan else None
         if previous:
             sched.process(previous[0], self._fetch(*previous), self._inflight_records())
+
+    def _step_split(self, plan) -> None:
+        """The overlapped loop for a decode step with grammar rows, whose masks follow the
+        tokens and drafts of the step in flight: launch the step's forward, process the
+        step in flight (which advances the matchers), fill the masks while the device runs
+        the forward, then launch the step's sampling and commit."""
+        sched, runner = self.scheduler, self.runner
+        pending = runner.launch_forward(plan.batch, plan.table_chunks, plan.count_seeds)
+        previous, self._inflight = self._inflight, (plan, None)
+        if previous:
+            sched.process(previous[0], self._fetch(*previous), plan.records)
+        runner.update_vocab_masks(*sched.grammar_masks(plan))
+        self._inflight = (plan, runner.launch_finish(pending))
 
     def _fetch(self, plan, outputs: dict) -> dict:
         """The step's outputs on the host; the prompt logprobs only if a row asked."""

@@ -7,7 +7,8 @@ with the same inputs, in the same order. ``StepBroadcast`` carries those inputs 
 JAX collective (``multihost_utils.broadcast_one_to_all``): first a fixed header (the call's
 kind, its bucket, the payload's length), which fixes the payload's shape, then the payload
 (a table chunk; a batch or a token-count seed packed into one int32 array; grammar-mask
-rows and their bitmasks). The others loop on ``receive`` until process 0 sends ``STOP``.
+rows and their bitmasks; nothing for the second program of a split decode step, which runs
+on the batch of the first). The others loop on ``receive`` until process 0 sends ``STOP``.
 A device call of process 0 that is not sent would leave the processes in different
 collectives, waiting for each other forever. With one process nothing is sent.
 """
@@ -33,7 +34,9 @@ from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
 
-STOP, TABLE, EXTEND, DECODE, SEED, MASK = range(6)  # the kinds of call a header announces
+# the kinds of call a header announces; DECODE_FORWARD and DECODE_FINISH are the two programs
+# of a split decode step (the finish sends no payload: the others keep the forward's batch)
+STOP, TABLE, EXTEND, DECODE, SEED, MASK, DECODE_FORWARD, DECODE_FINISH = range(8)
 HEADER_LEN = 4  # kind, first dim, second dim (0 when none), payload words
 
 
@@ -88,6 +91,17 @@ class StepBroadcast:
         else:
             self._send(DECODE, rows, 0, packed.words)
 
+    def send_forward(self, batch: DecodeBatch, packed: PackedBatch) -> None:
+        """Announce the first program of a split decode step (its bucket), then send its
+        packed words."""
+        self._send(DECODE_FORWARD, batch.req_row.shape[0], 0, packed.words)
+
+    def send_finish(self) -> None:
+        """Announce the second program of the split decode step last sent (no payload)."""
+        self._check_listening()
+        _broadcast(np.array([DECODE_FINISH, 0, 0, 0], np.int32))
+        self.num_sent += 1
+
     def send_seed(self, packed: PackedBatch) -> None:
         """Announce and send one token-count seed, packed (``pack_batch(CountSeed)``)."""
         self._send(SEED, 0, 0, packed.words)
@@ -120,20 +134,20 @@ class StepBroadcast:
     # ------------------------------------------------------------------ the others
 
     def receive(self) -> tuple[int, Any]:
-        """The next call: ``(STOP, None)``, ``(TABLE, chunk)``, ``(EXTEND | DECODE | SEED,
-        PackedBatch)`` or ``(MASK, (rows [n], masks [n, words]))``; blocks until process 0
-        sends it."""
+        """The next call: ``(STOP | DECODE_FINISH, None)``, ``(TABLE, chunk)``, ``(EXTEND |
+        DECODE | DECODE_FORWARD | SEED, PackedBatch)`` or ``(MASK, (rows [n], masks [n,
+        words]))``; blocks until process 0 sends it."""
         kind, first, second, num_words = (
             int(v) for v in _broadcast(np.zeros(HEADER_LEN, np.int32))
         )
-        if kind == STOP:
-            return STOP, None
+        if kind in (STOP, DECODE_FINISH):
+            return kind, None
         if kind == TABLE:
             return TABLE, _broadcast(np.zeros((first, second), np.int32))
         if kind == MASK:
             words = _broadcast(np.zeros(num_words, np.int32))
             return MASK, (words[:first], words[first:].reshape(first, second))
-        if kind not in (EXTEND, DECODE, SEED):
+        if kind not in (EXTEND, DECODE, SEED, DECODE_FORWARD):
             raise RuntimeError(f"process 0 announced an unknown call kind {kind}")
         layout = self._packed_layout(kind, first, second)
         expected = sum(int(np.prod(shape)) for shape, _ in layout.leaves)
@@ -148,6 +162,7 @@ class StepBroadcast:
     def _packed_layout(self, kind: int, rows: int, length: int) -> Any:
         """The ``PackedLayout`` of a bucket, from an empty batch of it (the same tree and leaf
         shapes as any batch of that bucket: warm-up compiles from the same)."""
+        kind = DECODE if kind == DECODE_FORWARD else kind
         key = (kind, rows, length)
         if key not in self._packed_layouts:
             if kind == SEED:

@@ -18,16 +18,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab
-from lazyspec.engine.multihost import DECODE, EXTEND, MASK, SEED, STOP, TABLE, StepBroadcast
+from lazyspec.engine.multihost import (
+    DECODE,
+    DECODE_FINISH,
+    DECODE_FORWARD,
+    EXTEND,
+    MASK,
+    SEED,
+    STOP,
+    TABLE,
+    StepBroadcast,
+)
 from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import (
     DecodeBatch,
+    DecodeCarry,
     ExtendBatch,
     PackedBatch,
     Pools,
     StepStatic,
     apply_table_updates,
     apply_vocab_masks,
+    decode_finish,
+    decode_forward,
     decode_step,
     extend_step,
     pack_batch,
@@ -69,6 +82,30 @@ def _sharded(step):
     return run
 
 
+def _forward_sharded(fam, cfg, static, sharding: ShardingPlan, params, pools, packed):
+    """``decode_forward`` on a packed batch, its pools constrained as ``_sharded`` does (its
+    carry keeps the shardings the forward gives it: logits by vocabulary, states by heads)."""
+    carry, pools = decode_forward(fam, cfg, static, params, pools, unpack_batch(packed))
+    return carry, jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
+
+
+def _finish_sharded(fam, cfg, static, sharding: ShardingPlan, params, pools, packed, carry):
+    """``decode_finish`` on a packed batch, constrained as ``_sharded`` does."""
+    batch = unpack_batch(packed)
+    outputs, pools = decode_finish(fam, cfg, static, params, pools, batch, carry)
+    pools = jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
+    return jax.lax.with_sharding_constraint(outputs, sharding.replicated), pools
+
+
+@dataclasses.dataclass
+class PendingDecode:
+    """A decode step whose forward is launched and whose sample-and-commit program is not:
+    its packed batch and the forward's device outputs (``Runner.launch_forward``)."""
+
+    packed: PackedBatch
+    carry: DecodeCarry
+
+
 def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
     return seed_counts(output_counts, in_prompt, unpack_batch(packed))
 
@@ -83,12 +120,23 @@ class Programs:
 
     extend: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (outputs, pools)
     decode: Any
+    # a decode step in two programs, the grammar masks written between them
+    decode_forward: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (carry, pools)
+    decode_finish: Any  # (..., params, pools, packed, carry) -> (outputs, pools)
     table: Any  # (req_to_token, updates) -> req_to_token
     mask: Any  # (vocab_mask, rows, masks) -> vocab_mask
     seed: Any  # (output_counts, in_prompt, packed) -> (output_counts, in_prompt)
 
     def all(self) -> tuple[Any, ...]:
-        return (self.extend, self.decode, self.table, self.mask, self.seed)
+        return (
+            self.extend,
+            self.decode,
+            self.decode_forward,
+            self.decode_finish,
+            self.table,
+            self.mask,
+            self.seed,
+        )
 
 
 # One Programs per set of pool shardings: every runner of an equal model and equal settings
@@ -115,6 +163,18 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
         _PROGRAMS[key] = Programs(
             extend=step_jit(extend_step),
             decode=step_jit(decode_step),
+            decode_forward=jax.jit(
+                _forward_sharded,
+                static_argnums=(0, 1, 2, 3),
+                donate_argnums=(5,),
+                out_shardings=(None, pool_shardings),
+            ),
+            decode_finish=jax.jit(
+                _finish_sharded,
+                static_argnums=(0, 1, 2, 3),
+                donate_argnums=(5,),
+                out_shardings=step_out,
+            ),
             table=jax.jit(
                 apply_table_updates,
                 donate_argnums=(0,),
@@ -221,6 +281,12 @@ class Runner:
         self.programs = programs = programs_for(sharding, self.pool_shardings)
         self._extend = functools.partial(programs.extend, self.family, self.cfg, static, sharding)
         self._decode = functools.partial(programs.decode, self.family, self.cfg, static, sharding)
+        self._forward = functools.partial(
+            programs.decode_forward, self.family, self.cfg, static, sharding
+        )
+        self._finish = functools.partial(
+            programs.decode_finish, self.family, self.cfg, static, sharding
+        )
 
     def slot_bytes(self) -> int:
         return slot_bytes(self.abstract)
@@ -269,6 +335,44 @@ class Runner:
         )
         return outputs
 
+    def launch_forward(
+        self,
+        batch: DecodeBatch,
+        table_chunks: list[np.ndarray] = (),
+        count_seeds: list[CountSeed] = (),
+    ) -> PendingDecode:
+        """Dispatch the first program of a split decode step (``decode_forward``: table
+        updates, target forward, logits) as ``launch`` would the whole step; returns the
+        step to hand to ``launch_finish`` once its rows' grammar masks are written. No other
+        step may be launched in between (the forward leaves its rows' seq_len, last token
+        and drafts for the finish to read)."""
+        for chunk in table_chunks:
+            self.update_table(chunk)
+        for seed in count_seeds:
+            self.seed_counts(seed)
+        packed = pack_batch(batch)
+        if self.broadcast is not None:
+            self.broadcast.send_forward(batch, packed)
+        return self._launch_forward(packed)
+
+    def _launch_forward(self, packed: PackedBatch) -> PendingDecode:
+        words = jax.device_put(packed.words, self.sharding.replicated)
+        packed = dataclasses.replace(packed, words=words)
+        carry, self.pools = self._forward(self.params, self.pools, packed)
+        return PendingDecode(packed, carry)
+
+    def launch_finish(self, pending: PendingDecode) -> dict[str, jax.Array]:
+        """Dispatch the second program of a split decode step (``decode_finish``: sampling
+        under the grammar masks written since ``launch_forward``, commit, drafts); returns
+        the step's outputs as ``launch`` does. ``pending`` is used up (its carry donated)."""
+        if self.broadcast is not None:
+            self.broadcast.send_finish()
+        return self._launch_finish(pending)
+
+    def _launch_finish(self, pending: PendingDecode) -> dict[str, jax.Array]:
+        outputs, self.pools = self._finish(self.params, self.pools, pending.packed, pending.carry)
+        return outputs
+
     def update_table(self, updates: np.ndarray) -> None:
         """Apply one padded chunk of request-table updates ``[3, table_chunk_len]``."""
         updates = np.asarray(updates, np.int32)
@@ -306,6 +410,7 @@ class Runner:
         until it sends ``STOP``; returns the number of calls made. The outputs stay here
         (process 0 reads its own copy)."""
         num_calls = 0
+        pending = None  # a split decode step's forward, until its finish comes
         while True:
             kind, payload = broadcast.receive()
             if kind == STOP:
@@ -319,6 +424,11 @@ class Runner:
                 self._apply_masks(
                     rows, masks.reshape(len(rows), *self.abstract.vocab_mask.shape[1:])
                 )
+            elif kind == DECODE_FORWARD:
+                pending = self._launch_forward(payload)
+            elif kind == DECODE_FINISH:
+                self._launch_finish(pending)
+                pending = None
             else:
                 assert kind in (EXTEND, DECODE), kind
                 self._launch_packed(kind == EXTEND, payload)

@@ -16,6 +16,11 @@ results to build step n+1):
   working slot into its planned checkpoint slot, pool to pool (``state_copy``). With D > 1
   (verify) the layers write the state after every position into per-row scratch and the
   commit is two masked scatters from it (DESIGN §7).
+  A decode step is also split in two programs, ``decode_forward`` (everything that needs no
+  grammar mask: with D = 1 the in-place update and the checkpoint copy too, since such a
+  step advances every row by exactly one token) and ``decode_finish`` (sampling under the
+  masks, the verify commit, drafts), so that the host fills the masks of a batch with
+  grammar rows while the forward runs; ``decode_step`` is the two fused.
 
 Both steps first apply the request-table updates their batch carries to
 ``pools.req_to_token`` and then gather their rows' KV indices from it (``_read_table``):
@@ -493,10 +498,35 @@ def _draft_chain(
     return jnp.stack(drafts, axis=1), mtp_kv
 
 
-def decode_step(
-    fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
-):
-    num_rows = batch.req_row.shape[0]
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeCarry:
+    """What a decode forward hands its sample-and-commit program: device arrays that
+    live from one program to the next (``decode_forward`` -> ``decode_finish``)."""
+
+    hidden: jax.Array  # [B, D, hidden] the target's last hidden states (the MTP head's input)
+    logits: jax.Array  # [B, D, V] raw logits
+    # the recurrent state after every verify position, per layer; None with D = 1 (the
+    # forward wrote the state pools in place)
+    steps: StepStates | None
+
+
+@dataclass
+class _DecodeRows:
+    """A decode batch's per-row view of the pools (both programs compute it the same: the
+    forward changes none of what it reads but the table, whose updates are idempotent)."""
+
+    real: jax.Array  # [B] the row is a request's (not padding)
+    row: jax.Array  # [B] request row, padding clamped to a real index
+    table: jax.Array  # the request table after the batch's updates
+    kv_read_idx: jax.Array  # [B, context_len]
+    pre: jax.Array  # [B] tokens covered before the step
+    drafts: jax.Array  # [B, D-1] the drafts the step verifies
+    positions: jax.Array  # [B, D]
+    inputs: ForwardInputs
+
+
+def _decode_rows(static: StepStatic, pools: Pools, batch: DecodeBatch) -> _DecodeRows:
     num_pos = static.num_verify
     real = batch.req_row <= static.max_reqs
     row = jnp.minimum(batch.req_row, static.max_reqs)
@@ -515,18 +545,30 @@ def decode_step(
         kv_read_idx=kv_read_idx,
         ctx_len=pre + num_pos,
     )
+    return _DecodeRows(real, row, table, kv_read_idx, pre, drafts, positions, inputs)
+
+
+def decode_forward(
+    fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
+) -> tuple[DecodeCarry, Pools]:
+    """The part of a decode step that needs no grammar mask: the table updates, the target
+    forward (KV writes; with D = 1 the state written in place and a crossing row's
+    checkpoint copied, otherwise the state after every position in the carry) and the
+    logits. Of the pools it changes the KV pools, the request table and, with D = 1, the
+    state pools."""
+    rows = _decode_rows(static, pools, batch)
     # the pools themselves, each row at its working slot: the Pallas update reads them in
     # place (the XLA forms gather inside the layer); padding rows read the null slot. One
     # position per row (no speculation): decode writes the working slots in place
-    in_place = num_pos == 1
+    in_place = static.num_verify == 1
     rec = PoolView(
-        conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.where(real, batch.working_slot, 0)
+        conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.where(rows.real, batch.working_slot, 0)
     )
     with jax.named_scope("target_decode" if in_place else "target_verify"):
         hidden, kv, out = fam.forward(
             params,
             cfg,
-            inputs,
+            rows.inputs,
             pools.kv,
             rec,
             mode="decode" if in_place else "verify",
@@ -535,6 +577,47 @@ def decode_step(
         )
     with jax.named_scope("lm_head"):
         logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
+    pools = dataclasses.replace(pools, kv=kv, req_to_token=rows.table)
+    if not in_place:
+        return DecodeCarry(hidden=hidden, logits=logits, steps=out.steps), pools
+    # every real row advances by exactly one token: whether it crosses is known now
+    interval = batch.track_interval
+    crossed = rows.real & (rows.pre // interval != (rows.pre + 1) // interval)
+    with jax.named_scope("state_commit"):
+        conv, ssm = _copy_checkpoint(static, out.pools, batch, crossed)
+    pools = dataclasses.replace(pools, conv=conv, ssm=ssm)
+    return DecodeCarry(hidden=hidden, logits=logits, steps=None), pools
+
+
+def decode_step(
+    fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
+):
+    """One fused decode step: ``decode_forward`` then ``decode_finish`` in one program (the
+    grammar masks of its rows already written)."""
+    carry, pools = decode_forward(fam, cfg, static, params, pools, batch)
+    return decode_finish(fam, cfg, static, params, pools, batch, carry)
+
+
+def decode_finish(
+    fam: ModuleType,
+    cfg: Any,
+    static: StepStatic,
+    params,
+    pools: Pools,
+    batch: DecodeBatch,
+    carry: DecodeCarry,
+):
+    """The rest of a decode step after ``decode_forward``: the processed logits under the
+    rows' grammar masks (``pools.vocab_mask``, read here: written between the two programs),
+    verify / accept and sampling, the state commit, ``seq_len`` / ``last_token`` / counts
+    and the MTP draft chain. Returns (outputs, pools)."""
+    num_rows = batch.req_row.shape[0]
+    num_pos = static.num_verify
+    view = _decode_rows(static, pools, batch)
+    real, row, pre, drafts, positions = view.real, view.row, view.pre, view.drafts, view.positions
+    kv_read_idx, inputs = view.kv_read_idx, view.inputs
+    hidden, logits, steps = carry.hidden, carry.logits, carry.steps
+    # the forward left seq_len / last_token / drafts as it found them: these are its rows
     history = verify_history(pools.output_counts[row], pools.in_prompt[row], drafts, num_pos)
     with jax.named_scope("sampling"):
         allowed = pools.vocab_mask[row]  # [B, D, W]
@@ -546,10 +629,10 @@ def decode_step(
     post = pre + accept_len
     crossed = real & (pre // interval != post // interval)
     with jax.named_scope("state_commit"):
-        if in_place:
-            conv, ssm = _copy_checkpoint(static, out.pools, batch, crossed)
+        if steps is None:  # decode_forward wrote the state and copied the checkpoints
+            conv, ssm = pools.conv, pools.ssm
         else:
-            conv, ssm = _commit_verify(static, pools, out.steps, batch, accept_len, pre, crossed)
+            conv, ssm = _commit_verify(static, pools, steps, batch, accept_len, pre, crossed)
     sentinel_row = static.sentinel_row
     dest = jnp.where(real, batch.req_row, sentinel_row)
     rows = jnp.arange(num_rows)
@@ -578,16 +661,13 @@ def decode_step(
         new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
     new_pools = dataclasses.replace(
         pools,
-        kv=kv,
         mtp_kv=mtp_kv,
         conv=conv,
         ssm=ssm,
         seq_len=seq_len,
         last_token=last_token,
         drafts=new_drafts,
-        req_to_token=table,
         output_counts=output_counts,
-        vocab_mask=pools.vocab_mask,
     )
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits)

@@ -60,10 +60,9 @@ class StepPlan:
     # penalties), written into the token-count pools before the step
     count_seeds: list[CountSeed] = field(default_factory=list)
     prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
-    # allowed-token bitmasks of the rows with a grammar: request rows [n] and their masks
-    # [n, D, W], written on the device before the step (none without grammar rows)
-    mask_rows: np.ndarray | None = None
-    mask_words: np.ndarray | None = None
+    # the requests with a grammar whose rows the step samples: their allowed-token bitmasks
+    # (``Scheduler.grammar_masks``) are written on the device before the step samples
+    grammar_reqs: list[Req] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -229,8 +228,7 @@ class Scheduler:
         batch = build_extend(self.layout, records, updates)
         seeds, self._count_seeds = self._count_seeds, []
         wants = any(r.req.next_prompt_logprob is not None for r in records)
-        sampled = [r.req for r in records if r.is_last_chunk]
-        mask_rows, mask_words = self._grammar_masks(sampled)
+        sampled = [r.req for r in records if r.is_last_chunk and r.req.grammar is not None]
         return StepPlan(
             "extend",
             records,
@@ -238,8 +236,7 @@ class Scheduler:
             chunks,
             count_seeds=seeds,
             prompt_logprobs=wants,
-            mask_rows=mask_rows,
-            mask_words=mask_words,
+            grammar_reqs=sampled,
         )
 
     def _make_room(self, reqs: list[Req], inflight: list[RowRecord]) -> list[Req]:
@@ -323,24 +320,31 @@ class Scheduler:
             req.inflight_decode += 1
         updates, chunks = self._table_updates(records)
         batch = build_decode(self.layout, records, updates)
-        mask_rows, mask_words = self._grammar_masks(reqs)
-        return StepPlan(
-            "decode", records, batch, chunks, mask_rows=mask_rows, mask_words=mask_words
-        )
-
-    def _grammar_masks(self, reqs: list[Req]) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The request rows and bitmasks [n, D, W] of the ``reqs`` with a grammar that a
-        step samples: position j's mask is the matcher state after the request's first j
-        drafts (``Req.next_drafts``: the previous step's, read back). Needs every earlier
-        step processed (the engine runs steps with grammar rows without overlap)."""
         constrained = [req for req in reqs if req.grammar is not None]
-        if not constrained:
-            return None, None
+        return StepPlan("decode", records, batch, chunks, grammar_reqs=constrained)
+
+    def grammar_masks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """The request rows [n] and bitmasks [n, D, W] of ``plan.grammar_reqs``: position j's
+        mask is the matcher state after the request's first j drafts (``Req.next_drafts``:
+        the previous step's, read back). For a decode plan, call it once every step
+        launched before it is processed (its masks follow their tokens and drafts); a
+        prefill plan's at once (its first token has no step before it that samples, so the
+        matchers are where the plan found them). A request that ended
+        since ``plan`` was planned (its outputs of ``plan`` are dropped; a finished request
+        keeps its row number) gets every token allowed. Reads only: each matcher ends where
+        it started."""
+        reqs = plan.grammar_reqs
         num_pos = self.layout.num_verify
-        words = np.zeros((len(constrained), num_pos, constrained[0].grammar.width), np.int32)
-        for i, req in enumerate(constrained):
-            req.grammar.fill_masks(words[i], req.next_drafts[: num_pos - 1])
-        return np.array([req.req_row for req in constrained], np.int32), words
+        width = reqs[0].grammar.width if reqs else 0
+        words = np.zeros((len(reqs), num_pos, width), np.int32)
+        for i, req in enumerate(reqs):
+            if req.finished:
+                words[i] = -1
+            else:
+                req.grammar.fill_masks(words[i], req.next_drafts[: num_pos - 1])
+        # a retraction comes only from planning, before the plan: its requests hold rows
+        assert all(req.phase is not Phase.WAITING for req in reqs), "retracted after its plan"
+        return np.array([req.req_row for req in reqs], np.int32), words
 
     def _table_updates(self, records: list[RowRecord]) -> tuple[np.ndarray, list[np.ndarray]]:
         """The pending request-table updates of the rows a step reads: the batch's part and
@@ -417,12 +421,6 @@ class Scheduler:
         """A grammar row keeps the drafts its next verify reads (its masks follow them)."""
         if req.grammar is not None and "drafts" in results:
             req.next_drafts = [int(t) for t in results["drafts"][b]]
-
-    @property
-    def has_grammar_requests(self) -> bool:
-        """Some waiting or running request has a grammar (its steps run without overlap:
-        each step's masks follow the previous step's tokens)."""
-        return any(r.grammar is not None for r in (*self.running, *self.waiting))
 
     def _would_finish(self, req: Req, tokens: list[int]) -> bool:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)

@@ -4,10 +4,13 @@ which checkpoint is cached; serving compiles nothing new after warm-up."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from lazyspec.engine.engine import Engine
+from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.tiny_models import tiny_model
 
 INTERVAL = 64
@@ -15,7 +18,7 @@ INTERVAL = 64
 
 def _engine(strategy: str, overlap: bool = True, **kw) -> Engine:
     return Engine(
-        model=tiny_model(),
+        model=kw.pop("model", None) or tiny_model(),
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=not overlap,
         mamba_track_interval=INTERVAL,
@@ -147,16 +150,24 @@ def test_top_logprobs_match_the_reference_distribution():
 
 
 def test_zero_recompiles_after_warmup():
-    engine = _engine("extra_buffer_lazy", skip_warmup=False)
+    # a tokenizer, so that grammar requests can be served: their decode steps run split
+    model = SimpleNamespace(**{**vars(tiny_model()), "tokenizer": char_tokenizer()})
+    engine = _engine("extra_buffer_lazy", skip_warmup=False, model=model)
     compiled = engine.runner.num_compiled()
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(3, 128, size=int(n))) for n in rng.integers(5, 300, size=6)]
-    # every other request with penalties: its row's token counts are seeded before its step
+    # every other request with penalties: its row's token counts are seeded before its step;
+    # the last one under a regex, its steps split in two programs, its masks written between
     params = [
         {"max_new_tokens": 8, "ignore_eos": True, "frequency_penalty": 0.5 * (i % 2)}
         for i in range(len(prompts))
     ]
+    params[-1] = {"max_new_tokens": 8, "regex": "[a-f]{20}"}
+    forwards = []
+    launch_forward = engine.runner.launch_forward
+    engine.runner.launch_forward = lambda *args: (forwards.append(1), launch_forward(*args))[1]
     engine.generate(input_ids=prompts, sampling_params=params)
+    assert forwards  # the split programs served
     # one short request: the smallest extend bucket, the very first program warm-up ran
     # (with the freshly allocated pools; serving calls it with pools a step returned)
     engine.generate(input_ids=prompts[0][:5], sampling_params={"max_new_tokens": 2})
