@@ -274,6 +274,18 @@ def conv_update(
     )
 
 
+def _scatter_tiles(
+    ssm_pool: jax.Array, conv_pool: jax.Array, block_rows: int | None, block_channels: int | None
+) -> tuple[int, int]:
+    """The scatter's and the copy's row and channel tiles: those given, else
+    ``DEFAULT_SCATTER_TILES`` fitted to the pools."""
+    if block_rows is None:
+        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
+    if block_channels is None:
+        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
+    return block_rows, block_channels
+
+
 def _pallas_state_scatter(
     ssm_pool: jax.Array,
     conv_pool: jax.Array,
@@ -290,10 +302,7 @@ def _pallas_state_scatter(
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas scatter; tiles left as None take ``DEFAULT_SCATTER_TILES``."""
-    if block_rows is None:
-        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
-    if block_channels is None:
-        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
+    block_rows, block_channels = _scatter_tiles(ssm_pool, conv_pool, block_rows, block_channels)
     return state_scatter_pallas(
         ssm_pool,
         conv_pool,
@@ -355,10 +364,7 @@ def _pallas_state_copy(
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas pool-to-pool copy; tiles left as None take ``DEFAULT_SCATTER_TILES``."""
-    if block_rows is None:
-        block_rows = fitted_tile(ssm_pool.shape[3], DEFAULT_SCATTER_TILES["block_rows"])
-    if block_channels is None:
-        block_channels = fitted_tile(conv_pool.shape[2], DEFAULT_SCATTER_TILES["block_channels"])
+    block_rows, block_channels = _scatter_tiles(ssm_pool, conv_pool, block_rows, block_channels)
     return state_copy_pallas(
         ssm_pool,
         conv_pool,

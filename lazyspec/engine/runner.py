@@ -318,14 +318,24 @@ class Runner:
         int32 array: one transfer) after applying ``table_chunks`` (request-table updates past the
         batch's own) and ``count_seeds`` (the token histories of newly admitted rows); returns
         its outputs as device arrays without waiting for them."""
+        packed = self._prepare(batch, table_chunks, count_seeds)
+        if self.broadcast is not None:
+            self.broadcast.send_step(batch, packed)
+        return self._launch_packed(isinstance(batch, ExtendBatch), packed)
+
+    def _prepare(
+        self,
+        batch: ExtendBatch | DecodeBatch,
+        table_chunks: list[np.ndarray],
+        count_seeds: list[CountSeed],
+    ) -> PackedBatch:
+        """What comes before a step's launch: its table chunks and count seeds written (each
+        its own device call), then ``batch`` packed."""
         for chunk in table_chunks:
             self.update_table(chunk)
         for seed in count_seeds:
             self.seed_counts(seed)
-        packed = pack_batch(batch)
-        if self.broadcast is not None:
-            self.broadcast.send_step(batch, packed)
-        return self._launch_packed(isinstance(batch, ExtendBatch), packed)
+        return pack_batch(batch)
 
     def _launch_packed(self, extend: bool, packed: PackedBatch) -> dict[str, jax.Array]:
         step = self._extend if extend else self._decode
@@ -346,11 +356,7 @@ class Runner:
         step to hand to ``launch_finish`` once its rows' grammar masks are written. No other
         step may be launched in between (the forward leaves its rows' seq_len, last token
         and drafts for the finish to read)."""
-        for chunk in table_chunks:
-            self.update_table(chunk)
-        for seed in count_seeds:
-            self.seed_counts(seed)
-        packed = pack_batch(batch)
+        packed = self._prepare(batch, table_chunks, count_seeds)
         if self.broadcast is not None:
             self.broadcast.send_forward(batch, packed)
         return self._launch_forward(packed)
