@@ -556,7 +556,13 @@ def decode_forward(
     checkpoint copied, otherwise the state after every position in the carry) and the
     logits. Of the pools it changes the KV pools, the request table and, with D = 1, the
     state pools."""
-    rows = _decode_rows(static, pools, batch)
+    return _decode_forward(
+        fam, cfg, static, params, pools, batch, _decode_rows(static, pools, batch)
+    )
+
+
+def _decode_forward(fam, cfg, static: StepStatic, params, pools: Pools, batch, rows: _DecodeRows):
+    """``decode_forward`` given the batch's ``rows``."""
     # the pools themselves, each row at its working slot: the Pallas update reads them in
     # place (the XLA forms gather inside the layer); padding rows read the null slot. One
     # position per row (no speculation): decode writes the working slots in place
@@ -593,9 +599,10 @@ def decode_step(
     fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
 ):
     """One fused decode step: ``decode_forward`` then ``decode_finish`` in one program (the
-    grammar masks of its rows already written)."""
-    carry, pools = decode_forward(fam, cfg, static, params, pools, batch)
-    return decode_finish(fam, cfg, static, params, pools, batch, carry)
+    grammar masks of its rows already written); the rows' view is computed once."""
+    rows = _decode_rows(static, pools, batch)
+    carry, pools = _decode_forward(fam, cfg, static, params, pools, batch, rows)
+    return _decode_finish(fam, cfg, static, params, pools, batch, carry, rows)
 
 
 def decode_finish(
@@ -611,9 +618,17 @@ def decode_finish(
     rows' grammar masks (``pools.vocab_mask``, read here: written between the two programs),
     verify / accept and sampling, the state commit, ``seq_len`` / ``last_token`` / counts
     and the MTP draft chain. Returns (outputs, pools)."""
+    view = _decode_rows(static, pools, batch)
+    return _decode_finish(fam, cfg, static, params, pools, batch, carry, view)
+
+
+def _decode_finish(
+    fam, cfg, static: StepStatic, params, pools: Pools, batch, carry: DecodeCarry, view
+):
+    """``decode_finish`` given the batch's rows (``view``: what ``_decode_rows`` gives for
+    the pools before or after the forward, which changes none of it)."""
     num_rows = batch.req_row.shape[0]
     num_pos = static.num_verify
-    view = _decode_rows(static, pools, batch)
     real, row, pre, drafts, positions = view.real, view.row, view.pre, view.drafts, view.positions
     kv_read_idx, inputs = view.kv_read_idx, view.inputs
     hidden, logits, steps = carry.hidden, carry.logits, carry.steps
