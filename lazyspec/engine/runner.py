@@ -61,40 +61,28 @@ def _unpacking(step):
     """``step`` taking its batch packed (``PackedBatch``)."""
 
     @functools.wraps(step)
-    def run(fam, cfg, static, params, pools, packed: PackedBatch):
-        return step(fam, cfg, static, params, pools, unpack_batch(packed))
+    def run(fam, cfg, static, params, pools, packed: PackedBatch, *rest):
+        return step(fam, cfg, static, params, pools, unpack_batch(packed), *rest)
 
     return run
 
 
-def _sharded(step):
+def _sharded(step, replicate_outputs: bool = True):
     """``step`` with the sharding plan as a further static argument: the pools it returns are
     constrained to the shardings they came in with (every masked scatter writes a pool in
-    place) and its small outputs are replicated."""
+    place) and its small outputs are replicated (unless not ``replicate_outputs``: a split
+    decode step's carry keeps the shardings the forward gives it, logits by vocabulary,
+    states by heads)."""
 
-    def run(fam, cfg, static, sharding: ShardingPlan, params, pools, batch):
-        outputs, pools = step(fam, cfg, static, params, pools, batch)
+    def run(fam, cfg, static, sharding: ShardingPlan, params, pools, batch, *rest):
+        outputs, pools = step(fam, cfg, static, params, pools, batch, *rest)
         pools = jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
-        outputs = jax.lax.with_sharding_constraint(outputs, sharding.replicated)
+        if replicate_outputs:
+            outputs = jax.lax.with_sharding_constraint(outputs, sharding.replicated)
         return outputs, pools
 
     run.__name__ = step.__name__
     return run
-
-
-def _forward_sharded(fam, cfg, static, sharding: ShardingPlan, params, pools, packed):
-    """``decode_forward`` on a packed batch, its pools constrained as ``_sharded`` does (its
-    carry keeps the shardings the forward gives it: logits by vocabulary, states by heads)."""
-    carry, pools = decode_forward(fam, cfg, static, params, pools, unpack_batch(packed))
-    return carry, jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
-
-
-def _finish_sharded(fam, cfg, static, sharding: ShardingPlan, params, pools, packed, carry):
-    """``decode_finish`` on a packed batch, constrained as ``_sharded`` does."""
-    batch = unpack_batch(packed)
-    outputs, pools = decode_finish(fam, cfg, static, params, pools, batch, carry)
-    pools = jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
-    return jax.lax.with_sharding_constraint(outputs, sharding.replicated), pools
 
 
 @dataclasses.dataclass
@@ -152,29 +140,19 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
     if key not in _PROGRAMS:
         step_out = (sharding.replicated, pool_shardings)
 
-        def step_jit(step):
+        def step_jit(step, replicate_outputs: bool = True):
             return jax.jit(
-                _sharded(_unpacking(step)),
+                _sharded(_unpacking(step), replicate_outputs),
                 static_argnums=(0, 1, 2, 3),
                 donate_argnums=(5,),
-                out_shardings=step_out,
+                out_shardings=step_out if replicate_outputs else (None, pool_shardings),
             )
 
         _PROGRAMS[key] = Programs(
             extend=step_jit(extend_step),
             decode=step_jit(decode_step),
-            decode_forward=jax.jit(
-                _forward_sharded,
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5,),
-                out_shardings=(None, pool_shardings),
-            ),
-            decode_finish=jax.jit(
-                _finish_sharded,
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5,),
-                out_shardings=step_out,
-            ),
+            decode_forward=step_jit(decode_forward, replicate_outputs=False),
+            decode_finish=step_jit(decode_finish),
             table=jax.jit(
                 apply_table_updates,
                 donate_argnums=(0,),
@@ -370,7 +348,7 @@ class Runner:
     def launch_finish(self, pending: PendingDecode) -> dict[str, jax.Array]:
         """Dispatch the second program of a split decode step (``decode_finish``: sampling
         under the grammar masks written since ``launch_forward``, commit, drafts); returns
-        the step's outputs as ``launch`` does. ``pending`` is used up (its carry donated)."""
+        the step's outputs as ``launch`` does. ``pending`` is used up (launch it once)."""
         if self.broadcast is not None:
             self.broadcast.send_finish()
         return self._launch_finish(pending)
