@@ -22,19 +22,8 @@ from lazyspec.engine.engine import Engine
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.sinks import assert_null_sinks_zero
 from lazyspec.testing.tiny_models import tiny_model
+from tests.engine.test_structured_output import REGEX, SCHEMA, SPEC
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"enum": ["ab", "xyz"]},
-    },
-    "required": ["ok", "n", "tag"],
-    "additionalProperties": False,
-}
-REGEX = r"[a-f]{2,5}-[0-9]{3}"
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 CONSTRAINED = 3  # the first requests of ``_requests`` have a grammar
 
 
