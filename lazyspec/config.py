@@ -44,6 +44,9 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None
     # a file of "hot" token ids the draft head scores (lazyspec/token_map.py); None: all
     speculative_token_map: str | None = None
+    # decode batches of more than this many requests run without speculation (one token per
+    # request, no draft chain); None: every decode batch speculates
+    speculative_disable_by_batch_size: int | None = None
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights, no tensor read
@@ -150,12 +153,16 @@ class EngineConfig:
                 "speculative_num_steps",
                 "speculative_num_draft_tokens",
                 "speculative_token_map",
+                "speculative_disable_by_batch_size",
             ):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is set but speculative_algorithm is None")
             return
         if self.speculative_token_map is not None:
             read_token_map(self.speculative_token_map)  # the file's own checks, early
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None:
+            _check_positive("speculative_disable_by_batch_size", limit)
         object.__setattr__(self, "speculative_algorithm", "NEXTN")
         steps = self.speculative_num_steps if self.speculative_num_steps is not None else 3
         _check_positive("speculative_num_steps", steps)

@@ -209,8 +209,8 @@ class Engine:
             for length in length_buckets
         ]
         decodes = [
-            functools.partial(build_decode, layout, [], num_rows=rows)
-            for rows in layout.decode_buckets
+            functools.partial(build_decode, layout, [], num_rows=rows, num_verify=num_verify)
+            for rows, num_verify in layout.decode_shapes
         ]
         batches += decodes
         # an all-padding chunk compiles the table-update program and writes nothing (and an
@@ -484,6 +484,8 @@ class Engine:
                 "speculative_algorithm": self.config.speculative_algorithm,
                 "num_verify_tokens": self.config.num_verify_tokens,
                 "num_verify_steps": steps,
+                "speculative_disable_by_batch_size": self.config.speculative_disable_by_batch_size,
+                "num_decode_steps_without_speculation": sched.num_spec_off_steps,
                 "num_compiled_programs": self.num_compiled(),
                 "avg_accept_length": mean_accept,
                 # once per admitted request (a request waiting for room is not re-counted)

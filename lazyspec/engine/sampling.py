@@ -250,14 +250,19 @@ def verify_and_sample(
     accept iff d is the target argmax. Returns (tokens [B, D], accept_len [B]) where
     tokens[b, :accept_len[b]] are the emitted tokens (accepted drafts then the bonus).
     ``allowed`` [B, D, W]: position j's grammar bitmask, the state after the first j drafts
-    (a draft outside its position's mask has probability 0 and is rejected).
+    (a draft outside its position's mask has probability 0 and is rejected). A negative
+    draft is no draft: it is rejected, and the bonus token is sampled from the whole
+    distribution.
     """
     batch, num_pos, _ = logits.shape
     probs = target_probs(logits, params, positions, history, allowed)  # [B, D, V]
     num_drafts = num_pos - 1
     greedy = (params.temperature == 0)[:, None]
     if num_drafts > 0:
-        p_draft = jnp.take_along_axis(probs[:, :num_drafts], drafts[..., None], axis=-1)[..., 0]
+        present = drafts >= 0
+        safe_drafts = jnp.maximum(drafts, 0)
+        p_draft = jnp.take_along_axis(probs[:, :num_drafts], safe_drafts[..., None], axis=-1)
+        p_draft = jnp.where(present, p_draft[..., 0], 0.0)
         keys = jax.vmap(jax.vmap(_key, in_axes=(None, 0, None)), in_axes=(0, 0, None))(
             params.seed, positions[:, :num_drafts], PURPOSE_ACCEPT
         )
@@ -272,9 +277,9 @@ def verify_and_sample(
     if num_drafts > 0:
         rejected = num_accepted < num_drafts
         rejected_draft = drafts[rows, jnp.minimum(num_accepted, num_drafts - 1)]
-        removed = bonus_probs.at[rows, rejected_draft].set(0.0)
+        removed = bonus_probs.at[rows, jnp.maximum(rejected_draft, 0)].set(0.0)
         removed = removed / jnp.maximum(jnp.sum(removed, axis=-1, keepdims=True), 1e-30)
-        use_removed = rejected & ~greedy[:, 0]
+        use_removed = rejected & ~greedy[:, 0] & (rejected_draft >= 0)
         bonus_probs = jnp.where(use_removed[:, None], removed, bonus_probs)
     bonus = sample_from(bonus_probs, params.seed, positions[rows, num_accepted], greedy[:, 0])
     padded_drafts = jnp.concatenate([drafts, jnp.zeros((batch, 1), drafts.dtype)], axis=1)

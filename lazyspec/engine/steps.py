@@ -69,6 +69,7 @@ from lazyspec.scheduler.layout import NULL_SLOT
 from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NO_STEP = -1  # state_scatter: this row writes nothing
+NO_DRAFT = -1  # pools.drafts: no draft for this position (verify rejects it)
 
 
 @jax.tree_util.register_dataclass
@@ -93,9 +94,14 @@ class Pools:
 
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
 # pytrees here, moved to the device packed (``pack_batch``) and unpacked in the step.
+# A decode batch's D is static (one program per value, like its bucket).
+_META_FIELDS = {DecodeBatch: ["num_verify"]}
 for _batch in (ExtendBatch, DecodeBatch, CountSeed):
+    _meta = _META_FIELDS.get(_batch, [])
     jax.tree_util.register_dataclass(
-        _batch, data_fields=[f.name for f in dataclasses.fields(_batch)], meta_fields=[]
+        _batch,
+        data_fields=[f.name for f in dataclasses.fields(_batch) if f.name not in _meta],
+        meta_fields=_meta,
     )
 
 
@@ -527,13 +533,16 @@ class _DecodeRows:
 
 
 def _decode_rows(static: StepStatic, pools: Pools, batch: DecodeBatch) -> _DecodeRows:
-    num_pos = static.num_verify
+    num_pos = batch.num_verify
     real = batch.req_row <= static.max_reqs
     row = jnp.minimum(batch.req_row, static.max_reqs)
     table, kv_read_idx = _read_table(static, pools, batch)
     pre = pools.seq_len[row]
     drafts = pools.drafts[row][:, : num_pos - 1]
-    tokens = jnp.concatenate([pools.last_token[row][:, None], drafts], axis=1)
+    # a NO_DRAFT position (after a step without speculation) runs on token 0 and is
+    # rejected (``verify_and_sample``)
+    inputs_drafts = jnp.maximum(drafts, 0)
+    tokens = jnp.concatenate([pools.last_token[row][:, None], inputs_drafts], axis=1)
     positions = pre[:, None] + jnp.arange(num_pos)[None, :]
     write_idx = jnp.take_along_axis(kv_read_idx, positions, axis=1)
     write_idx = jnp.where(real[:, None], write_idx, static.sentinel_kv_row)
@@ -566,7 +575,7 @@ def _decode_forward(fam, cfg, static: StepStatic, params, pools: Pools, batch, r
     # the pools themselves, each row at its working slot: the Pallas update reads them in
     # place (the XLA forms gather inside the layer); padding rows read the null slot. One
     # position per row (no speculation): decode writes the working slots in place
-    in_place = static.num_verify == 1
+    in_place = batch.num_verify == 1
     rec = PoolView(
         conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.where(rows.real, batch.working_slot, 0)
     )
@@ -628,14 +637,14 @@ def _decode_finish(
     """``decode_finish`` given the batch's rows (``view``: what ``_decode_rows`` gives for
     the pools before or after the forward, which changes none of it)."""
     num_rows = batch.req_row.shape[0]
-    num_pos = static.num_verify
+    num_pos = batch.num_verify
     real, row, pre, drafts, positions = view.real, view.row, view.pre, view.drafts, view.positions
     kv_read_idx, inputs = view.kv_read_idx, view.inputs
     hidden, logits, steps = carry.hidden, carry.logits, carry.steps
     # the forward left seq_len / last_token / drafts as it found them: these are its rows
     history = verify_history(pools.output_counts[row], pools.in_prompt[row], drafts, num_pos)
     with jax.named_scope("sampling"):
-        allowed = pools.vocab_mask[row]  # [B, D, W]
+        allowed = pools.vocab_mask[row][:, :num_pos]  # [B, D, W]
         out_tokens, accept_len = verify_and_sample(
             logits, drafts, positions, batch.sampling, history, allowed
         )
@@ -661,6 +670,12 @@ def _decode_finish(
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
         with jax.named_scope("draft_extend"):
             mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
+    if static.spec and num_pos == 1:
+        # speculation off for this batch (``Layout.spec_max_batch``): the draft head's KV
+        # still follows every token (only its K / V projections are live), so drafting
+        # resumes where a later step speculates; that step's drafts are NO_DRAFT
+        new_drafts = pools.drafts.at[dest].set(NO_DRAFT, mode="drop")
+    elif static.spec:
         chain, mtp_kv = _draft_chain(
             fam,
             cfg,

@@ -81,6 +81,8 @@ class DecodeBatch:
     track_slot: np.ndarray  # [B] checkpoint target if a boundary is crossed (sentinel = none)
     track_interval: np.ndarray  # [] int32 (traced: no recompile per value)
     sampling: SamplingRows
+    # D: tokens the step takes per request (static: one program per value)
+    num_verify: int = 1
 
 
 def bucket(n: int, options: tuple[int, ...]) -> int:
@@ -312,10 +314,14 @@ def build_decode(
     records: list[RowRecord],
     updates: np.ndarray | None = None,
     num_rows: int | None = None,
+    num_verify: int | None = None,
 ) -> DecodeBatch:
-    """The decode batch of ``records`` (D verify positions per row, read on the device)
-    carrying ``updates`` (at most ``TABLE_UPDATES_PER_STEP``)."""
+    """The decode batch of ``records`` (D verify positions per row, read on the device;
+    ``num_verify``, by default ``layout.decode_num_verify`` of the records) carrying
+    ``updates`` (at most ``TABLE_UPDATES_PER_STEP``)."""
     num_rows = num_rows or bucket(len(records), layout.decode_buckets)
+    if num_verify is None:
+        num_verify = layout.decode_num_verify(len(records))
     batch = DecodeBatch(
         req_row=np.full(num_rows, layout.sentinel_row, np.int32),
         table_updates=table_updates(layout, updates, TABLE_UPDATES_PER_STEP),
@@ -323,6 +329,7 @@ def build_decode(
         track_slot=np.full(num_rows, layout.sentinel_slot, np.int32),
         track_interval=np.asarray(layout.track_interval, np.int32),
         sampling=_sampling(num_rows, [r.req for r in records]),
+        num_verify=num_verify,
     )
     for b, record in enumerate(records):
         req = record.req

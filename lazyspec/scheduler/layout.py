@@ -58,6 +58,9 @@ class Layout:
     track_interval: int
     extend_buckets: tuple[tuple[int, ...], tuple[int, ...]]  # (rows, tokens) per extend
     decode_buckets: tuple[int, ...]  # rows per decode step
+    # decode batches of more than this many requests take one token per request (no
+    # speculation); None: every decode step takes num_verify
+    spec_max_batch: int | None = None
 
     # ---- sentinels -------------------------------------------------------------------
 
@@ -105,6 +108,27 @@ class Layout:
     def max_request_len(self) -> int:
         """Longest request (prompt + max new tokens): the context less the run-past headroom."""
         return self.context_len - self.run_past_headroom
+
+    def decode_num_verify(self, num_reqs: int) -> int:
+        """D of a decode step over ``num_reqs`` requests: ``num_verify``, or 1 past
+        ``spec_max_batch``."""
+        if self.spec_max_batch is not None and num_reqs > self.spec_max_batch:
+            return 1
+        return self.num_verify
+
+    @property
+    def decode_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(rows bucket, D) of every decode program a batch can take: a bucket holds the
+        batches of more requests than the bucket below it, up to its own."""
+        shapes = []
+        below = 0
+        for rows in self.decode_buckets:
+            for num_verify in dict.fromkeys(
+                (self.decode_num_verify(below + 1), self.decode_num_verify(rows))
+            ):
+                shapes.append((rows, num_verify))
+            below = rows
+        return tuple(shapes)
 
     @property
     def num_draft_positions(self) -> int:
@@ -185,4 +209,5 @@ def plan_memory(engine_cfg, model_cfg) -> Layout:
         track_interval=c.mamba_track_interval,
         extend_buckets=(powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths),
         decode_buckets=powers_of_two_up_to(max_running),
+        spec_max_batch=c.speculative_disable_by_batch_size,
     )

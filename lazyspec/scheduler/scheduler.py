@@ -94,6 +94,8 @@ class Scheduler:
         # accept-length statistics (bounded: counters, not request lists)
         self.num_verify_steps = 0
         self.accept_counts = np.zeros(layout.num_verify + 1, np.int64)  # [k] = steps accepting k
+        # decode steps a speculative engine ran without speculation (``spec_max_batch``)
+        self.num_spec_off_steps = 0
         # prefix-cache statistics, counted once per admitted request
         self.num_admitted_tokens = 0  # prompt tokens of admitted requests
         self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
@@ -334,14 +336,15 @@ class Scheduler:
         keeps its row number) gets every token allowed. Reads only: each matcher ends where
         it started."""
         reqs = plan.grammar_reqs
-        num_pos = self.layout.num_verify
+        # a step without speculation samples one position (the rest stay zero)
+        num_pos = plan.batch.num_verify if plan.kind == "decode" else self.layout.num_verify
         width = reqs[0].grammar.width if reqs else 0
-        words = np.zeros((len(reqs), num_pos, width), np.int32)
+        words = np.zeros((len(reqs), self.layout.num_verify, width), np.int32)
         for i, req in enumerate(reqs):
             if req.finished:
                 words[i] = -1
             else:
-                req.grammar.fill_masks(words[i], req.next_drafts[: num_pos - 1])
+                req.grammar.fill_masks(words[i, :num_pos], req.next_drafts[: num_pos - 1])
         # a retraction comes only from planning, before the plan: its requests hold rows
         assert all(req.phase is not Phase.WAITING for req in reqs), "retracted after its plan"
         return np.array([req.req_row for req in reqs], np.int32), words
@@ -390,6 +393,9 @@ class Scheduler:
 
     def _process_decode(self, plan: StepPlan, results, inflight: list[RowRecord]) -> None:
         interval = self.layout.track_interval
+        # a step that verified the engine's D (every step of an engine without speculation)
+        verified = plan.batch.num_verify == self.layout.num_verify
+        self.num_spec_off_steps += not verified
         for b, record in enumerate(plan.records):
             req = record.req
             req.inflight_decode -= 1
@@ -400,10 +406,11 @@ class Scheduler:
             n = int(results["accept_len"][b])
             pre = int(results["pre"][b])
             req.seq_len = pre + n
-            req.spec_verify_ct += 1
-            req.accept_hist.append(n)
-            self.num_verify_steps += 1
-            self.accept_counts[n] += 1
+            if verified:
+                req.spec_verify_ct += 1
+                req.accept_hist.append(n)
+                self.num_verify_steps += 1
+                self.accept_counts[n] += 1
             tokens = [int(t) for t in results["tokens"][b, :n]]
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval

@@ -73,6 +73,11 @@ HELP = {
     ".json list of ints, a .npy 1-D integer array, or text with one id per line. The EOS "
     "ids are always added and the list is padded to a multiple of 128 columns. Needs "
     "--speculative-algorithm; scripts/build_token_map.py writes one from a corpus.",
+    "speculative_disable_by_batch_size": "Decode steps over more running requests than this "
+    "take one token per request without drafting (outputs stay exact; the draft head's KV "
+    "still follows every token, so speculation resumes when the batch shrinks). Speculation "
+    "costs a verify of D tokens and D - 1 draft steps per step: at large batches it loses "
+    "(BENCHMARKS.md, 'Speculation by batch size'). Default: always speculate.",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
     "on CPU and TPU; pallas on TPU is untested).",
     "moe_runner_backend": "Routed experts with kernel-backend pallas: pallas (the grouped "
