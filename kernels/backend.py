@@ -97,15 +97,17 @@ DEFAULT_MOE_TILES = {
     "num_warps": 4,
     "num_stages": 3,
 }
-# Token counts up to this run the routed experts in the Pallas kernel, larger ones in the
-# sort-based XLA dispatch (``layers.moe.grouped_experts``). The kernel pays per tile of 16
-# rows: an expert's weights are read once per tile of its tokens and the staging of the
-# grid's worst case, min(E, N k) + N k / 16 tiles, grows with N. Up to 64 tokens (top-10 of
-# 64-512 experts: about 10 pairs per expert at most on average) nearly every routed expert
-# fits one tile, so the bytes read are the routed experts' once, which is all a step of so
-# few tokens needs; past that the experts hold several tiles, the matmuls become compute,
-# and ragged_dot's grouped matmul amortises its sort. To be re-measured with bench_moe.py.
-MOE_KERNEL_MAX_TOKENS = 64
+# Token counts up to this run the routed experts in the Pallas kernel on a GPU, larger ones
+# in the sort-based XLA dispatch (``layers.moe.grouped_experts``). Measured on an H200
+# (``bench_moe.py``, BENCHMARKS "Routed experts by token count"): at 256 / 1024 / 2048
+# tokens the kernel takes 0.66 / 0.85 / 1.1 ms at Qwen3-Next's 512 experts, where the XLA
+# dispatch takes 8.6 ms at 256 and runs out of memory from 1024 (its ragged_dot staging);
+# at 64 experts 0.16 / 0.36 ms against 1.05 / 4.3 ms. 2048 is the largest count measured
+# and the most one extend step of the default settings holds (4 rows of 512).
+MOE_KERNEL_MAX_TOKENS = 2048
+# The TPU layout (``moe_experts_tpu``) has never run on a TPU: it keeps the decode-size
+# limit it was written for.
+MOE_TPU_KERNEL_MAX_TOKENS = 64
 TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 # From this many tokens the up launch takes intermediate tiles of 64 columns (H200,
 # bench_moe.py: 113 against 157 us at 64 tokens of Qwen3-Next widths, 327 against 446 us at
@@ -459,7 +461,7 @@ def _tpu_moe_experts(
     """``_pallas_moe_experts`` with the scalar-prefetch kernel of ``moe_experts_tpu``; tiles
     not given are 128 inner and 512 output columns where those divide (else the whole
     axis), which keeps the double-buffered weight blocks near 2 MiB at Qwen3-Next widths."""
-    if x.shape[0] > MOE_KERNEL_MAX_TOKENS:
+    if x.shape[0] > MOE_TPU_KERNEL_MAX_TOKENS:
         return xla_form()
     from lazyspec.kernels import moe_experts_tpu  # Mosaic imports only where used
 
@@ -526,9 +528,9 @@ class Kernels:
     ``gdn_state_update`` / ``mamba2_state_update`` have the contract of ``state_update``
     (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
     ``state_scatter`` and ``state_copy`` have the contracts of ``state_scatter`` and
-    ``state_copy``. ``moe_experts`` runs the
-    routed experts (``MoEExpertsFn``), choosing the kernel or the caller's XLA form by
-    token count (``MOE_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
+    ``state_copy``. ``moe_experts`` runs the routed experts (``MoEExpertsFn``), choosing
+    the kernel or the caller's XLA form by token count (``MOE_KERNEL_MAX_TOKENS``, on a TPU
+    ``MOE_TPU_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
     sort-based dispatch. ``paged_attention`` has the contract of
     ``paged_attention.paged_attention``; None on XLA and on TPU, where the attention layers
     run their masked jnp form. Compared and hashed by backend, platform, MoE runner and

@@ -159,14 +159,17 @@ def test_unrouted_experts_may_hold_nan_pallas():
     assert_close(got, want, FP32_TOL, "routed experts beside NaN experts")
 
 
-def test_dispatch_chooses_kernel_by_token_count_pallas():
+def test_dispatch_chooses_kernel_by_token_count_pallas(monkeypatch):
     """The Pallas record's ``moe_experts`` runs the kernel up to MOE_KERNEL_MAX_TOKENS tokens
-    and the caller's XLA form above; the XLA record has no MoE kernel."""
+    and the caller's XLA form above; the XLA record has no MoE kernel. The limit is read at
+    each call: a small one here keeps the interpreted kernel quick."""
     assert backend.XLA_KERNELS.moe_experts is None
+    assert backend.MOE_KERNEL_MAX_TOKENS >= 1024  # verify and prefill sizes take the kernel
+    limit = 48
+    monkeypatch.setattr(backend, "MOE_KERNEL_MAX_TOKENS", limit)
     kernel = backend.kernels_for("pallas", "cpu").moe_experts
     rng = np.random.default_rng(14)
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
-    limit = backend.MOE_KERNEL_MAX_TOKENS
     weights, ids = routing(rng, limit + 1, 2, 8, False)
     x = jnp.asarray(rng.standard_normal((limit + 1, WIDTH)), jnp.float32)
     sentinel = jnp.full((limit + 1, WIDTH), 7.0)

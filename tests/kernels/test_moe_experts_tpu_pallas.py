@@ -45,7 +45,7 @@ def test_moe_experts_tpu_layout_matches_grouped_experts(case):
 
 def test_tpu_layout_rejects_illegal_tiles_and_dispatches():
     """Tiles that break Mosaic's block rule are refused; the Pallas record on a TPU runs this
-    layout up to MOE_KERNEL_MAX_TOKENS tokens."""
+    layout up to MOE_TPU_KERNEL_MAX_TOKENS tokens."""
     rng = np.random.default_rng(44)
     weights, ids = routing(rng, 3, 2, 8, False)
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
