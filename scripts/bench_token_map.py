@@ -18,30 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lazyspec.bench.prompts import held_out_prompts
 from lazyspec.engine.draft_vocab import DRAFT_VOCAB
 from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
 from lazyspec.token_map import read_token_map
-from lazyspec.training import corpus
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "lazyspec" / "assets" / "default_model"
-
-
-def held_out_prompts(tokenizer, num_prompts: int, prompt_len: int, new_tokens: int, seed: int):
-    """One window of ``prompt_len`` tokens (after ``<|endoftext|>``) per validation file
-    long enough for the window and ``new_tokens``, until ``num_prompts``."""
-    root = corpus.stdlib_root()
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for name in (f for f in corpus.stdlib_files(root) if corpus.is_validation_file(f)):
-        ids = tokenizer.encode(corpus.read_source(root / name)).ids
-        if len(ids) < prompt_len + new_tokens:
-            continue
-        start = int(rng.integers(1, len(ids) - prompt_len - new_tokens + 1))
-        prompts.append(ids[:1] + ids[start : start + prompt_len - 1])
-        if len(prompts) == num_prompts:
-            break
-    return prompts
 
 
 def run(model, prompts, args, token_map: str | None) -> dict:
