@@ -29,7 +29,6 @@ from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.state_oracle import TreeStateOracle
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 from tests.engine.test_sampling import sampling_arrays
-from tests.engine.test_structured_output import REGEX, SCHEMA
 
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 D = 4
@@ -162,6 +161,8 @@ def test_grammar_rows_through_both_step_kinds(char_model):
     """Greedy grammar rows (JSON, regex) and a free row, five requests over a limit of two:
     the split decode step runs without speculation, then with it; the tokens are those of an
     engine that always speculates, and the outputs parse."""
+    from tests.engine.test_structured_output import REGEX, SCHEMA  # needs the grammar extras
+
     rng = np.random.default_rng(5)
     prompts = [list(map(int, rng.integers(3, 128, size=n))) for n in (7, 40, 19, 23, 11)]
     schema = json.dumps(SCHEMA)
