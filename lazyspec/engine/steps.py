@@ -421,7 +421,9 @@ def extend_step(
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
         with jax.named_scope("draft_extend"):
-            mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
+            mtp_hidden, mtp_kv = fam.mtp_forward(
+                params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
+            )
         new_drafts, mtp_kv = _draft_chain(
             fam,
             cfg,
@@ -498,7 +500,7 @@ def _draft_chain(
             ctx_len=pos + 1,
         )
         out_hidden, mtp_kv = fam.mtp_forward(
-            params, cfg, hidden[:, None], draft[:, None], inputs, mtp_kv
+            params, cfg, hidden[:, None], draft[:, None], inputs, mtp_kv, kernels=static.kernels
         )
         hidden = out_hidden[:, 0]
     return jnp.stack(drafts, axis=1), mtp_kv
@@ -669,7 +671,9 @@ def _decode_finish(
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
         with jax.named_scope("draft_extend"):
-            mtp_hidden, mtp_kv = fam.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
+            mtp_hidden, mtp_kv = fam.mtp_forward(
+                params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
+            )
     if static.spec and num_pos == 1:
         # speculation off for this batch (``Layout.spec_max_batch``): the draft head's KV
         # still follows every token (only its K / V projections are live), so drafting

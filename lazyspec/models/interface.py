@@ -39,8 +39,9 @@ they hash and compare by value, so jit takes them as static arguments.
 * ``hidden`` is the residual stream after the last layer, *before* the final norm
   ([B, T, hidden]); ``compute_logits(params, cfg, hidden)`` applies the final norm and lm_head.
 
-``mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)`` -> ``(mtp_hidden, mtp_kv)``:
-the draft head (attention-only, its own KV pools); logits via ``compute_mtp_logits``, or,
+``mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv, *, kernels=)`` ->
+``(mtp_hidden, mtp_kv)``: the draft head (one decoder layer, its own KV pools; its attention
+and experts in ``kernels``, the XLA forms by default); logits via ``compute_mtp_logits``, or,
 with a speculative token map, ``compute_mtp_logits(..., lm_head=lm_head_columns(params, cfg,
 ids))``: the logits of those ids only.
 """

@@ -468,13 +468,15 @@ def mtp_forward(
     mtp_kv: KVPools,
     *,
     step: int = 0,
+    kernels: Kernels = XLA_KERNELS,
 ) -> tuple[jax.Array, KVPools]:
     """The MTP draft layer: position t combines ``hidden[t]`` with ``next_tokens[t]``.
 
     ``hidden`` is the target's stream before its final norm ``[B, T, H]``; the layer's
     attention uses ``inputs`` (positions, KV indices) over its own pools ``mtp_kv`` (one per
-    MTP layer; layer ``step % num_mtp_layers`` runs). Returns (MTP hidden before
-    ``mtp.norm``, mtp_kv).
+    MTP layer; layer ``step % num_mtp_layers`` runs); its attention and routed experts run
+    in ``kernels`` as the target's layers do. Returns (MTP hidden before ``mtp.norm``,
+    mtp_kv).
     """
     if "mtp" not in params:
         raise ValueError("these params have no MTP head (checkpoint without mtp.* tensors)")
@@ -499,6 +501,7 @@ def mtp_forward(
             inputs,
             k_pools[layer],
             v_pools[layer],
+            kernels,
         )
     return x, KVPools(k_pools, v_pools)
 

@@ -50,7 +50,7 @@ class ScriptedFamily:
         plan["script"] = TensorSpec("script", tuple(params["script"].shape))
         return plan
 
-    def mtp_forward(self, params, cfg, hidden, next_tokens, inputs, mtp_kv):
+    def mtp_forward(self, params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=None):
         # An MTP input at position p predicts the token at p + 2; carry that position.
         encoded = jnp.zeros(hidden.shape, jnp.float32)
         encoded = encoded.at[..., 0].set((inputs.positions + 2).astype(jnp.float32))

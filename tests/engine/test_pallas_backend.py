@@ -37,3 +37,37 @@ def test_pallas_backend_engine_matches_reference(family, spec):
     )
     assert [o["output_ids"] for o in outs] == want
     engine.check_integrity()
+
+
+def test_draft_head_runs_the_engines_kernels(monkeypatch):
+    """The draft head's layer gets the step's kernels (the paged attention and the routed
+    experts), not the XLA forms: every ``mtp_forward`` call a speculative step traces."""
+    from lazyspec.models import qwen3_next
+
+    seen = []
+    original = qwen3_next.mtp_forward
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("kernels"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(qwen3_next, "mtp_forward", recording)
+    model = tiny_model("qwen3_next")
+    engine = Engine(
+        model=model,
+        kernel_backend="pallas",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_running_requests=3,  # a shape no other test compiles: the steps are traced here
+        max_total_tokens=1024,
+        context_length=96,
+        skip_warmup=True,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=2,
+    )
+    prompt = list(np.random.default_rng(3).integers(3, 128, size=20))
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    # the extend step's draft extend and chain, the decode step's: each traced once
+    assert len(seen) >= 4
+    assert all(k is not None and k.backend == "pallas" and k.moe_experts for k in seen), seen

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lazyspec.kernels.backend import kernels_for
 from lazyspec.models import load_model
 from lazyspec.models.model import empty_caches, single_row_inputs
 from tests.models.tiny_qwen import save_tiny_qwen
@@ -120,12 +121,18 @@ def _torch_mtp_logits(hf_model, mtp: dict[str, np.ndarray], hidden, next_tokens:
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("kernel_backend", ["xla", "pallas"])
 @pytest.mark.parametrize(
     "family_name, name",
     [("qwen3_next", "moe"), ("qwen3_next", "dense"), ("qwen3_5", "moe"), ("qwen3_5", "dense")],
 )
-def test_mtp_matches_composition_of_transformers_modules(family_name, name, tmp_path):
+def test_mtp_matches_composition_of_transformers_modules(
+    family_name, name, kernel_backend, tmp_path
+):
+    """With the XLA forms and with the kernels the engine passes it (the paged attention
+    and the routed experts, interpreted here)."""
     pytest.importorskip("torch")
+    kernels = kernels_for(kernel_backend, "cpu")
     hf_model, mtp = SAVERS[family_name](tmp_path, name, seed=5, with_mtp=True)
     model = load_model(tmp_path)
     assert model.has_mtp
@@ -140,7 +147,9 @@ def test_mtp_matches_composition_of_transformers_modules(family_name, name, tmp_
 
     @jax.jit
     def draft(params, hidden, next_tokens, inputs, mtp_kv):
-        mtp_hidden, mtp_kv = family.mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv)
+        mtp_hidden, mtp_kv = family.mtp_forward(
+            params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=kernels
+        )
         return family.compute_mtp_logits(params, cfg, mtp_hidden), mtp_kv
 
     hidden = jnp.asarray(hidden_t.numpy())
