@@ -13,7 +13,7 @@ moved to the device packed into one int32 array and unpacked there.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -151,7 +151,12 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
     )
 
 
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingRows))
+
+
 def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
+    """The batch's sampling arrays: each request's ``sampling_row`` values in its row, the
+    neutral values (greedy, no filter, no bias, no penalty) in the padding rows."""
     rows = SamplingRows(
         temperature=np.zeros(num_rows, np.float32),
         top_p=np.ones(num_rows, np.float32),
@@ -166,20 +171,10 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         repetition_penalty=np.ones(num_rows, np.float32),
         constrained=np.zeros(num_rows, bool),
     )
-    for b, req in enumerate(reqs):
-        row = req.sampling_row
-        rows.temperature[b] = row.temperature
-        rows.top_p[b] = row.top_p
-        rows.top_k[b] = row.top_k
-        rows.seed[b] = row.seed
-        rows.min_len[b] = row.min_len
-        rows.mask_ids[b] = row.mask_ids
-        rows.bias_ids[b] = row.bias_ids
-        rows.bias_values[b] = row.bias_values
-        rows.frequency_penalty[b] = row.frequency_penalty
-        rows.presence_penalty[b] = row.presence_penalty
-        rows.repetition_penalty[b] = row.repetition_penalty
-        rows.constrained[b] = row.constrained
+    if reqs:
+        values = [req.sampling_row for req in reqs]
+        for name in _SAMPLING_FIELDS:
+            getattr(rows, name)[: len(reqs)] = [getattr(row, name) for row in values]
     return rows
 
 

@@ -139,20 +139,23 @@ class RequestCache:
         page_ids = self.kv.alloc_pages(total)
         assert page_ids is not None, "grow() without the pages it needs"
         tokens = self.kv.pages_to_token_indices(page_ids)
-        rows, positions, values = [], [], []
-        first = 0
-        for req, count in zip(reqs, counts):
-            if not count:
-                continue
-            start = self.covered_len(req)
-            end = min(start + count * self.page_size, self.layout.context_len)
-            rows.append(np.full(end - start, req.req_row, np.int64))
-            positions.append(np.arange(start, end))
-            values.append(tokens[first * self.page_size : first * self.page_size + end - start])
-            _append_pages(req, page_ids[first : first + count])
-            self._row_extent[req.req_row] = max(int(self._row_extent[req.req_row]), end)
-            first += count
-        self._write_entries(np.concatenate(rows), np.concatenate(positions), np.concatenate(values))
+        growing = [(req, count) for req, count in zip(reqs, counts) if count]
+        req_rows = np.array([req.req_row for req, _ in growing], np.int64)
+        starts = np.array([self.covered_len(req) for req, _ in growing], np.int64)
+        pages = np.array([count for _, count in growing], np.int64)
+        first = np.cumsum(pages) - pages  # each request's first page in ``page_ids``
+        for (req, count), at in zip(growing, first):
+            _append_pages(req, page_ids[at : at + count])
+        ends = np.minimum(starts + pages * self.page_size, self.layout.context_len)
+        lengths = ends - starts
+        # entry i of request r: position starts[r] + j and token row first[r] * page + j,
+        # with j = i - (entries before r)
+        before = np.cumsum(lengths) - lengths
+        j = np.arange(int(lengths.sum())) - np.repeat(before, lengths)
+        positions = np.repeat(starts, lengths) + j
+        values = tokens[np.repeat(first * self.page_size, lengths) + j]
+        self._row_extent[req_rows] = np.maximum(self._row_extent[req_rows], ends)
+        self._write_entries(np.repeat(req_rows, lengths), positions, values)
 
     def drop(self, req: Req) -> None:
         """Mutates: give back ``req``'s pages, prefix lock and row with nothing inserted into
