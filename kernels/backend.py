@@ -99,11 +99,12 @@ DEFAULT_MOE_TILES = {
 }
 # Token counts up to this run the routed experts in the Pallas kernel on a GPU, larger ones
 # in the sort-based XLA dispatch (``layers.moe.grouped_experts``). Measured on an H200
-# (``bench_moe.py``, BENCHMARKS "Routed experts by token count"): at 256 / 1024 / 2048
-# tokens the kernel takes 0.66 / 0.85 / 1.1 ms at Qwen3-Next's 512 experts, where the XLA
-# dispatch takes 8.6 ms at 256 and runs out of memory from 1024 (its ragged_dot staging);
-# at 64 experts 0.16 / 0.36 ms against 1.05 / 4.3 ms. 2048 is the largest count measured
-# and the most one extend step of the default settings holds (4 rows of 512).
+# (``bench_moe.py``; BENCHMARKS, "Speculation by batch size and the routed experts at
+# verify sizes"): at 256 / 1024 / 2048 tokens the kernel takes 0.66 / 0.85 / 1.1 ms at
+# Qwen3-Next's 512 experts, where the XLA dispatch takes 8.6 ms at 256 and runs out of
+# memory from 1024 (its ragged_dot staging); at 64 experts 0.16 / 0.36 ms against 1.05 /
+# 4.3 ms at 256 / 1024. 2048 is the largest count measured and the most one extend step of
+# the default settings holds (4 rows of 512).
 MOE_KERNEL_MAX_TOKENS = 2048
 # The TPU layout (``moe_experts_tpu``) has never run on a TPU: it keeps the decode-size
 # limit it was written for.

@@ -1,14 +1,15 @@
 """Decode throughput with and without speculation, per batch size: where NEXTN stops winning.
 
-Greedy, on held-out prompts of the embedded default model's corpus (``bench_token_map``'s
-windows; cycled when a batch needs more prompts than there are), so the draft head's accept
-length is the real one. For each batch size and mode (plain decode; NEXTN; NEXTN with
-``--limit`` as ``speculative_disable_by_batch_size``) one engine serves that many requests
-together: every request is prefilled first, then the decode phase is timed to the end
-(output tokens per second, engine loop included, as served). A first pass of the same
-requests, untimed, compiles every program the timed pass calls (greedy: both passes take
-the same steps). The winner per batch size gives the rule:
-speculation pays up to the largest batch where NEXTN beats plain decode.
+Greedy, on held-out prompts of the embedded default model's corpus
+(``lazyspec.bench.prompts.held_out_prompts``, ``--seed`` picking the windows; cycled when a
+batch needs more prompts than there are), so the draft head's accept length is the real
+one. For each batch size and mode (plain decode; NEXTN; NEXTN with ``--limit`` as
+``speculative_disable_by_batch_size``) one engine serves that many requests together: every
+request is prefilled first, then the decode phase is timed to the end (output tokens per
+second, engine loop included, as served). A first pass of the same requests, untimed,
+compiles every program the timed pass calls (greedy: both passes take the same steps). The
+winner per batch size gives the rule: speculation pays up to the largest batch where NEXTN
+beats plain decode.
 
     python scripts/bench_spec_batch.py --batches 1,4,16,64 --limit 16
 """
@@ -20,13 +21,11 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 from lazyspec.bench.prompts import held_out_prompts
 from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "lazyspec" / "assets" / "default_model"
+from lazyspec.scheduler.scheduler import mean_accept_length
+from lazyspec.server.launch import DEFAULT_MODEL
 
 
 def make_engine(model, batch: int, args, mode: str) -> Engine:
@@ -56,7 +55,6 @@ def decode_phase(engine: Engine, prompts: list[list[int]], output_len: int) -> d
     while not all(r.output_ids for r in reqs):
         engine.step()
     first = sum(len(r.output_ids) for r in reqs)
-    verify0 = engine.scheduler.num_verify_steps
     counts0 = engine.scheduler.accept_counts.copy()
     steps, start = 0, time.perf_counter()
     while engine.busy:
@@ -64,9 +62,7 @@ def decode_phase(engine: Engine, prompts: list[list[int]], output_len: int) -> d
         steps += 1
     seconds = time.perf_counter() - start
     tokens = sum(len(r.output_ids) for r in reqs) - first
-    counts = engine.scheduler.accept_counts - counts0
-    verified = engine.scheduler.num_verify_steps - verify0
-    accept = float(np.dot(np.arange(len(counts)), counts) / verified) if verified else None
+    accept = mean_accept_length(engine.scheduler.accept_counts - counts0)
     return {"tokens": tokens, "seconds": seconds, "steps": steps, "accept_len": accept}
 
 
@@ -79,12 +75,14 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="speculative_num_steps")
     p.add_argument("--limit", type=int, default=None, help="also NEXTN with this limit")
     p.add_argument("--kernel-backend", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which held-out windows")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     model = load_model(args.model_path)
     batches = [int(b) for b in args.batches.split(",")]
-    pool = held_out_prompts(model.tokenizer, max(batches), args.prompt_len, args.output_len, 0)
+    pool = held_out_prompts(
+        model.tokenizer, max(batches), args.prompt_len, args.output_len, args.seed
+    )
     if not pool:
         raise SystemExit("no held-out file is long enough for --prompt-len + --output-len")
     modes = ["plain", "nextn"] + (["limit"] if args.limit is not None else [])

@@ -14,7 +14,6 @@ outputs equal those without a map. CPU is enough (accept length only, no timing)
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 
@@ -22,9 +21,8 @@ from lazyspec.bench.prompts import held_out_prompts
 from lazyspec.engine.draft_vocab import DRAFT_VOCAB
 from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
+from lazyspec.server.launch import DEFAULT_MODEL
 from lazyspec.token_map import read_token_map
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "lazyspec" / "assets" / "default_model"
 
 
 def run(model, prompts, args, token_map: str | None) -> dict:

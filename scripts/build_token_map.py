@@ -21,11 +21,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lazyspec.models.loader import load_tokenizer
+from lazyspec.server.launch import DEFAULT_MODEL
 from lazyspec.token_map import count_token_ids, most_frequent_ids, write_token_map
 
 logger = logging.getLogger("build_token_map")
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "lazyspec" / "assets" / "default_model"
 
 
 def corpus_files(paths: list[str] | None, glob: str) -> list[Path]:

@@ -33,7 +33,7 @@ from lazyspec.scheduler.grammar import GrammarBackend, grammar_of
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
-from lazyspec.scheduler.scheduler import Scheduler
+from lazyspec.scheduler.scheduler import Scheduler, mean_accept_length
 from lazyspec.scheduler.token_ratio import NewTokenRatio
 from lazyspec.token_map import draft_token_ids, read_token_map
 
@@ -474,7 +474,7 @@ class Engine:
     def get_server_info(self) -> dict:
         sched = self.scheduler
         steps, counts = sched.num_verify_steps, sched.accept_counts
-        mean_accept = float(np.dot(np.arange(len(counts)), counts) / steps) if steps else None
+        mean_accept = mean_accept_length(counts)
         info = self.memory_plan
         # the plan's state_slots / kv_tokens keep their place; the counts follow in field order
         info.update(dataclasses.asdict(self.stats()))

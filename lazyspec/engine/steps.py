@@ -674,25 +674,25 @@ def _decode_finish(
             mtp_hidden, mtp_kv = fam.mtp_forward(
                 params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
             )
-    if static.spec and num_pos == 1:
-        # speculation off for this batch (``Layout.spec_max_batch``): the draft head's KV
-        # still follows every token (only its K / V projections are live), so drafting
-        # resumes where a later step speculates; that step's drafts are NO_DRAFT
-        new_drafts = pools.drafts.at[dest].set(NO_DRAFT, mode="drop")
-    elif static.spec:
-        chain, mtp_kv = _draft_chain(
-            fam,
-            cfg,
-            static,
-            params,
-            mtp_kv,
-            mtp_hidden[rows, accept_len - 1],
-            bonus,
-            post - 1,
-            kv_read_idx,
-            real,
-        )
-        new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
+        if num_pos == 1:
+            # speculation off for this batch (``Layout.spec_max_batch``): the draft head's
+            # KV still follows every token (only its K / V projections are live), so
+            # drafting resumes where a later step speculates; that step's drafts are NO_DRAFT
+            new_drafts = pools.drafts.at[dest].set(NO_DRAFT, mode="drop")
+        else:
+            chain, mtp_kv = _draft_chain(
+                fam,
+                cfg,
+                static,
+                params,
+                mtp_kv,
+                mtp_hidden[rows, accept_len - 1],
+                bonus,
+                post - 1,
+                kv_read_idx,
+                real,
+            )
+            new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
     new_pools = dataclasses.replace(
         pools,
         mtp_kv=mtp_kv,

@@ -65,6 +65,14 @@ class StepPlan:
     grammar_reqs: list[Req] = field(default_factory=list)
 
 
+def mean_accept_length(accept_counts: np.ndarray) -> float | None:
+    """Mean tokens a verify step committed, from ``accept_counts`` (``[k]`` = verify steps
+    that committed k tokens; ``Scheduler.accept_counts`` or a difference of two readings);
+    None before any."""
+    steps = int(accept_counts.sum())
+    return float(np.dot(np.arange(len(accept_counts)), accept_counts) / steps) if steps else None
+
+
 @dataclass(frozen=True)
 class Admission:
     """What admitting a request takes (the answer of the admission query)."""

@@ -95,6 +95,10 @@ def test_outputs_are_exact_across_the_limit(scripted_case, strategy, overlap):
     # both step kinds ran: over the limit (4, 3 requests) and under it (2, 1)
     assert info["num_decode_steps_without_speculation"] > 0
     assert info["num_verify_steps"] > 0
+    # the server's accept length is that of the verifying steps the requests saw
+    hist = [n for r in reqs for n in r.accept_hist]
+    assert info["num_verify_steps"] == len(hist)
+    assert info["avg_accept_length"] == pytest.approx(np.mean(hist))
     # the verify steps of the longest request took every accept length
     assert set(reqs[-1].accept_hist) == set(range(1, D + 1)), reqs[-1].accept_hist
     # a request's verify count is its speculating steps only: the shortest ran in batches
