@@ -12,6 +12,19 @@ from lazyspec.testing.tiny_models import reference_greedy, tiny_model
 pytestmark = pytest.mark.pallas
 
 
+def _engine(model, **kw) -> Engine:
+    return Engine(
+        model=model,
+        kernel_backend="pallas",
+        mamba_track_interval=16,
+        mamba_chunk_size=16,
+        chunked_prefill_size=64,
+        max_total_tokens=1024,
+        skip_warmup=True,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize(
     "family,spec", [("nemotron_h", False), ("qwen3_next", False), ("qwen3_next", True)]
 )
@@ -20,16 +33,10 @@ def test_pallas_backend_engine_matches_reference(family, spec):
     rng = np.random.default_rng(11)
     prompts = [list(rng.integers(3, 128, size=n)) for n in (20, 37)]
     want = [reference_greedy(model, p, 5, pad_len=256)[0] for p in prompts]
-    engine = Engine(
-        model=model,
-        kernel_backend="pallas",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
+    engine = _engine(
+        model,
         max_running_requests=2,
-        max_total_tokens=1024,
         context_length=128,
-        skip_warmup=True,
         **(dict(speculative_algorithm="NEXTN", speculative_num_steps=1) if spec else {}),
     )
     outs = engine.generate(
@@ -53,16 +60,10 @@ def test_draft_head_runs_the_engines_kernels(monkeypatch):
 
     monkeypatch.setattr(qwen3_next, "mtp_forward", recording)
     model = tiny_model("qwen3_next")
-    engine = Engine(
-        model=model,
-        kernel_backend="pallas",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
+    engine = _engine(
+        model,
         max_running_requests=3,  # a shape no other test compiles: the steps are traced here
-        max_total_tokens=1024,
         context_length=96,
-        skip_warmup=True,
         speculative_algorithm="NEXTN",
         speculative_num_steps=2,
     )
