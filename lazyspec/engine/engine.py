@@ -339,7 +339,7 @@ class Engine:
                 sched.process(plan, self._fetch(plan, outputs), inflight=())
             return
         previous = self._inflight
-        self._inflight = (plan, outputs) if plan else None
+        self._inflight = (plan, self._copy_back(plan, outputs)) if plan else None
         if previous:
             sched.process(previous[0], self._fetch(*previous), self._inflight_records())
 
@@ -354,13 +354,26 @@ class Engine:
         if previous:
             sched.process(previous[0], self._fetch(*previous), plan.records)
         runner.update_vocab_masks(*sched.grammar_masks(plan))
-        self._inflight = (plan, runner.launch_finish(pending))
+        self._inflight = (plan, self._copy_back(plan, runner.launch_finish(pending)))
+
+    @staticmethod
+    def _wanted(plan, outputs: dict) -> dict:
+        """The outputs the host reads of a step: the prompt logprobs only if a row asked."""
+        if plan.prompt_logprobs:
+            return outputs
+        return {k: v for k, v in outputs.items() if not k.startswith("prompt_")}
+
+    def _copy_back(self, plan, outputs: dict) -> dict:
+        """Start the device-to-host copies of a just-launched step's outputs, so that they
+        run when the step ends rather than when ``_fetch`` asks, after the next step's
+        launch (BENCHMARKS.md, "What the loop waits on"); returns ``outputs``."""
+        for value in self._wanted(plan, outputs).values():
+            value.copy_to_host_async()
+        return outputs
 
     def _fetch(self, plan, outputs: dict) -> dict:
-        """The step's outputs on the host; the prompt logprobs only if a row asked."""
-        if not plan.prompt_logprobs:
-            outputs = {k: v for k, v in outputs.items() if not k.startswith("prompt_")}
-        return self.runner.fetch(outputs)
+        """The step's outputs on the host (see ``_wanted``)."""
+        return self.runner.fetch(self._wanted(plan, outputs))
 
     def _inflight_records(self) -> list[RowRecord]:
         """The records of the launched step whose results are not processed yet."""
