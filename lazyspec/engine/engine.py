@@ -212,7 +212,12 @@ class Engine:
             functools.partial(build_decode, layout, [], num_rows=rows, num_verify=num_verify)
             for rows, num_verify in layout.decode_shapes
         ]
-        batches += decodes
+        # each decode shape also as a step of argmax-only rows (DecodeBatch.greedy); a
+        # batch with grammar rows never is one: the split programs take the general form
+        batches += [
+            functools.partial(build, greedy=greedy) for build in decodes for greedy in (False, True)
+        ]
+        decodes = [functools.partial(build, greedy=False) for build in decodes]
         # an all-padding chunk compiles the table-update program and writes nothing (and an
         # empty seed the token-count one)
         chunk = table_updates(layout, None, layout.table_chunk_len)

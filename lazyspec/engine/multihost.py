@@ -5,8 +5,8 @@ devices of the one ``tp`` mesh. Process 0 alone runs the scheduler; every jitted
 ``Runner`` makes (a table chunk, an extend or a decode step) must be made by every process
 with the same inputs, in the same order. ``StepBroadcast`` carries those inputs through a
 JAX collective (``multihost_utils.broadcast_one_to_all``): first a fixed header (the call's
-kind, its bucket (rows, and an extend's length or a decode's D), the payload's length),
-which fixes the payload's shape, then the payload
+kind, its bucket (rows, and an extend's length or a decode's ``2 * D + greedy``), the
+payload's length), which fixes the payload's shape, then the payload
 (a table chunk; a batch or a token-count seed packed into one int32 array; grammar-mask
 rows and their bitmasks; nothing for the second program of a split decode step, which runs
 on the batch of the first). The others loop on ``receive`` until process 0 sends ``STOP``.
@@ -85,18 +85,18 @@ class StepBroadcast:
         self._send(TABLE, *updates.shape, updates)
 
     def send_step(self, batch: ExtendBatch | DecodeBatch, packed: PackedBatch) -> None:
-        """Announce ``batch``'s kind and bucket (rows, and its length or D), then send its
-        packed words."""
+        """Announce ``batch``'s kind and bucket (rows, and its length or ``_decode_form``),
+        then send its packed words."""
         rows = batch.req_row.shape[0]
         if isinstance(batch, ExtendBatch):
             self._send(EXTEND, rows, batch.tokens.shape[1], packed.words)
         else:
-            self._send(DECODE, rows, batch.num_verify, packed.words)
+            self._send(DECODE, rows, _decode_form(batch), packed.words)
 
     def send_forward(self, batch: DecodeBatch, packed: PackedBatch) -> None:
-        """Announce the first program of a split decode step (its bucket and D), then send its
-        packed words."""
-        self._send(DECODE_FORWARD, batch.req_row.shape[0], batch.num_verify, packed.words)
+        """Announce the first program of a split decode step (its bucket and
+        ``_decode_form``), then send its packed words."""
+        self._send(DECODE_FORWARD, batch.req_row.shape[0], _decode_form(batch), packed.words)
 
     def send_finish(self) -> None:
         """Announce the second program of the split decode step last sent (no payload)."""
@@ -156,8 +156,8 @@ class StepBroadcast:
         if expected != num_words:
             raise RuntimeError(
                 f"process 0 sends a batch of {num_words} words where this process's bucket "
-                f"(kind {kind}, {first} rows, length or D {second}) packs {expected}: the "
-                "processes were started with different settings"
+                f"(kind {kind}, {first} rows, length or decode form {second}) packs "
+                f"{expected}: the processes were started with different settings"
             )
         return kind, PackedBatch(_broadcast(np.zeros(num_words, np.int32)), layout)
 
@@ -172,9 +172,17 @@ class StepBroadcast:
             elif kind == EXTEND:
                 batch = build_extend(self.layout, [], num_rows=rows, length=length)
             else:
-                batch = build_decode(self.layout, [], num_rows=rows, num_verify=length)
+                num_verify, greedy = divmod(length, 2)
+                batch = build_decode(
+                    self.layout, [], num_rows=rows, num_verify=num_verify, greedy=bool(greedy)
+                )
             self._packed_layouts[key] = pack_batch(batch).layout
         return self._packed_layouts[key]
+
+
+def _decode_form(batch: DecodeBatch) -> int:
+    """A decode batch's static fields in one header word: ``2 * D + greedy``."""
+    return 2 * batch.num_verify + int(batch.greedy)
 
 
 def _broadcast(array: np.ndarray) -> np.ndarray:

@@ -289,6 +289,20 @@ def verify_and_sample(
     return tokens.astype(jnp.int32), (num_accepted + 1).astype(jnp.int32)
 
 
+def greedy_verify(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``verify_and_sample`` for rows that are all greedy with unprocessed logits
+    (``DecodeBatch.greedy``): a draft is accepted iff it is the target's argmax, and the
+    bonus token is the argmax at the first rejected position. Same returns."""
+    batch, num_pos, _ = logits.shape
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, D]
+    num_drafts = num_pos - 1
+    ok = (drafts == target[:, :num_drafts]) & (drafts >= 0)
+    num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    idx = jnp.arange(num_pos)[None, :]
+    tokens = jnp.where(idx <= num_accepted[:, None], target, -1)
+    return tokens, (num_accepted + 1).astype(jnp.int32)
+
+
 def top_logprobs(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The TOP_LOGPROBS most likely tokens per position: (logprobs, ids), each [..., K]."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -46,6 +46,7 @@ import numpy as np
 from lazyspec.engine.draft_vocab import draft_argmax
 from lazyspec.engine.sampling import (
     TokenHistory,
+    greedy_verify,
     sample_from,
     target_probs,
     token_logprobs,
@@ -95,7 +96,7 @@ class Pools:
 # The host batches (lazyspec/scheduler/batch.py) are the device batches: registered as
 # pytrees here, moved to the device packed (``pack_batch``) and unpacked in the step.
 # A decode batch's D is static (one program per value, like its bucket).
-_META_FIELDS = {DecodeBatch: ["num_verify"]}
+_META_FIELDS = {DecodeBatch: ["num_verify", "greedy"]}
 for _batch in (ExtendBatch, DecodeBatch, CountSeed):
     _meta = _META_FIELDS.get(_batch, [])
     jax.tree_util.register_dataclass(
@@ -644,12 +645,17 @@ def _decode_finish(
     kv_read_idx, inputs = view.kv_read_idx, view.inputs
     hidden, logits, steps = carry.hidden, carry.logits, carry.steps
     # the forward left seq_len / last_token / drafts as it found them: these are its rows
-    history = verify_history(pools.output_counts[row], pools.in_prompt[row], drafts, num_pos)
     with jax.named_scope("sampling"):
-        allowed = pools.vocab_mask[row][:, :num_pos]  # [B, D, W]
-        out_tokens, accept_len = verify_and_sample(
-            logits, drafts, positions, batch.sampling, history, allowed
-        )
+        if batch.greedy:
+            out_tokens, accept_len = greedy_verify(logits, drafts)
+        else:
+            history = verify_history(
+                pools.output_counts[row], pools.in_prompt[row], drafts, num_pos
+            )
+            allowed = pools.vocab_mask[row][:, :num_pos]  # [B, D, W]
+            out_tokens, accept_len = verify_and_sample(
+                logits, drafts, positions, batch.sampling, history, allowed
+            )
         logprobs = token_logprobs(logits, out_tokens)
     interval = batch.track_interval
     post = pre + accept_len
@@ -704,7 +710,11 @@ def _decode_finish(
         output_counts=output_counts,
     )
     with jax.named_scope("sampling"):
-        top_values, top_ids = top_logprobs(logits)
+        if batch.greedy:  # no row asked for them
+            top_values = jnp.zeros((num_rows, num_pos, TOP_LOGPROBS), jnp.float32)
+            top_ids = jnp.zeros((num_rows, num_pos, TOP_LOGPROBS), jnp.int32)
+        else:
+            top_values, top_ids = top_logprobs(logits)
     outputs = {
         "tokens": out_tokens,
         "accept_len": accept_len,

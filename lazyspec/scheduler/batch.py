@@ -83,6 +83,10 @@ class DecodeBatch:
     sampling: SamplingRows
     # D: tokens the step takes per request (static: one program per value)
     num_verify: int = 1
+    # every row is ``SamplingRow.argmax_only`` and asks for no top logprobs: the step takes
+    # the argmax of the raw logits and skips the other sampling stages, whose skipping by
+    # ``lax.cond`` would make a GPU's dispatch wait (static: one program per value)
+    greedy: bool = False
 
 
 def bucket(n: int, options: tuple[int, ...]) -> int:
@@ -114,6 +118,20 @@ class SamplingRow:
     presence_penalty: np.float32
     repetition_penalty: np.float32
     constrained: bool  # the request has a grammar
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes the raw logits' argmax (no bias, penalty,
+        min-tokens mask or grammar; top-k / top-p do not change a greedy row's token)."""
+        return bool(
+            self.temperature == 0
+            and not self.constrained
+            and (self.bias_ids < 0).all()
+            and (self.mask_ids < 0).all()
+            and self.frequency_penalty == 0
+            and self.presence_penalty == 0
+            and self.repetition_penalty == 1
+        )
 
 
 def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
@@ -149,6 +167,12 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         np.float32(params.repetition_penalty),
         req.grammar is not None,
     )
+
+
+def greedy_decodable(req: Req) -> bool:
+    """Whether ``req``'s decode steps may take the argmax of the raw logits alone
+    (``DecodeBatch.greedy``): its ``SamplingRow.argmax_only`` and no top logprobs asked."""
+    return req.sampling_row.argmax_only and not req.return_logprob
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingRows))
@@ -310,13 +334,17 @@ def build_decode(
     updates: np.ndarray | None = None,
     num_rows: int | None = None,
     num_verify: int | None = None,
+    greedy: bool | None = None,
 ) -> DecodeBatch:
     """The decode batch of ``records`` (D verify positions per row, read on the device;
     ``num_verify``, by default ``layout.decode_num_verify`` of the records) carrying
-    ``updates`` (at most ``TABLE_UPDATES_PER_STEP``)."""
+    ``updates`` (at most ``TABLE_UPDATES_PER_STEP``); ``greedy`` by default whether every
+    request is ``greedy_decodable``."""
     num_rows = num_rows or bucket(len(records), layout.decode_buckets)
     if num_verify is None:
         num_verify = layout.decode_num_verify(len(records))
+    if greedy is None:
+        greedy = all(greedy_decodable(r.req) for r in records)
     batch = DecodeBatch(
         req_row=np.full(num_rows, layout.sentinel_row, np.int32),
         table_updates=table_updates(layout, updates, TABLE_UPDATES_PER_STEP),
@@ -325,6 +353,7 @@ def build_decode(
         track_interval=np.asarray(layout.track_interval, np.int32),
         sampling=_sampling(num_rows, [r.req for r in records]),
         num_verify=num_verify,
+        greedy=greedy,
     )
     for b, record in enumerate(records):
         req = record.req
