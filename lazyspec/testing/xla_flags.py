@@ -6,19 +6,38 @@ about a fifth less wall time with it, the interpret-mode Pallas steps compile in
 It lowers the optimisation of the generated code on any backend, so a run with it is never
 a timing.
 
-They also turn off the CPU backend's newer fusion emitters for the older loop emitters:
-on the tiny engines' step programs compilation takes about half the time, and a test file
-of engine runs about a third less CPU time (the programs run fast enough either way).
+Where jaxlib still has them (before 0.11: jaxlib 0.11.2 aborts on the flag as unknown),
+they also turn off the CPU backend's newer fusion emitters for the older loop emitters: on
+the tiny engines' step programs compilation takes about half the time, and a test file of
+engine runs about a third less CPU time (the programs run fast enough either way).
 """
 
-FAST_COMPILE = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    " --xla_cpu_use_fusion_emitters=false"
-)
+from importlib import metadata
+
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+# the first jaxlib whose XLA no longer knows LOOP_EMITTERS' flag
+LOOP_EMITTERS_UNTIL = (0, 11)
+
+
+def jaxlib_version() -> tuple[int, ...] | None:
+    """The installed jaxlib's (major, minor), None if it is not installed."""
+    try:
+        return tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def knows_fusion_emitters_flag() -> bool:
+    """Whether the installed jaxlib's XLA has ``xla_cpu_use_fusion_emitters``."""
+    version = jaxlib_version()
+    return version is not None and version < LOOP_EMITTERS_UNTIL
 
 
 def with_fast_compile(flags: str) -> str:
-    """``flags`` (an XLA_FLAGS value) with ``FAST_COMPILE`` added unless it sets the level."""
+    """``flags`` (an XLA_FLAGS value) with ``FAST_COMPILE`` added unless it sets the level,
+    and ``LOOP_EMITTERS`` where the installed jaxlib knows it."""
     if "xla_backend_optimization_level" in flags:
         return flags
-    return f"{flags} {FAST_COMPILE}".strip()
+    extra = f" {LOOP_EMITTERS}" if knows_fusion_emitters_flag() else ""
+    return f"{flags} {FAST_COMPILE}{extra}".strip()
