@@ -130,15 +130,28 @@ class PackedBatch:
         return self.layout.leaves[0][0][0]  # req_row [B] leads both batch kinds
 
 
+# (treedef, each leaf's (shape, dtype)) -> (its PackedLayout, each leaf's size): a bucket's
+# layout is built once, not on every step
+_LAYOUTS: dict[Any, tuple[PackedLayout, tuple[int, ...]]] = {}
+
+
 def pack_batch(batch: ExtendBatch | DecodeBatch) -> PackedBatch:
-    """Host side: ``batch``'s leaves, each 4 bytes wide (int32, uint32, float32) or bool."""
+    """Host side: ``batch``'s leaves, each 4 bytes wide (int32, uint32, float32) or bool,
+    written into one int32 array."""
     leaves, treedef = jax.tree.flatten(batch)
-    words = []
-    for leaf in leaves:
-        flat = np.ascontiguousarray(leaf).reshape(-1)
-        words.append(flat.astype(np.int32) if flat.dtype == np.bool_ else flat.view(np.int32))
-    layout = PackedLayout(treedef, tuple((leaf.shape, leaf.dtype.name) for leaf in leaves))
-    return PackedBatch(np.concatenate(words), layout)
+    key = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+    known = _LAYOUTS.get(key)
+    if known is None:
+        layout = PackedLayout(treedef, tuple((shape, dtype.name) for shape, dtype in key[1]))
+        known = _LAYOUTS[key] = (layout, tuple(math.prod(shape) for shape, _ in key[1]))
+    layout, sizes = known
+    words = np.empty(sum(sizes), np.int32)
+    offset = 0
+    for leaf, size in zip(leaves, sizes):
+        flat = leaf.reshape(-1)
+        words[offset : offset + size] = flat if flat.dtype == np.bool_ else flat.view(np.int32)
+        offset += size
+    return PackedBatch(words, layout)
 
 
 def unpack_batch(packed: PackedBatch) -> ExtendBatch | DecodeBatch:

@@ -117,7 +117,7 @@ def _forms(engine: Engine) -> list[bool]:
     return forms
 
 
-@pytest.mark.parametrize("overlap,spec", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("overlap,spec", [(True, False), (False, True)])
 def test_greedy_and_sampled_requests_keep_their_tokens(case, overlap, spec):
     model, prompts, greedy = case
     engine = _engine(model, overlap, spec)

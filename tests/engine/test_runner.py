@@ -52,15 +52,22 @@ def test_equal_configs_share_compiled_steps():
 
 def test_packed_batch_round_trips():
     """A launch moves the batch as one int32 array: every leaf comes back bit for bit, in
-    its dtype (uint32 seeds and float32 values bit-cast, bools as 0 / 1)."""
+    its dtype (uint32 seeds and float32 values bit-cast, bools as 0 / 1); each bucket twice,
+    with other bits (its layout is built once)."""
     config = EngineConfig(max_total_tokens=1024, context_length=256, chunked_prefill_size=64)
     layout = plan_memory(config, SimpleNamespace(max_position_embeddings=4096))
     rng = np.random.default_rng(0)
-    for batch in (build_extend(layout, [], num_rows=2, length=64), build_decode(layout, [])):
+    builds = (
+        lambda: build_extend(layout, [], num_rows=2, length=64),
+        lambda: build_decode(layout, []),
+    )
+    layouts = set()
+    for batch in [build() for build in builds for _ in range(2)]:
         for leaf in jax.tree.leaves(batch):  # random bits in every leaf, in place
             bits = rng.integers(0, 2**32, size=leaf.shape, dtype=np.uint32)
             leaf[...] = bits % 2 if leaf.dtype == bool else bits.view(leaf.dtype)
         packed = pack_batch(batch)
+        layouts.add(id(packed.layout))
         assert packed.words.dtype == np.int32 and packed.num_rows == len(batch.req_row)
         unpacked = jax.jit(unpack_batch)(jax.device_put(packed))
         assert type(unpacked) is type(batch)
@@ -68,3 +75,4 @@ def test_packed_batch_round_trips():
             back = np.asarray(back)
             assert back.dtype == leaf.dtype
             assert back.tobytes() == leaf.tobytes()
+    assert len(layouts) == len(builds)
