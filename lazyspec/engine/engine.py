@@ -363,10 +363,12 @@ class Engine:
 
     @staticmethod
     def _wanted(plan, outputs: dict) -> dict:
-        """The outputs the host reads of a step: the prompt logprobs only if a row asked."""
-        if plan.prompt_logprobs:
-            return outputs
-        return {k: v for k, v in outputs.items() if not k.startswith("prompt_")}
+        """The outputs the host reads of a step: the prompt logprobs and the top logprobs
+        only if a row asked for them."""
+        skip = () if plan.prompt_logprobs else ("prompt_",)
+        if not any(record.req.return_logprob for record in plan.records):
+            skip += ("top_",)
+        return {k: v for k, v in outputs.items() if not k.startswith(skip)}
 
     def _copy_back(self, plan, outputs: dict) -> dict:
         """Start the device-to-host copies of a just-launched step's outputs, so that they

@@ -395,7 +395,7 @@ class Scheduler:
                     req,
                     [int(results["token"][b])],
                     [float(results["logprob"][b])],
-                    [_top(results, b, None)],
+                    [_top(results, b, None)] if req.return_logprob else None,
                     inflight,
                 )
 
@@ -427,7 +427,7 @@ class Scheduler:
                 req,
                 tokens,
                 [float(x) for x in results["logprobs"][b, :n]],
-                [_top(results, b, i) for i in range(n)],
+                [_top(results, b, i) for i in range(n)] if req.return_logprob else None,
                 inflight,
             )
 
@@ -455,15 +455,16 @@ class Scheduler:
         req: Req,
         tokens: list[int],
         logprobs: list[float],
-        tops: list[list[tuple[float, int]]],
+        tops: list[list[tuple[float, int]]] | None,
         inflight: list[RowRecord],
     ) -> None:
+        """``tops``: each token's top logprobs, None when ``req`` does not return them."""
         limit = self.layout.context_len - self.layout.run_past_headroom
-        for token, logprob, top in zip(tokens, logprobs, tops):
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
-            if req.return_logprob:
-                req.output_top_logprobs.append(top)
+            if tops is not None:
+                req.output_top_logprobs.append(tops[i])
             if req.grammar is not None and not req.grammar.accept(token):
                 reason = {
                     "type": "abort",
