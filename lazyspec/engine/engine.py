@@ -373,7 +373,8 @@ class Engine:
     def _copy_back(self, plan, outputs: dict) -> dict:
         """Start the device-to-host copies of a just-launched step's outputs, so that they
         run when the step ends rather than when ``_fetch`` asks, after the next step's
-        launch (BENCHMARKS.md, "What the loop waits on"); returns ``outputs``."""
+        launch (BENCHMARKS.md, "Engine decode step, 2026-12-02 (third)"); returns
+        ``outputs``."""
         for value in self._wanted(plan, outputs).values():
             value.copy_to_host_async()
         return outputs

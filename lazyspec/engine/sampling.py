@@ -293,7 +293,7 @@ def greedy_verify(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.
     """``verify_and_sample`` for rows that are all greedy with unprocessed logits
     (``DecodeBatch.greedy``): a draft is accepted iff it is the target's argmax, and the
     bonus token is the argmax at the first rejected position. Same returns."""
-    batch, num_pos, _ = logits.shape
+    num_pos = logits.shape[1]
     target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, D]
     num_drafts = num_pos - 1
     ok = (drafts == target[:, :num_drafts]) & (drafts >= 0)
