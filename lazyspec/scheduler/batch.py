@@ -118,20 +118,10 @@ class SamplingRow:
     presence_penalty: np.float32
     repetition_penalty: np.float32
     constrained: bool  # the request has a grammar
-
-    @property
-    def argmax_only(self) -> bool:
-        """Greedy with nothing that changes the raw logits' argmax (no bias, penalty,
-        min-tokens mask or grammar; top-k / top-p do not change a greedy row's token)."""
-        return bool(
-            self.temperature == 0
-            and not self.constrained
-            and (self.bias_ids < 0).all()
-            and (self.mask_ids < 0).all()
-            and self.frequency_penalty == 0
-            and self.presence_penalty == 0
-            and self.repetition_penalty == 1
-        )
+    # greedy with nothing that changes the raw logits' argmax (no bias, penalty, min-tokens
+    # mask or grammar; top-k / top-p do not change a greedy row's token); set by
+    # ``sampling_row`` from the values above
+    argmax_only: bool = False
 
 
 def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
@@ -153,6 +143,22 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
     bias_values = np.zeros(MAX_LOGIT_BIAS, np.float32)
     for i, (token, bias) in enumerate(params.logit_bias):
         bias_ids[i], bias_values[i] = token, bias
+    penalties = tuple(
+        np.float32(value)
+        for value in (
+            params.frequency_penalty,
+            params.presence_penalty,
+            params.repetition_penalty,
+        )
+    )
+    constrained = req.grammar is not None
+    argmax_only = bool(
+        temperature == 0
+        and not constrained
+        and (bias_ids < 0).all()
+        and (mask_ids < 0).all()
+        and penalties == (0, 0, 1)
+    )
     return SamplingRow(
         temperature,
         top_p,
@@ -162,10 +168,9 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         mask_ids,
         bias_ids,
         bias_values,
-        np.float32(params.frequency_penalty),
-        np.float32(params.presence_penalty),
-        np.float32(params.repetition_penalty),
-        req.grammar is not None,
+        *penalties,
+        constrained,
+        argmax_only,
     )
 
 
