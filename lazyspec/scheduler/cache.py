@@ -250,18 +250,15 @@ def _append_pages(req: Req, pages: np.ndarray) -> None:
     """Mutates: ``req.own_pages`` followed by ``pages``, amortised O(len(pages)): appended
     in place into ``req.page_buffer`` while ``own_pages`` is still its prefix and it has room
     (at page size 1 a decode step adds a page per row, and copying the whole list each time
-    cost O(context) per row per step), else copied into a buffer of twice the length."""
-    own, buffer = req.own_pages, req.page_buffer
+    cost O(context) per row per step), else copied into a buffer of twice the length.
+    ``req.page_buffer`` is (buffer, the view of it last given as ``own_pages``): ``own_pages``
+    is still that view unless something else set it since."""
+    own = req.own_pages
+    buffer, view = req.page_buffer or (None, None)
     end = len(own) + len(pages)
-    in_place = (
-        buffer is not None
-        and own.base is buffer
-        and own.ctypes.data == buffer.ctypes.data
-        and len(buffer) >= end
-    )
-    if not in_place:
+    if own is not view or len(buffer) < end:
         buffer = np.empty(max(2 * end, 16), own.dtype)
         buffer[: len(own)] = own
-        req.page_buffer = buffer
     buffer[len(own) : end] = pages
     req.own_pages = buffer[:end]
+    req.page_buffer = (buffer, req.own_pages)

@@ -241,7 +241,8 @@ class Req:
     prefix_len: int = 0
     cached_tokens: int = 0
     own_pages: Any = None  # np.ndarray of the KV pages this request allocated
-    # the buffer ``RequestCache.grow`` appends pages into (``own_pages`` a prefix of it)
+    # (buffer, view): ``RequestCache.grow`` appends pages into the buffer while ``own_pages``
+    # is still the view of it it last set (``cache._append_pages``)
     page_buffer: Any = None
     # progress
     fill_len: int = 0  # tokens of ``fill_ids`` scheduled for prefill
