@@ -341,12 +341,12 @@ class Engine:
         outputs = runner.launch(plan.batch, plan.table_chunks, plan.count_seeds) if plan else None
         if sync:
             if plan:
-                sched.process(plan, self._fetch(plan, outputs), inflight=())
+                sched.process(plan, runner.fetch(self._wanted(plan, outputs)), inflight=())
             return
         previous = self._inflight
-        self._inflight = (plan, self._copy_back(plan, outputs)) if plan else None
+        self._inflight = (plan, self._copy_back(self._wanted(plan, outputs))) if plan else None
         if previous:
-            sched.process(previous[0], self._fetch(*previous), self._inflight_records())
+            sched.process(previous[0], runner.fetch(previous[1]), self._inflight_records())
 
     def _step_split(self, plan) -> None:
         """The overlapped loop for a decode step with grammar rows, whose masks follow the
@@ -357,9 +357,10 @@ class Engine:
         pending = runner.launch_forward(plan.batch, plan.table_chunks, plan.count_seeds)
         previous, self._inflight = self._inflight, (plan, None)
         if previous:
-            sched.process(previous[0], self._fetch(*previous), plan.records)
+            sched.process(previous[0], runner.fetch(previous[1]), plan.records)
         runner.update_vocab_masks(*sched.grammar_masks(plan))
-        self._inflight = (plan, self._copy_back(plan, runner.launch_finish(pending)))
+        outputs = runner.launch_finish(pending)
+        self._inflight = (plan, self._copy_back(self._wanted(plan, outputs)))
 
     @staticmethod
     def _wanted(plan, outputs: dict) -> dict:
@@ -370,18 +371,15 @@ class Engine:
             skip += ("top_",)
         return {k: v for k, v in outputs.items() if not k.startswith(skip)}
 
-    def _copy_back(self, plan, outputs: dict) -> dict:
-        """Start the device-to-host copies of a just-launched step's outputs, so that they
-        run when the step ends rather than when ``_fetch`` asks, after the next step's
-        launch (BENCHMARKS.md, "Engine decode step, 2026-12-02 (third)"); returns
-        ``outputs``."""
-        for value in self._wanted(plan, outputs).values():
+    @staticmethod
+    def _copy_back(outputs: dict) -> dict:
+        """Start the device-to-host copies of a just-launched step's outputs (those it
+        keeps in flight: ``_wanted``), so that they run when the step ends rather than when
+        ``Runner.fetch`` asks, after the next step's launch (BENCHMARKS.md, "Engine decode
+        step, 2026-12-02 (third)"); returns ``outputs``."""
+        for value in outputs.values():
             value.copy_to_host_async()
         return outputs
-
-    def _fetch(self, plan, outputs: dict) -> dict:
-        """The step's outputs on the host (see ``_wanted``)."""
-        return self.runner.fetch(self._wanted(plan, outputs))
 
     def _inflight_records(self) -> list[RowRecord]:
         """The records of the launched step whose results are not processed yet."""
