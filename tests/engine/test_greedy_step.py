@@ -104,8 +104,9 @@ GREEDY = {"max_new_tokens": 40, "ignore_eos": True}
 SAMPLED = {"max_new_tokens": 12, "temperature": 0.8, "seed": 3, "ignore_eos": True}
 
 
-def _forms(engine: Engine) -> list[bool]:
-    """Record the ``greedy`` field of every decode batch the engine launches."""
+def _serve_both(engine: Engine, prompts) -> list:
+    """Serve a greedy and a sampled request together (the sampled one ends first, so the
+    greedy one then decodes alone); checks that decode steps of both forms ran."""
     forms, launch = [], engine.runner.launch
 
     def recording(batch, *args, **kw):
@@ -114,21 +115,19 @@ def _forms(engine: Engine) -> list[bool]:
         return launch(batch, *args, **kw)
 
     engine.runner.launch = recording
-    return forms
+    reqs = [
+        engine.add_request(input_ids=prompts[0], sampling_params=GREEDY),
+        engine.add_request(input_ids=prompts[1], sampling_params=SAMPLED),
+    ]
+    engine.run_until_done(reqs)
+    assert True in forms and False in forms
+    return reqs
 
 
 @pytest.mark.parametrize("overlap,spec", [(True, False), (False, True)])
 def test_greedy_and_sampled_requests_keep_their_tokens(case, overlap, spec):
     model, prompts, greedy = case
-    engine = _engine(model, overlap, spec)
-    forms = _forms(engine)
-    # the sampled request ends first: the greedy one then decodes alone
-    both = [
-        engine.add_request(input_ids=prompts[0], sampling_params=GREEDY),
-        engine.add_request(input_ids=prompts[1], sampling_params=SAMPLED),
-    ]
-    engine.run_until_done(both)
-    assert True in forms and False in forms
+    both = _serve_both(_engine(model, overlap, spec), prompts)
     assert both[0].output_ids == greedy
     alone = _engine(model, overlap, spec)
     sampled = alone.add_request(input_ids=prompts[1], sampling_params=SAMPLED)
@@ -140,11 +139,5 @@ def test_warmup_compiles_both_forms(case):
     model, prompts, greedy = case
     engine = _engine(model, True, False, skip_warmup=False)
     compiled = engine.num_compiled()
-    forms = _forms(engine)
-    reqs = [
-        engine.add_request(input_ids=prompts[0], sampling_params=GREEDY),
-        engine.add_request(input_ids=prompts[1], sampling_params=SAMPLED),
-    ]
-    engine.run_until_done(reqs)
-    assert True in forms and False in forms
+    _serve_both(engine, prompts)
     assert engine.num_compiled() == compiled
