@@ -126,11 +126,12 @@ class RequestCache:
 
     # ------------------------------------------------------------------ decode growth
 
-    def grow(self, reqs: list[Req], lengths: list[int]) -> None:
-        """Mutates: give each request the pages ``pages_to_cover(req, length)`` says, in one
-        allocation and one table write, evicting cached KV if needed
-        (``num_available_pages`` said there are enough)."""
-        counts = [self.pages_to_cover(req, n) for req, n in zip(reqs, lengths)]
+    def grow(self, reqs: list[Req], lengths: list[int], counts: list[int] | None = None) -> None:
+        """Mutates: give each request the pages ``pages_to_cover(req, length)`` says (its
+        ``counts`` entry, if the caller has them), in one allocation and one table write,
+        evicting cached KV if needed (``num_available_pages`` said there are enough)."""
+        if counts is None:
+            counts = [self.pages_to_cover(req, n) for req, n in zip(reqs, lengths)]
         total = sum(counts)
         if total == 0:
             return

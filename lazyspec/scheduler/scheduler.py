@@ -33,6 +33,7 @@ from lazyspec.scheduler.batch import (
     CountSeed,
     DecodeBatch,
     ExtendBatch,
+    SamplingMemo,
     build_decode,
     build_extend,
     count_seeds,
@@ -110,6 +111,7 @@ class Scheduler:
         self.token_ratio = token_ratio or NewTokenRatio()
         self.num_retractions = 0  # requests retracted to free KV for a decode step
         self._count_seeds: list[CountSeed] = []  # admitted rows' histories, for the next plan
+        self._sampling_memo = SamplingMemo()  # the decode batches' sampling arrays
 
     # ------------------------------------------------------------------ queries
 
@@ -257,8 +259,11 @@ class Scheduler:
         the requests left to decode."""
         reqs = list(reqs)
         retracted = False
+        reach, counts = [], []
         while reqs:
-            need = sum(self.cache.pages_to_cover(r, self._decode_reach(r)) for r in reqs)
+            reach = [self._decode_reach(r) for r in reqs]
+            counts = [self.cache.pages_to_cover(r, n) for r, n in zip(reqs, reach)]
+            need = sum(counts)
             if need <= self.cache.num_available_pages:
                 break
             if len(reqs) == 1:
@@ -268,7 +273,8 @@ class Scheduler:
             reqs.remove(victim)
             self._retract(victim, inflight)
             retracted = True
-        self.cache.grow(reqs, [self._decode_reach(r) for r in reqs])
+        if reqs:
+            self.cache.grow(reqs, reach, counts)
         if retracted and reqs:
             self.token_ratio.after_retraction(
                 sum(len(r.output_ids) for r in reqs),
@@ -329,7 +335,7 @@ class Scheduler:
         for req in reqs:
             req.inflight_decode += 1
         updates, chunks = self._table_updates(records)
-        batch = build_decode(self.layout, records, updates)
+        batch = build_decode(self.layout, records, updates, sampling_memo=self._sampling_memo)
         constrained = [req for req in reqs if req.grammar is not None]
         return StepPlan("decode", records, batch, chunks, grammar_reqs=constrained)
 
@@ -404,6 +410,11 @@ class Scheduler:
         # a step that verified the engine's D (every step of an engine without speculation)
         verified = plan.batch.num_verify == self.layout.num_verify
         self.num_spec_off_steps += not verified
+        # Python values, converted once for the whole step (indexing the arrays row by row
+        # is a numpy scalar per read)
+        accept_lens, pres = results["accept_len"].tolist(), results["pre"].tolist()
+        crossed, all_tokens = results["crossed"].tolist(), results["tokens"].tolist()
+        all_logprobs = results["logprobs"].tolist()
         for b, record in enumerate(plan.records):
             req = record.req
             req.inflight_decode -= 1
@@ -411,22 +422,21 @@ class Scheduler:
             if req.finished or req.phase is Phase.WAITING:
                 continue  # finished, or retracted since this step was planned
             self._read_drafts(req, results, b)
-            n = int(results["accept_len"][b])
-            pre = int(results["pre"][b])
+            n, pre = accept_lens[b], pres[b]
             req.seq_len = pre + n
             if verified:
                 req.spec_verify_ct += 1
                 req.accept_hist.append(n)
                 self.num_verify_steps += 1
                 self.accept_counts[n] += 1
-            tokens = [int(t) for t in results["tokens"][b, :n]]
+            tokens = all_tokens[b][:n]
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval
-            self.policy.settle_decode(record, bool(results["crossed"][b]), boundary, finishing)
+            self.policy.settle_decode(record, bool(crossed[b]), boundary, finishing)
             self._append(
                 req,
                 tokens,
-                [float(x) for x in results["logprobs"][b, :n]],
+                all_logprobs[b][:n],
                 [_top(results, b, i) for i in range(n)] if req.return_logprob else None,
                 inflight,
             )

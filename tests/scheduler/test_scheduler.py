@@ -265,6 +265,47 @@ def test_abort_and_stop_while_decoding():
     assert pools.tree.num_cached_tokens == cached  # no checkpoint settled since prefill
 
 
+def _sampled_req(rid: str, max_new: int, temperature: float, top_k: int, seed: int) -> Req:
+    req = _req(rid, 20, max_new=max_new, seed=seed)
+    req.sampling = dataclasses.replace(req.sampling, temperature=temperature, top_k=top_k)
+    return req
+
+
+def test_decode_batches_carry_their_requests_sampling_values():
+    """Each decode batch row holds its request's sampling values, while the requests stay
+    (the arrays are then the previous batch's, kept read-only), after one ends and after
+    another joins in its place with other values."""
+    pools = Pools(max_running=2)
+    first = _sampled_req("a", 12, 0.5, 3, seed=0)
+    short = _sampled_req("b", 3, 0.9, 7, seed=1)
+    pools.sched.add(first)
+    pools.sched.add(short)
+    joining = _sampled_req("c", 4, 0.7, 2, seed=2)
+    previous, seen, joined = None, set(), False
+    for _ in range(40):
+        if short.finished and not joined:
+            pools.sched.add(joining)
+            joined = True
+        plan = pools.step()
+        if plan is None or first.finished:
+            break
+        if plan.kind != "decode":
+            previous = None
+            continue
+        reqs = [record.req for record in plan.records]
+        seen.add(tuple(req.rid for req in reqs))
+        sampling = plan.batch.sampling
+        for row, req in enumerate(reqs):
+            for name, values in vars(sampling).items():
+                assert np.array_equal(values[row], getattr(req.sampling_row, name)), name
+        for values in vars(sampling).values():
+            assert not values.flags.writeable
+        if previous is not None and [r.req for r in previous.records] == reqs:
+            assert sampling is previous.batch.sampling
+        previous = plan
+    assert {("a", "b"), ("a",), ("a", "c")} <= seen
+
+
 def _apply_updates(table: np.ndarray, plan) -> None:
     """What the device does with a plan's request-table updates (chunks, then the batch's);
     writes to rows past the table (the drop sentinel) are dropped."""
