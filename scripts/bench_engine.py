@@ -290,14 +290,17 @@ def _step_alone_seconds(engine, batch, calls: tuple[int, int] = (2, 12), iters: 
     return (medians[1] - medians[0]) / (calls[1] - calls[0])
 
 
-def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, float]:
+def _profile(engine, batch, out_dir: Path, calls: int = 10) -> tuple[dict[str, float], float]:
     """Device milliseconds per step by category (lazyspec.bench.floor.device_breakdown) of
-    ``calls`` decode steps on ``batch`` under the JAX profiler."""
+    ``calls`` decode steps on ``batch`` under the JAX profiler, and the kernels a step ran.
+    Every executed op, its scope and time per step go to ``out_dir / "ops.json"``, the
+    compiled step's HLO (the ops' shapes) to ``decode_step.hlo.txt``."""
+    import json
     import shutil
 
     import jax
 
-    from lazyspec.bench.floor import device_breakdown
+    from lazyspec.bench.floor import device_breakdown, device_ops
 
     runner = engine.runner
     step = runner._decode.jitted
@@ -308,7 +311,21 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, float]:
             out, runner.pools = step(runner.params, runner.pools, batch)
         jax.block_until_ready(out["tokens"])
     seconds = device_breakdown(out_dir, hlo, "decode_step")
-    return {k: 1e3 * v / calls for k, v in seconds.items()}
+    ops = device_ops(out_dir, hlo, "decode_step")
+    per_step = [
+        {
+            "op": r["op"],
+            "scope": r["scope"],
+            "category": r["category"],
+            "count": r["count"] / calls,
+            "us": 1e6 * r["s"] / calls,
+        }
+        for r in ops
+    ]
+    (out_dir / "ops.json").write_text(json.dumps(per_step, indent=1))
+    (out_dir / "decode_step.hlo.txt").write_text(hlo)
+    kernels = sum(r["count"] for r in per_step)
+    return {k: 1e3 * v / calls for k, v in seconds.items()}, kernels
 
 
 HOST_CALLS = ("schedule", "launch", "dispatch", "fetch", "process")
@@ -419,8 +436,9 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
     }
     if args.profile:
         profile_dir = Path(args.profile) / f"{args.preset}-{backend}-b{batch}-{int(spec)}"
-        breakdown = _profile(engine, recorder.batch, profile_dir)
+        breakdown, kernels = _profile(engine, recorder.batch, profile_dir)
         row["breakdown_ms"] = breakdown
+        row["kernels"] = kernels
         row["undeviced_ms"] = max(loop_ms - sum(breakdown.values()), 0.0)
     return row
 
@@ -594,13 +612,14 @@ def main(argv=None) -> None:
         cats = sorted({c for r in rows for c in r["breakdown_ms"]})
         lines += [
             "",
-            "| preset | batch | spec | host | " + " | ".join(cats) + " |",
-            "|---|---|---|---|" + "---|" * len(cats),
+            "| preset | batch | spec | kernels | host | " + " | ".join(cats) + " |",
+            "|---|---|---|---|---|" + "---|" * len(cats),
         ]
         for r in rows:
             cells = " | ".join(f"{r['breakdown_ms'].get(c, 0.0):.3f}" for c in cats)
             lines.append(
-                f"| {r['preset']} | {r['batch']} | {r['spec']} | {r['undeviced_ms']:.3f} "
+                f"| {r['preset']} | {r['batch']} | {r['spec']} | {r['kernels']:.0f} "
+                f"| {r['undeviced_ms']:.3f} "
                 f"| {cells} |"
             )
     emit_table(lines, args.out)

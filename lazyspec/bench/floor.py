@@ -163,27 +163,22 @@ def category(scope: str) -> str:
     return "other"
 
 
-def device_breakdown(trace_dir: str | Path, hlo_text: str, module_hint: str) -> dict[str, float]:
-    """Seconds of device (or, on CPU, XLA thread) time per category over a profiled run:
-    the events of the trace under ``trace_dir`` (``jax.profiler.trace(...,
-    create_perfetto_trace=True)``) whose ``hlo_module`` contains ``module_hint``, mapped to
-    scopes through ``hlo_text`` (the compiled step's ``as_text()``)."""
+def _device_events(trace_dir: str | Path, module_hint: str):
+    """(hlo op name, seconds) of every executed op of the trace under ``trace_dir`` whose
+    ``hlo_module`` contains ``module_hint``: on a GPU the device's streams only (the
+    kernels' launches also appear on host threads), on CPU the XLA threads'."""
     files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
     with gzip.open(files[-1]) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    scopes = op_scopes(hlo_text)
-    # on a GPU the kernels appear on the device's streams (and their launches on host
-    # threads): count the device's events only; on CPU the XLA threads' events
     names = {
         e["pid"]: str(e.get("args", {}).get("name", ""))
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
     devices = {pid for pid, name in names.items() if "/device:" in name}
-    seconds: dict[str, float] = defaultdict(float)
     for event in events:
         args = event.get("args") or {}
         if event.get("ph") != "X" or module_hint not in str(args.get("hlo_module", "")):
@@ -191,7 +186,33 @@ def device_breakdown(trace_dir: str | Path, hlo_text: str, module_hint: str) -> 
         if devices and event.get("pid") not in devices:
             continue
         op = args.get("hlo_op")
-        if not op:
-            continue
-        seconds[category(scopes.get(op, ""))] += float(event.get("dur", 0.0)) * 1e-6
+        if op:
+            yield op, float(event.get("dur", 0.0)) * 1e-6
+
+
+def device_breakdown(trace_dir: str | Path, hlo_text: str, module_hint: str) -> dict[str, float]:
+    """Seconds of device (or, on CPU, XLA thread) time per category over a profiled run:
+    the events of the trace under ``trace_dir`` (``jax.profiler.trace(...,
+    create_perfetto_trace=True)``) whose ``hlo_module`` contains ``module_hint``, mapped to
+    scopes through ``hlo_text`` (the compiled step's ``as_text()``)."""
+    scopes = op_scopes(hlo_text)
+    seconds: dict[str, float] = defaultdict(float)
+    for op, dur in _device_events(trace_dir, module_hint):
+        seconds[category(scopes.get(op, ""))] += dur
     return dict(seconds)
+
+
+def device_ops(trace_dir: str | Path, hlo_text: str, module_hint: str) -> list[dict[str, Any]]:
+    """Every executed op of the same events as ``device_breakdown``: its name, scope path,
+    category, how many times it ran and its seconds in all, the longest first. The count
+    of a step's kernels (launches) is the sum of ``count`` over the steps profiled."""
+    scopes = op_scopes(hlo_text)
+    ops: dict[str, dict[str, Any]] = {}
+    for op, dur in _device_events(trace_dir, module_hint):
+        scope = scopes.get(op, "")
+        row = ops.setdefault(
+            op, {"op": op, "scope": scope, "category": category(scope), "count": 0, "s": 0.0}
+        )
+        row["count"] += 1
+        row["s"] += dur
+    return sorted(ops.values(), key=lambda r: -r["s"])

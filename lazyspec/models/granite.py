@@ -45,6 +45,7 @@ from lazyspec.models.interface import (
     after_layer,
     for_mode,
     keep_chunk_states,
+    real_tokens,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -221,13 +222,15 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------- forward passes
 
 
-def _ffn(lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels) -> jax.Array:
+def _ffn(
+    lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels, real: jax.Array | None
+) -> jax.Array:
     """Shared MLP plus (with experts) the routed experts, for x ``[..., D]``; those run in
-    ``kernels.moe_experts`` when it has one."""
+    ``kernels.moe_experts`` when it has one, padding tokens (``real``) routed like token 0."""
     out = swiglu_mlp(lp["shared_mlp"], x)
     if "block_sparse_moe" in lp:
         flat = x.reshape(-1, x.shape[-1])
-        moe = routed_experts(lp["block_sparse_moe"], cfg.arch.moe, flat, kernels.moe_experts)
+        moe = routed_experts(lp["block_sparse_moe"], cfg.arch.moe, flat, kernels.moe_experts, real)
         out = out + moe.reshape(x.shape)
     return out
 
@@ -239,8 +242,10 @@ def _run_layers(
     mamba_fn,
     attention_fn,
     kernels: Kernels = XLA_KERNELS,
+    real: jax.Array | None = None,
 ):
-    """Embed, then every layer; the mixers go through the two callbacks ``(params, x)``."""
+    """Embed, then every layer; the mixers go through the two callbacks ``(params, x)``;
+    ``real`` as in ``_ffn``."""
     arch: GraniteArch = cfg.arch
     eps, residual = arch.rms_norm_eps, arch.residual_multiplier
     h = params["embed_tokens"][tokens] * arch.embedding_multiplier
@@ -253,7 +258,7 @@ def _run_layers(
             else:
                 out = attention_fn(lp["self_attn"], x)
             h = h + out.astype(h.dtype) * residual
-            out = _ffn(lp, cfg, rms_norm(h, lp["post_attention_layernorm"], eps), kernels)
+            out = _ffn(lp, cfg, rms_norm(h, lp["post_attention_layernorm"], eps), kernels, real)
             h = h + out.astype(h.dtype) * residual
     return h
 
@@ -326,7 +331,9 @@ def forward(
         )
         return out
 
-    hidden = _run_layers(params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels)
+    hidden = _run_layers(
+        params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels, real_tokens(inputs)
+    )
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(states, view, mode)
 
 

@@ -68,6 +68,13 @@ class ForwardInputs:
     ctx_len: jax.Array  # [B] int32, context length incl. the new tokens
 
 
+def real_tokens(inputs: ForwardInputs) -> jax.Array:
+    """``[B * T]`` bool: token t of row b is one of the row's ``num_new`` new tokens (not
+    padding), in the order of ``tokens.reshape(-1)``."""
+    num_pos = inputs.tokens.shape[1]
+    return (jnp.arange(num_pos)[None, :] < inputs.num_new[:, None]).reshape(-1)
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class KVPools:

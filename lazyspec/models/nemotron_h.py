@@ -34,6 +34,7 @@ from lazyspec.models.interface import (
     after_layer,
     for_mode,
     keep_chunk_states,
+    real_tokens,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -214,9 +215,11 @@ def _run_blocks(
     mamba_fn,
     attention_fn,
     kernels: Kernels = XLA_KERNELS,
+    real: jax.Array | None = None,
 ):
     """Embed, then every block; mixers with state go through the two callbacks, the routed
-    experts through ``kernels.moe_experts`` when it has one."""
+    experts through ``kernels.moe_experts`` when it has one, padding tokens (``real``,
+    ``interface.real_tokens``) routed like token 0."""
     arch: NemotronHArch = cfg.arch
     h = params["embed_tokens"][tokens]
     for i, kind in enumerate(arch.block_kinds):
@@ -230,7 +233,7 @@ def _run_blocks(
             elif kind == "mlp":
                 out = relu2_mlp(layer["mixer"], x)
             else:
-                out = sparse_moe(layer["mixer"], arch.moe, x, kernels.moe_experts)
+                out = sparse_moe(layer["mixer"], arch.moe, x, kernels.moe_experts, real)
             h = h + out.astype(h.dtype)
     return h
 
@@ -305,7 +308,9 @@ def forward(
         )
         return out
 
-    hidden = _run_blocks(params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels)
+    hidden = _run_blocks(
+        params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels, real_tokens(inputs)
+    )
     layers = [LayerStates(s.conv, s.ssm, s.trace_conv, s.trace_ssm) for s in states]
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, view, mode)
 

@@ -36,6 +36,7 @@ from lazyspec.models.interface import (
     after_layer,
     for_mode,
     keep_chunk_states,
+    real_tokens,
     recurrent_out,
 )
 from lazyspec.models.layers.attention import (
@@ -324,13 +325,19 @@ def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def mlp_block(
-    lp: Params, cfg: ModelConfig, kind: str, x: jax.Array, kernels: Kernels = XLA_KERNELS
+    lp: Params,
+    cfg: ModelConfig,
+    kind: str,
+    x: jax.Array,
+    kernels: Kernels = XLA_KERNELS,
+    real: jax.Array | None = None,
 ) -> jax.Array:
     """Residual MLP / MoE half of a decoder layer; the routed experts run in
-    ``kernels.moe_experts`` when it has one."""
+    ``kernels.moe_experts`` when it has one, padding tokens (``real``, ``interface
+    .real_tokens``) routed like token 0."""
     h = norm(x, lp["post_attention_layernorm"], cfg)
     if kind == "moe":
-        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts)
+        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real)
     return x + swiglu_mlp(lp["mlp"], h)
 
 
@@ -359,7 +366,7 @@ def _attention_layer(
         v_pool,
         kernels.paged_attention,
     )
-    return mlp_block(lp, cfg, kind, x + h, kernels), k_pool, v_pool
+    return mlp_block(lp, cfg, kind, x + h, kernels, real_tokens(inputs)), k_pool, v_pool
 
 
 def forward(
@@ -413,7 +420,7 @@ def forward(
                     )
                 states.append(st)
                 rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool)
-                x, r = mlp_block(lp, cfg, kind, x + h, kernels), r + 1
+                x, r = mlp_block(lp, cfg, kind, x + h, kernels, real_tokens(inputs)), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(
                     lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels

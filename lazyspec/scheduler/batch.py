@@ -372,9 +372,10 @@ def build_decode(
     ``updates`` (at most ``TABLE_UPDATES_PER_STEP``); ``greedy`` by default whether every
     request is ``greedy_decodable``. Its sampling arrays come from ``sampling_memo`` if
     given (read-only then)."""
-    num_rows = num_rows or bucket(len(records), layout.decode_buckets)
     if num_verify is None:
         num_verify = layout.decode_num_verify(len(records))
+    if num_rows is None:
+        num_rows = layout.decode_rows(bucket(len(records), layout.decode_buckets), num_verify)
     reqs = [r.req for r in records]
     if greedy is None:
         greedy = all(greedy_decodable(req) for req in reqs)

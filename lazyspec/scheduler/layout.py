@@ -41,6 +41,12 @@ RUN_PAST_STEPS = 3
 # Request-table updates (entry writes) a step carries itself; more go to the device first in
 # chunks of a context row each (Runner.launch), so no count of updates overflows.
 TABLE_UPDATES_PER_STEP = 256
+# Fewest tokens a decode program runs. With one, every projection is a vector-matrix dot,
+# which XLA on GPUs rewrites into an elementwise product of the weight's size, written out
+# and read back by a reduction: three times the weight's bytes. Two rows keep them
+# matmuls; the padding row is routed to row 0's experts (``moe.padding_follows_token_zero``),
+# so it reads no other weight.
+MIN_DECODE_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -116,17 +122,22 @@ class Layout:
             return 1
         return self.num_verify
 
+    @staticmethod
+    def decode_rows(rows: int, num_verify: int) -> int:
+        """Rows of the decode program of a ``rows`` bucket at D = ``num_verify``: the
+        bucket's, padded to ``MIN_DECODE_TOKENS`` tokens."""
+        return max(rows, -(-MIN_DECODE_TOKENS // num_verify))
+
     @property
     def decode_shapes(self) -> tuple[tuple[int, int], ...]:
-        """(rows bucket, D) of every decode program a batch can take: a bucket holds the
-        batches of more requests than the bucket below it, up to its own."""
-        shapes = []
+        """(rows, D) of every decode program a batch can take: a bucket holds the batches
+        of more requests than the bucket below it, up to its own (rows as
+        ``decode_rows``)."""
+        shapes = {}
         below = 0
         for rows in self.decode_buckets:
-            for num_verify in dict.fromkeys(
-                (self.decode_num_verify(below + 1), self.decode_num_verify(rows))
-            ):
-                shapes.append((rows, num_verify))
+            for num_verify in (self.decode_num_verify(below + 1), self.decode_num_verify(rows)):
+                shapes[(self.decode_rows(rows, num_verify), num_verify)] = None
             below = rows
         return tuple(shapes)
 

@@ -212,3 +212,27 @@ def test_pallas_decode_step_threads_the_pool_through_aliased_kernels_pallas(monk
     for previous, operand in zip(calls, ssm_operands[1:]):
         assert operand.startswith(previous.split(":")[0].strip() + "#")
     assert states_text.replace("[", "<").replace("]", "") not in text
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
+def test_padding_rows_take_row_zeros_experts(family, monkeypatch):
+    """In a decode step every MoE layer routes the padding rows' tokens to row 0's experts
+    (``moe.padding_follows_token_zero``), so they read no expert's weights beyond the real
+    rows'; the real rows keep their own routes."""
+    engine = _engine(family, "xla")
+    pools, batch = _step_inputs(engine, np.random.default_rng(0))
+    routes = []
+
+    def recording_experts(x, weights, expert_ids, *stacks, xla_form):
+        routes.append(np.asarray(expert_ids))
+        return xla_form()
+
+    runner = engine.runner
+    kernels = dataclasses.replace(runner.static.kernels, moe_experts=recording_experts)
+    monkeypatch.setattr(type(runner.static), "kernels", property(lambda _: kernels))
+    decode_step(runner.family, runner.cfg, runner.static, runner.params, pools, batch)  # eager
+    assert len(routes) >= 2  # the MoE layers called the kernel
+    for ids in routes:
+        np.testing.assert_array_equal(ids[2:], np.broadcast_to(ids[:1], ids[2:].shape))
+    # the real rows are routed apart somewhere, so row 1 kept its own route
+    assert any((ids[1] != ids[0]).any() for ids in routes)

@@ -23,6 +23,7 @@ from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.sampling import sample_from, target_probs, verify_and_sample
 from lazyspec.engine.steps import NO_DRAFT
+from lazyspec.scheduler.batch import build_decode
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
@@ -219,11 +220,24 @@ def test_decode_shapes_follow_the_limit():
         config = EngineConfig(max_running_requests=8, **kw)
         return plan_memory(config, model_cfg).decode_shapes
 
-    assert shapes() == ((1, 1), (2, 1), (4, 1), (8, 1))
+    # one request without speculation runs in two rows (layout.MIN_DECODE_TOKENS)
+    assert shapes() == ((2, 1), (4, 1), (8, 1))
     assert shapes(**SPEC) == ((1, D), (2, D), (4, D), (8, D))
     # bucket 4 holds batches of 3 (speculating) and of 4 (not)
     limited = shapes(**SPEC, speculative_disable_by_batch_size=3)
     assert limited == ((1, D), (2, D), (4, D), (4, 1), (8, 1))
+
+
+@pytest.mark.parametrize(("spec", "rows"), [({}, 2), (SPEC, 1)])
+def test_a_decode_step_runs_at_least_two_tokens(spec, rows):
+    """A decode batch of one request runs two rows at D = 1 (a one-token step's
+    projections would be vector-matrix dots, see ``layout.MIN_DECODE_TOKENS``) and one
+    row at D = 4; the warm-up's shapes are those the batches take."""
+    config = EngineConfig(max_running_requests=8, **spec)
+    layout = plan_memory(config, tiny_model("qwen3_next").config)
+    batch = build_decode(layout, [])
+    assert batch.req_row.shape == (rows,)
+    assert (rows, batch.num_verify) == layout.decode_shapes[0]
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])

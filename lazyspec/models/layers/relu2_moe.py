@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from lazyspec.kernels.backend import MoEExpertsFn
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import DOWN, UP
-from lazyspec.models.layers.moe import ExpertStack, grouped_experts
+from lazyspec.models.layers.moe import ExpertStack, grouped_experts, padding_follows_token_zero
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
 
 
@@ -98,13 +98,19 @@ def route(params: dict, spec: MoESpec, flat: jax.Array) -> tuple[jax.Array, jax.
 
 @jax.named_scope("moe")
 def sparse_moe(
-    params: dict, spec: MoESpec, x: jax.Array, moe_experts: MoEExpertsFn | None = None
+    params: dict,
+    spec: MoESpec,
+    x: jax.Array,
+    moe_experts: MoEExpertsFn | None = None,
+    real: jax.Array | None = None,
 ) -> jax.Array:
     """Routed relu^2 experts + the shared expert, for x [..., D]. Each token runs only its
     top-k experts (``grouped_experts``: sorted by expert, grouped matmuls; or the
-    ``moe_experts`` kernel, which chooses by shape, in the latent width when there is one)."""
+    ``moe_experts`` kernel, which chooses by shape, in the latent width when there is one).
+    ``real``: padding tokens are routed like token 0 (``padding_follows_token_zero``)."""
     flat = x.reshape(-1, x.shape[-1])
     weights, expert_ids = route(params, spec, flat)
+    expert_ids = padding_follows_token_zero(expert_ids, real)
     h = linear(params["latent_in"], flat) if "latent_in" in params else flat
 
     def relu2_experts(xs, group_sizes):
