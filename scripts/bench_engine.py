@@ -15,7 +15,9 @@ numbers are about speed, not text (and the random MTP head's accept length is ~1
 
 ``--profile DIR`` adds, per row, the device time of the re-run steps split by the named
 scopes of the layers and steps (attention, recurrent, moe, mlp, lm_head, sampling,
-state_commit, draft), and "host" = engine-loop step minus device step. On a GPU run it
+state_commit, draft), the kernels a step runs, and "host" = engine-loop step minus device
+step; each row's folder gets ``ops.json`` (every executed op: scope, count and time per
+step) and the compiled step's HLO (``decode_step.hlo.txt``, the ops' shapes). On a GPU run it
 with XLA's command buffers off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``): inside a
 command buffer (a CUDA graph) the profiler names the buffer, not each kernel's op.
 ``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step

@@ -9,6 +9,7 @@ import pytest
 from lazyspec.bench.floor import (
     category,
     device_breakdown,
+    device_ops,
     expected_routed_experts,
     op_scopes,
     step_floor_bytes,
@@ -107,3 +108,9 @@ def test_profile_breakdown_of_a_jitted_function(tmp_path):
             step(x).block_until_ready()
     seconds = device_breakdown(tmp_path, hlo, "step")
     assert seconds.get("attention", 0) > 0 and seconds.get("moe", 0) > 0
+    # the same events op by op: each ran once per call, the longest first, same total
+    ops = device_ops(tmp_path, hlo, "step")
+    assert {r["category"] for r in ops} >= {"attention", "moe"}
+    assert all(r["count"] % 3 == 0 for r in ops)
+    assert [r["s"] for r in ops] == sorted((r["s"] for r in ops), reverse=True)
+    assert sum(r["s"] for r in ops) == pytest.approx(sum(seconds.values()))
