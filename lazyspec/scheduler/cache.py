@@ -236,7 +236,12 @@ class RequestCache:
             return np.zeros((3, 0), np.int32)
         all_rows = np.concatenate([r for r, _ in self._pending])
         all_positions = np.concatenate([p for _, p in self._pending])
-        wanted = np.ones(len(all_rows), bool) if rows is None else np.isin(all_rows, rows)
+        if rows is None:
+            wanted = np.ones(len(all_rows), bool)
+        else:  # a lookup over the table's rows: np.isin sorts, 30 us for one row
+            asked = np.zeros(self.req_to_token.shape[0], bool)
+            asked[rows] = True
+            wanted = asked[all_rows]
         if consume:
             rest = ~wanted
             self._pending = [(all_rows[rest], all_positions[rest])] if rest.any() else []
