@@ -333,8 +333,8 @@ def mlp_block(
     real: jax.Array | None = None,
 ) -> jax.Array:
     """Residual MLP / MoE half of a decoder layer; the routed experts run in
-    ``kernels.moe_experts`` when it has one, padding tokens (``real``, ``interface
-    .real_tokens``) routed like token 0."""
+    ``kernels.moe_experts`` when it has one. ``real`` (``interface.real_tokens``): padding
+    tokens are routed like token 0."""
     h = norm(x, lp["post_attention_layernorm"], cfg)
     if kind == "moe":
         return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real)
