@@ -350,9 +350,11 @@ def _attention_layer(
     k_pool: jax.Array,
     v_pool: jax.Array,
     kernels: Kernels = XLA_KERNELS,
+    real: jax.Array | None = None,
 ):
     """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
-    runs in ``kernels.paged_attention`` when it has one (``attention_forward``)."""
+    runs in ``kernels.paged_attention`` when it has one (``attention_forward``), ``real``
+    as in ``mlp_block``."""
     h, k_pool, v_pool = attention_forward(
         lp["self_attn"],
         cfg.arch.attention,
@@ -366,7 +368,7 @@ def _attention_layer(
         v_pool,
         kernels.paged_attention,
     )
-    return mlp_block(lp, cfg, kind, x + h, kernels, real_tokens(inputs)), k_pool, v_pool
+    return mlp_block(lp, cfg, kind, x + h, kernels, real), k_pool, v_pool
 
 
 def forward(
@@ -398,6 +400,7 @@ def forward(
     rec = for_mode(rec, mode)
     x = params["embed_tokens"][inputs.tokens]
     k_pools, v_pools = list(kv.k), list(kv.v)
+    real = real_tokens(inputs)
     states, r, a = [], 0, 0
     for i, role in enumerate(cfg.layer_roles):
         lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
@@ -420,10 +423,10 @@ def forward(
                     )
                 states.append(st)
                 rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool)
-                x, r = mlp_block(lp, cfg, kind, x + h, kernels, real_tokens(inputs)), r + 1
+                x, r = mlp_block(lp, cfg, kind, x + h, kernels, real), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(
-                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels
+                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels, real
                 )
                 a += 1
     layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
@@ -509,6 +512,7 @@ def mtp_forward(
             k_pools[layer],
             v_pools[layer],
             kernels,
+            real_tokens(inputs),
         )
     return x, KVPools(k_pools, v_pools)
 
