@@ -12,8 +12,9 @@ SwiGLU or relu^2 expert function, computed with float32 accumulation (the interm
 rounded once to the weights' dtype, as the XLA form rounds it).
 
 Grouping (``group_pairs``, XLA, no sort): the N * k (token, expert) pairs are counted per
-expert (a one-hot sum) and each pair's rank among its expert's pairs is a cumulative sum,
-so pair p goes to staged row ``tile_start[e] * block_rows + rank``. Every expert with
+expert (a one-hot sum) and each pair's rank among its expert's pairs is the count of
+earlier pairs of that expert (pairwise comparisons for a few pairs, a cumulative sum for
+many), so pair p goes to staged row ``tile_start[e] * block_rows + rank``. Every expert with
 tokens owns ``ceil(count / block_rows)`` consecutive tiles of ``block_rows`` rows; the
 table ``tile_expert`` names each tile's expert and -1 marks the unused tiles of the
 static grid, whose size bounds the worst case: ``min(E, N * k) + N * k // block_rows``.
@@ -69,22 +70,45 @@ def max_tiles(num_pairs: int, num_experts: int, block_rows: int) -> int:
     return min(num_experts, num_pairs) + num_pairs // block_rows
 
 
+# Up to this many (token, expert) pairs, ``group_pairs`` finds ranks and fills the staged
+# rows by comparing every pair with every other and every staged row (reductions that fuse,
+# a few kernels); more pairs take a cumulative sum over the pairs and scatters, whose cost
+# grows with the pairs, not their square.
+COMPARE_MAX_PAIRS = 256
+
+
 def group_pairs(
-    weights: jax.Array, expert_ids: jax.Array, num_experts: int, block_rows: int
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    num_experts: int,
+    block_rows: int,
+    compare: bool | None = None,
 ) -> ExpertTiles:
     """Group the (token, expert) pairs by expert into tiles of ``block_rows`` rows with a
-    counting pass (module docstring); pairs of one expert keep token order."""
+    counting pass (module docstring); pairs of one expert keep token order. ``compare``
+    picks the form (the same result): pairwise comparisons, or a cumulative sum and
+    scatters; None takes comparisons up to ``COMPARE_MAX_PAIRS`` pairs."""
     num_tokens, top_k = expert_ids.shape
     num_pairs = num_tokens * top_k
+    if compare is None:
+        compare = num_pairs <= COMPARE_MAX_PAIRS
     flat = expert_ids.reshape(-1).astype(jnp.int32)
     local = (flat >= 0) & (flat < num_experts)  # other pairs are another shard's
     flat = jnp.where(local, flat, 0)
-    one_hot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]) & local[:, None]
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+    one_hot = (flat[:, None] == experts[None, :]) & local[:, None]
     counts = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
-    before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot  # earlier pairs, same e
-    rank = jnp.take_along_axis(before, flat[:, None], axis=1)[:, 0]
+    pair = jnp.arange(num_pairs, dtype=jnp.int32)
+    if compare:  # earlier local pairs of the same expert
+        same = (flat[None, :] == flat[:, None]) & local[None, :] & (pair[None, :] < pair[:, None])
+        rank = jnp.sum(same, axis=1, dtype=jnp.int32)
+    else:
+        before = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot  # earlier pairs, same e
+        rank = jnp.take_along_axis(before, flat[:, None], axis=1)[:, 0]
     tiles = (counts + block_rows - 1) // block_rows
-    tile_end = jnp.cumsum(tiles)
+    # inclusive prefix sum over the experts as one reduction (a cumsum is a reduce_window,
+    # a kernel of its own on GPUs)
+    tile_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], tiles[None, :], 0), axis=1)
     tile = jnp.arange(max_tiles(num_pairs, num_experts, block_rows), dtype=jnp.int32)
     num_rows = tile.shape[0] * block_rows
     # a dropped pair's row is one past the staged rows: written nowhere, combined as 0
@@ -92,13 +116,15 @@ def group_pairs(
     # the expert of tile t is the first whose tiles end after t
     tile_expert = jnp.sum(tile_end[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(tile < tile_end[-1], tile_expert, UNUSED_TILE)
-    pair_token = jnp.arange(num_pairs, dtype=jnp.int32) // top_k
-    row_token = jnp.zeros((num_rows,), jnp.int32).at[pair_row].set(pair_token, mode="drop")
-    row_weight = (
-        jnp.zeros((num_rows,), jnp.float32)
-        .at[pair_row]
-        .set(weights.reshape(-1).astype(jnp.float32), mode="drop")
-    )
+    pair_token = pair // top_k
+    pair_weight = weights.reshape(-1).astype(jnp.float32)
+    if compare:  # each staged row is some pair's or none's
+        hit = pair_row[None, :] == jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+        row_token = jnp.sum(jnp.where(hit, pair_token[None, :], 0), axis=1, dtype=jnp.int32)
+        row_weight = jnp.sum(jnp.where(hit, pair_weight[None, :], 0.0), axis=1)
+    else:
+        row_token = jnp.zeros((num_rows,), jnp.int32).at[pair_row].set(pair_token, mode="drop")
+        row_weight = jnp.zeros((num_rows,), jnp.float32).at[pair_row].set(pair_weight, mode="drop")
     return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
 
 

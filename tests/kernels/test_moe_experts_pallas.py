@@ -291,3 +291,19 @@ def test_moe_runner_picks_the_routed_experts_form_pallas():
     assert backend.kernels_for("pallas", "cpu") != backend.kernels_for(
         "pallas", "cpu", moe_runner="xla"
     )
+
+
+def test_both_grouping_forms_give_the_same_tiles_pallas():
+    """The pairwise-comparison grouping (few pairs) and the cumulative-sum one (many) give
+    the same tiles, rows, tokens and weights, with pairs of other shards dropped."""
+    rng = np.random.default_rng(16)
+    for num_tokens, top_k, num_experts, skewed in ((1, 4, 16, False), (7, 3, 8, True)):
+        weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
+        for shift in (0, num_experts // 2):  # the second: half the pairs another shard's
+            local = ids - shift
+            forms = [
+                me.group_pairs(weights, local, num_experts - shift, 4, compare=c)
+                for c in (True, False)
+            ]
+            for got, want in zip(jax.tree.leaves(forms[0]), jax.tree.leaves(forms[1])):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
