@@ -301,6 +301,8 @@ def test_both_grouping_forms_give_the_same_tiles_pallas():
         weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
         for shift in (0, num_experts // 2):  # the second: half the pairs another shard's
             local = ids - shift
+            mine = int(jnp.sum(local >= 0))
+            assert 0 < mine <= local.size and (shift == 0) == (mine == local.size)
             forms = [
                 me.group_pairs(weights, local, num_experts - shift, 4, compare=c)
                 for c in (True, False)
