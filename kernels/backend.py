@@ -86,13 +86,15 @@ DEFAULT_STATE_TILES = {
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
-# Routed-expert tiles (``moe_experts``), chosen for Qwen3-Next widths (hidden 2048, expert
-# intermediate 512) so that one token's 10 experts already give 160 programs per launch;
-# not yet measured against alternatives (scripts/bench_moe.py sweeps them).
+# Routed-expert tiles (``moe_experts``), measured on an H200 by the profiler's kernel times
+# at Qwen3-Next widths (hidden 2048, expert intermediate 512; 64 experts top-10 and 256
+# top-8), 1 to 2048 tokens (BENCHMARKS, "The routed-expert tiles by kernel time"): 64-column
+# intermediate tiles are the fastest up launch at every count from 2 tokens (2 tokens of
+# 64 experts: 21.7 against 29.1 us for 32 columns; at one token within 0.5 us either way).
 DEFAULT_MOE_TILES = {
     "block_rows": 16,  # the smallest row tile Triton's dots take
-    "block_inner": 32,
-    "block_out": 128,
+    "block_inner": 64,
+    "block_out": 128,  # 64 below MOE_WIDE_OUT_TOKENS tokens
     "block_k": 128,
     "num_warps": 4,
     "num_stages": 3,
@@ -110,11 +112,11 @@ MOE_KERNEL_MAX_TOKENS = 2048
 # limit it was written for.
 MOE_TPU_KERNEL_MAX_TOKENS = 64
 TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
-# From this many tokens the up launch takes intermediate tiles of 64 columns (H200,
-# bench_moe.py: 113 against 157 us at 64 tokens of Qwen3-Next widths, 327 against 446 us at
-# Qwen3.5's); below it the grid of 32-column tiles keeps more multiprocessors busy (one token
-# of Qwen3.5: 28 against 47 us).
-MOE_WIDE_INNER_TOKENS = 16
+# From this many tokens the down launch takes output tiles of 128 columns, below it 64: at
+# 1-4 tokens 64 columns are 0.5-1.2 us faster a launch, at 8-32 tokens the two are within
+# 0.3 us, from 256 tokens 128 columns are faster (1024 tokens of 64 experts: 171 against
+# 191 us).
+MOE_WIDE_OUT_TOKENS = 16
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -413,9 +415,9 @@ def moe_launch(
     inner, out_width = up.shape[2], down.shape[2]
     defaults = DEFAULT_MOE_TILES
     tiles.setdefault("block_rows", defaults["block_rows"])
-    block_inner = defaults["block_inner"] * (2 if num_tokens >= MOE_WIDE_INNER_TOKENS else 1)
-    tiles.setdefault("block_inner", fitted_tile(inner, block_inner))
-    tiles.setdefault("block_out", fitted_tile(out_width, defaults["block_out"]))
+    tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
+    block_out = defaults["block_out"] // (1 if num_tokens >= MOE_WIDE_OUT_TOKENS else 2)
+    tiles.setdefault("block_out", fitted_tile(out_width, block_out))
     tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
     params = pallas_compiler_params(
         num_warps=defaults["num_warps"], num_stages=defaults["num_stages"]

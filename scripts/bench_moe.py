@@ -12,7 +12,18 @@ different experts where there are many. The floor is the routed experts' weight 
 (distinct experts routed, mean over the routings) over the copy bandwidth measured in the
 same run (bytes read + written, as ``bench_kernels``): "% floor" = floor / time.
 
+``--timing profiler`` times each form by the profiler's kernel durations instead: 24
+dispatched calls under ``jax.profiler.trace``, call i with routing i % 8 and weight copy
+i % 4 (so no call finds its experts in L2), device time per call = the sum of the form's
+kernels over the calls / 24; the kernel's rows also give its up and down launches apart
+("up us", "down us"), which is what a tile sweep (``--tiles``) compares. Chains time a few
+microseconds' launch with 10-30 us of spread between runs; kernel durations repeat within
+about 1 %. Run it with XLA's command buffers off, where the profiler names each kernel
+(the script stops otherwise).
+
     python scripts/bench_moe.py --out moe.md          # on a GPU
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/bench_moe.py --timing profiler \
+        --models qwen3-next-64e --tokens 1,2,4 --tiles launch,32:128:128:4:3 --no-xla
     python scripts/bench_moe.py --smoke --out smoke.md  # CPU: tiny widths, interpret mode
 
 Widths (transformers' configuration defaults, which are the named checkpoints'):
@@ -28,6 +39,7 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.bench.floor import device_ops
 from lazyspec.bench.kernel_timing import (
     CHAIN_CALLS,
     chain_seconds,
@@ -44,12 +57,25 @@ from lazyspec.bench.kernel_timing import (
     log,
     max_abs_diff,
 )
-from lazyspec.kernels.backend import DEFAULT_MOE_TILES, pallas_compiler_params
+from lazyspec.kernels.backend import DEFAULT_MOE_TILES, moe_launch, pallas_compiler_params
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.models.layers.moe import grouped_experts
 
 ROUTINGS = 8
-COLUMNS = ("model", "N", "impl", "tiles", "check", "time us", "routed MB", "floor us", "% floor")
+COLUMNS = (
+    "model",
+    "N",
+    "impl",
+    "tiles",
+    "check",
+    "time us",
+    "routed MB",
+    "floor us",
+    "% floor",
+    "up us",
+    "down us",
+)
+PROFILED_CALLS, WEIGHT_COPIES = 24, 4
 
 
 @dataclass(frozen=True)
@@ -68,12 +94,14 @@ WIDTHS = (
 )
 SMOKE_WIDTHS = (Width("tiny", 64, 8, 2, 32),)
 TILE_KEYS = ("block_rows", "block_inner", "block_out", "block_k")
-KERNEL_TILES = (  # the dispatch's defaults first
-    DEFAULT_MOE_TILES,
-    {**DEFAULT_MOE_TILES, "block_inner": 64},
+LAUNCH = "launch"  # the dispatch's tiles for the row's token count (``moe_launch``)
+KERNEL_TILES = (  # the dispatch's first
+    LAUNCH,
+    {**DEFAULT_MOE_TILES, "block_inner": 32},
     {**DEFAULT_MOE_TILES, "block_out": 64, "block_k": 64},
     {**DEFAULT_MOE_TILES, "num_warps": 8},
 )
+TILE_FIELDS = ("block_inner", "block_out", "block_k", "num_warps", "num_stages")
 SMOKE_TILES = ({"block_rows": 16, "block_inner": 16, "block_out": 32, "block_k": 16},)
 
 
@@ -154,19 +182,62 @@ def chain(fn, x, weights, ids, stacks, calls: int):
     return lambda: many(x, weights, ids, stacks).block_until_ready()
 
 
+def profiled_seconds(fn, x, weights, ids, copies, calls: int = PROFILED_CALLS):
+    """(seconds per call, up seconds, down seconds) from the profiler's kernel durations
+    over ``calls`` dispatched calls, call i with routing i % R and weight copy i % C; up and
+    down are the kernel's two launches (0 for the XLA forms)."""
+
+    def moe_call(x, weights, ids, stacks):
+        return fn(x, weights, ids, stacks)
+
+    jitted = jax.jit(moe_call)
+    args = [
+        (x, weights[i % len(weights)], ids[i % len(ids)], copies[i % len(copies)])
+        for i in range(calls)
+    ]
+    hlo = jitted.lower(*args[0]).compile().as_text()
+    jax.block_until_ready([jitted(*a) for a in args])
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready([jitted(*a) for a in args])
+        ops = device_ops(trace_dir, hlo, "moe_call")
+    if not ops:
+        raise RuntimeError("no kernels of the call in the trace")
+
+    def part(name: str) -> float:
+        return sum(op["s"] for op in ops if name in op["scope"]) / calls
+
+    return sum(op["s"] for op in ops) / calls, part("moe_experts_up"), part("moe_experts_down")
+
+
+def weight_copies(stacks, count: int):
+    """``count`` stacks of the same values in distinct buffers (the first is ``stacks``)."""
+    return [stacks] + [tuple(jnp.array(s, copy=True) for s in stacks) for _ in range(count - 1)]
+
+
 def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
     x, weights, ids, stacks = make_inputs(width, num_tokens)
     moved = routed_bytes(width, np.asarray(ids))
     floor = moved / (opts.copy_gbs * 1e9)
     reference = jax.jit(lambda *a: grouped(*a, {}))(x, weights[0], ids[0], stacks)
-    impls = [
-        ("pallas", functools.partial(kernel, tiles=t, interpret=opts.interpret), t)
-        for t in opts.tiles
-    ]
-    impls += [
-        ("xla grouped_experts", functools.partial(grouped, tiles={}), {}),
-        ("xla dense einsum", functools.partial(dense, tiles={}), {}),
-    ]
+    copies = weight_copies(stacks, WEIGHT_COPIES) if opts.timing == "profiler" else None
+    impls = []
+    for tiles in opts.tiles:
+        if tiles == LAUNCH:
+            launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret)
+            if launch is None:
+                continue  # the dispatch runs the XLA form at this count
+            tiles = {k: launch[k] for k in TILE_KEYS} | {
+                k: DEFAULT_MOE_TILES[k] for k in ("num_warps", "num_stages")
+            }
+        impls.append(
+            ("pallas", functools.partial(kernel, tiles=tiles, interpret=opts.interpret), tiles)
+        )
+    if opts.xla:
+        impls += [
+            ("xla grouped_experts", functools.partial(grouped, tiles={}), {}),
+            ("xla dense einsum", functools.partial(dense, tiles={}), {}),
+        ]
     for impl, fn, tiles in impls:
         row = {
             "model": width.name,
@@ -182,8 +253,15 @@ def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
                 max_abs_diff(reference, 0 * reference), 1e-30
             )
             row["check"] = f"{'ok' if error <= 2e-2 else 'MISMATCH'} {error:.1e}"
-            make_chain = functools.partial(chain, fn, x, weights, ids, stacks)
-            seconds = chain_seconds(make_chain, opts.iters, opts.warmup)
+            if opts.timing == "profiler":
+                seconds, up, down = profiled_seconds(fn, x, weights, ids, copies)
+                if impl == "pallas":
+                    if not up > 0.0:  # inside a command buffer the profiler names the buffer
+                        raise RuntimeError("no named up launch in the trace: command buffers on?")
+                    row["up us"], row["down us"] = f"{up * 1e6:.1f}", f"{down * 1e6:.1f}"
+            else:
+                make_chain = functools.partial(chain, fn, x, weights, ids, stacks)
+                seconds = chain_seconds(make_chain, opts.iters, opts.warmup)
             row["time us"] = f"{seconds * 1e6:.1f}"
             row["% floor"] = f"{100 * floor / seconds:.1f}" if seconds > 0 else "-"
         except Exception as error:  # one failing form must not end the run
@@ -198,6 +276,20 @@ def write_table(path: Path, header: str, rows: list[dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def parse_tiles(text: str) -> list:
+    """``--tiles``: 'launch' or five integers per entry (TILE_FIELDS, block_rows 16)."""
+    tiles: list = []
+    for entry in text.split(","):
+        if entry == LAUNCH:
+            tiles.append(LAUNCH)
+            continue
+        values = entry.split(":")
+        if len(values) != len(TILE_FIELDS) or not all(v.isdigit() for v in values):
+            raise SystemExit(f"--tiles entry {entry!r}: 'launch' or {':'.join(TILE_FIELDS)}")
+        tiles.append({"block_rows": 16} | dict(zip(TILE_FIELDS, map(int, values))))
+    return tiles
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_moe.md"))
@@ -206,6 +298,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help="comma list of width names")
     parser.add_argument("--iters", type=int, default=None, help="timed runs (default 30)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 3)")
+    parser.add_argument(
+        "--timing",
+        choices=("chain", "profiler"),
+        default="chain",
+        help="device time per call: chains of calls, or the profiler's kernel durations",
+    )
+    parser.add_argument(
+        "--tiles",
+        default=None,
+        help="comma list of kernel tiles, each 'launch' (the dispatch's for the token count) "
+        "or block_inner:block_out:block_k:num_warps:num_stages (default: the built-in list)",
+    )
+    parser.add_argument("--no-xla", dest="xla", action="store_false", help="the kernel only")
     args = parser.parse_args(argv)
     args.interpret = args.smoke or jax.default_backend() == "cpu"
     args.tokens = [
@@ -213,7 +318,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ]
     args.iters = args.iters or (2 if args.smoke else 30)
     args.warmup = args.warmup or (1 if args.smoke else 3)
-    args.tiles = SMOKE_TILES if args.smoke else KERNEL_TILES
+    args.tiles = (
+        parse_tiles(args.tiles) if args.tiles else (SMOKE_TILES if args.smoke else KERNEL_TILES)
+    )
     widths = SMOKE_WIDTHS if args.smoke else WIDTHS
     args.widths = [w for w in widths if not args.models or w.name in args.models.split(",")]
     return args
@@ -227,11 +334,17 @@ def main(argv=None) -> int:
     opts.copy_gbs = max(copies.values())
     copy_text = ", ".join(f"{name} {gbs:.1f}" for name, gbs in copies.items())
     log(f"copy bandwidth (GB/s): {copy_text}; using {opts.copy_gbs:.1f}")
+    timing = (
+        f"per-call device time from the profiler's kernel durations of {PROFILED_CALLS} calls "
+        f"({WEIGHT_COPIES} weight copies)"
+        if opts.timing == "profiler"
+        else f"per-call device time from chains of {CHAIN_CALLS[0]} and {CHAIN_CALLS[1]} calls "
+        f"(median of {opts.iters} after {opts.warmup})"
+    )
     header = (
         f"# Routed MoE experts\n\ndevice {device.device_kind} ({jax.default_backend()}), jax "
         f"{jax.__version__}, interpret={opts.interpret}; copy bandwidth {opts.copy_gbs:.1f} GB/s "
-        f"(the best of: {copy_text}); per-call device time from chains of {CHAIN_CALLS[0]} and "
-        f"{CHAIN_CALLS[1]} calls (median of {opts.iters} after {opts.warmup}); routed MB: "
+        f"(the best of: {copy_text}); {timing}; routed MB: "
         f"weights of the distinct experts routed (mean of {ROUTINGS} random routings); floor: "
         "those bytes at the copy bandwidth; check: max |form - grouped_experts| / max |ref|."
     )

@@ -25,3 +25,26 @@ def test_bench_moe_smoke_checks_every_form(tmp_path, monkeypatch):
     for row in rows:
         assert row[4].strip().startswith("ok"), row
         assert float(row[5]) != 0.0 and float(row[6]) > 0.0, row
+
+
+def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
+    """``--timing profiler`` (CPU, interpret mode): the dispatch's tiles ('launch') and an
+    explicit entry each get device time from the trace, split into the up and down launches,
+    and the XLA forms are left out with ``--no-xla``."""
+    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
+    bench_moe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)
+    spec.loader.exec_module(bench_moe)
+    out = tmp_path / "profiled.md"
+    argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
+    assert bench_moe.main(argv + ["--tiles", "launch,16:32:16:4:1"]) == 0
+    rows = [
+        line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
+    ]
+    assert [row[2].strip() for row in rows] == ["pallas", "pallas"]
+    assert "block_out=32,block_k=16,num_warps=4,num_stages=1" in rows[1][3], rows[1]
+    for row in rows:
+        assert row[4].strip().startswith("ok"), row
+        total, up, down = float(row[5]), float(row[9]), float(row[10])
+        assert up > 0.0 and down > 0.0 and up + down <= total, row
+    assert "profiler's kernel durations" in out.read_text()

@@ -183,15 +183,18 @@ def test_dispatch_chooses_kernel_by_token_count_pallas(monkeypatch):
     assert_close(got, want, FP32_TOL, "dispatched routed experts")
 
 
-def test_intermediate_tile_widens_from_sixteen_tokens_pallas():
-    """At Qwen3-Next's expert widths the up launch's intermediate tile is 32 columns below
-    MOE_WIDE_INNER_TOKENS tokens and 64 from there; a width below 64 keeps its fitted tile."""
+def test_output_tile_widens_from_sixteen_tokens_pallas():
+    """At Qwen3-Next's expert widths the down launch's output tile is 64 columns below
+    MOE_WIDE_OUT_TOKENS tokens and 128 from there; the up launch's intermediate tile is 64
+    columns at every count; a width below a tile keeps its fitted tile."""
     up, down = jnp.zeros((8, 2048, 512)), jnp.zeros((8, 512, 2048))
-    wide = backend.MOE_WIDE_INNER_TOKENS
-    assert backend.moe_launch(wide - 1, up, down, interpret=True)["block_inner"] == 32
-    assert backend.moe_launch(wide, up, down, interpret=True)["block_inner"] == 64
-    narrow_up, narrow_down = jnp.zeros((8, 2048, 48)), jnp.zeros((8, 48, 2048))
-    assert backend.moe_launch(wide, narrow_up, narrow_down, interpret=True)["block_inner"] == 16
+    wide = backend.MOE_WIDE_OUT_TOKENS
+    for tokens, block_out in ((1, 64), (wide - 1, 64), (wide, 128), (2048, 128)):
+        launch = backend.moe_launch(tokens, up, down, interpret=True)
+        assert (launch["block_out"], launch["block_inner"]) == (block_out, 64), tokens
+    narrow_up, narrow_down = jnp.zeros((8, 2048, 48)), jnp.zeros((8, 48, 96))
+    launch = backend.moe_launch(wide, narrow_up, narrow_down, interpret=True)
+    assert (launch["block_inner"], launch["block_out"]) == (16, 32)
 
 
 def test_dispatch_leaves_widths_below_triton_dots_to_xla_pallas(monkeypatch):
