@@ -18,6 +18,9 @@ many), so pair p goes to staged row ``tile_start[e] * block_rows + rank``. Every
 tokens owns ``ceil(count / block_rows)`` consecutive tiles of ``block_rows`` rows; the
 table ``tile_expert`` names each tile's expert and -1 marks the unused tiles of the
 static grid, whose size bounds the worst case: ``min(E, N * k) + N * k // block_rows``.
+A few tokens (``group_tokens``, up to ``TOKEN_ROWS_MAX_TOKENS``) skip the staging: one tile
+per pair, the first pair of each expert names its tile and the others' are unused, and row
+r of every tile is token r, so every tile reads x itself (padded to ``block_rows`` rows).
 
 Kernels, two launches (the second needs the whole intermediate row of a tile):
   up    grid ``(tile, inner tile)``: reads the tile's staged rows of x and one column tile
@@ -128,6 +131,47 @@ def group_pairs(
     return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
 
 
+# Up to this many tokens ``moe_experts_pallas`` takes ``group_tokens``: every tile's rows are
+# the tokens themselves, so no staged copy of x is gathered and a pair's tile is found by one
+# comparison of the pairs (two small reductions in all, where ``group_pairs`` takes about
+# eight kernels on a GPU).
+TOKEN_ROWS_MAX_TOKENS = 8
+
+
+def group_tokens(
+    weights: jax.Array, expert_ids: jax.Array, num_experts: int, block_rows: int
+) -> ExpertTiles:
+    """The grouping of at most ``block_rows`` tokens with one tile per (token, expert) pair
+    and row r of every tile = token r: the tile of a pair is the first local pair routed to
+    its expert, which names that tile's expert; the other pairs' tiles are unused (-1). Row r
+    of tile t carries token r's weight for tile t's expert (0 where token r does not route
+    to it: its row is computed, weighted 0 and combined by nobody). Same contract as
+    ``group_pairs``; row_token is r on row r of every tile (0 past the tokens)."""
+    num_tokens, top_k = expert_ids.shape
+    if num_tokens > block_rows:
+        raise ValueError(f"group_tokens takes at most block_rows={block_rows} tokens")
+    num_pairs = num_tokens * top_k
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    local = (flat >= 0) & (flat < num_experts)  # other pairs are another shard's
+    pair = jnp.arange(num_pairs, dtype=jnp.int32)
+    same = (flat[None, :] == flat[:, None]) & local[None, :] & (pair[None, :] <= pair[:, None])
+    first = jnp.min(jnp.where(same, pair[None, :], num_pairs), axis=1)  # itself if first
+    tile_expert = jnp.where(local & (first == pair), flat, UNUSED_TILE)
+    num_rows = num_pairs * block_rows
+    token = pair // top_k
+    pair_row = jnp.where(local, first * block_rows + token, num_rows)
+    row = jnp.arange(block_rows, dtype=jnp.int32)
+    pair_weight = weights.reshape(-1).astype(jnp.float32)
+    hit = (  # [tile, row, pair]: the pair is row r's token's, routed to tile t's expert
+        (flat[None, None, :] == tile_expert[:, None, None])
+        & (token[None, None, :] == row[None, :, None])
+        & local[None, None, :]
+    )
+    row_weight = jnp.sum(jnp.where(hit, pair_weight[None, None, :], 0.0), axis=2).reshape(-1)
+    row_token = jnp.tile(jnp.where(row < num_tokens, row, 0), num_pairs)
+    return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
+
+
 def combine_pairs(rows: jax.Array, pair_row: jax.Array) -> jax.Array:
     """Each token's sum of its pairs' weighted rows ``[N, d_out]`` (a gather, no
     scatter-add); a dropped pair (row past ``rows``: another shard's expert) adds 0."""
@@ -211,11 +255,15 @@ def moe_experts_pallas(
     block_inner: int | None = None,
     block_out: int | None = None,
     block_k: int | None = None,
+    token_rows: bool | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
-    None are whole axes; ``block_k`` is the contraction chunk of both launches."""
+    None are whole axes; ``block_k`` is the contraction chunk of both launches.
+    ``token_rows``: group with ``group_tokens`` (every tile reads x itself, padded to
+    ``block_rows`` rows) rather than ``group_pairs`` (tiles of staged rows); None takes
+    ``group_tokens`` up to ``TOKEN_ROWS_MAX_TOKENS`` tokens (and ``block_rows``)."""
     check_experts(x, expert_ids, up, down, gate)
     num_experts, width, inner = up.shape
     out_width = down.shape[2]
@@ -225,9 +273,19 @@ def moe_experts_pallas(
     bk_down = check_tile("block_k", inner, block_k)
     if block_rows <= 0:
         raise ValueError(f"block_rows={block_rows} must be positive")
-    grouped = group_pairs(weights, expert_ids, num_experts, block_rows)
+    num_tokens = x.shape[0]
+    if token_rows is None:
+        token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
+    if token_rows:
+        grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
+        staged = jnp.pad(x.astype(up.dtype), ((0, block_rows - num_tokens), (0, 0)))
+        x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (0, 0))
+    else:
+        grouped = group_pairs(weights, expert_ids, num_experts, block_rows)
+        staged = x.astype(up.dtype)[grouped.row_token]  # [num_tiles * block_rows, d]
+        x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (t, 0))
     num_tiles = grouped.tile_expert.shape[0]
-    staged = x.astype(up.dtype)[grouped.row_token]  # [num_tiles * block_rows, d]
+    num_rows = num_tiles * block_rows
     projections = (up,) if gate is None else (gate, up)
     options = {"interpret": interpret, "compiler_params": compiler_params}
 
@@ -235,10 +293,9 @@ def moe_experts_pallas(
     hidden = pl.pallas_call(
         up_kernel,
         grid=(num_tiles, inner // bi),
-        in_specs=[whole(), pl.BlockSpec((block_rows, width), lambda t, i: (t, 0))]
-        + [whole()] * len(projections),
+        in_specs=[whole(), x_spec] + [whole()] * len(projections),
         out_specs=pl.BlockSpec((block_rows, bi), lambda t, i: (t, i)),
-        out_shape=jax.ShapeDtypeStruct((staged.shape[0], inner), up.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_rows, inner), up.dtype),
         name="moe_experts_up",
         **options,
     )(grouped.tile_expert, staged, *projections)
@@ -254,7 +311,7 @@ def moe_experts_pallas(
             pl.BlockSpec((block_rows,), lambda t, j: (t,)),
         ],
         out_specs=pl.BlockSpec((block_rows, bo), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((staged.shape[0], out_width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((num_rows, out_width), jnp.float32),
         name="moe_experts_down",
         **options,
     )(grouped.tile_expert, hidden, down, grouped.row_weight)

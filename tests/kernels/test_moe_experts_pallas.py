@@ -263,6 +263,16 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
         stack,
     )
     assert "triton" in text.lower()
+    text = lower_for_cuda(  # two tokens: the token-rows grouping, x read whole by every tile
+        run,
+        spec((2, 2048), jnp.bfloat16),
+        spec((2, 10), jnp.float32),
+        spec((2, 10), jnp.int32),
+        stack,
+        spec((512, 512, 2048), jnp.bfloat16),
+        stack,
+    )
+    assert "triton" in text.lower()
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),
@@ -312,3 +322,66 @@ def test_both_grouping_forms_give_the_same_tiles_pallas():
             ]
             for got, want in zip(jax.tree.leaves(forms[0]), jax.tree.leaves(forms[1])):
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_token_rows_grouping_gives_each_routed_expert_one_tile_pallas():
+    """``group_tokens``: each expert some local pair routes to names exactly one tile, the
+    tile of its first pair; a pair's row is its token's row of that tile and carries its
+    weight; every other row weighs 0; pairs of another shard take no row."""
+    rng = np.random.default_rng(17)
+    block_rows = 8
+    for num_tokens, top_k, num_experts, skewed, shift in (
+        (1, 4, 16, False, 0),
+        (5, 3, 8, True, 0),
+        (8, 2, 8, False, 4),  # half the experts another shard's
+    ):
+        weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
+        local = np.asarray(ids) - shift
+        mine = (local >= 0) & (local < num_experts - shift)
+        tiles = me.group_tokens(weights, jnp.asarray(local), num_experts - shift, block_rows)
+        tile_expert = np.asarray(tiles.tile_expert)
+        assert tile_expert.shape == (num_tokens * top_k,)
+        used = tile_expert[tile_expert != me.UNUSED_TILE]
+        assert sorted(used) == sorted(set(local[mine].tolist()))  # one tile per expert
+        rows = np.asarray(tiles.pair_row)
+        num_rows = tile_expert.size * block_rows
+        assert (rows[~mine] == num_rows).all()
+        tokens = np.broadcast_to(np.arange(num_tokens)[:, None], rows.shape)
+        np.testing.assert_array_equal(rows[mine] % block_rows, tokens[mine])
+        np.testing.assert_array_equal(tile_expert[rows[mine] // block_rows], local[mine])
+        row_weight = np.asarray(tiles.row_weight)
+        np.testing.assert_array_equal(row_weight[rows[mine]], np.asarray(weights)[mine])
+        others = np.setdiff1d(np.arange(num_rows), rows[mine])
+        assert (row_weight[others] == 0.0).all()
+        row_token = np.asarray(tiles.row_token).reshape(-1, block_rows)
+        np.testing.assert_array_equal(
+            row_token[rows[mine] // block_rows, tokens[mine]], tokens[mine]
+        )
+
+
+@pytest.mark.parametrize("gated", (True, False))
+def test_token_rows_and_staged_rows_give_the_same_experts_pallas(gated):
+    """The kernel with ``group_tokens`` (x read whole by every tile) and with ``group_pairs``
+    (staged rows) agree with ``grouped_experts``: one token, a padding token routed like
+    token 0 (the one-request decode step), eight tokens, and a shard's block of experts."""
+    rng = np.random.default_rng(18)
+    num_experts = 8
+    up, down, gate = expert_stacks(rng, num_experts, jnp.float32, gated)
+    kernel = jax.jit(
+        lambda *a, token_rows: me.moe_experts_pallas(
+            *a, block_rows=8, token_rows=token_rows, interpret=True
+        ),
+        static_argnames="token_rows",
+    )
+    for num_tokens, top_k, shift in ((1, 3, 0), (2, 3, 0), (8, 2, 0), (6, 3, 4)):
+        weights, ids = routing(rng, num_tokens, top_k, num_experts, False)
+        if num_tokens == 2:
+            ids = ids.at[1].set(ids[0])  # padding follows token 0
+        x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32)
+        local = ids - shift
+        mine = (local >= 0) & (local < num_experts - shift)
+        stacks = [a[shift:] if a is not None else None for a in (up, down, gate)]
+        want = reference(x, jnp.where(mine, weights, 0.0), ids, up, down, gate)
+        for token_rows in (True, False):
+            got = kernel(x, weights, local, *stacks, token_rows=token_rows)
+            assert_close(got, want, FP32_TOL, f"n={num_tokens} token_rows={token_rows}")
