@@ -73,6 +73,13 @@ def max_tiles(num_pairs: int, num_experts: int, block_rows: int) -> int:
     return min(num_experts, num_pairs) + num_pairs // block_rows
 
 
+def _local_pairs(expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The pairs' expert ids, flat ``[N * k]`` int32, and which of them are this call's
+    (in ``[0, num_experts)``; the others are another shard's experts)."""
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    return flat, (flat >= 0) & (flat < num_experts)
+
+
 # Up to this many (token, expert) pairs, ``group_pairs`` finds ranks and fills the staged
 # rows by comparing every pair with every other and every staged row (reductions that fuse,
 # a few kernels); more pairs take a cumulative sum over the pairs and scatters, whose cost
@@ -95,8 +102,7 @@ def group_pairs(
     num_pairs = num_tokens * top_k
     if compare is None:
         compare = num_pairs <= COMPARE_MAX_PAIRS
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    local = (flat >= 0) & (flat < num_experts)  # other pairs are another shard's
+    flat, local = _local_pairs(expert_ids, num_experts)
     flat = jnp.where(local, flat, 0)
     experts = jnp.arange(num_experts, dtype=jnp.int32)
     one_hot = (flat[:, None] == experts[None, :]) & local[:, None]
@@ -151,8 +157,7 @@ def group_tokens(
     if num_tokens > block_rows:
         raise ValueError(f"group_tokens takes at most block_rows={block_rows} tokens")
     num_pairs = num_tokens * top_k
-    flat = expert_ids.reshape(-1).astype(jnp.int32)
-    local = (flat >= 0) & (flat < num_experts)  # other pairs are another shard's
+    flat, local = _local_pairs(expert_ids, num_experts)
     pair = jnp.arange(num_pairs, dtype=jnp.int32)
     same = (flat[None, :] == flat[:, None]) & local[None, :] & (pair[None, :] <= pair[:, None])
     first = jnp.min(jnp.where(same, pair[None, :], num_pairs), axis=1)  # itself if first

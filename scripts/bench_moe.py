@@ -190,17 +190,16 @@ def profiled_seconds(fn, x, weights, ids, copies, calls: int = PROFILED_CALLS):
     def moe_call(x, weights, ids, stacks):
         return fn(x, weights, ids, stacks)
 
-    jitted = jax.jit(moe_call)
     args = [
         (x, weights[i % len(weights)], ids[i % len(ids)], copies[i % len(copies)])
         for i in range(calls)
     ]
-    hlo = jitted.lower(*args[0]).compile().as_text()
-    jax.block_until_ready([jitted(*a) for a in args])
+    compiled = jax.jit(moe_call).lower(*args[0]).compile()  # once: its HLO names the scopes
+    jax.block_until_ready([compiled(*a) for a in args])
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready([jitted(*a) for a in args])
-        ops = device_ops(trace_dir, hlo, "moe_call")
+            jax.block_until_ready([compiled(*a) for a in args])
+        ops = device_ops(trace_dir, compiled.as_text(), "moe_call")
     if not ops:
         raise RuntimeError("no kernels of the call in the trace")
 
