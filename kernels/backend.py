@@ -90,7 +90,7 @@ DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
 # at Qwen3-Next widths (hidden 2048, expert intermediate 512; 64 experts top-10 and 256
 # top-8), 1 to 2048 tokens (BENCHMARKS, "The routed-expert tiles by kernel time"): 64-column
 # intermediate tiles are the fastest up launch at every count from 2 tokens (2 tokens of
-# 64 experts: 21.7 against 29.1 us for 32 columns; at one token within 0.5 us either way).
+# 64 experts: 22.5 against 29.4 us for 32 columns; at one token within 0.6 us either way).
 DEFAULT_MOE_TILES = {
     "block_rows": 16,  # the smallest row tile Triton's dots take
     "block_inner": 64,
