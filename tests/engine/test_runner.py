@@ -76,3 +76,47 @@ def test_packed_batch_round_trips():
             assert back.dtype == leaf.dtype
             assert back.tobytes() == leaf.tobytes()
     assert len(layouts) == len(builds)
+
+
+def test_decode_steps_keep_their_buffers():
+    """A decode step reads its batch words from the buffer the last step of that shape read
+    and writes its outputs over that step's outputs (the command buffers of a GPU are then
+    launched unchanged); what the host reads is a copy, so every step's tokens are its own:
+    the same tokens as an engine whose steps are processed one at a time."""
+    prompt, params = [5, 6, 7, 8], {"max_new_tokens": 6, "ignore_eos": True}
+    engine = Engine(
+        model=_model(),
+        mamba_track_interval=64,
+        chunked_prefill_size=64,
+        max_running_requests=1,
+        max_total_tokens=256,
+        context_length=64,
+        skip_warmup=True,
+    )
+    runner = engine.runner
+    addresses = []
+    launch = runner._launch_packed
+
+    def recording(extend, packed):
+        outputs = launch(extend, packed)
+        if not extend:
+            (key,) = runner._outbox  # one decode shape in this run
+            held = [runner._held_words[key], *jax.tree.leaves(runner._outbox[key])]
+            addresses.append([x.unsafe_buffer_pointer() for x in held if x.size])
+        return outputs
+
+    runner._launch_packed = recording
+    tokens = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    assert len(addresses) >= 4
+    assert all(step == addresses[1] for step in addresses[1:]), addresses
+    synced = Engine(
+        model=_model(),
+        mamba_track_interval=64,
+        chunked_prefill_size=64,
+        max_running_requests=1,
+        max_total_tokens=256,
+        context_length=64,
+        skip_warmup=True,
+        disable_overlap_schedule=True,
+    )
+    assert synced.generate(input_ids=prompt, sampling_params=params)["output_ids"] == tokens
