@@ -221,43 +221,26 @@ class _WidestDecode:
     """Stands in for the runner's jitted decode step: calls it and keeps, of its widest call
     (most rows), the device batch (to re-run the step alone) and the abstract arguments (to
     lower it again). The abstract arguments are taken only when the widest call changes, so
-    the served steps carry no extra host work. The batch is kept with a copy of its words
-    (the runner writes the next batch of the shape over the words buffer it reads)."""
+    the served steps carry no extra host work."""
 
     def __init__(self, jitted):
         self.jitted, self.batch, self.args, self.rows = jitted, None, None, -1
 
-    def __call__(self, params, outbox, pools, batch):
+    def __call__(self, params, pools, batch):
         rows = batch.num_rows  # a PackedBatch
         if rows > self.rows:
-            import dataclasses
-
             import jax
-            import jax.numpy as jnp
 
             to_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-            self.args = jax.tree.map(to_abstract, (params, outbox, pools, batch))
-            self.batch = dataclasses.replace(batch, words=jnp.copy(batch.words))
-            self.rows = rows
-        return self.jitted(params, outbox, pools, batch)
+            self.args = jax.tree.map(to_abstract, (params, pools, batch))
+            self.batch, self.rows = batch, rows
+        return self.jitted(params, pools, batch)
 
 
-def _compiled_decode(runner, params, outbox, pools, batch):
+def _compiled_decode(runner, params, pools, batch):
     """The runner's decode step compiled for these (concrete or abstract) arguments."""
     static = (runner.family, runner.cfg, runner.static, runner.sharding)
-    return runner.programs.decode.lower(*static, params, outbox, pools, batch).compile()
-
-
-def _decode_chain(runner, batch, n: int):
-    """``n`` decode steps on ``batch`` back to back, each writing over the last one's outputs
-    as the runner's steps do (its outbox for the shape, given back after); returns the last
-    outputs."""
-    step, key = runner._decode.jitted, batch.layout
-    out = runner._outbox.pop(key)
-    for _ in range(n):
-        out, runner.pools = step(runner.params, out, runner.pools, batch)
-    runner._outbox[key] = out
-    return out
+    return runner.programs.decode.lower(*static, params, pools, batch).compile()
 
 
 def decode_memory(model, backend: str, args) -> dict:
@@ -289,8 +272,13 @@ def _step_alone_seconds(engine, batch, calls: tuple[int, int] = (2, 12), iters: 
     n2 steps (each ending in one sync), the difference of their medians over n2 - n1."""
     import jax
 
+    runner = engine.runner
+    step = runner._decode.jitted
+
     def chain(n):
-        jax.block_until_ready(_decode_chain(engine.runner, batch, n)["tokens"])
+        for _ in range(n):
+            out, runner.pools = step(runner.params, runner.pools, batch)
+        jax.block_until_ready(out["tokens"])
 
     medians = []
     for n in calls:
@@ -317,11 +305,13 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> tuple[dict[str, f
     from lazyspec.bench.floor import device_breakdown, device_ops
 
     runner = engine.runner
-    outbox = runner._outbox[batch.layout]
-    hlo = _compiled_decode(runner, runner.params, outbox, runner.pools, batch).as_text()
+    step = runner._decode.jitted
+    hlo = _compiled_decode(runner, runner.params, runner.pools, batch).as_text()
     shutil.rmtree(out_dir, ignore_errors=True)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
-        jax.block_until_ready(_decode_chain(runner, batch, calls)["tokens"])
+        for _ in range(calls):
+            out, runner.pools = step(runner.params, runner.pools, batch)
+        jax.block_until_ready(out["tokens"])
     seconds = device_breakdown(out_dir, hlo, "decode_step")
     ops = device_ops(out_dir, hlo, "decode_step")
     per_step = [

@@ -3,16 +3,6 @@
 It is the only owner of the pools: each launch passes them (donated) into a step and
 replaces the reference with the step's output. ``launch`` dispatches asynchronously and
 returns device arrays; ``fetch`` blocks on one step's small outputs only.
-
-A decode step keeps the device addresses of its arguments and outputs from one step to the
-next. On a GPU, XLA runs a step as command buffers (CUDA graphs) and updates the commands
-that touch any buffer whose address changed since the last call; an update and the launch
-after it cost about a millisecond of host time for a few hundred kernels, against a few tens
-of microseconds for an unchanged graph (BENCHMARKS.md, "The decode step's dispatch"). So
-the batch words are copied into a buffer held per batch shape (``Programs.install``, which
-donates it) rather than handed over fresh, the step overwrites the previous step's outputs
-(its outbox, donated) rather than allocating new ones, and a small program copies them out
-for the host (``Programs.snapshot``) before the next step overwrites them.
 """
 
 from __future__ import annotations
@@ -108,34 +98,6 @@ def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
     return seed_counts(output_counts, in_prompt, unpack_batch(packed))
 
 
-def _into_outbox(step):
-    """``step`` (sharded, unpacking) taking first, donated, the previous step's outputs of
-    the same shapes (the outbox), which it overwrites: every output then aliases an outbox
-    buffer and a decode step's arguments and outputs keep their device addresses from one
-    step to the next (module docstring). The outbox leads the donated arguments, so each
-    output is matched with its own outbox buffer before any pool is (jax aliases a donated
-    input to the first output of its shape)."""
-
-    def run(fam, cfg, static, sharding, params, outbox, pools, batch):
-        del outbox  # donated only: its buffers hold the outputs
-        return step(fam, cfg, static, sharding, params, pools, batch)
-
-    run.__name__ = step.__name__
-    return run
-
-
-def _install(held: jax.Array, fresh: jax.Array) -> jax.Array:
-    """``fresh``'s values written over ``held`` (donated): the same buffer, new contents."""
-    del held
-    return fresh
-
-
-def _snapshot(outputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """A copy of a step's outputs in buffers of their own (the outbox is overwritten by the
-    next step)."""
-    return jax.tree.map(jnp.copy, outputs)
-
-
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """The jitted programs of runners whose pools have one set of shardings. Each program
@@ -145,15 +107,13 @@ class Programs:
     for ``P(None, 'tp', None)``), which jit's dispatch cache counts as a new signature."""
 
     extend: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (outputs, pools)
-    decode: Any  # (fam, cfg, static, sharding, params, outbox, pools, packed) -> same
+    decode: Any
     # a decode step in two programs, the grammar masks written between them
     decode_forward: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (carry, pools)
     decode_finish: Any  # (..., params, pools, packed, carry) -> (outputs, pools)
     table: Any  # (req_to_token, updates) -> req_to_token
     mask: Any  # (vocab_mask, rows, masks) -> vocab_mask
     seed: Any  # (output_counts, in_prompt, packed) -> (output_counts, in_prompt)
-    install: Any  # (held, fresh) -> held's buffer holding fresh's values (a decode's words)
-    snapshot: Any  # (outputs) -> a copy of them (a decode's outputs, out of its outbox)
 
     def all(self) -> tuple[Any, ...]:
         return (
@@ -164,8 +124,6 @@ class Programs:
             self.table,
             self.mask,
             self.seed,
-            self.install,
-            self.snapshot,
         )
 
 
@@ -192,13 +150,7 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
 
         _PROGRAMS[key] = Programs(
             extend=step_jit(extend_step),
-            decode=jax.jit(
-                _into_outbox(_sharded(_unpacking(decode_step))),
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5, 6),
-                out_shardings=step_out,
-                keep_unused=True,  # the outbox is unused: kept so that it is aliased
-            ),
+            decode=step_jit(decode_step),
             decode_forward=step_jit(decode_forward, replicate_outputs=False),
             decode_finish=step_jit(decode_finish),
             table=jax.jit(
@@ -214,13 +166,6 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
                 donate_argnums=(0, 1),
                 out_shardings=(pool_shardings.output_counts, pool_shardings.in_prompt),
             ),
-            install=jax.jit(
-                _install,
-                donate_argnums=(0,),
-                out_shardings=sharding.replicated,
-                keep_unused=True,
-            ),
-            snapshot=jax.jit(_snapshot, out_shardings=sharding.replicated),
         )
     return _PROGRAMS[key]
 
@@ -314,9 +259,6 @@ class Runner:
         self.programs = programs = programs_for(sharding, self.pool_shardings)
         self._extend = functools.partial(programs.extend, self.family, self.cfg, static, sharding)
         self._decode = functools.partial(programs.decode, self.family, self.cfg, static, sharding)
-        # per decode batch layout: the words buffer the steps read, and the last outputs
-        self._held_words: dict[Any, jax.Array] = {}
-        self._outbox: dict[Any, dict[str, jax.Array]] = {}
         self._forward = functools.partial(
             programs.decode_forward, self.family, self.cfg, static, sharding
         )
@@ -374,33 +316,14 @@ class Runner:
         return pack_batch(batch)
 
     def _launch_packed(self, extend: bool, packed: PackedBatch) -> dict[str, jax.Array]:
+        step = self._extend if extend else self._decode
         # placed before the call: handed the numpy array, the jitted call moves it itself,
         # cheaper on the CPU but 0.25 ms slower per batch-1 step on the H200 (BENCHMARKS)
         words = jax.device_put(packed.words, self.sharding.replicated)
-        if extend:
-            outputs, self.pools = self._extend(
-                self.params, self.pools, dataclasses.replace(packed, words=words)
-            )
-            return outputs
-        key = packed.layout
-        held = self._held_words.get(key)
-        if held is None:  # the first step of this shape (warm-up's): installed like the rest
-            held = jnp.zeros(words.shape, words.dtype, device=self.sharding.replicated)
-        words = self._held_words[key] = self.programs.install(held, words)
-        packed = dataclasses.replace(packed, words=words)
-        outbox = self._outbox.pop(key, None)
-        if outbox is None:  # the first step of this shape: an outbox of zeros
-            decode = functools.partial(
-                self.programs.decode, self.family, self.cfg, self.static, self.sharding
-            )
-            shapes = jax.eval_shape(decode, self.params, None, self.pools, packed)[0]
-            outbox = jax.tree.map(
-                lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=self.sharding.replicated),
-                shapes,
-            )
-        outputs, self.pools = self._decode(self.params, outbox, self.pools, packed)
-        self._outbox[key] = outputs
-        return self.programs.snapshot(outputs)
+        outputs, self.pools = step(
+            self.params, self.pools, dataclasses.replace(packed, words=words)
+        )
+        return outputs
 
     def launch_forward(
         self,
