@@ -90,31 +90,21 @@ def reference_rows(commands: int, calls: int) -> list[dict]:
     return rows
 
 
-def decode_rows(args, batch: int) -> list[dict]:
+def decode_rows(model, args, batch: int) -> list[dict]:
     """The engine's widest decode step at ``batch`` requests, idle and chained."""
     import bench_engine as be
 
-    model = be.build_model(args.preset, args.dtype)
+    engine_args = types.SimpleNamespace(
+        moe_runner_backend="auto",
+        dtype=args.dtype,
+        tp_size=1,
+        prompt_len=args.prompt_len,
+        context=args.context,
+        spec_steps=3,
+    )
     rows = []
     for backend in args.backends.split(","):
-        engine_args = types.SimpleNamespace(
-            moe_runner_backend="auto",
-            dtype=args.dtype,
-            tp_size=1,
-            prompt_len=args.prompt_len,
-            context=args.context,
-            spec_steps=3,
-        )
-        engine = be.make_engine(model, backend, engine_args, batch, spec=False)
-        recorder = be._WidestDecode(engine.runner._decode)
-        engine.runner._decode = recorder
-        rng = np.random.default_rng(0)
-        vocab = model.config.vocab_size
-        prompts = [
-            [int(t) for t in rng.integers(1, vocab, size=args.prompt_len)] for _ in range(batch)
-        ]
-        warm = {"max_new_tokens": 8, "ignore_eos": True}
-        engine.generate(input_ids=prompts, sampling_params=warm)
+        engine, recorder = be.served_engine(model, backend, engine_args, batch, spec=False)
         runner, packed, step = engine.runner, recorder.batch, recorder.jitted
 
         def call(runner=runner, packed=packed, step=step):
@@ -185,11 +175,13 @@ def main(argv=None) -> None:
             print("\n(no command-buffer updates logged: n/a on this backend, or none happened)")
         return
     import jax
+    from bench_engine import build_model
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     rows = reference_rows(args.ref_commands, args.calls)
+    model = build_model(args.preset, args.dtype)
     for batch in (int(b) for b in args.batches.split(",")):
-        rows += decode_rows(args, batch)
+        rows += decode_rows(model, args, batch)
     print("\n| phase | median dispatch (host ms) |")
     print("|---|---|")
     for row in rows:

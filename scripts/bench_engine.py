@@ -243,17 +243,25 @@ def _compiled_decode(runner, params, pools, batch):
     return runner.programs.decode.lower(*static, params, pools, batch).compile()
 
 
-def decode_memory(model, backend: str, args) -> dict:
-    """XLA's memory analysis of the decode step compiled at the widest shape served."""
-    engine = make_engine(model, backend, args, args.batch, args.spec)
+def served_engine(model, backend: str, args, batch: int, spec: bool):
+    """An engine (``make_engine``) that has served ``batch`` random prompts of
+    ``args.prompt_len`` tokens for 8 new tokens (every shape of that workload compiled), and
+    the ``_WidestDecode`` its decode step was called through."""
+    engine = make_engine(model, backend, args, batch, spec)
     recorder = _WidestDecode(engine.runner._decode)
     engine.runner._decode = recorder
     rng = np.random.default_rng(0)
     prompts = [
         [int(t) for t in rng.integers(1, model.config.vocab_size, size=args.prompt_len)]
-        for _ in range(args.batch)
+        for _ in range(batch)
     ]
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    return engine, recorder
+
+
+def decode_memory(model, backend: str, args) -> dict:
+    """XLA's memory analysis of the decode step compiled at the widest shape served."""
+    engine, recorder = served_engine(model, backend, args, args.batch, args.spec)
     analysis = _compiled_decode(engine.runner, *recorder.args).memory_analysis()
     mib = lambda n: n / 2**20  # noqa: E731
     return {

@@ -49,7 +49,7 @@ def test_updates_are_counted_per_phase():
     assert counts == {"first": (1.0, 10.0), "second": (0.0, 0.0)}
 
 
-def test_tiny_preset_runs_on_cpu(tmp_path):
+def test_tiny_preset_runs_on_cpu():
     env = dict(os.environ, XLA_FLAGS=with_fast_compile(os.environ.get("XLA_FLAGS", "")))
     command = [sys.executable, str(SCRIPT), "--preset", "tiny", "--backends", "xla"]
     command += ["--dtype", "float32", "--batches", "1", "--calls", "3", "--ref-commands", "4"]
