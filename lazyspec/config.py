@@ -55,6 +55,8 @@ class EngineConfig:
     node_rank: int = 0  # this process's id: 0 runs the scheduler, the others follow it
     dist_init_addr: str | None = None  # host:port of the coordinator (process 0) when nnodes > 1
     skip_warmup: bool = False
+    # copies of each decode program, called in turn (1 or 2; None: 2 on GPU, else 1)
+    decode_program_copies: int | None = None
     # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
     schedule_conservativeness: float = 1.0
     # Fault injection / experiments (tests and benchmarks only).
@@ -94,6 +96,8 @@ class EngineConfig:
             raise ValueError(
                 f"schedule_conservativeness={conservativeness!r} must be a positive number"
             )
+        if self.decode_program_copies not in (None, 1, 2):
+            raise ValueError(f"decode_program_copies={self.decode_program_copies!r} must be 1 or 2")
         for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -6,8 +6,9 @@ updates every command that touches a buffer whose address changed since the last
 which costs far more host time than launching an unchanged graph. For each batch size this
 script serves a few requests (compiling the shapes), then calls the widest decode step
 ``--calls`` times, each with the device idle (``idle``: waits for the step before the next
-call) and back to back (``chained``), and reports the median host time of the call. Every
-call takes the same packed batch (the engine loop moves fresh words to the device each
+call) and back to back (``chained``), and reports the median host time of the call, once
+calling one program and once two copies of it in turn (``EngineConfig.decode_program_copies``).
+Every call takes the same packed batch (the engine loop moves fresh words to the device each
 step: one more buffer whose address changes).
 
 For scale, the same is timed for a reference program of ``--ref-commands`` small kernels
@@ -91,8 +92,11 @@ def reference_rows(commands: int, calls: int) -> list[dict]:
 
 
 def decode_rows(model, args, batch: int) -> list[dict]:
-    """The engine's widest decode step at ``batch`` requests, idle and chained."""
+    """The engine's widest decode step at ``batch`` requests, idle and chained, called as one
+    program and as two copies in turn (``runner.InTurn``)."""
     import bench_engine as be
+
+    from lazyspec.engine.runner import InTurn
 
     engine_args = types.SimpleNamespace(
         moe_runner_backend="auto",
@@ -101,21 +105,24 @@ def decode_rows(model, args, batch: int) -> list[dict]:
         prompt_len=args.prompt_len,
         context=args.context,
         spec_steps=3,
+        decode_program_copies=2,
     )
     rows = []
     for backend in args.backends.split(","):
         engine, recorder = be.served_engine(model, backend, engine_args, batch, spec=False)
-        runner, packed, step = engine.runner, recorder.batch, recorder.jitted
+        runner, packed, programs = engine.runner, recorder.batch, recorder.jitted.programs
+        for copies in (1, 2):
+            step = InTurn(programs[:copies])
 
-        def call(runner=runner, packed=packed, step=step):
-            out, runner.pools = step(runner.params, runner.pools, packed)
-            return out["tokens"]
+            def call(runner=runner, packed=packed, step=step):
+                out, runner.pools = step(runner.params, runner.pools, packed)
+                return out
 
-        for idle in (True, False):
-            mode = "idle" if idle else "chained"
-            label = f"{args.preset} {backend} decode, batch {batch}, {mode}"
-            _phase(label)
-            rows.append({"what": label, "ms": 1e3 * _timed_calls(call, args.calls, idle)})
+            for idle in (True, False):
+                mode = "idle" if idle else "chained"
+                label = f"{args.preset} {backend} decode, batch {batch}, {copies} in turn, {mode}"
+                _phase(label)
+                rows.append({"what": label, "ms": 1e3 * _timed_calls(call, args.calls, idle)})
     return rows
 
 

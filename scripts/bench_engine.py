@@ -205,6 +205,7 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
         context_length=args.context,
         max_total_tokens=batch * args.context,
         skip_warmup=True,
+        decode_program_copies=getattr(args, "decode_program_copies", None),
         **(nextn if spec else {}),
     )
     mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
@@ -286,7 +287,7 @@ def _step_alone_seconds(engine, batch, calls: tuple[int, int] = (2, 12), iters: 
     def chain(n):
         for _ in range(n):
             out, runner.pools = step(runner.params, runner.pools, batch)
-        jax.block_until_ready(out["tokens"])
+        jax.block_until_ready(out)
 
     medians = []
     for n in calls:
@@ -319,7 +320,7 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> tuple[dict[str, f
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         for _ in range(calls):
             out, runner.pools = step(runner.params, runner.pools, batch)
-        jax.block_until_ready(out["tokens"])
+        jax.block_until_ready(out)
     seconds = device_breakdown(out_dir, hlo, "decode_step")
     ops = device_ops(out_dir, hlo, "decode_step")
     per_step = [
@@ -439,6 +440,7 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
         "pct_alone": 100 * floor_ms / alone_ms if alone_ms > 0 else 0.0,
         "prefill_tok_s": args.prompt_len * len(reqs) / max(sum(times["extend"]), 1e-9),
         "accept_len": info["avg_accept_length"],
+        "copies": engine.runner.decode_copies,
         # median ms per decode loop step in each host call (dispatch is inside launch)
         "host_ms": {
             name: 1e3 * float(np.median([step[name] for step in host_steps])) for name in HOST_CALLS
@@ -546,6 +548,13 @@ def main(argv=None) -> None:
     p.add_argument("--spec-only", action="store_true", help="only NEXTN rows")
     p.add_argument("--spec-steps", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=1024, help="copy-bandwidth buffer size")
+    p.add_argument(
+        "--decode-program-copies",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="EngineConfig.decode_program_copies (default: the engine's, 2 on GPU)",
+    )
     p.add_argument("--profile", default=None, help="folder for profiles: adds a breakdown")
     p.add_argument(
         "--memory",
@@ -608,13 +617,15 @@ def main(argv=None) -> None:
         "Host calls per decode loop step (median ms; dispatch, the jitted step's call, is "
         "inside launch; fetch waits for the step's outputs):",
         "",
-        "| preset | backend | batch | spec | loop | " + " | ".join(HOST_CALLS) + " |",
-        "|---|---|---|---|---|" + "---|" * len(HOST_CALLS),
+        "| preset | backend | batch | spec | decode programs | loop | "
+        + " | ".join(HOST_CALLS)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(HOST_CALLS),
     ]
     for r in engine_rows:
         cells = " | ".join(f"{r['host_ms'][name]:.2f}" for name in HOST_CALLS)
         lines.append(
-            f"| {r['preset']} | {r['backend']} | {r['batch']} | {r['spec']} | "
+            f"| {r['preset']} | {r['backend']} | {r['batch']} | {r['spec']} | {r['copies']} | "
             f"{r['loop_ms']:.2f} | {cells} |"
         )
     if args.profile:

@@ -20,7 +20,7 @@ import numpy as np
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.engine.runner import Runner
+from lazyspec.engine.runner import PackedOutputs, Runner
 from lazyspec.engine.steps import StepStatic
 from lazyspec.scheduler.batch import (
     build_decode,
@@ -149,6 +149,7 @@ class Engine:
             self.sharding,
             broadcast=self.broadcast if c.is_leader else None,
             draft_token_ids=self._draft_token_ids(cfg),
+            decode_copies=c.decode_program_copies or self._default_decode_copies(),
         )
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
@@ -196,6 +197,10 @@ class Engine:
         )
         return ids
 
+    def _default_decode_copies(self) -> int:
+        """Two copies of the decode program where programs run as CUDA graphs (``InTurn``)."""
+        return 2 if self.sharding.mesh.devices.flat[0].platform == "gpu" else 1
+
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Compile every bucket shape now, so serving compiles nothing new.
 
@@ -214,8 +219,12 @@ class Engine:
         ]
         # each decode shape also as a step of argmax-only rows (DecodeBatch.greedy); a
         # batch with grammar rows never is one: the split programs take the general form
+        # launched once per copy of the decode program (called in turn), so each compiles
         batches += [
-            functools.partial(build, greedy=greedy) for build in decodes for greedy in (False, True)
+            functools.partial(build, greedy=greedy)
+            for build in decodes
+            for greedy in (False, True)
+            for _ in range(runner.decode_copies)
         ]
         decodes = [functools.partial(build, greedy=False) for build in decodes]
         # an all-padding chunk compiles the table-update program and writes nothing (and an
@@ -363,21 +372,23 @@ class Engine:
         self._inflight = (plan, self._copy_back(self._wanted(plan, outputs)))
 
     @staticmethod
-    def _wanted(plan, outputs: dict) -> dict:
+    def _wanted(plan, outputs: dict | PackedOutputs) -> dict | PackedOutputs:
         """The outputs the host reads of a step: the prompt logprobs and the top logprobs
-        only if a row asked for them."""
+        only if a row asked for them (a decode step's packed outputs are copied whole)."""
+        if isinstance(outputs, PackedOutputs):
+            return outputs
         skip = () if plan.prompt_logprobs else ("prompt_",)
         if not any(record.req.return_logprob for record in plan.records):
             skip += ("top_",)
         return {k: v for k, v in outputs.items() if not k.startswith(skip)}
 
     @staticmethod
-    def _copy_back(outputs: dict) -> dict:
+    def _copy_back(outputs: dict | PackedOutputs) -> dict | PackedOutputs:
         """Start the device-to-host copies of a just-launched step's outputs (those it
         keeps in flight: ``_wanted``), so that they run when the step ends rather than when
         ``Runner.fetch`` asks, after the next step's launch (BENCHMARKS.md, "Engine decode
         step, 2026-12-02 (third)"); returns ``outputs``."""
-        for value in outputs.values():
+        for value in [outputs] if isinstance(outputs, PackedOutputs) else outputs.values():
             value.copy_to_host_async()
         return outputs
 

@@ -35,6 +35,7 @@ from lazyspec.engine.steps import (
     DecodeCarry,
     ExtendBatch,
     PackedBatch,
+    PackedLayout,
     Pools,
     StepStatic,
     apply_table_updates,
@@ -44,8 +45,10 @@ from lazyspec.engine.steps import (
     decode_step,
     extend_step,
     pack_batch,
+    pack_outputs,
     seed_counts,
     unpack_batch,
+    unpack_outputs,
 )
 from lazyspec.models.interface import KVPools
 from lazyspec.scheduler.batch import CountSeed
@@ -85,6 +88,23 @@ def _sharded(step, replicate_outputs: bool = True):
     return run
 
 
+class InTurn:
+    """Calls its programs in turn, one per call. A GPU program runs as command buffers (CUDA
+    graphs) that XLA updates whenever a buffer the program touches has moved since its last
+    call, which costs more host time than the launch itself. A decode step's outputs (and
+    its words) are allocated while the last step's are still held, so their addresses
+    alternate from step to step: two copies of the program called in turn each see the
+    addresses of their own last call."""
+
+    def __init__(self, programs: list):
+        self.programs, self.turn = programs, 0
+
+    def __call__(self, *args):
+        program = self.programs[self.turn]
+        self.turn = (self.turn + 1) % len(self.programs)
+        return program(*args)
+
+
 @dataclasses.dataclass
 class PendingDecode:
     """A decode step whose forward is launched and whose sample-and-commit program is not:
@@ -98,6 +118,38 @@ def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
     return seed_counts(output_counts, in_prompt, unpack_batch(packed))
 
 
+# (family name, config, static settings, the packed batch's layout) -> the layout of the
+# decode step's packed outputs, recorded when the step is traced for that batch layout
+_OUTPUT_LAYOUTS: dict[tuple, PackedLayout] = {}
+
+
+def _packing_outputs(step):
+    """``step`` (taking the sharding plan, ``_sharded``) returning its outputs packed into
+    one int32 array (``pack_outputs``): one output buffer to allocate and one copy back
+    per step. The layout is recorded as the step is traced (``_OUTPUT_LAYOUTS``)."""
+
+    def run(fam, cfg, static, sharding, params, pools, packed: PackedBatch, *rest):
+        outputs, pools = step(fam, cfg, static, sharding, params, pools, packed, *rest)
+        words, layout = pack_outputs(outputs)
+        _OUTPUT_LAYOUTS[(fam.__name__, cfg, static, packed.layout)] = layout
+        return words, pools
+
+    run.__name__ = step.__name__
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedOutputs:
+    """A launched step's outputs as one device array (``_packing_outputs``) and its layout;
+    ``Runner.fetch`` unpacks them."""
+
+    words: jax.Array
+    layout: PackedLayout
+
+    def copy_to_host_async(self) -> None:
+        self.words.copy_to_host_async()
+
+
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """The jitted programs of runners whose pools have one set of shardings. Each program
@@ -108,6 +160,8 @@ class Programs:
 
     extend: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (outputs, pools)
     decode: Any
+    # the same decode step jitted again: its own executables, so its own CUDA graphs
+    decode_copy: Any
     # a decode step in two programs, the grammar masks written between them
     decode_forward: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (carry, pools)
     decode_finish: Any  # (..., params, pools, packed, carry) -> (outputs, pools)
@@ -119,6 +173,7 @@ class Programs:
         return (
             self.extend,
             self.decode,
+            self.decode_copy,
             self.decode_forward,
             self.decode_finish,
             self.table,
@@ -140,9 +195,10 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
     if key not in _PROGRAMS:
         step_out = (sharding.replicated, pool_shardings)
 
-        def step_jit(step, replicate_outputs: bool = True):
+        def step_jit(step, replicate_outputs: bool = True, packed_outputs: bool = False):
+            run = _sharded(_unpacking(step), replicate_outputs)
             return jax.jit(
-                _sharded(_unpacking(step), replicate_outputs),
+                _packing_outputs(run) if packed_outputs else run,
                 static_argnums=(0, 1, 2, 3),
                 donate_argnums=(5,),
                 out_shardings=step_out if replicate_outputs else (None, pool_shardings),
@@ -150,7 +206,8 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
 
         _PROGRAMS[key] = Programs(
             extend=step_jit(extend_step),
-            decode=step_jit(decode_step),
+            decode=step_jit(decode_step, packed_outputs=True),
+            decode_copy=step_jit(decode_step, packed_outputs=True),
             decode_forward=step_jit(decode_forward, replicate_outputs=False),
             decode_finish=step_jit(decode_finish),
             table=jax.jit(
@@ -230,6 +287,7 @@ class Runner:
         sharding: ShardingPlan,
         broadcast: StepBroadcast | None = None,
         draft_token_ids: np.ndarray | None = None,
+        decode_copies: int = 1,
     ) -> None:
         """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
         allocates the pools there, each array with the sharding the rule table gives it;
@@ -237,7 +295,8 @@ class Runner:
         (process 0 of several): every device call is sent through it first, so the other
         processes (in ``follow``) make the same call. ``draft_token_ids`` (a speculative
         token map, ``token_map.draft_token_ids``): the draft head's reduced lm_head is
-        gathered once and kept in the params (``draft_vocab.DRAFT_VOCAB``)."""
+        gathered once and kept in the params (``draft_vocab.DRAFT_VOCAB``).
+        ``decode_copies``: copies of the decode program called in turn (``InTurn``)."""
         self.broadcast = broadcast
         self.family = model.family
         self.cfg = model.config
@@ -258,7 +317,11 @@ class Runner:
         )
         self.programs = programs = programs_for(sharding, self.pool_shardings)
         self._extend = functools.partial(programs.extend, self.family, self.cfg, static, sharding)
-        self._decode = functools.partial(programs.decode, self.family, self.cfg, static, sharding)
+        decodes = [programs.decode, programs.decode_copy][:decode_copies]
+        self.decode_copies = decode_copies
+        self._decode = InTurn(
+            [functools.partial(d, self.family, self.cfg, static, sharding) for d in decodes]
+        )
         self._forward = functools.partial(
             programs.decode_forward, self.family, self.cfg, static, sharding
         )
@@ -315,7 +378,9 @@ class Runner:
             self.seed_counts(seed)
         return pack_batch(batch)
 
-    def _launch_packed(self, extend: bool, packed: PackedBatch) -> dict[str, jax.Array]:
+    def _launch_packed(
+        self, extend: bool, packed: PackedBatch
+    ) -> dict[str, jax.Array] | PackedOutputs:
         step = self._extend if extend else self._decode
         # placed before the call: handed the numpy array, the jitted call moves it itself,
         # cheaper on the CPU but 0.25 ms slower per batch-1 step on the H200 (BENCHMARKS)
@@ -323,7 +388,10 @@ class Runner:
         outputs, self.pools = step(
             self.params, self.pools, dataclasses.replace(packed, words=words)
         )
-        return outputs
+        if extend:
+            return outputs
+        key = (self.family.__name__, self.cfg, self.static, packed.layout)
+        return PackedOutputs(outputs, _OUTPUT_LAYOUTS[key])
 
     def launch_forward(
         self,
@@ -446,7 +514,10 @@ class Runner:
         return np.array(self.pools.req_to_token)
 
     @staticmethod
-    def fetch(outputs: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    def fetch(outputs: dict[str, jax.Array] | PackedOutputs) -> dict[str, np.ndarray]:
+        """A launched step's outputs on the host (waits for them)."""
+        if isinstance(outputs, PackedOutputs):
+            return unpack_outputs(np.asarray(outputs.words), outputs.layout)
         return {k: np.asarray(v) for k, v in jax.device_get(outputs).items()}
 
     @staticmethod

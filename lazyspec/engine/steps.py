@@ -168,6 +168,34 @@ def unpack_batch(packed: PackedBatch) -> ExtendBatch | DecodeBatch:
     return jax.tree.unflatten(packed.layout.treedef, leaves)
 
 
+def pack_outputs(outputs: dict[str, jax.Array]) -> tuple[jax.Array, PackedLayout]:
+    """Device side (traced): a step's outputs (each leaf 4 bytes wide or bool) as one int32
+    array and where each lies, so the step allocates one output buffer and the host copies
+    one array back (``unpack_outputs``)."""
+    leaves, treedef = jax.tree.flatten(outputs)
+    words = []
+    for leaf in leaves:
+        if leaf.dtype == jnp.bool_:
+            words.append(leaf.astype(jnp.int32).reshape(-1))
+        elif leaf.dtype.itemsize == 4:
+            words.append(jax.lax.bitcast_convert_type(leaf, jnp.int32).reshape(-1))
+        else:
+            raise TypeError(f"a packed output must be 4 bytes wide or bool, not {leaf.dtype}")
+    layout = PackedLayout(treedef, tuple((leaf.shape, leaf.dtype.name) for leaf in leaves))
+    return jnp.concatenate(words), layout
+
+
+def unpack_outputs(words: np.ndarray, layout: PackedLayout) -> dict[str, np.ndarray]:
+    """Host side: the outputs ``pack_outputs`` packed, as numpy views of ``words``."""
+    leaves, offset = [], 0
+    for shape, dtype in layout.leaves:
+        size = math.prod(shape)
+        flat = words[offset : offset + size]
+        offset += size
+        leaves.append((flat != 0 if dtype == "bool" else flat.view(dtype)).reshape(shape))
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
 @dataclass(frozen=True)
 class StepStatic:
     """Static (compile-time) settings shared by all steps of one engine: the device subset of

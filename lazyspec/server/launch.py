@@ -40,6 +40,7 @@ CHOICES = {
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
     "moe_runner_backend": MOE_RUNNER_BACKENDS,
     "load_format": LOAD_FORMATS,
+    "decode_program_copies": (1, 2),
 }
 HELP = {
     "model_path": "Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
@@ -96,6 +97,12 @@ HELP = {
     "dist_init_addr": "host:port of the jax.distributed coordinator (node-rank 0 listens "
     "there); needed with --nnodes > 1.",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
+    "decode_program_copies": "Compiled copies of each decode program, called in turn (1 or "
+    "2; default 2 on GPU, 1 elsewhere). On a GPU a program runs as CUDA graphs that XLA "
+    "re-records when a buffer it reads or writes moves; a step's outputs alternate between "
+    "two addresses from one step to the next, so two copies, each seeing the same addresses "
+    "every other step, launch without re-recording (BENCHMARKS.md, 'The decode step's "
+    "dispatch'). Costs one more compile per decode shape.",
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
     "the requests with the least progress).",

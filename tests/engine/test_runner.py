@@ -12,7 +12,7 @@ import numpy as np
 from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.runner import Runner
-from lazyspec.engine.steps import pack_batch, unpack_batch
+from lazyspec.engine.steps import pack_batch, pack_outputs, unpack_batch, unpack_outputs
 from lazyspec.models import nemotron_h
 from lazyspec.models.registry import parse_hf_config
 from lazyspec.scheduler.batch import build_decode, build_extend
@@ -26,7 +26,7 @@ def _model(**overrides) -> SimpleNamespace:
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
 
 
-def _serve(model: SimpleNamespace) -> None:
+def _serve(model: SimpleNamespace, num_new: int = 2, **kw) -> tuple[Engine, list[int]]:
     engine = Engine(
         model=model,
         mamba_track_interval=64,
@@ -34,9 +34,10 @@ def _serve(model: SimpleNamespace) -> None:
         max_running_requests=1,
         max_total_tokens=256,
         context_length=64,
-        skip_warmup=True,
+        **{"skip_warmup": True, **kw},
     )
-    engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    params = {"max_new_tokens": num_new, "ignore_eos": True}
+    return engine, engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
 
 
 def test_equal_configs_share_compiled_steps():
@@ -76,3 +77,68 @@ def test_packed_batch_round_trips():
             assert back.dtype == leaf.dtype
             assert back.tobytes() == leaf.tobytes()
     assert len(layouts) == len(builds)
+
+
+def test_packed_outputs_round_trip():
+    """A decode step returns its outputs as one int32 array: every leaf comes back bit for
+    bit in its dtype and shape (float32 bit-cast, NaN payloads included; bools as 0 / 1)."""
+    rng = np.random.default_rng(1)
+    bits = lambda *shape: rng.integers(0, 2**32, size=shape, dtype=np.uint32)  # noqa: E731
+    outputs = {
+        "tokens": bits(3, 2).view(np.int32),
+        "logprobs": bits(3, 2).view(np.float32),
+        "crossed": bits(3) % 2 == 1,
+        "top": bits(3, 2, 4).view(np.float32),
+        "one": bits(1).view(np.int32),
+    }
+    held = {}
+
+    def pack(outs):
+        words, held["layout"] = pack_outputs(outs)
+        return words
+
+    words = np.asarray(jax.jit(pack)(outputs))
+    assert words.dtype == np.int32 and words.shape == (6 + 6 + 3 + 24 + 1,)
+    back = unpack_outputs(words, held["layout"])
+    assert sorted(back) == sorted(outputs)
+    for name, leaf in outputs.items():
+        assert back[name].dtype == leaf.dtype and back[name].shape == leaf.shape, name
+        assert back[name].tobytes() == leaf.tobytes(), name
+    try:
+        pack_outputs({"half": jax.numpy.zeros(2, jax.numpy.bfloat16)})
+    except TypeError as exc:
+        assert "4 bytes wide or bool" in str(exc)
+    else:
+        raise AssertionError("a 2-byte output was packed")
+
+
+def test_two_decode_programs_called_in_turn():
+    """decode_program_copies=2: the warm-up compiles both copies of every decode shape (so
+    serving compiles nothing), the decode steps alternate between them, and the tokens are
+    those of one program. On a CPU the default is one program."""
+    model = _model(layer_norm_epsilon=1e-4)  # a config of its own: no program compiled yet
+    engine = Engine(
+        model=model,
+        mamba_track_interval=64,
+        chunked_prefill_size=64,
+        max_running_requests=1,
+        max_total_tokens=256,
+        context_length=64,
+        decode_program_copies=2,
+    )
+    compiled, calls = Runner.num_compiled(), []
+    programs = engine.runner._decode.programs
+    for i, program in enumerate(programs):
+        programs[i] = lambda *args, i=i, program=program: (calls.append(i), program(*args))[1]
+    params = {"max_new_tokens": 6, "ignore_eos": True}
+    got = engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
+    assert Runner.num_compiled() == compiled
+    assert len(calls) >= 4 and all(a != b for a, b in zip(calls, calls[1:])), calls
+    one, want = _serve(model, num_new=6)
+    assert one.runner.decode_copies == 1 and got == want
+    try:
+        EngineConfig(decode_program_copies=3)
+    except ValueError as exc:
+        assert "decode_program_copies=3 must be 1 or 2" in str(exc)
+    else:
+        raise AssertionError("decode_program_copies=3 was accepted")
