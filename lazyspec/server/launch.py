@@ -97,12 +97,12 @@ HELP = {
     "dist_init_addr": "host:port of the jax.distributed coordinator (node-rank 0 listens "
     "there); needed with --nnodes > 1.",
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
-    "decode_program_copies": "Compiled copies of each decode program, called in turn (1 or "
+    "decode_program_copies": "Compiled copies of the decode program, called in turn (1 or "
     "2; default 2 on GPU, 1 elsewhere). On a GPU a program runs as CUDA graphs that XLA "
-    "re-records when a buffer it reads or writes moves; a step's outputs alternate between "
-    "two addresses from one step to the next, so two copies, each seeing the same addresses "
-    "every other step, launch without re-recording (BENCHMARKS.md, 'The decode step's "
-    "dispatch'). Costs one more compile per decode shape.",
+    "re-records when a buffer it touches has moved since its last call; a step's output is "
+    "allocated while the last step's is still held, so its address alternates from step to "
+    "step, and each of two copies sees the addresses of its own last call (BENCHMARKS.md, "
+    "'The decode step's outputs in one buffer'). Costs one more compile per decode shape.",
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
     "the requests with the least progress).",
