@@ -26,8 +26,8 @@ def _model(**overrides) -> SimpleNamespace:
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
 
 
-def _serve(model: SimpleNamespace, num_new: int = 2, **kw) -> tuple[Engine, list[int]]:
-    engine = Engine(
+def _tiny_engine(model: SimpleNamespace, **kw) -> Engine:
+    return Engine(
         model=model,
         mamba_track_interval=64,
         chunked_prefill_size=64,
@@ -36,6 +36,10 @@ def _serve(model: SimpleNamespace, num_new: int = 2, **kw) -> tuple[Engine, list
         context_length=64,
         **{"skip_warmup": True, **kw},
     )
+
+
+def _serve(model: SimpleNamespace, num_new: int = 2) -> tuple[Engine, list[int]]:
+    engine = _tiny_engine(model)
     params = {"max_new_tokens": num_new, "ignore_eos": True}
     return engine, engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
 
@@ -117,15 +121,7 @@ def test_two_decode_programs_called_in_turn():
     serving compiles nothing), the decode steps alternate between them, and the tokens are
     those of one program. On a CPU the default is one program."""
     model = _model(layer_norm_epsilon=1e-4)  # a config of its own: no program compiled yet
-    engine = Engine(
-        model=model,
-        mamba_track_interval=64,
-        chunked_prefill_size=64,
-        max_running_requests=1,
-        max_total_tokens=256,
-        context_length=64,
-        decode_program_copies=2,
-    )
+    engine = _tiny_engine(model, decode_program_copies=2, skip_warmup=False)
     compiled, calls = Runner.num_compiled(), []
     programs = engine.runner._decode.programs
     for i, program in enumerate(programs):
