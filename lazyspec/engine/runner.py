@@ -118,7 +118,7 @@ def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
     return seed_counts(output_counts, in_prompt, unpack_batch(packed))
 
 
-# (family name, config, static settings, the packed batch's layout) -> the layout of the
+# (family, config, static settings, the packed batch's layout) -> the layout of the
 # decode step's packed outputs, recorded when the step is traced for that batch layout
 _OUTPUT_LAYOUTS: dict[tuple, PackedLayout] = {}
 
@@ -131,7 +131,7 @@ def _packing_outputs(step):
     def run(fam, cfg, static, sharding, params, pools, packed: PackedBatch, *rest):
         outputs, pools = step(fam, cfg, static, sharding, params, pools, packed, *rest)
         words, layout = pack_outputs(outputs)
-        _OUTPUT_LAYOUTS[(fam.__name__, cfg, static, packed.layout)] = layout
+        _OUTPUT_LAYOUTS[(fam, cfg, static, packed.layout)] = layout
         return words, pools
 
     run.__name__ = step.__name__
@@ -390,7 +390,7 @@ class Runner:
         )
         if extend:
             return outputs
-        key = (self.family.__name__, self.cfg, self.static, packed.layout)
+        key = (self.family, self.cfg, self.static, packed.layout)
         return PackedOutputs(outputs, _OUTPUT_LAYOUTS[key])
 
     def launch_forward(
