@@ -58,5 +58,8 @@ def test_tiny_preset_runs_on_cpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny xla decode")]
-    assert len(rows) == 4  # idle and chained, in the timing and the update tables
+    # one program and two in turn, each idle and chained, in the timing and the update tables
+    assert len(rows) == 8
+    for copies in (1, 2):
+        assert sum(f", {copies} in turn, " in row for row in rows) == 4, rows
     assert "n/a on this backend" in result.stdout

@@ -45,6 +45,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
     loop_ms, alone_ms, floor_ms = (float(c) for c in cells[5:8])
     assert loop_ms > 0 and alone_ms > 0 and 0 < floor_ms < alone_ms
     host = [c.strip() for c in rows[1].strip("|").split("|")]
-    schedule, launch, dispatch, fetch, process = (float(c) for c in host[5:])
-    assert float(host[4]) == loop_ms and 0 < dispatch <= launch < loop_ms
+    assert host[4] == "1"  # decode programs: one on a CPU
+    schedule, launch, dispatch, fetch, process = (float(c) for c in host[6:])
+    assert float(host[5]) == loop_ms and 0 < dispatch <= launch < loop_ms
     assert schedule > 0 and fetch > 0 and process > 0
