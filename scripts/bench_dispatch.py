@@ -8,8 +8,8 @@ script serves a few requests (compiling the shapes), then calls the widest decod
 ``--calls`` times, each with the device idle (``idle``: waits for the step before the next
 call) and back to back (``chained``), and reports the median host time of the call, once
 calling one program and once two copies of it in turn (``EngineConfig.decode_program_copies``).
-Every call takes the same packed batch (the engine loop moves fresh words to the device each
-step: one more buffer whose address changes).
+Every call moves the same packed batch's words to the device afresh, as the engine loop does
+each step (the step writes its outputs over them).
 
 For scale, the same is timed for a reference program of ``--ref-commands`` small kernels
 (reduce-and-add rounds over 4096 floats): with its argument donated and written in place

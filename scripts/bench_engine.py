@@ -220,9 +220,11 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
 
 class _WidestDecode:
     """Stands in for the runner's jitted decode step: calls it and keeps, of its widest call
-    (most rows), the device batch (to re-run the step alone) and the abstract arguments (to
-    lower it again). The abstract arguments are taken only when the widest call changes, so
-    the served steps carry no extra host work."""
+    (most rows), the batch (to re-run the step alone) and the abstract arguments (to lower it
+    again). The abstract arguments are taken only when the widest call changes, so the served
+    steps carry no extra host work. The step is handed its batch's words and writes its
+    outputs over them, so the batch is kept with its words on the host: each re-run moves
+    them to the device afresh, as the engine does each step."""
 
     def __init__(self, jitted):
         self.jitted, self.batch, self.args, self.rows = jitted, None, None, -1
@@ -230,11 +232,14 @@ class _WidestDecode:
     def __call__(self, params, pools, batch):
         rows = batch.num_rows  # a PackedBatch
         if rows > self.rows:
+            import dataclasses
+
             import jax
 
             to_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
             self.args = jax.tree.map(to_abstract, (params, pools, batch))
-            self.batch, self.rows = batch, rows
+            self.batch = dataclasses.replace(batch, words=np.asarray(batch.words))
+            self.rows = rows
         return self.jitted(params, pools, batch)
 
 

@@ -151,8 +151,7 @@ class StepBroadcast:
             return MASK, (words[:first], words[first:].reshape(first, second))
         if kind not in (EXTEND, DECODE, SEED, DECODE_FORWARD):
             raise RuntimeError(f"process 0 announced an unknown call kind {kind}")
-        layout = self._packed_layout(kind, first, second)
-        expected = sum(int(np.prod(shape)) for shape, _ in layout.leaves)
+        layout, expected = self._packed_layout(kind, first, second)
         if expected != num_words:
             raise RuntimeError(
                 f"process 0 sends a batch of {num_words} words where this process's bucket "
@@ -161,9 +160,10 @@ class StepBroadcast:
             )
         return kind, PackedBatch(_broadcast(np.zeros(num_words, np.int32)), layout)
 
-    def _packed_layout(self, kind: int, rows: int, length: int) -> Any:
-        """The ``PackedLayout`` of a bucket, from an empty batch of it (the same tree and leaf
-        shapes as any batch of that bucket: warm-up compiles from the same)."""
+    def _packed_layout(self, kind: int, rows: int, length: int) -> tuple[Any, int]:
+        """The ``PackedLayout`` of a bucket and the words it packs into (a decode batch's are
+        padded: ``pack_batch``), from an empty batch of it (the same tree and leaf shapes as
+        any batch of that bucket: warm-up compiles from the same)."""
         kind = DECODE if kind == DECODE_FORWARD else kind
         key = (kind, rows, length)
         if key not in self._packed_layouts:
@@ -176,7 +176,8 @@ class StepBroadcast:
                 batch = build_decode(
                     self.layout, [], num_rows=rows, num_verify=num_verify, greedy=bool(greedy)
                 )
-            self._packed_layouts[key] = pack_batch(batch).layout
+            packed = pack_batch(batch)
+            self._packed_layouts[key] = (packed.layout, len(packed.words))
         return self._packed_layouts[key]
 
 

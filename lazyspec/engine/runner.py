@@ -125,14 +125,22 @@ _OUTPUT_LAYOUTS: dict[tuple, PackedLayout] = {}
 
 def _packing_outputs(step):
     """``step`` (taking the sharding plan, ``_sharded``) returning its outputs packed into
-    one int32 array (``pack_outputs``): one output buffer to allocate and one copy back
-    per step. The layout is recorded as the step is traced (``_OUTPUT_LAYOUTS``)."""
+    one int32 array (``pack_outputs``) the shape of its batch's words, which it is handed
+    (donated): no output buffer to allocate and one copy back per step. The layout is
+    recorded as the step is traced (``_OUTPUT_LAYOUTS``)."""
 
     def run(fam, cfg, static, sharding, params, pools, packed: PackedBatch, *rest):
         outputs, pools = step(fam, cfg, static, sharding, params, pools, packed, *rest)
         words, layout = pack_outputs(outputs)
         _OUTPUT_LAYOUTS[(fam, cfg, static, packed.layout)] = layout
-        return words, pools
+        # the shape of the batch's words (donated): XLA writes the outputs over them
+        room = packed.words.shape[0]
+        if words.shape[0] > room:
+            raise AssertionError(
+                f"a decode step's outputs take {words.shape[0]} words, more than its batch's "
+                f"{room}: steps.decode_output_words undercounts them"
+            )
+        return jnp.pad(words, (0, room - words.shape[0])), pools
 
     run.__name__ = step.__name__
     return run
@@ -200,7 +208,7 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
             return jax.jit(
                 _packing_outputs(run) if packed_outputs else run,
                 static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5,),
+                donate_argnums=(5, 6) if packed_outputs else (5,),
                 out_shardings=step_out if replicate_outputs else (None, pool_shardings),
             )
 

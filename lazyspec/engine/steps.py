@@ -130,27 +130,41 @@ class PackedBatch:
         return self.layout.leaves[0][0][0]  # req_row [B] leads both batch kinds
 
 
-# (treedef, each leaf's (shape, dtype)) -> (its PackedLayout, each leaf's size): a bucket's
-# layout is built once, not on every step
-_LAYOUTS: dict[Any, tuple[PackedLayout, tuple[int, ...]]] = {}
+def decode_output_words(num_rows: int, num_verify: int) -> int:
+    """At least the words of a decode step's packed outputs (``_decode_finish``'s outputs,
+    ``pack_outputs``): per row and position, a token, its logprob, a draft and
+    ``TOP_LOGPROBS`` top logprobs with their ids; per row, accept_len, crossed and pre."""
+    return num_rows * (num_verify * (3 + 2 * TOP_LOGPROBS) + 3)
+
+
+# (treedef, each leaf's (shape, dtype)) -> (its PackedLayout, each leaf's size, the words to
+# allocate): a bucket's layout is built once, not on every step
+_LAYOUTS: dict[Any, tuple[PackedLayout, tuple[int, ...], int]] = {}
 
 
 def pack_batch(batch: ExtendBatch | DecodeBatch) -> PackedBatch:
     """Host side: ``batch``'s leaves, each 4 bytes wide (int32, uint32, float32) or bool,
-    written into one int32 array."""
+    written into one int32 array. A decode batch's array is padded (zeros) to at least its
+    step's packed outputs (``decode_output_words``): the step is handed the words and writes
+    its outputs over them, so a step allocates no output buffer of its own."""
     leaves, treedef = jax.tree.flatten(batch)
     key = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
     known = _LAYOUTS.get(key)
     if known is None:
         layout = PackedLayout(treedef, tuple((shape, dtype.name) for shape, dtype in key[1]))
-        known = _LAYOUTS[key] = (layout, tuple(math.prod(shape) for shape, _ in key[1]))
-    layout, sizes = known
-    words = np.empty(sum(sizes), np.int32)
+        sizes = tuple(math.prod(shape) for shape, _ in key[1])
+        room = 0
+        if isinstance(batch, DecodeBatch):
+            room = decode_output_words(len(batch.req_row), batch.num_verify)
+        known = _LAYOUTS[key] = (layout, sizes, max(sum(sizes), room))
+    layout, sizes, length = known
+    words = np.empty(length, np.int32)
     offset = 0
     for leaf, size in zip(leaves, sizes):
         flat = leaf.reshape(-1)
         words[offset : offset + size] = flat if flat.dtype == np.bool_ else flat.view(np.int32)
         offset += size
+    words[offset:] = 0
     return PackedBatch(words, layout)
 
 

@@ -4,6 +4,8 @@ compiles its own. A batch travels packed into one array and unpacks bit for bit.
 
 from __future__ import annotations
 
+import re
+import warnings
 from types import SimpleNamespace
 
 import jax
@@ -12,12 +14,18 @@ import numpy as np
 from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.runner import Runner
-from lazyspec.engine.steps import pack_batch, pack_outputs, unpack_batch, unpack_outputs
+from lazyspec.engine.steps import (
+    decode_output_words,
+    pack_batch,
+    pack_outputs,
+    unpack_batch,
+    unpack_outputs,
+)
 from lazyspec.models import nemotron_h
 from lazyspec.models.registry import parse_hf_config
 from lazyspec.scheduler.batch import build_decode, build_extend
 from lazyspec.scheduler.layout import plan_memory
-from lazyspec.testing.tiny_models import NEMOTRON_HF
+from lazyspec.testing.tiny_models import NEMOTRON_HF, tiny_model
 
 
 def _model(**overrides) -> SimpleNamespace:
@@ -138,3 +146,35 @@ def test_two_decode_programs_called_in_turn():
         assert "decode_program_copies=3 must be 1 or 2" in str(exc)
     else:
         raise AssertionError("decode_program_copies=3 was accepted")
+
+
+def test_decode_outputs_written_over_the_batch_words():
+    """A decode step is handed its batch's words (donated) and returns its packed outputs in
+    an array of their shape, which XLA writes over them: no output buffer of its own. The
+    words are padded to hold the outputs (``decode_output_words``) at every decode shape,
+    with speculation and many drafts too, so the donation is never refused."""
+    engine = Engine(
+        model=tiny_model("qwen3_next"),
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=15,
+        mamba_track_interval=64,
+        chunked_prefill_size=64,
+        max_running_requests=16,
+        max_total_tokens=1024,
+        context_length=128,
+        skip_warmup=True,
+    )
+    runner = engine.runner
+    static = (runner.family, runner.cfg, runner.static, runner.sharding)
+    for rows, verify in ((1, 1), (16, 1), (1, 16), (16, 16)):
+        batch = build_decode(engine.layout, [], num_rows=rows, num_verify=verify)
+        packed = pack_batch(batch)
+        assert len(packed.words) >= decode_output_words(rows, verify)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "Some donated buffers were not usable"
+            lowered = runner.programs.decode.lower(*static, runner.params, runner.pools, packed)
+        words, _ = lowered.out_info
+        assert words.shape == packed.words.shape and words.dtype == packed.words.dtype
+        # the words' parameter is aliased to the first output (the packed outputs)
+        aliased = rf"%arg\d+: tensor<{len(packed.words)}xi32> {{[^}}]*tf\.aliasing_output = 0 :"
+        assert re.search(aliased, lowered.as_text()), (rows, verify)
