@@ -25,6 +25,8 @@ from lazyspec.testing.xla_flags import with_fast_compile
 from lazyspec.token_map import draft_token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
+# the suite's XLA flags (tests/conftest.py sets them before jax is imported)
+SUITE_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 MAP_IDS = [5, 9, 17, 33, 34, 60, 61, 62, 90, 127]  # the tiny models' vocabulary is 128
 EOS = 2
@@ -141,7 +143,7 @@ def test_warmup_compiles_every_program_the_map_needs(case):
         speculative_token_map=path,
         mamba_track_interval=16,
         mamba_chunk_size=16,
-        chunked_prefill_size=64,
+        chunked_prefill_size=16,  # one extend length bucket: the map is in every program
         max_running_requests=2,
         max_total_tokens=2048,
         context_length=128,
@@ -207,7 +209,7 @@ def test_tensor_parallel_map_is_sharded_by_columns_and_exact(case):
     _, prompts, _, _, path = case
     env = dict(
         os.environ,
-        XLA_FLAGS=with_fast_compile("--xla_force_host_platform_device_count=2"),
+        XLA_FLAGS=with_fast_compile(f"{SUITE_FLAGS} --xla_force_host_platform_device_count=2"),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )

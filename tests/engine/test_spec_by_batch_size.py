@@ -43,7 +43,7 @@ def _engine(model, strategy: str = "extra_buffer", overlap: bool = True, **kw) -
         disable_overlap_schedule=not overlap,
         mamba_track_interval=16,
         mamba_chunk_size=16,
-        chunked_prefill_size=64,
+        chunked_prefill_size=kw.pop("chunked_prefill_size", 64),
         max_running_requests=4,
         max_total_tokens=4096,
         context_length=256,
@@ -198,7 +198,11 @@ def test_warmup_compiles_both_programs(scripted_case):
     """Warm-up compiles the decode program of every (bucket, D) a batch can take; serving
     across the limit then compiles nothing."""
     model, _, prompt, greedy = scripted_case
-    engine = _engine(model, speculative_disable_by_batch_size=LIMIT, skip_warmup=False)
+    # one extend length bucket (the claim is about the decode programs): a warm-up of fewer
+    # programs, none of them compiled before it by the tests above (a config of its own)
+    engine = _engine(
+        model, speculative_disable_by_batch_size=LIMIT, skip_warmup=False, chunked_prefill_size=16
+    )
     assert engine.layout.decode_shapes == ((1, D), (2, D), (4, 1))
     compiled = engine.num_compiled()
     reqs = [

@@ -25,6 +25,8 @@ from lazyspec.testing.tiny_models import tiny_model
 from lazyspec.testing.xla_flags import with_fast_compile
 
 ROOT = Path(__file__).resolve().parents[2]
+# the suite's XLA flags (tests/conftest.py sets them before jax is imported)
+SUITE_FLAGS = os.environ.get("XLA_FLAGS", "")
 TP_SIZES = (1, 2, 4)
 FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "granitemoehybrid")
 KV_HEADS = 2  # every tiny model's; tp = 4 replicates them whole
@@ -36,7 +38,9 @@ LOGPROB_TOL = 1e-5
 def _run_worker(tp: int) -> dict:
     env = dict(
         os.environ,
-        XLA_FLAGS=with_fast_compile(f"--xla_force_host_platform_device_count={max(TP_SIZES)}"),
+        XLA_FLAGS=with_fast_compile(
+            f"{SUITE_FLAGS} --xla_force_host_platform_device_count={max(TP_SIZES)}"
+        ),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
