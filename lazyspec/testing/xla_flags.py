@@ -12,6 +12,7 @@ the tiny engines' step programs compilation takes about half the time, and a tes
 engine runs about a third less CPU time (the programs run fast enough either way).
 """
 
+import os
 from importlib import metadata
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -41,3 +42,11 @@ def with_fast_compile(flags: str) -> str:
         return flags
     extra = f" {LOOP_EMITTERS}" if knows_fusion_emitters_flag() else ""
     return f"{flags} {FAST_COMPILE}{extra}".strip()
+
+
+def for_host_devices(num_devices: int) -> str:
+    """The XLA_FLAGS of a subprocess on ``num_devices`` fake CPU devices: this process's
+    flags (in the suite, those ``tests/conftest.py`` sets) with the device count, compiled
+    fast (``with_fast_compile``)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return with_fast_compile(f"{flags} --xla_force_host_platform_device_count={num_devices}")

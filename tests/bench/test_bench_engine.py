@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from lazyspec.testing.xla_flags import with_fast_compile
+from lazyspec.testing.xla_flags import for_host_devices
 
 ROOT = Path(__file__).resolve().parents[2]
-# the suite's XLA flags (tests/conftest.py sets them before jax is imported)
-SUITE_FLAGS = os.environ.get("XLA_FLAGS", "")
 TIMEOUT_S = 300
 
 
@@ -33,8 +31,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
         "--preset", "tiny", "--backends", "xla", "--tp-size", "2", "--batches", "2",
         "--prompt-len", "64", "--output-len", "8", "--copy-mib", "16", "--out", str(out),
     ]  # fmt: skip
-    flags = with_fast_compile(f"{SUITE_FLAGS} --xla_force_host_platform_device_count=2")
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=for_host_devices(2), JAX_PLATFORMS="cpu")
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

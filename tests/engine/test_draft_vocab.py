@@ -21,12 +21,10 @@ from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab, draft_ar
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.sharding import sharding_plan
 from lazyspec.testing.tiny_models import reference_greedy, tiny_model
-from lazyspec.testing.xla_flags import with_fast_compile
+from lazyspec.testing.xla_flags import for_host_devices
 from lazyspec.token_map import draft_token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
-# the suite's XLA flags (tests/conftest.py sets them before jax is imported)
-SUITE_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 MAP_IDS = [5, 9, 17, 33, 34, 60, 61, 62, 90, 127]  # the tiny models' vocabulary is 128
 EOS = 2
@@ -209,7 +207,7 @@ def test_tensor_parallel_map_is_sharded_by_columns_and_exact(case):
     _, prompts, _, _, path = case
     env = dict(
         os.environ,
-        XLA_FLAGS=with_fast_compile(f"{SUITE_FLAGS} --xla_force_host_platform_device_count=2"),
+        XLA_FLAGS=for_host_devices(2),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )

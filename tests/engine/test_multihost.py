@@ -27,20 +27,16 @@ import pytest
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.sharding import make_mesh
-from lazyspec.testing.xla_flags import with_fast_compile
+from lazyspec.testing.xla_flags import for_host_devices
 
 ROOT = Path(__file__).resolve().parents[2]
-# the suite's XLA flags (tests/conftest.py sets them before jax is imported)
-SUITE_FLAGS = os.environ.get("XLA_FLAGS", "")
 TIMEOUT_S = 400
 
 
 def _env(num_devices: int) -> dict[str, str]:
     return dict(
         os.environ,
-        XLA_FLAGS=with_fast_compile(
-            f"{SUITE_FLAGS} --xla_force_host_platform_device_count={num_devices}"
-        ),
+        XLA_FLAGS=for_host_devices(num_devices),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )

@@ -22,11 +22,9 @@ import pytest
 
 from lazyspec.engine.sharding import check_tp_size, make_mesh
 from lazyspec.testing.tiny_models import tiny_model
-from lazyspec.testing.xla_flags import with_fast_compile
+from lazyspec.testing.xla_flags import for_host_devices
 
 ROOT = Path(__file__).resolve().parents[2]
-# the suite's XLA flags (tests/conftest.py sets them before jax is imported)
-SUITE_FLAGS = os.environ.get("XLA_FLAGS", "")
 TP_SIZES = (1, 2, 4)
 FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "granitemoehybrid")
 KV_HEADS = 2  # every tiny model's; tp = 4 replicates them whole
@@ -38,9 +36,7 @@ LOGPROB_TOL = 1e-5
 def _run_worker(tp: int) -> dict:
     env = dict(
         os.environ,
-        XLA_FLAGS=with_fast_compile(
-            f"{SUITE_FLAGS} --xla_force_host_platform_device_count={max(TP_SIZES)}"
-        ),
+        XLA_FLAGS=for_host_devices(max(TP_SIZES)),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
