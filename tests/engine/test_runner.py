@@ -35,15 +35,15 @@ def _model(**overrides) -> SimpleNamespace:
 
 
 def _tiny_engine(model: SimpleNamespace, **kw) -> Engine:
-    return Engine(
-        model=model,
+    settings = dict(
         mamba_track_interval=64,
         chunked_prefill_size=64,
         max_running_requests=1,
         max_total_tokens=256,
         context_length=64,
-        **{"skip_warmup": True, **kw},
+        skip_warmup=True,
     )
+    return Engine(model=model, **{**settings, **kw})
 
 
 def _serve(model: SimpleNamespace, num_new: int = 2) -> tuple[Engine, list[int]]:
@@ -153,16 +153,13 @@ def test_decode_outputs_written_over_the_batch_words():
     an array of their shape, which XLA writes over them: no output buffer of its own. The
     words are padded to hold the outputs (``decode_output_words``) at every decode shape,
     with speculation and many drafts too, so the donation is never refused."""
-    engine = Engine(
-        model=tiny_model("qwen3_next"),
+    engine = _tiny_engine(
+        tiny_model("qwen3_next"),
         speculative_algorithm="NEXTN",
         speculative_num_steps=15,
-        mamba_track_interval=64,
-        chunked_prefill_size=64,
         max_running_requests=16,
         max_total_tokens=1024,
         context_length=128,
-        skip_warmup=True,
     )
     runner = engine.runner
     static = (runner.family, runner.cfg, runner.static, runner.sharding)
