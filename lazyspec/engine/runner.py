@@ -91,10 +91,10 @@ def _sharded(step, replicate_outputs: bool = True):
 class InTurn:
     """Calls its programs in turn, one per call. A GPU program runs as command buffers (CUDA
     graphs) that XLA updates whenever a buffer the program touches has moved since its last
-    call, which costs more host time than the launch itself. A decode step's outputs (and
-    its words) are allocated while the last step's are still held, so their addresses
-    alternate from step to step: two copies of the program called in turn each see the
-    addresses of their own last call."""
+    call, which costs more host time than the launch itself. A decode step's words (which
+    its outputs overwrite) are allocated while the last step's are still held, so their
+    address alternates from step to step: two copies of the program called in turn each see
+    the addresses of their own last call."""
 
     def __init__(self, programs: list):
         self.programs, self.turn = programs, 0

@@ -99,9 +99,10 @@ HELP = {
     "skip_warmup": "Do not compile every batch shape at start-up (first requests compile).",
     "decode_program_copies": "Compiled copies of the decode program, called in turn (1 or "
     "2; default 2 on GPU, 1 elsewhere). On a GPU a program runs as CUDA graphs that XLA "
-    "re-records when a buffer it touches has moved since its last call; a step's output is "
-    "allocated while the last step's is still held, so its address alternates from step to "
-    "step, and each of two copies sees the addresses of its own last call (BENCHMARKS.md, "
+    "re-records when a buffer it touches has moved since its last call; a step's words (which "
+    "its outputs overwrite) are allocated while the last step's are still held, so their "
+    "address alternates from step to step, and each of two copies sees the addresses of its "
+    "own last call (BENCHMARKS.md, "
     "'The decode step's outputs in one buffer'). Costs one more compile per decode shape.",
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
