@@ -28,6 +28,7 @@ interpreted there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -232,8 +233,6 @@ class _WidestDecode:
     def __call__(self, params, pools, batch):
         rows = batch.num_rows  # a PackedBatch
         if rows > self.rows:
-            import dataclasses
-
             import jax
 
             to_abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
