@@ -86,6 +86,8 @@ DEFAULT_STATE_TILES = {
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
+# the conv update's channel tile (``bench_kernels``' conv case runs it)
+DEFAULT_CONV_TILES = {"block_channels": 256}
 # Routed-expert tiles (``moe_experts``), measured on an H200 by the profiler's kernel times
 # at Qwen3-Next widths (hidden 2048, expert intermediate 512; 64 experts top-10 and 256
 # top-8), 1 to 2048 tokens (BENCHMARKS, "The routed-expert tiles by kernel time"): 64-column
@@ -249,6 +251,42 @@ def state_update(
     )
 
 
+def _pallas_conv_update(
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    mode: str,
+    silu: bool = True,
+    num_new: jax.Array | None = None,
+    layer: int | None = None,
+    out_dtype: Any = None,
+    block_channels: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> ConvUpdateResult:
+    """The Triton-layout conv update; ``block_channels`` left as None takes
+    ``DEFAULT_CONV_TILES`` fitted to the channels."""
+    if block_channels is None:
+        block_channels = fitted_tile(x.shape[2], DEFAULT_CONV_TILES["block_channels"])
+    return conv_update_pallas(
+        pool,
+        slot,
+        x,
+        weight,
+        bias,
+        mode=mode,
+        silu=silu,
+        num_new=num_new,
+        layer=layer,
+        out_dtype=out_dtype,
+        block_channels=block_channels,
+        **_pallas_options(interpret, compiler_params),
+    )
+
+
 def conv_update(
     pool: jax.Array,
     slot: jax.Array,
@@ -258,15 +296,20 @@ def conv_update(
     *,
     mode: str,
     silu: bool = True,
+    num_new: jax.Array | None = None,
+    layer: int | None = None,
+    out_dtype: Any = None,
     kernel_backend: str | None = None,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> ConvUpdateResult:
-    """Causal conv update for T tokens per row on the chosen backend (XLA on TPU)."""
+    """Causal conv update for T tokens per row on the chosen backend (XLA on TPU);
+    ``layer=l``: ``pool`` is the stacked pool of all layers."""
     if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
-        return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu)
-    return conv_update_pallas(
+        options = {"num_new": num_new, "layer": layer, "out_dtype": out_dtype}
+        return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu, **options)
+    return _pallas_conv_update(
         pool,
         slot,
         x,
@@ -274,8 +317,12 @@ def conv_update(
         bias,
         mode=mode,
         silu=silu,
+        num_new=num_new,
+        layer=layer,
+        out_dtype=out_dtype,
         block_channels=block_channels,
-        **_pallas_options(interpret, compiler_params),
+        interpret=interpret,
+        compiler_params=compiler_params,
     )
 
 
@@ -516,6 +563,9 @@ StateUpdateFn = Callable[..., StateUpdateResult]
 StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
 # (ssm_pool, conv_pool, src_slot, dst_slot) -> (ssm, conv), as ``state_copy``
 StateCopyFn = Callable[..., tuple[jax.Array, jax.Array]]
+# (pool, slot, x, weight, bias, *, mode, num_new, layer, out_dtype) -> ConvUpdateResult, as
+# ``conv_update.conv_update_pallas``
+ConvUpdateFn = Callable[..., ConvUpdateResult]
 # (x, weights, expert_ids, up, down, gate=None, *, xla_form) -> float32 [N, d_out], as
 # ``moe_experts_pallas``; ``xla_form()`` computes the same by the XLA dispatch
 MoEExpertsFn = Callable[..., jax.Array]
@@ -531,14 +581,17 @@ class Kernels:
     ``gdn_state_update`` / ``mamba2_state_update`` have the contract of ``state_update``
     (default tiles bound); None on XLA, where the mixers run their own jnp token scans.
     ``state_scatter`` and ``state_copy`` have the contracts of ``state_scatter`` and
-    ``state_copy``. ``moe_experts`` runs the routed experts (``MoEExpertsFn``), choosing
-    the kernel or the caller's XLA form by token count (``MOE_KERNEL_MAX_TOKENS``, on a TPU
-    ``MOE_TPU_KERNEL_MAX_TOKENS``); None on XLA, where the MoE layers run their
-    sort-based dispatch. ``paged_attention`` has the contract of
-    ``paged_attention.paged_attention``; None on XLA and on TPU, where the attention layers
-    run their masked jnp form. Compared and hashed by backend, platform, MoE runner and
-    mesh (the functions follow from them): ``mesh`` is None for whole-array calls, else
-    the tensor-parallel mesh whose shards each call runs on (``engine.shard_kernels``)."""
+    ``state_copy``. ``conv_update`` (``ConvUpdateFn``) runs the conv of a decode step that
+    writes the pools in place (the stacked conv pool read and written by the kernel); None
+    on XLA and on TPU, where the mixers run their jnp conv scan. ``moe_experts`` runs the
+    routed experts (``MoEExpertsFn``), choosing the kernel or the caller's XLA form by
+    token count (``MOE_KERNEL_MAX_TOKENS``, on a TPU ``MOE_TPU_KERNEL_MAX_TOKENS``); None
+    on XLA, where the MoE layers run their sort-based dispatch. ``paged_attention`` has the
+    contract of ``paged_attention.paged_attention``; None on XLA and on TPU, where the
+    attention layers run their masked jnp form. Compared and hashed by backend, platform,
+    MoE runner and mesh (the functions follow from them): ``mesh`` is None for whole-array
+    calls, else the tensor-parallel mesh whose shards each call runs on
+    (``engine.shard_kernels``)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
@@ -550,6 +603,7 @@ class Kernels:
     moe_runner: str = "auto"  # as asked (MOE_RUNNER_BACKENDS); with platform, names moe_experts
     mesh: Any = None  # the mesh the functions run per shard over (``engine.shard_kernels``)
     state_copy: StateCopyFn = field(default=state_copy_xla, compare=False)
+    conv_update: ConvUpdateFn | None = field(default=None, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -571,10 +625,10 @@ def kernels_for(
         return XLA_KERNELS
     if platform == "tpu":
         update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
-        attention, copy = None, state_copy_xla
+        attention, copy, conv = None, state_copy_xla, None
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
-        attention, copy = _pallas_paged_attention, _pallas_state_copy
+        attention, copy, conv = _pallas_paged_attention, _pallas_state_copy, _pallas_conv_update
     if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
         moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
     return Kernels(
@@ -587,4 +641,5 @@ def kernels_for(
         attention,
         moe_runner,
         state_copy=copy,
+        conv_update=conv,
     )

@@ -3,11 +3,16 @@
 Contract. Row b reads its window from ``pool[slot[b]]`` (pool ``[num_slots + 1, C, K-1]``,
 the raw inputs of the last K-1 tokens, oldest first, in the pool's dtype) and runs
 ``recurrence.conv_step`` over its T tokens ``x [B, T, C]``, giving outputs ``[B, T, C]``
-(float32 math, silu unless ``silu=False``, stored in x's dtype). ``slot[b] == 0`` marks a
-padding row (outputs from slot 0, nothing written); real rows name distinct slots. Modes as
-in ``state_update``: decode writes the final window back into ``pool[slot[b]]`` in place
-(aliased), verify leaves the pool alone and returns the window after every token,
-``step_windows [B, T, C, K-1]``.
+(float32 math, silu unless ``silu=False``, stored in ``out_dtype``, default x's dtype).
+``slot[b] == 0`` marks a padding row (outputs from slot 0, nothing written); real rows name
+distinct slots. Modes as in ``state_update``: decode writes the final window back into
+``pool[slot[b]]`` in place (aliased), verify leaves the pool alone and returns the window
+after every token, ``step_windows [B, T, C, K-1]``. With ``num_new`` ``[B]``, tokens
+t >= num_new[b] leave the window as it is (``conv_scan``'s ``valid``; their outputs are
+still computed). With ``layer=l`` the pool is the stacked pool of all recurrent layers
+(``[L, num_slots + 1, C, K-1]``) and layer l's windows are read and, in decode, written in
+place: the engine's decode step hands its pools over as they are, as it does to the state
+update.
 
 Pallas layout: grid ``(row, channel tile)``. The window is held as K-1 column vectors of
 ``block_channels`` each, so every load and store is a 1-D ``[block_channels]`` array
@@ -26,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lazyspec.kernels import recurrence
-from lazyspec.kernels.state_update import check_mode, check_tile, whole
+from lazyspec.kernels.state_update import check_mode, check_tile, pool_index, whole
 
 
 @jax.tree_util.register_dataclass
@@ -53,31 +58,50 @@ def conv_tile_step(
     arrays [bc] (the last multiplies x); bias [bc] float32. Returns (new columns, y [bc])."""
     newest = x.astype(columns[0].dtype) if columns else x
     taps = list(columns) + [newest]
-    y = bias
-    for tap, w in zip(taps, weight_columns):
-        y = y + tap.astype(jnp.float32) * w.astype(jnp.float32)
+    # taps oldest first, then the bias: ``conv_step``'s order of additions
+    products = [
+        tap.astype(jnp.float32) * w.astype(jnp.float32) for tap, w in zip(taps, weight_columns)
+    ]
+    y = products[0]
+    for product in products[1:]:
+        y = y + product
+    y = y + bias
     if silu:
         y = y / (1.0 + jnp.exp(-y))
     return taps[1:], y
 
 
 def _check_inputs(
-    pool: jax.Array, slot: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.Array | None
-) -> None:
-    if pool.ndim != 3 or x.ndim != 3 or x.shape[2] != pool.shape[1]:
-        raise ValueError(f"pool {pool.shape} and x {x.shape} must be [S+1, C, K-1] and [B, T, C]")
-    if weight.shape != (pool.shape[1], pool.shape[2] + 1):
-        raise ValueError(
-            f"weight shape {weight.shape} must be (C, K) = {(pool.shape[1], pool.shape[2] + 1)}"
-        )
-    if bias is not None and bias.shape != (pool.shape[1],):
-        raise ValueError(f"bias shape {bias.shape} must be ({pool.shape[1]},)")
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    num_new: jax.Array | None = None,
+    layer: int | None = None,
+) -> tuple[int, int]:
+    """ValueError unless the shapes fit the contract; returns (C, K-1)."""
+    lead = 0 if layer is None else 1
+    if pool.ndim != 3 + lead or x.ndim != 3 or x.shape[2] != pool.shape[1 + lead]:
+        want = "[S+1, C, K-1]" if layer is None else "[L, S+1, C, K-1]"
+        raise ValueError(f"pool {pool.shape} and x {x.shape} must be {want} and [B, T, C]")
+    if layer is not None and not 0 <= layer < pool.shape[0]:
+        raise ValueError(f"layer={layer} is outside the pool's {pool.shape[0]} layers")
+    channels, width = pool.shape[1 + lead :]
+    if weight.shape != (channels, width + 1):
+        raise ValueError(f"weight shape {weight.shape} must be (C, K) = {(channels, width + 1)}")
+    if bias is not None and bias.shape != (channels,):
+        raise ValueError(f"bias shape {bias.shape} must be ({channels},)")
     if slot.shape != (x.shape[0],):
         raise ValueError(f"slot shape {slot.shape} must be ({x.shape[0]},)")
+    if num_new is not None and num_new.shape != (x.shape[0],):
+        raise ValueError(f"num_new shape {num_new.shape} must be ({x.shape[0]},)")
+    return channels, width
 
 
 def _conv_kernel(
     slot_ref,
+    num_new_ref,
     x_ref,
     weight_ref,
     bias_ref,
@@ -88,15 +112,18 @@ def _conv_kernel(
     mode,
     block_channels,
     silu,
+    layer,
 ):
-    slot = slot_ref[pl.program_id(0)]
+    row = pl.program_id(0)
+    slot, num_new = slot_ref[row], num_new_ref[row]
     chans = pl.ds(pl.program_id(1) * block_channels, block_channels)
     width = weight_ref.shape[1] - 1
-    columns = [pool_ref[slot, chans, j] for j in range(width)]
+    columns = [pool_ref[pool_index(layer, slot, chans, j)] for j in range(width)]
     weights = [weight_ref[:, j] for j in range(width + 1)]
     bias = bias_ref[...].astype(jnp.float32)
     for t in range(x_ref.shape[0]):
-        columns, y = conv_tile_step(columns, x_ref[t], weights, bias, silu)
+        stepped, y = conv_tile_step(columns, x_ref[t], weights, bias, silu)
+        columns = [jnp.where(t < num_new, new, old) for new, old in zip(stepped, columns)]
         out_ref[t] = y.astype(out_ref.dtype)
         if mode == "verify":
             for j in range(width):
@@ -106,7 +133,7 @@ def _conv_kernel(
         @pl.when(slot != 0)
         def _write_back():
             for j in range(width):
-                window_ref[slot, chans, j] = columns[j].astype(window_ref.dtype)
+                window_ref[pool_index(layer, slot, chans, j)] = columns[j].astype(window_ref.dtype)
 
 
 def conv_update_pallas(
@@ -118,6 +145,9 @@ def conv_update_pallas(
     *,
     mode: str,
     silu: bool = True,
+    num_new: jax.Array | None = None,
+    layer: int | None = None,
+    out_dtype: Any = None,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
@@ -125,12 +155,13 @@ def conv_update_pallas(
     """Pallas conv update (module docstring has the contract). Decode mutates ``pool`` only
     through the returned (aliased) array."""
     check_mode(mode)
-    _check_inputs(pool, slot, x, weight, bias)
-    batch, num_tokens, channels = x.shape
-    width = pool.shape[2]
+    channels, width = _check_inputs(pool, slot, x, weight, bias, num_new, layer)
+    batch, num_tokens, _ = x.shape
     bc = check_tile("block_channels", channels, block_channels)
     if bias is None:
         bias = jnp.zeros((channels,), jnp.float32)  # y + 0.0 == y: same result as no bias
+    if num_new is None:
+        num_new = jnp.full((batch,), num_tokens, jnp.int32)
     tokens = pl.BlockSpec((None, num_tokens, bc), lambda b, j: (b, 0, j))
     if mode == "decode":
         window_shape, window_spec = jax.ShapeDtypeStruct(pool.shape, pool.dtype), whole()
@@ -139,12 +170,13 @@ def conv_update_pallas(
         window_spec = pl.BlockSpec((None, num_tokens, bc, width), lambda b, j: (b, 0, j, 0))
 
     def kernel(*refs):
-        _conv_kernel(*refs, mode=mode, block_channels=bc, silu=silu)
+        _conv_kernel(*refs, mode=mode, block_channels=bc, silu=silu, layer=layer)
 
     outputs, windows = pl.pallas_call(
         kernel,
         grid=(batch, channels // bc),
         in_specs=[
+            whole(),
             whole(),
             tokens,
             pl.BlockSpec((bc, width + 1), lambda b, j: (j, 0)),
@@ -152,11 +184,11 @@ def conv_update_pallas(
             whole(),
         ],
         out_specs=(tokens, window_spec),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), window_shape),
-        input_output_aliases={4: 1} if mode == "decode" else {},
+        out_shape=(jax.ShapeDtypeStruct(x.shape, out_dtype or x.dtype), window_shape),
+        input_output_aliases={5: 1} if mode == "decode" else {},
         interpret=interpret,
         compiler_params=compiler_params,
-    )(slot, x, weight, bias, pool)
+    )(slot, num_new.astype(jnp.int32), x, weight, bias, pool)
     if mode == "decode":
         return ConvUpdateResult(outputs=outputs, pool=windows, step_windows=None)
     return ConvUpdateResult(outputs=outputs, pool=None, step_windows=windows)
@@ -171,18 +203,27 @@ def conv_update_xla(
     *,
     mode: str,
     silu: bool = True,
+    num_new: jax.Array | None = None,
+    layer: int | None = None,
+    out_dtype: Any = None,
 ) -> ConvUpdateResult:
     """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter."""
     check_mode(mode)
-    _check_inputs(pool, slot, x, weight, bias)
+    _check_inputs(pool, slot, x, weight, bias, num_new, layer)
+    batch, num_tokens, _ = x.shape
+    if num_new is None:
+        num_new = jnp.full((batch,), num_tokens, jnp.int32)
+    valid = jnp.arange(num_tokens)[None, :] < num_new[:, None]
 
-    def one_row(window, row_x):
-        return recurrence.conv_scan(window, row_x, weight, bias, silu=silu)
+    def one_row(window, row_x, row_valid):
+        return recurrence.conv_scan(window, row_x, weight, bias, row_valid, silu=silu)
 
-    outputs, final, windows = jax.vmap(one_row)(pool[slot], x)
-    outputs = outputs.astype(x.dtype)
+    layer_pool = pool if layer is None else pool[layer]
+    outputs, final, windows = jax.vmap(one_row)(layer_pool[slot], x, valid)
+    outputs = outputs.astype(out_dtype or x.dtype)
     if mode == "decode":
-        target = jnp.where(slot != 0, slot, pool.shape[0])  # out of range: dropped
-        new_pool = pool.at[target].set(final.astype(pool.dtype), mode="drop")
+        target = jnp.where(slot != 0, slot, layer_pool.shape[0])  # out of range: dropped
+        index = target if layer is None else (layer, target)
+        new_pool = pool.at[index].set(final.astype(pool.dtype), mode="drop")
         return ConvUpdateResult(outputs=outputs, pool=new_pool, step_windows=None)
     return ConvUpdateResult(outputs=outputs, pool=None, step_windows=windows.astype(pool.dtype))

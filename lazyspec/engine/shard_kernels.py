@@ -13,6 +13,8 @@ the kernel on the blocks it holds and XLA never gathers a pool around the call:
   ``[q | k | v]`` / ``[x | B | C]`` channels is exact).
 * state copy (pool to pool, a decode step's checkpoint): its heads of the ssm pool and its
   block of the conv pool's channels, both pools read and written in place.
+* conv update (a decode step's conv, the windows written in place): its block of the conv
+  pool's channels, of the conv inputs and outputs, and of the conv weight and bias.
 * paged attention: its query heads. KV pools split by kv heads: its kv heads (whole GQA
   groups). KV pools replicated (tp > kv heads): the one kv head its query heads read,
   picked by the kernel's index map (``kv_head``; one static branch per kv head), the pools
@@ -23,8 +25,9 @@ the kernel on the blocks it holds and XLA never gathers a pool around the call:
 
 Operands whose sharding differs from the specs (the tokens of a state update come out of
 the conv, whose channels are split evenly, not by heads) are resharded by XLA at the
-``shard_map`` boundary: the kernels only ever see whole heads. The conv itself and the
-token-count fallbacks (the MoE layer's XLA form) run outside, on the global arrays.
+``shard_map`` boundary: the kernels only ever see whole heads. The jnp conv (every step
+but a decode that writes in place) and the token-count fallbacks (the MoE layer's XLA
+form) run outside, on the global arrays.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from lazyspec.engine.sharding import (
     ShardingPlan,
 )
 from lazyspec.kernels.backend import Kernels, moe_launch
+from lazyspec.kernels.conv_update import ConvUpdateResult
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens, StateUpdateResult
 
@@ -156,6 +160,39 @@ def _state_copy(copy: Callable, plan: ShardingPlan) -> Callable:
     return run
 
 
+def _conv_update(conv: Callable, plan: ShardingPlan) -> Callable:
+    """``conv`` (the ``conv_update`` contract) on each device's block of the conv channels:
+    a depthwise conv is per channel, so the even split is exact."""
+
+    def run(pool, slot, x, weight, bias=None, *, mode: str, num_new=None, layer=None, **dtype):
+        lead = 0 if layer is None else 1  # the stacked pool's layer axis
+        pool_spec = _spec(plan, CONV_POOL_AXES[1 - lead :], pool.shape)
+        channels = _head_axis(pool_spec, 1 + lead)
+        options = {"mode": mode, "layer": layer, **dtype}  # dtype: out_dtype when given
+        if channels is None:
+            return conv(pool, slot, x, weight, bias, num_new=num_new, **options)
+        if num_new is None:
+            num_new = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+        per_token = _at(2, channels)  # x, outputs [B, T, C] and step windows [B, T, C, K-1]
+        per_channel = _at(0, channels)  # weight [C, K], bias [C]
+        has_bias = bias is not None
+
+        def body(pool, slot, x, weight, num_new, *bias):
+            bias = bias[0] if has_bias else None
+            return conv(pool, slot, x, weight, bias, num_new=num_new, **options)
+
+        out_specs = ConvUpdateResult(
+            outputs=per_token,
+            pool=pool_spec if mode == "decode" else None,
+            step_windows=per_token if mode == "verify" else None,
+        )
+        in_specs = (pool_spec, P(), per_token, per_channel, P()) + (per_channel,) * has_bias
+        args = (pool, slot, x, weight, num_new) + ((bias,) if has_bias else ())
+        return _map(plan, body, in_specs, out_specs)(*args)
+
+    return run
+
+
 def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
     """``attention`` (the ``paged_attention`` contract) on each device's query heads."""
 
@@ -233,5 +270,6 @@ def per_shard(kernels: Kernels, plan: ShardingPlan) -> Kernels:
         state_copy=_state_copy(kernels.state_copy, plan),
         moe_experts=moe,
         paged_attention=wrap(kernels.paged_attention, _paged_attention),
+        conv_update=wrap(kernels.conv_update, _conv_update),
         mesh=plan.mesh,
     )

@@ -305,13 +305,14 @@ def forward(
             form=form,
             chunk_size=chunk_size,
             state_update=kernels.mamba2_state_update,
+            conv_update=kernels.conv_update,
         )
         conv_trace, ssm_trace = st.trace_conv, st.trace_ssm
         if mode == "extend":
             conv_trace = keep_chunk_states(conv_trace, keep_chunk)
             ssm_trace = keep_chunk_states(ssm_trace, keep_chunk)
         states.append(LayerStates(st.conv, st.ssm, conv_trace, ssm_trace))
-        view = after_layer(view, r, st.conv, st.ssm, st.ssm_pool)
+        view = after_layer(view, r, st.conv, st.ssm, st.ssm_pool, st.conv_pool)
         return out
 
     def attention_fn(mixer, x):

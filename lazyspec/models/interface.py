@@ -20,15 +20,15 @@ they hash and compare by value, so jit takes them as static arguments.
   ``StateRows`` gathered by the runner from the slot pools, or a ``PoolView``, the pools
   themselves with row b at slot ``slot[b]``. ``rec.layer(l)`` hands layer l its rows (from
   a ``PoolView`` the ssm rows as ``PoolRows``, which a state-update kernel reads in place,
-  ungathered).
+  ungathered; from a writing ``PoolView`` the conv rows too, for the conv kernel).
 * ``mode`` (static): ``"extend"`` (prefill chunk; also returns the state after every
   ``chunk_size`` tokens of the row, ``RecurrentOut.chunks``: ``ChunkStates``, stacked),
   ``"decode"`` (T=1) or ``"verify"`` (T=D; also returns the state after every position,
   ``RecurrentOut.steps``: ``StepStates``, one array per layer). ``RecurrentOut.final``
   (``StateRows``) is the state after each row's new tokens. ``"decode"`` from a
   ``PoolView`` writes in place instead: each layer's new state goes straight into the
-  pools at each row's slot (rows at slot 0 write nothing), through the state-update
-  kernel's decode mode or a masked scatter; ``RecurrentOut.pools`` is the written view
+  pools at each row's slot (rows at slot 0 write nothing), through the state-update and
+  conv kernels' decode modes or a masked scatter; ``RecurrentOut.pools`` is the written view
   and there is no ``final``.
 * ``kernels`` (static): the ``kernels.backend.Kernels`` of the engine's backend, resolved
   once; the recurrent layers' decode / verify state update runs in its kernel when it has
@@ -127,23 +127,28 @@ class PoolView:
     slot: jax.Array  # [B] int
     write: bool = field(default=False, metadata={"static": True})
 
-    def layer(self, layer: int) -> tuple[jax.Array, PoolRows]:
-        """(conv rows [B, ...], ``PoolRows`` of the ssm rows) of recurrent layer ``layer``; the
-        conv window (small) is always gathered."""
+    def layer(self, layer: int) -> tuple[jax.Array | PoolRows, PoolRows]:
+        """(conv rows, ``PoolRows`` of the ssm rows) of recurrent layer ``layer``. The conv
+        rows are gathered ``[B, conv_dim, K-1]``, except in a writing view, where they too are
+        ``PoolRows`` (a conv kernel writes them in place; any other form gathers them)."""
         ssm = PoolRows(self.ssm_pool, self.slot, layer, self.write)
+        if self.write:
+            return PoolRows(self.conv_pool, self.slot, layer, True), ssm
         return self.conv_pool[layer][self.slot], ssm
 
     def written(
         self,
         layer: int,
-        conv: jax.Array,
+        conv: jax.Array | None,
         ssm: jax.Array | None = None,
         ssm_pool: jax.Array | None = None,
+        conv_pool: jax.Array | None = None,
     ) -> PoolView:
-        """This view after recurrent layer ``layer`` wrote its new state: the conv rows
-        ``[B, conv_dim, K-1]`` scattered into ``slot[b]``, and either the ssm rows ``[B, ...]``
-        likewise or ``ssm_pool``, the stacked pool a state-update kernel returned with the
-        rows already written (taken as it is). Rows at slot 0 write nothing. Pure."""
+        """This view after recurrent layer ``layer`` wrote its new state: either the conv rows
+        ``[B, conv_dim, K-1]`` scattered into ``slot[b]`` or ``conv_pool``, the stacked pool a
+        conv kernel returned with the rows already written; the same for the ssm rows
+        ``[B, ...]`` or ``ssm_pool`` from a state-update kernel (pools taken as they are).
+        Rows at slot 0 write nothing. Pure."""
         target = jnp.where(self.slot != 0, self.slot, self.conv_pool.shape[1])  # 0: dropped
 
         def scatter(pool: jax.Array, rows: jax.Array) -> jax.Array:
@@ -151,7 +156,8 @@ class PoolView:
 
         if ssm_pool is None:
             ssm_pool = scatter(self.ssm_pool, ssm)
-        conv_pool = scatter(self.conv_pool, conv)
+        if conv_pool is None:
+            conv_pool = scatter(self.conv_pool, conv)
         return PoolView(conv_pool, ssm_pool, self.slot, self.write)
 
     def rows(self) -> StateRows:
@@ -223,16 +229,17 @@ def for_mode(rec: StateRows | PoolView, mode: str) -> StateRows | PoolView:
 def after_layer(
     rec: StateRows | PoolView,
     layer: int,
-    conv: jax.Array,
+    conv: jax.Array | None,
     ssm: jax.Array | None,
     ssm_pool: jax.Array | None = None,
+    conv_pool: jax.Array | None = None,
 ) -> StateRows | PoolView:
     """``rec`` after recurrent layer ``layer`` left the states ``conv`` / ``ssm`` rows (or the
-    ssm pool its kernel wrote, ``ssm_pool``): a writing ``PoolView`` takes them
+    pools its kernels wrote, ``conv_pool`` / ``ssm_pool``): a writing ``PoolView`` takes them
     (``PoolView.written``), so the next layer reads the pools this one returned; anything
     else is returned as it is."""
     if isinstance(rec, PoolView) and rec.write:
-        return rec.written(layer, conv, ssm, ssm_pool)
+        return rec.written(layer, conv, ssm, ssm_pool, conv_pool)
     return rec
 
 

@@ -280,6 +280,7 @@ def forward(
             form=form,
             chunk_size=chunk_size,
             state_update=kernels.mamba2_state_update,
+            conv_update=kernels.conv_update,
         )
         if mode == "extend":
             state = dataclasses.replace(
@@ -288,7 +289,7 @@ def forward(
                 trace_ssm=keep_chunk_states(state.trace_ssm, keep_chunk),
             )
         states.append(state)
-        view = after_layer(view, r, state.conv, state.ssm, state.ssm_pool)
+        view = after_layer(view, r, state.conv, state.ssm, state.ssm_pool, state.conv_pool)
         return out
 
     def attention_fn(mixer, x):

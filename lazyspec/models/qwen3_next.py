@@ -415,6 +415,7 @@ def forward(
                     form=form,
                     chunk_size=chunk_size,
                     state_update=kernels.gdn_state_update,
+                    conv_update=kernels.conv_update,
                 )
                 if mode == "extend":
                     st = st._replace(
@@ -422,7 +423,7 @@ def forward(
                         ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk),
                     )
                 states.append(st)
-                rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool)
+                rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool, st.conv_pool)
                 x, r = mlp_block(lp, cfg, kind, x + h, kernels, real), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(

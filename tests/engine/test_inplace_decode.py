@@ -20,6 +20,7 @@ from lazyspec.engine import steps
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.steps import decode_step
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels, pallas_compiler_params
+from lazyspec.kernels.conv_update import conv_update_pallas
 from lazyspec.kernels.state_scatter import state_copy_pallas
 from lazyspec.kernels.state_update import gdn_state_update_pallas
 from lazyspec.models.interface import ForwardInputs, StateRows
@@ -166,8 +167,9 @@ def test_xla_decode_step_copies_no_ssm_pool():
 
 
 def _triton_kernels() -> Kernels:
-    """The GDN update and the state copy as compiled for an NVIDIA GPU (Triton), the other
-    functions in their XLA forms: what the step calls on a GPU, lowerable on CPU."""
+    """The GDN update, the conv update and the state copy as compiled for an NVIDIA GPU
+    (Triton), the other functions in their XLA forms: what the step calls on a GPU,
+    lowerable on CPU."""
     options = {"compiler_params": pallas_compiler_params("gpu")}
     return dataclasses.replace(
         XLA_KERNELS,
@@ -175,16 +177,25 @@ def _triton_kernels() -> Kernels:
         platform="gpu",
         gdn_state_update=functools.partial(gdn_state_update_pallas, block_value=8, **options),
         state_copy=functools.partial(state_copy_pallas, block_rows=8, block_channels=16, **options),
+        conv_update=functools.partial(conv_update_pallas, block_channels=16, **options),
     )
+
+
+def _chain_from_argument(calls: list[str], operands: list[str]) -> None:
+    """``operands[0]`` is a step argument and ``operands[i]`` a result of ``calls[i - 1]``."""
+    assert operands[0].startswith("%arg"), operands[0]
+    for previous, operand in zip(calls, operands[1:]):
+        assert operand.startswith(previous.split(":")[0].strip() + "#"), (previous, operand)
 
 
 def test_pallas_decode_step_threads_the_pool_through_aliased_kernels_pallas(monkeypatch):
     """The Pallas step has no per-position state (``[B, 1, H, d_a, d_b]``, verify's scratch)
-    in its jaxpr, and lowered for an NVIDIA GPU every Triton call that writes the ssm pool
-    in place (each layer's update, then the checkpoint copy) takes it as the only use of
-    the previous call's output, starting from the step's (donated) argument: nothing else
-    reads a pool a kernel overwrites, so XLA needs no copy to honour the aliasing.
-    (Compiled on CPU the kernels run interpreted, whose loops copy aliased operands.)"""
+    in its jaxpr, and lowered for an NVIDIA GPU every Triton call that writes a pool in
+    place (each layer's conv update on the conv pool and state update on the ssm pool, then
+    the checkpoint copy on both) takes it as the only use of the previous call's output on
+    that pool, starting from the step's (donated) argument: nothing else reads a pool a
+    kernel overwrites, so XLA needs no copy to honour the aliasing. (Compiled on CPU the
+    kernels run interpreted, whose loops copy aliased operands.)"""
     args, pool_text, states_text = _program_args("pallas")
     jaxpr = str(jax.make_jaxpr(decode_step, static_argnums=(0, 1, 2))(*args))
     assert pool_text in jaxpr and states_text not in jaxpr
@@ -197,21 +208,24 @@ def test_pallas_decode_step_threads_the_pool_through_aliased_kernels_pallas(monk
     text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "xla.gpu.triton(" in line]
     num_layers = len(args[1].recurrent_layer_ids)
-    assert len(calls) == num_layers + 1  # the updates, then the copy
-    ssm_operands = []
+    assert len(calls) == 2 * num_layers + 1  # per layer the conv, then the update; the copy
+    aliased_by_call = []
     for line in calls:
         operands = re.search(r"triton\(([^)]*)\)", line).group(1).split(", ")
         aliased = [operands[int(i)] for i in re.findall(r"operand_index = (\d+)", line)]
         assert aliased, line
-        ssm_operands.append(aliased[-2] if len(aliased) == 2 else aliased[0])
+        aliased_by_call.append(aliased)
         for value in aliased:  # one use, this call; besides it a value's text appears only
             # where it is defined, unless it is a result of a multi-result op (``%7#1``)
             uses = len(re.findall(re.escape(value) + r"(?![\w#])", text))
             assert uses == (1 if "#" in value else 2), (value, uses)
-    assert ssm_operands[0].startswith("%arg")
-    for previous, operand in zip(calls, ssm_operands[1:]):
-        assert operand.startswith(previous.split(":")[0].strip() + "#")
-    assert states_text.replace("[", "<").replace("]", "") not in text
+    conv_calls, update_calls, copy_call = calls[:-1:2], calls[1:-1:2], calls[-1]
+    assert [len(a) for a in aliased_by_call] == [1] * (2 * num_layers) + [2]
+    copy_ssm, copy_conv = aliased_by_call[-1]  # the copy aliases (ssm pool, conv pool)
+    _chain_from_argument(conv_calls, [a[0] for a in aliased_by_call[:-1:2]] + [copy_conv])
+    _chain_from_argument(update_calls, [a[0] for a in aliased_by_call[1:-1:2]] + [copy_ssm])
+    assert all(_shape_text(args[4].conv.shape)[1:-1].replace(",", "x") in c for c in conv_calls)
+    assert copy_call and states_text.replace("[", "<").replace("]", "") not in text
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])

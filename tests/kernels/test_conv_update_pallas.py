@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,3 +154,56 @@ def test_conv_update_lowers_to_triton_at_model_shapes_pallas():
             )
         ).trace(*args)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_conv_stacked_pool_and_num_new_match_scan_pallas(mode):
+    """``layer=l`` reads (and in decode writes) layer l of a stacked pool, every other layer
+    bit-identical; tokens past ``num_new[b]`` leave row b's window as it is (a row with no
+    new token writes back the window it read), as ``conv_scan``'s ``valid``; bf16 x with
+    ``out_dtype=float32`` gives the scan's float32 outputs, not rounded to bf16."""
+    rng = np.random.default_rng(7)
+    layers, layer, batch, tokens, channels, kernel, slots = 3, 1, 4, 3, 16, 4, 6
+    pool, slot, x, weight, bias = conv_case(
+        rng, batch, tokens, channels, kernel, slots, jnp.bfloat16, jnp.bfloat16, True
+    )
+    stacked = jnp.asarray(rng.standard_normal((layers,) + pool.shape), jnp.bfloat16)
+    slot = jnp.asarray([4, 0, 2, 5], jnp.int32)
+    num_new = jnp.asarray([3, 2, 0, 1], jnp.int32)
+    valid = jnp.arange(tokens)[None, :] < num_new[:, None]
+    scan = lambda w0, xs, ok: recurrence.conv_scan(w0, xs, weight, bias, ok)  # noqa: E731
+    outs, final, windows = jax.vmap(scan)(stacked[layer][slot], x, valid)
+    assert not np.array_equal(np.asarray(final[3]), np.asarray(stacked[layer, 5]))
+    np.testing.assert_array_equal(np.asarray(final[2]), np.asarray(stacked[layer, 2]))
+    forms = {
+        "pallas": functools.partial(cu.conv_update_pallas, block_channels=8, interpret=True),
+        "xla": jax.jit(cu.conv_update_xla, static_argnames=("mode", "layer", "out_dtype")),
+    }
+    options = {"mode": mode, "num_new": num_new, "layer": layer, "out_dtype": jnp.float32}
+    for name, form in forms.items():
+        got = form(stacked, slot, x, weight, bias, **options)
+        assert got.outputs.dtype == jnp.float32
+        assert_close(got.outputs, outs, FP32_TOL, f"{name} outputs")
+        if mode == "verify":
+            assert got.pool is None
+            np.testing.assert_array_equal(
+                np.asarray(got.step_windows.astype(jnp.float32)),
+                np.asarray(windows.astype(jnp.float32)),
+            )
+            continue
+        want = np.array(stacked.astype(jnp.float32))
+        for row, s in enumerate(np.asarray(slot)):
+            if s:
+                want[layer, s] = np.asarray(final[row].astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(got.pool.astype(jnp.float32)), want)
+
+
+def test_conv_stacked_pool_bad_layer_pallas():
+    rng = np.random.default_rng(8)
+    pool, slot, x, weight, bias = conv_case(rng, 2, 1, 8, 4, 3, jnp.float32, jnp.float32, False)
+    with pytest.raises(ValueError, match="layer=2"):
+        cu.conv_update_xla(pool[None].repeat(2, 0), slot, x, weight, mode="decode", layer=2)
+    with pytest.raises(ValueError, match=r"\[L, S\+1, C, K-1\]"):
+        cu.conv_update_pallas(pool, slot, x, weight, mode="decode", layer=0)
+    with pytest.raises(ValueError, match="num_new shape"):
+        cu.conv_update_pallas(pool, slot, x, weight, mode="decode", num_new=jnp.ones(3, jnp.int32))

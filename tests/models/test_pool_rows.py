@@ -136,7 +136,9 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
     want_hidden, _, want = run(StateRows(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot]))
     assert out.final is None and out.steps is None and out.chunks is None
     assert isinstance(out.pools, PoolView) and isinstance(want.final, StateRows)
-    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), atol=1e-6)
+    # pallas: the pools' decode runs the conv kernel, the rows' the jnp conv scan (float32
+    # rounding of the silu apart)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), rtol=1e-5, atol=1e-6)
     written = np.asarray([0, 2])  # the rows on real slots
     others = np.setdiff1d(np.arange(SLOTS + 1), np.asarray(slot)[written])
     assert 0 in others
@@ -145,5 +147,6 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
         old = np.asarray(getattr(pools, name))
         final = np.asarray(getattr(want.final, name))
         assert new.shape == old.shape and not np.allclose(new[:, 5], old[:, 5])
-        np.testing.assert_allclose(new[:, np.asarray(slot)[written]], final[:, written], atol=1e-6)
+        got = new[:, np.asarray(slot)[written]]
+        np.testing.assert_allclose(got, final[:, written], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(new[:, others], old[:, others])

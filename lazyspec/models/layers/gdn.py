@@ -21,16 +21,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import StateUpdateFn
+from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
-from lazyspec.models.interface import gathered
+from lazyspec.models.interface import PoolRows, gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
 from lazyspec.models.layers.state_kernels import (
+    conv_write,
     gdn_tokens,
     kernel_steps,
     kernel_write,
+    writes_conv_in_place,
     writes_in_place,
 )
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -71,13 +73,15 @@ class GDNSpec:
 class GDNStates(NamedTuple):
     """States a GDN call returns; ``conv_trace``/``ssm_trace`` are per step or per chunk.
     Written in place by a kernel (writing ``PoolRows``): ``ssm_pool`` is the stacked pool
-    it returned and ``ssm`` / ``ssm_trace`` are None."""
+    it returned and ``ssm`` / ``ssm_trace`` are None; likewise ``conv_pool`` with ``conv`` /
+    ``conv_trace`` None when the conv kernel wrote the windows."""
 
-    conv: jax.Array  # [B, conv_dim, K-1]
+    conv: jax.Array | None  # [B, conv_dim, K-1]
     ssm: jax.Array | None  # [B, Hv, d_k, d_v]
     conv_trace: jax.Array | None  # [B, S, conv_dim, K-1]
     ssm_trace: jax.Array | None  # [B, S, Hv, d_k, d_v]
     ssm_pool: jax.Array | None = None  # [L_rec, S+1, Hv, d_k, d_v]
+    conv_pool: jax.Array | None = None  # [L_rec, S+1, conv_dim, K-1]
 
 
 def _projection_plan(prefix: str, spec: GDNSpec) -> Params:
@@ -191,8 +195,15 @@ def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
-def _mix_steps_kernel(update, params, spec, mixed, a, b, conv0, ssm0, num_new):
-    """T-step form with the state update in the kernel ``update`` (conv stays in jnp)."""
+def _mix_steps_kernel(update, conv_update, params, spec, mixed, a, b, conv0, ssm0, num_new):
+    """T-step form with the state update in the kernel ``update``; the conv in the kernel
+    ``conv_update`` when it writes the windows in place (``conv0`` writing ``PoolRows``),
+    else in jnp."""
+    if isinstance(conv0, PoolRows):  # gdn_mixer hands PoolRows only when both write
+        conv_out, conv_pool = conv_write(conv_update, conv0, mixed, params["conv1d"], None, num_new)
+        tokens = gdn_tokens(*_heads(spec, conv_out), *_gates(params, a, b), num_new)
+        outs, pool = kernel_write(update, ssm0, tokens)
+        return outs, GDNStates(None, None, None, None, pool, conv_pool)
     valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
     tokens, conv_final, conv_trace = _conv_tokens(params, spec, mixed, a, b, conv0, valid)
     tokens = gdn_tokens(*tokens, num_new)
@@ -226,6 +237,7 @@ def gdn_mixer(
     form: str,
     chunk_size: int = 64,
     state_update: StateUpdateFn | None = None,
+    conv_update: ConvUpdateFn | None = None,
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
@@ -235,19 +247,23 @@ def gdn_mixer(
     (``Kernels.gdn_state_update``) runs the state update of the steps form; None: the jnp
     token scan. Returns (output ``[B, T, hidden]``, ``GDNStates`` in the dtypes of conv0 /
     ssm0). Writing ``PoolRows`` with a kernel: the kernel's decode mode writes the rows in
-    place and returns the pool (``GDNStates.ssm_pool``). Pure; mutates nothing.
+    place and returns the pool (``GDNStates.ssm_pool``); conv0 as writing ``PoolRows`` with
+    ``conv_update`` (``Kernels.conv_update``) as well, the conv windows too
+    (``GDNStates.conv_pool``). Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
     use_kernel = form == "steps" and state_update is not None
     if not use_kernel:
         ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
+    if not (writes_in_place(ssm0, state_update) and writes_conv_in_place(conv0, conv_update)):
+        conv0 = gathered(conv0)
     mixed, z, b, a = _project(params, spec, x)
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)
     elif use_kernel:
         outs, states = _mix_steps_kernel(
-            state_update, params, spec, mixed, a, b, conv0, ssm0, num_new
+            state_update, conv_update, params, spec, mixed, a, b, conv0, ssm0, num_new
         )
     else:
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
@@ -255,10 +271,11 @@ def gdn_mixer(
     out = linear(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim))
     cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = GDNStates(
-        states.conv.astype(conv0.dtype),
+        cast(states.conv, conv0),
         cast(states.ssm, ssm0),
-        states.conv_trace.astype(conv0.dtype),
+        cast(states.conv_trace, conv0),
         cast(states.ssm_trace, ssm0),
         states.ssm_pool,
+        states.conv_pool,
     )
     return out, states

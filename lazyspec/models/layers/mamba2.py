@@ -28,16 +28,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import StateUpdateFn
+from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
 from lazyspec.kernels.mamba2_chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
 from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba2_step
-from lazyspec.models.interface import gathered
+from lazyspec.models.interface import PoolRows, gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
 from lazyspec.models.layers.state_kernels import (
+    conv_write,
     kernel_steps,
     kernel_write,
     mamba2_tokens,
+    writes_conv_in_place,
     writes_in_place,
 )
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -78,13 +80,15 @@ class Mamba2Dims:
 class MixerStates:
     """States a mixer call leaves behind (per row); ``trace_*`` depend on the form. Written
     in place by a kernel (writing ``PoolRows``): ``ssm_pool`` is the stacked pool it
-    returned and ``ssm`` / ``trace_ssm`` are None."""
+    returned and ``ssm`` / ``trace_ssm`` are None; likewise ``conv_pool`` with ``conv`` /
+    ``trace_conv`` None when the conv kernel wrote the windows."""
 
-    conv: jax.Array  # [B, conv_dim, K-1] after each row's valid tokens
+    conv: jax.Array | None  # [B, conv_dim, K-1] after each row's valid tokens
     ssm: jax.Array | None  # [B, H, P, N]
-    trace_conv: jax.Array  # [B, S, conv_dim, K-1]: per token / per chunk / per step
+    trace_conv: jax.Array | None  # [B, S, conv_dim, K-1]: per token / per chunk / per step
     trace_ssm: jax.Array | None  # [B, S, H, P, N]
     ssm_pool: jax.Array | None = None  # [L_rec, S+1, H, P, N]
+    conv_pool: jax.Array | None = None  # [L_rec, S+1, conv_dim, K-1]
 
 
 def split_projection(
@@ -201,20 +205,30 @@ def _row_steps(
 _ROW_FORMS = {"reference": _row_reference, "chunked": _row_chunked, "steps": _row_steps}
 
 
-def _steps_kernel(update, dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_new):
-    """T-step form with the SSM update in the kernel ``update`` (conv stays in jnp): a
-    ``RowResult`` for all rows, then the pool the kernel wrote (writing ``PoolRows``; the
-    ssm final and trace are None then) or None."""
-    valid = jnp.arange(xbc.shape[1])[None, :] < num_new[:, None]
-    conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, rec.conv_weight, rec.conv_bias, ok))
-    conv_out, conv_final, conv_trace = conv(conv0, xbc, valid)
+def _steps_kernel(
+    update, conv_update, dims: Mamba2Dims, rec: _Recurrence, conv0, ssm0, xbc, dt, num_new
+):
+    """T-step form with the SSM update in the kernel ``update``, the conv in the kernel
+    ``conv_update`` when it writes the windows in place (``conv0`` writing ``PoolRows``),
+    else in jnp: a ``RowResult`` for all rows, then the ssm and conv pools the kernels wrote
+    (writing ``PoolRows``; the finals and traces they replace are None then) or None."""
+    conv_pool = None
+    if isinstance(conv0, PoolRows):  # mamba2_mixer hands PoolRows only when both write
+        conv_out, conv_pool = conv_write(
+            conv_update, conv0, xbc, rec.conv_weight, rec.conv_bias, num_new
+        )
+        conv_final = conv_trace = None
+    else:
+        valid = jnp.arange(xbc.shape[1])[None, :] < num_new[:, None]
+        conv = jax.vmap(lambda w, x, ok: conv_scan(w, x, rec.conv_weight, rec.conv_bias, ok))
+        conv_out, conv_final, conv_trace = conv(conv0, xbc, valid)
     x, b, c = split_xbc(dims, conv_out)
     tokens = mamba2_tokens(x, b, c, dt, rec.a, rec.d, num_new)
     if writes_in_place(ssm0, update):
         y, pool = kernel_write(update, ssm0, tokens)
-        return y, conv_final, None, conv_trace, None, pool
+        return y, conv_final, None, conv_trace, None, pool, conv_pool
     y, ssm_final, ssm_trace = kernel_steps(update, ssm0, tokens, num_new)
-    return y, conv_final, ssm_final, conv_trace, ssm_trace, None
+    return y, conv_final, ssm_final, conv_trace, ssm_trace, None, conv_pool
 
 
 @jax.named_scope("recurrent")
@@ -229,6 +243,7 @@ def mamba2_mixer(
     form: str,
     chunk_size: int = DEFAULT_CHUNK,
     state_update: StateUpdateFn | None = None,
+    conv_update: ConvUpdateFn | None = None,
 ) -> tuple[jax.Array, MixerStates]:
     """Run the mixer over B rows of T tokens; row b's real tokens are ``hidden[b, :num_new[b]]``.
 
@@ -239,13 +254,17 @@ def mamba2_mixer(
     Returns (output [B, T, D] in hidden's dtype, MixerStates). Padding tokens never change a
     state; their outputs are finite but meaningless. Writing ``PoolRows`` with a kernel:
     the kernel's decode mode writes the rows in place and returns the pool
-    (``MixerStates.ssm_pool``). Pure; never mutates.
+    (``MixerStates.ssm_pool``); conv0 as writing ``PoolRows`` with ``conv_update``
+    (``Kernels.conv_update``) as well, the conv windows too (``MixerStates.conv_pool``).
+    Pure; never mutates.
     """
     if form not in _ROW_FORMS:
         raise ValueError(f"unknown Mamba2 form {form!r}; expected one of {FORMS}")
     use_kernel = form == "steps" and state_update is not None
     if not use_kernel:
         ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
+    if not (writes_in_place(ssm0, state_update) and writes_conv_in_place(conv0, conv_update)):
+        conv0 = gathered(conv0)
     projected = linear(params["in_proj"], hidden)
     gate, xbc, dt_raw = split_projection(dims, projected)
     dt = time_steps(dims, dt_raw, params["dt_bias"])
@@ -261,10 +280,10 @@ def mamba2_mixer(
     def row(conv_row, ssm_row, xbc_row, dt_row, count):
         return row_fn(dims, rec, conv_row, ssm_row, xbc_row, dt_row, count, chunk_size)
 
-    ssm_pool = None
+    ssm_pool = conv_pool = None
     if use_kernel:
-        y, conv_final, ssm_final, conv_trace, ssm_trace, ssm_pool = _steps_kernel(
-            state_update, dims, rec, conv0, ssm0, xbc, dt, num_new
+        y, conv_final, ssm_final, conv_trace, ssm_trace, ssm_pool, conv_pool = _steps_kernel(
+            state_update, conv_update, dims, rec, conv0, ssm0, xbc, dt, num_new
         )
     else:
         y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(
@@ -278,11 +297,12 @@ def mamba2_mixer(
     out = linear(params["out_proj"], normed)
     cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = MixerStates(
-        conv=conv_final.astype(conv0.dtype),
+        conv=cast(conv_final, conv0),
         ssm=cast(ssm_final, ssm0),
-        trace_conv=conv_trace.astype(conv0.dtype),
+        trace_conv=cast(conv_trace, conv0),
         trace_ssm=cast(ssm_trace, ssm0),
         ssm_pool=ssm_pool,
+        conv_pool=conv_pool,
     )
     return out.astype(hidden.dtype), states
 

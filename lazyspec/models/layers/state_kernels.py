@@ -9,6 +9,10 @@ rows, those serve as the pool (row b is slot b; no copy), slot 0 included: its r
 outputs and step states are computed like any other (verify mode only reads the pool).
 Tokens past a row's ``num_new`` are made identity steps (GDN: no decay and beta 0; Mamba2:
 dt 0), so ragged rows stay exact.
+
+The conv goes the same way where the decode step writes in place and the ``Kernels`` have a
+conv update (``conv_write``): the kernel reads each row's window from the stacked conv pool
+and writes the new one back, so neither the gather of the windows nor their scatter runs.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import StateUpdateFn
+from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
 from lazyspec.models.interface import PoolRows, gathered
 
@@ -78,3 +82,34 @@ def mamba2_tokens(x, b, c, dt, a, d, num_new) -> Mamba2Tokens:
         a=a,
         d=d,
     )
+
+
+def writes_conv_in_place(conv0: jax.Array | PoolRows, conv_update: ConvUpdateFn | None) -> bool:
+    """Whether a mixer hands ``conv0`` to ``conv_write`` (writing ``PoolRows`` and a kernel)."""
+    return conv_update is not None and isinstance(conv0, PoolRows) and conv0.write
+
+
+def conv_write(
+    conv_update: ConvUpdateFn,
+    conv0: PoolRows,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    num_new: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """(conv outputs [B, T, C] in float32, as ``conv_scan`` gives them; the stacked conv pool
+    with row b's window after its first ``num_new[b]`` tokens written at ``slot[b]``) through
+    ``conv_update`` in decode mode; the outputs are stored in float32, not rounded to x's
+    dtype."""
+    result = conv_update(
+        conv0.pool,
+        conv0.slot,
+        x,
+        weight,
+        bias,
+        mode="decode",
+        num_new=num_new,
+        layer=conv0.layer,
+        out_dtype=jnp.float32,
+    )
+    return result.outputs, result.pool
