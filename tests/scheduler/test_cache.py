@@ -59,3 +59,36 @@ def test_growth_after_trimming_keeps_the_pages_apart():
         _own_rows_in_table(cache, req), cache.kv.pages_to_token_indices(req.own_pages)
     )
     assert not np.isin(req.own_pages, before[:24]).any()  # the tree's pages stay the tree's
+
+
+def test_growing_several_requests_at_once_fills_each_row():
+    """One ``grow`` for several requests (pages of 4 tokens; one request needing no page,
+    one growing by several, one up to context_len): each row's table entries are exactly
+    its own pages' token rows and no other entry changes, and the pending updates name
+    exactly the entries that changed."""
+    sched = _scheduler(max_total_tokens=256, context_length=44, page_size=4, max_running_requests=4)
+    cache = sched.cache
+    reqs = []
+    for rid, prompt_len in (("a", 8), ("b", 12), ("c", 4), ("d", 32)):
+        req = Req(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=8))
+        cache.admit(req, sched.tree.match_prefix(req.input_ids), -(-prompt_len // 4))
+        reqs.append(req)
+    cache.take_updates([r.req_row for r in reqs])
+    before = cache.req_to_token.copy()
+    lengths = [8, 21, 6, 41]  # no page, 3 pages, 1 page, 3 pages up to context_len, 44
+    counts = [cache.pages_to_cover(r, n) for r, n in zip(reqs, lengths)]
+    assert counts == [0, 3, 1, 3]
+    cache.grow(reqs, lengths, counts)
+    for req, length in zip(reqs, lengths):
+        own = cache.kv.pages_to_token_indices(req.own_pages)
+        end = cache.covered_len(req)
+        assert end >= length
+        np.testing.assert_array_equal(_own_rows_in_table(cache, req), own)
+        np.testing.assert_array_equal(
+            cache.req_to_token[req.req_row, end:], before[req.req_row, end:]
+        )
+    rows, positions, values = cache.take_updates([r.req_row for r in reqs])
+    changed = np.argwhere(cache.req_to_token != before)
+    np.testing.assert_array_equal(np.stack([rows, positions], axis=1), changed)
+    np.testing.assert_array_equal(values, cache.req_to_token[rows, positions])
+    check_all(cache.kv, cache.slots, sched.tree, [], np.concatenate([r.own_pages for r in reqs]))
