@@ -205,13 +205,15 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
         chunked_prefill_size=args.prompt_len,
         context_length=args.context,
         max_total_tokens=batch * args.context,
+        page_size=args.page_size,
         skip_warmup=True,
         decode_program_copies=getattr(args, "decode_program_copies", None),
         **(nextn if spec else {}),
     )
     mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
     print(
-        f"engine (backend {backend}, tp {args.tp_size}, {batch} rows) in "
+        f"engine (backend {backend}, tp {args.tp_size}, {batch} rows, page size "
+        f"{engine.layout.page_size}) in "
         f"{time.perf_counter() - start:.1f} s; MiB per device: "
         + ", ".join(f"{k.removesuffix('_bytes_per_device')} {v:.0f}" for k, v in mib.items()),
         flush=True,
@@ -548,6 +550,12 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--context", type=int, default=512)
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=1,
+        help="tokens per KV page (the engine's --page-size); must divide --prompt-len",
+    )
     p.add_argument("--spec", action="store_true", help="also NEXTN rows (the random MTP head)")
     p.add_argument("--spec-only", action="store_true", help="only NEXTN rows")
     p.add_argument("--spec-steps", type=int, default=3)

@@ -1,5 +1,5 @@
 """``scripts/bench_engine.py`` end to end on CPU: the tiny preset at tp = 2 over two fake
-devices, a batch of two rows, one row of the table with its floor.
+devices, a batch of two rows on pages of 16 tokens, one row of the table with its floor.
 
 It is also the regression run of a hang: every tensor-parallel step of more than one
 request row at these shapes used to stop forever inside jaxlib's CPU triangular solve (the
@@ -30,6 +30,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
         str(ROOT / "scripts" / "bench_engine.py"),
         "--preset", "tiny", "--backends", "xla", "--tp-size", "2", "--batches", "2",
         "--prompt-len", "64", "--output-len", "8", "--copy-mib", "16", "--out", str(out),
+        "--page-size", "16",
     ]  # fmt: skip
     env = dict(os.environ, XLA_FLAGS=for_host_devices(2), JAX_PLATFORMS="cpu")
     try:
@@ -37,6 +38,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail(f"bench_engine at tp 2 with two rows hung past {TIMEOUT_S} s")
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "2 rows, page size 16)" in done.stdout
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 2, out.read_text()  # the step row, then its host calls
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
