@@ -164,11 +164,13 @@ def _conv_update(conv: Callable, plan: ShardingPlan) -> Callable:
     """``conv`` (the ``conv_update`` contract) on each device's block of the conv channels:
     a depthwise conv is per channel, so the even split is exact."""
 
-    def run(pool, slot, x, weight, bias=None, *, mode: str, num_new=None, layer=None, **dtype):
+    def run(
+        pool, slot, x, weight, bias=None, *, mode: str, num_new=None, layer=None, out_dtype=None
+    ):
         lead = 0 if layer is None else 1  # the stacked pool's layer axis
         pool_spec = _spec(plan, CONV_POOL_AXES[1 - lead :], pool.shape)
         channels = _head_axis(pool_spec, 1 + lead)
-        options = {"mode": mode, "layer": layer, **dtype}  # dtype: out_dtype when given
+        options = {"mode": mode, "layer": layer, "out_dtype": out_dtype}
         if channels is None:
             return conv(pool, slot, x, weight, bias, num_new=num_new, **options)
         if num_new is None:
