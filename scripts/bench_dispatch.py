@@ -18,7 +18,13 @@ moves). On a GPU, ``--count-updates`` runs the measurement in a child process wi
 command-buffer log on and adds, per timed phase, the updates per call and the changed
 allocations per update. On a CPU there are no command buffers (the columns read n/a).
 
+``--program-layout`` also prints how XLA laid the widest decode step out for the host to
+run (read from the compiled program's optimized HLO): the command buffers with their
+commands, and the entry's operations outside them, by opcode (each a launch of its own;
+conditionals and while loops also wait on the host).
+
     python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1,16 --count-updates
+    python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1 --program-layout
     python scripts/bench_dispatch.py --preset tiny --backends xla --batches 1   # CPU smoke
 """
 
@@ -39,6 +45,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PHASE = "bench_dispatch phase: "  # printed to stderr before each timed phase
 _UPDATE = re.compile(r"updated_allocs=(\d+)")
+# an HLO instruction: [ROOT] %name = shape opcode(operands)..., the shape a token or a tuple
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\(.*?\)|\S+)\s+([\w\-]+)\(")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
+# operations that launch nothing: values passed along, not computed
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+
+
+def program_layout(hlo: str) -> dict:
+    """From an optimized HLO module's text: ``command_buffers`` (the commands of each
+    command-buffer computation the entry calls, in order) and ``outside`` (opcode -> count of
+    the entry's other operations that launch work)."""
+    bodies: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo.splitlines():
+        if (head := _COMPUTATION.match(line)) is not None:
+            current = head.group(2)
+            bodies[current] = []
+            if head.group(1):
+                entry = current
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            bodies[current].append(line)
+    buffers, outside = [], {}
+    for line in bodies.get(entry, []):
+        match = _INSTRUCTION.match(line)
+        if match is None or match.group(1) in _FREE:
+            continue
+        callee = _CALLEE.search(line)
+        if match.group(1) == "call" and callee and "command_buffer" in callee.group(1):
+            ops = [_INSTRUCTION.match(b) for b in bodies.get(callee.group(1), [])]
+            buffers.append(sum(1 for op in ops if op is not None and op.group(1) not in _FREE))
+        else:
+            outside[match.group(1)] = outside.get(match.group(1), 0) + 1
+    return {"command_buffers": buffers, "outside": outside}
 
 
 def _timed_calls(call, calls: int, idle: bool) -> float:
@@ -104,6 +146,7 @@ def decode_rows(model, args, batch: int) -> list[dict]:
         tp_size=1,
         prompt_len=args.prompt_len,
         context=args.context,
+        page_size=1,
         spec_steps=3,
         decode_program_copies=2,
     )
@@ -111,6 +154,16 @@ def decode_rows(model, args, batch: int) -> list[dict]:
     for backend in args.backends.split(","):
         engine, recorder = be.served_engine(model, backend, engine_args, batch, spec=False)
         runner, packed, programs = engine.runner, recorder.batch, recorder.jitted.programs
+        if args.program_layout:
+            hlo = be._compiled_decode(runner, runner.params, runner.pools, packed).as_text()
+            layout = program_layout(hlo)
+            outside = ", ".join(f"{op} {n}" for op, n in sorted(layout["outside"].items()))
+            print(
+                f"{args.preset} {backend} decode, batch {batch}: "
+                f"{len(layout['command_buffers'])} command buffers "
+                f"(commands {layout['command_buffers']}); outside them: {outside or 'none'}",
+                flush=True,
+            )
         for copies in (1, 2):
             step = InTurn(programs[:copies])
 
@@ -157,6 +210,11 @@ def main(argv=None) -> None:
         "--count-updates",
         action="store_true",
         help="run in a child process with XLA's command-buffer log on and count its updates",
+    )
+    p.add_argument(
+        "--program-layout",
+        action="store_true",
+        help="print the decode step's command buffers and the operations outside them",
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

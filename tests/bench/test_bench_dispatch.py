@@ -1,5 +1,6 @@
 """``scripts/bench_dispatch.py``: its count of XLA's command-buffer updates per timed phase
-(read from the log lines XLA writes on a GPU), and a CPU run of the tiny preset."""
+(read from the log lines XLA writes on a GPU), its reading of a program's command buffers
+from the optimized HLO, and a CPU run of the tiny preset."""
 
 from __future__ import annotations
 
@@ -49,13 +50,52 @@ def test_updates_are_counted_per_phase():
     assert counts == {"first": (1.0, 10.0), "second": (0.0, 0.0)}
 
 
+# the shape of a GPU program's optimized HLO after XLA's command-buffer scheduling
+_GPU_HLO = """HloModule jit_decode_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_add (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %add = f32[4]{0} add(f32[4]{0} %p0, f32[4]{0} %p0)
+}
+
+%command_buffer (p: f32[4]) -> (f32[4], s32[]) {
+  %p = f32[4]{0} parameter(0)
+  %fusion = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fused_add
+  %cc.1 = f32[4]{0} custom-call(f32[4]{0} %fusion), custom_call_target="__gpu$xla.gpu.triton"
+  %constant.2 = s32[] constant(0)
+  ROOT %tuple = (f32[4]{0}, s32[]) tuple(f32[4]{0} %cc.1, s32[] %constant.2)
+}
+
+%command_buffer.1 (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %gemm = f32[4]{0} custom-call(f32[4]{0} %q), custom_call_target="__cublas$gemm"
+}
+
+ENTRY %main.9 (Arg_0.1: f32[4]) -> f32[4] {
+  %Arg_0.1 = f32[4]{0} parameter(0)
+  %call = (f32[4]{0}, s32[]) call(f32[4]{0} %Arg_0.1), to_apply=%command_buffer
+  %gte = f32[4]{0} get-tuple-element((f32[4]{0}, s32[]) %call), index=0
+  %gte.1 = s32[] get-tuple-element((f32[4]{0}, s32[]) %call), index=1
+  %cond = f32[4]{0} conditional(s32[] %gte.1, f32[4]{0} %gte), branch_computations={%fused_add}
+  %call.1 = f32[4]{0} call(f32[4]{0} %cond), to_apply=%command_buffer.1
+  ROOT %copy = f32[4]{0} copy(f32[4]{0} %call.1)
+}
+"""
+
+
+def test_program_layout_reads_command_buffers_and_the_rest():
+    """Two command buffers (two commands, then one: parameters, constants and tuples launch
+    nothing) and, outside them, the conditional and the copy."""
+    layout = _module().program_layout(_GPU_HLO)
+    assert layout == {"command_buffers": [2, 1], "outside": {"conditional": 1, "copy": 1}}
+
+
 def test_tiny_preset_runs_on_cpu():
     env = dict(os.environ, XLA_FLAGS=with_fast_compile(os.environ.get("XLA_FLAGS", "")))
     command = [sys.executable, str(SCRIPT), "--preset", "tiny", "--backends", "xla"]
     command += ["--dtype", "float32", "--batches", "1", "--calls", "3", "--ref-commands", "4"]
-    result = subprocess.run(
-        command + ["--count-updates"], capture_output=True, text=True, env=env, timeout=300
-    )
+    command += ["--count-updates", "--program-layout"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny xla decode")]
     # one program and two in turn, each idle and chained, in the timing and the update tables
@@ -63,3 +103,6 @@ def test_tiny_preset_runs_on_cpu():
     for copies in (1, 2):
         assert sum(f", {copies} in turn, " in row for row in rows) == 4, rows
     assert "n/a on this backend" in result.stdout
+    # a CPU program has no command buffers: every launch is outside them
+    layout = [line for line in result.stdout.splitlines() if "0 command buffers" in line]
+    assert len(layout) == 1 and "outside them: " in layout[0] and " fusion " in layout[0]
