@@ -256,7 +256,7 @@ def gdn_mixer(
     use_kernel = form == "steps" and state_update is not None
     if not use_kernel:
         ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
-    if not (writes_in_place(ssm0, state_update) and writes_conv_in_place(conv0, conv_update)):
+    if not writes_conv_in_place(conv0, ssm0, state_update, conv_update):
         conv0 = gathered(conv0)
     mixed, z, b, a = _project(params, spec, x)
     if form == "chunked":

@@ -84,9 +84,21 @@ def mamba2_tokens(x, b, c, dt, a, d, num_new) -> Mamba2Tokens:
     )
 
 
-def writes_conv_in_place(conv0: jax.Array | PoolRows, conv_update: ConvUpdateFn | None) -> bool:
-    """Whether a mixer hands ``conv0`` to ``conv_write`` (writing ``PoolRows`` and a kernel)."""
-    return conv_update is not None and isinstance(conv0, PoolRows) and conv0.write
+def writes_conv_in_place(
+    conv0: jax.Array | PoolRows,
+    ssm0: jax.Array | PoolRows,
+    state_update: StateUpdateFn | None,
+    conv_update: ConvUpdateFn | None,
+) -> bool:
+    """Whether a mixer hands ``conv0`` to ``conv_write``: writing ``PoolRows`` and a conv
+    kernel, in a step whose ssm rows ``kernel_write`` writes in place too (any other mixer
+    form gathers ``conv0``)."""
+    return (
+        conv_update is not None
+        and isinstance(conv0, PoolRows)
+        and conv0.write
+        and writes_in_place(ssm0, state_update)
+    )
 
 
 def conv_write(
