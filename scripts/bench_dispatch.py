@@ -19,9 +19,13 @@ command-buffer log on and adds, per timed phase, the updates per call and the ch
 allocations per update. On a CPU there are no command buffers (the columns read n/a).
 
 ``--program-layout`` also prints how XLA laid the widest decode step out for the host to
-run (read from the compiled program's optimized HLO): the command buffers with their
-commands, and the entry's operations outside them, by opcode (each a launch of its own;
-conditionals and while loops also wait on the host).
+run: the command buffers with their commands, and the operations outside them, by kind
+(each a launch of its own; conditionals and while loops also wait on the host). It runs
+the measurement in a child process that has XLA dump its programs, and reads the thunk
+sequence XLA runs (``*thunk_sequence_after_thunk_passes.txt``): current XLA forms command
+buffers from thunks, after the HLO is final, so the optimized HLO shows none. Where no
+thunk sequence is dumped (a CPU, or an XLA that forms them in the HLO) it reads the
+optimized HLO instead; the line says which it read.
 
     python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1,16 --count-updates
     python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1 --program-layout
@@ -35,6 +39,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -81,6 +86,41 @@ def program_layout(hlo: str) -> dict:
         else:
             outside[match.group(1)] = outside.get(match.group(1), 0) + 1
     return {"command_buffers": buffers, "outside": outside}
+
+
+# a thunk line of XLA's dumped thunk sequence: "001: kCopy   [...] ...", nested thunks indented
+_THUNK = re.compile(r"^(\s*)\d+:\s+(k\w+)")
+
+
+def thunk_layout(text: str) -> dict:
+    """From a dumped thunk sequence (``*thunk_sequence_after_thunk_passes.txt``):
+    ``command_buffers`` (the commands under each top-level command-buffer thunk, nested
+    ones included) and ``outside`` (thunk kind -> count of the other top-level thunks)."""
+    buffers, outside, inside = [], {}, False
+    for line in text.splitlines():
+        if (match := _THUNK.match(line)) is None:
+            continue
+        indent, kind = match.groups()
+        if not indent:
+            inside = kind == "kCommandBuffer"
+            if inside:
+                buffers.append(0)
+            else:
+                outside[kind] = outside.get(kind, 0) + 1
+        elif inside:
+            buffers[-1] += 1
+    return {"command_buffers": buffers, "outside": outside}
+
+
+def _latest_thunk_sequence(dump_dir: str | None) -> str | None:
+    """The newest decode step's thunk sequence XLA dumped under ``dump_dir``, if any."""
+    if not dump_dir:
+        return None
+    files = sorted(
+        Path(dump_dir).glob("*decode_step*thunk_sequence_after_thunk_passes.txt"),
+        key=lambda f: f.stat().st_mtime,
+    )
+    return files[-1].read_text() if files else None
 
 
 def _timed_calls(call, calls: int, idle: bool) -> float:
@@ -156,10 +196,14 @@ def decode_rows(model, args, batch: int) -> list[dict]:
         runner, packed, programs = engine.runner, recorder.batch, recorder.jitted.programs
         if args.program_layout:
             hlo = be._compiled_decode(runner, runner.params, runner.pools, packed).as_text()
-            layout = program_layout(hlo)
+            thunks = _latest_thunk_sequence(args.dump_dir)
+            if thunks is not None:
+                layout, source = thunk_layout(thunks), "thunk sequence"
+            else:
+                layout, source = program_layout(hlo), "optimized HLO"
             outside = ", ".join(f"{op} {n}" for op, n in sorted(layout["outside"].items()))
             print(
-                f"{args.preset} {backend} decode, batch {batch}: "
+                f"{args.preset} {backend} decode, batch {batch} ({source}): "
                 f"{len(layout['command_buffers'])} command buffers "
                 f"(commands {layout['command_buffers']}); outside them: {outside or 'none'}",
                 flush=True,
@@ -196,6 +240,27 @@ def count_updates(log: str, calls: int) -> dict[str, tuple[float, float]]:
     }
 
 
+def _child(args, argv, dump_dir: str) -> subprocess.CompletedProcess:
+    """This script run again with ``--child``: with XLA's command-buffer log on
+    (``--count-updates``) and XLA dumping its programs to ``dump_dir``
+    (``--program-layout``)."""
+    env, extra = dict(os.environ), ["--child"]
+    if args.count_updates:
+        env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
+    if args.program_layout:
+        dump = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=decode_step"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump}".strip()
+        extra += ["--dump-dir", dump_dir]
+    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--count-updates"]
+    child = subprocess.run(
+        [sys.executable, __file__, *argv, *extra], env=env, capture_output=True, text=True
+    )
+    if child.returncode != 0:
+        sys.stderr.write(child.stderr[-4000:])
+        raise SystemExit(f"the measuring child process failed ({child.returncode})")
+    return child
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3_next_moe")
@@ -217,21 +282,15 @@ def main(argv=None) -> None:
         help="print the decode step's command buffers and the operations outside them",
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.count_updates and not args.child:
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
-        argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--count-updates"]
-        child = subprocess.run(
-            [sys.executable, __file__, *argv, "--child"],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if child.returncode != 0:
-            sys.stderr.write(child.stderr[-4000:])
-            raise SystemExit(f"the measuring child process failed ({child.returncode})")
-        updates = count_updates(child.stderr, args.calls)
+    if (args.count_updates or args.program_layout) and not args.child:
+        with tempfile.TemporaryDirectory(prefix="bench_dispatch_") as dump_dir:
+            child = _child(args, argv, dump_dir)
         print(child.stdout, end="")
+        if not args.count_updates:
+            return
+        updates = count_updates(child.stderr, args.calls)
         print("\n| phase | command-buffer updates per call | changed allocations per update |")
         print("|---|---|---|")
         for name, (per_call, allocs) in updates.items():

@@ -1,6 +1,7 @@
 """``scripts/bench_dispatch.py``: its count of XLA's command-buffer updates per timed phase
 (read from the log lines XLA writes on a GPU), its reading of a program's command buffers
-from the optimized HLO, and a CPU run of the tiny preset."""
+from XLA's dumped thunk sequence and from the optimized HLO, and a CPU run of the tiny
+preset."""
 
 from __future__ import annotations
 
@@ -90,6 +91,30 @@ def test_program_layout_reads_command_buffers_and_the_rest():
     assert layout == {"command_buffers": [2, 1], "outside": {"conditional": 1, "copy": 1}}
 
 
+# the shape of XLA's dumped thunk sequence (``*thunk_sequence_after_thunk_passes.txt``):
+# top-level thunks at the margin, a command buffer's commands indented below it
+_THUNKS = """000: kCommandBuffer [source | sink]
+    001: kCopy         [source        | next=002 (1)  ] kCopy
+    002: kCustomKernel [prev=001 (1)  | next=003 (1)  ] loop_add_fusion grid: [1, 1, 1]
+    003: kConditional  [prev=002 (1)  | sink          ]
+        004: kCustomKernel [source | sink] branch_fusion grid: [1, 1, 1]
+001: kCustomKernel [prev=000 (1) | next=002 (1)] sort_fusion grid: [1, 1, 1]
+002: kCommandBuffer [source | sink]
+    001: kGemm         [source        | sink          ] custom-call
+003: kCopy [prev=002 (1) | sink] kCopy
+"""
+
+
+def test_thunk_layout_reads_command_buffers_and_the_rest():
+    """Two command buffers (four commands, one of them nested in a conditional; then one)
+    and, outside them, a kernel and a copy."""
+    layout = _module().thunk_layout(_THUNKS)
+    assert layout == {
+        "command_buffers": [4, 1],
+        "outside": {"kCustomKernel": 1, "kCopy": 1},
+    }
+
+
 def test_tiny_preset_runs_on_cpu():
     env = dict(os.environ, XLA_FLAGS=with_fast_compile(os.environ.get("XLA_FLAGS", "")))
     command = [sys.executable, str(SCRIPT), "--preset", "tiny", "--backends", "xla"]
@@ -103,6 +128,8 @@ def test_tiny_preset_runs_on_cpu():
     for copies in (1, 2):
         assert sum(f", {copies} in turn, " in row for row in rows) == 4, rows
     assert "n/a on this backend" in result.stdout
-    # a CPU program has no command buffers: every launch is outside them
+    # a CPU program has no command buffers (nor a thunk sequence dumped): every launch is
+    # outside them, read from the optimized HLO
     layout = [line for line in result.stdout.splitlines() if "0 command buffers" in line]
     assert len(layout) == 1 and "outside them: " in layout[0] and " fusion " in layout[0]
+    assert "(optimized HLO)" in layout[0]
