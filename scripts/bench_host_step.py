@@ -8,6 +8,7 @@ applying its results once fetched. The device time itself (and the fetch, which 
 it) is not measured.
 
     python scripts/bench_host_step.py --batch 64 --context 32768
+    python scripts/bench_host_step.py --batch 16 --context 1024 --steps 300 --page-size 16
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    p.add_argument("--page-size", type=int, default=1, help="the engine's --page-size")
     args = p.parse_args(argv)
 
     from bench_engine import build_model
@@ -44,6 +46,7 @@ def main(argv=None) -> None:
         context_length=args.context,
         max_total_tokens=args.batch * 256,
         skip_warmup=True,
+        page_size=args.page_size,
     )
     rng = np.random.default_rng(0)
     params = {"max_new_tokens": args.steps + 10, "ignore_eos": True}
@@ -74,7 +77,8 @@ def main(argv=None) -> None:
     launch_ms = 1e3 * np.median(launch_s[3:])
     process_ms = 1e3 * np.median(process_s[3:])
     print(
-        f"batch {args.batch}, context {args.context}: median per decode step "
+        f"batch {args.batch}, context {args.context}, page size {args.page_size}: "
+        "median per decode step "
         f"schedule {schedule_ms:.3f} ms, launch {launch_ms:.3f} ms, "
         f"process {process_ms:.3f} ms, total {schedule_ms + launch_ms + process_ms:.3f} ms"
     )

@@ -50,8 +50,10 @@ class RequestCache:
         self.slots = slots
         self.page_size = layout.page_size
         self.req_to_token = np.zeros((layout.num_req_rows, layout.context_len), np.int32)
-        # (rows, positions) of entries changed since the device copy last received them
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        # the entries changed since the device copy last received them, as flat indices
+        # (row * context_len + position) of the table, each listed once (``_is_pending``)
+        self._pending: list[np.ndarray] = []
+        self._is_pending = np.zeros(self.req_to_token.size, bool)
         # per row: entries past this are zero (what the next admission must clear)
         self._row_extent = np.zeros(layout.num_req_rows, np.int64)
         self.free_rows = list(range(layout.max_running, 0, -1))
@@ -143,6 +145,13 @@ class RequestCache:
         growing = [(req, count) for req, count in zip(reqs, counts) if count]
         req_rows = np.array([req.req_row for req, _ in growing], np.int64)
         starts = np.array([self.covered_len(req) for req, _ in growing], np.int64)
+        if self.page_size == 1 and total == len(growing):
+            # a decode step's usual growth: one token's page per row, entry (row, start)
+            for i, (req, _) in enumerate(growing):
+                _append_pages(req, page_ids[i : i + 1])
+            self._row_extent[req_rows] = np.maximum(self._row_extent[req_rows], starts + 1)
+            self._write_entries(req_rows, starts, tokens)
+            return
         pages = np.array([count for _, count in growing], np.int64)
         first = np.cumsum(pages) - pages  # each request's first page in ``page_ids``
         for (req, count), at in zip(growing, first):
@@ -213,11 +222,18 @@ class RequestCache:
     def _write_entries(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
         """Mutates: ``req_to_token[rows, positions] = values`` (distinct entries), recording
         the changed ones for the device copy. The only writer of the table."""
-        changed = self.req_to_token[rows, positions] != values
+        # flat indices and no sort: in the engine's loop a 2-D fancy index or a sort of a
+        # few entries costs tens of microseconds a step (their code runs cold), a flat take
+        # or put a few
+        table, keys = self.req_to_token.reshape(-1), rows * self.layout.context_len + positions
+        changed = table.take(keys) != values
         if changed.any():
-            rows, positions = rows[changed], positions[changed]
-            self.req_to_token[rows, positions] = values[changed]
-            self._pending.append((rows, positions))
+            keys = keys[changed]
+            table.put(keys, values[changed])
+            new = keys[~self._is_pending.take(keys)]
+            if new.size:
+                self._is_pending.put(new, True)
+                self._pending.append(new)
 
     def take_updates(self, rows: list[int]) -> np.ndarray:
         """Mutates: the pending updates of ``rows`` (each row once), ``[3, n]`` int32 of
@@ -230,26 +246,26 @@ class RequestCache:
         return self._updates(None, consume=False)
 
     def _updates(self, rows: list[int] | None, consume: bool) -> np.ndarray:
-        """The pending entries of ``rows`` (None: all), each once, sorted by (row,
-        position), with the table's current values."""
+        """The pending entries of ``rows`` (None: all), each once, in the order they were
+        first changed, with the table's current values."""
         if not self._pending:
             return np.zeros((3, 0), np.int32)
-        all_rows = np.concatenate([r for r, _ in self._pending])
-        all_positions = np.concatenate([p for _, p in self._pending])
-        if rows is None:
-            wanted = np.ones(len(all_rows), bool)
-        else:  # a lookup over the table's rows: np.isin sorts, 30 us for one row
+        keys = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+        width = self.layout.context_len
+        if rows is not None:  # a lookup over the table's rows (np.isin sorts)
             asked = np.zeros(self.req_to_token.shape[0], bool)
             asked[rows] = True
-            wanted = asked[all_rows]
+            wanted = asked.take(keys // width)
+            rest, keys = keys[~wanted], keys[wanted]
+        else:
+            rest = keys[:0]
         if consume:
-            rest = ~wanted
-            self._pending = [(all_rows[rest], all_positions[rest])] if rest.any() else []
-        width = self.layout.context_len
-        keys = np.unique(all_rows[wanted] * width + all_positions[wanted])
-        row_ids, positions = keys // width, keys % width
-        values = self.req_to_token[row_ids, positions]
-        return np.stack([row_ids, positions, values]).astype(np.int32)
+            self._pending = [rest] if rest.size else []
+            self._is_pending.put(keys, False)
+        updates = np.empty((3, keys.size), np.int32)
+        updates[0], updates[1] = keys // width, keys % width
+        updates[2] = self.req_to_token.reshape(-1).take(keys)
+        return updates
 
 
 def _append_pages(req: Req, pages: np.ndarray) -> None:

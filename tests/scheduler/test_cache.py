@@ -4,6 +4,7 @@ and stay exactly the pages its row of the request table points at."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from lazyspec.cache.allocators import check_all
 from lazyspec.scheduler.request import Req, SamplingParams
@@ -92,3 +93,48 @@ def test_growing_several_requests_at_once_fills_each_row():
     np.testing.assert_array_equal(np.stack([rows, positions], axis=1), changed)
     np.testing.assert_array_equal(values, cache.req_to_token[rows, positions])
     check_all(cache.kv, cache.slots, sched.tree, [], np.concatenate([r.own_pages for r in reqs]))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_reused_row_keeps_no_entry_of_its_last_holder(page_size):
+    """A row's entries past its request's pages are zero, also after the row's last holder
+    grew it step by step (at page size 1 a decode step adds one entry per row): admission
+    clears what the last holder wrote."""
+    sched = _scheduler(max_total_tokens=256, context_length=64, page_size=page_size)
+    cache = sched.cache
+    first = Req("a", list(range(1, 9)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    cache.admit(first, sched.tree.match_prefix(first.input_ids), -(-8 // page_size))
+    for length in range(9, 41):
+        cache.grow([first], [length])
+    row = first.req_row
+    assert cache.req_to_token[row, 39] != 0
+    cache.drop(first)
+    second = Req("b", list(range(50, 54)), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    cache.admit(second, sched.tree.match_prefix(second.input_ids), -(-4 // page_size))
+    assert second.req_row == row
+    end = cache.covered_len(second)
+    own = cache.kv.pages_to_token_indices(second.own_pages)
+    np.testing.assert_array_equal(cache.req_to_token[row, :end], own)
+    assert not cache.req_to_token[row, end:].any()
+
+
+def test_an_entry_written_twice_before_a_step_is_sent_once():
+    """A row's entries written by one holder and then by the next before any step took
+    them are each sent once, with the table's current value, and then no longer."""
+    sched = _scheduler(max_total_tokens=256, context_length=64)
+    cache = sched.cache
+    before = cache.req_to_token.copy()
+    first = Req("a", list(range(1, 13)), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    cache.admit(first, sched.tree.match_prefix(first.input_ids), 12)
+    row = first.req_row
+    cache.drop(first)
+    second = Req("b", list(range(50, 55)), SamplingParams(max_new_tokens=4, ignore_eos=True))
+    cache.admit(second, sched.tree.match_prefix(second.input_ids), 5)
+    assert second.req_row == row
+    rows, positions, values = cache.take_updates([row])
+    entries = list(zip(rows.tolist(), positions.tolist()))
+    assert len(set(entries)) == len(entries) >= 12
+    np.testing.assert_array_equal(values, cache.req_to_token[rows, positions])
+    changed = {tuple(e) for e in np.argwhere(cache.req_to_token != before).tolist()}
+    assert changed <= set(entries)
+    assert cache.take_updates([row]).shape == (3, 0)
