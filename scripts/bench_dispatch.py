@@ -18,6 +18,12 @@ moves). On a GPU, ``--count-updates`` runs the measurement in a child process wi
 command-buffer log on and adds, per timed phase, the updates per call and the changed
 allocations per update. On a CPU there are no command buffers (the columns read n/a).
 
+``--ref-kinds`` adds reference programs made of other kinds of rounds (a Pallas kernel
+launched every round, a Pallas kernel of its own each round, a GEMV against a 2048 x 2048
+bf16 weight), to see which kind of command makes a graph slow to launch.
+``--xla-flag-sets 'A|B'`` runs the whole measurement once per set of XLA flags, each in a
+child process with the set added to XLA_FLAGS (an empty set runs it as it is).
+
 ``--program-layout`` also prints how XLA laid the widest decode step out for the host to
 run: the command buffers with their commands, and the operations outside them, by kind
 (each a launch of its own; conditionals and while loops also wait on the host). It runs
@@ -29,6 +35,8 @@ optimized HLO instead; the line says which it read.
 
     python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1,16 --count-updates
     python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1 --program-layout
+    python scripts/bench_dispatch.py --batches 1 --ref-kinds fusion,pallas,pallas_distinct,gemv \
+        --xla-flag-sets '|--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false'
     python scripts/bench_dispatch.py --preset tiny --backends xla --batches 1   # CPU smoke
 """
 
@@ -144,32 +152,70 @@ def _phase(name: str) -> None:
     print(PHASE + name, file=sys.stderr, flush=True)
 
 
-def reference_rows(commands: int, calls: int) -> list[dict]:
-    """The reference program, its argument donated and written in place, then returning a
-    fresh output each call."""
+def _round(kind: str):
+    """One round of a reference program of ``kind`` (``REF_KINDS``): ``(x, w, i) -> x``
+    over a [4096] float32 ``x`` and a [2048, 2048] bf16 ``w``."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    interpret = jax.default_backend() == "cpu"
+
+    def pallas(x, constant):
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 0.999 + constant
+
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(kernel, out_shape=shape, interpret=interpret)(x)
+
+    def gemv(x, w, i):
+        y = jnp.dot(x[None, :2048].astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return x.at[:2048].add(y[0] * 1e-3)
+
+    return {
+        "fusion": lambda x, w, i: x * 0.999 + jnp.sum(x) * 1e-6 + i,
+        "pallas": lambda x, w, i: pallas(x, 1.0),  # one kernel, launched every round
+        "pallas_distinct": lambda x, w, i: pallas(x, float(i)),  # a kernel of its own each
+        "gemv": gemv,
+    }[kind]
+
+
+# reference programs: rounds of one kind of command (``_round``)
+REF_KINDS = ("fusion", "pallas", "pallas_distinct", "gemv")
+
+
+def reference_rows(commands: int, calls: int, kinds: tuple[str, ...] = ("fusion",)) -> list[dict]:
+    """The reference programs of ``commands`` rounds of each of ``kinds``, their argument
+    donated and written in place; the first kind's also returning a fresh output each call."""
     import jax
     import jax.numpy as jnp
 
-    def rounds(x):
-        for i in range(commands):
-            x = x * 0.999 + jnp.sum(x) * 1e-6 + i
-        return x
-
+    weight = jnp.full((2048, 2048), 1e-3, jnp.bfloat16)
     rows = []
-    for name, donate in (("in place", True), ("fresh output", False)):
-        step = jax.jit(rounds, donate_argnums=(0,) if donate else ())
-        held = {"x": jnp.ones((4096,), jnp.float32)}
+    for k, kind in enumerate(kinds):
+        one_round = _round(kind)
 
-        def call(step=step, donate=donate, held=held):
-            out = step(held["x"])
-            if donate:
-                held["x"] = out
-            return out
+        def rounds(x, w, one_round=one_round):
+            for i in range(commands):
+                x = one_round(x, w, i)
+            return x
 
-        for idle in (True, False):
-            label = f"reference ({commands} rounds), {name}, {'idle' if idle else 'chained'}"
-            _phase(label)
-            rows.append({"what": label, "ms": 1e3 * _timed_calls(call, calls, idle)})
+        ways = (("in place", True), ("fresh output", False)) if k == 0 else (("in place", True),)
+        for name, donate in ways:
+            step = jax.jit(rounds, donate_argnums=(0,) if donate else ())
+            held = {"x": jnp.ones((4096,), jnp.float32)}
+
+            def call(step=step, donate=donate, held=held):
+                out = step(held["x"], weight)
+                if donate:
+                    held["x"] = out
+                return out
+
+            what = "reference" if kind == "fusion" else f"reference {kind}"
+            for idle in (True, False):
+                label = f"{what} ({commands} rounds), {name}, {'idle' if idle else 'chained'}"
+                _phase(label)
+                rows.append({"what": label, "ms": 1e3 * _timed_calls(call, calls, idle)})
     return rows
 
 
@@ -240,18 +286,40 @@ def count_updates(log: str, calls: int) -> dict[str, tuple[float, float]]:
     }
 
 
-def _child(args, argv, dump_dir: str) -> subprocess.CompletedProcess:
-    """This script run again with ``--child``: with XLA's command-buffer log on
-    (``--count-updates``) and XLA dumping its programs to ``dump_dir``
-    (``--program-layout``)."""
+def _print_updates(updates: dict[str, tuple[float, float]]) -> None:
+    print("\n| phase | command-buffer updates per call | changed allocations per update |")
+    print("|---|---|---|")
+    for name, (per_call, allocs) in updates.items():
+        print(f"| {name} | {per_call:.2f} | {allocs:.0f} |")
+    if not any(per_call for per_call, _ in updates.values()):
+        print("\n(no command-buffer updates logged: n/a on this backend, or none happened)")
+
+
+def _parent_only(argv: list[str]) -> list[str]:
+    """``argv`` without the options the parent process acts on."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--xla-flag-sets":
+            skip = True
+        elif a != "--count-updates" and not a.startswith("--xla-flag-sets="):
+            kept.append(a)
+    return kept
+
+
+def _child(args, argv, dump_dir: str, flags: str = "") -> subprocess.CompletedProcess:
+    """This script run again with ``--child``: with ``flags`` added to XLA_FLAGS, XLA's
+    command-buffer log on (``--count-updates``) and XLA dumping its programs to
+    ``dump_dir`` (``--program-layout``)."""
     env, extra = dict(os.environ), ["--child"]
     if args.count_updates:
         env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_thunk=3")
     if args.program_layout:
-        dump = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=decode_step"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dump}".strip()
+        flags += f" --xla_dump_to={dump_dir} --xla_dump_hlo_module_re=decode_step"
         extra += ["--dump-dir", dump_dir]
-    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--count-updates"]
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+    argv = _parent_only(argv if argv is not None else sys.argv[1:])
     child = subprocess.run(
         [sys.executable, __file__, *argv, *extra], env=env, capture_output=True, text=True
     )
@@ -272,6 +340,17 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=30, help="timed calls per phase")
     p.add_argument("--ref-commands", type=int, default=130)
     p.add_argument(
+        "--ref-kinds",
+        default="fusion",
+        help=f"reference programs, one per kind of round ({', '.join(REF_KINDS)}), comma-separated",
+    )
+    p.add_argument(
+        "--xla-flag-sets",
+        default=None,
+        help="'|'-separated sets of XLA flags: the whole measurement runs once per set, in a "
+        "child process with the set added to XLA_FLAGS (an empty set: as it is)",
+    )
+    p.add_argument(
         "--count-updates",
         action="store_true",
         help="run in a child process with XLA's command-buffer log on and count its updates",
@@ -284,25 +363,28 @@ def main(argv=None) -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if (args.count_updates or args.program_layout) and not args.child:
-        with tempfile.TemporaryDirectory(prefix="bench_dispatch_") as dump_dir:
-            child = _child(args, argv, dump_dir)
-        print(child.stdout, end="")
-        if not args.count_updates:
-            return
-        updates = count_updates(child.stderr, args.calls)
-        print("\n| phase | command-buffer updates per call | changed allocations per update |")
-        print("|---|---|---|")
-        for name, (per_call, allocs) in updates.items():
-            print(f"| {name} | {per_call:.2f} | {allocs:.0f} |")
-        if not any(per_call for per_call, _ in updates.values()):
-            print("\n(no command-buffer updates logged: n/a on this backend, or none happened)")
+    flag_sets = args.xla_flag_sets.split("|") if args.xla_flag_sets is not None else None
+    if (args.count_updates or args.program_layout or flag_sets) and not args.child:
+        for flags in flag_sets or [""]:
+            if flag_sets:
+                print(f"\n## XLA_FLAGS += {flags.strip() or '(nothing)'}\n", flush=True)
+            with tempfile.TemporaryDirectory(prefix="bench_dispatch_") as dump_dir:
+                child = _child(args, argv, dump_dir, flags)
+            print(child.stdout, end="", flush=True)
+            if args.count_updates:
+                _print_updates(count_updates(child.stderr, args.calls))
         return
     import jax
     from bench_engine import build_model
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    rows = reference_rows(args.ref_commands, args.calls)
+    if os.environ.get("XLA_FLAGS"):
+        print(f"XLA_FLAGS: {os.environ['XLA_FLAGS']}", flush=True)
+    kinds = tuple(args.ref_kinds.split(","))
+    unknown = sorted(set(kinds) - set(REF_KINDS))
+    if unknown:
+        raise SystemExit(f"unknown --ref-kinds {unknown}; choose from {', '.join(REF_KINDS)}")
+    rows = reference_rows(args.ref_commands, args.calls, kinds)
     model = build_model(args.preset, args.dtype)
     for batch in (int(b) for b in args.batches.split(",")):
         rows += decode_rows(model, args, batch)

@@ -133,3 +133,35 @@ def test_tiny_preset_runs_on_cpu():
     layout = [line for line in result.stdout.splitlines() if "0 command buffers" in line]
     assert len(layout) == 1 and "outside them: " in layout[0] and " fusion " in layout[0]
     assert "(optimized HLO)" in layout[0]
+
+
+def test_parent_only_options_are_not_passed_on():
+    strip = _module()._parent_only
+    argv = ["--batches", "1", "--count-updates", "--xla-flag-sets", "|--a=1", "--calls", "3"]
+    assert strip(argv) == ["--batches", "1", "--calls", "3"]
+    assert strip(["--xla-flag-sets=|--a=1", "--program-layout"]) == ["--program-layout"]
+
+
+def test_reference_kinds_and_flag_sets_run_on_cpu():
+    """Each set of XLA flags runs the whole measurement in its own child (the set named in
+    its heading), with a reference program per kind asked for."""
+    env = dict(os.environ, XLA_FLAGS=with_fast_compile(os.environ.get("XLA_FLAGS", "")))
+    command = [sys.executable, str(SCRIPT), "--preset", "tiny", "--backends", "xla"]
+    command += ["--dtype", "float32", "--batches", "1", "--calls", "2", "--ref-commands", "2"]
+    command += ["--ref-kinds", "fusion,pallas,pallas_distinct,gemv"]
+    command += ["--xla-flag-sets", "|--xla_cpu_enable_fast_math=false"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    headings = [line for line in out.splitlines() if line.startswith("## XLA_FLAGS += ")]
+    assert headings == [
+        "## XLA_FLAGS += (nothing)",
+        "## XLA_FLAGS += --xla_cpu_enable_fast_math=false",
+    ]
+    flags = [line for line in out.splitlines() if line.startswith("XLA_FLAGS: ")]
+    assert len(flags) == 2 and "--xla_cpu_enable_fast_math=false" in flags[1], flags
+    assert "--xla_cpu_enable_fast_math=false" not in flags[0]
+    for kind in ("pallas", "pallas_distinct", "gemv"):
+        rows = [line for line in out.splitlines() if line.startswith(f"| reference {kind} (2")]
+        assert len(rows) == 4, (kind, rows)  # in place, idle and chained, in both children
+    assert out.count("| tiny xla decode, batch 1, ") == 8
