@@ -24,6 +24,10 @@ bf16 weight), to see which kind of command makes a graph slow to launch.
 ``--xla-flag-sets 'A|B'`` runs the whole measurement once per set of XLA flags, each in a
 child process with the set added to XLA_FLAGS (an empty set runs it as it is).
 
+``--host-profile CALLS`` also profiles CALLS calls of the two programs in turn (idle and
+chained) under the JAX profiler and prints the host's events by total time (on a GPU:
+PjRt's execute, the command buffer's execute and update, the driver's ``cuGraphLaunch``).
+
 ``--program-layout`` also prints how XLA laid the widest decode step out for the host to
 run: the command buffers with their commands, and the operations outside them, by kind
 (each a launch of its own; conditionals and while loops also wait on the host). It runs
@@ -266,7 +270,44 @@ def decode_rows(model, args, batch: int) -> list[dict]:
                 label = f"{args.preset} {backend} decode, batch {batch}, {copies} in turn, {mode}"
                 _phase(label)
                 rows.append({"what": label, "ms": 1e3 * _timed_calls(call, args.calls, idle)})
+                if args.host_profile and copies == 2:
+                    _print_host_profile(label, call, args.host_profile, idle)
     return rows
+
+
+def host_event_totals(trace_dir: str | Path) -> dict[str, tuple[int, float]]:
+    """Name -> (count, total us) of the host's complete events in the perfetto trace under
+    ``trace_dir`` (the device's streams left out)."""
+    from lazyspec.bench.floor import trace_events
+
+    events, devices = trace_events(trace_dir)
+    totals: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in devices:
+            count, total = totals.get(e["name"], (0, 0.0))
+            totals[e["name"]] = (count + 1, total + float(e.get("dur", 0.0)))
+    return totals
+
+
+def _print_host_profile(label: str, call, calls: int, idle: bool, top: int = 30) -> None:
+    """The host events of ``calls`` calls under the JAX profiler (after 3 untimed), the
+    longest ``top`` by total time: count, total and per call. The profiler slows every
+    call: read the shares, not the times."""
+    import jax
+
+    with tempfile.TemporaryDirectory(prefix="bench_dispatch_trace_") as trace_dir:
+        for _ in range(3):
+            jax.block_until_ready(call())
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            _timed_calls(call, calls - 3, idle)  # runs ``calls`` calls in all
+        totals = host_event_totals(trace_dir)
+    print(f"\nhost events of {calls} calls under the profiler: {label}")
+    print("| event | count | total us | us per call |")
+    print("|---|---|---|---|")
+    own = ("$profiler.py", "$contextlib.py")  # the trace's own start and stop
+    kept = {name: v for name, v in totals.items() if not name.startswith(own)}
+    for name, (count, total) in sorted(kept.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| {name[:90]} | {count} | {total:.0f} | {total / calls:.1f} |")
 
 
 def count_updates(log: str, calls: int) -> dict[str, tuple[float, float]]:
@@ -359,6 +400,14 @@ def main(argv=None) -> None:
         "--program-layout",
         action="store_true",
         help="print the decode step's command buffers and the operations outside them",
+    )
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="also profile CALLS calls of the two decode programs in turn (idle and chained) "
+        "under the JAX profiler and print the host's events by total time",
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)

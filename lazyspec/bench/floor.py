@@ -163,10 +163,10 @@ def category(scope: str) -> str:
     return "other"
 
 
-def _device_events(trace_dir: str | Path, module_hint: str):
-    """(hlo op name, seconds) of every executed op of the trace under ``trace_dir`` whose
-    ``hlo_module`` contains ``module_hint``: on a GPU the device's streams only (the
-    kernels' launches also appear on host threads), on CPU the XLA threads'."""
+def trace_events(trace_dir: str | Path) -> tuple[list[dict], set[int]]:
+    """The events of the newest perfetto trace under ``trace_dir``
+    (``jax.profiler.trace(..., create_perfetto_trace=True)``) and the process ids of its
+    devices' streams (none on a CPU)."""
     files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
@@ -178,7 +178,14 @@ def _device_events(trace_dir: str | Path, module_hint: str):
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
-    devices = {pid for pid, name in names.items() if "/device:" in name}
+    return events, {pid for pid, name in names.items() if "/device:" in name}
+
+
+def _device_events(trace_dir: str | Path, module_hint: str):
+    """(hlo op name, seconds) of every executed op of the trace under ``trace_dir`` whose
+    ``hlo_module`` contains ``module_hint``: on a GPU the device's streams only (the
+    kernels' launches also appear on host threads), on CPU the XLA threads'."""
+    events, devices = trace_events(trace_dir)
     for event in events:
         args = event.get("args") or {}
         if event.get("ph") != "X" or module_hint not in str(args.get("hlo_module", "")):

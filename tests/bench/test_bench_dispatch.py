@@ -115,13 +115,19 @@ def test_thunk_layout_reads_command_buffers_and_the_rest():
     }
 
 
-def test_tiny_preset_runs_on_cpu():
+def _run_tiny(*options: str) -> subprocess.CompletedProcess:
+    """The script on the tiny preset (xla backend, float32, batch 1) with ``options``; it
+    must succeed."""
     env = dict(os.environ, XLA_FLAGS=with_fast_compile(os.environ.get("XLA_FLAGS", "")))
     command = [sys.executable, str(SCRIPT), "--preset", "tiny", "--backends", "xla"]
-    command += ["--dtype", "float32", "--batches", "1", "--calls", "3", "--ref-commands", "4"]
-    command += ["--count-updates", "--program-layout"]
+    command += ["--dtype", "float32", "--batches", "1", *options]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_tiny_preset_runs_on_cpu():
+    result = _run_tiny("--calls", "3", "--ref-commands", "4", "--count-updates", "--program-layout")
     rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny xla decode")]
     # one program and two in turn, each idle and chained, in the timing and the update tables
     assert len(rows) == 8
@@ -145,13 +151,16 @@ def test_parent_only_options_are_not_passed_on():
 def test_reference_kinds_and_flag_sets_run_on_cpu():
     """Each set of XLA flags runs the whole measurement in its own child (the set named in
     its heading), with a reference program per kind asked for."""
-    env = dict(os.environ, XLA_FLAGS=with_fast_compile(os.environ.get("XLA_FLAGS", "")))
-    command = [sys.executable, str(SCRIPT), "--preset", "tiny", "--backends", "xla"]
-    command += ["--dtype", "float32", "--batches", "1", "--calls", "2", "--ref-commands", "2"]
-    command += ["--ref-kinds", "fusion,pallas,pallas_distinct,gemv"]
-    command += ["--xla-flag-sets", "|--xla_cpu_enable_fast_math=false"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run_tiny(
+        "--calls",
+        "2",
+        "--ref-commands",
+        "2",
+        "--ref-kinds",
+        "fusion,pallas,pallas_distinct,gemv",
+        "--xla-flag-sets",
+        "|--xla_cpu_enable_fast_math=false",
+    )
     out = result.stdout
     headings = [line for line in out.splitlines() if line.startswith("## XLA_FLAGS += ")]
     assert headings == [
@@ -165,3 +174,35 @@ def test_reference_kinds_and_flag_sets_run_on_cpu():
         rows = [line for line in out.splitlines() if line.startswith(f"| reference {kind} (2")]
         assert len(rows) == 4, (kind, rows)  # in place, idle and chained, in both children
     assert out.count("| tiny xla decode, batch 1, ") == 8
+
+
+def test_host_event_totals_leave_the_device_out(tmp_path):
+    import gzip
+    import json
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "cuGraphLaunch", "dur": 500.0},
+        {"ph": "X", "pid": 1, "name": "cuGraphLaunch", "dur": 300.0},
+        {"ph": "X", "pid": 1, "name": "ParseArguments", "dur": 40.0},
+        {"ph": "X", "pid": 2, "name": "gemm_fusion_dot", "dur": 9.0},
+        {"ph": "i", "pid": 1, "name": "marker"},
+    ]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    totals = _module().host_event_totals(tmp_path)
+    assert totals == {"cuGraphLaunch": (2, 800.0), "ParseArguments": (1, 40.0)}
+
+
+def test_host_profile_prints_the_host_events_on_cpu():
+    result = _run_tiny("--calls", "4", "--ref-commands", "2", "--host-profile", "5")
+    lines = result.stdout.splitlines()
+    headings = [i for i, line in enumerate(lines) if line.startswith("host events of 5 calls")]
+    assert len(headings) == 2  # two programs in turn, idle then chained
+    assert "idle" in lines[headings[0]] and "chained" in lines[headings[1]]
+    table = lines[headings[0] + 3 : headings[1]]
+    assert any("decode_step" in line and line.startswith("| ") for line in table), table
+    assert not any("profiler.py" in line for line in table)
