@@ -309,6 +309,12 @@ class Runner:
         self.family = model.family
         self.cfg = model.config
         self.sharding = sharding
+        # a step's host arrays (batch words, table updates) placed before the call: handed
+        # numpy, the jitted call moves it itself, 0.25 ms slower per batch-1 step on the
+        # H200, but 0.1-0.25 ms faster on a CPU (BENCHMARKS); several processes need
+        # global arrays
+        platform = sharding.mesh.devices.flat[0].platform
+        self.place_inputs = platform != "cpu" or jax.process_count() > 1
         plan = model.family.weight_plan(self.cfg, model.params)
         self.param_shardings = sharding.param_shardings(plan, model.params)
         self.params = jax.device_put(model.params, self.param_shardings)
@@ -390,9 +396,7 @@ class Runner:
         self, extend: bool, packed: PackedBatch
     ) -> dict[str, jax.Array] | PackedOutputs:
         step = self._extend if extend else self._decode
-        # placed before the call: handed the numpy array, the jitted call moves it itself,
-        # cheaper on the CPU but 0.25 ms slower per batch-1 step on the H200 (BENCHMARKS)
-        words = jax.device_put(packed.words, self.sharding.replicated)
+        words = self._input(packed.words)
         outputs, self.pools = step(
             self.params, self.pools, dataclasses.replace(packed, words=words)
         )
@@ -418,7 +422,7 @@ class Runner:
         return self._launch_forward(packed)
 
     def _launch_forward(self, packed: PackedBatch) -> PendingDecode:
-        words = jax.device_put(packed.words, self.sharding.replicated)
+        words = self._input(packed.words)
         packed = dataclasses.replace(packed, words=words)
         carry, self.pools = self._forward(self.params, self.pools, packed)
         return PendingDecode(packed, carry)
@@ -435,6 +439,11 @@ class Runner:
         outputs, self.pools = self._finish(self.params, self.pools, pending.packed, pending.carry)
         return outputs
 
+    def _input(self, array: np.ndarray) -> np.ndarray | jax.Array:
+        """A step's host array as its call takes it: placed on the mesh, replicated
+        (``place_inputs``), or the numpy array itself."""
+        return jax.device_put(array, self.sharding.replicated) if self.place_inputs else array
+
     def update_table(self, updates: np.ndarray) -> None:
         """Apply one padded chunk of request-table updates ``[3, table_chunk_len]``."""
         updates = np.asarray(updates, np.int32)
@@ -443,9 +452,7 @@ class Runner:
         self._apply_table(updates)
 
     def _apply_table(self, updates: np.ndarray) -> None:
-        table = self.programs.table(
-            self.pools.req_to_token, jax.device_put(updates, self.sharding.replicated)
-        )
+        table = self.programs.table(self.pools.req_to_token, self._input(updates))
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
 
     def seed_counts(self, seed: CountSeed) -> None:
@@ -457,7 +464,7 @@ class Runner:
         self._apply_seed(packed)
 
     def _apply_seed(self, packed: PackedBatch) -> None:
-        words = jax.device_put(packed.words, self.sharding.replicated)
+        words = self._input(packed.words)
         counts, in_prompt = self.programs.seed(
             self.pools.output_counts, self.pools.in_prompt, dataclasses.replace(packed, words=words)
         )

@@ -175,3 +175,32 @@ def test_decode_outputs_written_over_the_batch_words():
         # the words' parameter is aliased to the first output (the packed outputs)
         aliased = rf"%arg\d+: tensor<{len(packed.words)}xi32> {{[^}}]*tf\.aliasing_output = 0 :"
         assert re.search(aliased, lowered.as_text()), (rows, verify)
+
+
+def test_step_inputs_are_placed_first_only_off_the_cpu():
+    """On a CPU a step is handed its batch's words as the numpy array (the jitted call moves
+    them, cheaper there); placed first (``place_inputs``, a GPU's or several processes'
+    way) the step gets a device array. The tokens are the same, and neither way makes a
+    donation XLA refuses."""
+    model = _model()
+    got = {}
+    for place in (False, True):
+        engine = _tiny_engine(model)
+        assert engine.runner.place_inputs is False  # one CPU process
+        engine.runner.place_inputs = place
+        kinds, decode = set(), engine.runner._decode
+
+        def spy(params, pools, batch, decode=decode, kinds=kinds):
+            kinds.add(type(batch.words))
+            return decode(params, pools, batch)
+
+        engine.runner._decode = spy
+        params = {"max_new_tokens": 4, "ignore_eos": True}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "Some donated buffers were not usable"
+            got[place] = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+        if place:
+            assert kinds and all(issubclass(kind, jax.Array) for kind in kinds), kinds
+        else:
+            assert kinds == {np.ndarray}, kinds
+    assert got[False]["output_ids"] == got[True]["output_ids"]
