@@ -99,6 +99,11 @@ def _check_inputs(
     return channels, width
 
 
+def every_token_new(x: jax.Array) -> jax.Array:
+    """``num_new`` when none is given: all T tokens of each row of ``x [B, T, C]``."""
+    return jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+
+
 def _conv_kernel(
     slot_ref,
     num_new_ref,
@@ -161,7 +166,7 @@ def conv_update_pallas(
     if bias is None:
         bias = jnp.zeros((channels,), jnp.float32)  # y + 0.0 == y: same result as no bias
     if num_new is None:
-        num_new = jnp.full((batch,), num_tokens, jnp.int32)
+        num_new = every_token_new(x)
     tokens = pl.BlockSpec((None, num_tokens, bc), lambda b, j: (b, 0, j))
     if mode == "decode":
         window_shape, window_spec = jax.ShapeDtypeStruct(pool.shape, pool.dtype), whole()
@@ -210,10 +215,9 @@ def conv_update_xla(
     """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter."""
     check_mode(mode)
     _check_inputs(pool, slot, x, weight, bias, num_new, layer)
-    batch, num_tokens, _ = x.shape
     if num_new is None:
-        num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    valid = jnp.arange(num_tokens)[None, :] < num_new[:, None]
+        num_new = every_token_new(x)
+    valid = jnp.arange(x.shape[1])[None, :] < num_new[:, None]
 
     def one_row(window, row_x, row_valid):
         return recurrence.conv_scan(window, row_x, weight, bias, row_valid, silu=silu)

@@ -50,7 +50,7 @@ from lazyspec.engine.sharding import (
     ShardingPlan,
 )
 from lazyspec.kernels.backend import Kernels, moe_launch
-from lazyspec.kernels.conv_update import ConvUpdateResult
+from lazyspec.kernels.conv_update import ConvUpdateResult, every_token_new
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens, StateUpdateResult
 
@@ -174,7 +174,7 @@ def _conv_update(conv: Callable, plan: ShardingPlan) -> Callable:
         if channels is None:
             return conv(pool, slot, x, weight, bias, num_new=num_new, **options)
         if num_new is None:
-            num_new = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+            num_new = every_token_new(x)  # one array for shard_map to hand every shard
         per_token = _at(2, channels)  # x, outputs [B, T, C] and step windows [B, T, C, K-1]
         per_channel = _at(0, channels)  # weight [C, K], bias [C]
         has_bias = bias is not None
