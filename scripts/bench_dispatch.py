@@ -412,6 +412,10 @@ def main(argv=None) -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dump-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    kinds = tuple(args.ref_kinds.split(","))
+    unknown = sorted(set(kinds) - set(REF_KINDS))
+    if unknown:  # before any child process starts
+        p.error(f"unknown --ref-kinds {unknown}; choose from {', '.join(REF_KINDS)}")
     flag_sets = args.xla_flag_sets.split("|") if args.xla_flag_sets is not None else None
     if (args.count_updates or args.program_layout or flag_sets) and not args.child:
         for flags in flag_sets or [""]:
@@ -429,10 +433,6 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     if os.environ.get("XLA_FLAGS"):
         print(f"XLA_FLAGS: {os.environ['XLA_FLAGS']}", flush=True)
-    kinds = tuple(args.ref_kinds.split(","))
-    unknown = sorted(set(kinds) - set(REF_KINDS))
-    if unknown:
-        raise SystemExit(f"unknown --ref-kinds {unknown}; choose from {', '.join(REF_KINDS)}")
     rows = reference_rows(args.ref_commands, args.calls, kinds)
     model = build_model(args.preset, args.dtype)
     for batch in (int(b) for b in args.batches.split(",")):

@@ -206,3 +206,11 @@ def test_host_profile_prints_the_host_events_on_cpu():
     table = lines[headings[0] + 3 : headings[1]]
     assert any("decode_step" in line and line.startswith("| ") for line in table), table
     assert not any("profiler.py" in line for line in table)
+
+
+def test_an_unknown_reference_kind_is_refused_before_any_run():
+    command = [sys.executable, str(SCRIPT), "--ref-kinds", "fusion,bogus", "--xla-flag-sets", "|"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert "unknown --ref-kinds ['bogus']" in result.stderr
+    assert "XLA_FLAGS" not in result.stdout  # no child process ran
