@@ -176,16 +176,49 @@ def _round(kind: str):
         y = jnp.dot(x[None, :2048].astype(w.dtype), w, preferred_element_type=jnp.float32)
         return x.at[:2048].add(y[0] * 1e-3)
 
+    def gemm(x, w, i):  # 16 rows against a [2048, 256] slice: a Triton GEMM
+        rows = jnp.broadcast_to(x[:2048], (16, 2048)).astype(w.dtype)
+        return x + jnp.sum(jnp.dot(rows, w[:, :256], preferred_element_type=jnp.float32)) * 1e-9
+
+    def top_k(x, w, i):  # the router's selection: 10 of 64
+        values, _ = jax.lax.top_k(x[:64], 10)
+        return x + jnp.sum(values) * 1e-6
+
+    def softmax(x, w, i):  # a row softmax over 64 columns
+        return x + jnp.sum(jax.nn.softmax(x[:1024].reshape(16, 64), axis=-1)[:, 0]) * 1e-6
+
+    def scatter(x, w, i):  # 16 adds at indices read from x
+        rows = (x[:16] > 0).astype(jnp.int32) * 7 + jnp.arange(16) * 3 + i % 7
+        return x.at[rows].add(1e-6)
+
+    def cond(x, w, i):  # a branch on a value read from x
+        return jax.lax.cond(x[i % 16] > 0, lambda v: v * 0.999, lambda v: v * 1.001, x)
+
     return {
         "fusion": lambda x, w, i: x * 0.999 + jnp.sum(x) * 1e-6 + i,
         "pallas": lambda x, w, i: pallas(x, 1.0),  # one kernel, launched every round
         "pallas_distinct": lambda x, w, i: pallas(x, float(i)),  # a kernel of its own each
         "gemv": gemv,
+        "gemm": gemm,
+        "top_k": top_k,
+        "softmax": softmax,
+        "scatter": scatter,
+        "cond": cond,
     }[kind]
 
 
 # reference programs: rounds of one kind of command (``_round``)
-REF_KINDS = ("fusion", "pallas", "pallas_distinct", "gemv")
+REF_KINDS = (
+    "fusion",
+    "pallas",
+    "pallas_distinct",
+    "gemv",
+    "gemm",
+    "top_k",
+    "softmax",
+    "scatter",
+    "cond",
+)
 
 
 def reference_rows(commands: int, calls: int, kinds: tuple[str, ...] = ("fusion",)) -> list[dict]:

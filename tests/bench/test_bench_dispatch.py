@@ -157,7 +157,7 @@ def test_reference_kinds_and_flag_sets_run_on_cpu():
         "--ref-commands",
         "2",
         "--ref-kinds",
-        "fusion,pallas,pallas_distinct,gemv",
+        ",".join(_module().REF_KINDS),
         "--xla-flag-sets",
         "|--xla_cpu_enable_fast_math=false",
     )
@@ -170,7 +170,7 @@ def test_reference_kinds_and_flag_sets_run_on_cpu():
     flags = [line for line in out.splitlines() if line.startswith("XLA_FLAGS: ")]
     assert len(flags) == 2 and "--xla_cpu_enable_fast_math=false" in flags[1], flags
     assert "--xla_cpu_enable_fast_math=false" not in flags[0]
-    for kind in ("pallas", "pallas_distinct", "gemv"):
+    for kind in _module().REF_KINDS[1:]:
         rows = [line for line in out.splitlines() if line.startswith(f"| reference {kind} (2")]
         assert len(rows) == 4, (kind, rows)  # in place, idle and chained, in both children
     assert out.count("| tiny xla decode, batch 1, ") == 8
