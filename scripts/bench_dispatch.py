@@ -47,6 +47,7 @@ optimized HLO instead; the line says which it read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -258,7 +259,8 @@ def reference_rows(commands: int, calls: int, kinds: tuple[str, ...] = ("fusion"
 
 def decode_rows(model, args, batch: int) -> list[dict]:
     """The engine's widest decode step at ``batch`` requests, idle and chained, called as one
-    program and as two copies in turn (``runner.InTurn``)."""
+    program and as two copies in turn (``runner.InTurn``); each call hands the step its words
+    through ``Runner._input``, as the engine's launch does."""
     import bench_engine as be
 
     from lazyspec.engine.runner import InTurn
@@ -295,7 +297,10 @@ def decode_rows(model, args, batch: int) -> list[dict]:
             step = InTurn(programs[:copies])
 
             def call(runner=runner, packed=packed, step=step):
-                out, runner.pools = step(runner.params, runner.pools, packed)
+                # the words as the engine's launch hands them (placed first off a CPU)
+                words = runner._input(packed.words)
+                batch = dataclasses.replace(packed, words=words)
+                out, runner.pools = step(runner.params, runner.pools, batch)
                 return out
 
             for idle in (True, False):

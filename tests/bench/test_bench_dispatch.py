@@ -214,3 +214,36 @@ def test_an_unknown_reference_kind_is_refused_before_any_run():
     assert result.returncode == 2, result.stdout[-2000:]
     assert "unknown --ref-kinds ['bogus']" in result.stderr
     assert "XLA_FLAGS" not in result.stdout  # no child process ran
+
+
+def test_the_decode_phases_hand_the_words_as_the_engine_launch_does(monkeypatch):
+    """Each timed decode call goes through ``Runner._input`` with the recorded batch's words,
+    as ``Runner.launch`` does (placed first off a CPU), not past it."""
+    import types
+
+    from lazyspec.engine.runner import Runner
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    monkeypatch.setenv("XLA_FLAGS", with_fast_compile(os.environ.get("XLA_FLAGS", "")))
+    bench = _module()
+    handed = []
+    place = Runner._input
+
+    def recording(self, array):
+        handed.append(array)
+        return place(self, array)
+
+    monkeypatch.setattr(Runner, "_input", recording)
+    from bench_engine import build_model
+
+    args = types.SimpleNamespace(
+        preset="tiny", dtype="float32", backends="xla", prompt_len=64, context=256, calls=1
+    )
+    args.program_layout, args.host_profile = False, 0
+    rows = bench.decode_rows(build_model("tiny", "float32"), args, 1)
+    assert len(rows) == 4  # one program and two in turn, idle and chained
+    # the four phases' calls (3 untimed and 1 timed each), the last ones, handed the
+    # recorded batch's words (serving handed them once before)
+    timed = handed[-4 * (args.calls + 3) :]
+    assert all(a is timed[0] for a in timed) and timed[0] is not handed[0], len(handed)
+    assert sum(a is timed[0] for a in handed) == len(timed) + 1
