@@ -21,6 +21,9 @@ allocations per update. On a CPU there are no command buffers (the columns read 
 ``--ref-kinds`` adds reference programs made of other kinds of rounds (a Pallas kernel
 launched every round, a Pallas kernel of its own each round, a GEMV against a 2048 x 2048
 bf16 weight), to see which kind of command makes a graph slow to launch.
+``--split`` also times the parts of a decode call apart (``split_rows``): the words'
+placement, a no-op program taking the step's arrays, and one taking the words alone; what
+the decode call takes beyond them is its own launch.
 ``--xla-flag-sets 'A|B'`` runs the whole measurement once per set of XLA flags, each in a
 child process with the set added to XLA_FLAGS (an empty set runs it as it is).
 
@@ -310,6 +313,37 @@ def decode_rows(model, args, batch: int) -> list[dict]:
                 rows.append({"what": label, "ms": 1e3 * _timed_calls(call, args.calls, idle)})
                 if args.host_profile and copies == 2:
                     _print_host_profile(label, call, args.host_profile, idle)
+        if args.split:
+            rows += split_rows(runner, packed, f"{args.preset} {backend} batch {batch}", args.calls)
+    return rows
+
+
+def split_rows(runner, packed, what: str, calls: int) -> list[dict]:
+    """The parts of a decode call apart, idle and chained: the words' placement alone
+    (``Runner._input``), and a program that does nothing but take the step's arguments (its
+    weights, pools and words, none donated), and one that takes the words alone: the first
+    minus the second is what the step's argument count costs, and what the decode call
+    takes beyond the three is its own launch."""
+    import jax
+
+    def nothing(*arrays):
+        return arrays[-1][:1] + 1
+
+    taking = jax.jit(nothing)
+    leaves = len(jax.tree.leaves((runner.params, runner.pools))) + 1
+    parts = {
+        "the words' placement alone": lambda: runner._input(packed.words),
+        f"a no-op program taking the step's {leaves} arrays": lambda: taking(
+            runner.params, runner.pools, runner._input(packed.words)
+        ),
+        "a no-op program taking the words alone": lambda: taking(runner._input(packed.words)),
+    }
+    rows = []
+    for name, call in parts.items():
+        for idle in (True, False):
+            label = f"{what}: {name}, {'idle' if idle else 'chained'}"
+            _phase(label)
+            rows.append({"what": label, "ms": 1e3 * _timed_calls(call, calls, idle)})
     return rows
 
 
@@ -433,6 +467,12 @@ def main(argv=None) -> None:
         "--count-updates",
         action="store_true",
         help="run in a child process with XLA's command-buffer log on and count its updates",
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the parts of a decode call apart: the words' placement, a no-op "
+        "program taking the step's arrays, and one taking the words alone",
     )
     p.add_argument(
         "--program-layout",

@@ -247,3 +247,38 @@ def test_the_decode_phases_hand_the_words_as_the_engine_launch_does(monkeypatch)
     timed = handed[-4 * (args.calls + 3) :]
     assert all(a is timed[0] for a in timed) and timed[0] is not handed[0], len(handed)
     assert sum(a is timed[0] for a in handed) == len(timed) + 1
+
+
+def test_split_times_the_placement_and_the_arguments_apart():
+    """``--split``: the words' placement alone, a no-op program taking every array the step
+    takes (weights, pools, words), and one taking the words alone; each placing the words
+    through ``Runner._input`` every call."""
+    import types
+
+    import numpy as np
+
+    placed = []
+
+    def place(words):
+        placed.append(words)
+        return words
+
+    runner = types.SimpleNamespace(
+        params={"w": np.ones((4, 4), np.float32), "b": np.zeros(4, np.float32)},
+        pools=(np.zeros((2, 3), np.float32),),
+        _input=place,
+    )
+    packed = types.SimpleNamespace(words=np.arange(8, dtype=np.int32))
+    rows = _module().split_rows(runner, packed, "fake", calls=2)
+    labels = [row["what"] for row in rows]
+    assert labels == [
+        f"fake: {part}, {mode}"
+        for part in (
+            "the words' placement alone",
+            "a no-op program taking the step's 4 arrays",
+            "a no-op program taking the words alone",
+        )
+        for mode in ("idle", "chained")
+    ]
+    assert all(row["ms"] >= 0 for row in rows)
+    assert len(placed) == 6 * (2 + 3) and all(w is packed.words for w in placed)
