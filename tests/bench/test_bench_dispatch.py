@@ -239,7 +239,7 @@ def test_the_decode_phases_hand_the_words_as_the_engine_launch_does(monkeypatch)
     args = types.SimpleNamespace(
         preset="tiny", dtype="float32", backends="xla", prompt_len=64, context=256, calls=1
     )
-    args.program_layout, args.host_profile = False, 0
+    args.program_layout, args.host_profile, args.split = False, 0, False
     rows = bench.decode_rows(build_model("tiny", "float32"), args, 1)
     assert len(rows) == 4  # one program and two in turn, idle and chained
     # the four phases' calls (3 untimed and 1 timed each), the last ones, handed the
