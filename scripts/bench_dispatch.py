@@ -160,6 +160,13 @@ def _phase(name: str) -> None:
     print(PHASE + name, file=sys.stderr, flush=True)
 
 
+def _timed_row(label: str, call, calls: int, idle: bool) -> dict:
+    """The phase ``label`` (marked for ``--count-updates``): the median host ms of
+    ``call`` (``_timed_calls``)."""
+    _phase(label)
+    return {"what": label, "ms": 1e3 * _timed_calls(call, calls, idle)}
+
+
 def _round(kind: str):
     """One round of a reference program of ``kind`` (``REF_KINDS``): ``(x, w, i) -> x``
     over a [4096] float32 ``x`` and a [2048, 2048] bf16 ``w``."""
@@ -255,8 +262,7 @@ def reference_rows(commands: int, calls: int, kinds: tuple[str, ...] = ("fusion"
             what = "reference" if kind == "fusion" else f"reference {kind}"
             for idle in (True, False):
                 label = f"{what} ({commands} rounds), {name}, {'idle' if idle else 'chained'}"
-                _phase(label)
-                rows.append({"what": label, "ms": 1e3 * _timed_calls(call, calls, idle)})
+                rows.append(_timed_row(label, call, calls, idle))
     return rows
 
 
@@ -309,8 +315,7 @@ def decode_rows(model, args, batch: int) -> list[dict]:
             for idle in (True, False):
                 mode = "idle" if idle else "chained"
                 label = f"{args.preset} {backend} decode, batch {batch}, {copies} in turn, {mode}"
-                _phase(label)
-                rows.append({"what": label, "ms": 1e3 * _timed_calls(call, args.calls, idle)})
+                rows.append(_timed_row(label, call, args.calls, idle))
                 if args.host_profile and copies == 2:
                     _print_host_profile(label, call, args.host_profile, idle)
         if args.split:
@@ -320,10 +325,10 @@ def decode_rows(model, args, batch: int) -> list[dict]:
 
 def split_rows(runner, packed, what: str, calls: int) -> list[dict]:
     """The parts of a decode call apart, idle and chained: the words' placement alone
-    (``Runner._input``), and a program that does nothing but take the step's arguments (its
-    weights, pools and words, none donated), and one that takes the words alone: the first
-    minus the second is what the step's argument count costs, and what the decode call
-    takes beyond the three is its own launch."""
+    (``Runner._input``), a program that does nothing but take the step's arguments (its
+    weights, pools and words placed, none donated), and one that takes the words placed
+    alone. The second minus the third is what the step's argument count costs; what the
+    decode call takes beyond the second is its own launch."""
     import jax
 
     def nothing(*arrays):
@@ -338,13 +343,11 @@ def split_rows(runner, packed, what: str, calls: int) -> list[dict]:
         ),
         "a no-op program taking the words alone": lambda: taking(runner._input(packed.words)),
     }
-    rows = []
-    for name, call in parts.items():
-        for idle in (True, False):
-            label = f"{what}: {name}, {'idle' if idle else 'chained'}"
-            _phase(label)
-            rows.append({"what": label, "ms": 1e3 * _timed_calls(call, calls, idle)})
-    return rows
+    return [
+        _timed_row(f"{what}: {name}, {'idle' if idle else 'chained'}", call, calls, idle)
+        for name, call in parts.items()
+        for idle in (True, False)
+    ]
 
 
 def host_event_totals(trace_dir: str | Path) -> dict[str, tuple[int, float]]:

@@ -223,7 +223,7 @@ def test_the_decode_phases_hand_the_words_as_the_engine_launch_does(monkeypatch)
 
     from lazyspec.engine.runner import Runner
 
-    sys.path.insert(0, str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     monkeypatch.setenv("XLA_FLAGS", with_fast_compile(os.environ.get("XLA_FLAGS", "")))
     bench = _module()
     handed = []
