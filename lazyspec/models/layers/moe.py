@@ -128,13 +128,18 @@ def moe_plan(prefix: str, spec: MoESpec) -> Params:
 
 
 def route(params: Params, spec: MoESpec, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax router then top-k: (weights ``[N, k]`` float32, expert ids ``[N, k]``)."""
+    """Softmax router then top-k: (weights ``[N, k]`` float32, expert ids ``[N, k]``).
+
+    With ``norm_topk_prob`` the weights are the top-k probabilities over their sum, which is
+    the softmax of the top-k logits (the full softmax's normaliser cancels, and softmax keeps
+    the order): computed so, the step skips the softmax over every expert (two kernels per
+    layer on a GPU)."""
     logits = jnp.matmul(x.astype(jnp.float32), params["gate"].astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, expert_ids = jax.lax.top_k(probs, spec.top_k)
     if spec.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, expert_ids
+        top_logits, expert_ids = jax.lax.top_k(logits, spec.top_k)
+        return jax.nn.softmax(top_logits, axis=-1), expert_ids
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jax.lax.top_k(probs, spec.top_k)
 
 
 def grouped_experts(
