@@ -13,13 +13,17 @@ numbers are about speed, not text (and the random MTP head's accept length is ~1
     python scripts/bench_engine.py --preset tiny --backends xla --batches 1,4   # CPU smoke
     python scripts/bench_engine.py --memory --preset medium --backends xla --batch 16 --spec
 
-``--profile DIR`` adds, per row, the device time of the re-run steps split by the named
-scopes of the layers and steps (attention, recurrent, moe, mlp, lm_head, sampling,
-state_commit, draft), the kernels a step runs, and "host" = engine-loop step minus device
-step; each row's folder gets ``ops.json`` (every executed op: scope, count and time per
-step) and the compiled step's HLO (``decode_step.hlo.txt``, the ops' shapes). On a GPU run it
-with XLA's command buffers off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``): inside a
-command buffer (a CUDA graph) the profiler names the buffer, not each kernel's op.
+``--profile DIR`` adds, per row, the device step of the re-run steps as it runs (median
+span from a step's first kernel's start to its last kernel's end, its kernels' busy time,
+and the floor's share of the span), the device time split by the named scopes of the layers
+and steps (attention, recurrent, moe, mlp, lm_head, sampling, state_commit, draft), the
+kernels a step runs, and "host" = engine-loop step minus the kernels' time; each row's
+folder gets ``ops.json`` (every executed op: scope, count and time per step) and the
+compiled step's HLO (``decode_step.hlo.txt``, the ops' shapes). On a GPU the span is the
+step as served with XLA's command buffers (CUDA graphs) on; the split by scope needs them
+off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: inside a graph the kernels' ops do not
+map to the HLO's scopes and all fall under "other"), which launches every kernel alone and
+so lengthens the span.
 ``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
 at the batch's widest shape. On CPU only the xla backend is meaningful (Pallas runs
 interpreted there).
@@ -31,6 +35,7 @@ import argparse
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -307,17 +312,19 @@ def _step_alone_seconds(engine, batch, calls: tuple[int, int] = (2, 12), iters: 
     return (medians[1] - medians[0]) / (calls[1] - calls[0])
 
 
-def _profile(engine, batch, out_dir: Path, calls: int = 10) -> tuple[dict[str, float], float]:
-    """Device milliseconds per step by category (lazyspec.bench.floor.device_breakdown) of
-    ``calls`` decode steps on ``batch`` under the JAX profiler, and the kernels a step ran.
-    Every executed op, its scope and time per step go to ``out_dir / "ops.json"``, the
-    compiled step's HLO (the ops' shapes) to ``decode_step.hlo.txt``."""
+def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, Any]:
+    """``calls`` decode steps on ``batch`` under the JAX profiler: ``breakdown_ms``, device
+    milliseconds per step by category (lazyspec.bench.floor.device_breakdown); ``kernels``,
+    the kernels a step ran; ``device_ms`` and ``busy_ms``, the median step's device span
+    and its kernels' time (``device_spans``). Every executed op, its scope and time per
+    step go to ``out_dir / "ops.json"``, the compiled step's HLO (the ops' shapes) to
+    ``decode_step.hlo.txt``."""
     import json
     import shutil
 
     import jax
 
-    from lazyspec.bench.floor import device_breakdown, device_ops
+    from lazyspec.bench.floor import device_breakdown, device_ops, device_spans
 
     runner = engine.runner
     step = runner._decode.jitted
@@ -341,8 +348,13 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> tuple[dict[str, f
     ]
     (out_dir / "ops.json").write_text(json.dumps(per_step, indent=1))
     (out_dir / "decode_step.hlo.txt").write_text(hlo)
-    kernels = sum(r["count"] for r in per_step)
-    return {k: 1e3 * v / calls for k, v in seconds.items()}, kernels
+    spans = device_spans(out_dir, "decode_step", calls)
+    return {
+        "breakdown_ms": {k: 1e3 * v / calls for k, v in seconds.items()},
+        "kernels": sum(r["count"] for r in per_step),
+        "device_ms": 1e3 * float(np.median([s["span"] for s in spans])),
+        "busy_ms": 1e3 * float(np.median([s["busy"] for s in spans])),
+    }
 
 
 HOST_CALLS = ("schedule", "launch", "dispatch", "fetch", "process")
@@ -454,10 +466,9 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
     }
     if args.profile:
         profile_dir = Path(args.profile) / f"{args.preset}-{backend}-b{batch}-{int(spec)}"
-        breakdown, kernels = _profile(engine, recorder.batch, profile_dir)
-        row["breakdown_ms"] = breakdown
-        row["kernels"] = kernels
-        row["undeviced_ms"] = max(loop_ms - sum(breakdown.values()), 0.0)
+        row.update(_profile(engine, recorder.batch, profile_dir))
+        row["undeviced_ms"] = max(loop_ms - sum(row["breakdown_ms"].values()), 0.0)
+        row["pct_device"] = 100 * floor_ms / row["device_ms"]
     return row
 
 
@@ -645,13 +656,15 @@ def main(argv=None) -> None:
         cats = sorted({c for r in rows for c in r["breakdown_ms"]})
         lines += [
             "",
-            "| preset | batch | spec | kernels | host | " + " | ".join(cats) + " |",
-            "|---|---|---|---|---|" + "---|" * len(cats),
+            "| preset | batch | spec | kernels | device step ms (first kernel to last) "
+            "| kernels busy ms | % of floor (device step) | host | " + " | ".join(cats) + " |",
+            "|---|---|---|---|---|---|---|---|" + "---|" * len(cats),
         ]
         for r in rows:
             cells = " | ".join(f"{r['breakdown_ms'].get(c, 0.0):.3f}" for c in cats)
             lines.append(
                 f"| {r['preset']} | {r['batch']} | {r['spec']} | {r['kernels']:.0f} "
+                f"| {r['device_ms']:.3f} | {r['busy_ms']:.3f} | {r['pct_device']:.0f} % "
                 f"| {r['undeviced_ms']:.3f} "
                 f"| {cells} |"
             )

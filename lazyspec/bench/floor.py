@@ -10,7 +10,8 @@ bandwidth measured in the same run; a step's "% of floor" is floor time / step t
 ``device_breakdown`` splits a profiled step's device time by the named scopes the model
 layers and the steps open (``attention``, ``recurrent``, ``moe``, ``mlp``, ``lm_head``,
 ``sampling``, ``state_commit``, ``draft_extend``), reading each executed op's scope from the
-compiled program's HLO metadata.
+compiled program's HLO metadata; ``device_spans`` reads a profiled step's device time as it
+runs (first kernel's start to last kernel's end), which holds with CUDA graphs on too.
 """
 
 from __future__ import annotations
@@ -181,10 +182,11 @@ def trace_events(trace_dir: str | Path) -> tuple[list[dict], set[int]]:
     return events, {pid for pid, name in names.items() if "/device:" in name}
 
 
-def _device_events(trace_dir: str | Path, module_hint: str):
-    """(hlo op name, seconds) of every executed op of the trace under ``trace_dir`` whose
-    ``hlo_module`` contains ``module_hint``: on a GPU the device's streams only (the
-    kernels' launches also appear on host threads), on CPU the XLA threads'."""
+def _timed_device_events(trace_dir: str | Path, module_hint: str):
+    """(hlo op name, start, seconds) of every executed op of the trace under ``trace_dir``
+    whose ``hlo_module`` contains ``module_hint``: on a GPU the device's streams only (the
+    kernels' launches also appear on host threads), on CPU the XLA threads'. Start in
+    seconds on the trace's clock."""
     events, devices = trace_events(trace_dir)
     for event in events:
         args = event.get("args") or {}
@@ -194,7 +196,36 @@ def _device_events(trace_dir: str | Path, module_hint: str):
             continue
         op = args.get("hlo_op")
         if op:
-            yield op, float(event.get("dur", 0.0)) * 1e-6
+            yield op, float(event["ts"]) * 1e-6, float(event.get("dur", 0.0)) * 1e-6
+
+
+def _device_events(trace_dir: str | Path, module_hint: str):
+    """(hlo op name, seconds) of the events of ``_timed_device_events``."""
+    for op, _, dur in _timed_device_events(trace_dir, module_hint):
+        yield op, dur
+
+
+def device_spans(trace_dir: str | Path, module_hint: str, calls: int) -> list[dict[str, float]]:
+    """Per call of a program profiled ``calls`` times in a row: ``span``, seconds from its
+    first executed op's start to its last op's end, and ``busy``, the seconds its ops ran.
+
+    The span is the device time of a step as it runs, gaps between kernels included; it is
+    the one reading that holds with XLA's command buffers (CUDA graphs) on, where the
+    launches that a breakdown by op would time apart are one graph. The events of
+    ``_timed_device_events``, in start order, are cut into ``calls`` runs of equal length:
+    every call of one program runs the same ops (ValueError when the count does not divide).
+    """
+    events = sorted(
+        (start, start + dur, dur) for _, start, dur in _timed_device_events(trace_dir, module_hint)
+    )
+    if calls <= 0 or not events or len(events) % calls:
+        raise ValueError(f"{len(events)} executed ops of {module_hint!r} are not {calls} calls")
+    per_call = len(events) // calls
+    spans = []
+    for i in range(calls):
+        run = events[i * per_call : (i + 1) * per_call]
+        spans.append({"span": max(e[1] for e in run) - run[0][0], "busy": sum(e[2] for e in run)})
+    return spans
 
 
 def device_breakdown(trace_dir: str | Path, hlo_text: str, module_hint: str) -> dict[str, float]:

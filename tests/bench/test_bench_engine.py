@@ -1,5 +1,6 @@
 """``scripts/bench_engine.py`` end to end on CPU: the tiny preset at tp = 2 over two fake
-devices, a batch of two rows on pages of 16 tokens, one row of the table with its floor.
+devices, a batch of two rows on pages of 16 tokens, one row of the table with its floor, and
+its profile (the device step's span).
 
 It is also the regression run of a hang: every tensor-parallel step of more than one
 request row at these shapes used to stop forever inside jaxlib's CPU triangular solve (the
@@ -30,7 +31,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
         str(ROOT / "scripts" / "bench_engine.py"),
         "--preset", "tiny", "--backends", "xla", "--tp-size", "2", "--batches", "2",
         "--prompt-len", "64", "--output-len", "8", "--copy-mib", "16", "--out", str(out),
-        "--page-size", "16",
+        "--page-size", "16", "--profile", str(tmp_path / "profile"),
     ]  # fmt: skip
     env = dict(os.environ, XLA_FLAGS=for_host_devices(2), JAX_PLATFORMS="cpu")
     try:
@@ -40,7 +41,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "2 rows, page size 16)" in done.stdout
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 2, out.read_text()  # the step row, then its host calls
+    assert len(rows) == 3, out.read_text()  # the step row, its host calls, its profile
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[1:4] == ["2", "xla", "2"]  # tp, backend, batch
     loop_ms, alone_ms, floor_ms = (float(c) for c in cells[5:8])
@@ -50,3 +51,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
     schedule, launch, dispatch, fetch, process = (float(c) for c in host[6:])
     assert float(host[5]) == loop_ms and 0 < dispatch <= launch < loop_ms
     assert schedule > 0 and fetch > 0 and process > 0
+    profile = [c.strip() for c in rows[2].strip("|").split("|")]
+    kernels, device_ms, busy_ms = int(profile[3]), float(profile[4]), float(profile[5])
+    assert kernels > 0 and device_ms > 0 and busy_ms > 0
+    assert profile[6].endswith(" %")  # the floor over the span

@@ -1,5 +1,7 @@
 """The bytes-floor accounting and the profile categories of lazyspec.bench.floor."""
 
+import gzip
+import json
 from types import SimpleNamespace
 
 import jax
@@ -10,6 +12,7 @@ from lazyspec.bench.floor import (
     category,
     device_breakdown,
     device_ops,
+    device_spans,
     expected_routed_experts,
     op_scopes,
     step_floor_bytes,
@@ -114,3 +117,40 @@ def test_profile_breakdown_of_a_jitted_function(tmp_path):
     assert all(r["count"] % 3 == 0 for r in ops)
     assert [r["s"] for r in ops] == sorted((r["s"] for r in ops), reverse=True)
     assert sum(r["s"] for r in ops) == pytest.approx(sum(seconds.values()))
+    spans = device_spans(tmp_path, "step", 3)
+    assert len(spans) == 3 and all(s["span"] > 0 and s["busy"] > 0 for s in spans)
+    assert sum(s["busy"] for s in spans) == pytest.approx(sum(seconds.values()))
+
+
+def _write_trace(folder, events):
+    """A perfetto trace as ``jax.profiler.trace`` leaves it: one GPU stream, one host thread."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    path = folder / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def _op(ts, dur, op="fusion", module="jit_decode_step", pid=1):
+    args = {"hlo_module": module, "hlo_op": op}
+    return {"ph": "X", "pid": pid, "ts": ts, "dur": dur, "name": op, "args": args}
+
+
+def test_device_spans_cut_the_calls_and_keep_the_gaps(tmp_path):
+    events = [
+        _op(0, 20),  # call 1: 0-20, 12-15 (threads of a CPU overlap): span 20 us, busy 23
+        _op(12, 3),
+        _op(100, 10),  # call 2: 100-110, 115-130: span 30 us, busy 25 (the file's order differs)
+        _op(5, 1, pid=2),  # the launch on a host thread: not device time
+        _op(50, 30, module="jit_other"),  # another program between the calls
+        _op(115, 15),
+    ]
+    _write_trace(tmp_path, [events[2], events[0], events[5], events[3], events[4], events[1]])
+    spans = device_spans(tmp_path, "decode_step", 2)
+    assert [s["span"] for s in spans] == pytest.approx([20e-6, 30e-6])
+    assert [s["busy"] for s in spans] == pytest.approx([23e-6, 25e-6])
+    with pytest.raises(ValueError, match="are not 3 calls"):
+        device_spans(tmp_path, "decode_step", 3)
