@@ -207,7 +207,8 @@ def _device_events(trace_dir: str | Path, module_hint: str):
 
 def device_spans(trace_dir: str | Path, module_hint: str, calls: int) -> list[dict[str, float]]:
     """Per call of a program profiled ``calls`` times in a row: ``span``, seconds from its
-    first executed op's start to its last op's end, and ``busy``, the seconds its ops ran.
+    first executed op's start to the latest end of its ops, and ``busy``, the seconds its
+    ops ran (more than the span where ops overlap).
 
     The span is the device time of a step as it runs, gaps between kernels included; it is
     the one reading that holds with XLA's command buffers (CUDA graphs) on, where the
