@@ -47,6 +47,9 @@ class EngineConfig:
     # decode batches of more than this many requests run without speculation (one token per
     # request, no draft chain); None: every decode batch speculates
     speculative_disable_by_batch_size: int | None = None
+    # decode steps one program runs back to back (SGLang's flag): the host plans and launches
+    # once per K tokens of each request; without speculation only
+    num_continuous_decode_steps: int = 1
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights, no tensor read
@@ -84,6 +87,7 @@ class EngineConfig:
             "chunked_prefill_size",
             "tp_size",
             "nnodes",
+            "num_continuous_decode_steps",
         ):
             _check_positive(name, getattr(self, name))
         self._check_nodes()
@@ -152,6 +156,12 @@ class EngineConfig:
     # ------------------------------------------------------------------ resolution
 
     def _resolve_spec(self) -> None:
+        if self.speculative_algorithm is not None and self.num_continuous_decode_steps > 1:
+            raise ValueError(
+                f"num_continuous_decode_steps={self.num_continuous_decode_steps} needs "
+                "speculative_algorithm None: a speculative step already takes several "
+                "tokens per request"
+            )
         if self.speculative_algorithm is None:
             for name in (
                 "speculative_num_steps",
@@ -214,11 +224,12 @@ class EngineConfig:
                     strategy.name,
                 )
                 object.__setattr__(self, "disable_overlap_schedule", True)
-        draft = self.num_verify_tokens
+        draft = self.decode_positions
         if strategy.tracks and self.mamba_track_interval < 2 * draft:
             raise ValueError(
                 f"mamba_track_interval={self.mamba_track_interval} must be >= 2 * "
-                f"verify tokens per step ({draft}): two overlapped steps may not both cross a "
+                f"tokens per decode step ({draft}: verify positions, or "
+                "num_continuous_decode_steps): two overlapped steps may not both cross a "
                 "checkpoint boundary"
             )
 
@@ -237,6 +248,12 @@ class EngineConfig:
     def num_verify_tokens(self) -> int:
         """Tokens a decode step processes per request: D with speculation, else 1."""
         return self.speculative_num_draft_tokens if self.spec_enabled else 1
+
+    @property
+    def decode_positions(self) -> int:
+        """Most tokens a decode step takes per request: D with speculation, else
+        ``num_continuous_decode_steps``."""
+        return self.num_verify_tokens if self.spec_enabled else self.num_continuous_decode_steps
 
     def with_overrides(self, **kwargs) -> EngineConfig:
         return replace(self, **kwargs)

@@ -24,6 +24,10 @@ step as served with XLA's command buffers (CUDA graphs) on; the split by scope n
 off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: inside a graph the kernels' ops do not
 map to the HLO's scopes and all fall under "other"), which launches every kernel alone and
 so lengthens the span.
+``--decode-steps 1,2`` adds rows whose engine runs K decode steps per program
+(``num_continuous_decode_steps``, no speculation; "K steps" in the spec column): their
+times (loop, alone, host calls, device span and breakdown) are per token step, a
+program's time over K, against the floor of one step.
 ``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
 at the batch's widest shape. On CPU only the xla backend is meaningful (Pallas runs
 interpreted there).
@@ -194,7 +198,7 @@ def build_model(preset: str, dtype: str, tp_size: int = 1):
     return model
 
 
-def make_engine(model, backend: str, args, batch: int, spec: bool):
+def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps: int = 1):
     from lazyspec.engine.engine import Engine
 
     nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
@@ -213,6 +217,7 @@ def make_engine(model, backend: str, args, batch: int, spec: bool):
         page_size=args.page_size,
         skip_warmup=True,
         decode_program_copies=getattr(args, "decode_program_copies", None),
+        num_continuous_decode_steps=decode_steps,
         **(nextn if spec else {}),
     )
     mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
@@ -388,13 +393,16 @@ def _time_host_calls(engine, recorder: _WidestDecode) -> dict[str, list[float]]:
     return seconds
 
 
-def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> dict:
+def run(
+    model, backend: str, args, batch: int, spec: bool, bandwidth: float, decode_steps: int = 1
+) -> dict:
     """One row: ``batch`` requests decoded together (all admitted at once), timed per step in
-    the engine loop and alone, against the floor of the bytes a step moves."""
+    the engine loop and alone, against the floor of the bytes a step moves; with
+    ``decode_steps`` K > 1 every time is per token step (a K-step program's over K)."""
     from lazyspec.bench.floor import shard_shapes, step_floor_bytes
     from lazyspec.engine.runner import kv_bytes_per_token, slot_bytes
 
-    engine = make_engine(model, backend, args, batch, spec)
+    engine = make_engine(model, backend, args, batch, spec, decode_steps)
     recorder = _WidestDecode(engine.runner._decode)
     engine.runner._decode = recorder
     rng = np.random.default_rng(0)
@@ -424,8 +432,9 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
     engine.runner._decode = recorder  # the re-runs below call the jitted step itself
     out_tokens = sum(len(r.output_ids) for r in reqs)
     decode_time = sum(times["decode"])
-    loop_ms = 1e3 * float(np.median(times["decode"])) if times["decode"] else 0.0
-    alone_ms = 1e3 * _step_alone_seconds(engine, recorder.batch)
+    per = decode_steps  # token steps per decode program
+    loop_ms = 1e3 * float(np.median(times["decode"])) / per if times["decode"] else 0.0
+    alone_ms = 1e3 * _step_alone_seconds(engine, recorder.batch) / per
     # one device's shards: over a mesh the floor is that of one device
     abstract = shard_shapes(engine.runner.pools)
     positions = engine.layout.num_verify
@@ -447,7 +456,7 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
         "tp": args.tp_size,
         "backend": backend,
         "batch": batch,
-        "spec": f"NEXTN {args.spec_steps}" if spec else "-",
+        "spec": f"NEXTN {args.spec_steps}" if spec else f"{per} steps" if per > 1 else "-",
         "wall_s": wall,
         "decode_tok_s": (out_tokens - len(reqs)) / max(decode_time, 1e-9),
         "loop_ms": loop_ms,
@@ -464,12 +473,19 @@ def run(model, backend: str, args, batch: int, spec: bool, bandwidth: float) -> 
         "copies": engine.runner.decode_copies,
         # median ms per decode loop step in each host call (dispatch is inside launch)
         "host_ms": {
-            name: 1e3 * float(np.median([step[name] for step in host_steps])) for name in HOST_CALLS
+            name: 1e3 * float(np.median([step[name] for step in host_steps])) / per
+            for name in HOST_CALLS
         },
     }
     if args.profile:
-        profile_dir = Path(args.profile) / f"{args.preset}-{backend}-b{batch}-{int(spec)}"
-        row.update(_profile(engine, recorder.batch, profile_dir))
+        name = f"{args.preset}-{backend}-b{batch}-{int(spec)}" + (f"-k{per}" if per > 1 else "")
+        profile_dir = Path(args.profile) / name
+        profile = _profile(engine, recorder.batch, profile_dir)
+        profile["breakdown_ms"] = {k: v / per for k, v in profile["breakdown_ms"].items()}
+        profile["kernels"] /= per
+        profile["device_ms"] /= per
+        profile["busy_ms"] /= per
+        row.update(profile)
         row["undeviced_ms"] = max(loop_ms - sum(row["breakdown_ms"].values()), 0.0)
         row["pct_device"] = 100 * floor_ms / row["device_ms"]
     return row
@@ -573,6 +589,11 @@ def main(argv=None) -> None:
     p.add_argument("--spec", action="store_true", help="also NEXTN rows (the random MTP head)")
     p.add_argument("--spec-only", action="store_true", help="only NEXTN rows")
     p.add_argument("--spec-steps", type=int, default=3)
+    p.add_argument(
+        "--decode-steps",
+        default="1",
+        help="rows per K of num_continuous_decode_steps (comma list; rows without speculation)",
+    )
     p.add_argument("--copy-mib", type=int, default=1024, help="copy-bandwidth buffer size")
     p.add_argument(
         "--decode-program-copies",
@@ -601,12 +622,14 @@ def main(argv=None) -> None:
     print(bandwidth_line, flush=True)
     modes = [True] if args.spec_only else ([False, True] if args.spec else [False])
     rows = []
+    steps = [int(k) for k in args.decode_steps.split(",")]
     for backend in args.backends.split(","):
         for spec in modes:
             for batch in (int(b) for b in args.batches.split(",")):
-                row = run(model, backend, args, batch, spec, bandwidth)
-                print(row, flush=True)
-                rows.append(row)
+                for k in [1] if spec else steps:
+                    row = run(model, backend, args, batch, spec, bandwidth, decode_steps=k)
+                    print(row, flush=True)
+                    rows.append(row)
     if args.peer:
         floors = {r["batch"]: r["floor_ms"] for r in rows if r["spec"] == "-"}
         for batch in (int(b) for b in args.batches.split(",")):

@@ -159,7 +159,7 @@ class Engine:
         self.policy = SlotPolicy(
             layout.strategy,
             layout.track_interval,
-            layout.num_verify,
+            layout.decode_positions,
             self.slot_allocator,
             self.tree,
             grid=layout.prefill_track_grid,
@@ -227,6 +227,21 @@ class Engine:
             for _ in range(runner.decode_copies)
         ]
         decodes = [functools.partial(build, greedy=False) for build in decodes]
+        if layout.decode_steps > 1:
+            # K-step programs: a batch with grammar rows takes one token a step (general form)
+            decodes = [
+                functools.partial(
+                    build_decode,
+                    layout,
+                    [],
+                    num_rows=layout.decode_rows(rows, 1),
+                    num_verify=1,
+                    greedy=False,
+                )
+                for rows in layout.decode_buckets
+            ]
+            if self._grammars is not None and self.config.disable_overlap_schedule:
+                batches += [build for build in decodes for _ in range(runner.decode_copies)]
         # an all-padding chunk compiles the table-update program and writes nothing (and an
         # empty seed the token-count one)
         chunk = table_updates(layout, None, layout.table_chunk_len)

@@ -590,11 +590,15 @@ class _DecodeRows:
     inputs: ForwardInputs
 
 
-def _decode_rows(static: StepStatic, pools: Pools, batch: DecodeBatch) -> _DecodeRows:
+def _decode_rows(
+    static: StepStatic, pools: Pools, batch: DecodeBatch, read: tuple | None = None
+) -> _DecodeRows:
+    """The batch's rows; ``read``: (table, KV indices) of an earlier step of the same
+    program, whose table updates are applied already."""
     num_pos = batch.num_verify
     real = batch.req_row <= static.max_reqs
     row = jnp.minimum(batch.req_row, static.max_reqs)
-    table, kv_read_idx = _read_table(static, pools, batch)
+    table, kv_read_idx = _read_table(static, pools, batch) if read is None else read
     pre = pools.seq_len[row]
     drafts = pools.drafts[row][:, : num_pos - 1]
     # a NO_DRAFT position (after a step without speculation) runs on token 0 and is
@@ -666,10 +670,42 @@ def decode_step(
     fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
 ):
     """One fused decode step: ``decode_forward`` then ``decode_finish`` in one program (the
-    grammar masks of its rows already written); the rows' view is computed once."""
+    grammar masks of its rows already written); the rows' view is computed once. Without
+    speculation a batch of ``num_verify`` K > 1 runs K such steps (``_decode_steps``)."""
+    if batch.num_verify > 1 and not static.spec:
+        return _decode_steps(fam, cfg, static, params, pools, batch)
     rows = _decode_rows(static, pools, batch)
     carry, pools = _decode_forward(fam, cfg, static, params, pools, batch, rows)
     return _decode_finish(fam, cfg, static, params, pools, batch, carry, rows)
+
+
+def _decode_steps(
+    fam: ModuleType, cfg: Any, static: StepStatic, params, pools: Pools, batch: DecodeBatch
+):
+    """K = ``batch.num_verify`` one-token decode steps back to back in one program
+    (``num_continuous_decode_steps``, no speculation): each is the step of a one-position
+    batch, reading the ``seq_len`` and ``last_token`` the one before it wrote, writing its
+    state in place and copying a crossing row's checkpoint as it crosses. The table updates
+    apply once. The outputs are a K-position verify's with every position accepted (tokens,
+    logprobs and top logprobs ``[B, K, ...]``, ``accept_len`` K, ``crossed`` if any step
+    crossed, ``pre`` the first step's), so the host settles them as one."""
+    one = dataclasses.replace(batch, num_verify=1)
+    steps, read = [], None
+    for _ in range(batch.num_verify):
+        rows = _decode_rows(static, pools, one, read)
+        read = (rows.table, rows.kv_read_idx)
+        carry, pools = _decode_forward(fam, cfg, static, params, pools, one, rows)
+        out, pools = _decode_finish(fam, cfg, static, params, pools, one, carry, rows)
+        steps.append(out)
+    outputs = {
+        name: jnp.concatenate([out[name] for out in steps], axis=1)
+        for name in ("tokens", "logprobs", "top_logprobs", "top_ids")
+    }
+    outputs["accept_len"] = sum(out["accept_len"] for out in steps)
+    outputs["crossed"] = functools.reduce(jnp.logical_or, [out["crossed"] for out in steps])
+    outputs["pre"] = steps[0]["pre"]
+    outputs["drafts"] = steps[-1]["drafts"]
+    return outputs, pools
 
 
 def decode_finish(

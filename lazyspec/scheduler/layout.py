@@ -67,6 +67,9 @@ class Layout:
     # decode batches of more than this many requests take one token per request (no
     # speculation); None: every decode step takes num_verify
     spec_max_batch: int | None = None
+    # K: decode steps one program runs back to back without speculation
+    # (``num_continuous_decode_steps``); each row then writes K positions a step
+    decode_steps: int = 1
 
     # ---- sentinels -------------------------------------------------------------------
 
@@ -108,7 +111,13 @@ class Layout:
     @property
     def run_past_headroom(self) -> int:
         """Tokens a request may be written past its end (see RUN_PAST_STEPS)."""
-        return RUN_PAST_STEPS * self.num_verify
+        return RUN_PAST_STEPS * self.decode_positions
+
+    @property
+    def decode_positions(self) -> int:
+        """Most positions a decode step writes per request: D with speculation, else K
+        (``decode_steps``)."""
+        return max(self.num_verify, self.decode_steps)
 
     @property
     def max_request_len(self) -> int:
@@ -116,17 +125,19 @@ class Layout:
         return self.context_len - self.run_past_headroom
 
     def decode_num_verify(self, num_reqs: int) -> int:
-        """D of a decode step over ``num_reqs`` requests: ``num_verify``, or 1 past
-        ``spec_max_batch``."""
+        """The positions per request (the batch's ``num_verify``) of a decode step over
+        ``num_reqs`` requests: with speculation D, or 1 past ``spec_max_batch``; without,
+        K (``decode_steps``: K one-token steps in one program)."""
         if self.spec_max_batch is not None and num_reqs > self.spec_max_batch:
             return 1
-        return self.num_verify
+        return self.num_verify if self.num_verify > 1 else self.decode_steps
 
-    @staticmethod
-    def decode_rows(rows: int, num_verify: int) -> int:
-        """Rows of the decode program of a ``rows`` bucket at D = ``num_verify``: the
-        bucket's, padded to ``MIN_DECODE_TOKENS`` tokens."""
-        return max(rows, -(-MIN_DECODE_TOKENS // num_verify))
+    def decode_rows(self, rows: int, num_verify: int) -> int:
+        """Rows of the decode program of a ``rows`` bucket at ``num_verify`` positions per
+        row: the bucket's, padded so that each forward pass runs ``MIN_DECODE_TOKENS``
+        tokens (a verify's pass runs all its positions; K steps run one a pass)."""
+        per_pass = num_verify if self.num_verify > 1 else 1
+        return max(rows, -(-MIN_DECODE_TOKENS // per_pass))
 
     @property
     def decode_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -221,4 +232,5 @@ def plan_memory(engine_cfg, model_cfg) -> Layout:
         extend_buckets=(powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths),
         decode_buckets=powers_of_two_up_to(max_running),
         spec_max_batch=c.speculative_disable_by_batch_size,
+        decode_steps=c.num_continuous_decode_steps,
     )

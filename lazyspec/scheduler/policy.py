@@ -227,7 +227,9 @@ class SlotPolicy:
         slots = req.slots
         if self.strategy.donates_working:
             if finished and req.phase is Phase.DECODE:
-                return Donation(min(req.seq_len, len(req.all_ids)), slots.working)
+                if req.seq_len > len(req.all_ids):
+                    return None  # a K-step program ran past the end: no prefix's state
+                return Donation(req.seq_len, slots.working)
             if not finished and slots.spare != NO_SLOT:
                 return Donation(len(req.fill_ids), slots.spare)
             return None

@@ -335,8 +335,12 @@ class Scheduler:
         for req in reqs:
             req.inflight_decode += 1
         updates, chunks = self._table_updates(records)
-        batch = build_decode(self.layout, records, updates, sampling_memo=self._sampling_memo)
         constrained = [req for req in reqs if req.grammar is not None]
+        # a grammar row's mask follows each token on the host: no K-step program
+        num_verify = 1 if constrained and self.layout.num_verify == 1 else None
+        batch = build_decode(
+            self.layout, records, updates, num_verify=num_verify, sampling_memo=self._sampling_memo
+        )
         return StepPlan("decode", records, batch, chunks, grammar_reqs=constrained)
 
     def grammar_masks(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -407,8 +411,10 @@ class Scheduler:
 
     def _process_decode(self, plan: StepPlan, results, inflight: list[RowRecord]) -> None:
         interval = self.layout.track_interval
-        # a step that verified the engine's D (every step of an engine without speculation)
-        verified = plan.batch.num_verify == self.layout.num_verify
+        # a step that verified the engine's D (every step of an engine without speculation,
+        # whose K-step programs count as K one-token steps)
+        speculative = self.layout.num_verify > 1
+        verified = plan.batch.num_verify == self.layout.num_verify or not speculative
         self.num_spec_off_steps += not verified
         # Python values, converted once for the whole step (indexing the arrays row by row
         # is a numpy scalar per read)
@@ -424,12 +430,14 @@ class Scheduler:
             self._read_drafts(req, results, b)
             n, pre = accept_lens[b], pres[b]
             req.seq_len = pre + n
-            if verified:
-                req.spec_verify_ct += 1
-                req.accept_hist.append(n)
-                self.num_verify_steps += 1
-                self.accept_counts[n] += 1
             tokens = all_tokens[b][:n]
+            if verified:
+                # a K-step program's tokens past a finish are not steps the request took
+                steps, accepted = (1, n) if speculative else (self._kept(req, tokens), 1)
+                req.spec_verify_ct += steps
+                req.accept_hist.extend([accepted] * steps)
+                self.num_verify_steps += steps
+                self.accept_counts[accepted] += steps
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval
             self.policy.settle_decode(record, bool(crossed[b]), boundary, finishing)
@@ -447,9 +455,22 @@ class Scheduler:
         if req.grammar is not None and "drafts" in results:
             req.next_drafts = [int(t) for t in results["drafts"][b]]
 
+    def _kept(self, req: Req, tokens: list[int]) -> int:
+        """How many of ``tokens`` the request keeps: up to its first stop token or its
+        ``max_new_tokens`` (``_append`` may still end it earlier, at its context limit or
+        on a token its grammar refuses)."""
+        room = req.sampling.max_new_tokens - len(req.output_ids)
+        for i, token in enumerate(tokens[:room]):
+            if self._is_stop(req, token):
+                return i + 1
+        return max(min(len(tokens), room), 0)
+
     def _would_finish(self, req: Req, tokens: list[int]) -> bool:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         if len(tokens) >= remaining:
+            return True
+        limit = self.layout.context_len - self.layout.run_past_headroom  # as ``_append``
+        if len(req.input_ids) + len(req.output_ids) + len(tokens) >= limit:
             return True
         return any(self._is_stop(req, t) for t in tokens)
 

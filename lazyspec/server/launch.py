@@ -80,6 +80,11 @@ HELP = {
     "still follows every token, so speculation resumes when the batch shrinks). Speculation "
     "costs a verify of D tokens and D - 1 draft steps per step: at large batches it loses "
     "(BENCHMARKS.md, 'Speculation by batch size'). Default: always speculate.",
+    "num_continuous_decode_steps": "Decode steps one device program runs back to back "
+    "(without speculation): the host plans, launches and reads back once per this many "
+    "tokens of each request, which helps where the host's work per step outlasts the "
+    "device's (small batches). Outputs are the same; a request ending inside a run has its "
+    "extra tokens dropped, and a waiting request is admitted up to this many tokens later.",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "
     "on CPU and TPU; pallas on TPU is untested).",
     "moe_runner_backend": "Routed experts with kernel-backend pallas: pallas (the grouped "

@@ -169,9 +169,13 @@ def test_no_buffer_donates_the_working_slot_only_at_finish_in_decode():
     policy = SlotPolicy(NO_BUFFER, INTERVAL, D, slots)
     req = _req(0, NO_SLOT, last=None)
     policy.admit(req, source_slot=NO_SLOT)
-    req.input_ids, req.output_ids, req.seq_len, req.phase = [1] * 10, [2, 3], 13, Phase.DECODE
+    req.input_ids, req.output_ids, req.seq_len, req.phase = [1] * 10, [2, 3], 11, Phase.DECODE
     donation = policy.donation(req, [], finished=True)
-    assert (donation.length, donation.slot) == (12, req.slots.working)  # capped at the tokens
+    assert (donation.length, donation.slot) == (11, req.slots.working)
+    req.seq_len = 12  # a K-step program's state ending on the last token: still a prefix's
+    assert policy.donation(req, [], finished=True).length == 12
+    req.seq_len = 13  # one past the request's 12 tokens: the state of no prefix
+    assert policy.donation(req, [], finished=True) is None
     assert policy.donation(req, [], finished=False) is None
     req.phase = Phase.PREFILL
     assert policy.donation(req, [], finished=True) is None
