@@ -9,7 +9,9 @@ else ``down(relu(up(x))^2)`` (Nemotron-H). A pair whose id is outside ``[0, E)``
 nothing and takes no staged row (expert parallelism: the stacks are one shard's experts,
 ids shifted by the shard's first expert). This is ``layers.moe.grouped_experts`` with the
 SwiGLU or relu^2 expert function, computed with float32 accumulation (the intermediate is
-rounded once to the weights' dtype, as the XLA form rounds it).
+rounded once to the weights' dtype, as the XLA form rounds it). A ``SharedExpert`` (one
+expert's matrices and a weight per token) runs as expert E, which every token routes to:
+one more tile in each launch, whose programs read the shared matrices instead of a stack.
 
 Grouping (``group_pairs``, XLA, no sort): the N * k (token, expert) pairs are counted per
 expert (a one-hot sum) and each pair's rank among its expert's pairs is the count of
@@ -196,22 +198,42 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _up_kernel(tile_expert_ref, x_ref, *refs, gated, block_inner, block_k):
-    """One tile's rows times one column tile of its expert's gate / up, then the activation."""
-    weight_refs, out_ref = refs[:-1], refs[-1]
+def _by_expert(expert, shared_expert, compute) -> None:
+    """Run ``compute(load)`` for a used tile: ``load(ref, rows, cols)`` reads the tile's
+    expert's block of a routed stack ``[E, ...]``, or with ``shared_expert`` (the id E of
+    the shared expert, None without one) of the shared expert's matrix for its tiles."""
+
+    def routed(ref, rows, cols):
+        return ref[0][expert, rows, cols]
+
+    def shared(ref, rows, cols):
+        return ref[1][rows, cols]
+
+    if shared_expert is None:
+        pl.when(expert != UNUSED_TILE)(lambda: compute(routed))
+        return
+    pl.when((expert != UNUSED_TILE) & (expert != shared_expert))(lambda: compute(routed))
+    pl.when(expert == shared_expert)(lambda: compute(shared))
+
+
+def _up_kernel(tile_expert_ref, x_ref, *refs, gated, block_inner, block_k, shared_expert):
+    """One tile's rows times one column tile of its expert's gate / up, then the activation.
+    ``refs``: the routed stacks (gate, up or up), then as many shared matrices with
+    ``shared_expert``, then the output."""
+    out_ref, num = refs[-1], 2 if gated else 1
+    pairs = [(refs[j], refs[num + j] if shared_expert is not None else None) for j in range(num)]
     expert = tile_expert_ref[pl.program_id(0)]
     cols = pl.ds(pl.program_id(1) * block_inner, block_inner)
 
-    @pl.when(expert != UNUSED_TILE)
-    def _compute():
+    def compute(load):
         def step(i, accs):
             chunk = pl.ds(i * block_k, block_k)
             xs = x_ref[:, chunk]
-            products = (_dot(xs, w[expert, chunk, cols]) for w in weight_refs)
+            products = (_dot(xs, load(w, chunk, cols)) for w in pairs)
             return tuple(acc + p for acc, p in zip(accs, products))
 
         zeros = jnp.zeros((x_ref.shape[0], block_inner), jnp.float32)
-        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * len(weight_refs))
+        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * num)
         if gated:
             gate, up = accs
             h = gate / (1.0 + jnp.exp(-gate)) * up
@@ -220,21 +242,28 @@ def _up_kernel(tile_expert_ref, x_ref, *refs, gated, block_inner, block_k):
             h = up * up
         out_ref[...] = h.astype(out_ref.dtype)
 
+    _by_expert(expert, shared_expert, compute)
 
-def _down_kernel(tile_expert_ref, h_ref, down_ref, row_weight_ref, out_ref, *, block_out, block_k):
-    """One tile's intermediate rows times a column tile of its expert's down, weighted."""
+
+def _down_kernel(tile_expert_ref, h_ref, *refs, block_out, block_k, shared_expert):
+    """One tile's intermediate rows times a column tile of its expert's down, weighted.
+    ``refs``: the routed down stack, the shared down matrix with ``shared_expert``, the
+    rows' weights, the output."""
+    down = (refs[0], refs[1] if shared_expert is not None else None)
+    row_weight_ref, out_ref = refs[-2], refs[-1]
     expert = tile_expert_ref[pl.program_id(0)]
     cols = pl.ds(pl.program_id(1) * block_out, block_out)
 
-    @pl.when(expert != UNUSED_TILE)
-    def _compute():
+    def compute(load):
         def step(i, acc):
             chunk = pl.ds(i * block_k, block_k)
-            return acc + _dot(h_ref[:, chunk], down_ref[expert, chunk, cols])
+            return acc + _dot(h_ref[:, chunk], load(down, chunk, cols))
 
         zeros = jnp.zeros((h_ref.shape[0], block_out), jnp.float32)
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, zeros)
         out_ref[...] = acc * row_weight_ref[...][:, None]
+
+    _by_expert(expert, shared_expert, compute)
 
 
 def check_experts(
@@ -252,6 +281,37 @@ def check_experts(
         raise ValueError(f"gate {gate.shape} must match up {up.shape}")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    """An expert every token runs beside its routed ones (Qwen3-Next's gated shared expert):
+    ``up [d, I]``, ``down [I, d_out]``, ``gate [d, I]`` (None for relu^2 experts), the
+    widths and dtype of one routed expert, and ``weight [N]`` float32, each token's scale
+    of its output (the sigmoid of the shared gate)."""
+
+    up: jax.Array
+    down: jax.Array
+    gate: jax.Array | None
+    weight: jax.Array
+
+
+def check_shared(shared: SharedExpert, num_tokens: int, up, down, gate) -> None:
+    """ValueError unless ``shared``'s matrices are one routed expert's shapes and dtype."""
+    pairs = [("up", shared.up, up), ("down", shared.down, down)]
+    if (shared.gate is None) != (gate is None):
+        raise ValueError("the shared expert has a gate exactly when the routed experts do")
+    if gate is not None:
+        pairs.append(("gate", shared.gate, gate))
+    for name, matrix, stack in pairs:
+        if matrix.shape != stack.shape[1:] or matrix.dtype != stack.dtype:
+            raise ValueError(
+                f"shared {name} {matrix.shape} {matrix.dtype} must be one routed expert's "
+                f"{stack.shape[1:]} {stack.dtype}"
+            )
+    if shared.weight.shape != (num_tokens,):
+        raise ValueError(f"shared weight {shared.weight.shape} must be [{num_tokens}]")
+
+
 def moe_experts_pallas(
     x: jax.Array,
     weights: jax.Array,
@@ -260,6 +320,7 @@ def moe_experts_pallas(
     down: jax.Array,
     gate: jax.Array | None = None,
     *,
+    shared: SharedExpert | None = None,
     block_rows: int = 16,
     block_inner: int | None = None,
     block_out: int | None = None,
@@ -272,9 +333,22 @@ def moe_experts_pallas(
     None are whole axes; ``block_k`` is the contraction chunk of both launches.
     ``token_rows``: group with ``group_tokens`` (every tile reads x itself, padded to
     ``block_rows`` rows) rather than ``group_pairs`` (tiles of staged rows); None takes
-    ``group_tokens`` up to ``TOKEN_ROWS_MAX_TOKENS`` tokens (and ``block_rows``)."""
+    ``group_tokens`` up to ``TOKEN_ROWS_MAX_TOKENS`` tokens (and ``block_rows``).
+    ``shared``: adds ``shared.weight[n] * shared_expert(x[n])`` to each token's sum, run as
+    one more expert (id E, routed to by every token with that weight) in the same two
+    launches, so a step runs no kernels of its own for it."""
     check_experts(x, expert_ids, up, down, gate)
     num_experts, width, inner = up.shape
+    shared_expert = None
+    if shared is not None:
+        check_shared(shared, x.shape[0], up, down, gate)
+        shared_expert = num_experts
+        every = jnp.full((x.shape[0], 1), shared_expert, jnp.int32)
+        expert_ids = jnp.concatenate([expert_ids.astype(jnp.int32), every], axis=1)
+        weights = jnp.concatenate(
+            [weights.astype(jnp.float32), shared.weight.astype(jnp.float32)[:, None]], axis=1
+        )
+        num_experts += 1
     out_width = down.shape[2]
     bi = check_tile("block_inner", inner, block_inner)
     bo = check_tile("block_out", out_width, block_out)
@@ -296,9 +370,19 @@ def moe_experts_pallas(
     num_tiles = grouped.tile_expert.shape[0]
     num_rows = num_tiles * block_rows
     projections = (up,) if gate is None else (gate, up)
+    downs = (down,)
+    if shared is not None:
+        projections += (shared.up,) if gate is None else (shared.gate, shared.up)
+        downs += (shared.down,)
     options = {"interpret": interpret, "compiler_params": compiler_params}
 
-    up_kernel = functools.partial(_up_kernel, gated=gate is not None, block_inner=bi, block_k=bk_up)
+    up_kernel = functools.partial(
+        _up_kernel,
+        gated=gate is not None,
+        block_inner=bi,
+        block_k=bk_up,
+        shared_expert=shared_expert,
+    )
     hidden = pl.pallas_call(
         up_kernel,
         grid=(num_tiles, inner // bi),
@@ -309,19 +393,21 @@ def moe_experts_pallas(
         **options,
     )(grouped.tile_expert, staged, *projections)
 
-    down_kernel = functools.partial(_down_kernel, block_out=bo, block_k=bk_down)
+    down_kernel = functools.partial(
+        _down_kernel, block_out=bo, block_k=bk_down, shared_expert=shared_expert
+    )
     rows = pl.pallas_call(
         down_kernel,
         grid=(num_tiles, out_width // bo),
         in_specs=[
             whole(),
             pl.BlockSpec((block_rows, inner), lambda t, j: (t, 0)),
-            whole(),
+            *[whole()] * len(downs),
             pl.BlockSpec((block_rows,), lambda t, j: (t,)),
         ],
         out_specs=pl.BlockSpec((block_rows, bo), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((num_rows, out_width), jnp.float32),
         name="moe_experts_down",
         **options,
-    )(grouped.tile_expert, hidden, down, grouped.row_weight)
+    )(grouped.tile_expert, hidden, *downs, grouped.row_weight)
     return combine_pairs(rows, grouped.pair_row)

@@ -89,6 +89,69 @@ def test_moe_experts_pallas_matches_grouped_experts(case):
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
 
 
+def shared_reference(x, shared: me.SharedExpert):
+    """``weight[n] * shared_expert(x[n])`` in float32 at full precision."""
+    with jax.default_matmul_precision("highest"):
+        dot = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))  # noqa: E731
+        u = dot(x, shared.up)
+        if shared.gate is None:
+            h = jax.nn.relu(u) ** 2
+        else:
+            h = jax.nn.silu(dot(x, shared.gate)) * u
+        return shared.weight[:, None] * dot(h.astype(shared.up.dtype), shared.down)
+
+
+# seed, tokens, top_k, experts, gated, dtype: token rows (<= 8 tokens) and staged rows
+SHARED_CASES = [
+    (21, 1, 2, 8, True, jnp.float32),
+    (22, 3, 10, 64, True, jnp.bfloat16),
+    (23, 8, 2, 8, False, jnp.float32),
+    (24, 16, 2, 8, True, jnp.float32),
+    (25, 64, 10, 64, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=lambda c: f"shared{c[0]}-n{c[1]}")
+def test_shared_expert_runs_as_one_more_expert_pallas(case):
+    """With a shared expert the kernel's sum is the routed experts' plus each token's
+    weighted shared expert, through both groupings, gated and relu^2."""
+    seed, num_tokens, top_k, num_experts, gated, dtype = case
+    rng = np.random.default_rng(seed)
+    weights, ids = routing(rng, num_tokens, top_k, num_experts, False)
+    up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
+    s_up, s_down, s_gate = expert_stacks(rng, 1, dtype, gated)
+    shared = me.SharedExpert(
+        up=s_up[0],
+        down=s_down[0],
+        gate=None if s_gate is None else s_gate[0],
+        weight=jnp.asarray(rng.random(num_tokens), jnp.float32),
+    )
+    x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
+    want = reference(x, weights, ids, up, down, gate) + shared_reference(x, shared)
+    tiles = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    got = me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=shared, **tiles)
+    assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "with shared")
+    # the shared part is really there: without it the sum differs by about its size
+    alone = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
+    gap = float(jnp.max(jnp.abs(got - alone - shared_reference(x, shared))))
+    assert gap <= BF16_TOL * float(jnp.max(jnp.abs(want))), gap
+
+
+def test_shared_expert_of_other_widths_is_refused_pallas():
+    rng = np.random.default_rng(26)
+    weights, ids = routing(rng, 2, 2, 8, False)
+    up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
+    x = jnp.asarray(rng.standard_normal((2, WIDTH)), jnp.float32)
+    wide = me.SharedExpert(
+        up=jnp.zeros((WIDTH, 2 * INNER)), down=down[0], gate=gate[0], weight=jnp.ones(2)
+    )
+    with pytest.raises(ValueError, match="shared up"):
+        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=wide, interpret=True)
+    ungated = me.SharedExpert(up=up[0], down=down[0], gate=None, weight=jnp.ones(2))
+    with pytest.raises(ValueError, match="has a gate exactly when"):
+        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=ungated, interpret=True)
+
+
 def test_grouping_gives_only_routed_experts_their_tiles_pallas():
     """Each routed expert gets ceil(count / rows) tiles in expert order, no other expert any
     (so no unrouted expert's weights are read); an expert's pairs fill the rows of its tiles
@@ -217,11 +280,17 @@ def test_moe_layers_with_kernel_match_xla_pallas():
     routing) give the same output through the kernel as through grouped_experts."""
     kernel = backend.kernels_for("pallas", "cpu").moe_experts
     x = jnp.asarray(np.random.default_rng(15).standard_normal((2, 3, WIDTH)), jnp.float32)
-    spec = moe.MoESpec(WIDTH, 8, 2, INNER, 24, norm_topk_prob=True)
-    params = init_plan(moe.moe_plan("mlp", spec), jax.random.key(0), jnp.float32, 0.3)
-    assert_close(
-        moe.sparse_moe(params, spec, x, kernel), moe.sparse_moe(params, spec, x), 1e-5, "swiglu"
-    )
+    # a shared expert of another width runs as its own MLP; of the routed experts' width in
+    # the kernel's launches (``fused_shared_expert``)
+    for shared_width, fused in ((24, False), (INNER, True)):
+        spec = moe.MoESpec(WIDTH, 8, 2, INNER, shared_width, norm_topk_prob=True)
+        params = init_plan(moe.moe_plan("mlp", spec), jax.random.key(0), jnp.float32, 0.3)
+        gate = jnp.ones(6)
+        assert (moe.fused_shared_expert(params, kernel, gate) is not None) == fused
+        assert moe.fused_shared_expert(params, None, gate) is None
+        assert_close(
+            moe.sparse_moe(params, spec, x, kernel), moe.sparse_moe(params, spec, x), 1e-5, "swiglu"
+        )
     spec = relu2_moe.MoESpec(8, 2, INNER, 24, 16, 2, 1, True, 2.5)
     params = init_plan(
         relu2_moe.moe_plan("mixer", WIDTH, spec, False), jax.random.key(1), jnp.float32, 0.3
@@ -273,6 +342,23 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
         stack,
     )
     assert "triton" in text.lower()
+    shared = me.SharedExpert(  # Qwen3-Next's shared expert in the same launches
+        up=spec((2048, 512), jnp.bfloat16),
+        down=spec((512, 2048), jnp.bfloat16),
+        gate=spec((2048, 512), jnp.bfloat16),
+        weight=spec((2,), jnp.float32),
+    )
+    text = lower_for_cuda(
+        lambda *a: run(*a[:-1], shared=a[-1]),
+        spec((2, 2048), jnp.bfloat16),
+        spec((2, 10), jnp.float32),
+        spec((2, 10), jnp.int32),
+        stack,
+        spec((512, 512, 2048), jnp.bfloat16),
+        stack,
+        shared,
+    )
+    assert text.lower().count("triton") >= 2
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.kernels.backend import MoEExpertsFn
+from lazyspec.kernels.moe_experts import SharedExpert
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -183,12 +184,14 @@ def routed_experts(
     x: jax.Array,
     moe_experts: MoEExpertsFn | None = None,
     real: jax.Array | None = None,
+    shared: SharedExpert | None = None,
 ) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
     ``gate`` and ``experts`` as in the module docstring. ``moe_experts``: the kernel that
     may run the experts instead of ``grouped_experts`` (it chooses by shape). ``real``
-    ``[N]``: which tokens are not padding (``padding_follows_token_zero``). Returns x's
-    shape and dtype."""
+    ``[N]``: which tokens are not padding (``padding_follows_token_zero``). ``shared``: a
+    shared expert ``moe_experts`` runs with the routed ones (``fuses_shared``), its
+    weighted output in the sum. Returns x's shape and dtype."""
     weights, expert_ids = route(params, spec, x)
     expert_ids = padding_follows_token_zero(expert_ids, real)
     experts = params["experts"]
@@ -200,14 +203,46 @@ def routed_experts(
         return jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["down_proj"], group_sizes)
 
     def xla_form():
-        return grouped_experts(x, weights, expert_ids, spec.num_experts, swiglu_experts)
+        out = grouped_experts(x, weights, expert_ids, spec.num_experts, swiglu_experts)
+        if shared is not None:
+            mlp = {"gate_proj": {"weight": shared.gate}, "up_proj": {"weight": shared.up}}
+            mlp["down_proj"] = {"weight": shared.down}
+            out = out + shared.weight[:, None] * swiglu_mlp(mlp, x).astype(jnp.float32)
+        return out
 
     if moe_experts is None:
         out = xla_form()
     else:
         stacks = (experts["up_proj"], experts["down_proj"], experts["gate_proj"])
-        out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form)
+        fused = {} if shared is None else {"shared": shared}
+        out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form, **fused)
     return out.astype(x.dtype)
+
+
+def fused_shared_expert(
+    params: Params, moe_experts: MoEExpertsFn | None, gate_weight: jax.Array
+) -> SharedExpert | None:
+    """The block's shared expert as a ``SharedExpert`` scaled by ``gate_weight`` ``[N]``,
+    where ``moe_experts`` runs one with the routed experts (its ``fuses_shared``) and the
+    shared expert has a routed expert's projections: same shapes and dtype, no bias, gate
+    and up apart. Else None: the caller runs it as an MLP of its own."""
+    if not getattr(moe_experts, "fuses_shared", False):
+        return None
+    mlp, experts = params["shared_expert"], params["experts"]
+    names = ("gate_proj", "up_proj", "down_proj")
+    if set(mlp) != set(names) or any(set(mlp[n]) != {"weight"} for n in names):
+        return None
+    if any(
+        mlp[n]["weight"].shape != experts[n].shape[1:] or mlp[n]["weight"].dtype != experts[n].dtype
+        for n in names
+    ):
+        return None
+    return SharedExpert(
+        up=mlp["up_proj"]["weight"],
+        down=mlp["down_proj"]["weight"],
+        gate=mlp["gate_proj"]["weight"],
+        weight=gate_weight,
+    )
 
 
 def sparse_moe(
@@ -223,8 +258,11 @@ def sparse_moe(
     flattened tokens) as in ``routed_experts``.
     """
     flat = x.reshape(-1, x.shape[-1])
+    shared_gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], flat).astype(jnp.float32))
+    fused = fused_shared_expert(params, moe_experts, shared_gate[:, 0])
+    if fused is not None:  # one pair of launches for the routed and the shared experts
+        return routed_experts(params, spec, flat, moe_experts, real, fused).reshape(x.shape)
     routed = routed_experts(params, spec, flat, moe_experts, real)
     shared = swiglu_mlp(params["shared_expert"], flat)
-    shared_gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], flat).astype(jnp.float32))
     out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)
     return out.astype(x.dtype).reshape(x.shape)
