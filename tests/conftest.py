@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,24 @@ def suite_xla_flags(flags: str) -> str:
     serial = knows_fusion_emitters_flag() and "codegen_split_count" not in flags
     return with_fast_compile(f"{flags} {SERIAL_CODEGEN}" if serial else flags)
 
+
+def import_installed_kernels_package() -> None:
+    """Import the ``kernels`` distribution where one is installed (transformers 5.25 and later
+    require it, and import it with their hub integration): from the repository root, where
+    pytest runs, ``import kernels`` would find this repository's ``kernels/`` folder (the
+    package installed as ``lazyspec.kernels``) and transformers' import of its names would
+    fail. The folder is left off the search path for this one import."""
+    root = Path(__file__).resolve().parents[1]
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != root]
+    try:
+        if importlib.util.find_spec("kernels") is not None:
+            importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+import_installed_kernels_package()
 
 # compile without LLVM's costly passes (lazyspec.testing.xla_flags); before jax is imported.
 # The suite's subprocesses take these flags from ``os.environ`` (add theirs after them).
