@@ -21,7 +21,6 @@ experts)}, ...]}``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,14 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
-from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
+from lazyspec.models.config import (
+    ATTENTION,
+    RECURRENT,
+    ModelConfig,
+    eos_ids,
+    require,
+    time_step_limit,
+)
 from lazyspec.models.granite_params import (  # noqa: F401 (family API)
     init_params,
     load_params,
@@ -90,13 +96,6 @@ class GraniteArch:
 # ---------------------------------------------------------------- config
 
 
-def _as_float(value: Any) -> float:
-    """A config number; transformers writes infinity as ``{"__float__": "Infinity"}``."""
-    if isinstance(value, dict):
-        value = value.get("__float__")
-    return float(value)
-
-
 def _layer_roles(hf: dict[str, Any]) -> tuple[str, ...]:
     """Roles from ``layer_types`` (or ``layers_block_type``); all Mamba2 when absent."""
     num_layers = int(require(hf, "num_hidden_layers", FAMILY))
@@ -114,7 +113,7 @@ def _mamba_dims(hf: dict[str, Any], hidden: int, eps: float) -> Mamba2Dims:
     inner = int(hf.get("mamba_expand", 2)) * hidden
     head_dim = hf.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-    low, high = (_as_float(v) for v in (hf.get("time_step_limit") or (0.0, math.inf)))
+    low, high = time_step_limit(hf)
     dims = Mamba2Dims(
         hidden_size=hidden,
         num_heads=heads,

@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
-from lazyspec.models.config import ATTENTION, RECURRENT, STATELESS, ModelConfig, eos_ids
+from lazyspec.models.config import (
+    ATTENTION,
+    RECURRENT,
+    STATELESS,
+    ModelConfig,
+    eos_ids,
+    time_step_limit,
+)
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,
@@ -76,6 +83,7 @@ _LEGACY_NAMES = {
     "n_groups": "mamba_n_groups",
     "conv_kernel": "mamba_d_conv",
     "time_step_min": "mamba_dt_min",
+    "time_step_limit": "mamba_dt_limit",
     "use_conv_bias": "mamba_conv_bias",
     "head_dim": "attention_head_dim",
 }
@@ -119,6 +127,7 @@ def _block_kinds(hf: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _mamba_dims(hf: dict[str, Any], eps: float) -> Mamba2Dims:
+    limit = time_step_limit({"time_step_limit": _field(hf, "time_step_limit", None)})
     dims = Mamba2Dims(
         hidden_size=_field(hf, "hidden_size"),
         num_heads=_field(hf, "mamba_num_heads"),
@@ -127,8 +136,10 @@ def _mamba_dims(hf: dict[str, Any], eps: float) -> Mamba2Dims:
         n_groups=_field(hf, "n_groups"),
         conv_kernel=_field(hf, "conv_kernel"),
         norm_eps=eps,
-        # transformers' torch path clamps dt to [time_step_min, inf); parity follows it.
-        dt_min=float(_field(hf, "time_step_min", 0.001)),
+        # the clamp of dt: time_step_limit, as transformers (from 5.25; its earlier port
+        # clamped at time_step_min instead) and the reference Mamba2 mixer read it
+        dt_min=limit[0],
+        dt_max=limit[1],
     )
     if dims.num_heads % dims.n_groups:
         raise ValueError(

@@ -137,8 +137,8 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
     assert out.final is None and out.steps is None and out.chunks is None
     assert isinstance(out.pools, PoolView) and isinstance(want.final, StateRows)
     # pallas: the pools' decode runs the conv kernel, the rows' the jnp conv scan (float32
-    # rounding of the silu apart)
-    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), rtol=1e-5, atol=1e-6)
+    # rounding of the silu apart: up to 1.3e-6 on outputs of order 1, seen on a 2-core CPU)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), rtol=1e-5, atol=4e-6)
     written = np.asarray([0, 2])  # the rows on real slots
     others = np.setdiff1d(np.arange(SLOTS + 1), np.asarray(slot)[written])
     assert 0 in others

@@ -38,8 +38,9 @@ BASE = dict(
 # name -> (pattern, overrides); "M" Mamba2, "*" attention, "-" MLP, "E" MoE.
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "M-M*-": ("M-M*-", dict(n_groups=1)),
-    # time_step_min 0.2 > softplus of many dt values: transformers' dt clamp is active.
-    "M*M-M*": ("M*M-M*", dict(n_groups=2, time_step_min=0.2)),
+    # time_step_limit (0.2, 0.4) cuts softplus of many dt values at both ends: the dt clamp
+    # is active.
+    "M*M-M*": ("M*M-M*", dict(n_groups=2, time_step_limit=(0.2, 0.4))),
     "ME*M-": ("ME*M-", dict(n_groups=4, use_bias=True, mlp_bias=True, tie_word_embeddings=True)),
 }
 
