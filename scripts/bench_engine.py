@@ -631,7 +631,8 @@ def main(argv=None) -> None:
                     print(row, flush=True)
                     rows.append(row)
     if args.peer:
-        floors = {r["batch"]: r["floor_ms"] for r in rows if r["spec"] == "-"}
+        # the floor of one token step (K-step rows too: theirs is per token step)
+        floors = {r["batch"]: r["floor_ms"] for r in rows if not r["spec"].startswith("NEXTN")}
         for batch in (int(b) for b in args.batches.split(",")):
             try:
                 row = transformers_row(args, batch, floors.get(batch, float("nan")))

@@ -288,6 +288,9 @@ def test_moe_layers_with_kernel_match_xla_pallas():
         gate = jnp.ones(6)
         assert (moe.fused_shared_expert(params, kernel, gate) is not None) == fused
         assert moe.fused_shared_expert(params, None, gate) is None
+        # more tokens than the fusion was measured to help keep the MLP of their own
+        many = jnp.ones(moe.FUSE_SHARED_MAX_TOKENS + 1)
+        assert moe.fused_shared_expert(params, kernel, many) is None
         assert_close(
             moe.sparse_moe(params, spec, x, kernel), moe.sparse_moe(params, spec, x), 1e-5, "swiglu"
         )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.kernels.backend import MoEExpertsFn
-from lazyspec.kernels.moe_experts import SharedExpert
+from lazyspec.kernels.moe_experts import TOKEN_ROWS_MAX_TOKENS, SharedExpert
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -219,14 +219,25 @@ def routed_experts(
     return out.astype(x.dtype)
 
 
+# Up to this many tokens the shared expert runs in the routed-experts kernel's launches
+# (``fused_shared_expert``). Measured on an H200 (BENCHMARKS, "K decode steps per program,
+# and the shared expert in the routed-experts kernel"): at one token 16 kernels and 29-43 us
+# fewer a step; at 16 tokens the one run with it read a loop of 2.11 ms a step against
+# 1.76-1.81 without, and at 64 the span moved either way: larger counts keep their MLP.
+FUSE_SHARED_MAX_TOKENS = TOKEN_ROWS_MAX_TOKENS
+
+
 def fused_shared_expert(
     params: Params, moe_experts: MoEExpertsFn | None, gate_weight: jax.Array
 ) -> SharedExpert | None:
     """The block's shared expert as a ``SharedExpert`` scaled by ``gate_weight`` ``[N]``,
-    where ``moe_experts`` runs one with the routed experts (its ``fuses_shared``) and the
-    shared expert has a routed expert's projections: same shapes and dtype, no bias, gate
-    and up apart. Else None: the caller runs it as an MLP of its own."""
+    where ``moe_experts`` runs one with the routed experts (its ``fuses_shared``), N is at
+    most ``FUSE_SHARED_MAX_TOKENS`` and the shared expert has a routed expert's projections:
+    same shapes and dtype, no bias, gate and up apart. Else None: the caller runs it as an
+    MLP of its own."""
     if not getattr(moe_experts, "fuses_shared", False):
+        return None
+    if gate_weight.shape[0] > FUSE_SHARED_MAX_TOKENS:
         return None
     mlp, experts = params["shared_expert"], params["experts"]
     names = ("gate_proj", "up_proj", "down_proj")
