@@ -137,6 +137,20 @@ def _logits_at(family, cfg, params, tokens, index):
     return family.compute_logits(params, cfg, hidden[:, index])
 
 
+def serve_greedy_lengths(engine, prompt: list[int], lengths, check=None) -> list:
+    """``prompt`` served once per length in ``lengths`` on ``engine``, all queued at once,
+    greedy with EOS ignored for that many new tokens (``check`` as ``run_until_done``'s);
+    the finished requests, in ``lengths``' order."""
+    reqs = [
+        engine.add_request(
+            input_ids=prompt, sampling_params={"max_new_tokens": n, "ignore_eos": True}
+        )
+        for n in lengths
+    ]
+    engine.run_until_done(reqs, check=check)
+    return reqs
+
+
 def reference_greedy(
     model, prompt: list[int], num_new: int, pad_len: int = 512
 ) -> tuple[list[int], list[float]]:

@@ -25,7 +25,7 @@ from lazyspec.scheduler.layout import plan_memory
 from lazyspec.server.launch import build_parser
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.state_oracle import TreeStateOracle
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, serve_greedy_lengths, tiny_model
 
 INTERVAL = 16
 
@@ -75,13 +75,7 @@ def test_greedy_outputs_and_tree_states_are_exact(greedy_case, steps, strategy, 
     oracle = TreeStateOracle(engine)
     # lengths of every residue mod K: requests end at each step of a program's run
     lengths = (20, 45, 59, 60)
-    reqs = [
-        engine.add_request(
-            input_ids=prompt, sampling_params={"max_new_tokens": n, "ignore_eos": True}
-        )
-        for n in lengths
-    ]
-    engine.run_until_done(reqs, check=oracle)
+    reqs = serve_greedy_lengths(engine, prompt, lengths, check=oracle)
     assert [r.output_ids for r in reqs] == [greedy[:n] for n in lengths]
     # a second round resumes from the checkpoints the first one left in the tree
     again = engine.add_request(

@@ -28,7 +28,7 @@ from lazyspec.scheduler.layout import plan_memory
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.state_oracle import TreeStateOracle
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, serve_greedy_lengths, tiny_model
 from tests.engine.test_sampling import sampling_arrays
 
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
@@ -84,13 +84,7 @@ def test_outputs_are_exact_across_the_limit(scripted_case, strategy, overlap):
     engine = _engine(drafter, strategy, overlap, speculative_disable_by_batch_size=LIMIT)
     oracle = TreeStateOracle(engine)
     lengths = (20, 45, 70, 90)
-    reqs = [
-        engine.add_request(
-            input_ids=prompt, sampling_params={"max_new_tokens": n, "ignore_eos": True}
-        )
-        for n in lengths
-    ]
-    engine.run_until_done(reqs, check=oracle)
+    reqs = serve_greedy_lengths(engine, prompt, lengths, check=oracle)
     assert [r.output_ids for r in reqs] == [greedy[:n] for n in lengths]
     info = engine.get_server_info()
     # both step kinds ran: over the limit (4, 3 requests) and under it (2, 1)
@@ -205,13 +199,7 @@ def test_warmup_compiles_both_programs(scripted_case):
     )
     assert engine.layout.decode_shapes == ((1, D), (2, D), (4, 1))
     compiled = engine.num_compiled()
-    reqs = [
-        engine.add_request(
-            input_ids=prompt, sampling_params={"max_new_tokens": n, "ignore_eos": True}
-        )
-        for n in (5, 9, 14, 20)
-    ]
-    engine.run_until_done(reqs)
+    reqs = serve_greedy_lengths(engine, prompt, (5, 9, 14, 20))
     assert engine.num_compiled() == compiled
     assert [r.output_ids for r in reqs] == [greedy[:n] for n in (5, 9, 14, 20)]
     assert engine.get_server_info()["num_decode_steps_without_speculation"] > 0

@@ -335,8 +335,7 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
         stack,
     )
     assert "triton" in text.lower()
-    text = lower_for_cuda(  # two tokens: the token-rows grouping, x read whole by every tile
-        run,
+    two_tokens = (  # the token-rows grouping, x read whole by every tile
         spec((2, 2048), jnp.bfloat16),
         spec((2, 10), jnp.float32),
         spec((2, 10), jnp.int32),
@@ -344,23 +343,14 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
         spec((512, 512, 2048), jnp.bfloat16),
         stack,
     )
-    assert "triton" in text.lower()
+    assert "triton" in lower_for_cuda(run, *two_tokens).lower()
     shared = me.SharedExpert(  # Qwen3-Next's shared expert in the same launches
         up=spec((2048, 512), jnp.bfloat16),
         down=spec((512, 2048), jnp.bfloat16),
         gate=spec((2048, 512), jnp.bfloat16),
         weight=spec((2,), jnp.float32),
     )
-    text = lower_for_cuda(
-        lambda *a: run(*a[:-1], shared=a[-1]),
-        spec((2, 2048), jnp.bfloat16),
-        spec((2, 10), jnp.float32),
-        spec((2, 10), jnp.int32),
-        stack,
-        spec((512, 512, 2048), jnp.bfloat16),
-        stack,
-        shared,
-    )
+    text = lower_for_cuda(lambda *a: run(*a[:-1], shared=a[-1]), *two_tokens, shared)
     assert text.lower().count("triton") >= 2
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
