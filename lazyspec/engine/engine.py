@@ -226,8 +226,9 @@ class Engine:
             for greedy in (False, True)
             for _ in range(runner.decode_copies)
         ]
-        decodes = [functools.partial(build, greedy=False) for build in decodes]
-        if layout.decode_steps > 1:
+        if layout.decode_steps == 1:
+            decodes = [functools.partial(build, greedy=False) for build in decodes]
+        else:
             # K-step programs: a batch with grammar rows takes one token a step (general form)
             decodes = [
                 functools.partial(

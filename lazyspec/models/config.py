@@ -83,10 +83,10 @@ def require(hf: dict[str, Any], key: str, family: str) -> Any:
     return hf[key]
 
 
-def time_step_limit(hf: dict[str, Any], key: str = "time_step_limit") -> tuple[float, float]:
-    """A Mamba2 mixer's dt clamp ``(low, high)`` from ``hf[key]``, default ``(0, inf)``;
-    transformers writes infinity as ``{"__float__": "Infinity"}``."""
-    values = hf.get(key) or (0.0, float("inf"))
+def time_step_limit(value: Any) -> tuple[float, float]:
+    """A Mamba2 mixer's dt clamp ``(low, high)`` from a config's ``time_step_limit`` value
+    (None: ``(0, inf)``); transformers writes infinity as ``{"__float__": "Infinity"}``."""
+    values = value or (0.0, float("inf"))
     low, high = (float(v.get("__float__") if isinstance(v, dict) else v) for v in values)
     return low, high
 

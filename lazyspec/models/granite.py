@@ -113,7 +113,7 @@ def _mamba_dims(hf: dict[str, Any], hidden: int, eps: float) -> Mamba2Dims:
     inner = int(hf.get("mamba_expand", 2)) * hidden
     head_dim = hf.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-    low, high = time_step_limit(hf)
+    low, high = time_step_limit(hf.get("time_step_limit"))
     dims = Mamba2Dims(
         hidden_size=hidden,
         num_heads=heads,

@@ -127,7 +127,7 @@ def _block_kinds(hf: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _mamba_dims(hf: dict[str, Any], eps: float) -> Mamba2Dims:
-    limit = time_step_limit({"time_step_limit": _field(hf, "time_step_limit", None)})
+    limit = time_step_limit(_field(hf, "time_step_limit", None))
     dims = Mamba2Dims(
         hidden_size=_field(hf, "hidden_size"),
         num_heads=_field(hf, "mamba_num_heads"),

@@ -431,16 +431,10 @@ class Scheduler:
             n, pre = accept_lens[b], pres[b]
             req.seq_len = pre + n
             tokens = all_tokens[b][:n]
-            if verified:
-                # a K-step program's tokens past a finish are not steps the request took
-                steps, accepted = (1, n) if speculative else (self._kept(req, tokens), 1)
-                req.spec_verify_ct += steps
-                req.accept_hist.extend([accepted] * steps)
-                self.num_verify_steps += steps
-                self.accept_counts[accepted] += steps
             finishing = self._would_finish(req, tokens)
             boundary = ((pre + n) // interval) * interval
             self.policy.settle_decode(record, bool(crossed[b]), boundary, finishing)
+            before = len(req.output_ids)
             self._append(
                 req,
                 tokens,
@@ -448,6 +442,14 @@ class Scheduler:
                 [_top(results, b, i) for i in range(n)] if req.return_logprob else None,
                 inflight,
             )
+            if verified:
+                # a K-step program counts the tokens the request kept as one-token steps
+                kept = len(req.output_ids) - before
+                steps, accepted = (1, n) if speculative else (kept, 1)
+                req.spec_verify_ct += steps
+                req.accept_hist.extend([accepted] * steps)
+                self.num_verify_steps += steps
+                self.accept_counts[accepted] += steps
 
     @staticmethod
     def _read_drafts(req: Req, results: dict[str, np.ndarray], b: int) -> None:
@@ -455,22 +457,11 @@ class Scheduler:
         if req.grammar is not None and "drafts" in results:
             req.next_drafts = [int(t) for t in results["drafts"][b]]
 
-    def _kept(self, req: Req, tokens: list[int]) -> int:
-        """How many of ``tokens`` the request keeps: up to its first stop token or its
-        ``max_new_tokens`` (``_append`` may still end it earlier, at its context limit or
-        on a token its grammar refuses)."""
-        room = req.sampling.max_new_tokens - len(req.output_ids)
-        for i, token in enumerate(tokens[:room]):
-            if self._is_stop(req, token):
-                return i + 1
-        return max(min(len(tokens), room), 0)
-
     def _would_finish(self, req: Req, tokens: list[int]) -> bool:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         if len(tokens) >= remaining:
             return True
-        limit = self.layout.context_len - self.layout.run_past_headroom  # as ``_append``
-        if len(req.input_ids) + len(req.output_ids) + len(tokens) >= limit:
+        if len(req.input_ids) + len(req.output_ids) + len(tokens) >= self.layout.max_request_len:
             return True
         return any(self._is_stop(req, t) for t in tokens)
 
@@ -490,7 +481,7 @@ class Scheduler:
         inflight: list[RowRecord],
     ) -> None:
         """``tops``: each token's top logprobs, None when ``req`` does not return them."""
-        limit = self.layout.context_len - self.layout.run_past_headroom
+        limit = self.layout.max_request_len
         for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
             req.output_ids.append(token)
             req.output_logprobs.append(logprob)
