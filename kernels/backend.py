@@ -22,7 +22,7 @@ from typing import Any, Literal
 import jax
 
 from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, conv_update_xla
-from lazyspec.kernels.moe_experts import SharedExpert, moe_experts_pallas
+from lazyspec.kernels.moe_experts import SharedExpert, TokenRouting, moe_experts_pallas
 from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
 from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
 from lazyspec.kernels.state_scatter import (
@@ -485,22 +485,28 @@ def _pallas_moe_experts(
     *,
     xla_form: Callable[[], jax.Array],
     shared: SharedExpert | None = None,
+    routing: TokenRouting | None = None,
     interpret: bool = False,
     **tiles: Any,
 ) -> jax.Array:
     """The routed experts by shape: ``moe_experts_pallas`` where ``moe_launch`` gives its
     arguments, else ``xla_form()``, the caller's sort-based dispatch with the same
     contract. ``shared``: a shared expert run in the same launches (``moe_experts_pallas``);
-    ``xla_form`` then adds it too."""
+    ``xla_form`` then adds it too. ``routing``: the router's logits, from which the kernel
+    picks the experts of a few tokens itself (``moe_experts_pallas``)."""
     launch = moe_launch(x.shape[0], up, down, interpret, **tiles)
     if launch is None:
         return xla_form()
-    return moe_experts_pallas(x, weights, expert_ids, up, down, gate, shared=shared, **launch)
+    return moe_experts_pallas(
+        x, weights, expert_ids, up, down, gate, shared=shared, routing=routing, **launch
+    )
 
 
-# the MoE layers hand this function their shared expert (``layers.moe.sparse_moe``); its
-# per-shard form and the TPU layout take none
+# the MoE layers hand this function their shared expert and router logits
+# (``layers.moe.sparse_moe``, ``routed_experts``); its per-shard form and the TPU layout
+# take neither
 _pallas_moe_experts.fuses_shared = True
+_pallas_moe_experts.routes_tokens = True
 
 
 def _tpu_moe_experts(

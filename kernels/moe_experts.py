@@ -179,6 +179,151 @@ def group_tokens(
     return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logits", "real"],
+    meta_fields=["top_k", "norm_topk_prob"],
+)
+@dataclasses.dataclass(frozen=True)
+class TokenRouting:
+    """A router's scores, for ``moe_experts_pallas`` to pick a few tokens' experts itself
+    (``route_tokens``) instead of taking ``weights`` and ``expert_ids``. ``logits [N, E]``:
+    the router's output over the E routed experts; ``top_k`` and ``norm_topk_prob`` as
+    ``layers.moe.route`` (the top-k logits' softmax, else the softmax's top k); ``real``
+    ``[N]`` bool or None: a padding token (false) takes token 0's experts and keeps its own
+    weights, as ``layers.moe.padding_follows_token_zero``."""
+
+    logits: jax.Array
+    top_k: int
+    norm_topk_prob: bool
+    real: jax.Array | None = None
+
+
+def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, block_rows):
+    """One program: each token's top-k experts and weights from its logits, padding tokens
+    following token 0, the shared expert appended, then ``group_tokens``' tables over tiles
+    ``t = token * slots + slot`` (``route_tokens``). Top-k by k rounds of max, the lowest
+    expert id first among equal scores (as ``lax.top_k``); the first pair of an expert and
+    each row's weight by comparing every pair with each token's pairs (a few tokens)."""
+    logits_ref, real_ref = refs[:2]
+    shared_ref = refs[2] if shared_expert is not None else None
+    tile_ref, weight_ref, pair_ref = refs[-3:]
+    scores = logits_ref[...].astype(jnp.float32)  # [n, E]
+    n, num_experts = scores.shape
+    slots = tile_ref.shape[1]
+    expert = jax.lax.broadcasted_iota(jnp.int32, (n, num_experts), 1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (n, slots), 1)
+    token = jax.lax.broadcasted_iota(jnp.int32, (n, slots), 0)
+    if not norm_topk_prob:  # the softmax over every expert, then its top k
+        exp = jnp.exp(scores - jnp.max(scores, axis=1)[:, None])
+        scores = exp / jnp.sum(exp, axis=1)[:, None]
+    ids = jnp.zeros((n, slots), jnp.int32)
+    top = jnp.zeros((n, slots), jnp.float32)
+    for j in range(top_k):
+        best = jnp.max(scores, axis=1)
+        pick = jnp.min(jnp.where(scores == best[:, None], expert, num_experts), axis=1)
+        ids = jnp.where(slot == j, pick[:, None], ids)
+        top = jnp.where(slot == j, best[:, None], top)
+        scores = jnp.where(expert == pick[:, None], -jnp.inf, scores)
+    routed = slot < top_k
+    if norm_topk_prob:  # the top-k logits' softmax; slot 0 holds the largest
+        largest = jnp.max(jnp.where(routed, top, -jnp.inf), axis=1)
+        exp = jnp.where(routed, jnp.exp(top - largest[:, None]), 0.0)
+        weights = exp / jnp.sum(exp, axis=1)[:, None]
+    else:
+        weights = jnp.where(routed, top, 0.0)
+    first_ids = jnp.sum(jnp.where(token == 0, ids, 0), axis=0)  # token 0's experts
+    ids = jnp.where(real_ref[...][:, None] != 0, ids, first_ids[None, :])
+    pairs = top_k
+    if shared_expert is not None:
+        ids = jnp.where(slot == top_k, shared_expert, ids)
+        weights = jnp.where(slot == top_k, shared_ref[...].astype(jnp.float32)[:, None], weights)
+        pairs += 1
+    valid = (slot < pairs) & (token < num_tokens)
+    num_tiles = n * slots
+    # for every pair: the first tile naming its expert, and token r's weight for that expert
+    first = jnp.full((n, slots), num_tiles, jnp.int32)
+    row_weight = jnp.zeros((n, slots, block_rows), jnp.float32)
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, slots, block_rows), 2)
+    slot_r = jax.lax.broadcasted_iota(jnp.int32, (slots,), 0)
+    for r in range(num_tokens):
+        ids_r = jnp.sum(jnp.where(token == r, ids, 0), axis=0)  # [slots]
+        weights_r = jnp.sum(jnp.where(token == r, weights, 0.0), axis=0)
+        match = (ids[:, :, None] == ids_r[None, None, :]) & (slot_r < pairs)[None, None, :]
+        tile_r = jnp.where(match, r * slots + slot_r[None, None, :], num_tiles)
+        first = jnp.minimum(first, jnp.min(tile_r, axis=2))
+        weight_r = jnp.sum(jnp.where(match, weights_r[None, None, :], 0.0), axis=2)
+        row_weight = jnp.where(row == r, weight_r[:, :, None], row_weight)
+    used = valid & (first == token * slots + slot)
+    tile_ref[...] = jnp.where(used, ids, UNUSED_TILE)
+    weight_ref[...] = jnp.where(used[:, :, None], row_weight, 0.0)
+    pair_ref[...] = jnp.where(valid, first * block_rows + token, num_tiles * block_rows)
+
+
+def _power_of_two(size: int) -> int:
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def route_tokens(
+    routing: TokenRouting,
+    shared_weight: jax.Array | None,
+    block_rows: int,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> ExpertTiles:
+    """``group_tokens``' grouping straight from ``routing``'s logits, in one Pallas program
+    (where routing, top-k, the padding rule and the grouping take about six small kernels
+    a layer on a GPU). ``shared_weight`` ``[N]``: the shared expert (id E) is each token's
+    last pair, with that weight. Tiles are ``t = token * slots + slot`` (slots: the pairs
+    per token rounded up to a power of two, as are tokens and experts for Triton): each
+    expert's first pair names its tile, the others' tiles are unused; ``pair_row`` is
+    ``[N, slots]``, a slot past the pairs pointing past the rows (combined as 0)."""
+    logits = routing.logits
+    num_tokens, num_experts = logits.shape
+    if num_tokens > block_rows:
+        raise ValueError(f"route_tokens takes at most block_rows={block_rows} tokens")
+    if not 0 < routing.top_k <= num_experts:
+        raise ValueError(f"top_k={routing.top_k} must be in [1, {num_experts}]")
+    shared_expert = None if shared_weight is None else num_experts
+    n = _power_of_two(num_tokens)
+    slots = _power_of_two(routing.top_k + (shared_weight is not None))
+    real = jnp.ones((num_tokens,), jnp.int32) if routing.real is None else routing.real
+    pad = ((0, n - num_tokens), (0, _power_of_two(num_experts) - num_experts))
+    args = [
+        jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf),
+        jnp.pad(real.astype(jnp.int32), (0, n - num_tokens)),
+    ]
+    if shared_weight is not None:
+        args.append(jnp.pad(shared_weight.astype(jnp.float32), (0, n - num_tokens)))
+    kernel = functools.partial(
+        _route_kernel,
+        top_k=routing.top_k,
+        norm_topk_prob=routing.norm_topk_prob,
+        num_tokens=num_tokens,
+        shared_expert=shared_expert,
+        block_rows=block_rows,
+    )
+    tile_expert, row_weight, pair_row = pl.pallas_call(
+        kernel,
+        grid=(1,),
+        in_specs=[whole()] * len(args),
+        out_specs=(whole(), whole(), whole()),
+        out_shape=(
+            jax.ShapeDtypeStruct((n, slots), jnp.int32),
+            jax.ShapeDtypeStruct((n, slots, block_rows), jnp.float32),
+            jax.ShapeDtypeStruct((n, slots), jnp.int32),
+        ),
+        name="moe_route",
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(*args)
+    row = jnp.arange(block_rows, dtype=jnp.int32)
+    row_token = jnp.tile(jnp.where(row < num_tokens, row, 0), n * slots)
+    return ExpertTiles(
+        tile_expert.reshape(-1), row_token, row_weight.reshape(-1), pair_row[:num_tokens]
+    )
+
+
 def combine_pairs(rows: jax.Array, pair_row: jax.Array) -> jax.Array:
     """Each token's sum of its pairs' weighted rows ``[N, d_out]`` (a gather, no
     scatter-add); a dropped pair (row past ``rows``: another shard's expert) adds 0."""
@@ -295,6 +440,19 @@ class SharedExpert:
     weight: jax.Array
 
 
+def check_routing(x: jax.Array, routing: TokenRouting, up, down, gate) -> None:
+    """``check_experts`` for a call routed by ``routing`` (logits over the stacks' experts)."""
+    num_experts = up.shape[0]
+    if routing.logits.shape != (x.shape[0], num_experts):
+        raise ValueError(
+            f"routing logits {routing.logits.shape} must be [{x.shape[0]}, {num_experts}]"
+        )
+    if routing.real is not None and routing.real.shape != (x.shape[0],):
+        raise ValueError(f"routing real {routing.real.shape} must be [{x.shape[0]}]")
+    ids = jax.ShapeDtypeStruct((x.shape[0], routing.top_k), jnp.int32)
+    check_experts(x, ids, up, down, gate)
+
+
 def check_shared(shared: SharedExpert, num_tokens: int, up, down, gate) -> None:
     """ValueError unless ``shared``'s matrices are one routed expert's shapes and dtype."""
     pairs = [("up", shared.up, up), ("down", shared.down, down)]
@@ -321,6 +479,7 @@ def moe_experts_pallas(
     gate: jax.Array | None = None,
     *,
     shared: SharedExpert | None = None,
+    routing: TokenRouting | None = None,
     block_rows: int = 16,
     block_inner: int | None = None,
     block_out: int | None = None,
@@ -336,18 +495,28 @@ def moe_experts_pallas(
     ``group_tokens`` up to ``TOKEN_ROWS_MAX_TOKENS`` tokens (and ``block_rows``).
     ``shared``: adds ``shared.weight[n] * shared_expert(x[n])`` to each token's sum, run as
     one more expert (id E, routed to by every token with that weight) in the same two
-    launches, so a step runs no kernels of its own for it."""
-    check_experts(x, expert_ids, up, down, gate)
+    launches, so a step runs no kernels of its own for it. ``routing``: where the grouping
+    is by token rows, ``route_tokens`` picks the experts from its logits (``weights`` and
+    ``expert_ids`` unused: they may be None); elsewhere they are used as given."""
+    num_tokens = x.shape[0]
+    if token_rows is None:
+        token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
+    if routing is None or not token_rows:
+        check_experts(x, expert_ids, up, down, gate)
+    else:
+        check_routing(x, routing, up, down, gate)
     num_experts, width, inner = up.shape
     shared_expert = None
     if shared is not None:
         check_shared(shared, x.shape[0], up, down, gate)
         shared_expert = num_experts
+    if shared is not None and (routing is None or not token_rows):
         every = jnp.full((x.shape[0], 1), shared_expert, jnp.int32)
         expert_ids = jnp.concatenate([expert_ids.astype(jnp.int32), every], axis=1)
         weights = jnp.concatenate(
             [weights.astype(jnp.float32), shared.weight.astype(jnp.float32)[:, None]], axis=1
         )
+    if shared is not None:
         num_experts += 1
     out_width = down.shape[2]
     bi = check_tile("block_inner", inner, block_inner)
@@ -356,10 +525,12 @@ def moe_experts_pallas(
     bk_down = check_tile("block_k", inner, block_k)
     if block_rows <= 0:
         raise ValueError(f"block_rows={block_rows} must be positive")
-    num_tokens = x.shape[0]
-    if token_rows is None:
-        token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
-    if token_rows:
+    if token_rows and routing is not None:
+        shared_weight = None if shared is None else shared.weight
+        grouped = route_tokens(routing, shared_weight, block_rows, interpret, compiler_params)
+        staged = jnp.pad(x.astype(up.dtype), ((0, block_rows - num_tokens), (0, 0)))
+        x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (0, 0))
+    elif token_rows:
         grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
         staged = jnp.pad(x.astype(up.dtype), ((0, block_rows - num_tokens), (0, 0)))
         x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (0, 0))

@@ -3,6 +3,8 @@ grouping of pairs by expert, the dispatch by shape and the MoE layers that call 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -352,6 +354,21 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     )
     text = lower_for_cuda(lambda *a: run(*a[:-1], shared=a[-1]), *two_tokens, shared)
     assert text.lower().count("triton") >= 2
+
+    def by_logits(x, logits, real, *rest):  # the experts picked in the kernel from the logits
+        picks = me.TokenRouting(logits, 10, True, real)
+        return run(x, None, None, *rest[:-1], shared=rest[-1], routing=picks)
+
+    for num_tokens in (2, 3, 8):  # three: tokens padded to a power of two
+        text = lower_for_cuda(
+            by_logits,
+            spec((num_tokens, 2048), jnp.bfloat16),
+            spec((num_tokens, 512), jnp.float32),
+            spec((num_tokens,), jnp.bool_),
+            *two_tokens[3:],
+            dataclasses.replace(shared, weight=spec((num_tokens,), jnp.float32)),
+        )
+        assert text.lower().count("triton") >= 3, num_tokens
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),
@@ -464,3 +481,86 @@ def test_token_rows_and_staged_rows_give_the_same_experts_pallas(gated):
         for token_rows in (True, False):
             got = kernel(x, weights, local, *stacks, token_rows=token_rows)
             assert_close(got, want, FP32_TOL, f"n={num_tokens} token_rows={token_rows}")
+
+
+# seed, tokens, top_k, experts, norm_topk_prob, shared, real (None: all): ties in every
+# case, powers of two and not, the padding rule, both weight rules
+ROUTE_CASES = [
+    (31, 1, 2, 8, True, False, None),
+    (32, 2, 10, 64, True, True, (1, 0)),
+    (33, 3, 2, 8, False, True, (1, 1, 0)),
+    (34, 8, 4, 16, True, False, (1, 1, 1, 0, 1, 1, 1, 0)),
+    (35, 5, 3, 12, False, False, None),
+]
+
+
+def picks(tiles: me.ExpertTiles, num_tokens: int, block_rows: int) -> list[dict[int, float]]:
+    """Each token's {expert: weight} as the kernels read it from the tiles: a pair's row
+    names its tile, whose expert the tile names, and carries the weight."""
+    tile_expert, row_weight = np.asarray(tiles.tile_expert), np.asarray(tiles.row_weight)
+    out = []
+    for n, rows in enumerate(np.asarray(tiles.pair_row)):
+        kept = [r for r in rows if r < tile_expert.size * block_rows]
+        assert all(r % block_rows == n for r in kept), rows  # token n's row of its tile
+        out.append({int(tile_expert[r // block_rows]): float(row_weight[r]) for r in kept})
+    return out
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: f"route{c[0]}-n{c[1]}-e{c[3]}")
+def test_route_tokens_picks_the_routers_experts_pallas(case):
+    """``route_tokens`` gives each token the experts and weights of ``layers.moe.route``
+    (top-k, lower id first among equal logits; both weight rules), padding tokens token 0's
+    experts with their own weights, the shared expert last; one tile per expert, every
+    other row weighing 0; and the kernel with it sums as with the router's own picks."""
+    seed, num_tokens, top_k, num_experts, norm, with_shared, real = case
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
+    logits[:, 1] = logits[:, 4]  # a tie
+    logits[0, 5] = logits[0, 4]
+    logits = jnp.asarray(logits)
+    real = None if real is None else jnp.asarray(real, bool)
+    shared_weight = jnp.asarray(rng.random(num_tokens), jnp.float32) if with_shared else None
+    block_rows = 16
+    routing = me.TokenRouting(logits, top_k, norm, real)
+    tiles = me.route_tokens(routing, shared_weight, block_rows, interpret=True)
+    spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
+    weights, ids = moe.route({}, spec, None, logits)
+    ids = moe.padding_follows_token_zero(ids, real)
+    got = picks(tiles, num_tokens, block_rows)
+    for n in range(num_tokens):
+        want = {int(e): float(w) for e, w in zip(np.asarray(ids[n]), np.asarray(weights[n]))}
+        if with_shared:
+            want[num_experts] = float(shared_weight[n])
+        assert got[n].keys() == want.keys(), (n, got[n], want)
+        np.testing.assert_allclose([got[n][e] for e in want], list(want.values()), rtol=1e-6)
+    tile_expert = np.asarray(tiles.tile_expert)
+    used = tile_expert[tile_expert != me.UNUSED_TILE]
+    assert len(used) == len(set(used.tolist()))  # one tile per expert
+    rows = np.asarray(tiles.pair_row)
+    rows = rows[rows < tile_expert.size * block_rows]
+    others = np.setdiff1d(np.arange(tile_expert.size * block_rows), rows)
+    assert (np.asarray(tiles.row_weight)[others] == 0.0).all()
+    # the kernel routed by the logits sums as with the router's picks
+    up, down, gate = expert_stacks(rng, num_experts, jnp.float32, True)
+    x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32)
+    extra = {}
+    if with_shared:
+        s_up, s_down, s_gate = expert_stacks(rng, 1, jnp.float32, True)
+        extra["shared"] = me.SharedExpert(s_up[0], s_down[0], s_gate[0], shared_weight)
+    tile_args = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **extra, **tile_args)
+    extra["routing"] = routing
+    got = me.moe_experts_pallas(x, None, None, up, down, gate, **extra, **tile_args)
+    assert_close(got, want, FP32_TOL, "routed by logits")
+
+
+def test_route_tokens_checks_its_inputs_pallas():
+    x = jnp.zeros((2, WIDTH))
+    up, down, gate = expert_stacks(np.random.default_rng(36), 8, jnp.float32, True)
+    wrong = me.TokenRouting(jnp.zeros((2, 7)), 2, True)
+    with pytest.raises(ValueError, match="routing logits"):
+        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
+    with pytest.raises(ValueError, match="top_k"):
+        me.route_tokens(me.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=True)
+    with pytest.raises(ValueError, match="at most block_rows"):
+        me.route_tokens(me.TokenRouting(jnp.zeros((9, 8)), 2, True), None, 8, interpret=True)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.kernels.backend import MoEExpertsFn
-from lazyspec.kernels.moe_experts import TOKEN_ROWS_MAX_TOKENS, SharedExpert
+from lazyspec.kernels.moe_experts import TOKEN_ROWS_MAX_TOKENS, SharedExpert, TokenRouting
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -128,14 +128,23 @@ def moe_plan(prefix: str, spec: MoESpec) -> Params:
     }
 
 
-def route(params: Params, spec: MoESpec, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Softmax router then top-k: (weights ``[N, k]`` float32, expert ids ``[N, k]``).
+def router_logits(params: Params, x: jax.Array) -> jax.Array:
+    """The router's float32 logits ``[N, E]`` of x ``[N, hidden]``."""
+    return jnp.matmul(x.astype(jnp.float32), params["gate"].astype(jnp.float32))
+
+
+def route(
+    params: Params, spec: MoESpec, x: jax.Array, logits: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Softmax router then top-k: (weights ``[N, k]`` float32, expert ids ``[N, k]``), from
+    ``logits`` where given (``router_logits``).
 
     With ``norm_topk_prob`` the weights are the top-k probabilities over their sum, which is
     the softmax of the top-k logits (the full softmax's normaliser cancels, and softmax keeps
     the order): computed so, the step skips the softmax over every expert (two kernels per
     layer on a GPU)."""
-    logits = jnp.matmul(x.astype(jnp.float32), params["gate"].astype(jnp.float32))
+    if logits is None:
+        logits = router_logits(params, x)
     if spec.norm_topk_prob:
         top_logits, expert_ids = jax.lax.top_k(logits, spec.top_k)
         return jax.nn.softmax(top_logits, axis=-1), expert_ids
@@ -191,8 +200,11 @@ def routed_experts(
     may run the experts instead of ``grouped_experts`` (it chooses by shape). ``real``
     ``[N]``: which tokens are not padding (``padding_follows_token_zero``). ``shared``: a
     shared expert ``moe_experts`` runs with the routed ones (``fuses_shared``), its
-    weighted output in the sum. Returns x's shape and dtype."""
-    weights, expert_ids = route(params, spec, x)
+    weighted output in the sum. A ``moe_experts`` that ``routes_tokens`` is handed the
+    router's logits too, to route a few tokens in its own kernel (``TokenRouting``); the
+    top-k below then runs only where it does not. Returns x's shape and dtype."""
+    logits = router_logits(params, x)
+    weights, expert_ids = route(params, spec, x, logits)
     expert_ids = padding_follows_token_zero(expert_ids, real)
     experts = params["experts"]
 
@@ -215,6 +227,8 @@ def routed_experts(
     else:
         stacks = (experts["up_proj"], experts["down_proj"], experts["gate_proj"])
         fused = {} if shared is None else {"shared": shared}
+        if getattr(moe_experts, "routes_tokens", False):
+            fused["routing"] = TokenRouting(logits, spec.top_k, spec.norm_topk_prob, real)
         out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form, **fused)
     return out.astype(x.dtype)
 
