@@ -32,6 +32,7 @@ from lazyspec.kernels.state_scatter import (
     state_scatter_xla,
 )
 from lazyspec.kernels.state_update import (
+    GdnConvTokens,
     GdnTokens,
     Mamba2Tokens,
     StateUpdateResult,
@@ -148,8 +149,8 @@ _XLA_UPDATES = {"gdn": gdn_state_update_xla, "mamba2": mamba2_state_update_xla}
 _PALLAS_UPDATES = {"gdn": gdn_state_update_pallas, "mamba2": mamba2_state_update_pallas}
 
 
-def _mixer(tokens: GdnTokens | Mamba2Tokens) -> str:
-    if isinstance(tokens, GdnTokens):
+def _mixer(tokens: GdnTokens | GdnConvTokens | Mamba2Tokens) -> str:
+    if isinstance(tokens, (GdnTokens, GdnConvTokens)):
         return "gdn"
     if isinstance(tokens, Mamba2Tokens):
         return "mamba2"
@@ -190,7 +191,10 @@ def _pallas_state_update(
     """The Triton-layout kernel of ``mixer``; tiles left as None take ``DEFAULT_STATE_TILES``."""
     tiles = DEFAULT_STATE_TILES[mixer]
     if block_value is None:
-        value_dim = tokens.v.shape[-1] if mixer == "gdn" else tokens.x.shape[-1]
+        if isinstance(tokens, GdnConvTokens):
+            value_dim = tokens.head_dim
+        else:
+            value_dim = tokens.v.shape[-1] if mixer == "gdn" else tokens.x.shape[-1]
         block_value = fitted_tile(value_dim, tiles["block_value"])
     if evict_last is None:
         evict_last = tiles["evict_last"]
@@ -230,6 +234,9 @@ def state_update(
     kernels of ``state_update_tpu`` with their own default tiles (the tile arguments, meant
     for the Triton layout, are ignored there)."""
     mixer = _mixer(tokens)
+    triton = resolve_backend(kernel_backend, platform) != "xla" and not _on(platform, "tpu")
+    if isinstance(tokens, GdnConvTokens) and not triton:
+        raise ValueError("GdnConvTokens run only in the Triton-layout Pallas kernel")
     if resolve_backend(kernel_backend, platform) == "xla":
         return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
     if _on(platform, "tpu"):
@@ -644,10 +651,14 @@ def kernels_for(
         attention, copy, conv = _pallas_paged_attention, _pallas_state_copy, _pallas_conv_update
     if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
         moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
+    gdn_update = functools.partial(update, "gdn")
+    # the GDN layers hand this kernel their conv output as it is (``GdnConvTokens``); the
+    # TPU layout and the per-shard form take ``GdnTokens``
+    gdn_update.takes_conv_tokens = platform != "tpu"
     return Kernels(
         "pallas",
         platform,
-        functools.partial(update, "gdn"),
+        gdn_update,
         functools.partial(update, "mamba2"),
         scatter,
         moe,

@@ -32,6 +32,7 @@ slot ids scalar-prefetched into the index maps, is ``state_update_tpu`` (the dis
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -55,6 +56,35 @@ class GdnTokens:
     v: jax.Array
     g: jax.Array
     beta: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["conv_out", "a", "b", "a_log", "dt_bias", "num_new"],
+    meta_fields=["num_k_heads"],
+)
+@dataclasses.dataclass(frozen=True)
+class GdnConvTokens:
+    """GDN inputs as a decode step has them after its conv, finished per head inside the
+    Pallas kernel (so the step runs no kernels of its own for them): ``conv_out [B, T,
+    (2 * Hk + Hv) * d]`` float32, the q and k of ``num_k_heads`` key heads then the v of Hv
+    value heads, every head d wide; ``a``, ``b [B, T, Hv]`` (the raw projections);
+    ``a_log``, ``dt_bias [Hv]``; ``num_new [B]``. They stand for the ``GdnTokens`` with q, k
+    L2-normed (``recurrence.l2_normalize``; q scaled by d ** -0.5), value head i reading key
+    head i // (Hv / Hk), g = -exp(a_log) * softplus(a + dt_bias) and beta = sigmoid(b),
+    both 0 from token ``num_new[b]`` on (``layers.gdn`` builds the same in jnp)."""
+
+    conv_out: jax.Array
+    a: jax.Array
+    b: jax.Array
+    a_log: jax.Array
+    dt_bias: jax.Array
+    num_new: jax.Array
+    num_k_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.conv_out.shape[-1] // (2 * self.num_k_heads + self.a.shape[-1])
 
 
 @jax.tree_util.register_dataclass
@@ -225,38 +255,56 @@ def _run_update(
 # ---------------------------------------------------------------- GDN
 
 
-def _gdn_kernel(
-    slot_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    g_ref,
-    beta_ref,
-    pool_ref,
-    out_ref,
-    state_ref,
-    *,
-    mode,
-    block_heads,
-    block_value,
-    evict_last,
-    layer,
-):
+def _f32(ref, *idx) -> jax.Array:
+    return ref[idx].astype(jnp.float32)
+
+
+def _conv_token_loader(refs, heads, block_heads):
+    """``GdnConvTokens``' per-token tiles, finished as ``GdnTokens`` holds them: refs are q,
+    k (the tile's one key head), v, a, b, a_log, dt_bias, num_new."""
+    q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, num_new_ref = refs
+    decay = -jnp.exp(_f32(a_log_ref, heads))
+    dt_bias = _f32(dt_bias_ref, heads)
+    num_new = num_new_ref[pl.program_id(0)]
+    width = q_ref.shape[-1]
+
+    def token(t):
+        q = recurrence.l2_normalize(_f32(q_ref, t)) * width**-0.5
+        k = recurrence.l2_normalize(_f32(k_ref, t))
+        live = t < num_new
+        g = jnp.where(live, decay * jax.nn.softplus(_f32(a_ref, t, heads) + dt_bias), 0.0)
+        beta = jnp.where(live, jax.nn.sigmoid(_f32(b_ref, t, heads)), 0.0)
+        repeat = (block_heads, width)
+        return jnp.broadcast_to(q, repeat), jnp.broadcast_to(k, repeat), _f32(v_ref, t), g, beta
+
+    return token
+
+
+def _gdn_kernel(slot_ref, *refs, mode, block_heads, block_value, evict_last, layer):
+    """refs: q, k, v, g, beta (``GdnTokens``) or ``_conv_token_loader``'s eight, then the
+    pool, the outputs and the state output."""
+    pool_ref, out_ref, state_ref = refs[-3:]
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     cols = pl.ds(pl.program_id(2) * block_value, block_value)
     tile = pool_index(layer, slot, heads, slice(None), cols)
     h = load_state(pool_ref, tile, evict_last).astype(jnp.float32)
-    f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
-    for t in range(q_ref.shape[0]):
-        h, out = gdn_tile_step(
-            h,
-            f32(q_ref, t),
-            f32(k_ref, t),
-            f32(v_ref, t),
-            f32(g_ref, t, heads),
-            f32(beta_ref, t, heads),
-        )
+    if len(refs) == 8:
+        q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
+
+        def token(t):
+            return (
+                _f32(q_ref, t),
+                _f32(k_ref, t),
+                _f32(v_ref, t),
+                _f32(g_ref, t, heads),
+                _f32(beta_ref, t, heads),
+            )
+
+    else:
+        token = _conv_token_loader(refs[:8], heads, block_heads)
+    for t in range(out_ref.shape[0]):
+        h, out = gdn_tile_step(h, *token(t))
         out_ref[t] = out.astype(out_ref.dtype)
         if mode == "verify":
             state_ref[t] = h.astype(state_ref.dtype)
@@ -267,10 +315,39 @@ def _gdn_kernel(
             state_ref[tile] = h.astype(state_ref.dtype)
 
 
+def _conv_token_specs(tokens: GdnConvTokens, block_heads: int, block_value: int):
+    """(in specs, arrays) of ``GdnConvTokens`` for the grid ``(row, head tile, value
+    tile)``: q and k blocks of the tile's key head and the v block straight out of the conv
+    output (viewed ``[B, T, heads, d]``, a reshape), the rest whole."""
+    batch, num_tokens, _ = tokens.conv_out.shape
+    num_k, num_v, width = tokens.num_k_heads, tokens.a.shape[-1], tokens.head_dim
+    per_key = num_v // num_k
+    if (2 * num_k + num_v) * width != tokens.conv_out.shape[-1] or num_v % num_k:
+        raise ValueError(
+            f"conv_out {tokens.conv_out.shape} must hold {num_k} q, {num_k} k and {num_v} v "
+            "heads of one width, the value heads a multiple of the key heads"
+        )
+    if per_key % block_heads or (2 * num_k) % block_heads:
+        raise ValueError(f"block_heads={block_heads} must divide {per_key} and {2 * num_k}")
+    heads = tokens.conv_out.reshape(batch, num_tokens, -1, width)
+    key = lambda first: pl.BlockSpec(  # noqa: E731
+        (None, num_tokens, 1, width),
+        lambda b, i, j: (b, 0, first + jax.lax.div(i * block_heads, per_key), 0),
+    )
+    first_v = 2 * num_k // block_heads
+    values = pl.BlockSpec(
+        (None, num_tokens, block_heads, block_value), lambda b, i, j: (b, 0, first_v + i, j)
+    )
+    per_head = pl.BlockSpec((None, num_tokens, num_v), lambda b, i, j: (b, 0, 0))
+    specs = [key(0), key(num_k), values, per_head, per_head, whole(), whole(), whole()]
+    arrays = (heads, heads, heads, tokens.a, tokens.b, tokens.a_log, tokens.dt_bias)
+    return specs, arrays + (tokens.num_new.astype(jnp.int32),)
+
+
 def gdn_state_update_pallas(
     pool: jax.Array,
     slot: jax.Array,
-    tokens: GdnTokens,
+    tokens: GdnTokens | GdnConvTokens,
     *,
     mode: str,
     block_heads: int = 1,
@@ -283,14 +360,26 @@ def gdn_state_update_pallas(
     """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
     through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s."""
     check_mode(mode)
-    batch, num_tokens, num_heads, key_dim = tokens.q.shape
-    value_dim = tokens.v.shape[-1]
+    if isinstance(tokens, GdnConvTokens):
+        batch, num_tokens, _ = tokens.conv_out.shape
+        num_heads, key_dim = tokens.a.shape[-1], tokens.head_dim
+        value_dim = key_dim
+    else:
+        batch, num_tokens, num_heads, key_dim = tokens.q.shape
+        value_dim = tokens.v.shape[-1]
     check_pool(pool, slot, (num_heads, key_dim, value_dim), layer)
     bh = check_tile("block_heads", num_heads, block_heads)
     bv = check_tile("block_value", value_dim, block_value)
-    keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
-    per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
+    if isinstance(tokens, GdnConvTokens):
+        token_specs, token_arrays = _conv_token_specs(tokens, bh, bv)
+        out_like = jax.ShapeDtypeStruct((batch, num_tokens, num_heads, value_dim), jnp.float32)
+    else:
+        keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
+        per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
+        token_specs = [keys, keys, values, per_head, per_head]
+        token_arrays = (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)
+        out_like = tokens.v
 
     def gdn_update(*refs):  # the kernel's name in profiles
         _gdn_kernel(
@@ -307,9 +396,9 @@ def gdn_state_update_pallas(
         mode,
         pool,
         (batch, num_heads // bh, value_dim // bv),
-        [whole(), keys, keys, values, per_head, per_head, whole()],
-        (slot, tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool),
-        tokens.v,
+        [whole(), *token_specs, whole()],
+        (slot, *token_arrays, pool),
+        out_like,
         values,
         (None, num_tokens, bh, key_dim, bv),
         lambda b, i, j: (b, 0, i, 0, j),

@@ -380,16 +380,24 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
         spec((batch, tokens, 128), jnp.float32),
         *(spec((128,), jnp.float32),) * 2,
     )
+    conv = su.GdnConvTokens(  # 16 key heads, 32 value heads, as the decode step has them
+        spec((batch, tokens, 64 * 128), jnp.float32),
+        *(spec((batch, tokens, 32), jnp.bfloat16),) * 2,
+        *(spec((32,), jnp.bfloat16),) * 2,
+        slot,
+        num_k_heads=16,
+    )
     for mode in su.MODES:
-        text = lower_for_cuda(
-            lambda p, s, t: su.gdn_state_update_pallas(
-                p, s, t, mode=mode, block_value=32, compiler_params=params
-            ),
-            spec((9, 32, 128, 128), jnp.float32),
-            slot,
-            gdn,
-        )
-        assert "triton" in text.lower()
+        for inputs in (gdn, conv):
+            text = lower_for_cuda(
+                lambda p, s, t: su.gdn_state_update_pallas(
+                    p, s, t, mode=mode, block_value=32, compiler_params=params
+                ),
+                spec((9, 32, 128, 128), jnp.float32),
+                slot,
+                inputs,
+            )
+            assert "triton" in text.lower()
         text = lower_for_cuda(
             lambda p, s, t: su.mamba2_state_update_pallas(
                 p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params
@@ -461,3 +469,56 @@ def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
             mamba,
         )
         assert "triton" in text.lower()
+
+
+# seed, batch, tokens, key heads, value heads, head width, block_heads
+CONV_TOKEN_CASES = [
+    (61, 2, 1, 2, 4, 8, 1),
+    (62, 3, 2, 2, 4, 16, 2),
+    (63, 2, 3, 1, 1, 8, 1),
+]
+
+
+@pytest.mark.parametrize("case", CONV_TOKEN_CASES, ids=lambda c: f"conv{c[0]}")
+def test_gdn_conv_tokens_match_the_layers_tokens_pallas(case):
+    """``GdnConvTokens`` (the conv output, raw gates) give the kernel's outputs and states
+    of the ``GdnTokens`` the GDN layer builds in jnp from the same arrays (q, k normed and
+    repeated over the value heads, the gates, identity steps past ``num_new``), in both
+    modes; and the layer hands them to a kernel that takes them."""
+    from lazyspec.models.layers import gdn
+    from lazyspec.models.layers.state_kernels import gdn_tokens
+
+    seed, batch, tokens, num_k, num_v, width, block_heads = case
+    rng = np.random.default_rng(seed)
+    spec = gdn.GDNSpec(4 * width, num_k, num_v, width, width, 4, 1e-6)
+    conv_out = jnp.asarray(normal(rng, batch, tokens, (2 * num_k + num_v) * width))
+    a, b = (jnp.asarray(normal(rng, batch, tokens, num_v), jnp.bfloat16) for _ in range(2))
+    params = {name: jnp.asarray(normal(rng, num_v), jnp.bfloat16) for name in ("A_log", "dt_bias")}
+    num_new = jnp.asarray(np.arange(batch) % (tokens + 1), jnp.int32)  # 0 new tokens too
+    want_tokens = gdn_tokens(*gdn._heads(spec, conv_out), *gdn._gates(params, a, b), num_new)
+    conv = su.GdnConvTokens(conv_out, a, b, params["A_log"], params["dt_bias"], num_new, num_k)
+    pool = jnp.asarray(normal(rng, batch + 2, num_v, width, width))
+    slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
+    for mode in su.MODES:
+        run = lambda t: su.gdn_state_update_pallas(  # noqa: E731
+            pool, slot, t, mode=mode, block_heads=block_heads, interpret=True
+        )
+        got, want = run(conv), run(want_tokens)
+        for name in ("outputs", "pool", "step_states"):
+            if getattr(want, name) is not None:
+                assert_close(getattr(got, name), getattr(want, name), 1e-6, f"{mode} {name}")
+    assert backend.kernels_for("pallas", "gpu").gdn_state_update.takes_conv_tokens
+    assert not backend.kernels_for("pallas", "tpu").gdn_state_update.takes_conv_tokens
+
+
+def test_gdn_conv_tokens_check_their_shapes_pallas():
+    pool, slot = jnp.zeros((3, 4, 8, 8)), jnp.asarray([1, 2], jnp.int32)
+    gates = (jnp.zeros((2, 1, 4)),) * 2 + (jnp.zeros(4),) * 2 + (jnp.ones(2, jnp.int32),)
+    uneven = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8 + 4)), *gates, num_k_heads=2)
+    with pytest.raises(ValueError, match="heads of one width"):
+        su.gdn_state_update_pallas(pool, slot, uneven, mode="decode", interpret=True)
+    tokens = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8)), *gates, num_k_heads=2)
+    with pytest.raises(ValueError, match="block_heads=4 must divide 2"):
+        su.gdn_state_update_pallas(pool, slot, tokens, mode="decode", block_heads=4, interpret=True)
+    with pytest.raises(ValueError, match="only in the Triton-layout"):
+        backend.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")

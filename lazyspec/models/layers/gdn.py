@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
+from lazyspec.kernels.state_update import GdnConvTokens
 from lazyspec.models.interface import PoolRows, gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
@@ -201,7 +202,12 @@ def _mix_steps_kernel(update, conv_update, params, spec, mixed, a, b, conv0, ssm
     else in jnp."""
     if isinstance(conv0, PoolRows):  # gdn_mixer hands PoolRows only when both write
         conv_out, conv_pool = conv_write(conv_update, conv0, mixed, params["conv1d"], None, num_new)
-        tokens = gdn_tokens(*_heads(spec, conv_out), *_gates(params, a, b), num_new)
+        if getattr(update, "takes_conv_tokens", False) and spec.head_k_dim == spec.head_v_dim:
+            # the kernel finishes the heads and gates itself (``GdnConvTokens``)
+            finish = (params["A_log"], params["dt_bias"], num_new, spec.num_k_heads)
+            tokens = GdnConvTokens(conv_out, a, b, *finish)
+        else:
+            tokens = gdn_tokens(*_heads(spec, conv_out), *_gates(params, a, b), num_new)
         outs, pool = kernel_write(update, ssm0, tokens)
         return outs, GDNStates(None, None, None, None, pool, conv_pool)
     valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
