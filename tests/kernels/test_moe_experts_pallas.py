@@ -14,6 +14,7 @@ from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.plan import init_plan
+from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
 from tests.kernels.kernel_checks import assert_close
 
 pytestmark = pytest.mark.pallas
@@ -494,24 +495,13 @@ ROUTE_CASES = [
 ]
 
 
-def picks(tiles: me.ExpertTiles, num_tokens: int, block_rows: int) -> list[dict[int, float]]:
-    """Each token's {expert: weight} as the kernels read it from the tiles: a pair's row
-    names its tile, whose expert the tile names, and carries the weight."""
-    tile_expert, row_weight = np.asarray(tiles.tile_expert), np.asarray(tiles.row_weight)
-    out = []
-    for n, rows in enumerate(np.asarray(tiles.pair_row)):
-        kept = [r for r in rows if r < tile_expert.size * block_rows]
-        assert all(r % block_rows == n for r in kept), rows  # token n's row of its tile
-        out.append({int(tile_expert[r // block_rows]): float(row_weight[r]) for r in kept})
-    return out
-
-
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: f"route{c[0]}-n{c[1]}-e{c[3]}")
 def test_route_tokens_picks_the_routers_experts_pallas(case):
     """``route_tokens`` gives each token the experts and weights of ``layers.moe.route``
     (top-k, lower id first among equal logits; both weight rules), padding tokens token 0's
-    experts with their own weights, the shared expert last; one tile per expert, every
-    other row weighing 0; and the kernel with it sums as with the router's own picks."""
+    experts with their own weights, the shared expert last; one tile per expert
+    (``expert_picks`` refuses two), every other row weighing 0; and the kernel with it sums
+    as with the router's own picks."""
     seed, num_tokens, top_k, num_experts, norm, with_shared, real = case
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
@@ -526,16 +516,12 @@ def test_route_tokens_picks_the_routers_experts_pallas(case):
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
     weights, ids = moe.route({}, spec, None, logits)
     ids = moe.padding_follows_token_zero(ids, real)
-    got = picks(tiles, num_tokens, block_rows)
-    for n in range(num_tokens):
-        want = {int(e): float(w) for e, w in zip(np.asarray(ids[n]), np.asarray(weights[n]))}
-        if with_shared:
-            want[num_experts] = float(shared_weight[n])
-        assert got[n].keys() == want.keys(), (n, got[n], want)
-        np.testing.assert_allclose([got[n][e] for e in want], list(want.values()), rtol=1e-6)
+    shared = None if shared_weight is None else (num_experts, shared_weight)
+    got = expert_picks(tiles, block_rows)
+    assert len(got) == num_tokens
+    differ = picks_differ(got, router_picks(weights, ids, shared), 1e-6)
+    assert not differ, differ
     tile_expert = np.asarray(tiles.tile_expert)
-    used = tile_expert[tile_expert != me.UNUSED_TILE]
-    assert len(used) == len(set(used.tolist()))  # one tile per expert
     rows = np.asarray(tiles.pair_row)
     rows = rows[rows < tile_expert.size * block_rows]
     others = np.setdiff1d(np.arange(tile_expert.size * block_rows), rows)

@@ -1,0 +1,173 @@
+"""Check the decode step's fused kernels on this machine's backend against their references.
+
+Three checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
+CPU, where the kernels run in interpret mode):
+
+* ``route_tokens``, the routed-experts kernel's routing program (``TokenRouting``): each
+  token's experts and weights as the kernels read them (``testing.routing.expert_picks``)
+  equal ``layers.moe.route``'s with the padding rule and the shared expert (weights within
+  ``1e-5`` relative);
+* ``sparse_moe`` through the backend's ``moe_experts`` (routing in the kernel, the shared
+  expert in its launches) against its XLA form, bf16 weights: max |diff| over max
+  |reference| of the real tokens' outputs, within ``2**-5`` (the XLA form rounds more
+  intermediates to bf16);
+* the GDN state update with ``GdnConvTokens`` (q, k and the gates finished in the kernel)
+  against the same kernel with the ``GdnTokens`` the GDN layer builds in jnp, in both modes:
+  max |diff| of outputs and states, within ``1e-4``.
+
+Exit status 1 if any check fails.
+
+    python scripts/check_kernels.py --out check.md     # on a GPU
+    python scripts/check_kernels.py --smoke            # CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyspec.kernels import backend
+from lazyspec.kernels import moe_experts as me
+from lazyspec.kernels import state_update as su
+from lazyspec.models.layers import gdn, moe
+from lazyspec.models.layers.state_kernels import gdn_tokens
+from lazyspec.models.plan import init_plan
+from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
+
+MOE_TOL = 2.0**-5
+GDN_TOL = 1e-4
+# (hidden, experts per MoE check, top-k, expert width, GDN key heads, value heads, head width)
+WIDTHS = {
+    "qwen3-next": (2048, (64, 256, 512), 10, 512, 16, 32, 128),
+    "smoke": (32, (8, 12), 3, 16, 2, 4, 8),
+}
+
+
+def launch_options() -> dict:
+    """Interpret mode on a CPU, else the default backend's compiled launch."""
+    if jax.default_backend() == "cpu":
+        return {"interpret": True, "compiler_params": None}
+    return {"interpret": False, "compiler_params": backend.pallas_compiler_params()}
+
+
+def check_routing(rng, token_counts, expert_counts, top_k) -> list[tuple[str, str, str]]:
+    route = jax.jit(lambda r, w: me.route_tokens(r, w, 16, **launch_options()))
+    rows = []
+    for num_experts in expert_counts:
+        for num_tokens in token_counts:
+            logits = jnp.asarray(rng.standard_normal((num_tokens, num_experts)), jnp.float32)
+            real = jnp.asarray(np.arange(num_tokens) % 3 != 2)  # every third token padding
+            shared_weight = jnp.asarray(rng.random(num_tokens), jnp.float32)
+            tiles = route(me.TokenRouting(logits, top_k, True, real), shared_weight)
+            spec = moe.MoESpec(1, num_experts, top_k, 1, 1, norm_topk_prob=True)
+            weights, ids = moe.route({}, spec, None, logits)
+            want = router_picks(
+                weights, moe.padding_follows_token_zero(ids, real), (num_experts, shared_weight)
+            )
+            differ = picks_differ(expert_picks(tiles, 16), want, 1e-5)
+            shape = f"{num_tokens} tokens, {num_experts} experts, top-{top_k}"
+            rows.append(("route_tokens", shape, differ or "ok"))
+    return rows
+
+
+def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
+    hidden, expert_counts, top_k, inner = widths[:4]
+    kernel = backend.kernels_for("pallas").moe_experts
+    rows = []
+    for num_experts in expert_counts:
+        spec = moe.MoESpec(hidden, num_experts, top_k, inner, inner, norm_topk_prob=True)
+        params = init_plan(moe.moe_plan("mlp", spec), jax.random.key(0), jnp.bfloat16, 0.02)
+        for num_tokens in token_counts:
+            x = jnp.asarray(rng.standard_normal((num_tokens, 1, hidden)), jnp.bfloat16)
+            real = jnp.asarray(np.arange(num_tokens) != 1)
+            layer = jax.jit(moe.sparse_moe, static_argnums=(1, 3))
+            with jax.default_matmul_precision("highest"):
+                got = layer(params, spec, x, kernel, real)
+                want = layer(params, spec, x, None, real)
+            keep = np.asarray(real)
+            got, want = (np.asarray(a, np.float32)[keep] for a in (got, want))
+            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            verdict = "ok" if err <= MOE_TOL else "over the tolerance"
+            shape = f"{num_tokens} tokens, {num_experts} experts"
+            rows.append(("sparse_moe", shape, f"{verdict}: {err:.2e}"))
+    return rows
+
+
+def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
+    num_k, num_v, width = widths[4:]
+    spec = gdn.GDNSpec(widths[0], num_k, num_v, width, width, 4, 1e-6)
+    update = backend.kernels_for("pallas").gdn_state_update
+    tokens_of = jax.jit(
+        lambda c, a, b, p, n: gdn_tokens(*gdn._heads(spec, c), *gdn._gates(p, a, b), n)
+    )
+    rows = []
+    for batch, tokens in cases:
+        conv_out = jnp.asarray(
+            rng.standard_normal((batch, tokens, (2 * num_k + num_v) * width)), jnp.float32
+        )
+        a, b = (
+            jnp.asarray(rng.standard_normal((batch, tokens, num_v)), jnp.bfloat16) for _ in "ab"
+        )
+        params = {
+            n: jnp.asarray(rng.standard_normal(num_v), jnp.bfloat16) for n in ("A_log", "dt_bias")
+        }
+        num_new = jnp.asarray(np.arange(batch) % (tokens + 1), jnp.int32)  # 0 new tokens too
+        pool = jnp.asarray(
+            rng.standard_normal((3, batch + 1, num_v, width, width)) * 0.1, jnp.float32
+        )
+        slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
+        conv = su.GdnConvTokens(conv_out, a, b, params["A_log"], params["dt_bias"], num_new, num_k)
+        built = tokens_of(conv_out, a, b, params, num_new)
+        for mode in su.MODES:
+            run = jax.jit(lambda p, s, t, mode=mode: update(p, s, t, mode=mode, layer=1))
+            got, want = run(pool, slot, conv), run(pool, slot, built)
+            errs = [
+                float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
+                for n in ("outputs", "pool", "step_states")
+                if getattr(want, n) is not None
+            ]
+            verdict = "ok" if max(errs) <= GDN_TOL else "over the tolerance"
+            shape = f"{batch} rows, {tokens} tokens, {mode}"
+            rows.append(("gdn GdnConvTokens", shape, f"{verdict}: {max(errs):.2e}"))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
+    p.add_argument("--out", default=None, help="also write the table here")
+    args = p.parse_args(argv)
+    widths = WIDTHS["smoke" if args.smoke else "qwen3-next"]
+    rng = np.random.default_rng(0)
+    tokens = (1, 2, 3) if args.smoke else (1, 2, 3, 4, 8)
+    lines = [
+        f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}",
+        "",
+        "| check | shape | result |",
+        "|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    rows = []
+    for run in (
+        lambda: check_routing(rng, tokens, widths[1], widths[2]),
+        lambda: check_moe(rng, tokens[:2] if args.smoke else (1, 2, 4, 8), widths),
+        lambda: check_gdn(
+            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 1), (2, 4))
+        ),
+    ):
+        found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]
+        print("\n".join(found), flush=True)  # each check's rows as it ends
+        rows += found
+    text = "\n".join(lines + rows)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if all(row.split("|")[3].strip().startswith("ok") for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

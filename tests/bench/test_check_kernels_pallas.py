@@ -1,0 +1,31 @@
+"""The fused kernels' check (``scripts/check_kernels.py``) in its CPU smoke mode: every
+check runs and passes, and a check over its tolerance fails the script."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_kernels.py"
+
+
+def load(monkeypatch):
+    spec = importlib.util.spec_from_file_location("check_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "check_kernels", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
+    check = load(monkeypatch)
+    out = tmp_path / "check.md"
+    assert check.main(["--smoke", "--out", str(out)]) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[4:]]
+    names = {row[0].strip() for row in rows}
+    assert names == {"route_tokens", "sparse_moe", "gdn GdnConvTokens"}
+    assert all(row[2].strip().startswith("ok") for row in rows), rows
+    # a tolerance no bf16 MoE meets fails the run
+    monkeypatch.setattr(check, "MOE_TOL", 0.0)
+    assert check.main(["--smoke"]) == 1
