@@ -181,7 +181,7 @@ def group_tokens(
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["logits", "real"],
+    data_fields=["logits", "real", "shared_logit"],
     meta_fields=["top_k", "norm_topk_prob"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -191,15 +191,21 @@ class TokenRouting:
     the router's output over the E routed experts; ``top_k`` and ``norm_topk_prob`` as
     ``layers.moe.route`` (the top-k logits' softmax, else the softmax's top k); ``real``
     ``[N]`` bool or None: a padding token (false) takes token 0's experts and keeps its own
-    weights, as ``layers.moe.padding_follows_token_zero``."""
+    weights, as ``layers.moe.padding_follows_token_zero``. ``shared_logit [N]``: the shared
+    expert's gate before its sigmoid; given, the routing program weights the shared expert
+    by its sigmoid, so the caller's own sigmoid (``SharedExpert.weight``) is not computed
+    where the program runs."""
 
     logits: jax.Array
     top_k: int
     norm_topk_prob: bool
     real: jax.Array | None = None
+    shared_logit: jax.Array | None = None
 
 
-def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, block_rows):
+def _route_kernel(
+    *refs, top_k, norm_topk_prob, num_tokens, shared_expert, shared_sigmoid, block_rows
+):
     """One program: each token's top-k experts and weights from its logits, padding tokens
     following token 0, the shared expert appended, then ``group_tokens``' tables over tiles
     ``t = token * slots + slot`` (``route_tokens``). Top-k by k rounds of max, the lowest
@@ -237,7 +243,10 @@ def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, block
     pairs = top_k
     if shared_expert is not None:
         ids = jnp.where(slot == top_k, shared_expert, ids)
-        weights = jnp.where(slot == top_k, shared_ref[...].astype(jnp.float32)[:, None], weights)
+        shared_weight = shared_ref[...].astype(jnp.float32)
+        if shared_sigmoid:
+            shared_weight = jax.nn.sigmoid(shared_weight)
+        weights = jnp.where(slot == top_k, shared_weight[:, None], weights)
         pairs += 1
     valid = (slot < pairs) & (token < num_tokens)
     num_tiles = n * slots
@@ -274,7 +283,8 @@ def route_tokens(
     """``group_tokens``' grouping straight from ``routing``'s logits, in one Pallas program
     (where routing, top-k, the padding rule and the grouping take about six small kernels
     a layer on a GPU). ``shared_weight`` ``[N]``: the shared expert (id E) is each token's
-    last pair, with that weight. Tiles are ``t = token * slots + slot`` (slots: the pairs
+    last pair, with that weight, or with the sigmoid of ``routing.shared_logit`` where
+    that is given. Tiles are ``t = token * slots + slot`` (slots: the pairs
     per token rounded up to a power of two, as are tokens and experts for Triton): each
     expert's first pair names its tile, the others' tiles are unused; ``pair_row`` is
     ``[N, slots]``, a slot past the pairs pointing past the rows (combined as 0)."""
@@ -293,6 +303,9 @@ def route_tokens(
         jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf),
         jnp.pad(real.astype(jnp.int32), (0, n - num_tokens)),
     ]
+    shared_sigmoid = shared_weight is not None and routing.shared_logit is not None
+    if shared_sigmoid:
+        shared_weight = routing.shared_logit
     if shared_weight is not None:
         args.append(jnp.pad(shared_weight.astype(jnp.float32), (0, n - num_tokens)))
     kernel = functools.partial(
@@ -301,6 +314,7 @@ def route_tokens(
         norm_topk_prob=routing.norm_topk_prob,
         num_tokens=num_tokens,
         shared_expert=shared_expert,
+        shared_sigmoid=shared_sigmoid,
         block_rows=block_rows,
     )
     tile_expert, row_weight, pair_row = pl.pallas_call(
@@ -447,8 +461,10 @@ def check_routing(x: jax.Array, routing: TokenRouting, up, down, gate) -> None:
         raise ValueError(
             f"routing logits {routing.logits.shape} must be [{x.shape[0]}, {num_experts}]"
         )
-    if routing.real is not None and routing.real.shape != (x.shape[0],):
-        raise ValueError(f"routing real {routing.real.shape} must be [{x.shape[0]}]")
+    for name in ("real", "shared_logit"):
+        value = getattr(routing, name)
+        if value is not None and value.shape != (x.shape[0],):
+            raise ValueError(f"routing {name} {value.shape} must be [{x.shape[0]}]")
     ids = jax.ShapeDtypeStruct((x.shape[0], routing.top_k), jnp.int32)
     check_experts(x, ids, up, down, gate)
 

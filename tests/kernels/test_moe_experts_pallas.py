@@ -357,8 +357,9 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     assert text.lower().count("triton") >= 2
 
     def by_logits(x, logits, real, *rest):  # the experts picked in the kernel from the logits
-        picks = me.TokenRouting(logits, 10, True, real)
-        return run(x, None, None, *rest[:-1], shared=rest[-1], routing=picks)
+        shared = rest[-1]  # its gate's sigmoid taken in the program too
+        picks = me.TokenRouting(logits, 10, True, real, shared_logit=shared.weight)
+        return run(x, None, None, *rest[:-1], shared=shared, routing=picks)
 
     for num_tokens in (2, 3, 8):  # three: tokens padded to a power of two
         text = lower_for_cuda(
@@ -509,10 +510,16 @@ def test_route_tokens_picks_the_routers_experts_pallas(case):
     logits[0, 5] = logits[0, 4]
     logits = jnp.asarray(logits)
     real = None if real is None else jnp.asarray(real, bool)
-    shared_weight = jnp.asarray(rng.random(num_tokens), jnp.float32) if with_shared else None
+    shared_logit = jnp.asarray(rng.standard_normal(num_tokens), jnp.float32)
+    shared_weight = jax.nn.sigmoid(shared_logit) if with_shared else None
     block_rows = 16
     routing = me.TokenRouting(logits, top_k, norm, real)
     tiles = me.route_tokens(routing, shared_weight, block_rows, interpret=True)
+    if with_shared:  # the shared gate's sigmoid taken in the program: the same tables
+        by_logit = dataclasses.replace(routing, shared_logit=shared_logit)
+        also = me.route_tokens(by_logit, jnp.zeros(num_tokens), block_rows, interpret=True)
+        for got, want in zip(jax.tree.leaves(also), jax.tree.leaves(tiles)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
     weights, ids = moe.route({}, spec, None, logits)
     ids = moe.padding_follows_token_zero(ids, real)
@@ -545,6 +552,9 @@ def test_route_tokens_checks_its_inputs_pallas():
     up, down, gate = expert_stacks(np.random.default_rng(36), 8, jnp.float32, True)
     wrong = me.TokenRouting(jnp.zeros((2, 7)), 2, True)
     with pytest.raises(ValueError, match="routing logits"):
+        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
+    wrong = me.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_logit=jnp.zeros(3))
+    with pytest.raises(ValueError, match="routing shared_logit"):
         me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
     with pytest.raises(ValueError, match="top_k"):
         me.route_tokens(me.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=True)

@@ -194,6 +194,7 @@ def routed_experts(
     moe_experts: MoEExpertsFn | None = None,
     real: jax.Array | None = None,
     shared: SharedExpert | None = None,
+    shared_logit: jax.Array | None = None,
 ) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
     ``gate`` and ``experts`` as in the module docstring. ``moe_experts``: the kernel that
@@ -201,8 +202,10 @@ def routed_experts(
     ``[N]``: which tokens are not padding (``padding_follows_token_zero``). ``shared``: a
     shared expert ``moe_experts`` runs with the routed ones (``fuses_shared``), its
     weighted output in the sum. A ``moe_experts`` that ``routes_tokens`` is handed the
-    router's logits too, to route a few tokens in its own kernel (``TokenRouting``); the
-    top-k below then runs only where it does not. Returns x's shape and dtype."""
+    router's logits too, to route a few tokens in its own kernel (``TokenRouting``; with
+    ``shared_logit [N]``, the shared gate before the sigmoid that gave ``shared.weight``,
+    the kernel takes the sigmoid itself); the top-k below then runs only where it does not.
+    Returns x's shape and dtype."""
     logits = router_logits(params, x)
     weights, expert_ids = route(params, spec, x, logits)
     expert_ids = padding_follows_token_zero(expert_ids, real)
@@ -228,7 +231,9 @@ def routed_experts(
         stacks = (experts["up_proj"], experts["down_proj"], experts["gate_proj"])
         fused = {} if shared is None else {"shared": shared}
         if getattr(moe_experts, "routes_tokens", False):
-            fused["routing"] = TokenRouting(logits, spec.top_k, spec.norm_topk_prob, real)
+            fused["routing"] = TokenRouting(
+                logits, spec.top_k, spec.norm_topk_prob, real, shared_logit
+            )
         out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form, **fused)
     return out.astype(x.dtype)
 
@@ -283,10 +288,12 @@ def sparse_moe(
     flattened tokens) as in ``routed_experts``.
     """
     flat = x.reshape(-1, x.shape[-1])
-    shared_gate = jax.nn.sigmoid(linear(params["shared_expert_gate"], flat).astype(jnp.float32))
+    gate_logit = linear(params["shared_expert_gate"], flat).astype(jnp.float32)
+    shared_gate = jax.nn.sigmoid(gate_logit)
     fused = fused_shared_expert(params, moe_experts, shared_gate[:, 0])
     if fused is not None:  # one pair of launches for the routed and the shared experts
-        return routed_experts(params, spec, flat, moe_experts, real, fused).reshape(x.shape)
+        out = routed_experts(params, spec, flat, moe_experts, real, fused, gate_logit[:, 0])
+        return out.reshape(x.shape)
     routed = routed_experts(params, spec, flat, moe_experts, real)
     shared = swiglu_mlp(params["shared_expert"], flat)
     out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)
