@@ -213,18 +213,26 @@ def device_spans(trace_dir: str | Path, module_hint: str, calls: int) -> list[di
     The span is the device time of a step as it runs, gaps between kernels included; it is
     the one reading that holds with XLA's command buffers (CUDA graphs) on, where the
     launches that a breakdown by op would time apart are one graph. The events of
-    ``_timed_device_events``, in start order, are cut into ``calls`` runs of equal length:
-    every call of one program runs the same ops (ValueError when the count does not divide).
+    ``_timed_device_events``, in start order, are cut into calls where the first op of the
+    run starts again (every call starts with the same op, however many it runs after it: a
+    conditional's branch may differ between calls), or, where that op does not start
+    exactly ``calls`` times, into ``calls`` runs of equal length (ValueError when the count
+    does not divide).
     """
     events = sorted(
-        (start, start + dur, dur) for _, start, dur in _timed_device_events(trace_dir, module_hint)
+        (start, start + dur, dur, op)
+        for op, start, dur in _timed_device_events(trace_dir, module_hint)
     )
-    if calls <= 0 or not events or len(events) % calls:
+    if calls <= 0 or not events:
         raise ValueError(f"{len(events)} executed ops of {module_hint!r} are not {calls} calls")
-    per_call = len(events) // calls
+    starts = [i for i, event in enumerate(events) if event[3] == events[0][3]]
+    if len(starts) != calls:
+        if len(events) % calls:
+            raise ValueError(f"{len(events)} executed ops of {module_hint!r} are not {calls} calls")
+        starts = list(range(0, len(events), len(events) // calls))
     spans = []
-    for i in range(calls):
-        run = events[i * per_call : (i + 1) * per_call]
+    for first, end in zip(starts, starts[1:] + [len(events)]):
+        run = events[first:end]
         spans.append({"span": max(e[1] for e in run) - run[0][0], "busy": sum(e[2] for e in run)})
     return spans
 

@@ -154,3 +154,21 @@ def test_device_spans_cut_the_calls_and_keep_the_gaps(tmp_path):
     assert [s["busy"] for s in spans] == pytest.approx([23e-6, 25e-6])
     with pytest.raises(ValueError, match="are not 3 calls"):
         device_spans(tmp_path, "decode_step", 3)
+
+
+def test_device_spans_cut_calls_of_uneven_length_where_their_first_op_starts(tmp_path):
+    """A conditional runs other ops in some calls: the calls are cut where the run's first
+    op starts again, not into equal runs (7 ops in 3 calls would not divide)."""
+    events = [
+        _op(0, 5, op="copy"),  # call 1: 0-25, three ops
+        _op(6, 4),
+        _op(12, 13, op="select"),
+        _op(100, 5, op="copy"),  # call 2: 100-112, two ops (the branch not taken)
+        _op(106, 6),
+        _op(200, 5, op="copy"),  # call 3: 200-230, two ops
+        _op(210, 20, op="select"),
+    ]
+    _write_trace(tmp_path, events[::-1])
+    spans = device_spans(tmp_path, "decode_step", 3)
+    assert [s["span"] for s in spans] == pytest.approx([25e-6, 12e-6, 30e-6])
+    assert [s["busy"] for s in spans] == pytest.approx([22e-6, 11e-6, 25e-6])
