@@ -284,10 +284,10 @@ def route_tokens(
     (where routing, top-k, the padding rule and the grouping take about six small kernels
     a layer on a GPU). ``shared_weight`` ``[N]``: the shared expert (id E) is each token's
     last pair, with that weight, or with the sigmoid of ``routing.shared_logit`` where
-    that is given. Tiles are ``t = token * slots + slot`` (slots: the pairs
-    per token rounded up to a power of two, as are tokens and experts for Triton): each
-    expert's first pair names its tile, the others' tiles are unused; ``pair_row`` is
-    ``[N, slots]``, a slot past the pairs pointing past the rows (combined as 0)."""
+    that is given. Tiles are ``t = token * slots + slot`` (slots: the pairs per token
+    rounded up to a power of two, as are tokens and experts for Triton): each expert's
+    first pair names its tile, the others' tiles are unused; ``pair_row`` is ``[N,
+    slots]``, a slot past the pairs pointing past the rows (combined as 0)."""
     logits = routing.logits
     num_tokens, num_experts = logits.shape
     if num_tokens > block_rows:

@@ -11,6 +11,8 @@ slot 0 for real data). Real rows must name distinct slots in decode. Two modes:
   verify  the pool is only read; the state after every token goes to
           ``step_states [B, T, H, d_a, d_b]`` (row-indexed scratch for the commit).
 Outputs are ``[B, T, H, d_v]`` (GDN) or ``[B, T, H, P]`` (Mamba2) in the value dtype.
+The Pallas GDN update also takes ``GdnConvTokens`` (the decode step's conv output and raw
+gates, finished per head in the kernel; float32 outputs), which stand for ``GdnTokens``.
 With ``layer=l`` the pool is the stacked pool of all recurrent layers (``[L, num_slots + 1,
 H, d_a, d_b]``) and layer l's rows are read (and, in decode, written): the engine passes
 its pools as they are, so no per-layer slice or per-row gather is copied out first.
