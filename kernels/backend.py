@@ -87,6 +87,13 @@ DEFAULT_STATE_TILES = {
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
+# Tiles a program of the pool-to-pool copy takes (``state_copy_pallas``). The copy runs in
+# every in-place decode step and copies rows only at a boundary crossing; with one tile a
+# program it launched layers x rows x 516 programs at Qwen3-Next's widths, nearly all
+# returning at once: under 1 ns each on an H200 in the command-buffers-off profiles of
+# BENCHMARKS.md (the state_commit scope: 4.9 us a step at batch 1, 31 and 120 us at 16 and
+# 64). 16 tiles (64 KiB of state) a program launch a sixteenth as many; not yet measured.
+COPY_TILES_PER_PROGRAM = 16
 # the conv update's channel tile (``bench_kernels``' conv case runs it)
 DEFAULT_CONV_TILES = {"block_channels": 256}
 # Routed-expert tiles (``moe_experts``), measured on an H200 by the profiler's kernel times
@@ -432,6 +439,7 @@ def _pallas_state_copy(
         block_heads=block_heads,
         block_rows=block_rows,
         block_channels=block_channels,
+        tiles_per_program=COPY_TILES_PER_PROGRAM,
         **_pallas_options(interpret, compiler_params),
     )
 

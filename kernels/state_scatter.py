@@ -27,8 +27,9 @@ Untested on TPU (whole-array refs would be staged into VMEM; see ``state_update`
 place: for every layer l and row b with ``dst_slot[b] != 0``,
 ``pool[l, dst_slot[b]] = pool[l, src_slot[b]]`` (both pools); other rows write nothing.
 Caller contract: written rows name distinct destinations, none of them a source slot of any
-row. The Pallas form has the scatter's grid and tiles and reads the source rows from the
-pools it writes (aliased), so only the copied rows move.
+row. The Pallas form has the scatter's tiles and reads the source rows from the pools it
+writes (aliased), so only the copied rows move; a program copies ``tiles_per_program``
+consecutive tiles of its row, so a step that copies nothing launches fewer programs.
 """
 
 from __future__ import annotations
@@ -198,24 +199,32 @@ def _copy_kernel(
     block_rows,
     block_channels,
     num_state_tiles,
+    num_tiles,
+    tiles_per_program,
 ):
     # the in refs are the pools before the copy (aliased to the out refs): a source row is
     # never a destination, so reading them is reading what the copy leaves in place
-    layer, row, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, row, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     src, dst = src_ref[row], dst_ref[row]
+    row_tiles = ssm_ref.shape[3] // block_rows
 
-    @pl.when((dst != 0) & (tile < num_state_tiles))
-    def _copy_ssm():
-        row_tiles = ssm_ref.shape[3] // block_rows
-        heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
-        rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
-        ssm_ref[layer, dst, heads, rows, :] = ssm_in_ref[layer, src, heads, rows, :]
+    def copy_tile(tile):
+        @pl.when(tile < num_state_tiles)
+        def _copy_ssm():
+            heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
+            rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
+            ssm_ref[layer, dst, heads, rows, :] = ssm_in_ref[layer, src, heads, rows, :]
 
-    @pl.when((dst != 0) & (tile >= num_state_tiles))
-    def _copy_conv():
-        chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
-        for j in range(conv_ref.shape[-1]):
-            conv_ref[layer, dst, chans, j] = conv_in_ref[layer, src, chans, j]
+        @pl.when((tile >= num_state_tiles) & (tile < num_tiles))
+        def _copy_conv():
+            chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
+            for j in range(conv_ref.shape[-1]):
+                conv_ref[layer, dst, chans, j] = conv_in_ref[layer, src, chans, j]
+
+    @pl.when(dst != 0)
+    def _copy():
+        for i in range(tiles_per_program):
+            copy_tile(group * tiles_per_program + i)
 
 
 def _check_copy(
@@ -239,17 +248,26 @@ def state_copy_pallas(
     block_heads: int = 1,
     block_rows: int | None = None,
     block_channels: int | None = None,
+    tiles_per_program: int = 1,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas pool-to-pool copy (``state_copy`` in the module docstring). Returns the updated
-    (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
+    (ssm_pool, conv_pool), aliased to the inputs; donate them under jit.
+    ``tiles_per_program``: each program copies that many consecutive tiles of its row (the
+    grid's last axis shrinks as much): a step where no row copies still launches one
+    program per (layer, row, tile group), each returning at once, and those launches grow
+    with the batch."""
     _check_copy(ssm_pool, conv_pool, src_slot, dst_slot)
     bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
     br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
     bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
+    if tiles_per_program <= 0:
+        raise ValueError(f"tiles_per_program={tiles_per_program} must be positive")
     num_state_tiles = (ssm_pool.shape[2] // bh) * (ssm_pool.shape[3] // br)
-    grid = (ssm_pool.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
+    num_tiles = num_state_tiles + conv_pool.shape[2] // bc
+    groups = -(-num_tiles // tiles_per_program)
+    grid = (ssm_pool.shape[0], dst_slot.shape[0], groups)
 
     def state_copy(*refs):  # the kernel's name in profiles
         _copy_kernel(
@@ -258,6 +276,8 @@ def state_copy_pallas(
             block_rows=br,
             block_channels=bc,
             num_state_tiles=num_state_tiles,
+            num_tiles=num_tiles,
+            tiles_per_program=tiles_per_program,
         )
 
     return pl.pallas_call(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,12 +202,25 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
     assert 0 in untouched and len(written) >= 2
     originals = [np.asarray(p.astype(jnp.float32)) for p in pools]
 
-    def pallas(s, c, src, dst):
+    def pallas(s, c, src, dst, tiles_per_program=1):
         return ss.state_copy_pallas(
-            s, c, src, dst, block_heads=bh, block_rows=br, block_channels=bc, interpret=True
+            s,
+            c,
+            src,
+            dst,
+            block_heads=bh,
+            block_rows=br,
+            block_channels=bc,
+            tiles_per_program=tiles_per_program,
+            interpret=True,
         )
 
-    for name, fn in (("pallas", pallas), ("xla", ss.state_copy_xla)):
+    # tile groups of one tile, of four (the last one short) and of more than a row has
+    grouped = [
+        (f"pallas, {n} tiles a program", functools.partial(pallas, tiles_per_program=n))
+        for n in (1, 4, 64)
+    ]
+    for name, fn in (*grouped, ("xla", ss.state_copy_xla)):
         copies = [jnp.array(p, copy=True) for p in pools]
         got = jax.jit(fn, donate_argnums=(0, 1))(*copies, src, dst)
         for new, old, want in zip(got, originals, expected):
@@ -218,3 +233,28 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
             np.testing.assert_array_equal(np.asarray(new.astype(jnp.float32)), old)
     with pytest.raises(ValueError, match="src_slot"):
         ss.state_copy_xla(*pools, src[:2], dst)
+    with pytest.raises(ValueError, match="tiles_per_program=0"):
+        pallas(*pools, src, dst, tiles_per_program=0)
+
+
+def test_state_copy_lowers_to_triton_at_model_shapes_pallas():
+    """Qwen3-Next-sized pools (6 layers of 32 x 128 x 128 fp32 state, 8192 x 3 bf16 conv)
+    with the dispatch's tiles and tile groups lower through Pallas-Triton (IR built, not
+    compiled)."""
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((6, 9, 32, 128, 128), jnp.float32),
+        spec((6, 9, 8192, 3), jnp.bfloat16),
+        spec((4,), jnp.int32),
+        spec((4,), jnp.int32),
+    )
+    lowered = jax.jit(
+        lambda *a: ss.state_copy_pallas(
+            *a,
+            block_rows=backend.DEFAULT_SCATTER_TILES["block_rows"],
+            block_channels=backend.DEFAULT_SCATTER_TILES["block_channels"],
+            tiles_per_program=backend.COPY_TILES_PER_PROGRAM,
+            compiler_params=backend.pallas_compiler_params("gpu"),
+        )
+    ).trace(*args)
+    assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
