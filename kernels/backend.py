@@ -241,12 +241,12 @@ def state_update(
     kernels of ``state_update_tpu`` with their own default tiles (the tile arguments, meant
     for the Triton layout, are ignored there)."""
     mixer = _mixer(tokens)
-    triton = resolve_backend(kernel_backend, platform) != "xla" and not _on(platform, "tpu")
-    if isinstance(tokens, GdnConvTokens) and not triton:
+    xla, tpu = resolve_backend(kernel_backend, platform) == "xla", _on(platform, "tpu")
+    if isinstance(tokens, GdnConvTokens) and (xla or tpu):
         raise ValueError("GdnConvTokens run only in the Triton-layout Pallas kernel")
-    if resolve_backend(kernel_backend, platform) == "xla":
+    if xla:
         return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
-    if _on(platform, "tpu"):
+    if tpu:
         return _tpu_state_update(
             mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret
         )

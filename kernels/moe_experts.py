@@ -175,8 +175,15 @@ def group_tokens(
         & local[None, None, :]
     )
     row_weight = jnp.sum(jnp.where(hit, pair_weight[None, None, :], 0.0), axis=2).reshape(-1)
-    row_token = jnp.tile(jnp.where(row < num_tokens, row, 0), num_pairs)
+    row_token = _token_row_tokens(num_tokens, block_rows, num_pairs)
     return ExpertTiles(tile_expert, row_token, row_weight, pair_row.reshape(num_tokens, top_k))
+
+
+def _token_row_tokens(num_tokens: int, block_rows: int, num_tiles: int) -> jax.Array:
+    """``row_token`` of a grouping by token rows: row r of every tile is token r (0 past
+    the tokens)."""
+    row = jnp.arange(block_rows, dtype=jnp.int32)
+    return jnp.tile(jnp.where(row < num_tokens, row, 0), num_tiles)
 
 
 @functools.partial(
@@ -331,8 +338,7 @@ def route_tokens(
         interpret=interpret,
         compiler_params=compiler_params,
     )(*args)
-    row = jnp.arange(block_rows, dtype=jnp.int32)
-    row_token = jnp.tile(jnp.where(row < num_tokens, row, 0), n * slots)
+    row_token = _token_row_tokens(num_tokens, block_rows, n * slots)
     return ExpertTiles(
         tile_expert.reshape(-1), row_token, row_weight.reshape(-1), pair_row[:num_tokens]
     )
@@ -517,23 +523,23 @@ def moe_experts_pallas(
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
-    if routing is None or not token_rows:
-        check_experts(x, expert_ids, up, down, gate)
-    else:
+    by_logits = token_rows and routing is not None
+    if by_logits:
         check_routing(x, routing, up, down, gate)
+    else:
+        check_experts(x, expert_ids, up, down, gate)
     num_experts, width, inner = up.shape
     shared_expert = None
     if shared is not None:
         check_shared(shared, x.shape[0], up, down, gate)
         shared_expert = num_experts
-    if shared is not None and (routing is None or not token_rows):
-        every = jnp.full((x.shape[0], 1), shared_expert, jnp.int32)
-        expert_ids = jnp.concatenate([expert_ids.astype(jnp.int32), every], axis=1)
-        weights = jnp.concatenate(
-            [weights.astype(jnp.float32), shared.weight.astype(jnp.float32)[:, None]], axis=1
-        )
-    if shared is not None:
         num_experts += 1
+        if not by_logits:  # the shared expert as every token's last pair
+            every = jnp.full((x.shape[0], 1), shared_expert, jnp.int32)
+            expert_ids = jnp.concatenate([expert_ids.astype(jnp.int32), every], axis=1)
+            weights = jnp.concatenate(
+                [weights.astype(jnp.float32), shared.weight.astype(jnp.float32)[:, None]], axis=1
+            )
     out_width = down.shape[2]
     bi = check_tile("block_inner", inner, block_inner)
     bo = check_tile("block_out", out_width, block_out)
@@ -541,13 +547,12 @@ def moe_experts_pallas(
     bk_down = check_tile("block_k", inner, block_k)
     if block_rows <= 0:
         raise ValueError(f"block_rows={block_rows} must be positive")
-    if token_rows and routing is not None:
+    if by_logits:
         shared_weight = None if shared is None else shared.weight
         grouped = route_tokens(routing, shared_weight, block_rows, interpret, compiler_params)
-        staged = jnp.pad(x.astype(up.dtype), ((0, block_rows - num_tokens), (0, 0)))
-        x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (0, 0))
     elif token_rows:
         grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
+    if token_rows:
         staged = jnp.pad(x.astype(up.dtype), ((0, block_rows - num_tokens), (0, 0)))
         x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (0, 0))
     else:

@@ -223,13 +223,11 @@ def device_spans(trace_dir: str | Path, module_hint: str, calls: int) -> list[di
         (start, start + dur, dur, op)
         for op, start, dur in _timed_device_events(trace_dir, module_hint)
     )
-    if calls <= 0 or not events:
-        raise ValueError(f"{len(events)} executed ops of {module_hint!r} are not {calls} calls")
     starts = [i for i, event in enumerate(events) if event[3] == events[0][3]]
-    if len(starts) != calls:
-        if len(events) % calls:
-            raise ValueError(f"{len(events)} executed ops of {module_hint!r} are not {calls} calls")
+    if events and calls > 0 and len(starts) != calls and len(events) % calls == 0:
         starts = list(range(0, len(events), len(events) // calls))
+    if calls <= 0 or not events or len(starts) != calls:
+        raise ValueError(f"{len(events)} executed ops of {module_hint!r} are not {calls} calls")
     spans = []
     for first, end in zip(starts, starts[1:] + [len(events)]):
         run = events[first:end]
