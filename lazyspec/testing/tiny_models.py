@@ -137,6 +137,32 @@ def _logits_at(family, cfg, params, tokens, index):
     return family.compute_logits(params, cfg, hidden[:, index])
 
 
+# ``small_engine``'s settings: room for a few requests of a tiny model
+SMALL_ENGINE = dict(
+    mamba_track_interval=16,
+    mamba_chunk_size=16,
+    chunked_prefill_size=64,
+    max_running_requests=4,
+    max_total_tokens=4096,
+    context_length=256,
+    skip_warmup=True,
+)
+
+
+def small_engine(model, strategy: str = "extra_buffer", overlap: bool = True, **settings):
+    """An ``Engine`` of ``model`` with ``SMALL_ENGINE``'s settings, the checkpoint
+    ``strategy`` and the overlapped loop on or off; ``settings`` add to them or replace
+    them."""
+    from lazyspec.engine.engine import Engine  # the engine imports the models, not this
+
+    return Engine(
+        model=model,
+        mamba_scheduler_strategy=strategy,
+        disable_overlap_schedule=not overlap,
+        **{**SMALL_ENGINE, **settings},
+    )
+
+
 def serve_greedy_lengths(engine, prompt: list[int], lengths, check=None) -> list:
     """``prompt`` served once per length in ``lengths`` on ``engine``, all queued at once,
     greedy with EOS ignored for that many new tokens (``check`` as ``run_until_done``'s);

@@ -25,26 +25,19 @@ from lazyspec.scheduler.layout import plan_memory
 from lazyspec.server.launch import build_parser
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.state_oracle import TreeStateOracle
-from lazyspec.testing.tiny_models import reference_greedy, serve_greedy_lengths, tiny_model
+from lazyspec.testing.tiny_models import (
+    reference_greedy,
+    serve_greedy_lengths,
+    small_engine,
+    tiny_model,
+)
 
 INTERVAL = 16
 
 
 def _engine(model, steps: int, strategy: str = "extra_buffer", overlap: bool = True, **kw):
-    return Engine(
-        model=model,
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=INTERVAL,
-        mamba_chunk_size=16,
-        chunked_prefill_size=kw.pop("chunked_prefill_size", 64),
-        max_running_requests=4,
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=kw.pop("skip_warmup", True),
-        num_continuous_decode_steps=steps,
-        **kw,
-    )
+    kw.setdefault("mamba_track_interval", INTERVAL)
+    return small_engine(model, strategy, overlap, num_continuous_decode_steps=steps, **kw)
 
 
 @pytest.fixture(scope="module")

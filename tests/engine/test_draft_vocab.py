@@ -20,7 +20,7 @@ import pytest
 from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab, draft_argmax
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.sharding import sharding_plan
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
 from lazyspec.testing.xla_flags import for_host_devices
 from lazyspec.token_map import draft_token_ids
 
@@ -80,19 +80,13 @@ def case(tmp_path_factory):
 
 def _serve(model, prompts, lengths, overlap: bool, token_map: str | None):
     """Greedy outputs and every ``drafts`` row the steps returned (padding rows included)."""
-    engine = Engine(
-        model=model,
+    engine = small_engine(
+        model,
+        "auto",
+        overlap,
         speculative_algorithm="NEXTN",
         speculative_num_steps=3,
         speculative_token_map=token_map,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=4,
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=True,
     )
     drafts = []
     fetch = engine.runner.fetch

@@ -28,7 +28,12 @@ from lazyspec.scheduler.layout import plan_memory
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.state_oracle import TreeStateOracle
-from lazyspec.testing.tiny_models import reference_greedy, serve_greedy_lengths, tiny_model
+from lazyspec.testing.tiny_models import (
+    reference_greedy,
+    serve_greedy_lengths,
+    small_engine,
+    tiny_model,
+)
 from tests.engine.test_sampling import sampling_arrays
 
 SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
@@ -37,20 +42,7 @@ LIMIT = 2  # speculation off over more than two running requests
 
 
 def _engine(model, strategy: str = "extra_buffer", overlap: bool = True, **kw) -> Engine:
-    return Engine(
-        model=model,
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=kw.pop("chunked_prefill_size", 64),
-        max_running_requests=4,
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=kw.pop("skip_warmup", True),
-        **SPEC,
-        **kw,
-    )
+    return small_engine(model, strategy, overlap, **SPEC, **kw)
 
 
 def _greedy(num_new: int) -> dict:

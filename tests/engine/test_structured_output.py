@@ -20,7 +20,7 @@ from lazyspec.scheduler.grammar import GrammarBackend, mask_width
 from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
-from lazyspec.testing.tiny_models import _logits_at, tiny_model
+from lazyspec.testing.tiny_models import _logits_at, small_engine, tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -43,19 +43,7 @@ def model():
 
 
 def _engine(model, strategy: str, spec: bool) -> Engine:
-    return Engine(
-        model=model,
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=strategy == "no_buffer",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=4,
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=True,
-        **(SPEC if spec else {}),
-    )
+    return small_engine(model, strategy, strategy != "no_buffer", **(SPEC if spec else {}))
 
 
 def constrained_greedy(model, backend, prompt, kind, text, max_new) -> list[int]:
