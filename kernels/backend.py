@@ -21,7 +21,12 @@ from typing import Any, Literal
 
 import jax
 
-from lazyspec.kernels.conv_update import ConvUpdateResult, conv_update_pallas, conv_update_xla
+from lazyspec.kernels.conv_update import (
+    ChannelGroups,
+    ConvUpdateResult,
+    conv_update_pallas,
+    conv_update_xla,
+)
 from lazyspec.kernels.moe_experts import SharedExpert, TokenRouting, moe_experts_pallas
 from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
 from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
@@ -277,14 +282,19 @@ def _pallas_conv_update(
     num_new: jax.Array | None = None,
     layer: int | None = None,
     out_dtype: Any = None,
+    channel_groups: ChannelGroups | None = None,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> ConvUpdateResult:
     """The Triton-layout conv update; ``block_channels`` left as None takes
-    ``DEFAULT_CONV_TILES`` fitted to the channels."""
+    ``DEFAULT_CONV_TILES`` fitted to the channels (with ``channel_groups``, to its parts and
+    group stride)."""
     if block_channels is None:
-        block_channels = fitted_tile(x.shape[2], DEFAULT_CONV_TILES["block_channels"])
+        fit = x.shape[2]
+        if channel_groups is not None:
+            fit = math.gcd(*channel_groups.parts, channel_groups.check(x.shape[2]))
+        block_channels = fitted_tile(fit, DEFAULT_CONV_TILES["block_channels"])
     return conv_update_pallas(
         pool,
         slot,
@@ -296,9 +306,15 @@ def _pallas_conv_update(
         num_new=num_new,
         layer=layer,
         out_dtype=out_dtype,
+        channel_groups=channel_groups,
         block_channels=block_channels,
         **_pallas_options(interpret, compiler_params),
     )
+
+
+# the GDN layers hand this kernel Qwen3-Next's fused projection as it is (``ChannelGroups``);
+# the per-shard form takes the conv channels in order
+_pallas_conv_update.reads_channel_groups = True
 
 
 def conv_update(
@@ -313,15 +329,18 @@ def conv_update(
     num_new: jax.Array | None = None,
     layer: int | None = None,
     out_dtype: Any = None,
+    channel_groups: ChannelGroups | None = None,
     kernel_backend: str | None = None,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> ConvUpdateResult:
     """Causal conv update for T tokens per row on the chosen backend (XLA on TPU);
-    ``layer=l``: ``pool`` is the stacked pool of all layers."""
+    ``layer=l``: ``pool`` is the stacked pool of all layers; ``channel_groups``: x holds the
+    channels grouped so (``conv_update.ChannelGroups``)."""
     if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
         options = {"num_new": num_new, "layer": layer, "out_dtype": out_dtype}
+        options["channel_groups"] = channel_groups
         return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu, **options)
     return _pallas_conv_update(
         pool,
@@ -334,6 +353,7 @@ def conv_update(
         num_new=num_new,
         layer=layer,
         out_dtype=out_dtype,
+        channel_groups=channel_groups,
         block_channels=block_channels,
         interpret=interpret,
         compiler_params=compiler_params,

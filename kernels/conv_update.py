@@ -45,6 +45,52 @@ class ConvUpdateResult:
     step_windows: jax.Array | None
 
 
+@dataclasses.dataclass(frozen=True)
+class ChannelGroups:
+    """Conv channels read in place from an input grouped per head, as Qwen3-Next's
+    ``in_proj_qkvz`` gives them: x ``[B, T, groups * stride]`` holds, for each group g,
+    ``parts[0]`` columns of the first part, then ``parts[1]`` of the second, ... (columns
+    past ``sum(parts)`` of a group are not conv channels); the conv channels are part 0 of
+    every group, then part 1 of every group, and so on (``C = groups * sum(parts)``)."""
+
+    groups: int
+    parts: tuple[int, ...]
+
+    @property
+    def channels(self) -> int:
+        return self.groups * sum(self.parts)
+
+    def check(self, width: int) -> int:
+        """The group stride of an input ``width`` wide; ValueError unless it fits."""
+        stride = width // self.groups
+        if stride * self.groups != width or stride < sum(self.parts):
+            raise ValueError(
+                f"an input {width} wide does not hold {self.groups} groups of parts {self.parts}"
+            )
+        return stride
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """x's conv channels ``[..., C]`` in conv order (the XLA form: slices and a copy)."""
+        grouped = x.reshape(*x.shape[:-1], self.groups, self.check(x.shape[-1]))
+        starts = [sum(self.parts[:p]) for p in range(len(self.parts))]
+        pieces = [grouped[..., s : s + n] for s, n in zip(starts, self.parts)]
+        return jnp.concatenate([p.reshape(*x.shape[:-1], -1) for p in pieces], axis=-1)
+
+    def tile_index(self, tile: jax.Array, block: int, stride: int) -> jax.Array:
+        """The input's column tile (in ``block``-wide units) holding conv channel tile
+        ``tile``; ``block`` divides every part and the stride."""
+        column, region_start, part_start = jnp.int32(0), 0, 0
+        for size in self.parts:
+            per_group = size // block
+            within = tile - region_start
+            group = jax.lax.div(within, per_group)
+            here = group * (stride // block) + part_start // block + within - group * per_group
+            column = jnp.where(within >= 0, here, column)
+            region_start += self.groups * per_group
+            part_start += size
+        return column
+
+
 def conv_tile_step(
     columns: list[jax.Array],
     x: jax.Array,
@@ -79,10 +125,14 @@ def _check_inputs(
     bias: jax.Array | None,
     num_new: jax.Array | None = None,
     layer: int | None = None,
+    channel_groups: ChannelGroups | None = None,
 ) -> tuple[int, int]:
     """ValueError unless the shapes fit the contract; returns (C, K-1)."""
     lead = 0 if layer is None else 1
-    if pool.ndim != 3 + lead or x.ndim != 3 or x.shape[2] != pool.shape[1 + lead]:
+    x_channels = x.shape[-1] if channel_groups is None else channel_groups.channels
+    if channel_groups is not None:
+        channel_groups.check(x.shape[-1])
+    if pool.ndim != 3 + lead or x.ndim != 3 or x_channels != pool.shape[1 + lead]:
         want = "[S+1, C, K-1]" if layer is None else "[L, S+1, C, K-1]"
         raise ValueError(f"pool {pool.shape} and x {x.shape} must be {want} and [B, T, C]")
     if layer is not None and not 0 <= layer < pool.shape[0]:
@@ -153,14 +203,17 @@ def conv_update_pallas(
     num_new: jax.Array | None = None,
     layer: int | None = None,
     out_dtype: Any = None,
+    channel_groups: ChannelGroups | None = None,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> ConvUpdateResult:
     """Pallas conv update (module docstring has the contract). Decode mutates ``pool`` only
-    through the returned (aliased) array."""
+    through the returned (aliased) array. ``channel_groups``: x is grouped so
+    (``ChannelGroups``) and each channel tile is read where it sits (``block_channels``
+    must divide every part and the group stride); outputs and windows are in conv order."""
     check_mode(mode)
-    channels, width = _check_inputs(pool, slot, x, weight, bias, num_new, layer)
+    channels, width = _check_inputs(pool, slot, x, weight, bias, num_new, layer, channel_groups)
     batch, num_tokens, _ = x.shape
     bc = check_tile("block_channels", channels, block_channels)
     if bias is None:
@@ -168,6 +221,18 @@ def conv_update_pallas(
     if num_new is None:
         num_new = every_token_new(x)
     tokens = pl.BlockSpec((None, num_tokens, bc), lambda b, j: (b, 0, j))
+    x_spec = tokens
+    if channel_groups is not None:
+        stride = channel_groups.check(x.shape[-1])
+        if any(size % bc for size in (*channel_groups.parts, stride)):
+            raise ValueError(
+                f"block_channels={bc} must divide the parts {channel_groups.parts} and the "
+                f"group stride {stride}"
+            )
+        x_spec = pl.BlockSpec(
+            (None, num_tokens, bc),
+            lambda b, j: (b, 0, channel_groups.tile_index(j, bc, stride)),
+        )
     if mode == "decode":
         window_shape, window_spec = jax.ShapeDtypeStruct(pool.shape, pool.dtype), whole()
     else:
@@ -183,13 +248,16 @@ def conv_update_pallas(
         in_specs=[
             whole(),
             whole(),
-            tokens,
+            x_spec,
             pl.BlockSpec((bc, width + 1), lambda b, j: (j, 0)),
             pl.BlockSpec((bc,), lambda b, j: (j,)),
             whole(),
         ],
         out_specs=(tokens, window_spec),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, out_dtype or x.dtype), window_shape),
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, num_tokens, channels), out_dtype or x.dtype),
+            window_shape,
+        ),
         input_output_aliases={5: 1} if mode == "decode" else {},
         interpret=interpret,
         compiler_params=compiler_params,
@@ -211,10 +279,14 @@ def conv_update_xla(
     num_new: jax.Array | None = None,
     layer: int | None = None,
     out_dtype: Any = None,
+    channel_groups: ChannelGroups | None = None,
 ) -> ConvUpdateResult:
-    """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter."""
+    """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter
+    (``channel_groups``: the channels gathered into conv order first)."""
     check_mode(mode)
-    _check_inputs(pool, slot, x, weight, bias, num_new, layer)
+    _check_inputs(pool, slot, x, weight, bias, num_new, layer, channel_groups)
+    if channel_groups is not None:
+        x = channel_groups.gather(x)
     if num_new is None:
         num_new = every_token_new(x)
     valid = jnp.arange(x.shape[1])[None, :] < num_new[:, None]

@@ -63,7 +63,7 @@ class GdnTokens:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["conv_out", "a", "b", "a_log", "dt_bias", "num_new"],
-    meta_fields=["num_k_heads"],
+    meta_fields=["num_k_heads", "gates_per_key"],
 )
 @dataclasses.dataclass(frozen=True)
 class GdnConvTokens:
@@ -74,7 +74,10 @@ class GdnConvTokens:
     ``a_log``, ``dt_bias [Hv]``; ``num_new [B]``. They stand for the ``GdnTokens`` with q, k
     L2-normed (``recurrence.l2_normalize``; q scaled by d ** -0.5), value head i reading key
     head i // (Hv / Hk), g = -exp(a_log) * softplus(a + dt_bias) and beta = sigmoid(b),
-    both 0 from token ``num_new[b]`` on (``layers.gdn`` builds the same in jnp)."""
+    both 0 from token ``num_new[b]`` on (``layers.gdn`` builds the same in jnp).
+    ``gates_per_key`` (``grouped``): a and b are both the gate projection as Qwen3-Next's
+    ``in_proj_ba`` gives it, ``[B, T, 2 * Hv]`` grouped per key head (the b of its Hv / Hk
+    value heads, then their a), which the kernel reads in place (no slices)."""
 
     conv_out: jax.Array
     a: jax.Array
@@ -83,10 +86,27 @@ class GdnConvTokens:
     dt_bias: jax.Array
     num_new: jax.Array
     num_k_heads: int
+    gates_per_key: bool = False
+
+    @classmethod
+    def grouped(cls, conv_out, ba, a_log, dt_bias, num_new, num_k_heads) -> GdnConvTokens:
+        """The tokens with the gates as one projection grouped per key head (class doc)."""
+        return cls(conv_out, ba, ba, a_log, dt_bias, num_new, num_k_heads, gates_per_key=True)
+
+    @staticmethod
+    def group_gates(b: jax.Array, a: jax.Array, num_k_heads: int) -> jax.Array:
+        """The grouped projection ``[B, T, 2 * Hv]`` of gates b, a ``[B, T, Hv]`` (the
+        layout ``grouped`` reads)."""
+        per_key = lambda g: g.reshape(*g.shape[:-1], num_k_heads, -1)  # noqa: E731
+        return jnp.concatenate([per_key(b), per_key(a)], axis=-1).reshape(*b.shape[:-1], -1)
+
+    @property
+    def num_v_heads(self) -> int:
+        return self.a_log.shape[-1]
 
     @property
     def head_dim(self) -> int:
-        return self.conv_out.shape[-1] // (2 * self.num_k_heads + self.a.shape[-1])
+        return self.conv_out.shape[-1] // (2 * self.num_k_heads + self.num_v_heads)
 
 
 @jax.tree_util.register_dataclass
@@ -261,28 +281,36 @@ def _f32(ref, *idx) -> jax.Array:
     return ref[idx].astype(jnp.float32)
 
 
-def _conv_token_loader(refs, heads, block_heads):
+def _conv_token_loader(refs, heads, block_heads, per_key):
     """``GdnConvTokens``' per-token tiles, finished as ``GdnTokens`` holds them: refs are q,
-    k (the tile's one key head), v, a, b, a_log, dt_bias, num_new."""
+    k (the tile's one key head), v, a, b, a_log, dt_bias, num_new. ``per_key`` (value heads
+    per key head) given: a and b are the grouped projection (``GdnConvTokens.grouped``), the
+    tile's columns found in it (a tile's heads share one key head)."""
     q_ref, k_ref, v_ref, a_ref, b_ref, a_log_ref, dt_bias_ref, num_new_ref = refs
     decay = -jnp.exp(_f32(a_log_ref, heads))
     dt_bias = _f32(dt_bias_ref, heads)
     num_new = num_new_ref[pl.program_id(0)]
     width = q_ref.shape[-1]
+    a_cols = b_cols = heads
+    if per_key is not None:  # key head h // per_key holds [b of its heads, a of its heads]
+        first = pl.program_id(1) * block_heads
+        b_start = first + jax.lax.div(first, per_key) * per_key
+        b_cols = pl.ds(b_start, block_heads)
+        a_cols = pl.ds(b_start + per_key, block_heads)
 
     def token(t):
         q = recurrence.l2_normalize(_f32(q_ref, t)) * width**-0.5
         k = recurrence.l2_normalize(_f32(k_ref, t))
         live = t < num_new
-        g = jnp.where(live, decay * jax.nn.softplus(_f32(a_ref, t, heads) + dt_bias), 0.0)
-        beta = jnp.where(live, jax.nn.sigmoid(_f32(b_ref, t, heads)), 0.0)
+        g = jnp.where(live, decay * jax.nn.softplus(_f32(a_ref, t, a_cols) + dt_bias), 0.0)
+        beta = jnp.where(live, jax.nn.sigmoid(_f32(b_ref, t, b_cols)), 0.0)
         repeat = (block_heads, width)
         return jnp.broadcast_to(q, repeat), jnp.broadcast_to(k, repeat), _f32(v_ref, t), g, beta
 
     return token
 
 
-def _gdn_kernel(slot_ref, *refs, mode, block_heads, block_value, evict_last, layer):
+def _gdn_kernel(slot_ref, *refs, mode, block_heads, block_value, evict_last, layer, per_key):
     """refs: q, k, v, g, beta (``GdnTokens``) or ``_conv_token_loader``'s eight, then the
     pool, the outputs and the state output."""
     pool_ref, out_ref, state_ref = refs[-3:]
@@ -304,7 +332,7 @@ def _gdn_kernel(slot_ref, *refs, mode, block_heads, block_value, evict_last, lay
             )
 
     else:
-        token = _conv_token_loader(refs[:8], heads, block_heads)
+        token = _conv_token_loader(refs[:8], heads, block_heads, per_key)
     for t in range(out_ref.shape[0]):
         h, out = gdn_tile_step(h, *token(t))
         out_ref[t] = out.astype(out_ref.dtype)
@@ -322,13 +350,19 @@ def _conv_token_specs(tokens: GdnConvTokens, block_heads: int, block_value: int)
     tile)``: q and k blocks of the tile's key head and the v block straight out of the conv
     output (viewed ``[B, T, heads, d]``, a reshape), the rest whole."""
     batch, num_tokens, _ = tokens.conv_out.shape
-    num_k, num_v, width = tokens.num_k_heads, tokens.a.shape[-1], tokens.head_dim
+    num_k, num_v, width = tokens.num_k_heads, tokens.num_v_heads, tokens.head_dim
     per_key = num_v // num_k
     if (2 * num_k + num_v) * width != tokens.conv_out.shape[-1] or num_v % num_k:
         raise ValueError(
             f"conv_out {tokens.conv_out.shape} must hold {num_k} q, {num_k} k and {num_v} v "
             "heads of one width, the value heads a multiple of the key heads"
         )
+    gate_width = 2 * num_v if tokens.gates_per_key else num_v
+    for name in ("a", "b"):
+        if getattr(tokens, name).shape != (batch, num_tokens, gate_width):
+            raise ValueError(
+                f"{name} {getattr(tokens, name).shape} must be {(batch, num_tokens, gate_width)}"
+            )
     if per_key % block_heads or (2 * num_k) % block_heads:
         raise ValueError(f"block_heads={block_heads} must divide {per_key} and {2 * num_k}")
     heads = tokens.conv_out.reshape(batch, num_tokens, -1, width)
@@ -340,7 +374,7 @@ def _conv_token_specs(tokens: GdnConvTokens, block_heads: int, block_value: int)
     values = pl.BlockSpec(
         (None, num_tokens, block_heads, block_value), lambda b, i, j: (b, 0, first_v + i, j)
     )
-    per_head = pl.BlockSpec((None, num_tokens, num_v), lambda b, i, j: (b, 0, 0))
+    per_head = pl.BlockSpec((None, num_tokens, gate_width), lambda b, i, j: (b, 0, 0))
     specs = [key(0), key(num_k), values, per_head, per_head, whole(), whole(), whole()]
     arrays = (heads, heads, heads, tokens.a, tokens.b, tokens.a_log, tokens.dt_bias)
     return specs, arrays + (tokens.num_new.astype(jnp.int32),)
@@ -364,7 +398,7 @@ def gdn_state_update_pallas(
     check_mode(mode)
     if isinstance(tokens, GdnConvTokens):
         batch, num_tokens, _ = tokens.conv_out.shape
-        num_heads, key_dim = tokens.a.shape[-1], tokens.head_dim
+        num_heads, key_dim = tokens.num_v_heads, tokens.head_dim
         value_dim = key_dim
     else:
         batch, num_tokens, num_heads, key_dim = tokens.q.shape
@@ -373,8 +407,11 @@ def gdn_state_update_pallas(
     bh = check_tile("block_heads", num_heads, block_heads)
     bv = check_tile("block_value", value_dim, block_value)
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
+    per_key = None
     if isinstance(tokens, GdnConvTokens):
         token_specs, token_arrays = _conv_token_specs(tokens, bh, bv)
+        if tokens.gates_per_key:
+            per_key = num_heads // tokens.num_k_heads
         out_like = jax.ShapeDtypeStruct((batch, num_tokens, num_heads, value_dim), jnp.float32)
     else:
         keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
@@ -391,6 +428,7 @@ def gdn_state_update_pallas(
             block_value=bv,
             evict_last=evict_last and mode == "decode",
             layer=layer,
+            per_key=per_key,
         )
 
     return _run_update(

@@ -11,9 +11,10 @@ CPU, where the kernels run in interpret mode):
   expert in its launches) against its XLA form, bf16 weights: max |diff| over max
   |reference| of the real tokens' outputs, within ``2**-5`` (the XLA form rounds more
   intermediates to bf16);
-* the GDN state update with ``GdnConvTokens`` (q, k and the gates finished in the kernel)
-  against the same kernel with the ``GdnTokens`` the GDN layer builds in jnp, in both modes:
-  max |diff| of outputs and states, within ``1e-4``.
+* the GDN state update with ``GdnConvTokens`` (q, k and the gates finished in the kernel;
+  the gates as two arrays and grouped as Qwen3-Next's ``in_proj_ba`` gives them) against
+  the same kernel with the ``GdnTokens`` the GDN layer builds in jnp, in both modes: max
+  |diff| of outputs and states, within ``1e-4``.
 
 Exit status 1 if any check fails.
 
@@ -121,19 +122,27 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
             rng.standard_normal((3, batch + 1, num_v, width, width)) * 0.1, jnp.float32
         )
         slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
-        conv = su.GdnConvTokens(conv_out, a, b, params["A_log"], params["dt_bias"], num_new, num_k)
+        finish = (params["A_log"], params["dt_bias"], num_new, num_k)
+        ba = su.GdnConvTokens.group_gates(b, a, num_k)
+        forms = {  # the gates as two arrays, and as Qwen3-Next's in_proj_ba gives them
+            "gdn GdnConvTokens": su.GdnConvTokens(conv_out, a, b, *finish),
+            "gdn GdnConvTokens.grouped": su.GdnConvTokens.grouped(conv_out, ba, *finish),
+        }
         built = tokens_of(conv_out, a, b, params, num_new)
         for mode in su.MODES:
             run = jax.jit(lambda p, s, t, mode=mode: update(p, s, t, mode=mode, layer=1))
-            got, want = run(pool, slot, conv), run(pool, slot, built)
-            errs = [
-                float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
-                for n in ("outputs", "pool", "step_states")
-                if getattr(want, n) is not None
-            ]
-            verdict = "ok" if max(errs) <= GDN_TOL else "over the tolerance"
-            shape = f"{batch} rows, {tokens} tokens, {mode}"
-            rows.append(("gdn GdnConvTokens", shape, f"{verdict}: {max(errs):.2e}"))
+            want = run(pool, slot, built)
+            for name, conv in forms.items():
+                got = run(pool, slot, conv)
+                errs = [
+                    float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
+                    for n in ("outputs", "pool", "step_states")
+                    if getattr(want, n) is not None
+                ]
+                verdict = "ok" if max(errs) <= GDN_TOL else "over the tolerance"
+                rows.append(
+                    (name, f"{batch} rows, {tokens} tokens, {mode}", f"{verdict}: {max(errs):.2e}")
+                )
     return rows
 
 

@@ -387,8 +387,11 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
         slot,
         num_k_heads=16,
     )
+    grouped = su.GdnConvTokens.grouped(  # Qwen3-Next's in_proj_ba read in place
+        conv.conv_out, spec((batch, tokens, 64), jnp.bfloat16), conv.a_log, conv.dt_bias, slot, 16
+    )
     for mode in su.MODES:
-        for inputs in (gdn, conv):
+        for inputs in (gdn, conv, grouped):
             text = lower_for_cuda(
                 lambda p, s, t: su.gdn_state_update_pallas(
                     p, s, t, mode=mode, block_value=32, compiler_params=params
@@ -476,6 +479,7 @@ CONV_TOKEN_CASES = [
     (61, 2, 1, 2, 4, 8, 1),
     (62, 3, 2, 2, 4, 16, 2),
     (63, 2, 3, 1, 1, 8, 1),
+    (64, 2, 2, 2, 8, 8, 2),  # two tiles in each key head's group
 ]
 
 
@@ -496,17 +500,23 @@ def test_gdn_conv_tokens_match_the_layers_tokens_pallas(case):
     params = {name: jnp.asarray(normal(rng, num_v), jnp.bfloat16) for name in ("A_log", "dt_bias")}
     num_new = jnp.asarray(np.arange(batch) % (tokens + 1), jnp.int32)  # 0 new tokens too
     want_tokens = gdn_tokens(*gdn._heads(spec, conv_out), *gdn._gates(params, a, b), num_new)
-    conv = su.GdnConvTokens(conv_out, a, b, params["A_log"], params["dt_bias"], num_new, num_k)
+    finish = (params["A_log"], params["dt_bias"], num_new, num_k)
+    conv = su.GdnConvTokens(conv_out, a, b, *finish)
+    # Qwen3-Next's in_proj_ba: per key head, the b of its value heads then their a
+    ba = su.GdnConvTokens.group_gates(b, a, num_k)
+    grouped = su.GdnConvTokens.grouped(conv_out, ba, *finish)
     pool = jnp.asarray(normal(rng, batch + 2, num_v, width, width))
     slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
     for mode in su.MODES:
         run = lambda t: su.gdn_state_update_pallas(  # noqa: E731
             pool, slot, t, mode=mode, block_heads=block_heads, interpret=True
         )
-        got, want = run(conv), run(want_tokens)
-        for name in ("outputs", "pool", "step_states"):
-            if getattr(want, name) is not None:
-                assert_close(getattr(got, name), getattr(want, name), 1e-6, f"{mode} {name}")
+        want = run(want_tokens)
+        for form, got in (("split gates", run(conv)), ("grouped gates", run(grouped))):
+            for name in ("outputs", "pool", "step_states"):
+                if getattr(want, name) is not None:
+                    message = f"{form} {mode} {name}"
+                    assert_close(getattr(got, name), getattr(want, name), 1e-6, message)
     assert backend.kernels_for("pallas", "gpu").gdn_state_update.takes_conv_tokens
     assert not backend.kernels_for("pallas", "tpu").gdn_state_update.takes_conv_tokens
 
@@ -522,3 +532,6 @@ def test_gdn_conv_tokens_check_their_shapes_pallas():
         su.gdn_state_update_pallas(pool, slot, tokens, mode="decode", block_heads=4, interpret=True)
     with pytest.raises(ValueError, match="only in the Triton-layout"):
         backend.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")
+    split_width = su.GdnConvTokens.grouped(tokens.conv_out, *gates[1:], num_k_heads=2)
+    with pytest.raises(ValueError, match=r"a \(2, 1, 4\) must be \(2, 1, 8\)"):
+        su.gdn_state_update_pallas(pool, slot, split_width, mode="decode", interpret=True)

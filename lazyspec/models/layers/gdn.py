@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
+from lazyspec.kernels.conv_update import ChannelGroups
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.kernels.state_update import GdnConvTokens
@@ -132,8 +133,23 @@ def gdn_plan(prefix: str, spec: GDNSpec) -> Params:
     }
 
 
-def _project(params: Params, spec: GDNSpec, x: jax.Array):
-    """x ``[B, T, hidden]`` -> (conv input ``[B, T, conv_dim]``, z ``[B, T, Hv, d_v]``, b, a).
+class Projections(NamedTuple):
+    """A GDN layer's input projections: ``mixed`` the conv input ``[B, T, conv_dim]``, z
+    ``[B, T, Hv, d_v]``, b and a ``[B, T, Hv]``; with Qwen3-Next's fused projections also
+    those as they are, for kernels that read them so: ``qkvz`` (``ChannelGroups``) and
+    ``ba [B, T, 2 * Hv]`` (``GdnConvTokens.grouped``), else None. Unused arrays are not
+    computed (XLA drops them)."""
+
+    mixed: jax.Array
+    z: jax.Array
+    b: jax.Array
+    a: jax.Array
+    qkvz: jax.Array | None = None
+    ba: jax.Array | None = None
+
+
+def _project(params: Params, spec: GDNSpec, x: jax.Array) -> Projections:
+    """x ``[B, T, hidden]`` -> ``Projections``.
 
     Fused projections are grouped per key head: ``[q, k, v-group, z-group]`` and ``[b, a]``;
     split ones already give the conv input ``[q, k, v]`` and per-value-head z, b, a.
@@ -142,18 +158,28 @@ def _project(params: Params, spec: GDNSpec, x: jax.Array):
     if spec.split_projections:
         z = linear(params["in_proj_z"], x).reshape(*lead, spec.num_v_heads, spec.head_v_dim)
         b, a = linear(params["in_proj_b"], x), linear(params["in_proj_a"], x)
-        return linear(params["in_proj_qkv"], x), z, b, a
+        return Projections(linear(params["in_proj_qkv"], x), z, b, a)
     r, dk, dv = spec.heads_per_key, spec.head_k_dim, spec.head_v_dim
-    qkvz = linear(params["in_proj_qkvz"], x).reshape(*lead, spec.num_k_heads, 2 * dk + 2 * r * dv)
+    fused = linear(params["in_proj_qkvz"], x)
+    qkvz = fused.reshape(*lead, spec.num_k_heads, 2 * dk + 2 * r * dv)
     q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
     v, z = qkvz[..., 2 * dk : 2 * dk + r * dv], qkvz[..., 2 * dk + r * dv :]
-    ba = linear(params["in_proj_ba"], x).reshape(*lead, spec.num_k_heads, 2 * r)
-    b = ba[..., :r].reshape(*lead, spec.num_v_heads)
-    a = ba[..., r:].reshape(*lead, spec.num_v_heads)
+    ba = linear(params["in_proj_ba"], x)
+    grouped = ba.reshape(*lead, spec.num_k_heads, 2 * r)
+    b = grouped[..., :r].reshape(*lead, spec.num_v_heads)
+    a = grouped[..., r:].reshape(*lead, spec.num_v_heads)
     mixed = jnp.concatenate(
         [q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1
     )
-    return mixed, z.reshape(*lead, spec.num_v_heads, dv), b, a
+    return Projections(mixed, z.reshape(*lead, spec.num_v_heads, dv), b, a, fused, ba)
+
+
+def _conv_channels(spec: GDNSpec) -> ChannelGroups:
+    """Where the conv channels sit in Qwen3-Next's fused ``in_proj_qkvz``: per key head its
+    q, its k, then its value heads' v (z follows, not a conv channel)."""
+    return ChannelGroups(
+        spec.num_k_heads, (spec.head_k_dim, spec.head_k_dim, spec.heads_per_key * spec.head_v_dim)
+    )
 
 
 def _heads(spec: GDNSpec, conv_out: jax.Array):
@@ -196,16 +222,26 @@ def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
-def _mix_steps_kernel(update, conv_update, params, spec, mixed, a, b, conv0, ssm0, num_new):
+def _mix_steps_kernel(update, conv_update, params, spec, projected, conv0, ssm0, num_new):
     """T-step form with the state update in the kernel ``update``; the conv in the kernel
     ``conv_update`` when it writes the windows in place (``conv0`` writing ``PoolRows``),
-    else in jnp."""
+    else in jnp. ``projected``: ``_project``'s."""
+    mixed, _, b, a, qkvz, ba = projected
     if isinstance(conv0, PoolRows):  # gdn_mixer hands PoolRows only when both write
-        conv_out, conv_pool = conv_write(conv_update, conv0, mixed, params["conv1d"], None, num_new)
+        conv_in, groups = mixed, None
+        if qkvz is not None and getattr(conv_update, "reads_channel_groups", False):
+            conv_in, groups = qkvz, _conv_channels(spec)  # read in place: no concatenation
+        conv_out, conv_pool = conv_write(
+            conv_update, conv0, conv_in, params["conv1d"], None, num_new, groups
+        )
         if getattr(update, "takes_conv_tokens", False) and spec.head_k_dim == spec.head_v_dim:
-            # the kernel finishes the heads and gates itself (``GdnConvTokens``)
+            # the kernel finishes the heads and gates itself (``GdnConvTokens``), reading
+            # the fused gate projection as it is where there is one
             finish = (params["A_log"], params["dt_bias"], num_new, spec.num_k_heads)
-            tokens = GdnConvTokens(conv_out, a, b, *finish)
+            if ba is None:
+                tokens = GdnConvTokens(conv_out, a, b, *finish)
+            else:
+                tokens = GdnConvTokens.grouped(conv_out, ba, *finish)
         else:
             tokens = gdn_tokens(*_heads(spec, conv_out), *_gates(params, a, b), num_new)
         outs, pool = kernel_write(update, ssm0, tokens)
@@ -264,12 +300,13 @@ def gdn_mixer(
         ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
     if not writes_conv_in_place(conv0, ssm0, state_update, conv_update):
         conv0 = gathered(conv0)
-    mixed, z, b, a = _project(params, spec, x)
+    projected = _project(params, spec, x)
+    mixed, z, b, a = projected[:4]
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)
     elif use_kernel:
         outs, states = _mix_steps_kernel(
-            state_update, conv_update, params, spec, mixed, a, b, conv0, ssm0, num_new
+            state_update, conv_update, params, spec, projected, conv0, ssm0, num_new
         )
     else:
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
+from lazyspec.kernels.conv_update import ChannelGroups
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
 from lazyspec.models.interface import PoolRows, gathered
 
@@ -108,11 +109,14 @@ def conv_write(
     weight: jax.Array,
     bias: jax.Array | None,
     num_new: jax.Array,
+    channel_groups: ChannelGroups | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(conv outputs [B, T, C] in float32, as ``conv_scan`` gives them; the stacked conv pool
     with row b's window after its first ``num_new[b]`` tokens written at ``slot[b]``) through
     ``conv_update`` in decode mode; the outputs are stored in float32, not rounded to x's
-    dtype."""
+    dtype. ``channel_groups``: x holds the channels grouped so, for a ``conv_update`` that
+    ``reads_channel_groups``."""
+    options = {} if channel_groups is None else {"channel_groups": channel_groups}
     result = conv_update(
         conv0.pool,
         conv0.slot,
@@ -123,5 +127,6 @@ def conv_write(
         num_new=num_new,
         layer=conv0.layer,
         out_dtype=jnp.float32,
+        **options,
     )
     return result.outputs, result.pool
