@@ -14,7 +14,10 @@ CPU, where the kernels run in interpret mode):
 * the GDN state update with ``GdnConvTokens`` (q, k and the gates finished in the kernel;
   the gates as two arrays and grouped as Qwen3-Next's ``in_proj_ba`` gives them) against
   the same kernel with the ``GdnTokens`` the GDN layer builds in jnp, in both modes: max
-  |diff| of outputs and states, within ``1e-4``.
+  |diff| of outputs and states, within ``1e-4``;
+* the conv update reading its channels out of Qwen3-Next's ``in_proj_qkvz`` output
+  (``ChannelGroups``) against the same kernel on the channels gathered in conv order:
+  outputs and windows equal (the same arithmetic on the same values).
 
 Exit status 1 if any check fails.
 
@@ -146,6 +149,41 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
     return rows
 
 
+def check_grouped_conv(rng, widths, cases) -> list[tuple[str, str, str]]:
+    """The conv kernel reading its channels out of ``in_proj_qkvz``'s output
+    (``ChannelGroups``) against the same kernel on the channels gathered in conv order."""
+    num_k, num_v, width = widths[4:]
+    spec = gdn.GDNSpec(widths[0], num_k, num_v, width, width, 4, 1e-6)
+    layout = gdn._conv_channels(spec)
+    conv = backend.kernels_for("pallas").conv_update
+    rows = []
+    for batch, tokens in cases:
+        fused = jnp.asarray(
+            rng.standard_normal((batch, tokens, spec.conv_dim + spec.value_dim)), jnp.bfloat16
+        )
+        weight = jnp.asarray(rng.standard_normal((spec.conv_dim, 4)) * 0.5, jnp.bfloat16)
+        pool = jnp.asarray(rng.standard_normal((3, batch + 1, spec.conv_dim, 3)), jnp.bfloat16)
+        slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
+        for mode in ("decode", "verify"):
+            run = jax.jit(
+                lambda p, s, x, w, groups=None, mode=mode: conv(
+                    p, s, x, w, mode=mode, layer=1, channel_groups=groups, out_dtype=jnp.float32
+                ),
+                static_argnames="groups",
+            )
+            got = run(pool, slot, fused, weight, layout)
+            want = run(pool, slot, layout.gather(fused), weight)
+            errs = [
+                float(jnp.max(jnp.abs(getattr(got, n).astype(jnp.float32) - getattr(want, n))))
+                for n in ("outputs", "pool", "step_windows")
+                if getattr(want, n) is not None
+            ]
+            verdict = "ok" if max(errs) == 0.0 else "differs"
+            shape = f"{batch} rows, {tokens} tokens, {mode}"
+            rows.append(("conv ChannelGroups", shape, f"{verdict}: {max(errs):.2e}"))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
@@ -167,6 +205,9 @@ def main(argv=None) -> int:
         lambda: check_moe(rng, tokens[:2] if args.smoke else (1, 2, 4, 8), widths),
         lambda: check_gdn(
             rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 1), (2, 4))
+        ),
+        lambda: check_grouped_conv(
+            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4))
         ),
     ):
         found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]

@@ -24,7 +24,8 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
     assert check.main(["--smoke", "--out", str(out)]) == 0
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[4:]]
     names = {row[0].strip() for row in rows}
-    assert names == {"route_tokens", "sparse_moe", "gdn GdnConvTokens", "gdn GdnConvTokens.grouped"}
+    checks = ("route_tokens", "sparse_moe", "gdn GdnConvTokens", "gdn GdnConvTokens.grouped")
+    assert names == {*checks, "conv ChannelGroups"}
     assert all(row[2].strip().startswith("ok") for row in rows), rows
     # a tolerance no bf16 MoE meets fails the run
     monkeypatch.setattr(check, "MOE_TOL", 0.0)
