@@ -188,7 +188,7 @@ def _token_row_tokens(num_tokens: int, block_rows: int, num_tiles: int) -> jax.A
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["logits", "real", "shared_logit"],
+    data_fields=["logits", "real", "shared_gate"],
     meta_fields=["top_k", "norm_topk_prob"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -198,28 +198,29 @@ class TokenRouting:
     the router's output over the E routed experts; ``top_k`` and ``norm_topk_prob`` as
     ``layers.moe.route`` (the top-k logits' softmax, else the softmax's top k); ``real``
     ``[N]`` bool or None: a padding token (false) takes token 0's experts and keeps its own
-    weights, as ``layers.moe.padding_follows_token_zero``. ``shared_logit [N]``: the shared
-    expert's gate before its sigmoid; given, the routing program weights the shared expert
-    by its sigmoid, so the caller's own sigmoid (``SharedExpert.weight``) is not computed
-    where the program runs."""
+    weights, as ``layers.moe.padding_follows_token_zero``. ``shared_gate [d]``: the shared
+    expert's gate (Qwen3-Next's ``shared_expert_gate``, a linear d -> 1 without bias);
+    given, the routing program computes each token's gate logit from x, rounded to the
+    gate's dtype as ``layers.linear.linear`` returns it, and weights the shared expert by
+    its sigmoid, so the caller computes neither (``SharedExpert.weight`` is not used where
+    the program runs)."""
 
     logits: jax.Array
     top_k: int
     norm_topk_prob: bool
     real: jax.Array | None = None
-    shared_logit: jax.Array | None = None
+    shared_gate: jax.Array | None = None
 
 
-def _route_kernel(
-    *refs, top_k, norm_topk_prob, num_tokens, shared_expert, shared_sigmoid, block_rows
-):
+def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, shared_gate, block_rows):
     """One program: each token's top-k experts and weights from its logits, padding tokens
     following token 0, the shared expert appended, then ``group_tokens``' tables over tiles
     ``t = token * slots + slot`` (``route_tokens``). Top-k by k rounds of max, the lowest
     expert id first among equal scores (as ``lax.top_k``); the first pair of an expert and
-    each row's weight by comparing every pair with each token's pairs (a few tokens)."""
+    each row's weight by comparing every pair with each token's pairs (a few tokens).
+    ``refs``: logits, real, then with a shared expert its weights ``[n]`` or, with
+    ``shared_gate``, x ``[n, d]`` and the gate ``[d]``; then the outputs."""
     logits_ref, real_ref = refs[:2]
-    shared_ref = refs[2] if shared_expert is not None else None
     tile_ref, weight_ref, pair_ref = refs[-3:]
     scores = logits_ref[...].astype(jnp.float32)  # [n, E]
     n, num_experts = scores.shape
@@ -250,9 +251,13 @@ def _route_kernel(
     pairs = top_k
     if shared_expert is not None:
         ids = jnp.where(slot == top_k, shared_expert, ids)
-        shared_weight = shared_ref[...].astype(jnp.float32)
-        if shared_sigmoid:
-            shared_weight = jax.nn.sigmoid(shared_weight)
+        if shared_gate:  # the gate's logit rounded to its dtype, as ``linear`` returns it
+            x_ref, gate_ref = refs[2:4]
+            x, gate = x_ref[...].astype(jnp.float32), gate_ref[...].astype(jnp.float32)
+            logit = jnp.sum(x * gate[None, :], axis=1).astype(gate_ref.dtype)
+            shared_weight = jax.nn.sigmoid(logit.astype(jnp.float32))
+        else:
+            shared_weight = refs[2][...].astype(jnp.float32)
         weights = jnp.where(slot == top_k, shared_weight[:, None], weights)
         pairs += 1
     valid = (slot < pairs) & (token < num_tokens)
@@ -286,15 +291,17 @@ def route_tokens(
     block_rows: int,
     interpret: bool = False,
     compiler_params: Any = None,
+    x: jax.Array | None = None,
 ) -> ExpertTiles:
     """``group_tokens``' grouping straight from ``routing``'s logits, in one Pallas program
     (where routing, top-k, the padding rule and the grouping take about six small kernels
     a layer on a GPU). ``shared_weight`` ``[N]``: the shared expert (id E) is each token's
-    last pair, with that weight, or with the sigmoid of ``routing.shared_logit`` where
-    that is given. Tiles are ``t = token * slots + slot`` (slots: the pairs per token
-    rounded up to a power of two, as are tokens and experts for Triton): each expert's
-    first pair names its tile, the others' tiles are unused; ``pair_row`` is ``[N,
-    slots]``, a slot past the pairs pointing past the rows (combined as 0)."""
+    last pair, with that weight, or, where ``routing.shared_gate`` is given, with the
+    sigmoid of its logit computed in the program from the tokens ``x [N, d]``. Tiles are
+    ``t = token * slots + slot`` (slots: the pairs per token rounded up to a power of two,
+    as are tokens and experts for Triton): each expert's first pair names its tile, the
+    others' tiles are unused; ``pair_row`` is ``[N, slots]``, a slot past the pairs
+    pointing past the rows (combined as 0)."""
     logits = routing.logits
     num_tokens, num_experts = logits.shape
     if num_tokens > block_rows:
@@ -310,10 +317,19 @@ def route_tokens(
         jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf),
         jnp.pad(real.astype(jnp.int32), (0, n - num_tokens)),
     ]
-    shared_sigmoid = shared_weight is not None and routing.shared_logit is not None
-    if shared_sigmoid:
-        shared_weight = routing.shared_logit
-    if shared_weight is not None:
+    shared_gate = shared_weight is not None and routing.shared_gate is not None
+    if shared_gate:
+        if x is None or x.shape[0] != num_tokens or x.shape[1:] != routing.shared_gate.shape:
+            shape = None if x is None else x.shape
+            raise ValueError(
+                f"x {shape} must be [{num_tokens}, d] for the shared gate "
+                f"{routing.shared_gate.shape}"
+            )
+        width = _power_of_two(x.shape[1])  # zero columns add nothing to the logit
+        x = x.astype(routing.shared_gate.dtype)  # as ``linear`` casts its input
+        args.append(jnp.pad(x, ((0, n - num_tokens), (0, width - x.shape[1]))))
+        args.append(jnp.pad(routing.shared_gate, (0, width - x.shape[1])))
+    elif shared_weight is not None:
         args.append(jnp.pad(shared_weight.astype(jnp.float32), (0, n - num_tokens)))
     kernel = functools.partial(
         _route_kernel,
@@ -321,7 +337,7 @@ def route_tokens(
         norm_topk_prob=routing.norm_topk_prob,
         num_tokens=num_tokens,
         shared_expert=shared_expert,
-        shared_sigmoid=shared_sigmoid,
+        shared_gate=shared_gate,
         block_rows=block_rows,
     )
     tile_expert, row_weight, pair_row = pl.pallas_call(
@@ -467,10 +483,10 @@ def check_routing(x: jax.Array, routing: TokenRouting, up, down, gate) -> None:
         raise ValueError(
             f"routing logits {routing.logits.shape} must be [{x.shape[0]}, {num_experts}]"
         )
-    for name in ("real", "shared_logit"):
-        value = getattr(routing, name)
-        if value is not None and value.shape != (x.shape[0],):
-            raise ValueError(f"routing {name} {value.shape} must be [{x.shape[0]}]")
+    if routing.real is not None and routing.real.shape != (x.shape[0],):
+        raise ValueError(f"routing real {routing.real.shape} must be [{x.shape[0]}]")
+    if routing.shared_gate is not None and routing.shared_gate.shape != x.shape[1:]:
+        raise ValueError(f"routing shared_gate {routing.shared_gate.shape} must be {x.shape[1:]}")
     ids = jax.ShapeDtypeStruct((x.shape[0], routing.top_k), jnp.int32)
     check_experts(x, ids, up, down, gate)
 
@@ -549,7 +565,7 @@ def moe_experts_pallas(
         raise ValueError(f"block_rows={block_rows} must be positive")
     if by_logits:
         shared_weight = None if shared is None else shared.weight
-        grouped = route_tokens(routing, shared_weight, block_rows, interpret, compiler_params)
+        grouped = route_tokens(routing, shared_weight, block_rows, interpret, compiler_params, x)
     elif token_rows:
         grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
     if token_rows:

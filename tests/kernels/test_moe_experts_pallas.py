@@ -13,6 +13,7 @@ import pytest
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.models.layers import moe, relu2_moe
+from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
 from tests.kernels.kernel_checks import assert_close
@@ -356,9 +357,9 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     text = lower_for_cuda(lambda *a: run(*a[:-1], shared=a[-1]), *two_tokens, shared)
     assert text.lower().count("triton") >= 2
 
-    def by_logits(x, logits, real, *rest):  # the experts picked in the kernel from the logits
-        shared = rest[-1]  # its gate's sigmoid taken in the program too
-        picks = me.TokenRouting(logits, 10, True, real, shared_logit=shared.weight)
+    def by_logits(x, logits, real, gate, *rest):  # the experts picked in the kernel
+        shared = rest[-1]  # its gate's logit and sigmoid computed in the program too
+        picks = me.TokenRouting(logits, 10, True, real, shared_gate=gate)
         return run(x, None, None, *rest[:-1], shared=shared, routing=picks)
 
     for num_tokens in (2, 3, 8):  # three: tokens padded to a power of two
@@ -367,6 +368,7 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
             spec((num_tokens, 2048), jnp.bfloat16),
             spec((num_tokens, 512), jnp.float32),
             spec((num_tokens,), jnp.bool_),
+            spec((2048,), jnp.bfloat16),
             *two_tokens[3:],
             dataclasses.replace(shared, weight=spec((num_tokens,), jnp.float32)),
         )
@@ -510,14 +512,19 @@ def test_route_tokens_picks_the_routers_experts_pallas(case):
     logits[0, 5] = logits[0, 4]
     logits = jnp.asarray(logits)
     real = None if real is None else jnp.asarray(real, bool)
-    shared_logit = jnp.asarray(rng.standard_normal(num_tokens), jnp.float32)
-    shared_weight = jax.nn.sigmoid(shared_logit) if with_shared else None
+    # the shared gate as Qwen3-Next's layer computes it: a bf16 linear, then the sigmoid
+    gate_width = 24  # not a power of two: padded with zero columns for Triton
+    tokens = jnp.asarray(rng.standard_normal((num_tokens, gate_width)), jnp.bfloat16)
+    shared_gate = jnp.asarray(rng.standard_normal(gate_width) * 0.3, jnp.bfloat16)
+    gate_logit = linear({"weight": shared_gate[:, None]}, tokens)[:, 0].astype(jnp.float32)
+    shared_weight = jax.nn.sigmoid(gate_logit) if with_shared else None
     block_rows = 16
     routing = me.TokenRouting(logits, top_k, norm, real)
     tiles = me.route_tokens(routing, shared_weight, block_rows, interpret=True)
-    if with_shared:  # the shared gate's sigmoid taken in the program: the same tables
-        by_logit = dataclasses.replace(routing, shared_logit=shared_logit)
-        also = me.route_tokens(by_logit, jnp.zeros(num_tokens), block_rows, interpret=True)
+    if with_shared:  # the gate's logit and sigmoid computed in the program: the same tables
+        by_gate = dataclasses.replace(routing, shared_gate=shared_gate)
+        unused = jnp.zeros(num_tokens)
+        also = me.route_tokens(by_gate, unused, block_rows, interpret=True, x=tokens)
         for got, want in zip(jax.tree.leaves(also), jax.tree.leaves(tiles)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
@@ -553,9 +560,12 @@ def test_route_tokens_checks_its_inputs_pallas():
     wrong = me.TokenRouting(jnp.zeros((2, 7)), 2, True)
     with pytest.raises(ValueError, match="routing logits"):
         me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
-    wrong = me.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_logit=jnp.zeros(3))
-    with pytest.raises(ValueError, match="routing shared_logit"):
+    wrong = me.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH + 1))
+    with pytest.raises(ValueError, match="routing shared_gate"):
         me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
+    by_gate = me.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH))
+    with pytest.raises(ValueError, match="for the shared gate"):
+        me.route_tokens(by_gate, jnp.zeros(2), 16, interpret=True)  # no x
     with pytest.raises(ValueError, match="top_k"):
         me.route_tokens(me.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=True)
     with pytest.raises(ValueError, match="at most block_rows"):

@@ -194,7 +194,7 @@ def routed_experts(
     moe_experts: MoEExpertsFn | None = None,
     real: jax.Array | None = None,
     shared: SharedExpert | None = None,
-    shared_logit: jax.Array | None = None,
+    shared_gate: jax.Array | None = None,
 ) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
     ``gate`` and ``experts`` as in the module docstring. ``moe_experts``: the kernel that
@@ -203,8 +203,8 @@ def routed_experts(
     shared expert ``moe_experts`` runs with the routed ones (``fuses_shared``), its
     weighted output in the sum. A ``moe_experts`` that ``routes_tokens`` is handed the
     router's logits too, to route a few tokens in its own kernel (``TokenRouting``; with
-    ``shared_logit [N]``, the shared gate before the sigmoid that gave ``shared.weight``,
-    the kernel takes the sigmoid itself); the top-k below then runs only where it does not.
+    ``shared_gate [hidden]``, the gate whose sigmoid gave ``shared.weight``, the kernel
+    computes that weight itself); the top-k below then runs only where it does not.
     Returns x's shape and dtype."""
     logits = router_logits(params, x)
     weights, expert_ids = route(params, spec, x, logits)
@@ -232,7 +232,7 @@ def routed_experts(
         fused = {} if shared is None else {"shared": shared}
         if getattr(moe_experts, "routes_tokens", False):
             fused["routing"] = TokenRouting(
-                logits, spec.top_k, spec.norm_topk_prob, real, shared_logit
+                logits, spec.top_k, spec.norm_topk_prob, real, shared_gate
             )
         out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form, **fused)
     return out.astype(x.dtype)
@@ -288,11 +288,13 @@ def sparse_moe(
     flattened tokens) as in ``routed_experts``.
     """
     flat = x.reshape(-1, x.shape[-1])
-    gate_logit = linear(params["shared_expert_gate"], flat).astype(jnp.float32)
-    shared_gate = jax.nn.sigmoid(gate_logit)
+    gate = params["shared_expert_gate"]
+    shared_gate = jax.nn.sigmoid(linear(gate, flat).astype(jnp.float32))
     fused = fused_shared_expert(params, moe_experts, shared_gate[:, 0])
     if fused is not None:  # one pair of launches for the routed and the shared experts
-        out = routed_experts(params, spec, flat, moe_experts, real, fused, gate_logit[:, 0])
+        # a routing kernel computes the gate's weight itself from the gate (no bias)
+        in_kernel = None if "bias" in gate else gate["weight"][:, 0]
+        out = routed_experts(params, spec, flat, moe_experts, real, fused, in_kernel)
         return out.reshape(x.shape)
     routed = routed_experts(params, spec, flat, moe_experts, real)
     shared = swiglu_mlp(params["shared_expert"], flat)
