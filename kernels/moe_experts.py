@@ -525,9 +525,14 @@ def moe_experts_pallas(
     token_rows: bool | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
+    block_k_down: int | None = None,
+    down_compiler_params: Any = None,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
-    None are whole axes; ``block_k`` is the contraction chunk of both launches.
+    None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
+    ``block_k_down`` gives the down launch's (a tile sweep's knob: the down launch's whole
+    intermediate row may fit in one chunk where the up launch's would not);
+    ``down_compiler_params``, likewise, the down launch's, else ``compiler_params``.
     ``token_rows``: group with ``group_tokens`` (every tile reads x itself, padded to
     ``block_rows`` rows) rather than ``group_pairs`` (tiles of staged rows); None takes
     ``group_tokens`` up to ``TOKEN_ROWS_MAX_TOKENS`` tokens (and ``block_rows``).
@@ -560,7 +565,7 @@ def moe_experts_pallas(
     bi = check_tile("block_inner", inner, block_inner)
     bo = check_tile("block_out", out_width, block_out)
     bk_up = check_tile("block_k", width, block_k)
-    bk_down = check_tile("block_k", inner, block_k)
+    bk_down = check_tile("block_k", inner, block_k if block_k_down is None else block_k_down)
     if block_rows <= 0:
         raise ValueError(f"block_rows={block_rows} must be positive")
     if by_logits:
@@ -616,6 +621,7 @@ def moe_experts_pallas(
         out_specs=pl.BlockSpec((block_rows, bo), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((num_rows, out_width), jnp.float32),
         name="moe_experts_down",
-        **options,
+        interpret=interpret,
+        compiler_params=compiler_params if down_compiler_params is None else down_compiler_params,
     )(grouped.tile_expert, hidden, *downs, grouped.row_weight)
     return combine_pairs(rows, grouped.pair_row)

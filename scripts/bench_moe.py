@@ -93,7 +93,7 @@ WIDTHS = (
     Width("qwen3.5-moe", 2048, 256, 8, 512),
 )
 SMOKE_WIDTHS = (Width("tiny", 64, 8, 2, 32),)
-TILE_KEYS = ("block_rows", "block_inner", "block_out", "block_k")
+TILE_KEYS = ("block_rows", "block_inner", "block_out", "block_k", "block_k_down")
 LAUNCH = "launch"  # the dispatch's tiles for the row's token count (``moe_launch``)
 KERNEL_TILES = (  # the dispatch's first
     LAUNCH,
@@ -102,6 +102,7 @@ KERNEL_TILES = (  # the dispatch's first
     {**DEFAULT_MOE_TILES, "num_warps": 8},
 )
 TILE_FIELDS = ("block_inner", "block_out", "block_k", "num_warps", "num_stages")
+DOWN_FIELDS = ("block_k_down", "down_num_stages")  # optional: the down launch's own
 SMOKE_TILES = ({"block_rows": 16, "block_inner": 16, "block_out": 32, "block_k": 16},)
 
 
@@ -139,6 +140,10 @@ def kernel(x, weights, ids, stacks, tiles, interpret=False):
         num_warps=tiles.get("num_warps", 4), num_stages=tiles.get("num_stages", 1)
     )
     sizes = {k: tiles[k] for k in TILE_KEYS if k in tiles}
+    if "down_num_stages" in tiles:
+        sizes["down_compiler_params"] = pallas_compiler_params(
+            num_warps=tiles.get("num_warps", 4), num_stages=tiles["down_num_stages"]
+        )
     return moe_experts_pallas(
         x, weights, ids, up, down, gate, **sizes, interpret=interpret, compiler_params=params
     )
@@ -226,7 +231,7 @@ def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
             launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret)
             if launch is None:
                 continue  # the dispatch runs the XLA form at this count
-            tiles = {k: launch[k] for k in TILE_KEYS} | {
+            tiles = {k: launch[k] for k in TILE_KEYS if k in launch} | {
                 k: DEFAULT_MOE_TILES[k] for k in ("num_warps", "num_stages")
             }
         impls.append(
@@ -276,16 +281,23 @@ def write_table(path: Path, header: str, rows: list[dict]) -> None:
 
 
 def parse_tiles(text: str) -> list:
-    """``--tiles``: 'launch' or five integers per entry (TILE_FIELDS, block_rows 16)."""
+    """``--tiles``: 'launch' or five integers per entry (TILE_FIELDS, block_rows 16), or
+    seven with the down launch's own block_k and stages (DOWN_FIELDS)."""
     tiles: list = []
+    fields = TILE_FIELDS + DOWN_FIELDS
     for entry in text.split(","):
         if entry == LAUNCH:
             tiles.append(LAUNCH)
             continue
         values = entry.split(":")
-        if len(values) != len(TILE_FIELDS) or not all(v.isdigit() for v in values):
-            raise SystemExit(f"--tiles entry {entry!r}: 'launch' or {':'.join(TILE_FIELDS)}")
-        tiles.append({"block_rows": 16} | dict(zip(TILE_FIELDS, map(int, values))))
+        if len(values) not in (len(TILE_FIELDS), len(fields)) or not all(
+            v.isdigit() for v in values
+        ):
+            raise SystemExit(
+                f"--tiles entry {entry!r}: 'launch' or {':'.join(TILE_FIELDS)}[:"
+                f"{':'.join(DOWN_FIELDS)}]"
+            )
+        tiles.append({"block_rows": 16} | dict(zip(fields, map(int, values))))
     return tiles
 
 
@@ -307,7 +319,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tiles",
         default=None,
         help="comma list of kernel tiles, each 'launch' (the dispatch's for the token count) "
-        "or block_inner:block_out:block_k:num_warps:num_stages (default: the built-in list)",
+        "or block_inner:block_out:block_k:num_warps:num_stages[:block_k_down:down_num_stages] "
+        "(default: the built-in list)",
     )
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="the kernel only")
     args = parser.parse_args(argv)

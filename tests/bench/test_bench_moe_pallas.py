@@ -28,21 +28,24 @@ def test_bench_moe_smoke_checks_every_form(tmp_path, monkeypatch):
 
 
 def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
-    """``--timing profiler`` (CPU, interpret mode): the dispatch's tiles ('launch') and an
-    explicit entry each get device time from the trace, split into the up and down launches,
-    and the XLA forms are left out with ``--no-xla``."""
+    """``--timing profiler`` (CPU, interpret mode): the dispatch's tiles ('launch') and
+    explicit entries (one with the down launch's own chunk and stages) each get device time
+    from the trace, split into the up and down launches, and the XLA forms are left out
+    with ``--no-xla``."""
     spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
     bench_moe = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)
     spec.loader.exec_module(bench_moe)
     out = tmp_path / "profiled.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
-    assert bench_moe.main(argv + ["--tiles", "launch,16:32:16:4:1"]) == 0
+    tiles = "launch,16:32:16:4:1,16:32:16:4:1:32:1"  # the last: the down launch's own chunk
+    assert bench_moe.main(argv + ["--tiles", tiles]) == 0
     rows = [
         line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
     ]
-    assert [row[2].strip() for row in rows] == ["pallas", "pallas"]
+    assert [row[2].strip() for row in rows] == ["pallas", "pallas", "pallas"]
     assert "block_out=32,block_k=16,num_warps=4,num_stages=1" in rows[1][3], rows[1]
+    assert "block_k_down=32,down_num_stages=1" in rows[2][3], rows[2]
     for row in rows:
         assert row[4].strip().startswith("ok"), row
         total, up, down = float(row[5]), float(row[9]), float(row[10])

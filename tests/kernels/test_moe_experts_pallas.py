@@ -141,6 +141,22 @@ def test_shared_expert_runs_as_one_more_expert_pallas(case):
     assert gap <= BF16_TOL * float(jnp.max(jnp.abs(want))), gap
 
 
+def test_down_launch_takes_its_own_chunk_pallas():
+    """``block_k_down`` sets the down launch's contraction chunk apart from the up launch's
+    (a tile sweep's knob): the whole intermediate row in one chunk sums as the default
+    tiles do, and a chunk that does not divide it is refused."""
+    rng = np.random.default_rng(27)
+    weights, ids = routing(rng, 3, 2, 8, False)
+    up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
+    x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
+    tiles = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
+    got = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER)
+    assert_close(got, want, FP32_TOL, "down chunk")
+    with pytest.raises(ValueError, match="block_k"):
+        me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER - 1)
+
+
 def test_shared_expert_of_other_widths_is_refused_pallas():
     rng = np.random.default_rng(26)
     weights, ids = routing(rng, 2, 2, 8, False)
@@ -348,6 +364,9 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
         stack,
     )
     assert "triton" in lower_for_cuda(run, *two_tokens).lower()
+    one_chunk = backend.pallas_compiler_params("gpu", tiles["num_warps"], 1)
+    down_whole = {"block_k_down": 512, "down_compiler_params": one_chunk}  # sweep knobs
+    assert "triton" in lower_for_cuda(lambda *a: run(*a, **down_whole), *two_tokens).lower()
     shared = me.SharedExpert(  # Qwen3-Next's shared expert in the same launches
         up=spec((2048, 512), jnp.bfloat16),
         down=spec((512, 2048), jnp.bfloat16),
