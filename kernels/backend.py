@@ -339,9 +339,10 @@ def conv_update(
     ``layer=l``: ``pool`` is the stacked pool of all layers; ``channel_groups``: x holds the
     channels grouped so (``conv_update.ChannelGroups``)."""
     if resolve_backend(kernel_backend) == "xla" or _on(None, "tpu"):
-        options = {"num_new": num_new, "layer": layer, "out_dtype": out_dtype}
-        options["channel_groups"] = channel_groups
-        return conv_update_xla(pool, slot, x, weight, bias, mode=mode, silu=silu, **options)
+        return conv_update_xla(
+            pool, slot, x, weight, bias, mode=mode, silu=silu, num_new=num_new, layer=layer,
+            out_dtype=out_dtype, channel_groups=channel_groups,
+        )  # fmt: skip
     return _pallas_conv_update(
         pool,
         slot,

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.engine.engine import Engine
+from lazyspec.config import EngineConfig
 from lazyspec.scheduler.request import SamplingParams
 from lazyspec.server.protocol import ApiError, Limits, parse_completion, parse_generate
-from lazyspec.testing.tiny_models import reference_processed_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_processed_greedy, small_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +57,21 @@ def processed_case(model):
     return prompts, sampling, want
 
 
+def _engine(model, **settings):
+    """``small_engine`` with the config's own checkpoint strategy and track interval."""
+    strategy = EngineConfig.mamba_scheduler_strategy
+    interval = EngineConfig.mamba_track_interval
+    return small_engine(model, strategy, mamba_track_interval=interval, **settings)
+
+
 @pytest.mark.parametrize("spec", [False, True])
 def test_greedy_with_processed_logits_equals_the_processed_reference(model, processed_case, spec):
     """Six requests over four rows: the last two wait for rows that others used (their
     token counts must be reset), and the last shares a 32-token prefix with the fourth (the
     cached part must still count as prompt for the repetition penalty)."""
     prompts, sampling, want = processed_case
-    engine = Engine(
-        model=model,
-        disable_overlap_schedule=False,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=4,
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=True,
-        **(dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if spec else {}),
+    engine = _engine(
+        model, **(dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if spec else {})
     )
     reqs = [engine.add_request(input_ids=p, sampling_params=s) for p, s in zip(prompts, sampling)]
     engine.run_until_done(reqs)
@@ -100,16 +99,7 @@ def test_prompt_logprobs_equal_the_oracle_across_chunks_and_a_cached_prefix(mode
     then one sharing its first 68 tokens asking from token 60 on (it may not match the
     checkpoint at 64: those positions must be computed) and from token 66 on (it does);
     every logprob equals the cache-free oracle's."""
-    engine = Engine(
-        model=model,
-        disable_overlap_schedule=False,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=4,
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=True,
-    )
+    engine = _engine(model)
     rng = np.random.default_rng(12)
     first = [int(t) for t in rng.integers(3, 128, size=70)]
     second = first[:68] + [int(t) for t in rng.integers(3, 128, size=20)]

@@ -162,15 +162,12 @@ def _project(params: Params, spec: GDNSpec, x: jax.Array) -> Projections:
     r, dk, dv = spec.heads_per_key, spec.head_k_dim, spec.head_v_dim
     fused = linear(params["in_proj_qkvz"], x)
     qkvz = fused.reshape(*lead, spec.num_k_heads, 2 * dk + 2 * r * dv)
-    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
-    v, z = qkvz[..., 2 * dk : 2 * dk + r * dv], qkvz[..., 2 * dk + r * dv :]
+    z = qkvz[..., 2 * dk + r * dv :]
     ba = linear(params["in_proj_ba"], x)
     grouped = ba.reshape(*lead, spec.num_k_heads, 2 * r)
     b = grouped[..., :r].reshape(*lead, spec.num_v_heads)
     a = grouped[..., r:].reshape(*lead, spec.num_v_heads)
-    mixed = jnp.concatenate(
-        [q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1
-    )
+    mixed = _conv_channels(spec).gather(fused)  # [q | k | v] of every key head
     return Projections(mixed, z.reshape(*lead, spec.num_v_heads, dv), b, a, fused, ba)
 
 
