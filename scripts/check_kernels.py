@@ -1,6 +1,6 @@
 """Check the decode step's fused kernels on this machine's backend against their references.
 
-Three checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
+Four checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
 CPU, where the kernels run in interpret mode):
 
 * ``route_tokens``, the routed-experts kernel's routing program (``TokenRouting``): each
