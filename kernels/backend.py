@@ -30,6 +30,7 @@ from lazyspec.kernels.conv_update import (
 from lazyspec.kernels.moe_experts import SharedExpert, TokenRouting, moe_experts_pallas
 from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
 from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
+from lazyspec.kernels.residual_norm import ResidualNorm, residual_norm_pallas
 from lazyspec.kernels.state_scatter import (
     state_copy_pallas,
     state_copy_xla,
@@ -132,6 +133,11 @@ TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 # 0.3 us, from 256 tokens 128 columns are faster (1024 tokens of 64 experts: 171 against
 # 191 us).
 MOE_WIDE_OUT_TOKENS = 16
+# The residual add, the norm after it and the router's logits in one launch
+# (``residual_norm``) up to this many tokens; more run XLA's fusions. Every program holds a
+# whole row and every token's programs read the router's columns: a decode step's sizes.
+RESIDUAL_NORM_MAX_TOKENS = 64
+DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -572,6 +578,36 @@ def _tpu_moe_experts(
     )
 
 
+def _pallas_residual_norm(
+    x: jax.Array,
+    delta: jax.Array,
+    weight: jax.Array,
+    router: jax.Array | None = None,
+    *,
+    eps: float,
+    zero_centered: bool = False,
+    xla_form: Callable[[], ResidualNorm],
+    interpret: bool = False,
+    **tiles: Any,
+) -> ResidualNorm:
+    """``residual_norm_pallas`` with ``DEFAULT_RESIDUAL_NORM_TILES`` (``tiles`` overrides
+    them) up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens; else, or where a compiled launch would
+    need a row that is not a power of two wide (Triton), ``xla_form()``, the caller's ops
+    with the same contract."""
+    tiles = {**DEFAULT_RESIDUAL_NORM_TILES, **tiles}
+    num_warps = tiles.pop("num_warps")
+    width = x.shape[-1]
+    if router is not None:
+        tiles["block_experts"] = fitted_tile(router.shape[0], tiles["block_experts"])
+    options = _pallas_options(interpret, None, num_warps)
+    power_of_two = width & (width - 1) == 0
+    if x.shape[0] > RESIDUAL_NORM_MAX_TOKENS or not (options["interpret"] or power_of_two):
+        return xla_form()
+    return residual_norm_pallas(
+        x, delta, weight, router, eps=eps, zero_centered=zero_centered, **tiles, **options
+    )
+
+
 def _pallas_paged_attention(
     q: jax.Array,
     k_pool: jax.Array,
@@ -620,6 +656,9 @@ ConvUpdateFn = Callable[..., ConvUpdateResult]
 MoEExpertsFn = Callable[..., jax.Array]
 # (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``paged_attention``
 PagedAttentionFn = Callable[..., jax.Array]
+# (x, delta, weight, router=None, *, eps, zero_centered, xla_form) -> ResidualNorm, as
+# ``residual_norm.residual_norm_pallas``; ``xla_form()`` computes the same by XLA
+ResidualNormFn = Callable[..., ResidualNorm]
 
 
 @dataclass(frozen=True)
@@ -637,10 +676,13 @@ class Kernels:
     token count (``MOE_KERNEL_MAX_TOKENS``, on a TPU ``MOE_TPU_KERNEL_MAX_TOKENS``); None
     on XLA, where the MoE layers run their sort-based dispatch. ``paged_attention`` has the
     contract of ``paged_attention.paged_attention``; None on XLA and on TPU, where the
-    attention layers run their masked jnp form. Compared and hashed by backend, platform,
-    MoE runner and mesh (the functions follow from them): ``mesh`` is None for whole-array
-    calls, else the tensor-parallel mesh whose shards each call runs on
-    (``engine.shard_kernels``)."""
+    attention layers run their masked jnp form. ``residual_norm`` (``ResidualNormFn``) adds
+    a sublayer's output to the residual stream and norms it, with a MoE router's logits,
+    in one launch for a decode step's token counts (XLA's fusions beyond); None on XLA, on
+    TPU and per shard, where the layers run the ops themselves. Compared and hashed by
+    backend, platform, MoE runner and mesh (the functions follow from them): ``mesh`` is
+    None for whole-array calls, else the tensor-parallel mesh whose shards each call runs
+    on (``engine.shard_kernels``)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
@@ -653,6 +695,7 @@ class Kernels:
     mesh: Any = None  # the mesh the functions run per shard over (``engine.shard_kernels``)
     state_copy: StateCopyFn = field(default=state_copy_xla, compare=False)
     conv_update: ConvUpdateFn | None = field(default=None, compare=False)
+    residual_norm: ResidualNormFn | None = field(default=None, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -674,10 +717,11 @@ def kernels_for(
         return XLA_KERNELS
     if platform == "tpu":
         update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
-        attention, copy, conv = None, state_copy_xla, None
+        attention, copy, conv, norm = None, state_copy_xla, None, None
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
         attention, copy, conv = _pallas_paged_attention, _pallas_state_copy, _pallas_conv_update
+        norm = _pallas_residual_norm
     if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
         moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
     gdn_update = functools.partial(update, "gdn")
@@ -695,4 +739,5 @@ def kernels_for(
         moe_runner,
         state_copy=copy,
         conv_update=conv,
+        residual_norm=norm,
     )

@@ -1,6 +1,6 @@
 """Check the decode step's fused kernels on this machine's backend against their references.
 
-Four checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
+Five checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
 CPU, where the kernels run in interpret mode):
 
 * ``route_tokens``, the routed-experts kernel's routing program (``TokenRouting``): each
@@ -17,7 +17,13 @@ CPU, where the kernels run in interpret mode):
   |diff| of outputs and states, within ``1e-4``;
 * the conv update reading its channels out of Qwen3-Next's ``in_proj_qkvz`` output
   (``ChannelGroups``) against the same kernel on the channels gathered in conv order:
-  outputs and windows equal (the same arithmetic on the same values).
+  outputs and windows equal (the same arithmetic on the same values);
+* the residual add, norm and router logits in one launch (``Kernels.residual_norm``)
+  against the model's ops (``norms.residual_rms_norm``): the residual equal, the normed
+  rows within ``2**-7`` of the largest (the kernel norms the residual rounded to bf16, as
+  the model's ops are written; XLA may keep it in float32), the logits within ``1e-5`` of
+  the largest of the kernel's own normed rows times the router (float32 sums in another
+  order).
 
 Exit status 1 if any check fails.
 
@@ -38,13 +44,15 @@ import numpy as np
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels import state_update as su
-from lazyspec.models.layers import gdn, moe
+from lazyspec.models.layers import gdn, moe, norms
 from lazyspec.models.layers.state_kernels import gdn_tokens
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
 
 MOE_TOL = 2.0**-5
 GDN_TOL = 1e-4
+NORM_TOL = 2.0**-7
+LOGIT_TOL = 1e-5
 # (hidden, experts per MoE check, top-k, expert width, GDN key heads, value heads, head width)
 WIDTHS = {
     "qwen3-next": (2048, (64, 256, 512), 10, 512, 16, 32, 128),
@@ -184,6 +192,46 @@ def check_grouped_conv(rng, widths, cases) -> list[tuple[str, str, str]]:
     return rows
 
 
+def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
+    """``Kernels.residual_norm`` (with and without a router) against the model's ops."""
+    hidden, expert_counts = widths[:2]
+    options = {"eps": 1e-6, "zero_centered": True}
+    want_of = jax.jit(lambda *a: norms.residual_rms_norm(*a, **options))
+    got_of = jax.jit(
+        lambda *a: backend.kernels_for("pallas").residual_norm(*a, **options, xla_form=None)
+    )
+
+    def err(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+    rows = []
+    for num_experts in (None, *expert_counts):
+        for num_tokens in token_counts:
+            x, delta = (
+                jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+                for _ in range(2)
+            )
+            weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
+            router = None
+            if num_experts is not None:
+                router = rng.standard_normal((num_experts, hidden)) * hidden**-0.5
+                router = jnp.asarray(router, jnp.bfloat16)
+            want, got = (f(x, delta, weight, router) for f in (want_of, got_of))
+            errs = [err(got.residual, want.residual), err(got.normed, want.normed)]
+            ok = errs[0] == 0.0 and errs[1] <= NORM_TOL
+            if router is not None:
+                h, w = (np.asarray(a, np.float64) for a in (got.normed, router))
+                errs.append(err(got.logits, h @ w.T))
+                ok = ok and errs[2] <= LOGIT_TOL
+            verdict = "ok" if ok else "over the tolerance"
+            experts = "no router" if router is None else f"{num_experts} experts"
+            shape = f"{num_tokens} tokens, {experts}"
+            found = ", ".join(f"{e:.2e}" for e in errs)
+            rows.append(("residual_norm", shape, f"{verdict}: {found}"))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
@@ -209,6 +257,7 @@ def main(argv=None) -> int:
         lambda: check_grouped_conv(
             rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4))
         ),
+        lambda: check_residual_norm(rng, (1, 2, 3) if args.smoke else (1, 2, 16, 64), widths),
     ):
         found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]
         print("\n".join(found), flush=True)  # each check's rows as it ends

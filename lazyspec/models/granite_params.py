@@ -40,7 +40,7 @@ def _ffn_plan(cfg: ModelConfig, prefix: str) -> Params:
         moe, base = arch.moe, f"{prefix}.block_sparse_moe"
         fused = dict(gate_proj="input_linear", up_proj="input_linear", down_proj="output_linear")
         plan["block_sparse_moe"] = {
-            "gate": TensorSpec(f"{base}.router.layer.weight", (moe.num_experts, h), True),
+            "gate": TensorSpec(f"{base}.router.layer.weight", (moe.num_experts, h)),
             "experts": {
                 proj: ExpertStack(
                     f"{base}.experts",

@@ -18,6 +18,7 @@ Params (HF module names, linears as in ``layers/mlp.linear``): ``{"embed_tokens"
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +50,7 @@ from lazyspec.models.layers.gdn import GDNSpec, gdn_mixer, gdn_plan
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.layers.moe import MoESpec, moe_plan, sparse_moe
-from lazyspec.models.layers.norms import rms_norm
+from lazyspec.models.layers.norms import residual_rms_norm, rms_norm
 from lazyspec.models.plan import Params, Placement, TensorSpec, init_plan, linear_spec, load_plan
 
 FAMILY = "qwen3_next"
@@ -331,13 +332,28 @@ def mlp_block(
     x: jax.Array,
     kernels: Kernels = XLA_KERNELS,
     real: jax.Array | None = None,
+    delta: jax.Array | None = None,
 ) -> jax.Array:
     """Residual MLP / MoE half of a decoder layer; the routed experts run in
     ``kernels.moe_experts`` when it has one. ``real`` (``interface.real_tokens``): padding
-    tokens are routed like token 0."""
-    h = norm(x, lp["post_attention_layernorm"], cfg)
+    tokens are routed like token 0. ``delta``: the mixer's output, added to ``x`` here,
+    where ``kernels.residual_norm`` fuses the add, the norm and the router's logits."""
+    weight = lp["post_attention_layernorm"]
+    logits = None
+    if delta is None:
+        h = norm(x, weight, cfg)
+    else:
+        router = lp["mlp"]["gate"] if kind == "moe" else None
+        flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+        args = (flat(x), flat(delta), weight, router)
+        options = {"eps": cfg.arch.rms_norm_eps, "zero_centered": True}
+        fused = functools.partial(residual_rms_norm, *args, **options)
+        if kernels.residual_norm is not None:
+            fused = functools.partial(kernels.residual_norm, *args, **options, xla_form=fused)
+        x_flat, h_flat, logits = fused()
+        x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
-        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real)
+        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
     return x + swiglu_mlp(lp["mlp"], h)
 
 
@@ -368,7 +384,7 @@ def _attention_layer(
         v_pool,
         kernels.paged_attention,
     )
-    return mlp_block(lp, cfg, kind, x + h, kernels, real), k_pool, v_pool
+    return mlp_block(lp, cfg, kind, x, kernels, real, h), k_pool, v_pool
 
 
 def forward(
@@ -424,7 +440,7 @@ def forward(
                     )
                 states.append(st)
                 rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool, st.conv_pool)
-                x, r = mlp_block(lp, cfg, kind, x + h, kernels, real), r + 1
+                x, r = mlp_block(lp, cfg, kind, x, kernels, real, h), r + 1
             else:
                 x, k_pools[a], v_pools[a] = _attention_layer(
                     lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels, real

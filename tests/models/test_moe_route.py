@@ -10,7 +10,7 @@ from lazyspec.models.layers.moe import MoESpec, route
 
 
 def _reference(x, gate, top_k, norm):
-    probs = jax.nn.softmax(x.astype(jnp.float32) @ gate.astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(x.astype(jnp.float32) @ gate.astype(jnp.float32).T, axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if norm:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -30,7 +30,7 @@ def test_route_matches_softmax_then_top_k(norm, dtype):
     )
     kx, kg = jax.random.split(jax.random.key(3))
     x = jax.random.normal(kx, (40, spec.hidden_size)).astype(dtype)
-    gate = (0.5 * jax.random.normal(kg, (spec.hidden_size, spec.num_experts))).astype(dtype)
+    gate = (0.5 * jax.random.normal(kg, (spec.num_experts, spec.hidden_size))).astype(dtype)
     weights, ids = route({"gate": gate}, spec, x)
     ref_weights, ref_ids = _reference(x, gate, spec.top_k, norm)
     assert weights.dtype == jnp.float32 and weights.shape == (40, spec.top_k)

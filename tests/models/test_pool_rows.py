@@ -101,6 +101,48 @@ def test_forward_calls_the_state_update_it_is_given(family):
     assert calls == [("verify", layer, SLOTS + 1) for layer in range(num_rec)]
 
 
+def test_forward_uses_the_residual_norm_it_is_given():
+    """Every Qwen3-Next layer hands its mixer's output to ``Kernels.residual_norm`` (with the
+    router where the MLP is a MoE) and runs on what it returns: the XLA form behind a
+    recorder gives the XLA forward's output exactly, an altered residual or altered logits
+    change it."""
+    model = tiny_model("qwen3_next")
+    cfg = model.config
+    rng = np.random.default_rng(13)
+    kv, pools = empty_caches(cfg, 1 + 2 * CONTEXT, SLOTS + 1, jnp.float32)
+    rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 1], jnp.int32))
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
+
+    def run(kernels):
+        out = model.family.forward(
+            model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels
+        )
+        return np.asarray(out[0])
+
+    def recorder(alter=lambda r: r):
+        calls = []
+
+        def fused(x, delta, weight, router=None, *, eps, zero_centered, xla_form):
+            calls.append(None if router is None else router.shape)
+            assert zero_centered and x.shape == delta.shape == (2 * WIDTH, cfg.hidden_size)
+            return alter(xla_form())
+
+        return dataclasses.replace(XLA_KERNELS, residual_norm=fused), calls
+
+    kernels, calls = recorder()
+    np.testing.assert_array_equal(run(kernels), run(XLA_KERNELS))
+    moe = cfg.arch.moe
+    assert calls == [
+        (moe.num_experts, cfg.hidden_size) if kind == "moe" else None for kind in cfg.arch.mlp_kinds
+    ]
+    assert any(c is not None for c in calls)
+    for alter in (
+        lambda r: r._replace(residual=r.residual + 1.0),
+        lambda r: r if r.logits is None else r._replace(logits=-r.logits),
+    ):
+        assert not np.allclose(run(recorder(alter)[0]), run(XLA_KERNELS))
+
+
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid"])
 def test_decode_from_pools_writes_in_place_pallas(family, backend):

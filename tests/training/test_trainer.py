@@ -36,11 +36,12 @@ from lazyspec.training.trainer import (
 )
 from tests.models.tiny_qwen import config_dict
 
-TOL = 2e-5  # chunked vs scan GDN accumulation order over 150 tokens: 1.1e-5 seen with jax 0.10.2
+TOL = 4e-5  # chunked vs scan GDN accumulation order over 150 tokens: 1.1e-5 seen with jax 0.10.2
 # The bound above was measured with XLA's CPU fusion emitters, which the suite's fast-compile
 # flags turn off (lazyspec.testing.xla_flags): the loop emitters sum in another float32
 # order (moe-150: 2.1e-5 instead of 1.4e-5). The forward comparison compiles with them on
-# (a jaxlib without the flag has only the fusion emitters).
+# (a jaxlib without the flag has only the fusion emitters). With the router drawn in its
+# checkpoint layout ([E, hidden], another random model) moe-150 reads 2.5e-5.
 CALIBRATED = {"xla_cpu_use_fusion_emitters": True} if knows_fusion_emitters_flag() else {}
 
 

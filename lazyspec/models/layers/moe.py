@@ -1,12 +1,12 @@
 """Sparse mixture of experts with a gated shared expert (Qwen3-Next), as pure functions.
 
-Params: ``gate`` ``[hidden, E]`` (router), ``experts`` ``{"gate_proj": [E, hidden, I],
-"up_proj": [E, hidden, I], "down_proj": [E, I, hidden]}``, ``shared_expert`` (a SwiGLU MLP)
-and ``shared_expert_gate`` (linear hidden -> 1). Tokens are dispatched by sorting the
-(token, expert) pairs by expert and running grouped matmuls (``lax.ragged_dot``), so the
-cost grows with top_k, not with the number of experts; given a ``moe_experts`` kernel
-(``Kernels.moe_experts``), the routed experts run there instead where it fits the shape.
-"""
+Params: ``gate`` ``[E, hidden]`` (the router, as checkpoints store it), ``experts``
+``{"gate_proj": [E, hidden, I], "up_proj": [E, hidden, I], "down_proj": [E, I, hidden]}``,
+``shared_expert`` (a SwiGLU MLP) and ``shared_expert_gate`` (linear hidden -> 1). Tokens are
+dispatched by sorting the (token, expert) pairs by expert and running grouped matmuls
+(``lax.ragged_dot``), so the cost grows with top_k, not with the number of experts; given a
+``moe_experts`` kernel (``Kernels.moe_experts``), the routed experts run there instead where
+it fits the shape."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def moe_plan(prefix: str, spec: MoESpec) -> Params:
         for proj in ("gate_proj", "up_proj", "down_proj")
     }
     return {
-        "gate": TensorSpec(f"{prefix}.gate.weight", (e, h), transpose=True),
+        # [E, hidden] as stored: a few tokens' logits read whole rows (``residual_norm``)
+        "gate": TensorSpec(f"{prefix}.gate.weight", (e, h)),
         "experts": experts,
         "shared_expert": mlp_plan(f"{prefix}.shared_expert", h, spec.shared_intermediate_size),
         "shared_expert_gate": linear_spec(f"{prefix}.shared_expert_gate", h, 1),  # replicated
@@ -129,8 +130,8 @@ def moe_plan(prefix: str, spec: MoESpec) -> Params:
 
 
 def router_logits(params: Params, x: jax.Array) -> jax.Array:
-    """The router's float32 logits ``[N, E]`` of x ``[N, hidden]``."""
-    return jnp.matmul(x.astype(jnp.float32), params["gate"].astype(jnp.float32))
+    """The router's float32 logits ``[N, E]`` of x ``[N, hidden]`` (``gate`` ``[E, hidden]``)."""
+    return jnp.matmul(x.astype(jnp.float32), params["gate"].astype(jnp.float32).T)
 
 
 def route(
@@ -195,6 +196,7 @@ def routed_experts(
     real: jax.Array | None = None,
     shared: SharedExpert | None = None,
     shared_gate: jax.Array | None = None,
+    logits: jax.Array | None = None,
 ) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
     ``gate`` and ``experts`` as in the module docstring. ``moe_experts``: the kernel that
@@ -205,8 +207,10 @@ def routed_experts(
     router's logits too, to route a few tokens in its own kernel (``TokenRouting``; with
     ``shared_gate [hidden]``, the gate whose sigmoid gave ``shared.weight``, the kernel
     computes that weight itself); the top-k below then runs only where it does not.
-    Returns x's shape and dtype."""
-    logits = router_logits(params, x)
+    ``logits``: the router's logits of x where the caller computed them
+    (``Kernels.residual_norm``), else computed here. Returns x's shape and dtype."""
+    if logits is None:
+        logits = router_logits(params, x)
     weights, expert_ids = route(params, spec, x, logits)
     expert_ids = padding_follows_token_zero(expert_ids, real)
     experts = params["experts"]
@@ -281,11 +285,12 @@ def sparse_moe(
     x: jax.Array,
     moe_experts: MoEExpertsFn | None = None,
     real: jax.Array | None = None,
+    logits: jax.Array | None = None,
 ) -> jax.Array:
     """The MoE block: routed experts plus ``sigmoid(shared_gate(x)) * shared_expert(x)``.
 
-    x ``[..., hidden]`` -> same shape and dtype; ``moe_experts`` and ``real`` (over the
-    flattened tokens) as in ``routed_experts``.
+    x ``[..., hidden]`` -> same shape and dtype; ``moe_experts``, ``real`` and ``logits``
+    ``[N, E]`` (over the flattened tokens) as in ``routed_experts``.
     """
     flat = x.reshape(-1, x.shape[-1])
     gate = params["shared_expert_gate"]
@@ -294,9 +299,9 @@ def sparse_moe(
     if fused is not None:  # one pair of launches for the routed and the shared experts
         # a routing kernel computes the gate's weight itself from the gate (no bias)
         in_kernel = None if "bias" in gate else gate["weight"][:, 0]
-        out = routed_experts(params, spec, flat, moe_experts, real, fused, in_kernel)
+        out = routed_experts(params, spec, flat, moe_experts, real, fused, in_kernel, logits)
         return out.reshape(x.shape)
-    routed = routed_experts(params, spec, flat, moe_experts, real)
+    routed = routed_experts(params, spec, flat, moe_experts, real, logits=logits)
     shared = swiglu_mlp(params["shared_expert"], flat)
     out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)
     return out.astype(x.dtype).reshape(x.shape)

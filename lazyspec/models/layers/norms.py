@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.residual_norm import ResidualNorm
+
 
 def _normalize(x: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) over the last axis, in float32."""
@@ -29,6 +31,26 @@ def rms_norm(
     if zero_centered:
         scale = 1.0 + scale
     return (_normalize(x, eps) * scale).astype(x.dtype)
+
+
+def residual_rms_norm(
+    x: jax.Array,
+    delta: jax.Array,
+    weight: jax.Array,
+    router: jax.Array | None = None,
+    *,
+    eps: float,
+    zero_centered: bool = False,
+) -> ResidualNorm:
+    """``x + delta``, its ``rms_norm`` and, given a MoE router ``[E, d]``, the router's
+    float32 logits of the normed tokens (``layers.moe.router_logits``): the XLA form of the
+    ``Kernels.residual_norm`` launch, and its reference."""
+    residual = x + delta
+    normed = rms_norm(residual, weight, eps, zero_centered=zero_centered)
+    logits = None
+    if router is not None:
+        logits = jnp.matmul(normed.astype(jnp.float32), router.astype(jnp.float32).T)
+    return ResidualNorm(residual, normed, logits)
 
 
 def gated_rms_norm(

@@ -1,0 +1,131 @@
+"""The residual add, the RMSNorm after it and a MoE router's logits, in one Pallas launch.
+
+Contract. x and delta ``[N, d]`` (the residual stream and a sublayer's output, one dtype),
+``weight [d]`` (the norm's scale: ``1 + weight`` with ``zero_centered``, Qwen3-Next's
+convention), optionally ``router [E, d]`` (a checkpoint's layout). Returns ``ResidualNorm``:
+``residual = x + delta`` and ``normed = rms_norm(residual)`` in x's dtype, and with a router
+its float32 logits ``normed @ router.T`` (``layers.moe.router_logits``), else None. The
+reference is the model's own ops (``layers.norms.residual_rms_norm``), which XLA runs as two
+fusions and, for the logits, a split-K product and its reduction.
+
+Kernel: grid ``(token, expert tile)``. Every program reads its token's row of x and delta
+(``d`` wide) and, with a router, its ``block_experts`` rows of it, all in one round of
+loads; forms the residual rounded to x's dtype, the normed row (float32 statistics, rounded
+to x's dtype as the model rounds it) and the sums of its products with those columns in
+float32. Program ``(n, 0)`` writes the residual and the normed row. The router's rows are
+contiguous, so a program's loads are whole cache lines: on an H200, programs reading
+``[d, E]`` columns (32 or 8 bytes of each 128-byte row) took 10 us (16 columns in eight
+dependent chunks) and 6 us (4 columns at once) a layer at one token. The logits'
+summation order differs from XLA's product, so they agree to float32 rounding, not bit for
+bit.
+
+Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
+lowering (``d`` and ``block_experts`` powers of two; a decode step's token counts, since
+each program holds a whole row). Not written for TPUs (a ``(1, d)`` block is not a TPU tile).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels.state_update import check_tile
+
+
+class ResidualNorm(NamedTuple):
+    """``residual`` (x + delta) and ``normed`` ``[N, d]`` in x's dtype; ``logits`` float32
+    ``[N, E]`` where a router was given, else None."""
+
+    residual: jax.Array
+    normed: jax.Array
+    logits: jax.Array | None
+
+
+def _check(x: jax.Array, delta: jax.Array, weight: jax.Array, router: jax.Array | None) -> None:
+    if x.ndim != 2 or delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(
+            f"x {x.shape} {x.dtype} and delta {delta.shape} {delta.dtype} must be one [N, d] "
+            "shape and dtype"
+        )
+    if weight.shape != x.shape[1:]:
+        raise ValueError(f"weight {weight.shape} must be [{x.shape[1]}]")
+    if router is not None and (router.ndim != 2 or router.shape[1] != x.shape[1]):
+        raise ValueError(f"router {router.shape} must be [E, {x.shape[1]}]")
+
+
+def _scale(weight: jax.Array, zero_centered: bool) -> jax.Array:
+    scale = weight.astype(jnp.float32)
+    return 1.0 + scale if zero_centered else scale
+
+
+def _kernel(*refs, eps, zero_centered, with_router):
+    if with_router:
+        x_ref, delta_ref, weight_ref, router_ref, res_ref, normed_ref, logits_ref = refs
+    else:
+        x_ref, delta_ref, weight_ref, res_ref, normed_ref = refs
+    dtype = res_ref.dtype
+    total = x_ref[0, :].astype(jnp.float32) + delta_ref[0, :].astype(jnp.float32)
+    row = total.astype(dtype).astype(jnp.float32)  # rounded as ``x + delta`` is
+    inv = jax.lax.rsqrt(jnp.mean(row * row) + eps)
+    normed = (row * inv * _scale(weight_ref[...], zero_centered)).astype(dtype)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        res_ref[0, :] = row.astype(dtype)
+        normed_ref[0, :] = normed
+
+    if with_router:
+        w = router_ref[...].astype(jnp.float32)  # [block_experts, d], one load
+        logits_ref[0, :] = jnp.sum(w * normed.astype(jnp.float32)[None, :], axis=1)
+
+
+def residual_norm_pallas(
+    x: jax.Array,
+    delta: jax.Array,
+    weight: jax.Array,
+    router: jax.Array | None = None,
+    *,
+    eps: float,
+    zero_centered: bool = False,
+    block_experts: int | None = 4,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> ResidualNorm:
+    """The fused launch (module docstring); ``block_experts`` None is the whole axis (it
+    is clipped to E)."""
+    _check(x, delta, weight, router)
+    num_tokens, width = x.shape
+    with_router = router is not None
+    row = pl.BlockSpec((1, width), lambda n, j: (n, 0))
+    in_specs = [row, row, pl.BlockSpec((width,), lambda n, j: (0,))]
+    args = [x, delta, weight]
+    out_specs = [row, row]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2
+    experts_tiles = 1
+    if with_router:
+        num_experts = router.shape[0]
+        be = num_experts if block_experts is None else min(block_experts, num_experts)
+        be = check_tile("block_experts", num_experts, be)
+        experts_tiles = num_experts // be
+        in_specs.append(pl.BlockSpec((be, width), lambda n, j: (j, 0)))
+        args.append(router)
+        out_specs.append(pl.BlockSpec((1, be), lambda n, j: (n, j)))
+        out_shape.append(jax.ShapeDtypeStruct((num_tokens, num_experts), jnp.float32))
+    kernel = functools.partial(
+        _kernel, eps=eps, zero_centered=zero_centered, with_router=with_router
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_tokens, experts_tiles),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="residual_norm",
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(*args)
+    return ResidualNorm(outs[0], outs[1], outs[2] if with_router else None)

@@ -1,0 +1,79 @@
+"""The fused residual add, norm and router logits (Pallas in interpret mode) against the
+model's ops (``norms.residual_rms_norm``), and the backend's dispatch by token count."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend
+from lazyspec.kernels.residual_norm import residual_norm_pallas
+from lazyspec.models.layers.norms import residual_rms_norm
+
+pytestmark = pytest.mark.pallas
+
+
+def _case(rng, tokens, width, experts, dtype=jnp.bfloat16):
+    x, delta = (jnp.asarray(rng.standard_normal((tokens, width)), dtype) for _ in range(2))
+    weight = jnp.asarray(rng.standard_normal(width) * 0.2, dtype)
+    router = None
+    if experts:
+        router = jnp.asarray(rng.standard_normal((experts, width)) * width**-0.5, dtype)
+    return x, delta, weight, router
+
+
+@pytest.mark.parametrize("experts,block_experts", [(0, 4), (16, 4), (16, None), (12, 4)])
+@pytest.mark.parametrize("zero_centered", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_residual_norm_pallas_matches_the_model_ops(tokens, zero_centered, experts, block_experts):
+    x, delta, weight, router = _case(np.random.default_rng(tokens), tokens, 64, experts)
+    options = {"eps": 1e-6, "zero_centered": zero_centered}
+    got = residual_norm_pallas(
+        x, delta, weight, router, block_experts=block_experts, interpret=True, **options
+    )
+    want = residual_rms_norm(x, delta, weight, router, **options)  # op by op: rounded as written
+    assert got.residual.dtype == got.normed.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(got.residual), np.asarray(want.residual))
+    np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(want.normed))
+    if router is None:
+        assert got.logits is None
+        return
+    # the kernel's own normed rows times the router, in float64: only the sum order differs
+    exact = np.asarray(got.normed, np.float64) @ np.asarray(router, np.float64).T
+    assert got.logits.dtype == jnp.float32 and got.logits.shape == (tokens, experts)
+    np.testing.assert_allclose(np.asarray(got.logits), exact, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-5)
+
+
+def test_residual_norm_pallas_rejects_mismatched_inputs():
+    x, delta, weight, router = _case(np.random.default_rng(0), 2, 64, 16)
+    options = {"eps": 1e-6, "interpret": True}
+    with pytest.raises(ValueError, match="one \\[N, d\\] shape and dtype"):
+        residual_norm_pallas(x, delta[:1], weight, **options)
+    with pytest.raises(ValueError, match="one \\[N, d\\] shape and dtype"):
+        residual_norm_pallas(x, delta.astype(jnp.float32), weight, **options)
+    with pytest.raises(ValueError, match="weight"):
+        residual_norm_pallas(x, delta, weight[:32], **options)
+    with pytest.raises(ValueError, match="router"):
+        residual_norm_pallas(x, delta, weight, router.T, **options)
+    with pytest.raises(ValueError, match="block_experts"):
+        residual_norm_pallas(x, delta, weight, router, block_experts=3, **options)
+
+
+@pytest.mark.parametrize(
+    "tokens", [backend.RESIDUAL_NORM_MAX_TOKENS, backend.RESIDUAL_NORM_MAX_TOKENS + 1]
+)
+def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
+    """Up to ``RESIDUAL_NORM_MAX_TOKENS`` the backend's launch; beyond, the caller's form."""
+    x, delta, weight, router = _case(np.random.default_rng(1), tokens, 32, 8)
+    calls = []
+
+    def xla_form():
+        calls.append(tokens)
+        return residual_rms_norm(x, delta, weight, router, eps=1e-6)
+
+    fused = backend.kernels_for("pallas", "cpu").residual_norm
+    got = fused(x, delta, weight, router, eps=1e-6, xla_form=xla_form)
+    assert calls == ([] if tokens <= backend.RESIDUAL_NORM_MAX_TOKENS else [tokens])
+    np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(xla_form().normed))
