@@ -134,9 +134,12 @@ TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 # 191 us).
 MOE_WIDE_OUT_TOKENS = 16
 # The residual add, the norm after it and the router's logits in one launch
-# (``residual_norm``) up to this many tokens; more run XLA's fusions. Every program holds a
-# whole row and every token's programs read the router's columns: a decode step's sizes.
+# (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
+# experts; more run XLA's fusions. Every program holds a whole row and every token's
+# programs read the whole router (from L2 after the first): a decode step's sizes. The
+# largest measured (an H200, BENCHMARKS) is 64 tokens of 64 experts.
 RESIDUAL_NORM_MAX_TOKENS = 64
+RESIDUAL_NORM_MAX_TOKEN_EXPERTS = 64 * 64
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
 
 
@@ -591,7 +594,8 @@ def _pallas_residual_norm(
     **tiles: Any,
 ) -> ResidualNorm:
     """``residual_norm_pallas`` with ``DEFAULT_RESIDUAL_NORM_TILES`` (``tiles`` overrides
-    them) up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens; else, or where a compiled launch would
+    them) up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens (and, with a router, tokens times
+    experts up to ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``); else, or where a compiled launch would
     need a row that is not a power of two wide (Triton), ``xla_form()``, the caller's ops
     with the same contract."""
     tiles = {**DEFAULT_RESIDUAL_NORM_TILES, **tiles}
@@ -601,7 +605,11 @@ def _pallas_residual_norm(
         tiles["block_experts"] = fitted_tile(router.shape[0], tiles["block_experts"])
     options = _pallas_options(interpret, None, num_warps)
     power_of_two = width & (width - 1) == 0
-    if x.shape[0] > RESIDUAL_NORM_MAX_TOKENS or not (options["interpret"] or power_of_two):
+    num_tokens, experts = x.shape[0], 1 if router is None else router.shape[0]
+    too_many = num_tokens * experts > RESIDUAL_NORM_MAX_TOKEN_EXPERTS
+    if num_tokens > RESIDUAL_NORM_MAX_TOKENS or too_many:
+        return xla_form()
+    if not (options["interpret"] or power_of_two):
         return xla_form()
     return residual_norm_pallas(
         x, delta, weight, router, eps=eps, zero_centered=zero_centered, **tiles, **options

@@ -25,8 +25,12 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[4:]]
     names = {row[0].strip() for row in rows}
     checks = ("route_tokens", "sparse_moe", "gdn GdnConvTokens", "gdn GdnConvTokens.grouped")
-    assert names == {*checks, "conv ChannelGroups"}
+    assert names == {*checks, "conv ChannelGroups", "residual_norm"}
     assert all(row[2].strip().startswith("ok") for row in rows), rows
     # a tolerance no bf16 MoE meets fails the run
     monkeypatch.setattr(check, "MOE_TOL", 0.0)
+    assert check.main(["--smoke"]) == 1
+    monkeypatch.setattr(check, "MOE_TOL", 2.0**-5)
+    # and so does a residual-norm row over its tolerance (a negative one: every row is)
+    monkeypatch.setattr(check, "NORM_TOL", -1.0)
     assert check.main(["--smoke"]) == 1

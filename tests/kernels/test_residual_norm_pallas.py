@@ -61,12 +61,20 @@ def test_residual_norm_pallas_rejects_mismatched_inputs():
         residual_norm_pallas(x, delta, weight, router, block_experts=3, **options)
 
 
+LIMIT = backend.RESIDUAL_NORM_MAX_TOKENS
+PER_EXPERT = backend.RESIDUAL_NORM_MAX_TOKEN_EXPERTS
+
+
 @pytest.mark.parametrize(
-    "tokens", [backend.RESIDUAL_NORM_MAX_TOKENS, backend.RESIDUAL_NORM_MAX_TOKENS + 1]
+    "tokens,experts",
+    [(LIMIT, 8), (LIMIT + 1, 8), (LIMIT, 0), (LIMIT + 1, 0)]
+    + [(PER_EXPERT // 128, 128), (PER_EXPERT // 128 + 1, 128)],
 )
-def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
-    """Up to ``RESIDUAL_NORM_MAX_TOKENS`` the backend's launch; beyond, the caller's form."""
-    x, delta, weight, router = _case(np.random.default_rng(1), tokens, 32, 8)
+def test_dispatch_runs_the_kernel_up_to_the_limit(tokens, experts):
+    """Up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens, and tokens times experts up to
+    ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``, the backend's launch; beyond, the caller's form."""
+    x, delta, weight, router = _case(np.random.default_rng(1), tokens, 32, experts)
+    over = tokens > LIMIT or tokens * max(experts, 1) > PER_EXPERT
     calls = []
 
     def xla_form():
@@ -75,5 +83,5 @@ def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
 
     fused = backend.kernels_for("pallas", "cpu").residual_norm
     got = fused(x, delta, weight, router, eps=1e-6, xla_form=xla_form)
-    assert calls == ([] if tokens <= backend.RESIDUAL_NORM_MAX_TOKENS else [tokens])
+    assert calls == ([tokens] if over else [])
     np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(xla_form().normed))
