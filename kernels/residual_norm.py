@@ -105,12 +105,12 @@ def residual_norm_pallas(
     args = [x, delta, weight]
     out_specs = [row, row]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2
-    experts_tiles = 1
+    expert_tiles = 1
     if with_router:
         num_experts = router.shape[0]
         be = num_experts if block_experts is None else min(block_experts, num_experts)
         be = check_tile("block_experts", num_experts, be)
-        experts_tiles = num_experts // be
+        expert_tiles = num_experts // be
         in_specs.append(pl.BlockSpec((be, width), lambda n, j: (j, 0)))
         args.append(router)
         out_specs.append(pl.BlockSpec((1, be), lambda n, j: (n, j)))
@@ -120,7 +120,7 @@ def residual_norm_pallas(
     )
     outs = pl.pallas_call(
         kernel,
-        grid=(num_tokens, experts_tiles),
+        grid=(num_tokens, expert_tiles),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
