@@ -599,18 +599,17 @@ def _pallas_residual_norm(
     need a row that is not a power of two wide (Triton), ``xla_form()``, the caller's ops
     with the same contract."""
     tiles = {**DEFAULT_RESIDUAL_NORM_TILES, **tiles}
-    num_warps = tiles.pop("num_warps")
-    width = x.shape[-1]
+    options = _pallas_options(interpret, None, tiles.pop("num_warps"))
+    (num_tokens, width), experts = x.shape, 1 if router is None else router.shape[0]
+    too_many = (
+        num_tokens > RESIDUAL_NORM_MAX_TOKENS
+        or num_tokens * experts > RESIDUAL_NORM_MAX_TOKEN_EXPERTS
+    )
+    power_of_two = (width & (width - 1)) == 0
+    if too_many or not (options["interpret"] or power_of_two):
+        return xla_form()
     if router is not None:
-        tiles["block_experts"] = fitted_tile(router.shape[0], tiles["block_experts"])
-    options = _pallas_options(interpret, None, num_warps)
-    power_of_two = width & (width - 1) == 0
-    num_tokens, experts = x.shape[0], 1 if router is None else router.shape[0]
-    too_many = num_tokens * experts > RESIDUAL_NORM_MAX_TOKEN_EXPERTS
-    if num_tokens > RESIDUAL_NORM_MAX_TOKENS or too_many:
-        return xla_form()
-    if not (options["interpret"] or power_of_two):
-        return xla_form()
+        tiles["block_experts"] = fitted_tile(experts, tiles["block_experts"])
     return residual_norm_pallas(
         x, delta, weight, router, eps=eps, zero_centered=zero_centered, **tiles, **options
     )

@@ -57,7 +57,9 @@ def _check(x: jax.Array, delta: jax.Array, weight: jax.Array, router: jax.Array 
         raise ValueError(f"router {router.shape} must be [E, {x.shape[1]}]")
 
 
-def _scale(weight: jax.Array, zero_centered: bool) -> jax.Array:
+def norm_scale(weight: jax.Array, zero_centered: bool) -> jax.Array:
+    """An RMSNorm's float32 scale: ``1 + weight`` with ``zero_centered``, else ``weight``
+    (``layers.norms.rms_norm`` scales by it too)."""
     scale = weight.astype(jnp.float32)
     return 1.0 + scale if zero_centered else scale
 
@@ -71,7 +73,7 @@ def _kernel(*refs, eps, zero_centered, with_router):
     total = x_ref[0, :].astype(jnp.float32) + delta_ref[0, :].astype(jnp.float32)
     row = total.astype(dtype).astype(jnp.float32)  # rounded as ``x + delta`` is
     inv = jax.lax.rsqrt(jnp.mean(row * row) + eps)
-    normed = (row * inv * _scale(weight_ref[...], zero_centered)).astype(dtype)
+    normed = (row * inv * norm_scale(weight_ref[...], zero_centered)).astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
     def _():

@@ -8,7 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.residual_norm import ResidualNorm
+from lazyspec.kernels.residual_norm import ResidualNorm, norm_scale
+from lazyspec.models.layers.moe import router_logits
 
 
 def _normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -27,10 +28,7 @@ def rms_norm(
     initialised at 0); ``False`` is the usual ``weight * normed`` (Llama, Nemotron-H).
     Returns an array of ``x``'s shape and dtype; nothing is mutated.
     """
-    scale = weight.astype(jnp.float32)
-    if zero_centered:
-        scale = 1.0 + scale
-    return (_normalize(x, eps) * scale).astype(x.dtype)
+    return (_normalize(x, eps) * norm_scale(weight, zero_centered)).astype(x.dtype)
 
 
 def residual_rms_norm(
@@ -47,9 +45,7 @@ def residual_rms_norm(
     ``Kernels.residual_norm`` launch, and its reference."""
     residual = x + delta
     normed = rms_norm(residual, weight, eps, zero_centered=zero_centered)
-    logits = None
-    if router is not None:
-        logits = jnp.matmul(normed.astype(jnp.float32), router.astype(jnp.float32).T)
+    logits = None if router is None else router_logits({"gate": router}, normed)
     return ResidualNorm(residual, normed, logits)
 
 
