@@ -4,6 +4,7 @@ XLA forms are checked against ``grouped_experts`` and timed, and the table says 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -24,7 +25,9 @@ def test_bench_moe_smoke_checks_every_form(tmp_path, monkeypatch):
     assert impls == ["pallas", "xla grouped_experts", "xla dense einsum"]
     for row in rows:
         assert row[4].strip().startswith("ok"), row
-        assert float(row[5]) != 0.0 and float(row[6]) > 0.0, row
+        # timed: a number (a difference of two chains' medians, so on a busy CPU a tiny
+        # form's may come out at or below zero), and the routed bytes counted
+        assert math.isfinite(float(row[5])) and float(row[6]) > 0.0, row
 
 
 def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
