@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import jax
 
+from lazyspec.kernels.attention_prologue import all_powers_of_two, attention_prologue_pallas
 from lazyspec.kernels.conv_update import (
     ChannelGroups,
     ConvUpdateResult,
@@ -140,6 +141,9 @@ MOE_WIDE_OUT_TOKENS = 16
 # largest measured (an H200, BENCHMARKS) is 64 tokens of 64 experts.
 RESIDUAL_NORM_MAX_TOKENS = 64
 RESIDUAL_NORM_MAX_TOKEN_EXPERTS = 64 * 64
+# The attention prologue's launch up to a decode or verify step's token count (a program
+# a token and kv head); a prefill chunk's norms and scatters stay XLA's fusions.
+ATTENTION_PROLOGUE_MAX_TOKENS = 64
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
 
 
@@ -615,6 +619,55 @@ def _pallas_residual_norm(
     )
 
 
+def _pallas_attention_prologue(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    write_idx: jax.Array,
+    num_new: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
+    *,
+    eps: float,
+    zero_centered: bool = False,
+    rotary_dim: int = 0,
+    rope_theta: float = 10000.0,
+    xla_form: Callable[[], tuple[jax.Array, jax.Array, jax.Array]],
+    interpret: bool = False,
+    num_warps: int = 4,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``attention_prologue_pallas`` up to ``ATTENTION_PROLOGUE_MAX_TOKENS`` tokens; else,
+    or where a compiled launch would move a block that is not a power of two (Triton: the
+    query heads of a kv head, a head's width with its gate, a piece of a head), ``xla_form()``,
+    the caller's ops with the same contract."""
+    options = _pallas_options(interpret, None, num_warps)
+    head_dim, groups = k.shape[2], q.shape[1] // k.shape[1]
+    blocks = (groups, q.shape[2], head_dim)
+    fits = all(n & (n - 1) == 0 for n in blocks) and all_powers_of_two(head_dim, rotary_dim)
+    if q.shape[0] > ATTENTION_PROLOGUE_MAX_TOKENS or not (options["interpret"] or fits):
+        return xla_form()
+    return attention_prologue_pallas(
+        q,
+        k,
+        v,
+        positions,
+        write_idx,
+        num_new,
+        k_pool,
+        v_pool,
+        q_norm,
+        k_norm,
+        eps=eps,
+        zero_centered=zero_centered,
+        rotary_dim=rotary_dim,
+        rope_theta=rope_theta,
+        **options,
+    )
+
+
 def _pallas_paged_attention(
     q: jax.Array,
     k_pool: jax.Array,
@@ -666,6 +719,10 @@ PagedAttentionFn = Callable[..., jax.Array]
 # (x, delta, weight, router=None, *, eps, zero_centered, xla_form) -> ResidualNorm, as
 # ``residual_norm.residual_norm_pallas``; ``xla_form()`` computes the same by XLA
 ResidualNormFn = Callable[..., ResidualNorm]
+# (q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm=None, k_norm=None, *,
+# eps, zero_centered, rotary_dim, rope_theta, xla_form) -> (q, k_pool, v_pool), as
+# ``attention_prologue.attention_prologue_pallas``; ``xla_form()`` computes the same by XLA
+AttentionPrologueFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 @dataclass(frozen=True)
@@ -686,10 +743,13 @@ class Kernels:
     attention layers run their masked jnp form. ``residual_norm`` (``ResidualNormFn``) adds
     a sublayer's output to the residual stream and norms it, with a MoE router's logits,
     in one launch for a decode step's token counts (XLA's fusions beyond); None on XLA, on
-    TPU and per shard, where the layers run the ops themselves. Compared and hashed by
-    backend, platform, MoE runner and mesh (the functions follow from them): ``mesh`` is
-    None for whole-array calls, else the tensor-parallel mesh whose shards each call runs
-    on (``engine.shard_kernels``)."""
+    TPU and per shard, where the layers run the ops themselves. ``attention_prologue``
+    (``AttentionPrologueFn``) norms and rotates an attention layer's q and k and writes its
+    new K / V rows into the pools, in one launch for a decode or verify step's token counts
+    (the layers use it beside ``paged_attention``); None where ``residual_norm`` is.
+    Compared and hashed by backend, platform, MoE runner and mesh (the functions follow
+    from them): ``mesh`` is None for whole-array calls, else the tensor-parallel mesh whose
+    shards each call runs on (``engine.shard_kernels``)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
@@ -703,6 +763,7 @@ class Kernels:
     state_copy: StateCopyFn = field(default=state_copy_xla, compare=False)
     conv_update: ConvUpdateFn | None = field(default=None, compare=False)
     residual_norm: ResidualNormFn | None = field(default=None, compare=False)
+    attention_prologue: AttentionPrologueFn | None = field(default=None, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -725,10 +786,11 @@ def kernels_for(
     if platform == "tpu":
         update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
         attention, copy, conv, norm = None, state_copy_xla, None, None
+        prologue = None
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
         attention, copy, conv = _pallas_paged_attention, _pallas_state_copy, _pallas_conv_update
-        norm = _pallas_residual_norm
+        norm, prologue = _pallas_residual_norm, _pallas_attention_prologue
     if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
         moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
     gdn_update = functools.partial(update, "gdn")
@@ -747,4 +809,5 @@ def kernels_for(
         state_copy=copy,
         conv_update=conv,
         residual_norm=norm,
+        attention_prologue=prologue,
     )

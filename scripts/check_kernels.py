@@ -1,6 +1,6 @@
 """Check the decode step's fused kernels on this machine's backend against their references.
 
-Five checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
+Six checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
 CPU, where the kernels run in interpret mode):
 
 * ``route_tokens``, the routed-experts kernel's routing program (``TokenRouting``): each
@@ -23,7 +23,12 @@ CPU, where the kernels run in interpret mode):
   rows within ``2**-7`` of the largest (the kernel norms the residual rounded to bf16, as
   the model's ops are written; XLA may keep it in float32), the logits within ``1e-5`` of
   the largest of the kernel's own normed rows times the router (float32 sums in another
-  order).
+  order);
+* the attention prologue in one launch (``Kernels.attention_prologue``: the q / k norms,
+  the rotation, the K / V write) against the model's ops (``attention.norm_rope`` then
+  ``write_kv``), Qwen3-Next's heads (the gates beside the queries): queries and written K
+  rows within ``2**-7`` of the largest (XLA may keep float32 between the rotation's ops),
+  the V rows and every row not written equal.
 
 Exit status 1 if any check fails.
 
@@ -44,7 +49,7 @@ import numpy as np
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels import state_update as su
-from lazyspec.models.layers import gdn, moe, norms
+from lazyspec.models.layers import attention, gdn, moe, norms
 from lazyspec.models.layers.state_kernels import gdn_tokens
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
@@ -58,6 +63,8 @@ WIDTHS = {
     "qwen3-next": (2048, (64, 256, 512), 10, 512, 16, 32, 128),
     "smoke": (32, (8, 12), 3, 16, 2, 4, 8),
 }
+# (query heads, kv heads, head dim, rotated channels) of an attention layer
+ATTENTION_WIDTHS = {"qwen3-next": (16, 2, 256, 64), "smoke": (4, 2, 16, 8)}
 
 
 def launch_options() -> dict:
@@ -232,6 +239,68 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
     return rows
 
 
+def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
+    """``Kernels.attention_prologue`` against the model's ops, batches of ``(B, T)``."""
+    num_heads, num_kv_heads, head_dim, rotary = widths
+    spec = attention.AttentionSpec(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        rotary_dim=rotary,
+        rope_theta=10_000_000.0,
+        qk_norm=True,
+        zero_centered_qk_norm=True,
+        output_gate=True,
+    )
+
+    def want_of(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm):
+        params = {"q_norm": q_norm, "k_norm": k_norm}
+        q, k, v = (a.reshape(*positions.shape, *a.shape[1:]) for a in (q, k, v))
+        q, k = attention.norm_rope(params, spec, q[..., :head_dim], k, positions)
+        pools = attention.write_kv(k_pool, v_pool, k, v, write_idx, num_new)
+        return (q.reshape(-1, *q.shape[2:]), *pools)
+
+    options = {"eps": spec.norm_eps, "zero_centered": True, "rotary_dim": rotary}
+    options["rope_theta"] = spec.rope_theta
+    prologue = backend.kernels_for("pallas").attention_prologue
+    got_of = jax.jit(lambda *a: prologue(*a, **options, xla_form=None))
+
+    def err(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+    rows = []
+    for batch, tokens in shapes:
+        num, pool_rows = batch * tokens, 4 * batch * tokens + 8
+        bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+        write_idx = 1 + rng.permutation(pool_rows - 1)[:num].reshape(batch, tokens)
+        args = (
+            bf16(num, num_heads, 2 * head_dim),
+            bf16(num, num_kv_heads, head_dim),
+            bf16(num, num_kv_heads, head_dim),
+            jnp.asarray(rng.integers(0, 250_000, (batch, tokens)), jnp.int32),
+            jnp.asarray(write_idx, jnp.int32),
+            jnp.asarray(rng.integers(1, tokens + 1, batch), jnp.int32),
+            bf16(pool_rows, num_kv_heads, head_dim),
+            bf16(pool_rows, num_kv_heads, head_dim),
+            *(bf16(head_dim) * 0.1 for _ in range(2)),
+        )
+        want = jax.jit(want_of)(*args)
+        got = got_of(*args)
+        new = np.zeros(pool_rows, bool)
+        new[write_idx[np.arange(tokens)[None] < np.asarray(args[5])[:, None]]] = True
+        errs = [err(got[0], want[0]), err(got[1][new], want[1][new])]
+        exact = [
+            np.array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)),
+            np.array_equal(np.asarray(got[1])[~new], np.asarray(args[6])[~new]),
+        ]
+        ok = max(errs) <= NORM_TOL and all(exact)
+        verdict = "ok" if ok else "over the tolerance"
+        found = f"q {errs[0]:.2e}, k rows {errs[1]:.2e}, v and other rows equal: {all(exact)}"
+        rows.append(("attention_prologue", f"{batch} x {tokens} tokens", f"{verdict}: {found}"))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
@@ -258,6 +327,11 @@ def main(argv=None) -> int:
             rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4))
         ),
         lambda: check_residual_norm(rng, (1, 2, 3) if args.smoke else (1, 2, 16, 64), widths),
+        lambda: check_attention_prologue(
+            rng,
+            ((1, 1), (2, 3)) if args.smoke else ((1, 1), (16, 1), (64, 1), (4, 4)),
+            ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
+        ),
     ):
         found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]
         print("\n".join(found), flush=True)  # each check's rows as it ends

@@ -274,5 +274,6 @@ def per_shard(kernels: Kernels, plan: ShardingPlan) -> Kernels:
         paged_attention=wrap(kernels.paged_attention, _paged_attention),
         conv_update=wrap(kernels.conv_update, _conv_update),
         residual_norm=None,  # the layers' own ops, which XLA partitions
+        attention_prologue=None,
         mesh=plan.mesh,
     )

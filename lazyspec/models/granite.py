@@ -328,6 +328,7 @@ def forward(
             k_pools[a],
             v_pools[a],
             kernels.paged_attention,
+            kernels.attention_prologue,
         )
         return out
 

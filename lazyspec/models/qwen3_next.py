@@ -383,6 +383,7 @@ def _attention_layer(
         k_pool,
         v_pool,
         kernels.paged_attention,
+        kernels.attention_prologue,
     )
     return mlp_block(lp, cfg, kind, x, kernels, real, h), k_pool, v_pool
 

@@ -47,6 +47,50 @@ def test_forward_calls_the_paged_attention_it_is_given(family):
     assert calls == [(pool.shape, True) for pool in kv.k] and calls
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid"])
+def test_forward_uses_the_attention_prologue_it_is_given(family):
+    """With a paged attention, every attention layer hands its raw projections to
+    ``Kernels.attention_prologue`` (with its norms' weights where it has them) and runs on
+    what it returns: the XLA form behind a recorder gives the forward without a prologue
+    exactly; altered queries or an altered V pool change the output."""
+    model = tiny_model(family)
+    cfg = model.config
+    spec = cfg.arch.attention
+    rng = np.random.default_rng(15)
+    kv, rec = _random_caches(rng, cfg, 2)
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
+    base = dataclasses.replace(XLA_KERNELS, paged_attention=paged_attention_reference)
+
+    def run(kernels):
+        out = model.family.forward(
+            model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels
+        )
+        return np.asarray(out[0])
+
+    def recorder(alter=lambda out: out):
+        calls = []
+
+        def prologue(q, k, v, positions, write_idx, num_new, k_pool, v_pool, *norms, **kw):
+            assert q.shape[:2] == (2 * WIDTH, spec.num_heads) and k.shape == v.shape
+            assert positions is inputs.positions and write_idx is inputs.kv_write_idx
+            assert kw["rotary_dim"] == spec.rotary_dim
+            calls.append((k_pool.shape, sum(n is not None for n in norms)))
+            return alter(kw["xla_form"]())
+
+        return dataclasses.replace(base, attention_prologue=prologue), calls
+
+    kernels, calls = recorder()
+    np.testing.assert_array_equal(run(kernels), run(base))
+    norms = 2 if spec.qk_norm else 0
+    assert calls == [(pool.shape, norms) for pool in kv.k] and calls
+    want = run(base)
+    for alter in (
+        lambda out: (out[0] + 10.0, *out[1:]),
+        lambda out: (out[0], out[1], out[2] + 1.0),
+    ):
+        assert np.abs(run(recorder(alter)[0]) - want).max() > 1e-3 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("mode", ["verify", "extend"])
 def test_pallas_attention_forward_matches_jnp_form_pallas(mode):
     """Qwen3-Next's forward with the Pallas kernels equals the XLA forward on every real

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import PagedAttentionFn
+from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
@@ -71,24 +71,30 @@ def attention_plan(prefix: str, hidden_size: int, spec: AttentionSpec) -> Params
     return plan
 
 
-def project_qkv(
-    params: Params, spec: AttentionSpec, x: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (normed and rotated) and the gate.
-
-    The gate is ``[B, T, Hq * D]`` (pre-sigmoid) with ``output_gate``, else None.
-    """
+def _projections(
+    params: Params, spec: AttentionSpec, x: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The raw projections: q ``[..., Hq, Dq]`` (``Dq = 2 * D`` with ``output_gate``: a
+    head's query then its gate), k, v ``[..., Hkv, D]``."""
     lead = x.shape[:-1]
-    q_out = linear(params["q_proj"], x)
-    gate = None
-    if spec.output_gate:
-        q_out = q_out.reshape(*lead, spec.num_heads, 2 * spec.head_dim)
-        q, gate = q_out[..., : spec.head_dim], q_out[..., spec.head_dim :]
-        gate = gate.reshape(*lead, spec.num_heads * spec.head_dim)
-    else:
-        q = q_out.reshape(*lead, spec.num_heads, spec.head_dim)
+    q_out = linear(params["q_proj"], x).reshape(*lead, spec.num_heads, -1)
     k = linear(params["k_proj"], x).reshape(*lead, spec.num_kv_heads, spec.head_dim)
     v = linear(params["v_proj"], x).reshape(*lead, spec.num_kv_heads, spec.head_dim)
+    return q_out, k, v
+
+
+def _gate(spec: AttentionSpec, q_out: jax.Array) -> jax.Array | None:
+    """The output gate ``[..., Hq * D]`` (pre-sigmoid) with ``output_gate``, else None."""
+    if not spec.output_gate:
+        return None
+    return q_out[..., spec.head_dim :].reshape(*q_out.shape[:-2], -1)
+
+
+def norm_rope(
+    params: Params, spec: AttentionSpec, q: jax.Array, k: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """q ``[..., T, Hq, D]`` and k ``[..., T, Hkv, D]`` normed (``qk_norm``) and rotated at
+    ``positions [..., T]``."""
     if spec.qk_norm:
         zc = spec.zero_centered_qk_norm
         q = rms_norm(q, params["q_norm"], spec.norm_eps, zero_centered=zc)
@@ -96,7 +102,19 @@ def project_qkv(
     if spec.rotary_dim:
         cos, sin = rope_cos_sin(positions, spec.rotary_dim, spec.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return q, k, v, gate
+    return q, k
+
+
+def project_qkv(
+    params: Params, spec: AttentionSpec, x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (normed and rotated) and the gate.
+
+    The gate is ``[B, T, Hq * D]`` (pre-sigmoid) with ``output_gate``, else None.
+    """
+    q_out, k, v = _projections(params, spec, x)
+    q, k = norm_rope(params, spec, q_out[..., : spec.head_dim], k, positions)
+    return q, k, v, _gate(spec, q_out)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
@@ -148,6 +166,49 @@ def write_kv(
     return k_pool, v_pool
 
 
+def _prologue(
+    params: Params,
+    spec: AttentionSpec,
+    x: jax.Array,
+    positions: jax.Array,
+    num_new: jax.Array,
+    kv_write_idx: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    prologue: AttentionPrologueFn,
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+    """The projections, then the norms, the rotation and the K / V write in ``prologue``
+    (a ``Kernels`` entry, handed these ops as its XLA form): (q ``[B, T, Hq, D]``, the
+    gate, k_pool, v_pool)."""
+    q_out, k, v = _projections(params, spec, x)
+    lead = x.shape[:-1]
+
+    def xla_form():
+        q, k_new = norm_rope(params, spec, q_out[..., : spec.head_dim], k, positions)
+        pools = write_kv(k_pool, v_pool, k_new, v, kv_write_idx, num_new)
+        return (q.reshape(-1, *q.shape[-2:]), *pools)
+
+    flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731  [B * T, H, D]
+    norms = [params["q_norm"], params["k_norm"]] if spec.qk_norm else [None, None]
+    q, k_pool, v_pool = prologue(
+        flat(q_out),
+        flat(k),
+        flat(v),
+        positions,
+        kv_write_idx,
+        num_new,
+        k_pool,
+        v_pool,
+        *norms,
+        eps=spec.norm_eps,
+        zero_centered=spec.zero_centered_qk_norm,
+        rotary_dim=spec.rotary_dim,
+        rope_theta=spec.rope_theta,
+        xla_form=xla_form,
+    )
+    return q.reshape(*lead, *q.shape[1:]), _gate(spec, q_out), k_pool, v_pool
+
+
 @jax.named_scope("attention")
 def attention_forward(
     params: Params,
@@ -161,17 +222,24 @@ def attention_forward(
     k_pool: jax.Array,
     v_pool: jax.Array,
     paged_attention: PagedAttentionFn | None = None,
+    prologue: AttentionPrologueFn | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention layer over the pools: write the new K/V, then attend to the context.
 
     x ``[B, T, hidden]``; query t of row b sees context positions ``c < ctx_len[b]`` with
     ``c <= positions[b, t]``. With ``paged_attention`` (a ``Kernels`` entry) the attention
-    runs in that kernel, which reads only the table entries below ``ctx_len``; without, the
-    whole ``kv_read_idx`` table is gathered and masked. Returns (output ``[B, T, hidden]``,
-    k_pool, v_pool).
+    runs in that kernel, which reads only the table entries below ``ctx_len``, and with
+    ``prologue`` too the norms, the rotation and the K/V write run in that one (both
+    ``Kernels`` entries); without, the whole ``kv_read_idx`` table is gathered and masked.
+    Returns (output ``[B, T, hidden]``, k_pool, v_pool).
     """
-    q, k, v, gate = project_qkv(params, spec, x, positions)
-    k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
+    if paged_attention is not None and prologue is not None:
+        q, gate, k_pool, v_pool = _prologue(
+            params, spec, x, positions, num_new, kv_write_idx, k_pool, v_pool, prologue
+        )
+    else:
+        q, k, v, gate = project_qkv(params, spec, x, positions)
+        k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
     if paged_attention is not None:
         out = paged_attention(q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale)
         return _output(params, out, gate), k_pool, v_pool

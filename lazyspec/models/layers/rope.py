@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def inverse_frequencies(rotary_dim: int, theta: float) -> np.ndarray:
-    """The ``rotary_dim // 2`` inverse frequencies ``theta ** (-2i / rotary_dim)`` (float32)."""
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
-    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
-    return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+from lazyspec.kernels.attention_prologue import inverse_frequencies
 
 
 def rope_cos_sin(

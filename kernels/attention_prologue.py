@@ -1,0 +1,247 @@
+"""An attention layer's prologue in one Pallas launch: the q / k RMSNorms, the rotary
+embedding and the write of the new K / V rows into the pools.
+
+Contract. ``q [N, Hq, Dq]`` (``Dq >= D``: the first D channels of a head are its query; the
+rest, Qwen3-Next's output gate, are neither read nor returned), ``k``, ``v [N, Hkv, D]``
+(``Hq % Hkv == 0``), the N tokens of a ``[B, T]`` batch row-major (``N = B * T``);
+``positions``, ``write_idx [B, T]`` and ``num_new [B]`` integers; pools ``[R, Hkv, D]``.
+Optional ``q_norm`` / ``k_norm [D]`` (RMSNorm over a head's D channels, float32
+statistics, scale ``1 + w`` with ``zero_centered``, rounded to q's dtype), then the
+rotate-half rotary embedding of the first ``rotary_dim`` channels at ``positions``
+(``layers.rope``: cos / sin in float32 rounded to q's dtype). Returns ``(q_out [N, Hq, D]``
+in q's dtype, ``k_pool``, ``v_pool)``: the pools with row ``write_idx[b, t]`` set to token
+(b, t)'s k (normed and rotated, in k's dtype, then the pool's) and v, for ``t < num_new[b]``
+and ``0 <= write_idx < R``; no other row changes. The reference is the model's own ops
+(``layers.attention.project_qkv``'s norms and rotation, then ``write_kv``), which XLA runs
+as several fusions and two scatters. Every rounding of those ops is made here too (the
+normed heads, cos and sin, each product and sum of the rotation, to q's dtype): on CPU the
+two forms are equal bit for bit; XLA on a GPU may keep float32 between the ops it fuses,
+so there they agree to q's dtype's rounding.
+
+Kernel: grid ``(token, kv head)``; a program reads the ``Hq / Hkv`` query heads of its kv
+head and the kv head's k and v, and writes its query heads and, where the token is new, its
+pool rows (the pools are whole-array refs aliased in place; the rows are named by
+``write_idx`` inside the kernel). A head's channels move as pieces whose widths are powers
+of two (Triton): the two halves of the rotated channels, then the passed channels in
+power-of-two parts, so the rotation pairs whole pieces and no value is shuffled.
+
+Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
+lowering (``Hq / Hkv`` and the pieces powers of two). Not written for TPUs (whole-array
+pool refs would be staged into VMEM).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from lazyspec.kernels.residual_norm import norm_scale
+from lazyspec.kernels.state_update import whole
+
+
+def pieces(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
+    """A head's channels as ``(start, width)`` pieces: with a rotation, its two halves
+    first, then the passed channels ``[rotary_dim, head_dim)`` cut into powers of two, the
+    largest first."""
+    if rotary_dim < 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in [0, head_dim={head_dim}]")
+    half = rotary_dim // 2
+    out = [(0, half), (half, half)] if half else []
+    start = rotary_dim
+    while start < head_dim:
+        width = 1 << ((head_dim - start).bit_length() - 1)
+        out.append((start, width))
+        start += width
+    return tuple(out)
+
+
+def all_powers_of_two(head_dim: int, rotary_dim: int) -> bool:
+    """Whether every piece (``pieces``) is a power of two wide, as Triton needs."""
+    return all(width & (width - 1) == 0 for _, width in pieces(head_dim, rotary_dim))
+
+
+def inverse_frequencies(rotary_dim: int, theta: float) -> np.ndarray:
+    """The ``rotary_dim // 2`` inverse frequencies ``theta ** (-2i / rotary_dim)`` (float32),
+    of this launch and of ``layers.rope``."""
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+
+
+def _prepare(load, weight_ref, parts, *, eps, zero_centered, dtype):
+    """The pieces of one head (or heads, on the leading axis) as float32, normed (rounded
+    to ``dtype`` as ``rms_norm`` rounds) where a norm weight is given."""
+    values = [load(start, width).astype(jnp.float32) for start, width in parts]
+    if weight_ref is None:
+        return values
+    head_dim = sum(width for _, width in parts)
+    total = sum(jnp.sum(p * p, axis=-1, keepdims=True) for p in values)
+    inv = jax.lax.rsqrt(total / head_dim + eps)
+    normed = []
+    for (start, width), p in zip(parts, values):
+        scale = norm_scale(weight_ref[pl.ds(start, width)], zero_centered)
+        normed.append((p * inv * scale).astype(dtype).astype(jnp.float32))
+    return normed
+
+
+def _rotate(values, cos, sin, rotated: bool, dtype):
+    """Each piece in ``dtype``; with a rotation, the first two pieces (the halves) become
+    ``lo * cos - hi * sin`` and ``hi * cos + lo * sin``, every product and sum rounded to
+    ``dtype`` as ``layers.rope.apply_rope``'s ops in that dtype are."""
+    if not rotated:
+        return [p.astype(dtype) for p in values]
+
+    def rounded(x):
+        return x.astype(dtype).astype(jnp.float32)
+
+    lo, hi = values[0], values[1]
+    first = rounded(lo * cos) - rounded(hi * sin)
+    second = rounded(hi * cos) + rounded(lo * sin)
+    return [p.astype(dtype) for p in (first, second, *values[2:])]
+
+
+def _kernel(
+    pos_ref,
+    idx_ref,
+    num_new_ref,
+    *refs,
+    parts,
+    num_tokens,
+    eps,
+    zero_centered,
+    has_q_norm,
+    has_k_norm,
+    rotated,
+):
+    refs = list(refs)
+    q_ref, k_ref, v_ref = refs[:3]
+    rest = refs[3:]
+    q_norm_ref = rest.pop(0) if has_q_norm else None
+    k_norm_ref = rest.pop(0) if has_k_norm else None
+    inv_freq_ref = rest.pop(0) if rotated else None
+    _, _, q_out_ref, k_pool_ref, v_pool_ref = rest  # the pools' in refs are aliased
+    n, h = pl.program_id(0), pl.program_id(1)
+    b, t = n // num_tokens, n % num_tokens
+    dtype = q_out_ref.dtype
+    cos = sin = None
+    if rotated:
+        angles = pos_ref[b, t].astype(jnp.float32) * inv_freq_ref[...]
+        cos = jnp.cos(angles).astype(dtype).astype(jnp.float32)
+        sin = jnp.sin(angles).astype(dtype).astype(jnp.float32)
+    options = {"eps": eps, "zero_centered": zero_centered, "dtype": dtype}
+    q = _prepare(lambda s, w: q_ref[:, pl.ds(s, w)], q_norm_ref, parts, **options)
+    for (start, width), piece in zip(parts, _rotate(q, cos, sin, rotated, dtype)):
+        q_out_ref[:, pl.ds(start, width)] = piece
+    k = _prepare(lambda s, w: k_ref[pl.ds(s, w)], k_norm_ref, parts, **options)
+    k = _rotate(k, cos, sin, rotated, k_ref.dtype)
+    row = idx_ref[b, t]
+    new = (t < num_new_ref[b]) & (row >= 0) & (row < k_pool_ref.shape[0])
+
+    @pl.when(new)
+    def _():
+        for (start, width), piece in zip(parts, k):
+            k_pool_ref[row, h, pl.ds(start, width)] = piece.astype(k_pool_ref.dtype)
+            values = v_ref[pl.ds(start, width)]
+            v_pool_ref[row, h, pl.ds(start, width)] = values.astype(v_pool_ref.dtype)
+
+
+def _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm) -> None:
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [N, H, D] with k == v")
+    num, num_kv_heads, head_dim = k.shape
+    if q.shape[0] != num or q.shape[2] < head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q {q.shape} must be [{num}, a multiple of {num_kv_heads} heads, >= {head_dim}]"
+        )
+    if k_pool.shape != v_pool.shape or k_pool.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"pools {k_pool.shape} / {v_pool.shape} must both be [R, {num_kv_heads}, {head_dim}]"
+        )
+    if positions.ndim != 2 or write_idx.shape != positions.shape or positions.size != num:
+        raise ValueError(
+            f"positions {positions.shape} and write_idx {write_idx.shape} must be one [B, T] "
+            f"of {num} tokens"
+        )
+    if num_new.shape != positions.shape[:1]:
+        raise ValueError(f"num_new {num_new.shape} must be [{positions.shape[0]}]")
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None and weight.shape != (head_dim,):
+            raise ValueError(f"{name} {weight.shape} must be [{head_dim}]")
+
+
+def attention_prologue_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    write_idx: jax.Array,
+    num_new: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+    zero_centered: bool = False,
+    rotary_dim: int = 0,
+    rope_theta: float = 10000.0,
+    interpret: bool = False,
+    compiler_params: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The launch (module docstring); pure, the pools returned (aliased in place)."""
+    _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm)
+    num, num_kv_heads, head_dim = k.shape
+    groups = q.shape[1] // num_kv_heads
+    parts = pieces(head_dim, rotary_dim)
+    ints = [a.astype(jnp.int32) for a in (positions, write_idx, num_new)]
+    args = [*ints, q, k, v]
+    in_specs = [whole()] * 3 + [
+        pl.BlockSpec((None, groups, q.shape[2]), lambda n, h: (n, h, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h, 0)),
+    ]
+    for weight in (q_norm, k_norm):
+        if weight is not None:
+            args.append(weight)
+            in_specs.append(whole())
+    if rotary_dim:
+        args.append(jnp.asarray(inverse_frequencies(rotary_dim, rope_theta)))
+        in_specs.append(whole())
+    first_pool = len(args)
+    args += [k_pool, v_pool]
+    in_specs += [whole(), whole()]
+    kernel = functools.partial(
+        _kernel,
+        parts=parts,
+        num_tokens=positions.shape[1],
+        eps=eps,
+        zero_centered=zero_centered,
+        has_q_norm=q_norm is not None,
+        has_k_norm=k_norm is not None,
+        rotated=bool(rotary_dim),
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num, num_kv_heads),
+        in_specs=in_specs,
+        out_specs=(
+            pl.BlockSpec((None, groups, head_dim), lambda n, h: (n, h, 0)),
+            whole(),
+            whole(),
+        ),
+        out_shape=(
+            jax.ShapeDtypeStruct((num, q.shape[1], head_dim), q.dtype),
+            jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+            jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype),
+        ),
+        input_output_aliases={first_pool: 1, first_pool + 1: 2},
+        name="attention_prologue",
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(*args)

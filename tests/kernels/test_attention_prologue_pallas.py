@@ -1,0 +1,227 @@
+"""The attention prologue (Pallas, interpret mode) against the model's own ops
+(``layers.attention.norm_rope`` then ``write_kv``), its Triton lowering, and the backend's
+dispatch by token count and block sizes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazyspec.kernels import backend
+from lazyspec.kernels.attention_prologue import attention_prologue_pallas, pieces
+from lazyspec.models.layers.attention import AttentionSpec, norm_rope, write_kv
+
+pytestmark = pytest.mark.pallas
+
+POOL_ROWS = 24
+
+# (query heads, kv heads, head dim, rotary dim, q/k norm, zero-centred, gate): Qwen3-Next's
+# kind (partial rotation, zero-centred norms, the gate beside each query), a full rotation
+# without norms, norms without rotation, and Nemotron-H's kind (neither; one query head a
+# kv head)
+KINDS = {
+    "qwen3_next": (8, 2, 32, 8, True, True, True),
+    "full_rope": (4, 2, 16, 16, False, False, False),
+    "norm_only": (4, 1, 32, 0, True, False, False),
+    "plain": (2, 2, 16, 0, False, False, False),
+}
+
+
+def _spec(kind: str) -> AttentionSpec:
+    hq, hkv, d, rotary, norm, zc, gate = KINDS[kind]
+    return AttentionSpec(
+        hq, hkv, d, rotary_dim=rotary, qk_norm=norm, zero_centered_qk_norm=zc, output_gate=gate
+    )
+
+
+def _case(rng, spec: AttentionSpec, batch: int, tokens: int, pool_rows: int = POOL_ROWS):
+    width = spec.head_dim * (2 if spec.output_gate else 1)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+    case = {
+        "q": normal(batch, tokens, spec.num_heads, width),
+        "k": normal(batch, tokens, spec.num_kv_heads, spec.head_dim),
+        "v": normal(batch, tokens, spec.num_kv_heads, spec.head_dim),
+        "positions": jnp.asarray(rng.integers(0, 40000, (batch, tokens)), jnp.int32),
+        # distinct rows, never row 0
+        "write_idx": jnp.asarray(
+            1 + rng.permutation(pool_rows - 1)[: batch * tokens].reshape(batch, tokens)
+        ),
+        "num_new": jnp.asarray([tokens] + [tokens - 1] * (batch - 1), jnp.int32),
+        "k_pool": normal(pool_rows, spec.num_kv_heads, spec.head_dim),
+        "v_pool": normal(pool_rows, spec.num_kv_heads, spec.head_dim),
+    }
+    if batch * tokens > 1:  # the last token of row 0 points past the pools
+        case["write_idx"] = case["write_idx"].at[0, -1].set(pool_rows + 3)
+    params = {}
+    if spec.qk_norm:
+        params = {name: normal(spec.head_dim, scale=0.2) for name in ("q_norm", "k_norm")}
+    return case, params
+
+
+def _model_ops(spec: AttentionSpec, case: dict, params: dict):
+    """The XLA ops the launch stands for: (q [N, Hq, D], k_pool, v_pool)."""
+    q = case["q"][..., : spec.head_dim]
+    q, k = norm_rope(params, spec, q, case["k"], case["positions"])
+    pools = write_kv(
+        case["k_pool"], case["v_pool"], k, case["v"], case["write_idx"], case["num_new"]
+    )
+    return (q.reshape(-1, *q.shape[2:]), *pools)
+
+
+def _launch(spec: AttentionSpec, case: dict, params: dict, **options):
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    return attention_prologue_pallas(
+        flat(case["q"]),
+        flat(case["k"]),
+        flat(case["v"]),
+        case["positions"],
+        case["write_idx"],
+        case["num_new"],
+        case["k_pool"],
+        case["v_pool"],
+        params.get("q_norm"),
+        params.get("k_norm"),
+        eps=spec.norm_eps,
+        zero_centered=spec.zero_centered_qk_norm,
+        rotary_dim=spec.rotary_dim,
+        rope_theta=spec.rope_theta,
+        **options,
+    )
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 2)])
+def test_prologue_equals_the_model_ops_pallas(kind, batch, tokens):
+    """The query heads and both pools equal the model's ops bit for bit: the new rows of
+    the tokens below ``num_new`` written, the rows of the others, the row past the pools
+    and every other row as they were."""
+    spec = _spec(kind)
+    case, params = _case(np.random.default_rng(batch * 10 + tokens), spec, batch, tokens)
+    got = _launch(spec, case, params, interpret=True)
+    want = _model_ops(spec, case, params)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    written = np.asarray(case["write_idx"])[
+        np.arange(tokens)[None, :] < np.asarray(case["num_new"])[:, None]
+    ]
+    written = written[written < POOL_ROWS]
+    changed = np.any(np.asarray(got[1]) != np.asarray(case["k_pool"]), axis=(1, 2))
+    assert set(np.flatnonzero(changed)) == set(written.tolist()) and written.size
+
+
+def test_prologue_keeps_float32_pools_and_rounds_k_first_pallas():
+    """Pools of another dtype take k rounded to k's dtype first, as ``write_kv`` casts it."""
+    spec = _spec("qwen3_next")
+    case, params = _case(np.random.default_rng(3), spec, 2, 2)
+    case["k_pool"] = case["k_pool"].astype(jnp.float32)
+    case["v_pool"] = case["v_pool"].astype(jnp.float32)
+    got = _launch(spec, case, params, interpret=True)
+    want = _model_ops(spec, case, params)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pieces_cover_a_head_in_powers_of_two():
+    assert pieces(256, 64) == ((0, 32), (32, 32), (64, 128), (192, 64))
+    assert pieces(32, 0) == ((0, 32),)
+    assert pieces(96, 32) == ((0, 16), (16, 16), (32, 64))
+    assert pieces(48, 16) == ((0, 8), (8, 8), (16, 32))
+    with pytest.raises(ValueError, match="rotary_dim=3"):
+        pieces(32, 3)
+
+
+def test_prologue_rejects_mismatched_inputs():
+    spec = _spec("qwen3_next")
+    case, params = _case(np.random.default_rng(0), spec, 2, 2)
+    good = dict(case)
+
+    def launch(**changes):
+        _launch(spec, {**good, **changes}, params, interpret=True)
+
+    with pytest.raises(ValueError, match="must be \\[N, H, D\\]"):
+        launch(v=case["v"][..., :8])
+    with pytest.raises(ValueError, match="a multiple of 2 heads"):
+        launch(q=case["q"][:, :, :3])
+    with pytest.raises(ValueError, match="pools"):
+        launch(v_pool=case["v_pool"][:, :1])
+    with pytest.raises(ValueError, match="one \\[B, T\\]"):
+        launch(write_idx=case["write_idx"][:, :1])
+    with pytest.raises(ValueError, match="num_new"):
+        launch(num_new=case["num_new"][:1])
+    with pytest.raises(ValueError, match="q_norm"):
+        _launch(spec, case, {**params, "q_norm": params["q_norm"][:8]}, interpret=True)
+
+
+def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
+    """The CUDA lowering (built on CPU, not compiled) of the launch at Qwen3-Next's widths
+    (16 query heads with their gates, 2 kv heads, head dim 256, 64 rotated channels) is one
+    Triton call: every block and piece fits Triton's powers of two."""
+    from lazyspec.kernels.backend import pallas_compiler_params
+
+    spec = jax.ShapeDtypeStruct
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    launch = functools.partial(
+        attention_prologue_pallas,
+        eps=1e-6,
+        zero_centered=True,
+        rotary_dim=64,
+        rope_theta=10_000_000.0,
+        compiler_params=pallas_compiler_params("gpu"),
+    )
+    args = (
+        spec((4, 16, 512), bf16),
+        spec((4, 2, 256), bf16),
+        spec((4, 2, 256), bf16),
+        *(spec((2, 2), i32),) * 2,
+        spec((2,), i32),
+        *(spec((1000, 2, 256), bf16),) * 2,
+        *(spec((256,), bf16),) * 2,
+    )
+    text = jax.jit(launch).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+LIMIT = backend.ATTENTION_PROLOGUE_MAX_TOKENS
+
+
+@pytest.mark.parametrize("tokens", [LIMIT, LIMIT + 1])
+def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
+    """Up to ``ATTENTION_PROLOGUE_MAX_TOKENS`` tokens the backend's launch; beyond, the
+    caller's form (called once, its result returned)."""
+    spec = _spec("qwen3_next")
+    case, params = _case(np.random.default_rng(2), spec, 1, tokens, pool_rows=2 * LIMIT)
+    calls = []
+
+    def xla_form():
+        calls.append(tokens)
+        return _model_ops(spec, case, params)
+
+    prologue = backend.kernels_for("pallas", "cpu").attention_prologue
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    got = prologue(
+        *(flat(case[name]) for name in ("q", "k", "v")),
+        *(case[name] for name in ("positions", "write_idx", "num_new", "k_pool", "v_pool")),
+        params["q_norm"],
+        params["k_norm"],
+        eps=spec.norm_eps,
+        zero_centered=True,
+        rotary_dim=spec.rotary_dim,
+        rope_theta=spec.rope_theta,
+        xla_form=xla_form,
+    )
+    assert calls == ([tokens] if tokens > LIMIT else [])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(xla_form()[0]))
+
+
+def test_xla_and_tpu_kernels_have_no_prologue():
+    assert backend.kernels_for("xla", "cpu").attention_prologue is None
+    assert backend.kernels_for("pallas", "tpu").attention_prologue is None
