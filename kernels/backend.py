@@ -28,6 +28,7 @@ from lazyspec.kernels.conv_update import (
     conv_update_pallas,
     conv_update_xla,
 )
+from lazyspec.kernels.gated_norm import GateLayout, gated_norm_pallas
 from lazyspec.kernels.moe_experts import SharedExpert, TokenRouting, moe_experts_pallas
 from lazyspec.kernels.paged_attention import DEFAULT_ATTENTION_TILES
 from lazyspec.kernels.paged_attention import paged_attention as paged_attention_pallas
@@ -144,6 +145,9 @@ RESIDUAL_NORM_MAX_TOKEN_EXPERTS = 64 * 64
 # The attention prologue's launch up to a decode or verify step's token count (a program
 # a token and kv head); a prefill chunk's norms and scatters stay XLA's fusions.
 ATTENTION_PROLOGUE_MAX_TOKENS = 64
+# The GDN output's gated norm in one launch (a program a token and head) up to this many
+# tokens; a prefill chunk's stays XLA's fusions.
+GATED_NORM_MAX_TOKENS = 64
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
 
 
@@ -668,6 +672,32 @@ def _pallas_attention_prologue(
     )
 
 
+def _pallas_gated_norm(
+    x: jax.Array,
+    z_source: jax.Array,
+    layout: GateLayout,
+    weight: jax.Array,
+    *,
+    eps: float,
+    dtype: Any,
+    xla_form: Callable[[], jax.Array],
+    interpret: bool = False,
+    num_warps: int = 1,
+) -> jax.Array:
+    """``gated_norm_pallas`` up to ``GATED_NORM_MAX_TOKENS`` tokens where the gates' columns
+    are whole blocks of d (and, compiled, d a power of two); else ``xla_form()``, the
+    caller's ops with the same contract."""
+    options = _pallas_options(interpret, None, num_warps)
+    head_dim = x.shape[-1]
+    blocks = layout.group_width % head_dim == 0 and layout.offset % head_dim == 0
+    power_of_two = head_dim & (head_dim - 1) == 0
+    if x.shape[0] > GATED_NORM_MAX_TOKENS or not blocks:
+        return xla_form()
+    if not (options["interpret"] or power_of_two):
+        return xla_form()
+    return gated_norm_pallas(x, z_source, layout, weight, eps=eps, dtype=dtype, **options)
+
+
 def _pallas_paged_attention(
     q: jax.Array,
     k_pool: jax.Array,
@@ -723,6 +753,9 @@ ResidualNormFn = Callable[..., ResidualNorm]
 # eps, zero_centered, rotary_dim, rope_theta, xla_form) -> (q, k_pool, v_pool), as
 # ``attention_prologue.attention_prologue_pallas``; ``xla_form()`` computes the same by XLA
 AttentionPrologueFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+# (x, z_source, layout, weight, *, eps, dtype, xla_form) -> [N, H, d], as
+# ``gated_norm.gated_norm_pallas``; ``xla_form()`` computes the same by XLA
+GatedNormFn = Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
@@ -747,6 +780,8 @@ class Kernels:
     (``AttentionPrologueFn``) norms and rotates an attention layer's q and k and writes its
     new K / V rows into the pools, in one launch for a decode or verify step's token counts
     (the layers use it beside ``paged_attention``); None where ``residual_norm`` is.
+    ``gated_norm`` (``GatedNormFn``) runs a GDN layer's gated output norm in one launch,
+    reading the gates out of the fused projection; None where ``residual_norm`` is.
     Compared and hashed by backend, platform, MoE runner and mesh (the functions follow
     from them): ``mesh`` is None for whole-array calls, else the tensor-parallel mesh whose
     shards each call runs on (``engine.shard_kernels``)."""
@@ -764,6 +799,7 @@ class Kernels:
     conv_update: ConvUpdateFn | None = field(default=None, compare=False)
     residual_norm: ResidualNormFn | None = field(default=None, compare=False)
     attention_prologue: AttentionPrologueFn | None = field(default=None, compare=False)
+    gated_norm: GatedNormFn | None = field(default=None, compare=False)
 
 
 XLA_KERNELS = Kernels("xla", None, None, None, state_scatter_xla)
@@ -786,11 +822,12 @@ def kernels_for(
     if platform == "tpu":
         update, scatter, moe = _tpu_state_update, state_scatter_xla, _tpu_moe_experts
         attention, copy, conv, norm = None, state_copy_xla, None, None
-        prologue = None
+        prologue = gated = None
     else:
         update, scatter, moe = _pallas_state_update, _pallas_state_scatter, _pallas_moe_experts
         attention, copy, conv = _pallas_paged_attention, _pallas_state_copy, _pallas_conv_update
         norm, prologue = _pallas_residual_norm, _pallas_attention_prologue
+        gated = _pallas_gated_norm
     if moe_runner == "xla" or (moe_runner == "auto" and platform == "tpu"):
         moe = None  # auto: the kernel runs by default where it was checked (GPU, interpret)
     gdn_update = functools.partial(update, "gdn")
@@ -810,4 +847,5 @@ def kernels_for(
         conv_update=conv,
         residual_norm=norm,
         attention_prologue=prologue,
+        gated_norm=gated,
     )

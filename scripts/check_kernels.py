@@ -1,6 +1,6 @@
 """Check the decode step's fused kernels on this machine's backend against their references.
 
-Six checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
+Seven checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
 CPU, where the kernels run in interpret mode):
 
 * ``route_tokens``, the routed-experts kernel's routing program (``TokenRouting``): each
@@ -28,7 +28,11 @@ CPU, where the kernels run in interpret mode):
   the rotation, the K / V write) against the model's ops (``attention.norm_rope`` then
   ``write_kv``), Qwen3-Next's heads (the gates beside the queries): queries and written K
   rows within ``2**-7`` of the largest (XLA may keep float32 between the rotation's ops),
-  the V rows and every row not written equal.
+  the V rows and every row not written equal;
+* the GDN output's gated norm in one launch (``Kernels.gated_norm``, the gates read out of
+  Qwen3-Next's ``in_proj_qkvz`` output in place) against ``norms.gated_rms_norm`` over the
+  gathered gates: within ``2**-7`` of the largest (the launch's sigmoid and XLA's may round
+  differently).
 
 Exit status 1 if any check fails.
 
@@ -49,6 +53,7 @@ import numpy as np
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels import state_update as su
+from lazyspec.kernels.gated_norm import GateLayout
 from lazyspec.models.layers import attention, gdn, moe, norms
 from lazyspec.models.layers.state_kernels import gdn_tokens
 from lazyspec.models.plan import init_plan
@@ -301,6 +306,32 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
     return rows
 
 
+def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
+    """``Kernels.gated_norm`` against ``norms.gated_rms_norm`` on the gathered gates."""
+    num_k, num_v, head_dim = widths[4:7]
+    per_key = num_v // num_k
+    layout = GateLayout((2 + 2 * per_key) * head_dim, (2 + per_key) * head_dim, per_key)
+    options = {"eps": 1e-6, "dtype": jnp.bfloat16}
+
+    def want_of(x, source, weight):
+        z = layout.gather(source, num_v, head_dim)
+        return norms.gated_rms_norm(x.astype(jnp.bfloat16), z, weight, options["eps"])
+
+    gated = backend.kernels_for("pallas").gated_norm
+    got_of = jax.jit(lambda *a: gated(a[0], a[1], layout, a[2], **options, xla_form=None))
+    rows = []
+    for num_tokens in token_counts:
+        x = jnp.asarray(rng.standard_normal((num_tokens, num_v, head_dim)), jnp.float32)
+        source = rng.standard_normal((num_tokens, num_k * layout.group_width))
+        weight = jnp.asarray(1.0 + 0.1 * rng.standard_normal(head_dim), jnp.bfloat16)
+        args = (x, jnp.asarray(source, jnp.bfloat16), weight)
+        want, got = (np.asarray(f(*args), np.float32) for f in (jax.jit(want_of), got_of))
+        found = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+        verdict = "ok" if found <= NORM_TOL else "over the tolerance"
+        rows.append(("gated_norm", f"{num_tokens} tokens", f"{verdict}: {found:.2e}"))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
@@ -329,9 +360,10 @@ def main(argv=None) -> int:
         lambda: check_residual_norm(rng, (1, 2, 3) if args.smoke else (1, 2, 16, 64), widths),
         lambda: check_attention_prologue(
             rng,
-            ((1, 1), (2, 3)) if args.smoke else ((1, 1), (16, 1), (64, 1), (4, 4)),
+            ((2, 3),) if args.smoke else ((1, 1), (16, 1), (64, 1), (4, 4)),
             ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
         ),
+        lambda: check_gated_norm(rng, (3,) if args.smoke else (1, 2, 16, 64), widths),
     ):
         found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]
         print("\n".join(found), flush=True)  # each check's rows as it ends

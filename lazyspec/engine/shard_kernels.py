@@ -275,5 +275,6 @@ def per_shard(kernels: Kernels, plan: ShardingPlan) -> Kernels:
         conv_update=wrap(kernels.conv_update, _conv_update),
         residual_norm=None,  # the layers' own ops, which XLA partitions
         attention_prologue=None,
+        gated_norm=None,
         mesh=plan.mesh,
     )

@@ -433,6 +433,7 @@ def forward(
                     chunk_size=chunk_size,
                     state_update=kernels.gdn_state_update,
                     conv_update=kernels.conv_update,
+                    gated_norm=kernels.gated_norm,
                 )
                 if mode == "extend":
                     st = st._replace(

@@ -27,7 +27,13 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[4:]]
     names = {row[0].strip() for row in rows}
     checks = ("route_tokens", "sparse_moe", "gdn GdnConvTokens", "gdn GdnConvTokens.grouped")
-    assert names == {*checks, "conv ChannelGroups", "residual_norm", "attention_prologue"}
+    assert names == {
+        *checks,
+        "conv ChannelGroups",
+        "residual_norm",
+        "attention_prologue",
+        "gated_norm",
+    }
     assert all(row[2].strip().startswith("ok") for row in rows), rows
     # a tolerance no bf16 MoE meets fails the run
     monkeypatch.setattr(check, "MOE_TOL", 0.0)
@@ -40,4 +46,5 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
     rows = check.check_attention_prologue(
         np.random.default_rng(0), ((1, 2),), check.ATTENTION_WIDTHS["smoke"]
     )
-    assert rows and all(row[2].startswith("over the tolerance") for row in rows), rows
+    rows += check.check_gated_norm(np.random.default_rng(0), (1,), check.WIDTHS["smoke"])
+    assert len(rows) == 2 and all(row[2].startswith("over the tolerance") for row in rows), rows

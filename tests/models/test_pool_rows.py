@@ -101,14 +101,12 @@ def test_forward_calls_the_state_update_it_is_given(family):
     assert calls == [("verify", layer, SLOTS + 1) for layer in range(num_rec)]
 
 
-def test_forward_uses_the_residual_norm_it_is_given():
-    """Every Qwen3-Next layer hands its mixer's output to ``Kernels.residual_norm`` (with the
-    router where the MLP is a MoE) and runs on what it returns: the XLA form behind a
-    recorder gives the XLA forward's output exactly, an altered residual or altered logits
-    change it."""
+def _verify_forward(seed: int):
+    """Tiny Qwen3-Next's config and a function running its verify forward (two rows of
+    ``WIDTH`` and 2 tokens over empty pools) with the ``Kernels`` it is given."""
     model = tiny_model("qwen3_next")
     cfg = model.config
-    rng = np.random.default_rng(13)
+    rng = np.random.default_rng(seed)
     kv, pools = empty_caches(cfg, 1 + 2 * CONTEXT, SLOTS + 1, jnp.float32)
     rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 1], jnp.int32))
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
@@ -118,6 +116,16 @@ def test_forward_uses_the_residual_norm_it_is_given():
             model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels
         )
         return np.asarray(out[0])
+
+    return cfg, run
+
+
+def test_forward_uses_the_residual_norm_it_is_given():
+    """Every Qwen3-Next layer hands its mixer's output to ``Kernels.residual_norm`` (with the
+    router where the MLP is a MoE) and runs on what it returns: the XLA form behind a
+    recorder gives the XLA forward's output exactly, an altered residual or altered logits
+    change it."""
+    cfg, run = _verify_forward(13)
 
     def recorder(alter=lambda r: r):
         calls = []
@@ -141,6 +149,31 @@ def test_forward_uses_the_residual_norm_it_is_given():
         lambda r: r if r.logits is None else r._replace(logits=-r.logits),
     ):
         assert not np.allclose(run(recorder(alter)[0]), run(XLA_KERNELS))
+
+
+def test_forward_uses_the_gated_norm_it_is_given():
+    """Every Qwen3-Next GDN layer hands its outputs, the fused projection and the gates'
+    layout to ``Kernels.gated_norm`` and runs on what it returns: the XLA form behind a
+    recorder gives the XLA forward's output exactly; an altered norm changes it."""
+    cfg, run = _verify_forward(16)
+    gdn = cfg.arch.gdn
+
+    def recorder(alter=lambda out: out):
+        calls = []
+
+        def gated(x, z_source, layout, weight, *, eps, dtype, xla_form):
+            assert x.shape == (2 * WIDTH, gdn.num_v_heads, gdn.head_v_dim)
+            assert z_source.shape[0] == 2 * WIDTH and layout.heads_per_group == gdn.heads_per_key
+            calls.append(weight.shape)
+            return alter(xla_form())
+
+        return dataclasses.replace(XLA_KERNELS, gated_norm=gated), calls
+
+    kernels, calls = recorder()
+    np.testing.assert_array_equal(run(kernels), run(XLA_KERNELS))
+    num_gdn = len(cfg.recurrent_layer_ids)
+    assert calls == [(gdn.head_v_dim,)] * num_gdn and calls
+    assert not np.allclose(run(recorder(lambda out: out * 2)[0]), run(XLA_KERNELS))
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])

@@ -21,8 +21,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
+from lazyspec.kernels.backend import ConvUpdateFn, GatedNormFn, StateUpdateFn
 from lazyspec.kernels.conv_update import ChannelGroups
+from lazyspec.kernels.gated_norm import GateLayout
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.kernels.state_update import GdnConvTokens
@@ -159,16 +160,22 @@ def _project(params: Params, spec: GDNSpec, x: jax.Array) -> Projections:
         z = linear(params["in_proj_z"], x).reshape(*lead, spec.num_v_heads, spec.head_v_dim)
         b, a = linear(params["in_proj_b"], x), linear(params["in_proj_a"], x)
         return Projections(linear(params["in_proj_qkv"], x), z, b, a)
-    r, dk, dv = spec.heads_per_key, spec.head_k_dim, spec.head_v_dim
+    r = spec.heads_per_key
     fused = linear(params["in_proj_qkvz"], x)
-    qkvz = fused.reshape(*lead, spec.num_k_heads, 2 * dk + 2 * r * dv)
-    z = qkvz[..., 2 * dk + r * dv :]
+    z = _gate_layout(spec).gather(fused, spec.num_v_heads, spec.head_v_dim)
     ba = linear(params["in_proj_ba"], x)
     grouped = ba.reshape(*lead, spec.num_k_heads, 2 * r)
     b = grouped[..., :r].reshape(*lead, spec.num_v_heads)
     a = grouped[..., r:].reshape(*lead, spec.num_v_heads)
     mixed = _conv_channels(spec).gather(fused)  # [q | k | v] of every key head
-    return Projections(mixed, z.reshape(*lead, spec.num_v_heads, dv), b, a, fused, ba)
+    return Projections(mixed, z, b, a, fused, ba)
+
+
+def _gate_layout(spec: GDNSpec) -> GateLayout:
+    """Where z sits in Qwen3-Next's fused ``in_proj_qkvz``: after each key head's q, k and
+    its value heads' v, that key head's value heads' z."""
+    r, dk, dv = spec.heads_per_key, spec.head_k_dim, spec.head_v_dim
+    return GateLayout(2 * dk + 2 * r * dv, 2 * dk + r * dv, r)
 
 
 def _conv_channels(spec: GDNSpec) -> ChannelGroups:
@@ -264,6 +271,30 @@ def _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
+def _gated_norm(params, spec, outs, z, qkvz, dtype, gated_norm):
+    """The output's gated norm (``outs`` rounded to ``dtype`` first): in ``gated_norm`` (a
+    ``Kernels`` entry, handed the layer's ops as its XLA form) reading z out of the fused
+    projection ``qkvz`` where there is one and a step's tokens (``[B, T]``) fit it, else
+    those ops."""
+
+    def xla_form():
+        return gated_rms_norm(outs.astype(dtype), z, params["norm"], spec.norm_eps)
+
+    if gated_norm is None or qkvz is None:
+        return xla_form()
+    lead = outs.shape[:-2]
+    flat = gated_norm(
+        outs.reshape(-1, *outs.shape[-2:]),
+        qkvz.reshape(-1, qkvz.shape[-1]),
+        _gate_layout(spec),
+        params["norm"],
+        eps=spec.norm_eps,
+        dtype=dtype,
+        xla_form=lambda: xla_form().reshape(-1, *outs.shape[-2:]),
+    )
+    return flat.reshape(*lead, *flat.shape[1:])
+
+
 @jax.named_scope("recurrent")
 def gdn_mixer(
     params: Params,
@@ -277,6 +308,7 @@ def gdn_mixer(
     chunk_size: int = 64,
     state_update: StateUpdateFn | None = None,
     conv_update: ConvUpdateFn | None = None,
+    gated_norm: GatedNormFn | None = None,
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
@@ -288,7 +320,8 @@ def gdn_mixer(
     ssm0). Writing ``PoolRows`` with a kernel: the kernel's decode mode writes the rows in
     place and returns the pool (``GDNStates.ssm_pool``); conv0 as writing ``PoolRows`` with
     ``conv_update`` (``Kernels.conv_update``) as well, the conv windows too
-    (``GDNStates.conv_pool``). Pure; mutates nothing.
+    (``GDNStates.conv_pool``). ``gated_norm`` (``Kernels.gated_norm``) runs the output's
+    gated norm where the projections are fused. Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
@@ -307,7 +340,7 @@ def gdn_mixer(
         )
     else:
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
-    outs = gated_rms_norm(outs.astype(x.dtype), z, params["norm"], spec.norm_eps)
+    outs = _gated_norm(params, spec, outs, z, projected.qkvz, x.dtype, gated_norm)
     out = linear(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim))
     cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = GDNStates(
