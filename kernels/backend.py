@@ -707,6 +707,7 @@ def _pallas_paged_attention(
     positions: jax.Array,
     scale: float,
     *,
+    gate: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
     **tiles: Any,
@@ -727,6 +728,7 @@ def _pallas_paged_attention(
         ctx_len,
         positions,
         scale,
+        gate=gate,
         **tiles,
         **_pallas_options(interpret, compiler_params),
     )

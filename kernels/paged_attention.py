@@ -7,7 +7,9 @@ every query head read kv head i, for a shard holding part of one group of query 
 next to the whole pools); ``token_table [B, C]`` names the pool row
 of each context position; ``ctx_len [B]``; ``positions [B, T]``. Query t of row b attends
 to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``, scores ``q . k * scale``
-and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype. A query with no visible
+and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype, with ``gate`` (``[B, T,
+Hq, D]``, pre-sigmoid: Qwen3-Next's output gate) times its sigmoid, rounded as
+``layers.attention``'s output rounds it (``gated``). A query with no visible
 position (padding) gets a finite output: the jnp form's is the mean of all C values (every
 score is ``MASK_VALUE``), the kernel's is zero. Table entries at ``c >= ctx_len[b]`` are
 never read by the kernel (the jnp form gathers them, so they must be valid rows there).
@@ -20,9 +22,11 @@ the online softmax over the blocks of ``block_kv`` context positions below
 lengths (``cdiv(visible, block_kv)``, shared among the ``num_splits`` programs of the tile;
 none reads above it). Each block gathers its K/V rows by the table's indices from the kv
 head's pool view. The splits' partial results (output, running max and sum) are combined
-after the launch; splits let a decode step (few query rows) spread one long context over
-the GPU. Decode (T = 1), verify (T small) and chunked prefill (a chunk attending to its
-cached prefix and causally within itself) are the same launch with different T.
+by a second launch, grid ``(row, kv head, token)``, which writes each token's G heads in
+q's layout, gated (the jnp combine where G is not a power of two, for Triton); splits let a
+decode step (few query rows) spread one long context over the GPU. Decode (T = 1), verify
+(T small) and chunked prefill (a chunk attending to its cached prefix and causally within
+itself) are the same launch with different T.
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through Triton
 ``CompilerParams``. Not for TPUs: the per-head pool view is the whole pool's rows, which
@@ -94,6 +98,7 @@ def paged_attention_reference(
     ctx_len: jax.Array,
     positions: jax.Array,
     scale: float,
+    gate: jax.Array | None = None,
 ) -> jax.Array:
     """The masked jnp form (module contract): gather all C table rows, mask, softmax. Its
     cost follows C, not the lengths."""
@@ -111,7 +116,15 @@ def paged_attention_reference(
     out = jnp.einsum(
         "bkgtc,bckd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
-    return out.reshape(batch, num_tokens, num_heads, head_dim).astype(q.dtype)
+    return gated(out.reshape(batch, num_tokens, num_heads, head_dim).astype(q.dtype), gate)
+
+
+def gated(attn: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """``attn`` times the sigmoid of ``gate`` (of attn's shape), both rounded to attn's
+    dtype as ``layers.attention``'s output gate rounds them; attn itself without a gate."""
+    if gate is None:
+        return attn
+    return attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
 
 
 # ---------------------------------------------------------------- Pallas
@@ -226,6 +239,64 @@ def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Arra
     return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
+def _combine_kernel(*refs, groups, num_splits, gated):
+    """One (row, kv head, token) program: the token's G query rows merged over the splits
+    (two passes over the splits' maxima and sums, one over their outputs), rounded to the
+    output's dtype and, with a gate, times its sigmoid as ``layers.attention``'s output
+    rounds them."""
+    if gated:
+        out_ref, max_ref, sum_ref, gate_ref, merged_ref = refs
+    else:
+        out_ref, max_ref, sum_ref, merged_ref = refs
+    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(t * groups, groups)
+
+    def best_of(s, best):
+        return jnp.maximum(best, max_ref[s, b, h, rows])
+
+    best = jax.lax.fori_loop(0, num_splits, best_of, jnp.full((groups,), MASK_VALUE, jnp.float32))
+
+    def add(s, carry):
+        acc, total = carry
+        weight = jnp.exp(max_ref[s, b, h, rows] - best)
+        acc = acc + weight[:, None] * out_ref[s, b, h, rows, :]
+        return acc, total + weight * sum_ref[s, b, h, rows]
+
+    head_dim = merged_ref.shape[-1]
+    init = (jnp.zeros((groups, head_dim), jnp.float32), jnp.zeros((groups,), jnp.float32))
+    acc, total = jax.lax.fori_loop(0, num_splits, add, init)
+    dtype = merged_ref.dtype
+    merged = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(dtype)
+    if gated:
+        gate = jax.nn.sigmoid(gate_ref[...].astype(jnp.float32)).astype(dtype)
+        merged = (merged.astype(jnp.float32) * gate.astype(jnp.float32)).astype(dtype)
+    merged_ref[...] = merged
+
+
+def _combine_pallas(out, run_max, run_sum, gate, *, num_tokens, num_heads, dtype, **options):
+    """The splits' partial results ``[S, B, Hkv, N, ...]`` merged into ``[B, T, Hq, D]`` in
+    ``dtype`` (times ``sigmoid(gate)`` where a gate ``[B, T, Hq, D]`` is given), one Pallas
+    launch: grid ``(row, kv head, token)``; the partials are whole-array refs, so any
+    number of splits is looped over."""
+    num_splits, batch, num_kv_heads, _, head_dim = out.shape
+    groups = num_heads // num_kv_heads
+    block = pl.BlockSpec((None, None, groups, head_dim), lambda b, h, t: (b, t, h, 0))
+    in_specs = [pl.BlockSpec()] * 3 + ([block] if gate is not None else [])
+    args = (out, run_max, run_sum) + ((gate,) if gate is not None else ())
+    kernel = functools.partial(
+        _combine_kernel, groups=groups, num_splits=num_splits, gated=gate is not None
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_tokens),
+        in_specs=in_specs,
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct((batch, num_tokens, num_heads, head_dim), dtype),
+        name="paged_attention_combine",
+        **options,
+    )(*args)
+
+
 def paged_attention(
     q: jax.Array,
     k_pool: jax.Array,
@@ -239,6 +310,7 @@ def paged_attention(
     block_kv: int = DEFAULT_ATTENTION_TILES["block_kv"],
     num_splits: int | None = None,
     kv_head: int | None = None,
+    gate: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
@@ -302,6 +374,11 @@ def paged_attention(
         compiler_params=compiler_params,
         name="paged_attention",
     )(ctx_len.astype(jnp.int32), table, row_pos, rows, k_pool, v_pool)
-    merged = _combine(out, run_max, run_sum)[:, :, : num_tokens * (num_heads // num_kv_heads)]
+    groups = num_heads // num_kv_heads
+    if interpret or (groups & (groups - 1) == 0 and head_dim & (head_dim - 1) == 0):
+        options = {"interpret": interpret, "compiler_params": compiler_params}
+        shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}
+        return _combine_pallas(out, run_max, run_sum, gate, **shape, **options)
+    merged = _combine(out, run_max, run_sum)[:, :, : num_tokens * groups]
     merged = merged.reshape(batch, num_kv_heads, num_tokens, -1, head_dim).transpose(0, 2, 1, 3, 4)
-    return merged.reshape(batch, num_tokens, num_heads, head_dim).astype(q.dtype)
+    return gated(merged.reshape(batch, num_tokens, num_heads, head_dim).astype(q.dtype), gate)

@@ -1,6 +1,6 @@
 """Check the decode step's fused kernels on this machine's backend against their references.
 
-Seven checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
+Eight checks, one table row per shape, at Qwen3-Next widths (``--smoke``: tiny widths, for a
 CPU, where the kernels run in interpret mode):
 
 * ``route_tokens``, the routed-experts kernel's routing program (``TokenRouting``): each
@@ -32,7 +32,10 @@ CPU, where the kernels run in interpret mode):
 * the GDN output's gated norm in one launch (``Kernels.gated_norm``, the gates read out of
   Qwen3-Next's ``in_proj_qkvz`` output in place) against ``norms.gated_rms_norm`` over the
   gathered gates: within ``2**-7`` of the largest (the launch's sigmoid and XLA's may round
-  differently).
+  differently);
+* the paged attention with its output gate (``Kernels.paged_attention(..., gate=)``: the
+  splits merged and gated in a second launch) against the jnp form with the same gate:
+  within ``2**-6`` of the largest (each rounds probabilities to bf16 at another point).
 
 Exit status 1 if any check fails.
 
@@ -52,6 +55,7 @@ import numpy as np
 
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
+from lazyspec.kernels import paged_attention as pa
 from lazyspec.kernels import state_update as su
 from lazyspec.kernels.gated_norm import GateLayout
 from lazyspec.models.layers import attention, gdn, moe, norms
@@ -63,6 +67,7 @@ MOE_TOL = 2.0**-5
 GDN_TOL = 1e-4
 NORM_TOL = 2.0**-7
 LOGIT_TOL = 1e-5
+ATTENTION_TOL = 2.0**-6
 # (hidden, experts per MoE check, top-k, expert width, GDN key heads, value heads, head width)
 WIDTHS = {
     "qwen3-next": (2048, (64, 256, 512), 10, 512, 16, 32, 128),
@@ -332,6 +337,37 @@ def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
     return rows
 
 
+def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
+    """``Kernels.paged_attention`` with a gate against the gated jnp form, ``(B, T, context)``
+    batches whose queries sit at the last T positions of their contexts."""
+    num_heads, num_kv_heads, head_dim = widths[:3]
+    scale = head_dim**-0.5
+    attend = backend.kernels_for("pallas").paged_attention
+    got_of = jax.jit(lambda *a: attend(*a[:6], scale, gate=a[6]))
+    want_of = jax.jit(lambda *a: pa.paged_attention_reference(*a[:6], scale, a[6]))
+    rows = []
+    for batch, tokens, context in shapes:
+        bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+        num_rows = batch * context + 1
+        table = 1 + rng.permutation(num_rows - 1).reshape(batch, context)
+        positions = context - tokens + np.arange(tokens)
+        args = (
+            bf16(batch, tokens, num_heads, head_dim),
+            bf16(num_rows, num_kv_heads, head_dim),
+            bf16(num_rows, num_kv_heads, head_dim),
+            jnp.asarray(table, jnp.int32),
+            jnp.full((batch,), context, jnp.int32),
+            jnp.asarray(np.broadcast_to(positions, (batch, tokens)), jnp.int32),
+            bf16(batch, tokens, num_heads, head_dim),
+        )
+        got, want = (np.asarray(f(*args), np.float32) for f in (got_of, want_of))
+        found = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+        verdict = "ok" if found <= ATTENTION_TOL else "over the tolerance"
+        shape = f"{batch} x {tokens} tokens, context {context}"
+        rows.append(("paged_attention gate", shape, f"{verdict}: {found:.2e}"))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
@@ -364,6 +400,11 @@ def main(argv=None) -> int:
             ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
         ),
         lambda: check_gated_norm(rng, (3,) if args.smoke else (1, 2, 16, 64), widths),
+        lambda: check_gated_attention(
+            rng,
+            ((2, 2, 40),) if args.smoke else ((1, 1, 1024), (16, 1, 1024), (4, 4, 4096)),
+            ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
+        ),
     ):
         found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]
         print("\n".join(found), flush=True)  # each check's rows as it ends

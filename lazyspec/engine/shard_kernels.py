@@ -198,30 +198,33 @@ def _conv_update(conv: Callable, plan: ShardingPlan) -> Callable:
 def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
     """``attention`` (the ``paged_attention`` contract) on each device's query heads."""
 
-    def run(q, k_pool, v_pool, token_table, ctx_len, positions, scale):
+    def run(q, k_pool, v_pool, token_table, ctx_len, positions, scale, gate=None):
         kv_spec = _spec(plan, KV_POOL_AXES, k_pool.shape)
         q_spec = _at(2, plan.sharding(("q_heads",), (q.shape[2],)).spec[0])
         num_kv_heads = k_pool.shape[1]
+        operands = (q, k_pool, v_pool, token_table, ctx_len, positions)
+        gates = () if gate is None else (gate,)  # sharded as q, head by head
         if _head_axis(kv_spec, 1) is not None:  # whole GQA groups per device
 
-            def body(q, k_pool, v_pool, token_table, ctx_len, positions):
-                return attention(q, k_pool, v_pool, token_table, ctx_len, positions, scale)
+            def body(q, k_pool, v_pool, token_table, ctx_len, positions, *gate):
+                args = (q, k_pool, v_pool, token_table, ctx_len, positions, scale)
+                return attention(*args, gate=gate[0] if gate else None)
 
         else:  # every device holds all kv heads; its query heads read one of them
 
-            def body(q, k_pool, v_pool, token_table, ctx_len, positions):
+            def body(q, k_pool, v_pool, token_table, ctx_len, positions, *gate):
                 kv_head = jax.lax.axis_index(TP_AXIS) * num_kv_heads // plan.tp_size
                 branches = [
-                    functools.partial(attention, scale=scale, kv_head=head)
+                    functools.partial(
+                        attention, scale=scale, kv_head=head, gate=gate[0] if gate else None
+                    )
                     for head in range(num_kv_heads)
                 ]
-                operands = (q, k_pool, v_pool, token_table, ctx_len, positions)
-                return jax.lax.switch(kv_head, branches, *operands)
+                args = (q, k_pool, v_pool, token_table, ctx_len, positions)
+                return jax.lax.switch(kv_head, branches, *args)
 
-        in_specs = (q_spec, kv_spec, kv_spec, P(), P(), P())
-        return _map(plan, body, in_specs, q_spec)(
-            q, k_pool, v_pool, token_table, ctx_len, positions
-        )
+        in_specs = (q_spec, kv_spec, kv_spec, P(), P(), P()) + (q_spec,) * len(gates)
+        return _map(plan, body, in_specs, q_spec)(*operands, *gates)
 
     return run
 

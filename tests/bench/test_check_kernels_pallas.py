@@ -33,6 +33,7 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
         "residual_norm",
         "attention_prologue",
         "gated_norm",
+        "paged_attention gate",
     }
     assert all(row[2].strip().startswith("ok") for row in rows), rows
     # a tolerance no bf16 MoE meets fails the run
@@ -47,4 +48,8 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
         np.random.default_rng(0), ((1, 2),), check.ATTENTION_WIDTHS["smoke"]
     )
     rows += check.check_gated_norm(np.random.default_rng(0), (1,), check.WIDTHS["smoke"])
-    assert len(rows) == 2 and all(row[2].startswith("over the tolerance") for row in rows), rows
+    monkeypatch.setattr(check, "ATTENTION_TOL", -1.0)
+    rows += check.check_gated_attention(
+        np.random.default_rng(0), ((1, 1, 20),), check.ATTENTION_WIDTHS["smoke"]
+    )
+    assert len(rows) == 3 and all(row[2].startswith("over the tolerance") for row in rows), rows

@@ -99,12 +99,12 @@ def test_state_updates_per_shard_write_the_pool_in_place_as_whole(reports):
 
 
 def test_kernels_per_shard_lower_to_triton(reports):
-    """For CUDA, each per-shard kernel lowers to one Triton call per device program; paged
-    attention over replicated KV pools (tp = 4 > 2 KV heads) to one per KV head (the
-    branches of the device's switch)."""
+    """For CUDA, each per-shard kernel lowers to one Triton call per device program, paged
+    attention to two (its launch and the combine's); over replicated KV pools (tp = 4 > 2
+    KV heads) to two per KV head (the branches of the device's switch)."""
     want = {"mamba2_state_update": 1, "state_scatter": 1, "state_copy": 1}
-    assert reports[2]["triton_calls"] == {**want, "paged_attention": 1}
-    assert reports[4]["triton_calls"] == {**want, "paged_attention": KV_HEADS}
+    assert reports[2]["triton_calls"] == {**want, "paged_attention": 2}
+    assert reports[4]["triton_calls"] == {**want, "paged_attention": 2 * KV_HEADS}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -271,8 +271,9 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
 def triton_calls(tp: int) -> dict[str, int]:
     """Triton calls in the CUDA lowering (built, not compiled) of the per-shard Mamba2 state
     update (one group of B / C: repeated per device), state scatter, state copy and paged
-    attention (2 KV heads: split at tp = 2, replicated at tp = 4, one branch per KV head)
-    at model-sized shapes, each kernel in its Triton (not interpret) launch."""
+    attention with its output gate (2 KV heads: split at tp = 2, replicated at tp = 4, one
+    branch per KV head; the attention launch and the combine's in each) at model-sized
+    shapes, each kernel in its Triton (not interpret) launch."""
     from lazyspec.engine import shard_kernels as sk
     from lazyspec.kernels import paged_attention as pa
     from lazyspec.kernels import state_scatter as ss
@@ -335,13 +336,14 @@ def triton_calls(tp: int) -> dict[str, int]:
             ),
         ),
         "paged_attention": (
-            lambda *a: attention(*a, 0.0625),
+            lambda *a: attention(*a[:6], 0.0625, gate=a[6]),
             (
                 spec((rows, 1, 16, 256), bf16),
                 *(spec((1000, 2, 256), bf16),) * 2,
                 spec((rows, 300), i32),
                 spec((rows,), i32),
                 spec((rows, 1), i32),
+                spec((rows, 1, 16, 256), bf16),
             ),
         ),
     }

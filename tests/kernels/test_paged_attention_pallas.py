@@ -187,10 +187,69 @@ def test_kernels_record_has_attention_where_pallas_runs_pallas():
     assert_close(got, want, FP32_TOL, "dispatch")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_combine_launch_equals_the_jnp_combine_pallas(num_splits, with_gate):
+    """The splits' merge in its launch equals the jnp merge, laid out and gated as the
+    attention layer does it, bit for bit: with a split that saw nothing (its maximum at
+    ``MASK_VALUE``) and query rows no split saw (zero)."""
+    rng = np.random.default_rng(num_splits)
+    batch, num_kv_heads, groups, num_tokens, head_dim, rows = 2, 2, 4, 3, 32, 16
+    part = (num_splits, batch, num_kv_heads, rows)
+    out = jnp.asarray(rng.standard_normal(part + (head_dim,)), jnp.float32)
+    run_max = jnp.asarray(rng.standard_normal(part) * 3, jnp.float32)
+    run_max = run_max.at[0, 1, 0].set(pa.MASK_VALUE)
+    run_sum = jnp.asarray(rng.uniform(0.5, 4.0, part), jnp.float32)
+    # token 0 of row 0, kv head 1: no split saw a position (no sum, no output)
+    run_sum = run_sum.at[:, 0, 1, :groups].set(0.0)
+    out = out.at[:, 0, 1, :groups].set(0.0)
+    heads = num_kv_heads * groups
+    gate = None
+    if with_gate:
+        gate = jnp.asarray(rng.standard_normal((batch, num_tokens, heads, head_dim)) * 2)
+        gate = gate.astype(jnp.bfloat16)
+    got = pa._combine_pallas(
+        out,
+        run_max,
+        run_sum,
+        gate,
+        num_tokens=num_tokens,
+        num_heads=heads,
+        dtype=jnp.bfloat16,
+        interpret=True,
+    )
+    merged = pa._combine(out, run_max, run_sum)[:, :, : num_tokens * groups]
+    merged = merged.reshape(batch, num_kv_heads, num_tokens, groups, head_dim)
+    merged = merged.transpose(0, 2, 1, 3, 4).reshape(got.shape).astype(jnp.bfloat16)
+    want = pa.gated(merged, gate)
+    assert got.dtype == jnp.bfloat16 and got.shape == (batch, num_tokens, heads, head_dim)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.asarray(got, np.float32)[0, 0, groups : 2 * groups].any()
+
+
+def test_gated_output_equals_the_gated_reference_pallas():
+    """With a gate, the kernel's output and the jnp form's are the ungated ones times the
+    gate's sigmoid (rounded as the attention layer rounds them)."""
+    rng = np.random.default_rng(8)
+    case = attention_case(rng, 2, 2, 8, 2, 64, [40, 7], jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal(case["q"].shape) * 2, jnp.bfloat16)
+    scale = 64**-0.5
+    args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
+    real = np.asarray(case["positions"] >= 0)
+    for attend in (
+        lambda gate: pa.paged_attention(case["q"], *args, scale, gate=gate, interpret=True),
+        lambda gate: pa.paged_attention_reference(case["q"], *args, scale, gate),
+    ):
+        got, plain = np.asarray(attend(gate), np.float32), attend(None)
+        want = np.asarray(pa.gated(plain, gate), np.float32)
+        np.testing.assert_array_equal(got[real], want[real])
+        assert not np.allclose(got[real], np.asarray(plain, np.float32)[real])
+
+
 def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
     """Qwen3-Next's decode shapes (16 q / 2 kv heads, head dim 256, bf16) and a 64-token
-    prefill chunk lower through Pallas-Triton with the default tiles; Triton IR is built
-    here, not compiled."""
+    prefill chunk lower through Pallas-Triton with the default tiles, with the gate too:
+    the attention launch and the combine's; Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
     tiles = pa.DEFAULT_ATTENTION_TILES
     params = backend.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
@@ -203,7 +262,9 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
             spec((4,), jnp.int32),
             spec((4, num_tokens), jnp.int32),
         )
-        lowered = jax.jit(lambda *a: pa.paged_attention(*a, 0.0625, compiler_params=params)).trace(
-            *args
+        gate = spec((4, num_tokens, 16, 256), jnp.bfloat16)
+        attend = jax.jit(
+            lambda *a: pa.paged_attention(*a[:6], 0.0625, gate=a[6], compiler_params=params)
         )
-        assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
+        text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2

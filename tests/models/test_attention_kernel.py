@@ -38,13 +38,15 @@ def test_forward_calls_the_paged_attention_it_is_given(family):
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
     calls = []
 
-    def attention(q, k_pool, v_pool, token_table, ctx_len, positions, scale):
-        calls.append((k_pool.shape, token_table is inputs.kv_read_idx))
-        return paged_attention_reference(q, k_pool, v_pool, token_table, ctx_len, positions, scale)
+    def attention(q, k_pool, v_pool, token_table, ctx_len, positions, scale, gate=None):
+        calls.append((k_pool.shape, token_table is inputs.kv_read_idx, gate is not None))
+        args = (q, k_pool, v_pool, token_table, ctx_len, positions, scale)
+        return paged_attention_reference(*args, gate)
 
     kernels = dataclasses.replace(XLA_KERNELS, paged_attention=attention)
     model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
-    assert calls == [(pool.shape, True) for pool in kv.k] and calls
+    gated = cfg.arch.attention.output_gate  # the kernel applies the gate
+    assert calls == [(pool.shape, True, gated) for pool in kv.k] and calls
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "granitemoehybrid"])

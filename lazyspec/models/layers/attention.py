@@ -228,7 +228,8 @@ def attention_forward(
 
     x ``[B, T, hidden]``; query t of row b sees context positions ``c < ctx_len[b]`` with
     ``c <= positions[b, t]``. With ``paged_attention`` (a ``Kernels`` entry) the attention
-    runs in that kernel, which reads only the table entries below ``ctx_len``, and with
+    runs in that kernel, which reads only the table entries below ``ctx_len`` and applies
+    the output gate, and with
     ``prologue`` too the norms, the rotation and the K/V write run in that one (both
     ``Kernels`` entries); without, the whole ``kv_read_idx`` table is gathered and masked.
     Returns (output ``[B, T, hidden]``, k_pool, v_pool).
@@ -240,9 +241,12 @@ def attention_forward(
     else:
         q, k, v, gate = project_qkv(params, spec, x, positions)
         k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
-    if paged_attention is not None:
-        out = paged_attention(q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale)
-        return _output(params, out, gate), k_pool, v_pool
+    if paged_attention is not None:  # the kernel applies the gate as it writes its output
+        gate = None if gate is None else gate.reshape(q.shape)
+        out = paged_attention(
+            q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale, gate=gate
+        )
+        return _output(params, out, None), k_pool, v_pool
     k_ctx = k_pool[kv_read_idx].astype(q.dtype)  # [B, C, Hkv, D]
     v_ctx = v_pool[kv_read_idx].astype(q.dtype)
     c = jnp.arange(kv_read_idx.shape[1])[None, None, :]
