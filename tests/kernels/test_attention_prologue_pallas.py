@@ -225,3 +225,32 @@ def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
 def test_xla_and_tpu_kernels_have_no_prologue():
     assert backend.kernels_for("xla", "cpu").attention_prologue is None
     assert backend.kernels_for("pallas", "tpu").attention_prologue is None
+
+
+@pytest.mark.parametrize("kind,compiled", [("qwen3_next", True), ("five_a_kv_head", False)])
+def test_compiled_dispatch_needs_power_of_two_blocks(monkeypatch, kind, compiled):
+    """Compiled (as on a GPU), the dispatch launches where every block and piece is a
+    power of two (the tiny Qwen3-Next heads), else it runs the caller's form (10 query
+    heads on 2 kv heads: 5 a kv head, not a Triton block)."""
+    spec = _spec("qwen3_next")
+    if kind == "five_a_kv_head":
+        spec = AttentionSpec(10, 2, 32, rotary_dim=8, qk_norm=True, output_gate=True)
+    case, params = _case(np.random.default_rng(9), spec, 1, 1)
+    launched = []
+    monkeypatch.setattr(
+        backend, "_pallas_options", lambda *a: {"interpret": False, "compiler_params": None}
+    )
+    monkeypatch.setattr(
+        backend, "attention_prologue_pallas", lambda *a, **k: launched.append(1) or "kernel"
+    )
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    got = backend.kernels_for("pallas", "cpu").attention_prologue(
+        *(flat(case[name]) for name in ("q", "k", "v")),
+        *(case[name] for name in ("positions", "write_idx", "num_new", "k_pool", "v_pool")),
+        params["q_norm"],
+        params["k_norm"],
+        eps=spec.norm_eps,
+        rotary_dim=spec.rotary_dim,
+        xla_form=lambda: "xla",
+    )
+    assert got == ("kernel" if compiled else "xla") and len(launched) == int(compiled)

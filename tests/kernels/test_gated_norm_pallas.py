@@ -123,3 +123,24 @@ def test_dispatch_runs_the_kernel_where_it_fits(tokens, shift):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(xla_form(), np.float32))
     assert backend.kernels_for("xla", "cpu").gated_norm is None
     assert backend.kernels_for("pallas", "tpu").gated_norm is None
+
+
+@pytest.mark.parametrize("head_dim,compiled", [(16, True), (24, False)])
+def test_compiled_dispatch_needs_a_power_of_two_head(monkeypatch, head_dim, compiled):
+    """Compiled (as on a GPU), the dispatch launches for heads a power of two wide, else it
+    runs the caller's form."""
+    layout = GateLayout(4 * head_dim, 2 * head_dim, 2)
+    x = jnp.zeros((2, 4, head_dim), jnp.float32)
+    source = jnp.zeros((2, 2 * layout.group_width), jnp.bfloat16)
+    launched = []
+    monkeypatch.setattr(
+        backend, "_pallas_options", lambda *a: {"interpret": False, "compiler_params": None}
+    )
+    monkeypatch.setattr(
+        backend, "gated_norm_pallas", lambda *a, **k: launched.append(1) or "kernel"
+    )
+    gated = backend.kernels_for("pallas", "cpu").gated_norm
+    got = gated(
+        x, source, layout, jnp.ones(head_dim), eps=1e-6, dtype=jnp.bfloat16, xla_form=lambda: "xla"
+    )
+    assert got == ("kernel" if compiled else "xla") and len(launched) == int(compiled)

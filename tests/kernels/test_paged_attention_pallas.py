@@ -268,3 +268,20 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
         )
         text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_merge_stays_in_jnp_where_the_heads_of_a_kv_head_are_not_a_power_of_two_pallas():
+    """Five query heads a kv head (Triton blocks are powers of two): the CUDA lowering has
+    the attention launch only, the merge in XLA."""
+    spec = jax.ShapeDtypeStruct
+    params = backend.pallas_compiler_params("gpu", 8, 2)
+    args = (
+        spec((4, 1, 10, 128), jnp.bfloat16),
+        *(spec((1000, 2, 128), jnp.bfloat16),) * 2,
+        spec((4, 300), jnp.int32),
+        spec((4,), jnp.int32),
+        spec((4, 1), jnp.int32),
+    )
+    attend = jax.jit(lambda *a: pa.paged_attention(*a, 0.1, compiler_params=params))
+    text = attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
