@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 from lazyspec.kernels.attention_prologue import all_powers_of_two, attention_prologue_pallas
 from lazyspec.kernels.conv_update import (
@@ -591,12 +592,13 @@ def _tpu_moe_experts(
 
 def _pallas_residual_norm(
     x: jax.Array,
-    delta: jax.Array,
+    delta: jax.Array | None,
     weight: jax.Array,
     router: jax.Array | None = None,
     *,
     eps: float,
     zero_centered: bool = False,
+    logits_dtype: Any = jnp.float32,
     xla_form: Callable[[], ResidualNorm],
     interpret: bool = False,
     **tiles: Any,
@@ -618,9 +620,8 @@ def _pallas_residual_norm(
         return xla_form()
     if router is not None:
         tiles["block_experts"] = fitted_tile(experts, tiles["block_experts"])
-    return residual_norm_pallas(
-        x, delta, weight, router, eps=eps, zero_centered=zero_centered, **tiles, **options
-    )
+    options.update(eps=eps, zero_centered=zero_centered, logits_dtype=logits_dtype)
+    return residual_norm_pallas(x, delta, weight, router, **tiles, **options)
 
 
 def _pallas_attention_prologue(
@@ -748,7 +749,8 @@ ConvUpdateFn = Callable[..., ConvUpdateResult]
 MoEExpertsFn = Callable[..., jax.Array]
 # (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``paged_attention``
 PagedAttentionFn = Callable[..., jax.Array]
-# (x, delta, weight, router=None, *, eps, zero_centered, xla_form) -> ResidualNorm, as
+# (x, delta, weight, router=None, *, eps, zero_centered, logits_dtype, xla_form) ->
+# ResidualNorm (delta may be None), as
 # ``residual_norm.residual_norm_pallas``; ``xla_form()`` computes the same by XLA
 ResidualNormFn = Callable[..., ResidualNorm]
 # (q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm=None, k_norm=None, *,

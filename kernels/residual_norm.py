@@ -1,12 +1,15 @@
 """The residual add, the RMSNorm after it and a MoE router's logits, in one Pallas launch.
 
-Contract. x and delta ``[N, d]`` (the residual stream and a sublayer's output, one dtype),
-``weight [d]`` (the norm's scale: ``1 + weight`` with ``zero_centered``, Qwen3-Next's
-convention), optionally ``router [E, d]`` (a checkpoint's layout). Returns ``ResidualNorm``:
-``residual = x + delta`` and ``normed = rms_norm(residual)`` in x's dtype, and with a router
-its float32 logits ``normed @ router.T`` (``layers.moe.router_logits``), else None. The
-reference is the model's own ops (``layers.norms.residual_rms_norm``), which XLA runs as two
-fusions and, for the logits, a split-K product and its reduction.
+Contract. x and delta ``[N, d]`` (the residual stream and a sublayer's output, one dtype;
+delta may be None: x is normed as it is), ``weight [d]`` (the norm's scale: ``1 + weight``
+with ``zero_centered``, Qwen3-Next's convention), optionally ``router [E, d]`` (a MoE
+router, or any projection kept in a checkpoint's ``[out, in]`` layout, such as a GDN
+layer's ``in_proj_ba``). Returns ``ResidualNorm``: ``residual = x + delta`` (x itself
+without delta) and ``normed = rms_norm(residual)`` in x's dtype, and with a router its
+logits ``normed @ router.T`` summed in float32 and rounded to ``logits_dtype`` (float32:
+``layers.moe.router_logits``), else None. The reference is the model's own ops
+(``layers.norms.residual_rms_norm``), which XLA runs as two fusions and, for the logits, a
+split-K product and its reduction.
 
 Kernel: grid ``(token, expert tile)``. Every program reads its token's row of x and delta
 (``d`` wide) and, with a router, its ``block_experts`` rows of it, all in one round of
@@ -45,7 +48,10 @@ class ResidualNorm(NamedTuple):
     logits: jax.Array | None
 
 
-def _check(x: jax.Array, delta: jax.Array, weight: jax.Array, router: jax.Array | None) -> None:
+def _check(
+    x: jax.Array, delta: jax.Array | None, weight: jax.Array, router: jax.Array | None
+) -> None:
+    delta = x if delta is None else delta
     if x.ndim != 2 or delta.shape != x.shape or delta.dtype != x.dtype:
         raise ValueError(
             f"x {x.shape} {x.dtype} and delta {delta.shape} {delta.dtype} must be one [N, d] "
@@ -64,35 +70,43 @@ def norm_scale(weight: jax.Array, zero_centered: bool) -> jax.Array:
     return 1.0 + scale if zero_centered else scale
 
 
-def _kernel(*refs, eps, zero_centered, with_router):
-    if with_router:
-        x_ref, delta_ref, weight_ref, router_ref, res_ref, normed_ref, logits_ref = refs
-    else:
-        x_ref, delta_ref, weight_ref, res_ref, normed_ref = refs
-    dtype = res_ref.dtype
-    total = x_ref[0, :].astype(jnp.float32) + delta_ref[0, :].astype(jnp.float32)
-    row = total.astype(dtype).astype(jnp.float32)  # rounded as ``x + delta`` is
-    inv = jax.lax.rsqrt(jnp.mean(row * row) + eps)
+def _kernel(*refs, eps, zero_centered, with_delta, with_router):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    delta_ref = refs.pop(0) if with_delta else None
+    weight_ref = refs.pop(0)
+    router_ref = refs.pop(0) if with_router else None
+    res_ref = refs.pop(0) if with_delta else None
+    normed_ref = refs.pop(0)
+    dtype = normed_ref.dtype
+    row = x_ref[0, :].astype(jnp.float32)
+    if with_delta:
+        row = (row + delta_ref[0, :].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(row * row) + eps)  # the residual rounded as ``x + delta``
     normed = (row * inv * norm_scale(weight_ref[...], zero_centered)).astype(dtype)
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        res_ref[0, :] = row.astype(dtype)
+        if with_delta:
+            res_ref[0, :] = row.astype(dtype)
         normed_ref[0, :] = normed
 
     if with_router:
+        logits_ref = refs.pop(0)
         w = router_ref[...].astype(jnp.float32)  # [block_experts, d], one load
-        logits_ref[0, :] = jnp.sum(w * normed.astype(jnp.float32)[None, :], axis=1)
+        logits = jnp.sum(w * normed.astype(jnp.float32)[None, :], axis=1)
+        logits_ref[0, :] = logits.astype(logits_ref.dtype)
 
 
 def residual_norm_pallas(
     x: jax.Array,
-    delta: jax.Array,
+    delta: jax.Array | None,
     weight: jax.Array,
     router: jax.Array | None = None,
     *,
     eps: float,
     zero_centered: bool = False,
+    logits_dtype: Any = jnp.float32,
     block_experts: int | None = 4,
     interpret: bool = False,
     compiler_params: Any = None,
@@ -101,12 +115,12 @@ def residual_norm_pallas(
     is clipped to E)."""
     _check(x, delta, weight, router)
     num_tokens, width = x.shape
-    with_router = router is not None
+    with_router, with_delta = router is not None, delta is not None
     row = pl.BlockSpec((1, width), lambda n, j: (n, 0))
-    in_specs = [row, row, pl.BlockSpec((width,), lambda n, j: (0,))]
-    args = [x, delta, weight]
-    out_specs = [row, row]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * 2
+    in_specs = [row] * (1 + with_delta) + [pl.BlockSpec((width,), lambda n, j: (0,))]
+    args = [x, delta, weight] if with_delta else [x, weight]
+    out_specs = [row] * (1 + with_delta)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * (1 + with_delta)
     expert_tiles = 1
     if with_router:
         num_experts = router.shape[0]
@@ -116,9 +130,13 @@ def residual_norm_pallas(
         in_specs.append(pl.BlockSpec((be, width), lambda n, j: (j, 0)))
         args.append(router)
         out_specs.append(pl.BlockSpec((1, be), lambda n, j: (n, j)))
-        out_shape.append(jax.ShapeDtypeStruct((num_tokens, num_experts), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((num_tokens, num_experts), logits_dtype))
     kernel = functools.partial(
-        _kernel, eps=eps, zero_centered=zero_centered, with_router=with_router
+        _kernel,
+        eps=eps,
+        zero_centered=zero_centered,
+        with_delta=with_delta,
+        with_router=with_router,
     )
     outs = pl.pallas_call(
         kernel,
@@ -130,4 +148,5 @@ def residual_norm_pallas(
         interpret=interpret,
         compiler_params=compiler_params,
     )(*args)
-    return ResidualNorm(outs[0], outs[1], outs[2] if with_router else None)
+    residual, outs = (outs[0], outs[1:]) if with_delta else (x, outs)
+    return ResidualNorm(residual, outs[0], outs[1] if with_router else None)

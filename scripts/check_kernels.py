@@ -23,7 +23,8 @@ CPU, where the kernels run in interpret mode):
   rows within ``2**-7`` of the largest (the kernel norms the residual rounded to bf16, as
   the model's ops are written; XLA may keep it in float32), the logits within ``1e-5`` of
   the largest of the kernel's own normed rows times the router (float32 sums in another
-  order);
+  order); and a GDN layer's input norm without a delta, with ``in_proj_ba`` as the router
+  and its products rounded to bf16 (within ``2**-8``);
 * the attention prologue in one launch (``Kernels.attention_prologue``: the q / k norms,
   the rotation, the K / V write) against the model's ops (``attention.norm_rope`` then
   ``write_kv``), Qwen3-Next's heads (the gates beside the queries): queries and written K
@@ -67,6 +68,7 @@ MOE_TOL = 2.0**-5
 GDN_TOL = 1e-4
 NORM_TOL = 2.0**-7
 LOGIT_TOL = 1e-5
+GATES_TOL = 2.0**-8  # products rounded to bf16
 ATTENTION_TOL = 2.0**-6
 # (hidden, experts per MoE check, top-k, expert width, GDN key heads, value heads, head width)
 WIDTHS = {
@@ -246,6 +248,24 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
             shape = f"{num_tokens} tokens, {experts}"
             found = ", ".join(f"{e:.2e}" for e in errs)
             rows.append(("residual_norm", shape, f"{verdict}: {found}"))
+    # a GDN layer's input norm with in_proj_ba ([2 * Hv, hidden]) as the router, no delta
+    gates = jnp.asarray(rng.standard_normal((2 * widths[5], hidden)) * hidden**-0.5, jnp.bfloat16)
+    options = dict(options, logits_dtype=jnp.bfloat16)
+    want_of = jax.jit(lambda *a: norms.residual_rms_norm(*a, **options))
+    got_of = jax.jit(
+        lambda *a: backend.kernels_for("pallas").residual_norm(*a, **options, xla_form=None)
+    )
+    for num_tokens in token_counts:
+        x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+        weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
+        want, got = (f(x, None, weight, gates) for f in (want_of, got_of))
+        h, w = (np.asarray(a, np.float64) for a in (got.normed, gates))
+        errs = [err(got.normed, want.normed), err(got.logits, h @ w.T)]
+        ok = errs[0] <= NORM_TOL and errs[1] <= GATES_TOL
+        verdict = "ok" if ok else "over the tolerance"
+        shape = f"{num_tokens} tokens, no delta, {gates.shape[0]} bf16 gates"
+        found = ", ".join(f"{e:.2e}" for e in errs)
+        rows.append(("residual_norm", shape, f"{verdict}: {found}"))
     return rows
 
 

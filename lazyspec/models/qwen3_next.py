@@ -357,6 +357,25 @@ def mlp_block(
     return x + swiglu_mlp(lp["mlp"], h)
 
 
+def _gdn_input(
+    lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels
+) -> tuple[jax.Array, jax.Array | None]:
+    """A GDN layer's normed input and, where ``kernels.residual_norm`` runs the norm, its
+    fused gate projection computed in the same launch (``in_proj_ba`` as the launch's
+    router, rounded to its dtype as ``gdn.gate_projection`` gives it); else the layer's
+    norm and None (the mixer projects the gates itself)."""
+    weight = lp["input_layernorm"]
+    gates = lp["linear_attn"].get("in_proj_ba")  # fused projections only
+    if kernels.residual_norm is None or gates is None:
+        return norm(x, weight, cfg), None
+    flat, router = x.reshape(-1, x.shape[-1]), gates["weight"]
+    options = {"eps": cfg.arch.rms_norm_eps, "zero_centered": True}
+    options["logits_dtype"] = router.dtype
+    xla_form = functools.partial(residual_rms_norm, flat, None, weight, router, **options)
+    _, normed, ba = kernels.residual_norm(flat, None, weight, router, **options, xla_form=xla_form)
+    return normed.reshape(x.shape), ba.reshape(*x.shape[:-1], ba.shape[-1])
+
+
 def _attention_layer(
     lp: Params,
     cfg: ModelConfig,
@@ -423,10 +442,11 @@ def forward(
         lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
         with jax.named_scope(f"layer_{i}"):
             if role == RECURRENT:
+                normed, ba = _gdn_input(lp, cfg, x, kernels)
                 h, st = gdn_mixer(
                     lp["linear_attn"],
                     cfg.arch.gdn,
-                    norm(x, lp["input_layernorm"], cfg),
+                    normed,
                     *rec.layer(r),
                     inputs.num_new,
                     form=form,
@@ -434,6 +454,7 @@ def forward(
                     state_update=kernels.gdn_state_update,
                     conv_update=kernels.conv_update,
                     gated_norm=kernels.gated_norm,
+                    ba=ba,
                 )
                 if mode == "extend":
                     st = st._replace(

@@ -46,6 +46,29 @@ def test_residual_norm_pallas_matches_the_model_ops(tokens, zero_centered, exper
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_norm_without_delta_gives_the_projection_in_its_dtype_pallas(tokens):
+    """Without a delta (a GDN layer's input norm): x is normed as it is and returned as the
+    residual, and the router's products (``in_proj_ba`` kept ``[out, in]``) come rounded to
+    ``logits_dtype``, as the model's bf16 projection gives them."""
+    x, _, weight, router = _case(np.random.default_rng(tokens + 7), tokens, 64, 16)
+    options = {"eps": 1e-6, "zero_centered": True, "logits_dtype": jnp.bfloat16}
+    got = residual_norm_pallas(x, None, weight, router, interpret=True, **options)
+    want = residual_rms_norm(x, None, weight, router, **options)
+    assert got.residual is x and want.residual is x
+    np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(want.normed))
+    assert got.logits.dtype == want.logits.dtype == jnp.bfloat16
+    exact = np.asarray(got.normed, np.float64) @ np.asarray(router, np.float64).T
+    scale = np.abs(exact).max()
+    np.testing.assert_allclose(np.asarray(got.logits, np.float64), exact, atol=scale * 2.0**-8)
+    np.testing.assert_allclose(
+        np.asarray(got.logits, np.float32),
+        np.asarray(want.logits, np.float32),
+        atol=scale * 2.0**-8,
+    )
+    assert residual_norm_pallas(x, None, weight, interpret=True, eps=1e-6).logits is None
+
+
 def test_residual_norm_pallas_rejects_mismatched_inputs():
     x, delta, weight, router = _case(np.random.default_rng(0), 2, 64, 16)
     options = {"eps": 1e-6, "interpret": True}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels.backend import XLA_KERNELS, kernels_for, state_update
+from lazyspec.models.config import RECURRENT
 from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
@@ -122,31 +123,39 @@ def _verify_forward(seed: int):
 
 def test_forward_uses_the_residual_norm_it_is_given():
     """Every Qwen3-Next layer hands its mixer's output to ``Kernels.residual_norm`` (with the
-    router where the MLP is a MoE) and runs on what it returns: the XLA form behind a
-    recorder gives the XLA forward's output exactly, an altered residual or altered logits
-    change it."""
+    router where the MLP is a MoE), and every GDN layer its input (no delta, with the fused
+    gate projection ``in_proj_ba`` as the router, rounded to its dtype); each runs on what
+    the launch returns: the XLA form behind a recorder gives the XLA forward's output
+    exactly, an altered residual, altered router logits or altered gates change it."""
     cfg, run = _verify_forward(13)
+    gdn = cfg.arch.gdn
 
-    def recorder(alter=lambda r: r):
+    def recorder(alter=lambda r, delta: r):
         calls = []
 
-        def fused(x, delta, weight, router=None, *, eps, zero_centered, xla_form):
-            calls.append(None if router is None else router.shape)
-            assert zero_centered and x.shape == delta.shape == (2 * WIDTH, cfg.hidden_size)
-            return alter(xla_form())
+        def fused(
+            x, delta, weight, router=None, *, eps, zero_centered, xla_form, logits_dtype=jnp.float32
+        ):
+            calls.append((delta is None, None if router is None else router.shape))
+            assert zero_centered and x.shape == (2 * WIDTH, cfg.hidden_size)
+            assert delta is None or delta.shape == x.shape
+            assert logits_dtype == (jnp.float32 if delta is not None else router.dtype)
+            return alter(xla_form(), delta)
 
         return dataclasses.replace(XLA_KERNELS, residual_norm=fused), calls
 
     kernels, calls = recorder()
     np.testing.assert_array_equal(run(kernels), run(XLA_KERNELS))
-    moe = cfg.arch.moe
-    assert calls == [
-        (moe.num_experts, cfg.hidden_size) if kind == "moe" else None for kind in cfg.arch.mlp_kinds
-    ]
-    assert any(c is not None for c in calls)
+    moe, want = cfg.arch.moe, []
+    for role, kind in zip(cfg.layer_roles, cfg.arch.mlp_kinds):
+        if role == RECURRENT:
+            want.append((True, (2 * gdn.num_v_heads, cfg.hidden_size)))
+        want.append((False, (moe.num_experts, cfg.hidden_size) if kind == "moe" else None))
+    assert calls == want and any(c[1] is not None for c in calls if not c[0])
     for alter in (
-        lambda r: r._replace(residual=r.residual + 1.0),
-        lambda r: r if r.logits is None else r._replace(logits=-r.logits),
+        lambda r, delta: r if delta is None else r._replace(residual=r.residual + 1.0),
+        lambda r, delta: r if delta is None or r.logits is None else r._replace(logits=-r.logits),
+        lambda r, delta: r if delta is not None else r._replace(logits=r.logits + 1.0),
     ):
         assert not np.allclose(run(recorder(alter)[0]), run(XLA_KERNELS))
 

@@ -96,15 +96,23 @@ def _projection_plan(prefix: str, spec: GDNSpec) -> Params:
         axes = {"qkv": "linear_conv", "z": "linear_v_heads", "b": "linear_v_heads"}
         axes["a"] = "linear_v_heads"
     else:
-        widths = {"qkvz": spec.conv_dim + spec.value_dim, "ba": 2 * hv}
+        widths = {"qkvz": spec.conv_dim + spec.value_dim}
         # both fused projections are grouped per key head: a shard holds whole groups
-        axes = {"qkvz": "linear_k_heads", "ba": "linear_k_heads"}
-    return {
+        axes = {"qkvz": "linear_k_heads"}
+    plan = {
         f"in_proj_{part}": linear_spec(
             f"{prefix}.in_proj_{part}", h, width, axes=("embed", axes[part])
         )
         for part, width in widths.items()
     }
+    if not spec.split_projections:
+        # [2 * Hv, hidden] as stored: a few tokens' gates are computed with the input
+        # norm in one launch reading whole rows (``Kernels.residual_norm``)
+        name = f"{prefix}.in_proj_ba.weight"
+        plan["in_proj_ba"] = {
+            "weight": TensorSpec(name, (2 * hv, h), axes=("linear_k_heads", "embed"))
+        }
+    return plan
 
 
 def gdn_plan(prefix: str, spec: GDNSpec) -> Params:
@@ -149,11 +157,14 @@ class Projections(NamedTuple):
     ba: jax.Array | None = None
 
 
-def _project(params: Params, spec: GDNSpec, x: jax.Array) -> Projections:
+def _project(
+    params: Params, spec: GDNSpec, x: jax.Array, ba: jax.Array | None = None
+) -> Projections:
     """x ``[B, T, hidden]`` -> ``Projections``.
 
-    Fused projections are grouped per key head: ``[q, k, v-group, z-group]`` and ``[b, a]``;
-    split ones already give the conv input ``[q, k, v]`` and per-value-head z, b, a.
+    Fused projections are grouped per key head: ``[q, k, v-group, z-group]`` and ``[b, a]``
+    (``ba``: the latter where the caller computed it, ``gate_projection``); split ones
+    already give the conv input ``[q, k, v]`` and per-value-head z, b, a.
     """
     lead = x.shape[:-1]
     if spec.split_projections:
@@ -163,12 +174,20 @@ def _project(params: Params, spec: GDNSpec, x: jax.Array) -> Projections:
     r = spec.heads_per_key
     fused = linear(params["in_proj_qkvz"], x)
     z = _gate_layout(spec).gather(fused, spec.num_v_heads, spec.head_v_dim)
-    ba = linear(params["in_proj_ba"], x)
+    if ba is None:
+        ba = gate_projection(params, x)
     grouped = ba.reshape(*lead, spec.num_k_heads, 2 * r)
     b = grouped[..., :r].reshape(*lead, spec.num_v_heads)
     a = grouped[..., r:].reshape(*lead, spec.num_v_heads)
     mixed = _conv_channels(spec).gather(fused)  # [q | k | v] of every key head
     return Projections(mixed, z, b, a, fused, ba)
+
+
+def gate_projection(params: Params, x: jax.Array) -> jax.Array:
+    """Qwen3-Next's fused ``in_proj_ba`` of x ``[..., hidden]`` (its weight kept ``[2 * Hv,
+    hidden]``, as checkpoints store it), in the weight's dtype as ``linear`` gives it."""
+    weight = params["in_proj_ba"]["weight"]
+    return jnp.matmul(x.astype(weight.dtype), weight.T)
 
 
 def _gate_layout(spec: GDNSpec) -> GateLayout:
@@ -309,6 +328,7 @@ def gdn_mixer(
     state_update: StateUpdateFn | None = None,
     conv_update: ConvUpdateFn | None = None,
     gated_norm: GatedNormFn | None = None,
+    ba: jax.Array | None = None,
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
@@ -321,7 +341,8 @@ def gdn_mixer(
     place and returns the pool (``GDNStates.ssm_pool``); conv0 as writing ``PoolRows`` with
     ``conv_update`` (``Kernels.conv_update``) as well, the conv windows too
     (``GDNStates.conv_pool``). ``gated_norm`` (``Kernels.gated_norm``) runs the output's
-    gated norm where the projections are fused. Pure; mutates nothing.
+    gated norm where the projections are fused. ``ba``: the fused gate projection of x
+    where the caller computed it (``gate_projection``'s contract). Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
@@ -330,7 +351,7 @@ def gdn_mixer(
         ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
     if not writes_conv_in_place(conv0, ssm0, state_update, conv_update):
         conv0 = gathered(conv0)
-    projected = _project(params, spec, x)
+    projected = _project(params, spec, x, ba)
     mixed, z, b, a = projected[:4]
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)

@@ -5,6 +5,8 @@ All statistics are computed in float32; the result is cast back to the input's d
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -33,19 +35,22 @@ def rms_norm(
 
 def residual_rms_norm(
     x: jax.Array,
-    delta: jax.Array,
+    delta: jax.Array | None,
     weight: jax.Array,
     router: jax.Array | None = None,
     *,
     eps: float,
     zero_centered: bool = False,
+    logits_dtype: Any = jnp.float32,
 ) -> ResidualNorm:
-    """``x + delta``, its ``rms_norm`` and, given a MoE router ``[E, d]``, the router's
-    float32 logits of the normed tokens (``layers.moe.router_logits``): the XLA form of the
-    ``Kernels.residual_norm`` launch, and its reference."""
-    residual = x + delta
+    """``x + delta`` (x without delta), its ``rms_norm`` and, given a router ``[E, d]``, its
+    logits of the normed tokens (``layers.moe.router_logits``) rounded to ``logits_dtype``:
+    the XLA form of the ``Kernels.residual_norm`` launch, and its reference."""
+    residual = x if delta is None else x + delta
     normed = rms_norm(residual, weight, eps, zero_centered=zero_centered)
-    logits = None if router is None else router_logits({"gate": router}, normed)
+    logits = None
+    if router is not None:
+        logits = router_logits({"gate": router}, normed).astype(logits_dtype)
     return ResidualNorm(residual, normed, logits)
 
 
