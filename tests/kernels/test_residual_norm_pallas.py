@@ -108,3 +108,24 @@ def test_dispatch_runs_the_kernel_up_to_the_limit(tokens, experts):
     got = fused(x, delta, weight, router, eps=1e-6, xla_form=xla_form)
     assert calls == ([tokens] if over else [])
     np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(xla_form().normed))
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
+    """The CUDA lowering (built on CPU, not compiled) at Qwen3-Next's widths: the
+    post-mixer launch with the MoE router (float32 logits) and the GDN input launch
+    without a delta (64 rows of ``in_proj_ba``, bf16 products) are one Triton call each."""
+    import jax
+
+    spec = jax.ShapeDtypeStruct
+    options = {"eps": 1e-6, "zero_centered": True}
+    options["compiler_params"] = backend.pallas_compiler_params("gpu")
+    options["logits_dtype"] = jnp.float32 if with_delta else jnp.bfloat16
+    row = spec((4, 2048), jnp.bfloat16)
+
+    def launch(x, delta, weight, router):
+        return residual_norm_pallas(x, delta if with_delta else None, weight, router, **options)
+
+    args = (row, row, spec((2048,), jnp.bfloat16), spec((64, 2048), jnp.bfloat16))
+    text = jax.jit(launch).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
