@@ -778,9 +778,10 @@ class Kernels:
     on XLA, where the MoE layers run their sort-based dispatch. ``paged_attention`` has the
     contract of ``paged_attention.paged_attention``; None on XLA and on TPU, where the
     attention layers run their masked jnp form. ``residual_norm`` (``ResidualNormFn``) adds
-    a sublayer's output to the residual stream and norms it, with a MoE router's logits,
-    in one launch for a decode step's token counts (XLA's fusions beyond); None on XLA, on
-    TPU and per shard, where the layers run the ops themselves. ``attention_prologue``
+    a sublayer's output to the residual stream and norms it, with a MoE router's logits
+    (or norms a GDN layer's input with its gate projection's products), in one launch for
+    a decode step's token counts (XLA's fusions beyond); None on XLA, on TPU and per shard,
+    where the layers run the ops themselves. ``attention_prologue``
     (``AttentionPrologueFn``) norms and rotates an attention layer's q and k and writes its
     new K / V rows into the pools, in one launch for a decode or verify step's token counts
     (the layers use it beside ``paged_attention``); None where ``residual_norm`` is.

@@ -229,10 +229,9 @@ def attention_forward(
     x ``[B, T, hidden]``; query t of row b sees context positions ``c < ctx_len[b]`` with
     ``c <= positions[b, t]``. With ``paged_attention`` (a ``Kernels`` entry) the attention
     runs in that kernel, which reads only the table entries below ``ctx_len`` and applies
-    the output gate, and with
-    ``prologue`` too the norms, the rotation and the K/V write run in that one (both
-    ``Kernels`` entries); without, the whole ``kv_read_idx`` table is gathered and masked.
-    Returns (output ``[B, T, hidden]``, k_pool, v_pool).
+    the output gate; with ``prologue`` too (another entry), the norms, the rotation and the
+    K/V write run in that one. Without, the whole ``kv_read_idx`` table is gathered and
+    masked. Returns (output ``[B, T, hidden]``, k_pool, v_pool).
     """
     if paged_attention is not None and prologue is not None:
         q, gate, k_pool, v_pool = _prologue(
