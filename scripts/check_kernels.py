@@ -86,6 +86,12 @@ def launch_options() -> dict:
     return {"interpret": False, "compiler_params": backend.pallas_compiler_params()}
 
 
+def relative_error(got, want) -> float:
+    """max |got - want| over max |want| (float32 arrays; 1e-30 where want is all zeros)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
 def check_routing(rng, token_counts, expert_counts, top_k) -> list[tuple[str, str, str]]:
     route = jax.jit(lambda r, w: me.route_tokens(r, w, 16, **launch_options()))
     rows = []
@@ -220,10 +226,6 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
         lambda *a: backend.kernels_for("pallas").residual_norm(*a, **options, xla_form=None)
     )
 
-    def err(a, b):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
     rows = []
     for num_experts in (None, *expert_counts):
         for num_tokens in token_counts:
@@ -237,11 +239,14 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
                 router = rng.standard_normal((num_experts, hidden)) * hidden**-0.5
                 router = jnp.asarray(router, jnp.bfloat16)
             want, got = (f(x, delta, weight, router) for f in (want_of, got_of))
-            errs = [err(got.residual, want.residual), err(got.normed, want.normed)]
+            errs = [
+                relative_error(got.residual, want.residual),
+                relative_error(got.normed, want.normed),
+            ]
             ok = errs[0] == 0.0 and errs[1] <= NORM_TOL
             if router is not None:
                 h, w = (np.asarray(a, np.float64) for a in (got.normed, router))
-                errs.append(err(got.logits, h @ w.T))
+                errs.append(relative_error(got.logits, h @ w.T))
                 ok = ok and errs[2] <= LOGIT_TOL
             verdict = "ok" if ok else "over the tolerance"
             experts = "no router" if router is None else f"{num_experts} experts"
@@ -260,7 +265,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
         weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
         want, got = (f(x, None, weight, gates) for f in (want_of, got_of))
         h, w = (np.asarray(a, np.float64) for a in (got.normed, gates))
-        errs = [err(got.normed, want.normed), err(got.logits, h @ w.T)]
+        errs = [relative_error(got.normed, want.normed), relative_error(got.logits, h @ w.T)]
         ok = errs[0] <= NORM_TOL and errs[1] <= GATES_TOL
         verdict = "ok" if ok else "over the tolerance"
         shape = f"{num_tokens} tokens, no delta, {gates.shape[0]} bf16 gates"
@@ -295,10 +300,6 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
     prologue = backend.kernels_for("pallas").attention_prologue
     got_of = jax.jit(lambda *a: prologue(*a, **options, xla_form=None))
 
-    def err(a, b):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
     rows = []
     for batch, tokens in shapes:
         num, pool_rows = batch * tokens, 4 * batch * tokens + 8
@@ -319,7 +320,7 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
         got = got_of(*args)
         new = np.zeros(pool_rows, bool)
         new[write_idx[np.arange(tokens)[None] < np.asarray(args[5])[:, None]]] = True
-        errs = [err(got[0], want[0]), err(got[1][new], want[1][new])]
+        errs = [relative_error(got[0], want[0]), relative_error(got[1][new], want[1][new])]
         exact = [
             np.array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)),
             np.array_equal(np.asarray(got[1])[~new], np.asarray(args[6])[~new]),
@@ -351,7 +352,7 @@ def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
         weight = jnp.asarray(1.0 + 0.1 * rng.standard_normal(head_dim), jnp.bfloat16)
         args = (x, jnp.asarray(source, jnp.bfloat16), weight)
         want, got = (np.asarray(f(*args), np.float32) for f in (jax.jit(want_of), got_of))
-        found = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+        found = relative_error(got, want)
         verdict = "ok" if found <= NORM_TOL else "over the tolerance"
         rows.append(("gated_norm", f"{num_tokens} tokens", f"{verdict}: {found:.2e}"))
     return rows
@@ -381,7 +382,7 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
             bf16(batch, tokens, num_heads, head_dim),
         )
         got, want = (np.asarray(f(*args), np.float32) for f in (got_of, want_of))
-        found = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+        found = relative_error(got, want)
         verdict = "ok" if found <= ATTENTION_TOL else "over the tolerance"
         shape = f"{batch} x {tokens} tokens, context {context}"
         rows.append(("paged_attention gate", shape, f"{verdict}: {found:.2e}"))
