@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
+from lazyspec.kernels.residual_norm import ResidualNorm
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
     ForwardInputs,
@@ -325,6 +326,25 @@ def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
 
 
+def _fused_norm(
+    kernels: Kernels,
+    cfg: ModelConfig,
+    x: jax.Array,
+    delta: jax.Array | None,
+    weight: jax.Array,
+    router: jax.Array | None,
+    logits_dtype: Any = jnp.float32,
+) -> ResidualNorm:
+    """``norms.residual_rms_norm`` of tokens ``[N, hidden]`` with the model's norm options,
+    in ``kernels.residual_norm`` (handed those ops as its XLA form) where there is one."""
+    args = (x, delta, weight, router)
+    options = {"eps": cfg.arch.rms_norm_eps, "zero_centered": True, "logits_dtype": logits_dtype}
+    xla_form = functools.partial(residual_rms_norm, *args, **options)
+    if kernels.residual_norm is None:
+        return xla_form()
+    return kernels.residual_norm(*args, **options, xla_form=xla_form)
+
+
 def mlp_block(
     lp: Params,
     cfg: ModelConfig,
@@ -345,12 +365,7 @@ def mlp_block(
     else:
         router = lp["mlp"]["gate"] if kind == "moe" else None
         flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-        args = (flat(x), flat(delta), weight, router)
-        options = {"eps": cfg.arch.rms_norm_eps, "zero_centered": True}
-        fused = functools.partial(residual_rms_norm, *args, **options)
-        if kernels.residual_norm is not None:
-            fused = functools.partial(kernels.residual_norm, *args, **options, xla_form=fused)
-        x_flat, h_flat, logits = fused()
+        x_flat, h_flat, logits = _fused_norm(kernels, cfg, flat(x), flat(delta), weight, router)
         x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
         return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
@@ -369,10 +384,7 @@ def _gdn_input(
     if kernels.residual_norm is None or gates is None:
         return norm(x, weight, cfg), None
     flat, router = x.reshape(-1, x.shape[-1]), gates["weight"]
-    options = {"eps": cfg.arch.rms_norm_eps, "zero_centered": True}
-    options["logits_dtype"] = router.dtype
-    xla_form = functools.partial(residual_rms_norm, flat, None, weight, router, **options)
-    _, normed, ba = kernels.residual_norm(flat, None, weight, router, **options, xla_form=xla_form)
+    _, normed, ba = _fused_norm(kernels, cfg, flat, None, weight, router, router.dtype)
     return normed.reshape(x.shape), ba.reshape(*x.shape[:-1], ba.shape[-1])
 
 
