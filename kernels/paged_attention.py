@@ -121,7 +121,8 @@ def paged_attention_reference(
 
 def gated(attn: jax.Array, gate: jax.Array | None) -> jax.Array:
     """``attn`` times the sigmoid of ``gate`` (of attn's shape), both rounded to attn's
-    dtype as ``layers.attention``'s output gate rounds them; attn itself without a gate."""
+    dtype: the output gate of ``layers.attention`` (which calls this) and of both forms
+    here; attn itself without a gate."""
     if gate is None:
         return attn
     return attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)

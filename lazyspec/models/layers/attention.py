@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn
+from lazyspec.kernels.paged_attention import gated
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
@@ -138,10 +139,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: flo
 
 def _output(params: Params, attn: jax.Array, gate: jax.Array | None) -> jax.Array:
     """Flatten heads, apply the sigmoid output gate if any, then ``o_proj``."""
-    attn = attn.reshape(*attn.shape[:-2], -1)
-    if gate is not None:
-        attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
-    return linear(params["o_proj"], attn)
+    return linear(params["o_proj"], gated(attn.reshape(*attn.shape[:-2], -1), gate))
 
 
 def write_kv(
