@@ -22,7 +22,7 @@ table ``tile_expert`` names each tile's expert and -1 marks the unused tiles of 
 static grid, whose size bounds the worst case: ``min(E, N * k) + N * k // block_rows``.
 A few tokens (``group_tokens``, up to ``TOKEN_ROWS_MAX_TOKENS``) skip the staging: one tile
 per pair, the first pair of each expert names its tile and the others' are unused, and row
-r of every tile is token r, so every tile reads x itself (padded to ``block_rows`` rows).
+r of every tile is token r, so every tile reads x itself (zeros after its rows).
 
 Kernels, two launches (the second needs the whole intermediate row of a tile):
   up    grid ``(tile, inner tile)``: reads the tile's staged rows of x and one column tile
@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 from lazyspec.kernels.state_update import check_tile, whole
 
@@ -397,10 +398,23 @@ def _by_expert(expert, shared_expert, compute) -> None:
     pl.when(expert == shared_expert)(lambda: compute(shared))
 
 
-def _up_kernel(tile_expert_ref, x_ref, *refs, gated, block_inner, block_k, shared_expert):
+def _tile_rows(x_ref, block_rows: int, chunk) -> jax.Array:
+    """``block_rows`` rows of x's columns ``chunk``: its block's, or, where x has fewer rows
+    (the tokens themselves, unpadded), its rows and zeros after them (a masked load)."""
+    if x_ref.shape[0] == block_rows:
+        return x_ref[:, chunk]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, chunk.size), 0)
+    return pallas_triton.load(
+        x_ref.at[pl.ds(0, block_rows), chunk], mask=rows < x_ref.shape[0], other=0
+    )
+
+
+def _up_kernel(
+    tile_expert_ref, x_ref, *refs, gated, block_rows, block_inner, block_k, shared_expert
+):
     """One tile's rows times one column tile of its expert's gate / up, then the activation.
     ``refs``: the routed stacks (gate, up or up), then as many shared matrices with
-    ``shared_expert``, then the output."""
+    ``shared_expert``, then the output. x is rounded to the weights' dtype as it is read."""
     out_ref, num = refs[-1], 2 if gated else 1
     pairs = [(refs[j], refs[num + j] if shared_expert is not None else None) for j in range(num)]
     expert = tile_expert_ref[pl.program_id(0)]
@@ -409,11 +423,11 @@ def _up_kernel(tile_expert_ref, x_ref, *refs, gated, block_inner, block_k, share
     def compute(load):
         def step(i, accs):
             chunk = pl.ds(i * block_k, block_k)
-            xs = x_ref[:, chunk]
+            xs = _tile_rows(x_ref, block_rows, chunk).astype(out_ref.dtype)
             products = (_dot(xs, load(w, chunk, cols)) for w in pairs)
             return tuple(acc + p for acc, p in zip(accs, products))
 
-        zeros = jnp.zeros((x_ref.shape[0], block_inner), jnp.float32)
+        zeros = jnp.zeros((block_rows, block_inner), jnp.float32)
         accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * num)
         if gated:
             gate, up = accs
@@ -533,8 +547,8 @@ def moe_experts_pallas(
     ``block_k_down`` gives the down launch's (a tile sweep's knob: the down launch's whole
     intermediate row may fit in one chunk where the up launch's would not);
     ``down_compiler_params``, likewise, the down launch's, else ``compiler_params``.
-    ``token_rows``: group with ``group_tokens`` (every tile reads x itself, padded to
-    ``block_rows`` rows) rather than ``group_pairs`` (tiles of staged rows); None takes
+    ``token_rows``: group with ``group_tokens`` (every tile reads x itself, zeros after
+    its rows) rather than ``group_pairs`` (tiles of staged rows); None takes
     ``group_tokens`` up to ``TOKEN_ROWS_MAX_TOKENS`` tokens (and ``block_rows``).
     ``shared``: adds ``shared.weight[n] * shared_expert(x[n])`` to each token's sum, run as
     one more expert (id E, routed to by every token with that weight) in the same two
@@ -573,9 +587,8 @@ def moe_experts_pallas(
         grouped = route_tokens(routing, shared_weight, block_rows, interpret, compiler_params, x)
     elif token_rows:
         grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
-    if token_rows:
-        staged = jnp.pad(x.astype(up.dtype), ((0, block_rows - num_tokens), (0, 0)))
-        x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (0, 0))
+    if token_rows:  # every tile reads the tokens themselves, as they are (no padded copy)
+        staged, x_spec = x, whole()
     else:
         grouped = group_pairs(weights, expert_ids, num_experts, block_rows)
         staged = x.astype(up.dtype)[grouped.row_token]  # [num_tiles * block_rows, d]
@@ -592,6 +605,7 @@ def moe_experts_pallas(
     up_kernel = functools.partial(
         _up_kernel,
         gated=gate is not None,
+        block_rows=block_rows,
         block_inner=bi,
         block_k=bk_up,
         shared_expert=shared_expert,

@@ -506,6 +506,31 @@ def test_token_rows_and_staged_rows_give_the_same_experts_pallas(gated):
             assert_close(got, want, FP32_TOL, f"n={num_tokens} token_rows={token_rows}")
 
 
+def test_token_rows_read_the_tokens_as_they_are_pallas():
+    """Grouped by token rows, the up launch reads x itself, unpadded and in its own dtype
+    (rows past the tokens read as zeros, x rounded to the weights' dtype in the launch): no
+    pad or cast of x runs before it, and the output equals the staged rows' form, which
+    rounds and gathers x first, bit for bit."""
+    rng = np.random.default_rng(19)
+    up, down, gate = expert_stacks(rng, 8, jnp.bfloat16, True)
+    weights, ids = routing(rng, 3, 2, 8, False)
+    x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
+
+    def run(x, token_rows):
+        return me.moe_experts_pallas(
+            x, weights, ids, up, down, gate, block_rows=8, token_rows=token_rows, interpret=True
+        )
+
+    jaxpr = jax.make_jaxpr(lambda x: run(x, True))(x).jaxpr
+    launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    first = launches[0]
+    name = first.params.get("name", first.params.get("name_and_src_info"))
+    assert "moe_experts_up" in str(name)
+    assert first.invars[1] is jaxpr.invars[0]  # x itself: [3, d] float32
+    assert not [e for e in jaxpr.eqns if e.primitive.name == "pad"]
+    np.testing.assert_array_equal(np.asarray(run(x, True)), np.asarray(run(x, False)))
+
+
 # seed, tokens, top_k, experts, norm_topk_prob, shared, real (None: all): ties in every
 # case, powers of two and not, the padding rule, both weight rules
 ROUTE_CASES = [
