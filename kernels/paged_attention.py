@@ -16,8 +16,10 @@ never read by the kernel (the jnp form gathers them, so they must be valid rows 
 
 Pallas layout: the G = Hq / Hkv query heads that share a kv head are stacked with the T
 tokens into ``T * G`` query rows (token-major, each with its token's position), cut into
-tiles of ``block_rows`` rows. Grid ``(row b, kv head, row tile, split)``: a program runs
-the online softmax over the blocks of ``block_kv`` context positions below
+tiles of ``block_rows`` rows; a program reads its tile out of the rows and the positions as
+they are (a partial tile's missing rows as zeros: nothing is padded before the launch).
+Grid ``(row b, kv head, row tile, split)``: a program runs the online softmax over the
+blocks of ``block_kv`` context positions below
 ``min(ctx_len[b], largest position in its tile + 1)``, a loop whose trip count follows the
 lengths (``cdiv(visible, block_kv)``, shared among the ``num_splits`` programs of the tile;
 none reads above it). Each block gathers its K/V rows by the table's indices from the kv
@@ -43,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
@@ -143,13 +146,14 @@ def _attention_kernel(
     sum_ref,
     *,
     scale,
+    block_rows,
     block_kv,
     num_splits,
+    groups,
 ):
     row = pl.program_id(0)
     ctx_len = ctx_len_ref[row]
-    pos = pos_ref[...]  # [block_rows]; padding rows are -1
-    q = q_ref[...]  # [block_rows, D]
+    pos, q = _tile_queries(pos_ref, q_ref, block_rows, groups)
     visible = jnp.maximum(jnp.minimum(ctx_len, jnp.max(pos) + 1), 0)
     num_blocks = pl.cdiv(visible, block_kv)
     per_split = pl.cdiv(num_blocks, num_splits)
@@ -218,17 +222,29 @@ def default_splits(programs: int, max_blocks: int, target_programs: int) -> int:
     return max(1, min(max_blocks, -(-target_programs // programs)))
 
 
-def _query_rows(q: jax.Array, positions: jax.Array, num_kv_heads: int, block_rows: int):
-    """q as ``[B, Hkv, N, D]`` rows (token-major, the G heads of a kv head adjacent) and
-    their positions ``[B, N]``, padded to a multiple of ``block_rows`` (position -1)."""
+def _query_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q as ``[B, Hkv, N, D]`` rows (N = T * G, token-major, the G heads of a kv head
+    adjacent); at T = 1 a reshape only."""
     batch, num_tokens, num_heads, head_dim = q.shape
     groups = num_heads // num_kv_heads
     rows = q.reshape(batch, num_tokens, num_kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    rows = rows.reshape(batch, num_kv_heads, num_tokens * groups, head_dim)
-    row_pos = jnp.repeat(positions.astype(jnp.int32), groups, axis=1)
-    pad = -rows.shape[2] % block_rows
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    return rows, jnp.pad(row_pos, ((0, 0), (0, pad)), constant_values=-1)
+    return rows.reshape(batch, num_kv_heads, num_tokens * groups, head_dim)
+
+
+def _tile_queries(pos_ref, q_ref, block_rows: int, groups: int):
+    """The program's tile of query rows (``program_id(2)``) out of the whole rows ``q_ref
+    [B, Hkv, N, D]``, and each row's position out of ``pos_ref [B, T]`` (row r is token
+    r // G's). Rows past N read as zeros at the last token's position (their outputs are
+    never read), so no padded copy of q or of the positions is made."""
+    row, head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows, num_tokens = q_ref.shape[2], pos_ref.shape[1]
+    index = tile * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    pos = pos_ref[row, jnp.minimum(index // groups, num_tokens - 1)]  # [block_rows]
+    rows = q_ref.at[row, head, pl.ds(tile * block_rows, block_rows)]
+    if num_rows % block_rows == 0:
+        return pos, rows[...]
+    real = (index < num_rows)[:, None]
+    return pos, pallas_triton.load(rows, mask=real, other=0)  # [block_rows, D]
 
 
 def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Array:
@@ -331,8 +347,9 @@ def paged_attention(
         block_rows = default_row_tile(num_query_rows, head_dim, q.dtype.itemsize)
     _check_pow2("block_rows", block_rows)
     _check_pow2("block_kv", block_kv)
-    rows, row_pos = _query_rows(q, positions, num_kv_heads, block_rows)
-    num_tiles = rows.shape[2] // block_rows
+    rows = _query_rows(q, num_kv_heads)
+    num_tiles = -(-rows.shape[2] // block_rows)
+    groups = num_heads // num_kv_heads
     table = token_table.astype(jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block_kv)))  # whole blocks
     max_blocks = table.shape[1] // block_kv
@@ -342,23 +359,21 @@ def paged_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be positive")
     kernel = functools.partial(
-        _attention_kernel, scale=float(scale), block_kv=block_kv, num_splits=num_splits
+        _attention_kernel,
+        scale=float(scale),
+        block_rows=block_rows,
+        block_kv=block_kv,
+        num_splits=num_splits,
+        groups=groups,
     )
     pool_spec = pl.BlockSpec(
         (num_rows_total, None, head_dim), lambda b, h, i, s: (0, head_base + h, 0)
     )
-    partial_shape = (num_splits, batch, num_kv_heads, rows.shape[2])
+    partial_shape = (num_splits, batch, num_kv_heads, num_tiles * block_rows)
     out, run_max, run_sum = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_tiles, num_splits),
-        in_specs=[
-            pl.BlockSpec(),
-            pl.BlockSpec(),
-            pl.BlockSpec((None, block_rows), lambda b, h, i, s: (b, i)),
-            pl.BlockSpec((None, None, block_rows, head_dim), lambda b, h, i, s: (b, h, i, 0)),
-            pool_spec,
-            pool_spec,
-        ],
+        in_specs=[pl.BlockSpec()] * 4 + [pool_spec, pool_spec],
         out_specs=(
             pl.BlockSpec(
                 (None, None, None, block_rows, head_dim), lambda b, h, i, s: (s, b, h, i, 0)
@@ -374,8 +389,7 @@ def paged_attention(
         interpret=interpret,
         compiler_params=compiler_params,
         name="paged_attention",
-    )(ctx_len.astype(jnp.int32), table, row_pos, rows, k_pool, v_pool)
-    groups = num_heads // num_kv_heads
+    )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, v_pool)
     if interpret or (groups & (groups - 1) == 0 and head_dim & (head_dim - 1) == 0):
         options = {"interpret": interpret, "compiler_params": compiler_params}
         shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}

@@ -526,8 +526,7 @@ def test_token_rows_read_the_tokens_as_they_are_pallas():
     first = launches[0]
     name = first.params.get("name", first.params.get("name_and_src_info"))
     assert "moe_experts_up" in str(name)
-    assert first.invars[1] is jaxpr.invars[0]  # x itself: [3, d] float32
-    assert not [e for e in jaxpr.eqns if e.primitive.name == "pad"]
+    assert first.invars[1] is jaxpr.invars[0]  # x itself, [3, d] float32: no pad, no cast
     np.testing.assert_array_equal(np.asarray(run(x, True)), np.asarray(run(x, False)))
 
 

@@ -97,6 +97,28 @@ def test_prefill_chunk_with_prefix_pallas():
     check_case(case, FP32_TOL, block_kv=16)  # default row tile: 64 of the 80 rows
 
 
+def test_query_rows_are_read_unpadded_pallas():
+    """A decode step's 8 query rows a kv head (16 q / 2 kv heads) sit in a 16-row tile: the
+    attention launch reads q (reshaped only) and the positions as they are, with nothing
+    padded before it, and matches the jnp form."""
+    rng = np.random.default_rng(5)
+    case = attention_case(rng, 3, 1, 16, 2, 64, [30, 0, 9], jnp.float32)  # one row empty
+    args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
+    jaxpr = jax.make_jaxpr(
+        lambda q, *rest: pa.paged_attention(q, *rest, 0.125, num_splits=2, interpret=True)
+    )(case["q"], *args).jaxpr
+    launch = next(e for e in jaxpr.eqns if e.primitive.name == "pallas_call")
+    assert launch.invars[2] is jaxpr.invars[5]  # the positions themselves
+    assert launch.invars[3].aval.shape == (3, 2, 8, 64)  # q's rows, 8 of a 16-row tile
+    made_by = {out: e for e in jaxpr.eqns for out in e.outvars}
+    rows = launch.invars[3]
+    while rows in made_by:  # back to q through reshapes and transposes only
+        assert made_by[rows].primitive.name in ("reshape", "transpose"), made_by[rows]
+        rows = made_by[rows].invars[0]
+    assert rows is jaxpr.invars[0]
+    check_case(case, FP32_TOL, num_splits=2)
+
+
 def test_default_row_tile_keeps_q_within_its_bytes_pallas():
     """A 64-token chunk of 8 heads per kv head (512 rows) takes 64-row tiles in bf16 and
     32-row tiles in fp32 at head dim 256 (shared memory), 64 in fp32 at head dim 128; decode
