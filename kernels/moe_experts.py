@@ -49,9 +49,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
 
-from lazyspec.kernels.state_update import check_tile, whole
+from lazyspec.kernels.state_update import check_tile, load_rows, whole
 
 UNUSED_TILE = -1
 _HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 dots in Triton (its default is TF32)
@@ -398,17 +397,6 @@ def _by_expert(expert, shared_expert, compute) -> None:
     pl.when(expert == shared_expert)(lambda: compute(shared))
 
 
-def _tile_rows(x_ref, block_rows: int, chunk) -> jax.Array:
-    """``block_rows`` rows of x's columns ``chunk``: its block's, or, where x has fewer rows
-    (the tokens themselves, unpadded), its rows and zeros after them (a masked load)."""
-    if x_ref.shape[0] == block_rows:
-        return x_ref[:, chunk]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, chunk.size), 0)
-    return pallas_triton.load(
-        x_ref.at[pl.ds(0, block_rows), chunk], mask=rows < x_ref.shape[0], other=0
-    )
-
-
 def _up_kernel(
     tile_expert_ref, x_ref, *refs, gated, block_rows, block_inner, block_k, shared_expert
 ):
@@ -423,7 +411,9 @@ def _up_kernel(
     def compute(load):
         def step(i, accs):
             chunk = pl.ds(i * block_k, block_k)
-            xs = _tile_rows(x_ref, block_rows, chunk).astype(out_ref.dtype)
+            # x's block, or the tokens themselves with zeros after them
+            xs = load_rows(x_ref.at[pl.ds(0, block_rows), chunk], 0, x_ref.shape[0])
+            xs = xs.astype(out_ref.dtype)
             products = (_dot(xs, load(w, chunk, cols)) for w in pairs)
             return tuple(acc + p for acc, p in zip(accs, products))
 

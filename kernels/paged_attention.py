@@ -45,7 +45,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
+
+from lazyspec.kernels.state_update import load_rows
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
@@ -241,10 +242,7 @@ def _tile_queries(pos_ref, q_ref, block_rows: int, groups: int):
     index = tile * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     pos = pos_ref[row, jnp.minimum(index // groups, num_tokens - 1)]  # [block_rows]
     rows = q_ref.at[row, head, pl.ds(tile * block_rows, block_rows)]
-    if num_rows % block_rows == 0:
-        return pos, rows[...]
-    real = (index < num_rows)[:, None]
-    return pos, pallas_triton.load(rows, mask=real, other=0)  # [block_rows, D]
+    return pos, load_rows(rows, tile * block_rows, num_rows)  # [block_rows, D]
 
 
 def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Array:

@@ -204,6 +204,17 @@ def whole() -> pl.BlockSpec:
     return pl.BlockSpec()
 
 
+def load_rows(view, first, num_rows: int) -> jax.Array:
+    """``view[...]``, a tile of ``view.shape[0]`` rows starting at row ``first`` (a multiple
+    of that count) of an array of ``num_rows`` rows, read with the rows past the array as
+    zeros (a masked load) where the last tile is partial: no padded copy of the array is
+    needed. Where every tile is whole, a plain load."""
+    if num_rows % view.shape[0] == 0:
+        return view[...]
+    index = first + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
+    return pallas_triton.load(view, mask=index < num_rows, other=0)
+
+
 def load_state(pool_ref, idx: tuple, evict_last: bool) -> jax.Array:
     """The state tile ``pool_ref[idx]``. ``evict_last`` asks the cache to keep its lines, so
     that decode's write-back of the same tile finds them in L2 (Mamba2 on an H200: 3-8
