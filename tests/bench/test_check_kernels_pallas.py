@@ -53,3 +53,18 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
         np.random.default_rng(0), ((1, 1, 20),), check.ATTENTION_WIDTHS["smoke"]
     )
     assert len(rows) == 3 and all(row[2].startswith("over the tolerance") for row in rows), rows
+
+
+def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch):
+    """Sizes the launch leaves to XLA's fusions (its router's tokens times experts over the
+    limit) are reported as not launched, the rest checked, and the run still passes."""
+    check = load(monkeypatch)
+    monkeypatch.setattr(check.backend, "RESIDUAL_NORM_MAX_TOKEN_EXPERTS", 16)
+    rows = check.check_residual_norm(np.random.default_rng(0), (1, 2), check.WIDTHS["smoke"])
+    verdicts = {shape: verdict for _, shape, verdict in rows}
+    # smoke widths: 8 and 12 experts; 2 tokens of 12 experts are 24 > 16
+    assert verdicts["2 tokens, 12 experts"] == check.NOT_LAUNCHED
+    assert verdicts["2 tokens, 8 experts"].startswith("ok: ")
+    assert verdicts["1 tokens, 12 experts"].startswith("ok: ")
+    assert verdicts["2 tokens, no router"].startswith("ok: ")
+    assert check.main(["--smoke"]) == 0
