@@ -41,7 +41,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from lazyspec.kernels.residual_norm import norm_scale
-from lazyspec.kernels.state_update import whole
+from lazyspec.kernels.state_update import powers_of_two, whole
 
 
 def pieces(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
@@ -62,7 +62,7 @@ def pieces(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
 
 def all_powers_of_two(head_dim: int, rotary_dim: int) -> bool:
     """Whether every piece (``pieces``) is a power of two wide, as Triton needs."""
-    return all(width & (width - 1) == 0 for _, width in pieces(head_dim, rotary_dim))
+    return powers_of_two(*(width for _, width in pieces(head_dim, rotary_dim)))
 
 
 def inverse_frequencies(rotary_dim: int, theta: float) -> np.ndarray:

@@ -49,6 +49,7 @@ from lazyspec.kernels.state_update import (
     gdn_state_update_xla,
     mamba2_state_update_pallas,
     mamba2_state_update_xla,
+    powers_of_two,
 )
 
 KernelBackend = Literal["pallas", "xla"]
@@ -615,8 +616,7 @@ def _pallas_residual_norm(
         num_tokens > RESIDUAL_NORM_MAX_TOKENS
         or num_tokens * experts > RESIDUAL_NORM_MAX_TOKEN_EXPERTS
     )
-    power_of_two = (width & (width - 1)) == 0
-    if too_many or not (options["interpret"] or power_of_two):
+    if too_many or not (options["interpret"] or powers_of_two(width)):
         return xla_form()
     if router is not None:
         tiles["block_experts"] = fitted_tile(experts, tiles["block_experts"])
@@ -650,8 +650,7 @@ def _pallas_attention_prologue(
     the caller's ops with the same contract."""
     options = _pallas_options(interpret, None, num_warps)
     head_dim, groups = k.shape[2], q.shape[1] // k.shape[1]
-    blocks = (groups, q.shape[2], head_dim)
-    fits = all(n & (n - 1) == 0 for n in blocks) and all_powers_of_two(head_dim, rotary_dim)
+    fits = powers_of_two(groups, q.shape[2], head_dim) and all_powers_of_two(head_dim, rotary_dim)
     if q.shape[0] > ATTENTION_PROLOGUE_MAX_TOKENS or not (options["interpret"] or fits):
         return xla_form()
     return attention_prologue_pallas(
@@ -690,11 +689,8 @@ def _pallas_gated_norm(
     caller's ops with the same contract."""
     options = _pallas_options(interpret, None, num_warps)
     head_dim = x.shape[-1]
-    blocks = layout.group_width % head_dim == 0 and layout.offset % head_dim == 0
-    power_of_two = head_dim & (head_dim - 1) == 0
-    if x.shape[0] > GATED_NORM_MAX_TOKENS or not blocks:
-        return xla_form()
-    if not (options["interpret"] or power_of_two):
+    fits = layout.in_whole_blocks(head_dim) and (options["interpret"] or powers_of_two(head_dim))
+    if x.shape[0] > GATED_NORM_MAX_TOKENS or not fits:
         return xla_form()
     return gated_norm_pallas(x, z_source, layout, weight, eps=eps, dtype=dtype, **options)
 

@@ -43,6 +43,11 @@ class GateLayout(NamedTuple):
         z = grouped[..., self.offset : self.offset + self.heads_per_group * head_dim]
         return z.reshape(*z_source.shape[:-1], num_heads, head_dim)
 
+    def in_whole_blocks(self, head_dim: int) -> bool:
+        """Whether every gate starts at a multiple of ``head_dim`` (the launch reads each
+        as one block of the source)."""
+        return self.group_width % head_dim == 0 and self.offset % head_dim == 0
+
 
 def _check(x: jax.Array, z_source: jax.Array, layout: GateLayout, weight: jax.Array) -> None:
     if x.ndim != 3 or z_source.ndim != 2 or z_source.shape[0] != x.shape[0]:
@@ -56,7 +61,7 @@ def _check(x: jax.Array, z_source: jax.Array, layout: GateLayout, weight: jax.Ar
         raise ValueError(
             f"{layout} does not place {num_heads} gates of {head_dim} in {z_source.shape}"
         )
-    if layout.group_width % head_dim or layout.offset % head_dim:
+    if not layout.in_whole_blocks(head_dim):
         raise ValueError(f"{layout}: the gates' columns must be multiples of d={head_dim}")
 
 

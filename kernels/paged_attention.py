@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.state_update import load_rows
+from lazyspec.kernels.state_update import load_rows, powers_of_two
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
@@ -192,7 +192,7 @@ def _attention_kernel(
 
 
 def _check_pow2(name: str, value: int) -> None:
-    if value < 16 or value & (value - 1):
+    if value < 16 or not powers_of_two(value):
         raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
@@ -388,7 +388,7 @@ def paged_attention(
         compiler_params=compiler_params,
         name="paged_attention",
     )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, v_pool)
-    if interpret or (groups & (groups - 1) == 0 and head_dim & (head_dim - 1) == 0):
+    if interpret or powers_of_two(groups, head_dim):
         options = {"interpret": interpret, "compiler_params": compiler_params}
         shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}
         return _combine_pallas(out, run_max, run_sum, gate, **shape, **options)

@@ -204,6 +204,11 @@ def whole() -> pl.BlockSpec:
     return pl.BlockSpec()
 
 
+def powers_of_two(*sizes: int) -> bool:
+    """Whether every size is a power of two, as a Triton block's dimensions must be."""
+    return all(n & (n - 1) == 0 for n in sizes)
+
+
 def load_rows(view, first, num_rows: int) -> jax.Array:
     """``view[...]``, a tile of ``view.shape[0]`` rows starting at row ``first`` (a multiple
     of that count) of an array of ``num_rows`` rows, read with the rows past the array as
