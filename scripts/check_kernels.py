@@ -90,6 +90,12 @@ def launch_options() -> dict:
     return {"interpret": False, "compiler_params": backend.pallas_compiler_params()}
 
 
+def result(ok: bool, errors) -> str:
+    """A table row's result: "ok" or "over the tolerance", then the errors found."""
+    found = ", ".join(f"{e:.2e}" for e in errors)
+    return f"{'ok' if ok else 'over the tolerance'}: {found}"
+
+
 def relative_error(got, want) -> float:
     """max |got - want| over max |want| (float32 arrays; 1e-30 where want is all zeros)."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -133,9 +139,8 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
             keep = np.asarray(real)
             got, want = (np.asarray(a, np.float32)[keep] for a in (got, want))
             err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-            verdict = "ok" if err <= MOE_TOL else "over the tolerance"
             shape = f"{num_tokens} tokens, {num_experts} experts"
-            rows.append(("sparse_moe", shape, f"{verdict}: {err:.2e}"))
+            rows.append(("sparse_moe", shape, result(err <= MOE_TOL, [err])))
     return rows
 
 
@@ -179,10 +184,8 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
                     for n in ("outputs", "pool", "step_states")
                     if getattr(want, n) is not None
                 ]
-                verdict = "ok" if max(errs) <= GDN_TOL else "over the tolerance"
-                rows.append(
-                    (name, f"{batch} rows, {tokens} tokens, {mode}", f"{verdict}: {max(errs):.2e}")
-                )
+                found = result(max(errs) <= GDN_TOL, [max(errs)])
+                rows.append((name, f"{batch} rows, {tokens} tokens, {mode}", found))
     return rows
 
 
@@ -272,9 +275,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
                 h, w = (np.asarray(a, np.float64) for a in (got.normed, router))
                 errs.append(relative_error(got.logits, h @ w.T))
                 ok = ok and errs[2] <= LOGIT_TOL
-            verdict = "ok" if ok else "over the tolerance"
-            found = ", ".join(f"{e:.2e}" for e in errs)
-            rows.append(("residual_norm", shape, f"{verdict}: {found}"))
+            rows.append(("residual_norm", shape, result(ok, errs)))
     # a GDN layer's input norm with in_proj_ba ([2 * Hv, hidden]) as the router, no delta
     gates = jnp.asarray(rng.standard_normal((2 * widths[5], hidden)) * hidden**-0.5, jnp.bfloat16)
     options = dict(options, logits_dtype=jnp.bfloat16)
@@ -293,9 +294,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
         h, w = (np.asarray(a, np.float64) for a in (got.normed, gates))
         errs = [relative_error(got.normed, want.normed), relative_error(got.logits, h @ w.T)]
         ok = errs[0] <= NORM_TOL and errs[1] <= GATES_TOL
-        verdict = "ok" if ok else "over the tolerance"
-        found = ", ".join(f"{e:.2e}" for e in errs)
-        rows.append(("residual_norm", shape, f"{verdict}: {found}"))
+        rows.append(("residual_norm", shape, result(ok, errs)))
     return rows
 
 
@@ -378,8 +377,7 @@ def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
         args = (x, jnp.asarray(source, jnp.bfloat16), weight)
         want, got = (np.asarray(f(*args), np.float32) for f in (jax.jit(want_of), got_of))
         found = relative_error(got, want)
-        verdict = "ok" if found <= NORM_TOL else "over the tolerance"
-        rows.append(("gated_norm", f"{num_tokens} tokens", f"{verdict}: {found:.2e}"))
+        rows.append(("gated_norm", f"{num_tokens} tokens", result(found <= NORM_TOL, [found])))
     return rows
 
 
@@ -408,9 +406,8 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
         )
         got, want = (np.asarray(f(*args), np.float32) for f in (got_of, want_of))
         found = relative_error(got, want)
-        verdict = "ok" if found <= ATTENTION_TOL else "over the tolerance"
         shape = f"{batch} x {tokens} tokens, context {context}"
-        rows.append(("paged_attention gate", shape, f"{verdict}: {found:.2e}"))
+        rows.append(("paged_attention gate", shape, result(found <= ATTENTION_TOL, [found])))
     return rows
 
 
