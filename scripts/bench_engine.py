@@ -615,6 +615,9 @@ def main(argv=None) -> None:
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    from lazyspec.bench.origin import code_line
+
+    print(code_line(), flush=True)  # one tree's code, or a clear error before any work
     model = build_model(args.preset, args.dtype, args.tp_size)
     if args.memory:
         return memory_table(model, args)

@@ -57,6 +57,7 @@ from lazyspec.bench.kernel_timing import (
     log,
     max_abs_diff,
 )
+from lazyspec.bench.origin import code_line
 from lazyspec.kernels.backend import DEFAULT_MOE_TILES, moe_launch, pallas_compiler_params
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.models.layers.moe import grouped_experts
@@ -340,6 +341,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    origin = code_line()  # before any timing: one tree's code, or a clear error
+    log(origin)
     device = jax.devices()[0]
     log(f"device: {device.device_kind} ({jax.default_backend()}), interpret={opts.interpret}")
     copies = copy_bandwidths((1 << 22) if opts.smoke else (2 << 30), opts.iters, opts.warmup)
@@ -359,6 +362,7 @@ def main(argv=None) -> int:
         f"(the best of: {copy_text}); {timing}; routed MB: "
         f"weights of the distinct experts routed (mean of {ROUTINGS} random routings); floor: "
         "those bytes at the copy bandwidth; check: max |form - grouped_experts| / max |ref|."
+        f"\n\n{origin}"
     )
     rows: list[dict] = []
     for width in opts.widths:

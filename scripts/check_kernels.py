@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.bench.origin import code_line
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels import paged_attention as pa
@@ -421,6 +422,8 @@ def main(argv=None) -> int:
     tokens = (1, 2, 3) if args.smoke else (1, 2, 3, 4, 8)
     lines = [
         f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}",
+        "",
+        code_line(),
         "",
         "| check | shape | result |",
         "|---|---|---|",

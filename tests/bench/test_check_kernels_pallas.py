@@ -24,7 +24,10 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
     check = load(monkeypatch)
     out = tmp_path / "check.md"
     assert check.main(["--smoke", "--out", str(out)]) == 0
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()[4:]]
+    text = out.read_text().splitlines()
+    assert text[2].startswith("code: lazyspec ")  # the tree the checks ran
+    table = text[text.index("|---|---|---|") + 1 :]
+    rows = [line.split("|")[1:-1] for line in table]
     names = {row[0].strip() for row in rows}
     checks = ("route_tokens", "sparse_moe", "gdn GdnConvTokens", "gdn GdnConvTokens.grouped")
     assert names == {
