@@ -591,6 +591,16 @@ def _tpu_moe_experts(
     )
 
 
+def residual_norm_fits(num_tokens: int, num_experts: int | None) -> bool:
+    """Whether ``Kernels.residual_norm`` launches for this many tokens (and router
+    experts, None without a router): up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens and tokens
+    times experts up to ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``; else XLA's fusions run."""
+    return (
+        num_tokens <= RESIDUAL_NORM_MAX_TOKENS
+        and num_tokens * (num_experts or 1) <= RESIDUAL_NORM_MAX_TOKEN_EXPERTS
+    )
+
+
 def _pallas_residual_norm(
     x: jax.Array,
     delta: jax.Array | None,
@@ -611,12 +621,9 @@ def _pallas_residual_norm(
     with the same contract."""
     tiles = {**DEFAULT_RESIDUAL_NORM_TILES, **tiles}
     options = _pallas_options(interpret, None, tiles.pop("num_warps"))
-    (num_tokens, width), experts = x.shape, 1 if router is None else router.shape[0]
-    too_many = (
-        num_tokens > RESIDUAL_NORM_MAX_TOKENS
-        or num_tokens * experts > RESIDUAL_NORM_MAX_TOKEN_EXPERTS
-    )
-    if too_many or not (options["interpret"] or powers_of_two(width)):
+    (num_tokens, width), experts = x.shape, None if router is None else router.shape[0]
+    fits = residual_norm_fits(num_tokens, experts)
+    if not fits or not (options["interpret"] or powers_of_two(width)):
         return xla_form()
     if router is not None:
         tiles["block_experts"] = fitted_tile(experts, tiles["block_experts"])

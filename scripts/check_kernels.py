@@ -230,16 +230,6 @@ def passes(verdicts: list[str]) -> bool:
     return all(v.startswith("ok") or v == NOT_LAUNCHED for v in verdicts)
 
 
-def residual_norm_launches(num_tokens: int, num_experts: int | None) -> bool:
-    """Whether ``Kernels.residual_norm`` launches at these sizes (else it runs XLA's
-    fusions, its ``xla_form``, which is what the check compares against)."""
-    token_experts = num_tokens * (num_experts or 1)
-    return (
-        num_tokens <= backend.RESIDUAL_NORM_MAX_TOKENS
-        and token_experts <= backend.RESIDUAL_NORM_MAX_TOKEN_EXPERTS
-    )
-
-
 def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
     """``Kernels.residual_norm`` (with and without a router) against the model's ops."""
     hidden, expert_counts = widths[:2]
@@ -259,7 +249,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
             weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
             experts = "no router" if num_experts is None else f"{num_experts} experts"
             shape = f"{num_tokens} tokens, {experts}"
-            if not residual_norm_launches(num_tokens, num_experts):
+            if not backend.residual_norm_fits(num_tokens, num_experts):
                 rows.append(("residual_norm", shape, NOT_LAUNCHED))
                 continue
             router = None
@@ -288,7 +278,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
         x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
         weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
         shape = f"{num_tokens} tokens, no delta, {gates.shape[0]} bf16 gates"
-        if not residual_norm_launches(num_tokens, gates.shape[0]):
+        if not backend.residual_norm_fits(num_tokens, gates.shape[0]):
             rows.append(("residual_norm", shape, NOT_LAUNCHED))
             continue
         want, got = (f(x, None, weight, gates) for f in (want_of, got_of))
