@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lazyspec.testing.collector import quiet_collector
 from lazyspec.testing.xla_flags import knows_fusion_emitters_flag, with_fast_compile
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -55,6 +56,10 @@ import_installed_kernels_package()
 # The suite's subprocesses take these flags from ``os.environ`` (add theirs after them).
 os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
+# fewer, cheaper garbage-collector walks while jax traces and lowers (the subprocess
+# workers of the parallel tests call it too)
+quiet_collector()
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
@@ -66,10 +71,23 @@ def pytest_collection_modifyitems(config, items):
     file's module-scoped engines and subprocess runs again."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
+    groups = {}
     for item in items:
         module = item.module.__name__
-        group = "tests.server" if module.startswith("tests.server") else module
-        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = "tests.server" if module.startswith("tests.server") else module
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    # the groups with a ``slow`` test first (xdist hands the groups out in this order, see
+    # ``pytest_configure``): started last, one of them would run on alone at the end
+    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: groups[item] not in slow)
+
+
+def pytest_configure(config):
+    """xdist's loadgroup hands the groups out in the collection's order, not reordered by
+    their number of tests: that number says nothing of their time, and the suite puts its
+    longest groups first (``pytest_collection_modifyitems``)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        config.option.loadscopereorder = False
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -26,6 +26,7 @@ SMALL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (MODEL / "config.json").is_file(),
     reason="the default model folder lazyspec/assets/default_model is missing",

@@ -27,6 +27,7 @@ from lazyspec.engine import multihost
 from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
 from lazyspec.testing.char_tokenizer import char_tokenizer
+from lazyspec.testing.collector import quiet_collector
 from tests.engine.tp_worker import tiny, workload
 from tests.models.tiny_qwen import config_dict, write_checkpoint
 
@@ -152,6 +153,7 @@ def reference() -> dict:
 
 
 if __name__ == "__main__":
+    quiet_collector()  # as the suite's own processes (tests/conftest.py)
     if sys.argv[1] == "reference":
         print(json.dumps(reference()))
     else:
