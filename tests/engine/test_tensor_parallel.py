@@ -1,8 +1,11 @@
-"""Tensor parallelism over fake CPU devices: tp = 1, 2, 4 serve token-identical greedy output
+"""Tensor parallelism over fake CPU devices: tp = 1 and 4 serve token-identical greedy output
 (Qwen3-Next and Qwen3.5 with speculation, Nemotron-H, Granite 4.0-H; extra_buffer_lazy and the
 radix cache over a multi-turn workload) with identical cached tokens; every weight and pool
 is sharded as the rule table says (on XLA and, per shard, with
 the Pallas kernels in interpret mode), and a sharded array holds 1/tp of its bytes per device.
+At tp = 4 every device holds two or more query, GDN and Mamba2 heads, and the families
+cover both placements of the KV heads (split, replicated) and of the Mamba2 groups (split,
+repeated) (``tp_worker.FAMILIES``), so another size would add no case.
 
 Each tp runs in its own process (``tp_worker.py``): the device count is fixed when jax is
 first imported, and this process already has jax with one device.
@@ -25,9 +28,8 @@ from lazyspec.testing.tiny_models import tiny_model
 from lazyspec.testing.xla_flags import for_host_devices
 
 ROOT = Path(__file__).resolve().parents[2]
-TP_SIZES = (1, 2, 4)
+TP_SIZES = (1, 4)
 FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "granitemoehybrid")
-KV_HEADS = 2  # every tiny model's; tp = 4 replicates them whole
 # float32 sums in another order: measured <= 5e-7 apart. The tiny random models are
 # nearly uniform, so a wrong shard moves logprobs by 2e-5 to 1e-1 and tokens seldom
 LOGPROB_TOL = 1e-5
@@ -71,11 +73,11 @@ def test_outputs_and_cached_tokens_equal_across_tp(reports, family):
 
 @pytest.mark.parametrize("family", ("qwen3_next", "nemotron_h"))
 def test_pallas_kernels_per_shard_give_the_outputs_of_tp_1(reports, family):
-    """kernel_backend=pallas at tp = 2 (KV heads split) and 4 (KV heads replicated; Mamba2
-    groups repeated): each kernel runs on its device's shard and the tokens and cached
-    tokens are tp = 1's, the logprobs too up to float32 summation order (the tiny random
-    models' greedy tokens barely depend on some blocks: a missing MoE psum moves the
-    logprobs by 6e-3 and no token)."""
+    """kernel_backend=pallas at tp = 4 (Qwen3-Next: KV heads split; Nemotron-H: KV heads
+    replicated, Mamba2 groups split): each kernel runs on its device's shard and the tokens
+    and cached tokens are tp = 1's, the logprobs too up to float32 summation order (the
+    tiny random models' greedy tokens barely depend on some blocks: a missing psum may move
+    the logprobs and no token)."""
     base = reports[1]["pallas"][family]
     assert base["kernels_mesh_size"] == 0  # tp = 1 calls the kernels on whole arrays
     assert any(out[1] > 0 for out in base["outputs"])  # turn 2 hits the radix cache
@@ -100,11 +102,14 @@ def test_state_updates_per_shard_write_the_pool_in_place_as_whole(reports):
 
 def test_kernels_per_shard_lower_to_triton(reports):
     """For CUDA, each per-shard kernel lowers to one Triton call per device program, paged
-    attention to two (its launch and the combine's); over replicated KV pools (tp = 4 > 2
-    KV heads) to two per KV head (the branches of the device's switch)."""
+    attention to two (its launch and the combine's); over replicated KV pools (2 KV heads
+    at tp = 4) to two per KV head (the branches of the device's switch)."""
     want = {"mamba2_state_update": 1, "state_scatter": 1, "state_copy": 1}
-    assert reports[2]["triton_calls"] == {**want, "paged_attention": 2}
-    assert reports[4]["triton_calls"] == {**want, "paged_attention": 2 * KV_HEADS}
+    assert reports[4]["triton_calls"] == {
+        **want,
+        "paged_attention": 2,
+        "paged_attention_replicated": 2 * 2,
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,8 +133,37 @@ def test_sharded_arrays_hold_one_tp_th_per_device(reports, family):
         assert plan["weight_bytes_per_device"] < single["weight_bytes_per_device"]
         assert plan["state_bytes_per_device"] * tp == single["state_bytes_per_device"]
         # KV by KV heads; every device holds them all once tp exceeds them
-        kv_shards = tp if tp <= KV_HEADS else 1
+        kv_shards = tp if tp <= _hf(family)["num_key_value_heads"] else 1
         assert plan["kv_bytes_per_device"] * kv_shards == single["kv_bytes_per_device"], tp
+
+
+def _hf(family: str) -> dict:
+    from tests.engine.tp_worker import FAMILIES as CONFIGS
+
+    return CONFIGS[family][0]
+
+
+# attention, GDN key, Nemotron-H's and Granite 4.0-H's Mamba2 heads
+HEAD_COUNTS = ("num_attention_heads", "linear_num_key_heads", "mamba_num_heads", "mamba_n_heads")
+
+
+def test_the_tp_4_models_cover_every_placement():
+    """What the module's docstring claims of tp = 4's models: per device, two or more heads
+    of each kind; KV heads split in one family and replicated in another; Mamba2 groups
+    split in one and repeated in another."""
+    tp = TP_SIZES[-1]
+    hf = {family: _hf(family) for family in FAMILIES}
+    heads = [
+        count
+        for config in hf.values()
+        for name in HEAD_COUNTS
+        if (count := config.get(name)) is not None
+    ]
+    assert len(heads) == 8 and all(count % tp == 0 and count >= 2 * tp for count in heads)
+    kv = {config["num_key_value_heads"] for config in hf.values()}
+    assert any(n % tp == 0 for n in kv) and any(n < tp for n in kv), kv
+    groups = {hf["nemotron_h"]["n_groups"], hf["granitemoehybrid"]["mamba_n_groups"]}
+    assert any(n % tp == 0 for n in groups) and any(n < tp for n in groups), groups
 
 
 def test_tp_sizes_that_do_not_divide_are_named():

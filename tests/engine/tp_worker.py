@@ -32,6 +32,7 @@ from lazyspec.engine.sharding import (
 )
 from lazyspec.models.plan import leaf_axes
 from lazyspec.models.registry import family_module, parse_hf_config
+from lazyspec.testing.collector import quiet_collector
 from lazyspec.testing.tiny_models import (
     GRANITE_HF,
     GRANITE_INIT_SCALE,
@@ -40,15 +41,22 @@ from lazyspec.testing.tiny_models import (
     QWEN_HF,
 )
 
-# Four GDN key heads (eight value heads), so tp = 4 holds whole key-head groups; the two
-# KV heads replicate at tp = 4.
-QWEN_TP_HF = dict(QWEN_HF, linear_num_key_heads=4, linear_num_value_heads=8)
-QWEN35_TP_HF = dict(QWEN35_HF, linear_num_key_heads=4, linear_num_value_heads=8)
+# tp = 4 (the test's one size above 1) holds at least two heads of each kind per device:
+# eight attention heads, eight GDN key heads (sixteen value heads), eight Mamba2 heads.
+# Each way of placing the KV heads and the Mamba2 groups is some family's: the KV heads
+# split (Qwen3-Next, Granite 4.0-H: four) or replicated (Nemotron-H, Qwen3.5: two), the
+# Mamba2 groups split (Nemotron-H: four) or repeated (Granite 4.0-H: one).
+HEADS = dict(num_attention_heads=8)
+GDN_HEADS = dict(HEADS, linear_num_key_heads=8, linear_num_value_heads=16)
+QWEN_TP_HF = dict(QWEN_HF, **GDN_HEADS, num_key_value_heads=4)
+QWEN35_TP_HF = dict(QWEN35_HF, **GDN_HEADS)
+NEMOTRON_TP_HF = dict(NEMOTRON_HF, **HEADS, mamba_num_heads=8, n_groups=4)
+GRANITE_TP_HF = dict(GRANITE_HF, **HEADS, num_key_value_heads=4, mamba_n_heads=8, mamba_d_head=8)
 FAMILIES = {
     "qwen3_next": (QWEN_TP_HF, True),
-    "nemotron_h": (NEMOTRON_HF, False),
+    "nemotron_h": (NEMOTRON_TP_HF, False),
     "qwen3_5": (QWEN35_TP_HF, True),
-    "granitemoehybrid": (GRANITE_HF, False),
+    "granitemoehybrid": (GRANITE_TP_HF, False),
 }
 
 
@@ -271,9 +279,9 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
 def triton_calls(tp: int) -> dict[str, int]:
     """Triton calls in the CUDA lowering (built, not compiled) of the per-shard Mamba2 state
     update (one group of B / C: repeated per device), state scatter, state copy and paged
-    attention with its output gate (2 KV heads: split at tp = 2, replicated at tp = 4, one
-    branch per KV head; the attention launch and the combine's in each) at model-sized
-    shapes, each kernel in its Triton (not interpret) launch."""
+    attention with its output gate over ``tp`` KV heads (split) and over 2 (fewer than tp:
+    replicated, one branch per KV head; the attention launch and the combine's in each) at
+    model-sized shapes, each kernel in its Triton (not interpret) launch."""
     from lazyspec.engine import shard_kernels as sk
     from lazyspec.kernels import paged_attention as pa
     from lazyspec.kernels import state_scatter as ss
@@ -335,18 +343,19 @@ def triton_calls(tp: int) -> dict[str, int]:
                 spec((rows,), i32),
             ),
         ),
-        "paged_attention": (
+    }
+    for name, kv_heads in (("paged_attention", tp), ("paged_attention_replicated", 2)):
+        cases[name] = (
             lambda *a: attention(*a[:6], 0.0625, gate=a[6]),
             (
                 spec((rows, 1, 16, 256), bf16),
-                *(spec((1000, 2, 256), bf16),) * 2,
+                *(spec((1000, kv_heads, 256), bf16),) * 2,
                 spec((rows, 300), i32),
                 spec((rows,), i32),
                 spec((rows, 1), i32),
                 spec((rows, 1, 16, 256), bf16),
             ),
-        ),
-    }
+        )
     counts = {}
     for name, (fn, args) in cases.items():
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -376,4 +385,5 @@ def run(tp: int) -> dict:
 
 
 if __name__ == "__main__":
+    quiet_collector()  # as the suite's own processes (tests/conftest.py)
     print(json.dumps(run(int(sys.argv[1]))))
