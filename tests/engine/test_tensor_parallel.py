@@ -26,10 +26,11 @@ import pytest
 from lazyspec.engine.sharding import check_tp_size, make_mesh
 from lazyspec.testing.tiny_models import tiny_model
 from lazyspec.testing.xla_flags import for_host_devices
+from tests.engine import tp_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_SIZES = (1, 4)
-FAMILIES = ("qwen3_next", "nemotron_h", "qwen3_5", "granitemoehybrid")
+FAMILIES = tuple(tp_worker.FAMILIES)
 # float32 sums in another order: measured <= 5e-7 apart. The tiny random models are
 # nearly uniform, so a wrong shard moves logprobs by 2e-5 to 1e-1 and tokens seldom
 LOGPROB_TOL = 1e-5
@@ -138,9 +139,8 @@ def test_sharded_arrays_hold_one_tp_th_per_device(reports, family):
 
 
 def _hf(family: str) -> dict:
-    from tests.engine.tp_worker import FAMILIES as CONFIGS
-
-    return CONFIGS[family][0]
+    """The Hugging Face config of ``family``'s tensor-parallel model."""
+    return tp_worker.FAMILIES[family][0]
 
 
 # attention, GDN key, Nemotron-H's and Granite 4.0-H's Mamba2 heads

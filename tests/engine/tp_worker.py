@@ -41,8 +41,8 @@ from lazyspec.testing.tiny_models import (
     QWEN_HF,
 )
 
-# tp = 4 (the test's one size above 1) holds at least two heads of each kind per device:
-# eight attention heads, eight GDN key heads (sixteen value heads), eight Mamba2 heads.
+# tp = 4 (the test's one size above 1) holds two or more query, GDN and Mamba2 heads per
+# device: eight attention heads, eight GDN key heads (sixteen value heads), eight Mamba2 heads.
 # Each way of placing the KV heads and the Mamba2 groups is some family's: the KV heads
 # split (Qwen3-Next, Granite 4.0-H: four) or replicated (Nemotron-H, Qwen3.5: two), the
 # Mamba2 groups split (Nemotron-H: four) or repeated (Granite 4.0-H: one).
