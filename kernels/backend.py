@@ -137,6 +137,20 @@ TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 # 0.3 us, from 256 tokens 128 columns are faster (1024 tokens of 64 experts: 171 against
 # 191 us).
 MOE_WIDE_OUT_TOKENS = 16
+# The routed experts' launches folded for a few tokens (``moe_experts_pallas``), off until
+# timed on a GPU: they run in interpret mode and lower to Triton, and
+# ``scripts/check_kernels.py`` checks each form compiled whatever these say.
+# MOE_ROUTE_IN_UP: where the kernel picks a few tokens' experts from the router's logits,
+# it does so inside the up launch (every program routing the tokens itself) rather than in
+# a launch of its own before it, one launch fewer a MoE layer.
+# MOE_DOWN_IN_UP_MAX_TOKENS: up to this many tokens the up launch's programs apply their
+# rows of the down projection too (``down_in_up``: partial sums a program, no down launch),
+# the down product taken MOE_DOWN_IN_UP_BLOCK_OUT output columns at a time; the partials
+# grow with tokens x tiles (a batch-1 decode step, two rows: 11 used tiles x 8 inner tiles
+# of two rows). 2 covers that step.
+MOE_ROUTE_IN_UP = False
+MOE_DOWN_IN_UP_MAX_TOKENS = 0
+MOE_DOWN_IN_UP_BLOCK_OUT = 256
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -514,11 +528,15 @@ def moe_launch(
     not on the number of experts."""
     if num_tokens > MOE_KERNEL_MAX_TOKENS:
         return None
+    route_in_up = tiles.pop("route_in_up", MOE_ROUTE_IN_UP)
     inner, out_width = up.shape[2], down.shape[2]
     defaults = DEFAULT_MOE_TILES
     tiles.setdefault("block_rows", defaults["block_rows"])
     tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
     block_out = defaults["block_out"] // (1 if num_tokens >= MOE_WIDE_OUT_TOKENS else 2)
+    down_in_up = tiles.pop("down_in_up", num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS)
+    if down_in_up:
+        block_out = MOE_DOWN_IN_UP_BLOCK_OUT
     tiles.setdefault("block_out", fitted_tile(out_width, block_out))
     tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
     params = pallas_compiler_params(
@@ -527,7 +545,7 @@ def moe_launch(
     options = _pallas_options(interpret, params)
     if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
         return None  # widths with no power-of-two tile Triton's dots take
-    return {**tiles, **options}
+    return {**tiles, **options, "route_in_up": route_in_up, "down_in_up": down_in_up}
 
 
 def _pallas_moe_experts(

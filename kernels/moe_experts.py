@@ -32,6 +32,11 @@ Kernels, two launches (the second needs the whole intermediate row of a tile):
         expert's down, scaled by each row's routing weight -> float32 ``[rows, d_out]``.
 A tile of -1 returns at once: no weight of an expert without tokens is ever read. The
 combine sums each token's k staged rows (a gather, no scatter-add, so it is deterministic).
+For a few tokens two launches fold into one (``moe_experts_pallas``' options): routed by
+the router's logits, the routing program's work runs at the start of every up program
+(``route_in_up``), and each up program may apply its intermediate columns' rows of the
+down projection itself (``down_in_up``), writing partial sums that are summed after it
+(again a sum in a fixed order, no atomics).
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
 lowering (the expert id is read from a whole-array operand and indexes whole-array weight
@@ -49,6 +54,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 from lazyspec.kernels.state_update import check_tile, load_rows, whole
 
@@ -212,25 +218,37 @@ class TokenRouting:
     shared_gate: jax.Array | None = None
 
 
-def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, shared_gate, block_rows):
-    """One program: each token's top-k experts and weights from its logits, padding tokens
-    following token 0, the shared expert appended, then ``group_tokens``' tables over tiles
-    ``t = token * slots + slot`` (``route_tokens``). Top-k by k rounds of max, the lowest
-    expert id first among equal scores (as ``lax.top_k``); the first pair of an expert and
-    each row's weight by comparing every pair with each token's pairs (a few tokens).
-    ``refs``: logits, real, then with a shared expert its weights ``[n]`` or, with
-    ``shared_gate``, x ``[n, d]`` and the gate ``[d]``; then the outputs."""
-    logits_ref, real_ref = refs[:2]
-    tile_ref, weight_ref, pair_ref = refs[-3:]
-    scores = logits_ref[...].astype(jnp.float32)  # [n, E]
+# Up to this many comparisons (tokens x experts x experts) the routing program ranks the
+# experts in one comparison of every pair; more take k rounds of max (a few tokens of 512
+# experts would hold millions of elements, over Triton's limit for one tensor). 0 (rounds
+# always) until the rank form is timed on a GPU; 16384 would take it up to 4 tokens of 64
+# experts.
+RANK_MAX_ELEMENTS = 0
+
+
+def _top_k_by_rank(scores: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's experts and scores in order of rank, ``[n, slots]`` (``slots`` <= E): expert
+    e's rank is the count of experts scoring above it, or equal with a lower id (as
+    ``lax.top_k`` orders equal scores), and slot j takes the expert of rank j: three
+    reductions where k rounds of max and argmin are 2k dependent ones."""
     n, num_experts = scores.shape
-    slots = tile_ref.shape[1]
+    mine = jax.lax.broadcasted_iota(jnp.int32, (n, num_experts, num_experts), 1)
+    other = jax.lax.broadcasted_iota(jnp.int32, (n, num_experts, num_experts), 2)
+    mine_score, other_score = scores[:, :, None], scores[:, None, :]
+    ahead = (other_score > mine_score) | ((other_score == mine_score) & (other < mine))
+    rank = jnp.sum(ahead.astype(jnp.int32), axis=2)  # [n, E]: a permutation of 0..E-1
+    at_slot = rank[:, None, :] == jax.lax.broadcasted_iota(jnp.int32, (n, slots, num_experts), 1)
+    expert = jax.lax.broadcasted_iota(jnp.int32, (n, slots, num_experts), 2)
+    ids = jnp.sum(jnp.where(at_slot, expert, 0), axis=2)
+    return ids, jnp.sum(jnp.where(at_slot, scores[:, None, :], 0.0), axis=2)
+
+
+def _top_k_by_rounds(scores: jax.Array, slots: int, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """``_top_k_by_rank``'s first ``top_k`` slots (the others 0) by k rounds of max, the
+    lowest expert id first among equal scores."""
+    n, num_experts = scores.shape
     expert = jax.lax.broadcasted_iota(jnp.int32, (n, num_experts), 1)
     slot = jax.lax.broadcasted_iota(jnp.int32, (n, slots), 1)
-    token = jax.lax.broadcasted_iota(jnp.int32, (n, slots), 0)
-    if not norm_topk_prob:  # the softmax over every expert, then its top k
-        exp = jnp.exp(scores - jnp.max(scores, axis=1)[:, None])
-        scores = exp / jnp.sum(exp, axis=1)[:, None]
     ids = jnp.zeros((n, slots), jnp.int32)
     top = jnp.zeros((n, slots), jnp.float32)
     for j in range(top_k):
@@ -239,6 +257,32 @@ def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, share
         ids = jnp.where(slot == j, pick[:, None], ids)
         top = jnp.where(slot == j, best[:, None], top)
         scores = jnp.where(expert == pick[:, None], -jnp.inf, scores)
+    return ids, top
+
+
+def _route_tables(
+    refs, *, top_k, norm_topk_prob, num_tokens, shared_expert, shared_gate, slots, block_rows
+):
+    """Each token's top-k experts and weights from its logits, padding tokens following
+    token 0, the shared expert appended, then ``group_tokens``' tables over tiles
+    ``t = token * slots + slot`` (``route_tokens``): (tile expert ``[n, slots]``, row weight
+    ``[n, slots, block_rows]``, pair row ``[n, slots]``), values of the program that calls it.
+    Top-k by rank (``_top_k_by_rank``) up to ``RANK_MAX_ELEMENTS`` comparisons, else by
+    rounds of max. The first pair of an expert and each row's weight by comparing every pair
+    with each token's pairs (a few tokens). ``refs``: logits, real, then with a shared
+    expert its weights ``[n]`` or, with ``shared_gate``, x ``[n, d]`` and the gate ``[d]``."""
+    logits_ref, real_ref = refs[:2]
+    scores = logits_ref[...].astype(jnp.float32)  # [n, E]
+    n, num_experts = scores.shape
+    slot = jax.lax.broadcasted_iota(jnp.int32, (n, slots), 1)
+    token = jax.lax.broadcasted_iota(jnp.int32, (n, slots), 0)
+    if not norm_topk_prob:  # the softmax over every expert, then its top k
+        exp = jnp.exp(scores - jnp.max(scores, axis=1)[:, None])
+        scores = exp / jnp.sum(exp, axis=1)[:, None]
+    if n * num_experts * num_experts <= RANK_MAX_ELEMENTS:
+        ids, top = _top_k_by_rank(scores, slots)
+    else:
+        ids, top = _top_k_by_rounds(scores, slots, top_k)
     routed = slot < top_k
     if norm_topk_prob:  # the top-k logits' softmax; slot 0 holds the largest
         largest = jnp.max(jnp.where(routed, top, -jnp.inf), axis=1)
@@ -276,32 +320,30 @@ def _route_kernel(*refs, top_k, norm_topk_prob, num_tokens, shared_expert, share
         weight_r = jnp.sum(jnp.where(match, weights_r[None, None, :], 0.0), axis=2)
         row_weight = jnp.where(row == r, weight_r[:, :, None], row_weight)
     used = valid & (first == token * slots + slot)
-    tile_ref[...] = jnp.where(used, ids, UNUSED_TILE)
-    weight_ref[...] = jnp.where(used[:, :, None], row_weight, 0.0)
-    pair_ref[...] = jnp.where(valid, first * block_rows + token, num_tiles * block_rows)
+    tile_expert = jnp.where(used, ids, UNUSED_TILE)
+    row_weight = jnp.where(used[:, :, None], row_weight, 0.0)
+    pair_row = jnp.where(valid, first * block_rows + token, num_tiles * block_rows)
+    return tile_expert, row_weight, pair_row
+
+
+def _route_kernel(*refs, num_args, **route):
+    """One program: ``_route_tables`` of the first ``num_args`` refs into the outputs."""
+    tile_ref, weight_ref, pair_ref = refs[num_args:]
+    tile_ref[...], weight_ref[...], pair_ref[...] = _route_tables(refs[:num_args], **route)
 
 
 def _power_of_two(size: int) -> int:
     return 1 << max(size - 1, 0).bit_length()
 
 
-def route_tokens(
+def _route_args(
     routing: TokenRouting,
     shared_weight: jax.Array | None,
     block_rows: int,
-    interpret: bool = False,
-    compiler_params: Any = None,
-    x: jax.Array | None = None,
-) -> ExpertTiles:
-    """``group_tokens``' grouping straight from ``routing``'s logits, in one Pallas program
-    (where routing, top-k, the padding rule and the grouping take about six small kernels
-    a layer on a GPU). ``shared_weight`` ``[N]``: the shared expert (id E) is each token's
-    last pair, with that weight, or, where ``routing.shared_gate`` is given, with the
-    sigmoid of its logit computed in the program from the tokens ``x [N, d]``. Tiles are
-    ``t = token * slots + slot`` (slots: the pairs per token rounded up to a power of two,
-    as are tokens and experts for Triton): each expert's first pair names its tile, the
-    others' tiles are unused; ``pair_row`` is ``[N, slots]``, a slot past the pairs
-    pointing past the rows (combined as 0)."""
+    x: jax.Array | None,
+) -> tuple[list[jax.Array], dict[str, Any]]:
+    """The routing program's operands (padded to powers of two for Triton) and the keyword
+    arguments of ``_route_tables``, after checking ``routing`` (``route_tokens``)."""
     logits = routing.logits
     num_tokens, num_experts = logits.shape
     if num_tokens > block_rows:
@@ -331,33 +373,68 @@ def route_tokens(
         args.append(jnp.pad(routing.shared_gate, (0, width - x.shape[1])))
     elif shared_weight is not None:
         args.append(jnp.pad(shared_weight.astype(jnp.float32), (0, n - num_tokens)))
-    kernel = functools.partial(
-        _route_kernel,
-        top_k=routing.top_k,
-        norm_topk_prob=routing.norm_topk_prob,
-        num_tokens=num_tokens,
-        shared_expert=shared_expert,
-        shared_gate=shared_gate,
-        block_rows=block_rows,
+    route = {
+        "top_k": routing.top_k,
+        "norm_topk_prob": routing.norm_topk_prob,
+        "num_tokens": num_tokens,
+        "shared_expert": shared_expert,
+        "shared_gate": shared_gate,
+        "slots": slots,
+        "block_rows": block_rows,
+    }
+    return args, route
+
+
+def _route_shapes(num_tokens: int, route: dict[str, Any]) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes of ``_route_tables``' three tables."""
+    n, slots, block_rows = _power_of_two(num_tokens), route["slots"], route["block_rows"]
+    return (
+        jax.ShapeDtypeStruct((n, slots), jnp.int32),
+        jax.ShapeDtypeStruct((n, slots, block_rows), jnp.float32),
+        jax.ShapeDtypeStruct((n, slots), jnp.int32),
     )
-    tile_expert, row_weight, pair_row = pl.pallas_call(
-        kernel,
+
+
+def _tables_as_tiles(tables, num_tokens: int, block_rows: int) -> ExpertTiles:
+    """``ExpertTiles`` of the routing tables ``[n, slots]``, ``[n, slots, block_rows]``,
+    ``[n, slots]``."""
+    tile_expert, row_weight, pair_row = tables
+    row_token = _token_row_tokens(num_tokens, block_rows, tile_expert.size)
+    return ExpertTiles(
+        tile_expert.reshape(-1), row_token, row_weight.reshape(-1), pair_row[:num_tokens]
+    )
+
+
+def route_tokens(
+    routing: TokenRouting,
+    shared_weight: jax.Array | None,
+    block_rows: int,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    x: jax.Array | None = None,
+) -> ExpertTiles:
+    """``group_tokens``' grouping straight from ``routing``'s logits, in one Pallas program
+    (where routing, top-k, the padding rule and the grouping take about six small kernels
+    a layer on a GPU). ``shared_weight`` ``[N]``: the shared expert (id E) is each token's
+    last pair, with that weight, or, where ``routing.shared_gate`` is given, with the
+    sigmoid of its logit computed in the program from the tokens ``x [N, d]``. Tiles are
+    ``t = token * slots + slot`` (slots: the pairs per token rounded up to a power of two,
+    as are tokens and experts for Triton): each expert's first pair names its tile, the
+    others' tiles are unused; ``pair_row`` is ``[N, slots]``, a slot past the pairs
+    pointing past the rows (combined as 0)."""
+    args, route = _route_args(routing, shared_weight, block_rows, x)
+    num_tokens = routing.logits.shape[0]
+    tables = pl.pallas_call(
+        functools.partial(_route_kernel, num_args=len(args), **route),
         grid=(1,),
         in_specs=[whole()] * len(args),
         out_specs=(whole(), whole(), whole()),
-        out_shape=(
-            jax.ShapeDtypeStruct((n, slots), jnp.int32),
-            jax.ShapeDtypeStruct((n, slots, block_rows), jnp.float32),
-            jax.ShapeDtypeStruct((n, slots), jnp.int32),
-        ),
+        out_shape=_route_shapes(num_tokens, route),
         name="moe_route",
         interpret=interpret,
         compiler_params=compiler_params,
     )(*args)
-    row_token = _token_row_tokens(num_tokens, block_rows, n * slots)
-    return ExpertTiles(
-        tile_expert.reshape(-1), row_token, row_weight.reshape(-1), pair_row[:num_tokens]
-    )
+    return _tables_as_tiles(tables, num_tokens, block_rows)
 
 
 def combine_pairs(rows: jax.Array, pair_row: jax.Array) -> jax.Array:
@@ -397,35 +474,117 @@ def _by_expert(expert, shared_expert, compute) -> None:
     pl.when(expert == shared_expert)(lambda: compute(shared))
 
 
-def _up_kernel(
-    tile_expert_ref, x_ref, *refs, gated, block_rows, block_inner, block_k, shared_expert
-):
-    """One tile's rows times one column tile of its expert's gate / up, then the activation.
-    ``refs``: the routed stacks (gate, up or up), then as many shared matrices with
-    ``shared_expert``, then the output. x is rounded to the weights' dtype as it is read."""
-    out_ref, num = refs[-1], 2 if gated else 1
-    pairs = [(refs[j], refs[num + j] if shared_expert is not None else None) for j in range(num)]
+def _split_up_refs(refs, gated, shared_expert, down_in_up):
+    """(gate / up pairs, the down pair or None, the rest) of the up launch's weight refs:
+    the routed stacks, then as many shared matrices with ``shared_expert``; with
+    ``down_in_up`` the routed down stack and the shared down matrix after them. A pair is
+    (routed ref, shared ref or None), as ``_by_expert``'s ``load`` takes it."""
+    num = 2 if gated else 1
+    shared = shared_expert is not None
+    pairs = [(refs[j], refs[num + j] if shared else None) for j in range(num)]
+    refs = refs[num * (1 + shared) :]
+    if not down_in_up:
+        return pairs, None, refs
+    return pairs, (refs[0], refs[1] if shared else None), refs[1 + shared :]
+
+
+def _up_kernel(tile_expert_ref, x_ref, *refs, gated, shared_expert, down_in_up, **tiles):
+    """One tile's rows times one column tile of its expert's gate / up, then the activation
+    (``_up_tile``), the tile's expert read from the table. ``refs``: the weights
+    (``_split_up_refs``), with ``down_in_up`` the tile's row weights, then the output."""
+    pairs, down, rest = _split_up_refs(refs, gated, shared_expert, down_in_up)
+    row_weight = rest[0][...] if down_in_up else None
     expert = tile_expert_ref[pl.program_id(0)]
-    cols = pl.ds(pl.program_id(1) * block_inner, block_inner)
+    _up_tile(expert, x_ref, pairs, down, row_weight, rest[-1], gated, shared_expert, **tiles)
+
+
+def _routed_up_kernel(*refs, num_route_args, route, gated, shared_expert, down_in_up, **tiles):
+    """``_up_kernel`` that routes the tokens itself: every program computes the routing
+    tables from the first ``num_route_args`` refs (``_route_tables``, a few tokens' logits)
+    and takes its tile's expert (and with ``down_in_up`` its row weights) from them;
+    program (0, 0) writes the tables (the last three refs) for the launches and the
+    combine after it. One launch fewer than ``route_tokens`` and this launch in turn."""
+    route_refs, refs = refs[:num_route_args], refs[num_route_args:]
+    tables = _route_tables(route_refs, **route)
+    tile_expert, row_weight = tables[:2]
+    tile = jax.lax.broadcasted_iota(jnp.int32, tile_expert.shape, 0) * tile_expert.shape[1]
+    tile = tile + jax.lax.broadcasted_iota(jnp.int32, tile_expert.shape, 1)
+    mine = tile == pl.program_id(0)
+    expert = jnp.sum(jnp.where(mine, tile_expert, 0))
+
+    x_ref, refs, table_refs = refs[0], refs[1:-3], refs[-3:]
+
+    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    def _():
+        for ref, table in zip(table_refs, tables):
+            ref[...] = table
+
+    pairs, down, rest = _split_up_refs(refs, gated, shared_expert, down_in_up)
+    if down_in_up:  # this tile's rows' weights
+        row_weight = jnp.sum(jnp.where(mine[:, :, None], row_weight, 0.0), axis=(0, 1))
+    else:
+        row_weight = None
+    _up_tile(expert, x_ref, pairs, down, row_weight, rest[-1], gated, shared_expert, **tiles)
+
+
+def _up_tile(
+    expert,
+    x_ref,
+    pairs,
+    down,
+    row_weight,
+    out_ref,
+    gated,
+    shared_expert,
+    *,
+    block_rows,
+    block_inner,
+    block_k,
+    block_out=None,
+    num_tokens=None,
+):
+    """The rows of a tile of ``expert`` times one column tile of its gate / up
+    (``pairs``), then the activation; x is rounded to the weights' dtype as it is read.
+    Without ``down`` the intermediate block goes to ``out_ref``. With ``down`` (the down
+    pair, ``down_in_up``) the block, rounded to the weights' dtype, times its rows of the
+    expert's down, ``block_out`` columns at a time, scaled by ``row_weight [block_rows]``,
+    is this program's partial output: ``out_ref[tile, inner tile, :num_tokens]``
+    (``[d_out]`` float32 rows; the rows past the tokens are not written, so a few tokens'
+    partials move a few rows' bytes)."""
+    tile, inner_tile = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(inner_tile * block_inner, block_inner)
+    dtype = pairs[0][0].dtype
 
     def compute(load):
         def step(i, accs):
             chunk = pl.ds(i * block_k, block_k)
             # x's block, or the tokens themselves with zeros after them
             xs = load_rows(x_ref.at[pl.ds(0, block_rows), chunk], 0, x_ref.shape[0])
-            xs = xs.astype(out_ref.dtype)
+            xs = xs.astype(dtype)
             products = (_dot(xs, load(w, chunk, cols)) for w in pairs)
             return tuple(acc + p for acc, p in zip(accs, products))
 
         zeros = jnp.zeros((block_rows, block_inner), jnp.float32)
-        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * num)
+        accs = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros,) * len(pairs))
         if gated:
             gate, up = accs
             h = gate / (1.0 + jnp.exp(-gate)) * up
         else:
             up = jnp.maximum(accs[0], 0.0)
             h = up * up
-        out_ref[...] = h.astype(out_ref.dtype)
+        h = h.astype(dtype)
+        if down is None:
+            out_ref[...] = h
+            return
+        rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0) < num_tokens
+
+        def down_step(j, carry):
+            chunk = pl.ds(j * block_out, block_out)
+            part = _dot(h, load(down, cols, chunk)) * row_weight[:, None]
+            pallas_triton.store(out_ref.at[tile, inner_tile, :, chunk], part, mask=rows)
+            return carry
+
+        jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, down_step, 0)
 
     _by_expert(expert, shared_expert, compute)
 
@@ -531,6 +690,8 @@ def moe_experts_pallas(
     compiler_params: Any = None,
     block_k_down: int | None = None,
     down_compiler_params: Any = None,
+    route_in_up: bool = False,
+    down_in_up: bool = False,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
@@ -544,7 +705,14 @@ def moe_experts_pallas(
     one more expert (id E, routed to by every token with that weight) in the same two
     launches, so a step runs no kernels of its own for it. ``routing``: where the grouping
     is by token rows, ``route_tokens`` picks the experts from its logits (``weights`` and
-    ``expert_ids`` unused: they may be None); elsewhere they are used as given."""
+    ``expert_ids`` unused: they may be None); elsewhere they are used as given.
+    ``route_in_up``: that routing runs inside the up launch (``_routed_up_kernel``, every
+    program routing the few tokens itself) instead of a launch of its own before it.
+    ``down_in_up`` (token rows only): the up launch's programs apply their rows of the
+    down projection too, each writing its partial sums of the tokens' outputs (a token's
+    row of every used tile: rows of tokens routed elsewhere weigh 0), which are summed
+    after it: no down launch and no intermediate, for a few tokens (the partials grow with
+    tokens x tiles x inner tiles)."""
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
@@ -572,18 +740,26 @@ def moe_experts_pallas(
     bk_down = check_tile("block_k", inner, block_k if block_k_down is None else block_k_down)
     if block_rows <= 0:
         raise ValueError(f"block_rows={block_rows} must be positive")
-    if by_logits:
-        shared_weight = None if shared is None else shared.weight
-        grouped = route_tokens(routing, shared_weight, block_rows, interpret, compiler_params, x)
-    elif token_rows:
-        grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
+    route_in_up = by_logits and route_in_up
+    shared_weight = None if shared is None else shared.weight
+    if route_in_up:  # the tables come out of the up launch
+        route_args, route = _route_args(routing, shared_weight, block_rows, x)
+        num_tiles = _power_of_two(num_tokens) * route["slots"]
+    else:
+        if by_logits:
+            grouped = route_tokens(
+                routing, shared_weight, block_rows, interpret, compiler_params, x
+            )
+        elif token_rows:
+            grouped = group_tokens(weights, expert_ids, num_experts, block_rows)
+        else:
+            grouped = group_pairs(weights, expert_ids, num_experts, block_rows)
+        num_tiles = grouped.tile_expert.shape[0]
     if token_rows:  # every tile reads the tokens themselves, as they are (no padded copy)
         staged, x_spec = x, whole()
     else:
-        grouped = group_pairs(weights, expert_ids, num_experts, block_rows)
         staged = x.astype(up.dtype)[grouped.row_token]  # [num_tiles * block_rows, d]
         x_spec = pl.BlockSpec((block_rows, width), lambda t, i: (t, 0))
-    num_tiles = grouped.tile_expert.shape[0]
     num_rows = num_tiles * block_rows
     projections = (up,) if gate is None else (gate, up)
     downs = (down,)
@@ -592,23 +768,57 @@ def moe_experts_pallas(
         downs += (shared.down,)
     options = {"interpret": interpret, "compiler_params": compiler_params}
 
-    up_kernel = functools.partial(
-        _up_kernel,
-        gated=gate is not None,
-        block_rows=block_rows,
-        block_inner=bi,
-        block_k=bk_up,
-        shared_expert=shared_expert,
-    )
-    hidden = pl.pallas_call(
-        up_kernel,
-        grid=(num_tiles, inner // bi),
-        in_specs=[whole(), x_spec] + [whole()] * len(projections),
-        out_specs=pl.BlockSpec((block_rows, bi), lambda t, i: (t, i)),
-        out_shape=jax.ShapeDtypeStruct((num_rows, inner), up.dtype),
-        name="moe_experts_up",
-        **options,
-    )(grouped.tile_expert, staged, *projections)
+    down_in_up = token_rows and down_in_up
+    up_tiles = {
+        "gated": gate is not None,
+        "block_rows": block_rows,
+        "block_inner": bi,
+        "block_k": bk_up,
+        "shared_expert": shared_expert,
+        "down_in_up": down_in_up,
+    }
+    grid = (num_tiles, inner // bi)
+    weight_specs = [whole()] * len(projections)
+    if down_in_up:  # each program's partial sums of its tokens' outputs
+        up_tiles.update(block_out=bo, num_tokens=num_tokens)
+        projections += downs
+        weight_specs += [whole()] * len(downs)
+        out_spec = whole()
+        out_shape = jax.ShapeDtypeStruct((*grid, block_rows, out_width), jnp.float32)
+    else:
+        out_spec = pl.BlockSpec((block_rows, bi), lambda t, i: (t, i))
+        out_shape = jax.ShapeDtypeStruct((num_rows, inner), up.dtype)
+    if route_in_up:
+        hidden, *tables = pl.pallas_call(
+            functools.partial(
+                _routed_up_kernel, num_route_args=len(route_args), route=route, **up_tiles
+            ),
+            grid=grid,
+            in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs,
+            out_specs=(out_spec, whole(), whole(), whole()),
+            out_shape=(out_shape, *_route_shapes(num_tokens, route)),
+            name="moe_experts_up",
+            **options,
+        )(*route_args, staged, *projections)
+        grouped = _tables_as_tiles(tables, num_tokens, block_rows)
+    else:
+        weight_args = list(projections)
+        if down_in_up:
+            weight_specs.append(pl.BlockSpec((block_rows,), lambda t, i: (t,)))
+            weight_args.append(grouped.row_weight)
+        hidden = pl.pallas_call(
+            functools.partial(_up_kernel, **up_tiles),
+            grid=grid,
+            in_specs=[whole(), x_spec] + weight_specs,
+            out_specs=out_spec,
+            out_shape=out_shape,
+            name="moe_experts_up",
+            **options,
+        )(grouped.tile_expert, staged, *weight_args)
+    if down_in_up:  # every used tile's rows, each token weighted 0 where it did not route
+        used = grouped.tile_expert != UNUSED_TILE
+        partial = hidden[:, :, :num_tokens]  # the rows the programs wrote
+        return jnp.sum(jnp.where(used[:, None, None, None], partial, 0.0), axis=(0, 1))
 
     down_kernel = functools.partial(
         _down_kernel, block_out=bo, block_k=bk_down, shared_expert=shared_expert

@@ -123,9 +123,21 @@ def check_routing(rng, token_counts, expert_counts, top_k) -> list[tuple[str, st
     return rows
 
 
+# The routed experts' launch forms for a few tokens (``backend.moe_launch``), each checked
+# whatever the dispatch's defaults: (name, MOE_ROUTE_IN_UP, MOE_DOWN_IN_UP_MAX_TOKENS).
+MOE_FORMS = (
+    ("routing launch", False, 0),
+    ("routing in up", True, 0),
+    ("down in up", True, 8),
+)
+
+
 def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
+    """The MoE layer with the kernel against its XLA form: at the dispatch's defaults, and
+    up to 8 tokens in each of ``MOE_FORMS``."""
     hidden, expert_counts, top_k, inner = widths[:4]
     kernel = backend.kernels_for("pallas").moe_experts
+    defaults = backend.MOE_ROUTE_IN_UP, backend.MOE_DOWN_IN_UP_MAX_TOKENS
     rows = []
     for num_experts in expert_counts:
         spec = moe.MoESpec(hidden, num_experts, top_k, inner, inner, norm_topk_prob=True)
@@ -133,15 +145,26 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
         for num_tokens in token_counts:
             x = jnp.asarray(rng.standard_normal((num_tokens, 1, hidden)), jnp.bfloat16)
             real = jnp.asarray(np.arange(num_tokens) != 1)
-            layer = jax.jit(moe.sparse_moe, static_argnums=(1, 3))
-            with jax.default_matmul_precision("highest"):
-                got = layer(params, spec, x, kernel, real)
-                want = layer(params, spec, x, None, real)
+            forms = [("sparse_moe", *defaults)]
+            if num_tokens <= 8:
+                forms += [(f"sparse_moe, {name}", *switches) for name, *switches in MOE_FORMS]
             keep = np.asarray(real)
-            got, want = (np.asarray(a, np.float32)[keep] for a in (got, want))
-            err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-            shape = f"{num_tokens} tokens, {num_experts} experts"
-            rows.append(("sparse_moe", shape, result(err <= MOE_TOL, [err])))
+            with jax.default_matmul_precision("highest"):
+                want = jax.jit(moe.sparse_moe, static_argnums=(1, 3))(params, spec, x, None, real)
+            want = np.asarray(want, np.float32)[keep]
+            for name, route_in_up, down_in_up in forms:
+                backend.MOE_ROUTE_IN_UP, backend.MOE_DOWN_IN_UP_MAX_TOKENS = (
+                    route_in_up,
+                    down_in_up,
+                )
+                # a function of its own: traced afresh under these switches
+                layer = jax.jit(lambda p, x, r, s=spec, f=kernel: moe.sparse_moe(p, s, x, f, r))
+                with jax.default_matmul_precision("highest"):
+                    got = np.asarray(layer(params, x, real), np.float32)[keep]
+                err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+                shape = f"{num_tokens} tokens, {num_experts} experts"
+                rows.append((name, shape, result(err <= MOE_TOL, [err])))
+            backend.MOE_ROUTE_IN_UP, backend.MOE_DOWN_IN_UP_MAX_TOKENS = defaults
     return rows
 
 

@@ -4,6 +4,7 @@ grouping of pairs by expert, the dispatch by shape and the MoE layers that call 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -266,15 +267,24 @@ def test_dispatch_chooses_kernel_by_token_count_pallas(monkeypatch):
     assert_close(got, want, FP32_TOL, "dispatched routed experts")
 
 
-def test_output_tile_widens_from_sixteen_tokens_pallas():
+@pytest.mark.parametrize("fused", (0, 2))
+def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
     """At Qwen3-Next's expert widths the down launch's output tile is 64 columns below
     MOE_WIDE_OUT_TOKENS tokens and 128 from there; the up launch's intermediate tile is 64
-    columns at every count; a width below a tile keeps its fitted tile."""
+    columns at every count; a width below a tile keeps its fitted tile. Up to
+    MOE_DOWN_IN_UP_MAX_TOKENS tokens (none, or two here) the down product runs in the up
+    launch, in chunks of MOE_DOWN_IN_UP_BLOCK_OUT columns."""
     up, down = jnp.zeros((8, 2048, 512)), jnp.zeros((8, 512, 2048))
     wide = backend.MOE_WIDE_OUT_TOKENS
-    for tokens, block_out in ((1, 64), (wide - 1, 64), (wide, 128), (2048, 128)):
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", fused)
+    for tokens, block_out in ((fused + 1, 64), (wide - 1, 64), (wide, 128), (2048, 128)):
         launch = backend.moe_launch(tokens, up, down, interpret=True)
         assert (launch["block_out"], launch["block_inner"]) == (block_out, 64), tokens
+        assert not launch["down_in_up"], tokens
+    for tokens in range(1, fused + 1):  # the down product in the up launch, wide chunks
+        launch = backend.moe_launch(tokens, up, down, interpret=True)
+        assert launch["down_in_up"], tokens
+        assert launch["block_out"] == backend.MOE_DOWN_IN_UP_BLOCK_OUT, tokens
     narrow_up, narrow_down = jnp.zeros((8, 2048, 48)), jnp.zeros((8, 48, 96))
     launch = backend.moe_launch(wide, narrow_up, narrow_down, interpret=True)
     assert (launch["block_inner"], launch["block_out"]) == (16, 32)
@@ -376,22 +386,31 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     text = lower_for_cuda(lambda *a: run(*a[:-1], shared=a[-1]), *two_tokens, shared)
     assert text.lower().count("triton") >= 2
 
-    def by_logits(x, logits, real, gate, *rest):  # the experts picked in the kernel
+    def by_logits(x, logits, real, gate, *rest, route_in_up):  # experts picked in the kernel
         shared = rest[-1]  # its gate's logit and sigmoid computed in the program too
         picks = me.TokenRouting(logits, 10, True, real, shared_gate=gate)
-        return run(x, None, None, *rest[:-1], shared=shared, routing=picks)
+        options = {"shared": shared, "routing": picks, "route_in_up": route_in_up}
+        return run(x, None, None, *rest[:-1], **options)
 
-    for num_tokens in (2, 3, 8):  # three: tokens padded to a power of two
-        text = lower_for_cuda(
-            by_logits,
-            spec((num_tokens, 2048), jnp.bfloat16),
-            spec((num_tokens, 512), jnp.float32),
-            spec((num_tokens,), jnp.bool_),
-            spec((2048,), jnp.bfloat16),
-            *two_tokens[3:],
-            dataclasses.replace(shared, weight=spec((num_tokens,), jnp.float32)),
+    # three tokens: padded to a power of two; 64 experts: top-k by rank, 512: by rounds
+    for num_tokens, num_experts in ((1, 64), (2, 512), (3, 512), (8, 512), (8, 64)):
+        stacks = (
+            spec((num_experts, 2048, 512), jnp.bfloat16),
+            spec((num_experts, 512, 2048), jnp.bfloat16),
+            spec((num_experts, 2048, 512), jnp.bfloat16),
         )
-        assert text.lower().count("triton") >= 3, num_tokens
+        for route_in_up, launches in ((False, 3), (True, 2)):
+            text = lower_for_cuda(
+                functools.partial(by_logits, route_in_up=route_in_up),
+                spec((num_tokens, 2048), jnp.bfloat16),
+                spec((num_tokens, num_experts), jnp.float32),
+                spec((num_tokens,), jnp.bool_),
+                spec((2048,), jnp.bfloat16),
+                *stacks,
+                dataclasses.replace(shared, weight=spec((num_tokens,), jnp.float32)),
+            )
+            found = text.lower().count("triton")
+            assert found >= launches, (num_tokens, num_experts, route_in_up, found)
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),
@@ -541,14 +560,18 @@ ROUTE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("top_k_form", ("rank", "rounds"))
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: f"route{c[0]}-n{c[1]}-e{c[3]}")
-def test_route_tokens_picks_the_routers_experts_pallas(case):
+def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeypatch):
     """``route_tokens`` gives each token the experts and weights of ``layers.moe.route``
-    (top-k, lower id first among equal logits; both weight rules), padding tokens token 0's
-    experts with their own weights, the shared expert last; one tile per expert
-    (``expert_picks`` refuses two), every other row weighing 0; and the kernel with it sums
-    as with the router's own picks."""
+    (top-k, lower id first among equal logits; both weight rules; both top-k forms),
+    padding tokens token 0's experts with their own weights, the shared expert last; one
+    tile per expert (``expert_picks`` refuses two), every other row weighing 0; and the
+    kernel with it sums as with the router's own picks, with the routing in a launch of its
+    own or in the up launch, bit for bit the same."""
+    monkeypatch.setattr(me, "RANK_MAX_ELEMENTS", 16384 if top_k_form == "rank" else 0)
     seed, num_tokens, top_k, num_experts, norm, with_shared, real = case
+    assert num_tokens * num_experts**2 <= me.RANK_MAX_ELEMENTS or top_k_form == "rounds"
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
     logits[:, 1] = logits[:, 4]  # a tie
@@ -595,6 +618,102 @@ def test_route_tokens_picks_the_routers_experts_pallas(case):
     extra["routing"] = routing
     got = me.moe_experts_pallas(x, None, None, up, down, gate, **extra, **tile_args)
     assert_close(got, want, FP32_TOL, "routed by logits")
+    in_up = me.moe_experts_pallas(
+        x, None, None, up, down, gate, **extra, **tile_args, route_in_up=True
+    )
+    np.testing.assert_array_equal(np.asarray(in_up), np.asarray(got))
+
+
+@pytest.mark.parametrize("switch", (False, True))
+def test_routing_in_the_up_launch_saves_a_launch_pallas(switch, monkeypatch):
+    """Routed by logits with ``route_in_up``, the MoE is two launches (up, which writes the
+    routing tables too, and down) where the routing's own launch makes three; the backend's
+    dispatch asks for it as ``MOE_ROUTE_IN_UP`` says, and the tables it hands on give the
+    same sum as the separate launch's."""
+    monkeypatch.setattr(backend, "MOE_ROUTE_IN_UP", switch)
+    rng = np.random.default_rng(41)
+    up, down, gate = expert_stacks(rng, 16, jnp.float32, True)
+    logits = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
+    routing = me.TokenRouting(logits, 4, True, jnp.asarray([True, True, False]))
+    x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
+    tile_args = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+
+    def launches(route_in_up):
+        run = functools.partial(
+            me.moe_experts_pallas, routing=routing, route_in_up=route_in_up, **tile_args
+        )
+        jaxpr = jax.make_jaxpr(lambda x: run(x, None, None, up, down, gate))(x).jaxpr
+        names = [
+            str(e.params.get("name", e.params.get("name_and_src_info")))
+            for e in jaxpr.eqns
+            if e.primitive.name == "pallas_call"
+        ]
+        return [n.split()[0] for n in names], run(x, None, None, up, down, gate)
+
+    names, separate = launches(False)
+    assert names == ["moe_route", "moe_experts_up", "moe_experts_down"], names
+    names, fused = launches(True)
+    assert names == ["moe_experts_up", "moe_experts_down"], names
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(separate))
+    launch = backend.moe_launch(3, up, down, interpret=True)
+    assert launch["route_in_up"] is switch
+
+
+# seed, tokens, top_k, experts, gated, dtype, shared, by logits
+DOWN_IN_UP_CASES = [
+    (51, 1, 2, 8, True, jnp.float32, True, True),
+    (52, 2, 3, 8, False, jnp.float32, False, False),
+    (53, 3, 2, 16, True, jnp.bfloat16, True, False),
+    (54, 8, 4, 16, True, jnp.float32, True, True),
+]
+
+
+@pytest.mark.parametrize("case", DOWN_IN_UP_CASES, ids=lambda c: f"s{c[0]}-n{c[1]}")
+def test_down_product_in_the_up_launch_pallas(case):
+    """With ``down_in_up`` the MoE is one launch (routed by logits in it, or by given picks
+    after a grouping), each program writing its partial sums; summed, they give
+    ``grouped_experts``' output (the two-launch form's to float32 rounding). The partials'
+    unwritten rows (tiles no expert uses, rows past the tokens) are never summed:
+    interpret mode fills them with NaN."""
+    seed, num_tokens, top_k, num_experts, gated, dtype, with_shared, by_logits = case
+    rng = np.random.default_rng(seed)
+    up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
+    x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((num_tokens, num_experts)), jnp.float32)
+    spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, True)
+    weights, ids = moe.route({}, spec, None, logits)
+    extra = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    ref_weights, ref_ids = weights, ids
+    if with_shared:
+        s_up, s_down, s_gate = expert_stacks(rng, 1, dtype, gated)
+        s_weight = jnp.asarray(rng.random(num_tokens), jnp.float32)
+        extra["shared"] = me.SharedExpert(
+            s_up[0], s_down[0], None if not gated else s_gate[0], s_weight
+        )
+        up_all = jnp.concatenate([up, s_up])
+        down_all = jnp.concatenate([down, s_down])
+        gate_all = None if gate is None else jnp.concatenate([gate, s_gate])
+        every = jnp.full((num_tokens, 1), num_experts, jnp.int32)
+        ref_ids = jnp.concatenate([ids, every], axis=1)
+        ref_weights = jnp.concatenate([weights, s_weight[:, None]], axis=1)
+    else:
+        up_all, down_all, gate_all = up, down, gate
+    want = reference(x, ref_weights, ref_ids, up_all, down_all, gate_all)
+    if by_logits:
+        extra.update(routing=me.TokenRouting(logits, top_k, True), route_in_up=True)
+    run = functools.partial(me.moe_experts_pallas, **extra)
+    tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
+    fused = run(x, weights, ids, up, down, gate, down_in_up=True)
+    assert_close(fused, want, tol, "down product in the up launch")
+    two = run(x, weights, ids, up, down, gate)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(two), rtol=0, atol=1e-5)
+    jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)
+    names = [
+        str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0]
+        for e in jaxpr.jaxpr.eqns
+        if e.primitive.name == "pallas_call"
+    ]
+    assert names == ["moe_experts_up"], names
 
 
 def test_route_tokens_checks_its_inputs_pallas():
