@@ -613,11 +613,22 @@ def main(argv=None) -> None:
         action="store_true",
         help="also transformers' model of the same config, one row per batch (GPU, torch)",
     )
+    p.add_argument(
+        "--kernel-switch",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=INT",
+        help="set a dispatch constant of lazyspec.kernels.backend or .moe_experts before "
+        "anything is traced (repeatable), e.g. backend.MOE_ROUTE_IN_UP=1",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from lazyspec.bench.origin import code_line
+    from lazyspec.bench.switches import apply_switches
 
     print(code_line(), flush=True)  # one tree's code, or a clear error before any work
+    for line in apply_switches(args.kernel_switch):
+        print(f"kernel switch: {line}", flush=True)
     model = build_model(args.preset, args.dtype, args.tp_size)
     if args.memory:
         return memory_table(model, args)

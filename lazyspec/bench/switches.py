@@ -1,0 +1,46 @@
+"""Kernel dispatch switches set for one benchmark process (``--kernel-switch``).
+
+The kernels' dispatch reads some module constants when a step is traced (``backend``'s
+``MOE_ROUTE_IN_UP``, ``moe_experts``' ``RANK_MAX_ELEMENTS``, ...). A benchmark compares
+two settings by running one process per setting with the constants set before anything is
+traced: a jitted function traced once keeps the setting it was traced under.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+
+def _modules() -> dict[str, ModuleType]:
+    from lazyspec.kernels import backend, moe_experts
+
+    return {"backend": backend, "moe_experts": moe_experts}
+
+
+def apply_switches(items: list[str]) -> list[str]:
+    """Set each ``module.NAME=INT`` (module: backend or moe_experts; NAME an existing int or
+    bool constant, set to an int, or a bool for a bool constant); returns
+    ``module.NAME = value`` for each. ValueError names what is wrong before anything is
+    set."""
+    modules, found = _modules(), []
+    for item in items:
+        key, sep, text = item.partition("=")
+        module_name, _, name = key.partition(".")
+        module = modules.get(module_name)
+        if not sep or module is None or not name:
+            raise ValueError(
+                f"kernel switch {item!r}: expected module.NAME=INT, module one of {sorted(modules)}"
+            )
+        current = getattr(module, name, None)
+        if not isinstance(current, int) or not name.isupper():
+            raise ValueError(f"kernel switch {item!r}: {key} is not an int or bool constant")
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"kernel switch {item!r}: {text!r} is not an integer") from None
+        found.append((module, name, bool(value) if isinstance(current, bool) else value))
+    for module, name, value in found:
+        setattr(module, name, value)
+    return [
+        f"{module.__name__.rsplit('.', 1)[-1]}.{name} = {value}" for module, name, value in found
+    ]
