@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -744,7 +745,8 @@ def moe_experts_pallas(
     shared_weight = None if shared is None else shared.weight
     if route_in_up:  # the tables come out of the up launch
         route_args, route = _route_args(routing, shared_weight, block_rows, x)
-        num_tiles = _power_of_two(num_tokens) * route["slots"]
+        table_shapes = _route_shapes(num_tokens, route)
+        num_tiles = math.prod(table_shapes[0].shape)  # a tile per (token, slot)
     else:
         if by_logits:
             grouped = route_tokens(
@@ -796,7 +798,7 @@ def moe_experts_pallas(
             grid=grid,
             in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs,
             out_specs=(out_spec, whole(), whole(), whole()),
-            out_shape=(out_shape, *_route_shapes(num_tokens, route)),
+            out_shape=(out_shape, *table_shapes),
             name="moe_experts_up",
             **options,
         )(*route_args, staged, *projections)
