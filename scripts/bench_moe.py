@@ -94,7 +94,10 @@ WIDTHS = (
     Width("qwen3.5-moe", 2048, 256, 8, 512),
 )
 SMOKE_WIDTHS = (Width("tiny", 64, 8, 2, 32),)
-TILE_KEYS = ("block_rows", "block_inner", "block_out", "block_k", "block_k_down")
+# the kernel's keyword arguments a row passes on; ``down_in_up``: the dispatch's folded form
+# (``backend.MOE_DOWN_IN_UP_MAX_TOKENS``), carried by the "launch" rows (the routing is given,
+# so ``route_in_up`` never applies here)
+TILE_KEYS = ("block_rows", "block_inner", "block_out", "block_k", "block_k_down", "down_in_up")
 LAUNCH = "launch"  # the dispatch's tiles for the row's token count (``moe_launch``)
 KERNEL_TILES = (  # the dispatch's first
     LAUNCH,
@@ -232,7 +235,7 @@ def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
             launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret)
             if launch is None:
                 continue  # the dispatch runs the XLA form at this count
-            tiles = {k: launch[k] for k in TILE_KEYS if k in launch} | {
+            tiles = {k: launch[k] for k in TILE_KEYS if launch.get(k)} | {
                 k: DEFAULT_MOE_TILES[k] for k in ("num_warps", "num_stages")
             }
         impls.append(

@@ -54,3 +54,26 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
         total, up, down = float(row[5]), float(row[9]), float(row[10])
         assert up > 0.0 and down > 0.0 and up + down <= total, row
     assert "profiler's kernel durations" in out.read_text()
+
+
+def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch):
+    """With ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` covering the row's tokens, the 'launch'
+    row runs the down product in the up launch, as the dispatch would: its tiles say so,
+    it is checked, and no down launch appears in its trace."""
+    from lazyspec.kernels import backend
+
+    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
+    bench_moe = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)
+    spec.loader.exec_module(bench_moe)
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 2)
+    out = tmp_path / "folded.md"
+    argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
+    assert bench_moe.main(argv + ["--tiles", "launch"]) == 0
+    (row,) = [
+        line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
+    ]
+    assert "down_in_up=True" in row[3], row
+    assert row[4].strip().startswith("ok"), row
+    total, up, down = float(row[5]), float(row[9]), float(row[10])
+    assert up > 0.0 and down == 0.0 and up <= total, row
