@@ -1,0 +1,63 @@
+"""The weight-layout benchmark (``scripts/bench_layout.py``) in its CPU smoke mode: every
+form of both cases, in both layouts, is checked against its float32 reference and timed
+from the profiler's trace."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_layout.py"
+
+
+def load(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_layout", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_layout", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def table(path: Path) -> list[list[str]]:
+    return [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in path.read_text().splitlines()
+        if line.startswith(("| experts", "| dense"))
+    ]
+
+
+def test_bench_layout_smoke_checks_both_layouts(tmp_path, monkeypatch):
+    bench = load(monkeypatch)
+    out = tmp_path / "layout.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    rows = table(out)
+    for case, layouts in (
+        ("experts", ("[E, in, out]", "[E, out, in]")),
+        ("dense", ("[in, out]", "[out, in]")),
+    ):
+        forms = [row[1] for row in rows if row[0] == case]
+        for layout in layouts:
+            assert any(form.endswith(layout) for form in forms), (case, layout, forms)
+    assert any(row[1].startswith("XLA dot") for row in rows)
+    for row in rows:
+        assert row[7].startswith("ok"), row
+        assert float(row[3]) > 0.0 and float(row[5]) > 0.0, row
+    assert "floor: the weight bytes" in out.read_text()
+
+
+def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypatch):
+    """A rows-layout loop whose block comes out with its output columns in another order
+    gives other products: the check says so, the strips' forms stay ok, the run fails."""
+    bench = load(monkeypatch)
+    right = bench._product
+
+    def rows_reversed(xs, w, rows_layout):  # the block's output columns in reverse
+        return right(xs, w[::-1] if rows_layout else w, rows_layout)
+
+    monkeypatch.setattr(bench, "_product", rows_reversed)
+    out = tmp_path / "layout.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 1
+    rows = table(out)
+    assert any(row[7].startswith("MISMATCH") for row in rows if "out, in]" in row[1])
+    assert all(row[7].startswith("ok") for row in rows if row[1].endswith("in, out]"))
