@@ -613,18 +613,12 @@ def main(argv=None) -> None:
         action="store_true",
         help="also transformers' model of the same config, one row per batch (GPU, torch)",
     )
-    p.add_argument(
-        "--kernel-switch",
-        action="append",
-        default=[],
-        metavar="MODULE.NAME=INT",
-        help="set a dispatch constant of lazyspec.kernels.backend or .moe_experts before "
-        "anything is traced (repeatable), e.g. backend.MOE_ROUTE_IN_UP=1",
-    )
+    from lazyspec.bench.switches import add_switch_argument, apply_switches
+
+    add_switch_argument(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from lazyspec.bench.origin import code_line
-    from lazyspec.bench.switches import apply_switches
 
     print(code_line(), flush=True)  # one tree's code, or a clear error before any work
     for line in apply_switches(args.kernel_switch):

@@ -24,6 +24,8 @@ about 1 %. Run it with XLA's command buffers off, where the profiler names each 
     python scripts/bench_moe.py --out moe.md          # on a GPU
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/bench_moe.py --timing profiler \
         --models qwen3-next-64e --tokens 1,2,4 --tiles launch,32:128:128:4:3 --no-xla
+    # the dispatch's "launch" row with a dispatch constant set (bench_engine's flag)
+    ... --tiles launch --kernel-switch backend.MOE_DOWN_IN_UP_MAX_TOKENS=2
     python scripts/bench_moe.py --smoke --out smoke.md  # CPU: tiny widths, interpret mode
 
 Widths (transformers' configuration defaults, which are the named checkpoints'):
@@ -58,6 +60,7 @@ from lazyspec.bench.kernel_timing import (
     max_abs_diff,
 )
 from lazyspec.bench.origin import code_line
+from lazyspec.bench.switches import add_switch_argument, apply_switches
 from lazyspec.kernels.backend import DEFAULT_MOE_TILES, moe_launch, pallas_compiler_params
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.models.layers.moe import grouped_experts
@@ -327,6 +330,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default: the built-in list)",
     )
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="the kernel only")
+    add_switch_argument(parser)
     args = parser.parse_args(argv)
     args.interpret = args.smoke or jax.default_backend() == "cpu"
     args.tokens = [
@@ -346,6 +350,9 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     origin = code_line()  # before any timing: one tree's code, or a clear error
     log(origin)
+    switches = apply_switches(opts.kernel_switch)
+    for line in switches:
+        log(f"kernel switch: {line}")
     device = jax.devices()[0]
     log(f"device: {device.device_kind} ({jax.default_backend()}), interpret={opts.interpret}")
     copies = copy_bandwidths((1 << 22) if opts.smoke else (2 << 30), opts.iters, opts.warmup)
@@ -365,7 +372,7 @@ def main(argv=None) -> int:
         f"(the best of: {copy_text}); {timing}; routed MB: "
         f"weights of the distinct experts routed (mean of {ROUTINGS} random routings); floor: "
         "those bytes at the copy bandwidth; check: max |form - grouped_experts| / max |ref|."
-        f"\n\n{origin}"
+        f"\n\n{origin}" + "".join(f"\n\nkernel switch: {line}" for line in switches)
     )
     rows: list[dict] = []
     for width in opts.widths:

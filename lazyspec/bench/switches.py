@@ -8,6 +8,7 @@ traced: a jitted function traced once keeps the setting it was traced under.
 
 from __future__ import annotations
 
+import argparse
 from types import ModuleType
 
 
@@ -44,3 +45,16 @@ def apply_switches(items: list[str]) -> list[str]:
     return [
         f"{module.__name__.rsplit('.', 1)[-1]}.{name} = {value}" for module, name, value in found
     ]
+
+
+def add_switch_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kernel-switch MODULE.NAME=INT`` (repeatable) on a benchmark's parser; the script
+    passes ``args.kernel_switch`` to ``apply_switches`` before anything is traced."""
+    parser.add_argument(
+        "--kernel-switch",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=INT",
+        help="set a dispatch constant of lazyspec.kernels.backend or .moe_experts before "
+        "anything is traced (repeatable), e.g. backend.MOE_ROUTE_IN_UP=1",
+    )

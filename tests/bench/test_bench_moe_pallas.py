@@ -57,19 +57,23 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
 
 
 def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch):
-    """With ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` covering the row's tokens, the 'launch'
-    row runs the down product in the up launch, as the dispatch would: its tiles say so,
-    it is checked, and no down launch appears in its trace."""
+    """With ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` covering the row's tokens (set by
+    ``--kernel-switch``, which the table's header records), the 'launch' row runs the down
+    product in the up launch, as the dispatch would: its tiles say so, it is checked, and
+    no down launch appears in its trace."""
     from lazyspec.kernels import backend
 
     spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
     bench_moe = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)
     spec.loader.exec_module(bench_moe)
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 2)
+    # --kernel-switch sets it for the process: restored after the test
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", backend.MOE_DOWN_IN_UP_MAX_TOKENS)
     out = tmp_path / "folded.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
-    assert bench_moe.main(argv + ["--tiles", "launch"]) == 0
+    switch = ["--kernel-switch", "backend.MOE_DOWN_IN_UP_MAX_TOKENS=2"]
+    assert bench_moe.main(argv + ["--tiles", "launch"] + switch) == 0
+    assert "kernel switch: backend.MOE_DOWN_IN_UP_MAX_TOKENS = 2" in out.read_text()
     (row,) = [
         line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
     ]
