@@ -4,19 +4,7 @@ from the profiler's trace."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_layout.py"
-
-
-def load(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_layout", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_layout", module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def table(path: Path) -> list[list[str]]:
@@ -27,8 +15,8 @@ def table(path: Path) -> list[list[str]]:
     ]
 
 
-def test_bench_layout_smoke_checks_both_layouts(tmp_path, monkeypatch):
-    bench = load(monkeypatch)
+def test_bench_layout_smoke_checks_both_layouts(tmp_path, load_script):
+    bench = load_script("bench_layout")
     out = tmp_path / "layout.md"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     rows = table(out)
@@ -46,10 +34,10 @@ def test_bench_layout_smoke_checks_both_layouts(tmp_path, monkeypatch):
     assert "floor: the weight bytes" in out.read_text()
 
 
-def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypatch):
+def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypatch, load_script):
     """A rows-layout loop whose block comes out with its output columns in another order
     gives other products: the check says so, the strips' forms stay ok, the run fails."""
-    bench = load(monkeypatch)
+    bench = load_script("bench_layout")
     right = bench._product
 
     def rows_reversed(xs, w, rows_layout):  # the block's output columns in reverse

@@ -3,19 +3,11 @@ XLA forms are checked against ``grouped_experts`` and timed, and the table says 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_moe.py"
 
 
-def test_bench_moe_smoke_checks_every_form(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
-    bench_moe = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)  # its dataclasses look it up
-    spec.loader.exec_module(bench_moe)
+def test_bench_moe_smoke_checks_every_form(tmp_path, load_script):
+    bench_moe = load_script("bench_moe")
     out = tmp_path / "smoke.md"
     assert bench_moe.main(["--smoke", "--tokens", "3", "--out", str(out)]) == 0
     rows = [
@@ -30,15 +22,12 @@ def test_bench_moe_smoke_checks_every_form(tmp_path, monkeypatch):
         assert math.isfinite(float(row[5])) and float(row[6]) > 0.0, row
 
 
-def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
+def test_bench_moe_profiler_timing_names_both_launches(tmp_path, load_script):
     """``--timing profiler`` (CPU, interpret mode): the dispatch's tiles ('launch') and
     explicit entries (one with the down launch's own chunk and stages) each get device time
     from the trace, split into the up and down launches, and the XLA forms are left out
     with ``--no-xla``."""
-    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
-    bench_moe = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)
-    spec.loader.exec_module(bench_moe)
+    bench_moe = load_script("bench_moe")
     out = tmp_path / "profiled.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
     tiles = "launch,16:32:16:4:1,16:32:16:4:1:32:1"  # the last: the down launch's own chunk
@@ -56,17 +45,14 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch):
     assert "profiler's kernel durations" in out.read_text()
 
 
-def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch):
+def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch, load_script):
     """With ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` covering the row's tokens (set by
     ``--kernel-switch``, which the table's header records), the 'launch' row runs the down
     product in the up launch, as the dispatch would: its tiles say so, it is checked, and
     no down launch appears in its trace."""
     from lazyspec.kernels import backend
 
-    spec = importlib.util.spec_from_file_location("bench_moe", SCRIPT)
-    bench_moe = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_moe", bench_moe)
-    spec.loader.exec_module(bench_moe)
+    bench_moe = load_script("bench_moe")
     # --kernel-switch sets it for the process: restored after the test
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", backend.MOE_DOWN_IN_UP_MAX_TOKENS)
     out = tmp_path / "folded.md"

@@ -3,25 +3,11 @@ check runs and passes, and a check over its tolerance fails the script."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_kernels.py"
 
-
-def load(monkeypatch):
-    spec = importlib.util.spec_from_file_location("check_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "check_kernels", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
-    check = load(monkeypatch)
+def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, load_script):
+    check = load_script("check_kernels")
     out = tmp_path / "check.md"
     assert check.main(["--smoke", "--out", str(out)]) == 0
     text = out.read_text().splitlines()
@@ -61,10 +47,10 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch):
     assert len(rows) == 3 and all(row[2].startswith("over the tolerance") for row in rows), rows
 
 
-def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch):
+def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch, load_script):
     """Sizes the launch leaves to XLA's fusions (its router's tokens times experts over the
     limit) are reported as not launched, the rest checked, and the run still passes."""
-    check = load(monkeypatch)
+    check = load_script("check_kernels")
     monkeypatch.setattr(check.backend, "RESIDUAL_NORM_MAX_TOKEN_EXPERTS", 16)
     rows = check.check_residual_norm(np.random.default_rng(0), (2,), check.WIDTHS["smoke"])
     verdicts = {shape: verdict for _, shape, verdict in rows}
