@@ -137,19 +137,22 @@ TRITON_MIN_DOT = 16  # Triton's dots need every dim >= 16
 # 0.3 us, from 256 tokens 128 columns are faster (1024 tokens of 64 experts: 171 against
 # 191 us).
 MOE_WIDE_OUT_TOKENS = 16
-# The routed experts' launches folded for a few tokens (``moe_experts_pallas``), off until
-# timed on a GPU: they run in interpret mode and lower to Triton, and
-# ``scripts/check_kernels.py`` checks each form compiled whatever these say.
-# MOE_ROUTE_IN_UP: where the kernel picks a few tokens' experts from the router's logits,
-# it does so inside the up launch (every program routing the tokens itself) rather than in
-# a launch of its own before it, one launch fewer a MoE layer.
+# The routed experts' launches folded for a few tokens (``moe_experts_pallas``); they run
+# in interpret mode and lower to Triton, and ``scripts/check_kernels.py`` checks each form
+# compiled whatever these say. Timed in the engine on an H100 (BENCHMARKS, "folded MoE
+# launches"): at batch 1 the three below shorten the step's device span by 1.5 % in three
+# rounds; routing in up at 8 tokens lengthens it by 2 %, so each stops at the tokens timed.
+# MOE_ROUTE_IN_UP_MAX_TOKENS: up to this many tokens, where the kernel picks the tokens'
+# experts from the router's logits, it does so inside the up launch (every program routing
+# the tokens itself) rather than in a launch of its own before it, one launch fewer a MoE
+# layer.
 # MOE_DOWN_IN_UP_MAX_TOKENS: up to this many tokens the up launch's programs apply their
 # rows of the down projection too (``down_in_up``: partial sums a program, no down launch),
 # the down product taken MOE_DOWN_IN_UP_BLOCK_OUT output columns at a time; the partials
 # grow with tokens x tiles (a batch-1 decode step, two rows: 11 used tiles x 8 inner tiles
 # of two rows). 2 covers that step.
-MOE_ROUTE_IN_UP = False
-MOE_DOWN_IN_UP_MAX_TOKENS = 0
+MOE_ROUTE_IN_UP_MAX_TOKENS = 2
+MOE_DOWN_IN_UP_MAX_TOKENS = 2
 MOE_DOWN_IN_UP_BLOCK_OUT = 256
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
@@ -528,7 +531,7 @@ def moe_launch(
     not on the number of experts."""
     if num_tokens > MOE_KERNEL_MAX_TOKENS:
         return None
-    route_in_up = tiles.pop("route_in_up", MOE_ROUTE_IN_UP)
+    route_in_up = tiles.pop("route_in_up", num_tokens <= MOE_ROUTE_IN_UP_MAX_TOKENS)
     inner, out_width = up.shape[2], down.shape[2]
     defaults = DEFAULT_MOE_TILES
     tiles.setdefault("block_rows", defaults["block_rows"])

@@ -221,10 +221,9 @@ class TokenRouting:
 
 # Up to this many comparisons (tokens x experts x experts) the routing program ranks the
 # experts in one comparison of every pair; more take k rounds of max (a few tokens of 512
-# experts would hold millions of elements, over Triton's limit for one tensor). 0 (rounds
-# always) until the rank form is timed on a GPU; 16384 would take it up to 4 tokens of 64
-# experts.
-RANK_MAX_ELEMENTS = 0
+# experts would hold millions of elements, over Triton's limit for one tensor). 8192 takes
+# it up to 2 tokens of 64 experts, the sizes timed (backend's MOE_ROUTE_IN_UP_MAX_TOKENS).
+RANK_MAX_ELEMENTS = 8192
 
 
 def _top_k_by_rank(scores: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:

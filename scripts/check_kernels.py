@@ -124,11 +124,12 @@ def check_routing(rng, token_counts, expert_counts, top_k) -> list[tuple[str, st
 
 
 # The routed experts' launch forms for a few tokens (``backend.moe_launch``), each checked
-# whatever the dispatch's defaults: (name, MOE_ROUTE_IN_UP, MOE_DOWN_IN_UP_MAX_TOKENS).
+# whatever the dispatch's defaults: (name, MOE_ROUTE_IN_UP_MAX_TOKENS,
+# MOE_DOWN_IN_UP_MAX_TOKENS).
 MOE_FORMS = (
-    ("routing launch", False, 0),
-    ("routing in up", True, 0),
-    ("down in up", True, 8),
+    ("routing launch", 0, 0),
+    ("routing in up", 8, 0),
+    ("down in up", 8, 8),
 )
 
 
@@ -137,7 +138,7 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
     up to 8 tokens in each of ``MOE_FORMS``."""
     hidden, expert_counts, top_k, inner = widths[:4]
     kernel = backend.kernels_for("pallas").moe_experts
-    defaults = backend.MOE_ROUTE_IN_UP, backend.MOE_DOWN_IN_UP_MAX_TOKENS
+    defaults = backend.MOE_ROUTE_IN_UP_MAX_TOKENS, backend.MOE_DOWN_IN_UP_MAX_TOKENS
     rows = []
     for num_experts in expert_counts:
         spec = moe.MoESpec(hidden, num_experts, top_k, inner, inner, norm_topk_prob=True)
@@ -153,7 +154,7 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
                 want = jax.jit(moe.sparse_moe, static_argnums=(1, 3))(params, spec, x, None, real)
             want = np.asarray(want, np.float32)[keep]
             for name, route_in_up, down_in_up in forms:
-                backend.MOE_ROUTE_IN_UP, backend.MOE_DOWN_IN_UP_MAX_TOKENS = (
+                backend.MOE_ROUTE_IN_UP_MAX_TOKENS, backend.MOE_DOWN_IN_UP_MAX_TOKENS = (
                     route_in_up,
                     down_in_up,
                 )
@@ -164,7 +165,7 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
                 err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
                 shape = f"{num_tokens} tokens, {num_experts} experts"
                 rows.append((name, shape, result(err <= MOE_TOL, [err])))
-            backend.MOE_ROUTE_IN_UP, backend.MOE_DOWN_IN_UP_MAX_TOKENS = defaults
+            backend.MOE_ROUTE_IN_UP_MAX_TOKENS, backend.MOE_DOWN_IN_UP_MAX_TOKENS = defaults
     return rows
 
 

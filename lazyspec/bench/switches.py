@@ -1,7 +1,7 @@
 """Kernel dispatch switches set for one benchmark process (``--kernel-switch``).
 
 The kernels' dispatch reads some module constants when a step is traced (``backend``'s
-``MOE_ROUTE_IN_UP``, ``moe_experts``' ``RANK_MAX_ELEMENTS``, ...). A benchmark compares
+``MOE_ROUTE_IN_UP_MAX_TOKENS``, ``moe_experts``' ``RANK_MAX_ELEMENTS``, ...). A benchmark compares
 two settings by running one process per setting with the constants set before anything is
 traced: a jitted function traced once keeps the setting it was traced under.
 """
@@ -56,5 +56,5 @@ def add_switch_argument(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODULE.NAME=INT",
         help="set a dispatch constant of lazyspec.kernels.backend or .moe_experts before "
-        "anything is traced (repeatable), e.g. backend.MOE_ROUTE_IN_UP=1",
+        "anything is traced (repeatable), e.g. backend.MOE_ROUTE_IN_UP_MAX_TOKENS=0",
     )

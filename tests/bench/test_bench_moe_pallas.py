@@ -22,11 +22,15 @@ def test_bench_moe_smoke_checks_every_form(tmp_path, load_script):
         assert math.isfinite(float(row[5])) and float(row[6]) > 0.0, row
 
 
-def test_bench_moe_profiler_timing_names_both_launches(tmp_path, load_script):
+def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, load_script):
     """``--timing profiler`` (CPU, interpret mode): the dispatch's tiles ('launch') and
     explicit entries (one with the down launch's own chunk and stages) each get device time
     from the trace, split into the up and down launches, and the XLA forms are left out
-    with ``--no-xla``."""
+    with ``--no-xla``. The dispatch's folded down product is off here (two tokens are within
+    its default), so the 'launch' row has a down launch too."""
+    from lazyspec.kernels import backend
+
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
     bench_moe = load_script("bench_moe")
     out = tmp_path / "profiled.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
@@ -53,8 +57,8 @@ def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypat
     from lazyspec.kernels import backend
 
     bench_moe = load_script("bench_moe")
-    # --kernel-switch sets it for the process: restored after the test
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", backend.MOE_DOWN_IN_UP_MAX_TOKENS)
+    # off before the switch sets it for the process (restored after the test)
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
     out = tmp_path / "folded.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
     switch = ["--kernel-switch", "backend.MOE_DOWN_IN_UP_MAX_TOKENS=2"]

@@ -10,24 +10,30 @@ from lazyspec.kernels import backend, moe_experts
 
 
 def test_switches_set_the_named_constants(monkeypatch):
-    monkeypatch.setattr(backend, "MOE_ROUTE_IN_UP", False)
+    monkeypatch.setattr(backend, "MOE_ROUTE_IN_UP_MAX_TOKENS", 0)
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
     monkeypatch.setattr(moe_experts, "RANK_MAX_ELEMENTS", 0)
     items = [
-        "backend.MOE_ROUTE_IN_UP=1",
+        "backend.MOE_ROUTE_IN_UP_MAX_TOKENS=1",
         "backend.MOE_DOWN_IN_UP_MAX_TOKENS=2",
         "moe_experts.RANK_MAX_ELEMENTS=16384",
     ]
     lines = apply_switches(items)
-    assert backend.MOE_ROUTE_IN_UP is True  # a bool constant stays a bool
+    assert backend.MOE_ROUTE_IN_UP_MAX_TOKENS == 1
     assert backend.MOE_DOWN_IN_UP_MAX_TOKENS == 2
     assert moe_experts.RANK_MAX_ELEMENTS == 16384
     assert lines == [
-        "backend.MOE_ROUTE_IN_UP = True",
+        "backend.MOE_ROUTE_IN_UP_MAX_TOKENS = 1",
         "backend.MOE_DOWN_IN_UP_MAX_TOKENS = 2",
         "moe_experts.RANK_MAX_ELEMENTS = 16384",
     ]
     assert backend.moe_launch(2, *_stacks())["down_in_up"]  # read by the dispatch
+
+
+def test_a_bool_constant_stays_a_bool(monkeypatch):
+    monkeypatch.setattr(backend, "SOME_FLAG", False, raising=False)
+    assert apply_switches(["backend.SOME_FLAG=1"]) == ["backend.SOME_FLAG = True"]
+    assert backend.SOME_FLAG is True
 
 
 def _stacks():
@@ -41,12 +47,12 @@ def _stacks():
 @pytest.mark.parametrize(
     "item, message",
     [
-        ("backend.MOE_ROUTE_IN_UP", "expected module.NAME=INT"),
-        ("engine.MOE_ROUTE_IN_UP=1", "expected module.NAME=INT"),
+        ("backend.MOE_ROUTE_IN_UP_MAX_TOKENS", "expected module.NAME=INT"),
+        ("engine.MOE_ROUTE_IN_UP_MAX_TOKENS=1", "expected module.NAME=INT"),
         ("backend.NO_SUCH_SWITCH=1", "not an int or bool constant"),
         ("backend.DEFAULT_MOE_TILES=1", "not an int or bool constant"),
         ("backend.moe_launch=1", "not an int or bool constant"),
-        ("backend.MOE_ROUTE_IN_UP=yes", "is not an integer"),
+        ("backend.MOE_ROUTE_IN_UP_MAX_TOKENS=yes", "is not an integer"),
     ],
 )
 def test_a_bad_switch_is_refused_before_any_is_set(item, message, monkeypatch):

@@ -624,13 +624,13 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     np.testing.assert_array_equal(np.asarray(in_up), np.asarray(got))
 
 
-@pytest.mark.parametrize("switch", (False, True))
-def test_routing_in_the_up_launch_saves_a_launch_pallas(switch, monkeypatch):
+@pytest.mark.parametrize("max_tokens", (0, 2, 3))
+def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens, monkeypatch):
     """Routed by logits with ``route_in_up``, the MoE is two launches (up, which writes the
     routing tables too, and down) where the routing's own launch makes three; the backend's
-    dispatch asks for it as ``MOE_ROUTE_IN_UP`` says, and the tables it hands on give the
-    same sum as the separate launch's."""
-    monkeypatch.setattr(backend, "MOE_ROUTE_IN_UP", switch)
+    dispatch asks for it up to ``MOE_ROUTE_IN_UP_MAX_TOKENS`` tokens, and the tables it hands
+    on give the same sum as the separate launch's."""
+    monkeypatch.setattr(backend, "MOE_ROUTE_IN_UP_MAX_TOKENS", max_tokens)
     rng = np.random.default_rng(41)
     up, down, gate = expert_stacks(rng, 16, jnp.float32, True)
     logits = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
@@ -656,7 +656,8 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(switch, monkeypatch):
     assert names == ["moe_experts_up", "moe_experts_down"], names
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(separate))
     launch = backend.moe_launch(3, up, down, interpret=True)
-    assert launch["route_in_up"] is switch
+    assert launch["route_in_up"] is (3 <= max_tokens)
+    assert backend.moe_launch(2, up, down, interpret=True)["route_in_up"] is (2 <= max_tokens)
 
 
 # seed, tokens, top_k, experts, gated, dtype, shared, by logits
