@@ -49,3 +49,34 @@ def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypa
     rows = table(out)
     assert any(row[7].startswith("MISMATCH") for row in rows if "out, in]" in row[1])
     assert all(row[7].startswith("ok") for row in rows if row[1].endswith("in, out]"))
+
+
+def test_bench_layout_keeps_a_form_that_fails_as_a_row(tmp_path, monkeypatch, load_script):
+    """A form that does not compile (here: every Pallas rows-layout dense form) is a row of
+    the table with no time and the error as its check, the other forms are timed, and the
+    run fails."""
+    bench = load_script("bench_layout")
+    right = bench.dense_form
+
+    def dense_form(opts, block, block_k, rows_layout, warps, stages):
+        fn = right(opts, block, block_k, rows_layout, warps, stages)
+        if not rows_layout:
+            return fn
+
+        def fails(x, w):
+            raise RuntimeError("Shared memory size limit exceeded: requested 2, available 1")
+
+        return fails
+
+    monkeypatch.setattr(bench, "dense_form", dense_form)
+    out = tmp_path / "layout.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 1
+    rows = table(out)
+    failed = [row for row in rows if row[1] == "Pallas rows [out, in]"]
+    assert failed, rows
+    for row in failed:
+        assert row[3] == "-" and row[6] == "-", row
+        want = "FAILED RuntimeError: Shared memory size limit exceeded: requested 2, available 1"
+        assert row[7] == want, row
+    others = [row for row in rows if row[1] != "Pallas rows [out, in]"]
+    assert others and all(row[7].startswith("ok") and float(row[3]) > 0 for row in others)
