@@ -17,9 +17,9 @@ Cases, each checked against a float32 reference (max |form - ref| / max |ref|):
   ``F.linear`` (cuBLAS, the ``[out, in]`` layout) as the peer; four weight copies in turn.
 
 Device time: the profiler's kernel durations over 24 dispatched calls (run with XLA's
-command buffers off, where the profiler names each kernel); torch by CUDA events. Floor:
-the weight bytes over the copy bandwidth measured in the same run (torch ``copy_``, else
-XLA's ``x + 1``). A form that does not compile or run is a row with no time and its error
+command buffers off, where the profiler names each kernel); torch by chains of calls
+captured in CUDA graphs, the difference of two chains' times. Floor: the weight bytes over
+the copy bandwidth measured in the same run (torch ``copy_``, else XLA's ``x + 1``). A form that does not compile or run is a row with no time and its error
 (the exit status is then 1, as for a form whose check fails).
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/bench_layout.py --out layout.md
@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from lazyspec.bench.floor import device_ops
-from lazyspec.bench.kernel_timing import copy_bandwidths, log, torch_event_seconds
+from lazyspec.bench.kernel_timing import copy_bandwidths, log, torch_seconds
 from lazyspec.bench.origin import code_line
 from lazyspec.kernels.backend import pallas_compiler_params
 
@@ -279,7 +279,10 @@ def run_dense(opts, rows: list[dict]) -> None:
 
 def torch_linear(opts, x, ws, ref, moved) -> dict | None:
     """The peer: torch's ``F.linear`` (cuBLAS) over ``[out, in]`` copies of the weights, the
-    token rows only, timed by CUDA events; None without torch or a GPU."""
+    token rows only, timed as chains of calls in CUDA graphs (``torch_seconds``: the
+    difference of two chains' times, so host dispatch and launch gaps do not count, as the
+    profiler's kernel durations leave them out of the other rows); None without torch or a
+    GPU."""
     try:
         import torch
     except ImportError:
@@ -294,13 +297,11 @@ def torch_linear(opts, x, ws, ref, moved) -> dict | None:
     tokens = on_gpu(np.asarray(x, np.float32)[: opts.tokens])
     got = torch.nn.functional.linear(tokens, weights[0]).float().cpu().numpy()
     error = relative_error(got, ref[: opts.tokens])
-    state = {"i": 0}
 
-    def call():
-        state["i"] += 1
-        return torch.nn.functional.linear(tokens, weights[state["i"] % COPIES])
+    def make_call(i):
+        return functools.partial(torch.nn.functional.linear, tokens, weights[i % COPIES])
 
-    us = torch_event_seconds(call, 10, 3) * 1e6
+    us = torch_seconds(make_call, 10, 3) * 1e6
     form = "torch F.linear [out, in] (peer)"
     return row("dense", form, "", us, moved, opts, check_text(error, opts.tol))
 
@@ -369,7 +370,7 @@ def main(argv=None) -> int:
         f"{opts.experts_used} of {opts.experts}, {opts.hidden} -> {opts.inner} (gate and up); "
         f"dense: {opts.hidden} -> {opts.dense_out}; copy bandwidth {opts.copy_gbs:.1f} GB/s "
         f"({copy_text}); floor: the weight bytes at it; device time: the profiler's kernel "
-        f"durations over {CALLS} calls (torch: CUDA events).\n\n{origin}"
+        f"durations over {CALLS} calls (torch: chains of calls in CUDA graphs).\n\n{origin}"
     )
     rows: list[dict] = []
     run_experts(opts, rows)
