@@ -19,8 +19,9 @@ Cases, each checked against a float32 reference (max |form - ref| / max |ref|):
 Device time: the profiler's kernel durations over 24 dispatched calls (run with XLA's
 command buffers off, where the profiler names each kernel); torch by chains of calls
 captured in CUDA graphs, the difference of two chains' times. Floor: the weight bytes over
-the copy bandwidth measured in the same run (torch ``copy_``, else XLA's ``x + 1``). A form that does not compile or run is a row with no time and its error
-(the exit status is then 1, as for a form whose check fails).
+the copy bandwidth measured in the same run (torch ``copy_``, else XLA's ``x + 1``). A form
+that does not compile or run is a row with no time and its error (the exit status is then
+1, as for a form whose check fails).
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/bench_layout.py --out layout.md
     python scripts/bench_layout.py --smoke --out smoke.md   # CPU: tiny widths, interpret mode
