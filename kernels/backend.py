@@ -167,6 +167,13 @@ ATTENTION_PROLOGUE_MAX_TOKENS = 64
 # The GDN output's gated norm in one launch (a program a token and head) up to this many
 # tokens; a prefill chunk's stays XLA's fusions.
 GATED_NORM_MAX_TOKENS = 64
+# The paged attention's combine launch merges only the splits that read a block of each
+# token's context (``paged_attention(active_splits=True)``): the split count follows the
+# table's width (the configured context; a batch-1 step's two rows take 16 splits at 1024
+# positions, 64 from 4096), the blocks read follow the lengths, and a split that read none
+# weighs exactly 0.
+# Off until timed on a GPU (a loop bound read at run time in place of a constant one).
+ATTENTION_ACTIVE_SPLITS = False
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
 
 
@@ -737,9 +744,10 @@ def _pallas_paged_attention(
     compiler_params: Any = None,
     **tiles: Any,
 ) -> jax.Array:
-    """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them),
-    in interpret mode on CPU; compiler params left as None take the warps and stages of
-    ``DEFAULT_ATTENTION_TILES``."""
+    """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them)
+    and ``ATTENTION_ACTIVE_SPLITS``, in interpret mode on CPU; compiler params left as None
+    take the warps and stages of ``DEFAULT_ATTENTION_TILES``."""
+    tiles.setdefault("active_splits", ATTENTION_ACTIVE_SPLITS)
     if compiler_params is None:
         launch = DEFAULT_ATTENTION_TILES
         compiler_params = pallas_compiler_params(

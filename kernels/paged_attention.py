@@ -26,7 +26,10 @@ none reads above it). Each block gathers its K/V rows by the table's indices fro
 head's pool view. The splits' partial results (output, running max and sum) are combined
 by a second launch, grid ``(row, kv head, token)``, which writes each token's G heads in
 q's layout, gated (the jnp combine where G is not a power of two, for Triton); splits let a
-decode step (few query rows) spread one long context over the GPU. Decode (T = 1), verify
+decode step (few query rows) spread one long context over the GPU. The split count follows
+the table's width (the configured context); with ``active_splits`` the combine merges only
+the splits that read a block below the token's tile's length, so its loops follow the
+lengths too. Decode (T = 1), verify
 (T small) and chunked prefill (a chunk attending to its cached prefix and causally within
 itself) are the same launch with different T.
 
@@ -155,9 +158,7 @@ def _attention_kernel(
     row = pl.program_id(0)
     ctx_len = ctx_len_ref[row]
     pos, q = _tile_queries(pos_ref, q_ref, block_rows, groups)
-    visible = jnp.maximum(jnp.minimum(ctx_len, jnp.max(pos) + 1), 0)
-    num_blocks = pl.cdiv(visible, block_kv)
-    per_split = pl.cdiv(num_blocks, num_splits)
+    num_blocks, per_split = _split_blocks(ctx_len, jnp.max(pos), block_kv, num_splits)
     first = pl.program_id(3) * per_split
     count = jnp.maximum(jnp.minimum(per_split, num_blocks - first), 0)
 
@@ -232,15 +233,32 @@ def _query_rows(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return rows.reshape(batch, num_kv_heads, num_tokens * groups, head_dim)
 
 
+def _tile_positions(pos_ref, row, tile, block_rows: int, groups: int) -> jax.Array:
+    """Each query row's position in tile ``tile`` of row ``row``, ``[block_rows]``, out of
+    ``pos_ref [B, T]`` (query row r is token r // G's; rows past the tokens take the last
+    token's position)."""
+    num_tokens = pos_ref.shape[1]
+    index = tile * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    return pos_ref[row, jnp.minimum(index // groups, num_tokens - 1)]
+
+
+def _split_blocks(ctx_len, max_pos, block_kv: int, num_splits: int):
+    """(context blocks a tile reads, blocks per split) for a tile whose largest query
+    position is ``max_pos``: the blocks below ``min(ctx_len, max_pos + 1)``, shared out in
+    order, so splits ``0 .. cdiv(blocks, per split) - 1`` read some and the rest none."""
+    visible = jnp.maximum(jnp.minimum(ctx_len, max_pos + 1), 0)
+    num_blocks = pl.cdiv(visible, block_kv)
+    return num_blocks, pl.cdiv(num_blocks, num_splits)
+
+
 def _tile_queries(pos_ref, q_ref, block_rows: int, groups: int):
     """The program's tile of query rows (``program_id(2)``) out of the whole rows ``q_ref
-    [B, Hkv, N, D]``, and each row's position out of ``pos_ref [B, T]`` (row r is token
-    r // G's). Rows past N read as zeros at the last token's position (their outputs are
-    never read), so no padded copy of q or of the positions is made."""
+    [B, Hkv, N, D]``, and each row's position (``_tile_positions``). Rows past N read as
+    zeros at the last token's position (their outputs are never read), so no padded copy
+    of q or of the positions is made."""
     row, head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_rows, num_tokens = q_ref.shape[2], pos_ref.shape[1]
-    index = tile * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-    pos = pos_ref[row, jnp.minimum(index // groups, num_tokens - 1)]  # [block_rows]
+    num_rows = q_ref.shape[2]
+    pos = _tile_positions(pos_ref, row, tile, block_rows, groups)  # [block_rows]
     rows = q_ref.at[row, head, pl.ds(tile * block_rows, block_rows)]
     return pos, load_rows(rows, tile * block_rows, num_rows)  # [block_rows, D]
 
@@ -254,22 +272,33 @@ def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Arra
     return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _combine_kernel(*refs, groups, num_splits, gated):
+def _combine_kernel(*refs, groups, num_splits, gated, lengths):
     """One (row, kv head, token) program: the token's G query rows merged over the splits
     (two passes over the splits' maxima and sums, one over their outputs), rounded to the
     output's dtype and, with a gate, times its sigmoid as ``layers.attention``'s output
-    rounds them."""
+    rounds them. With ``lengths`` (``(block_rows, block_kv)`` of the attention launch; the
+    refs then start with ctx_len and the positions) only the splits that read a block of
+    the token's tile are merged (``_split_blocks``): the others hold nothing (a sum of 0
+    and the maximum at ``MASK_VALUE``, which weigh exactly 0), so the merge is the same
+    and its loops follow the lengths, not the table's width."""
+    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    splits = num_splits
+    if lengths is not None:
+        ctx_len_ref, pos_ref, *refs = refs
+        block_rows, block_kv = lengths
+        pos = _tile_positions(pos_ref, b, t * groups // block_rows, block_rows, groups)
+        blocks, per_split = _split_blocks(ctx_len_ref[b], jnp.max(pos), block_kv, num_splits)
+        splits = jnp.where(blocks > 0, pl.cdiv(blocks, jnp.maximum(per_split, 1)), 0)
     if gated:
         out_ref, max_ref, sum_ref, gate_ref, merged_ref = refs
     else:
         out_ref, max_ref, sum_ref, merged_ref = refs
-    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(t * groups, groups)
 
     def best_of(s, best):
         return jnp.maximum(best, max_ref[s, b, h, rows])
 
-    best = jax.lax.fori_loop(0, num_splits, best_of, jnp.full((groups,), MASK_VALUE, jnp.float32))
+    best = jax.lax.fori_loop(0, splits, best_of, jnp.full((groups,), MASK_VALUE, jnp.float32))
 
     def add(s, carry):
         acc, total = carry
@@ -279,7 +308,7 @@ def _combine_kernel(*refs, groups, num_splits, gated):
 
     head_dim = merged_ref.shape[-1]
     init = (jnp.zeros((groups, head_dim), jnp.float32), jnp.zeros((groups,), jnp.float32))
-    acc, total = jax.lax.fori_loop(0, num_splits, add, init)
+    acc, total = jax.lax.fori_loop(0, splits, add, init)
     dtype = merged_ref.dtype
     merged = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(dtype)
     if gated:
@@ -288,18 +317,31 @@ def _combine_kernel(*refs, groups, num_splits, gated):
     merged_ref[...] = merged
 
 
-def _combine_pallas(out, run_max, run_sum, gate, *, num_tokens, num_heads, dtype, **options):
+def _combine_pallas(
+    out, run_max, run_sum, gate, *, num_tokens, num_heads, dtype, lengths=None, **options
+):
     """The splits' partial results ``[S, B, Hkv, N, ...]`` merged into ``[B, T, Hq, D]`` in
     ``dtype`` (times ``sigmoid(gate)`` where a gate ``[B, T, Hq, D]`` is given), one Pallas
     launch: grid ``(row, kv head, token)``; the partials are whole-array refs, so any
-    number of splits is looped over."""
+    number of splits is looped over. ``lengths``: ``(ctx_len, positions, block_rows,
+    block_kv)`` of the attention launch, to merge only the splits that read a block
+    (``_combine_kernel``); None merges every split."""
     num_splits, batch, num_kv_heads, _, head_dim = out.shape
     groups = num_heads // num_kv_heads
     block = pl.BlockSpec((None, None, groups, head_dim), lambda b, h, t: (b, t, h, 0))
     in_specs = [pl.BlockSpec()] * 3 + ([block] if gate is not None else [])
     args = (out, run_max, run_sum) + ((gate,) if gate is not None else ())
+    tiles = None
+    if lengths is not None:
+        ctx_len, positions, *tiles = lengths
+        in_specs = [pl.BlockSpec()] * 2 + in_specs
+        args = (ctx_len.astype(jnp.int32), positions.astype(jnp.int32)) + args
     kernel = functools.partial(
-        _combine_kernel, groups=groups, num_splits=num_splits, gated=gate is not None
+        _combine_kernel,
+        groups=groups,
+        num_splits=num_splits,
+        gated=gate is not None,
+        lengths=None if tiles is None else tuple(tiles),
     )
     return pl.pallas_call(
         kernel,
@@ -326,12 +368,16 @@ def paged_attention(
     num_splits: int | None = None,
     kv_head: int | None = None,
     gate: jax.Array | None = None,
+    active_splits: bool = False,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
     """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
     None takes ``default_row_tile``; ``num_splits``
     None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``.
+    ``active_splits``: the combine launch merges only the splits that read a block of each
+    token's tile (the same output; its loops then follow the lengths, where the split count
+    follows the table's width).
     ``kv_head=j``: every query head of q reads pool head j (q holds some of the query
     heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
     pools are read in place, no head is sliced out of them."""
@@ -391,6 +437,8 @@ def paged_attention(
     if interpret or powers_of_two(groups, head_dim):
         options = {"interpret": interpret, "compiler_params": compiler_params}
         shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}
+        if active_splits:
+            shape["lengths"] = (ctx_len, positions, block_rows, block_kv)
         return _combine_pallas(out, run_max, run_sum, gate, **shape, **options)
     merged = _combine(out, run_max, run_sum)[:, :, : num_tokens * groups]
     merged = merged.reshape(batch, num_kv_heads, num_tokens, -1, head_dim).transpose(0, 2, 1, 3, 4)

@@ -398,31 +398,45 @@ def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
 
 def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
     """``Kernels.paged_attention`` with a gate against the gated jnp form, ``(B, T, context)``
-    batches whose queries sit at the last T positions of their contexts."""
+    batches whose queries sit at the last T positions of their contexts: every row at the
+    table's width, then (as "active splits", with ``backend.ATTENTION_ACTIVE_SPLITS`` on
+    whatever its default) rows of a third of it to all of it, so the combine merges fewer
+    splits than the launch has."""
     num_heads, num_kv_heads, head_dim = widths[:3]
     scale = head_dim**-0.5
     attend = backend.kernels_for("pallas").paged_attention
-    got_of = jax.jit(lambda *a: attend(*a[:6], scale, gate=a[6]))
     want_of = jax.jit(lambda *a: pa.paged_attention_reference(*a[:6], scale, a[6]))
+    default = backend.ATTENTION_ACTIVE_SPLITS
     rows = []
     for batch, tokens, context in shapes:
         bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
         num_rows = batch * context + 1
         table = 1 + rng.permutation(num_rows - 1).reshape(batch, context)
-        positions = context - tokens + np.arange(tokens)
-        args = (
-            bf16(batch, tokens, num_heads, head_dim),
-            bf16(num_rows, num_kv_heads, head_dim),
-            bf16(num_rows, num_kv_heads, head_dim),
-            jnp.asarray(table, jnp.int32),
-            jnp.full((batch,), context, jnp.int32),
-            jnp.asarray(np.broadcast_to(positions, (batch, tokens)), jnp.int32),
-            bf16(batch, tokens, num_heads, head_dim),
-        )
-        got, want = (np.asarray(f(*args), np.float32) for f in (got_of, want_of))
-        found = relative_error(got, want)
-        shape = f"{batch} x {tokens} tokens, context {context}"
-        rows.append(("paged_attention gate", shape, result(found <= ATTENTION_TOL, [found])))
+        shorter = np.linspace(max(tokens, context // 3), context, batch).astype(np.int32)
+        for name, active, lengths in (
+            ("paged_attention gate", default, np.full(batch, context, np.int32)),
+            ("paged_attention gate, active splits", True, shorter),
+        ):
+            positions = lengths[:, None] - tokens + np.arange(tokens)[None, :]
+            args = (
+                bf16(batch, tokens, num_heads, head_dim),
+                bf16(num_rows, num_kv_heads, head_dim),
+                bf16(num_rows, num_kv_heads, head_dim),
+                jnp.asarray(table, jnp.int32),
+                jnp.asarray(lengths),
+                jnp.asarray(positions, jnp.int32),
+                bf16(batch, tokens, num_heads, head_dim),
+            )
+            backend.ATTENTION_ACTIVE_SPLITS = active
+            # a function of its own: traced afresh under the switch
+            got_of = jax.jit(lambda *a, f=attend: f(*a[:6], scale, gate=a[6]))
+            got, want = (np.asarray(f(*args), np.float32) for f in (got_of, want_of))
+            backend.ATTENTION_ACTIVE_SPLITS = default
+            found = relative_error(got, want)
+            shape = f"{batch} x {tokens} tokens, context {context}"
+            if lengths.min() < context:
+                shape += f", lengths {lengths.min()}-{lengths.max()}"
+            rows.append((name, shape, result(found <= ATTENTION_TOL, [found])))
     return rows
 
 

@@ -249,6 +249,90 @@ def test_combine_launch_equals_the_jnp_combine_pallas(num_splits, with_gate):
     assert not np.asarray(got, np.float32)[0, 0, groups : 2 * groups].any()
 
 
+# batch, tokens, query heads, kv heads, head dim, contexts, tiles
+ACTIVE_SPLIT_CASES = [
+    (4, 1, 16, 2, 64, [70, 0, 1, 33], {"block_kv": 16, "num_splits": 8}),  # decode
+    (3, 4, 8, 2, 64, [40, 2, 17], {"block_kv": 16, "num_splits": 5}),  # verify
+    (2, 20, 8, 2, 64, [45, 12], {"block_rows": 16, "block_kv": 16, "num_splits": 4}),
+    (2, 1, 64, 1, 32, [50, 9], {"block_rows": 16, "block_kv": 16, "num_splits": 6}),  # G > tile
+]
+
+
+@pytest.mark.parametrize("case_args", ACTIVE_SPLIT_CASES)
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, with_gate):
+    """``active_splits``: the combine merges only the splits that read a block of each
+    token's tile; the output equals the every-split merge bit for bit (decode with an empty
+    row and more splits than blocks, verify, a prefill chunk over several tiles, and 64
+    query heads a kv head, whose token spans several 16-row tiles), and the jnp form."""
+    batch, num_tokens, heads, kv_heads, head_dim, contexts, tiles = case_args
+    rng = np.random.default_rng(len(contexts) + num_tokens)
+    case = attention_case(rng, batch, num_tokens, heads, kv_heads, head_dim, contexts, jnp.float32)
+    gate = None
+    if with_gate:
+        gate = jnp.asarray(rng.standard_normal(case["q"].shape), jnp.float32)
+    args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
+
+    def attend(active):
+        return pa.paged_attention(
+            case["q"], *args, 0.1, gate=gate, active_splits=active, interpret=True, **tiles
+        )
+
+    got, every = np.asarray(attend(True)), np.asarray(attend(False))
+    np.testing.assert_array_equal(got, every)
+    want = pa.paged_attention_reference(
+        case["q"], *args[:2], case["clean_table"], *args[3:], 0.1, gate
+    )
+    real = np.asarray(case["positions"] >= 0)
+    assert_close(got[real], np.asarray(want)[real], FP32_TOL, "active splits")
+
+
+def test_the_combine_reads_only_the_active_splits_pallas():
+    """With ``lengths`` the combine loops over the splits that read a block of the token's
+    tile and no further: splits past them filled with NaN leave its output finite and equal
+    to the merge of the splits before them; the every-split merge reads them (NaN)."""
+    rng = np.random.default_rng(11)
+    batch, kv_heads, groups, num_tokens, head_dim, rows = 2, 2, 4, 1, 32, 16
+    num_splits, block_kv = 6, 16
+    ctx_len = jnp.asarray([40, 16], jnp.int32)  # 3 and 1 blocks: 3 and 1 splits read one
+    positions = ctx_len[:, None] - 1
+    active = [3, 1]
+    part = (num_splits, batch, kv_heads, rows)
+    out = rng.standard_normal(part + (head_dim,))
+    run_max = rng.standard_normal(part)
+    run_sum = rng.uniform(0.5, 4.0, part)
+    for b, n in enumerate(active):
+        out[n:, b], run_max[n:, b], run_sum[n:, b] = np.nan, np.nan, np.nan
+    parts = [jnp.asarray(a, jnp.float32) for a in (out, run_max, run_sum)]
+    shape = {"num_tokens": num_tokens, "num_heads": kv_heads * groups, "dtype": jnp.float32}
+    lengths = (ctx_len, positions, rows, block_kv)
+    got = pa._combine_pallas(*parts, None, **shape, lengths=lengths, interpret=True)
+    got = np.asarray(got)
+    assert np.isfinite(got).all()
+    for b, n in enumerate(active):
+        merged = pa._combine(*(p[:n, b : b + 1] for p in parts))[:, :, :groups]
+        want = np.asarray(merged).reshape(1, 1, kv_heads * groups, head_dim)  # h * G + g
+        np.testing.assert_array_equal(got[b : b + 1], want)
+    every = pa._combine_pallas(*parts, None, **shape, interpret=True)
+    assert np.isnan(np.asarray(every)).any()
+
+
+def test_the_dispatch_merges_as_attention_active_splits_says_pallas(monkeypatch):
+    """The backend's paged attention hands ``ATTENTION_ACTIVE_SPLITS`` on: with it on, the
+    combine launch takes the lengths (two inputs more)."""
+    rng = np.random.default_rng(12)
+    case = attention_case(rng, 2, 1, 8, 2, 64, [30, 5], jnp.float32)
+    args = [case[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
+    attend = backend.kernels_for("pallas", "cpu").paged_attention
+    inputs = {}
+    for switch in (False, True):
+        monkeypatch.setattr(backend, "ATTENTION_ACTIVE_SPLITS", switch)
+        jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
+        launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        inputs[switch] = len(launches[-1].invars)
+    assert inputs[True] == inputs[False] + 2, inputs
+
+
 def test_gated_output_equals_the_gated_reference_pallas():
     """With a gate, the kernel's output and the jnp form's are the ungated ones times the
     gate's sigmoid (rounded as the attention layer rounds them)."""
@@ -271,7 +355,8 @@ def test_gated_output_equals_the_gated_reference_pallas():
 def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
     """Qwen3-Next's decode shapes (16 q / 2 kv heads, head dim 256, bf16) and a 64-token
     prefill chunk lower through Pallas-Triton with the default tiles, with the gate too:
-    the attention launch and the combine's; Triton IR is built here, not compiled."""
+    the attention launch and the combine's (merging every split or the active ones);
+    Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
     tiles = pa.DEFAULT_ATTENTION_TILES
     params = backend.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
@@ -285,11 +370,14 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
             spec((4, num_tokens), jnp.int32),
         )
         gate = spec((4, num_tokens, 16, 256), jnp.bfloat16)
-        attend = jax.jit(
-            lambda *a: pa.paged_attention(*a[:6], 0.0625, gate=a[6], compiler_params=params)
-        )
-        text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2
+        for active in (False, True):
+            attend = jax.jit(
+                lambda *a, active=active: pa.paged_attention(
+                    *a[:6], 0.0625, gate=a[6], active_splits=active, compiler_params=params
+                )
+            )
+            text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 def test_merge_stays_in_jnp_where_the_heads_of_a_kv_head_are_not_a_power_of_two_pallas():
