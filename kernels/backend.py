@@ -154,6 +154,11 @@ MOE_WIDE_OUT_TOKENS = 16
 MOE_ROUTE_IN_UP_MAX_TOKENS = 2
 MOE_DOWN_IN_UP_MAX_TOKENS = 2
 MOE_DOWN_IN_UP_BLOCK_OUT = 256
+# The up launch's intermediate tile when it applies the down product: each program writes a
+# partial sum of the tokens' whole output rows, so wider tiles mean fewer partials to write
+# and add (128 columns halve them) and fewer programs; 64 (the separate launches' tile)
+# until the wider one is timed on a GPU.
+MOE_DOWN_IN_UP_BLOCK_INNER = 64
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -542,11 +547,12 @@ def moe_launch(
     inner, out_width = up.shape[2], down.shape[2]
     defaults = DEFAULT_MOE_TILES
     tiles.setdefault("block_rows", defaults["block_rows"])
-    tiles.setdefault("block_inner", fitted_tile(inner, defaults["block_inner"]))
+    block_inner = defaults["block_inner"]
     block_out = defaults["block_out"] // (1 if num_tokens >= MOE_WIDE_OUT_TOKENS else 2)
     down_in_up = tiles.pop("down_in_up", num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS)
     if down_in_up:
-        block_out = MOE_DOWN_IN_UP_BLOCK_OUT
+        block_inner, block_out = MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT
+    tiles.setdefault("block_inner", fitted_tile(inner, block_inner))
     tiles.setdefault("block_out", fitted_tile(out_width, block_out))
     tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
     params = pallas_compiler_params(

@@ -273,7 +273,8 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
     MOE_WIDE_OUT_TOKENS tokens and 128 from there; the up launch's intermediate tile is 64
     columns at every count; a width below a tile keeps its fitted tile. Up to
     MOE_DOWN_IN_UP_MAX_TOKENS tokens (none, or two here) the down product runs in the up
-    launch, in chunks of MOE_DOWN_IN_UP_BLOCK_OUT columns."""
+    launch, in chunks of MOE_DOWN_IN_UP_BLOCK_OUT columns, the intermediate tile
+    MOE_DOWN_IN_UP_BLOCK_INNER columns."""
     up, down = jnp.zeros((8, 2048, 512)), jnp.zeros((8, 512, 2048))
     wide = backend.MOE_WIDE_OUT_TOKENS
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", fused)
@@ -285,6 +286,12 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
         launch = backend.moe_launch(tokens, up, down, interpret=True)
         assert launch["down_in_up"], tokens
         assert launch["block_out"] == backend.MOE_DOWN_IN_UP_BLOCK_OUT, tokens
+        assert launch["block_inner"] == backend.MOE_DOWN_IN_UP_BLOCK_INNER, tokens
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_BLOCK_INNER", 128)  # its own tile
+    launch = backend.moe_launch(fused + 1, up, down, interpret=True)
+    assert launch["block_inner"] == 64
+    if fused:
+        assert backend.moe_launch(fused, up, down, interpret=True)["block_inner"] == 128
     narrow_up, narrow_down = jnp.zeros((8, 2048, 48)), jnp.zeros((8, 48, 96))
     launch = backend.moe_launch(wide, narrow_up, narrow_down, interpret=True)
     assert (launch["block_inner"], launch["block_out"]) == (16, 32)
@@ -411,6 +418,12 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
             )
             found = text.lower().count("triton")
             assert found >= launches, (num_tokens, num_experts, route_in_up, found)
+    # the down product in the up launch at the dispatch's tiles and the wider ones its
+    # switches take (MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT)
+    for block_inner, block_out in ((64, 256), (128, 128), (128, 256)):
+        folded = {"down_in_up": True, "block_inner": block_inner, "block_out": block_out}
+        text = lower_for_cuda(lambda *a, f=folded: run(*a, **f), *two_tokens)
+        assert text.lower().count("triton") == 1, (block_inner, block_out)
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),
