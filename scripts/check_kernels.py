@@ -44,6 +44,8 @@ Exit status 1 if any check fails.
 
     python scripts/check_kernels.py --out check.md     # on a GPU
     python scripts/check_kernels.py --smoke            # CPU, interpret mode
+    # the dispatch under a switch (repeatable; bench_engine's flag), recorded in the header
+    python scripts/check_kernels.py --kernel-switch backend.ATTENTION_ACTIVE_SPLITS=1
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.bench.origin import code_line
+from lazyspec.bench.switches import add_switch_argument, apply_switches
 from lazyspec.kernels import backend
 from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels import paged_attention as pa
@@ -444,7 +447,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
     p.add_argument("--out", default=None, help="also write the table here")
+    add_switch_argument(p)
     args = p.parse_args(argv)
+    switches = apply_switches(args.kernel_switch)  # the dispatch's defaults for every check
     widths = WIDTHS["smoke" if args.smoke else "qwen3-next"]
     rng = np.random.default_rng(0)
     tokens = (1, 2, 3) if args.smoke else (1, 2, 3, 4, 8)
@@ -452,6 +457,7 @@ def main(argv=None) -> int:
         f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}",
         "",
         code_line(),
+        *[f"kernel switch: {line}" for line in switches],
         "",
         "| check | shape | result |",
         "|---|---|---|",

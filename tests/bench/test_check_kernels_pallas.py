@@ -4,6 +4,7 @@ check runs and passes, and a check over its tolerance fails the script."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 
 def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, load_script):
@@ -61,3 +62,20 @@ def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch, lo
     assert verdicts["2 tokens, no router"].startswith("ok: ")
     assert check.passes(list(verdicts.values()))
     assert not check.passes([*verdicts.values(), "over the tolerance: 1.00e+00"])
+
+
+def test_check_kernels_runs_under_a_kernel_switch(tmp_path, monkeypatch, load_script):
+    """``--kernel-switch`` sets a dispatch constant before the checks (they run the dispatch
+    under it) and the table's header records it."""
+    from lazyspec.kernels import backend
+
+    check = load_script("check_kernels")
+    monkeypatch.setattr(backend, "ATTENTION_ACTIVE_SPLITS", False)  # restored after
+    out = tmp_path / "check.md"
+    switch = ["--kernel-switch", "backend.ATTENTION_ACTIVE_SPLITS=1"]
+    assert check.main(["--smoke", "--out", str(out)] + switch) == 0
+    assert backend.ATTENTION_ACTIVE_SPLITS is True
+    text = out.read_text().splitlines()
+    assert text[3] == "kernel switch: backend.ATTENTION_ACTIVE_SPLITS = True", text[:5]
+    with pytest.raises(ValueError, match="not an int or bool constant"):
+        check.main(["--smoke", "--kernel-switch", "backend.NO_SUCH_SWITCH=1"])
