@@ -179,7 +179,21 @@ GATED_NORM_MAX_TOKENS = 64
 # weighs exactly 0.
 # Off until timed on a GPU (a loop bound read at run time in place of a constant one).
 ATTENTION_ACTIVE_SPLITS = False
+# The GDN output's gated norm in the state update's launch (``OutputNorm``: the layer hands
+# it with the conv tokens where ``norms_gdn_output``), one launch fewer a GDN
+# layer; a program then holds a whole head (value tile 128 at Qwen3-Next's widths, where
+# the update alone takes 64), with GDN_NORM_IN_UPDATE_WARPS warps. Off until timed on a
+# GPU: the update's programs halve and each holds twice the state.
+GDN_NORM_IN_UPDATE = False
+GDN_NORM_IN_UPDATE_WARPS = 8
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
+
+
+def norms_gdn_output(update: Any) -> bool:
+    """Whether a GDN layer hands ``update`` (a ``gdn_state_update``) its output's gated norm
+    with its conv tokens: the kernel takes one and ``GDN_NORM_IN_UPDATE`` is on, read when
+    the layer is traced, as the other dispatch constants are."""
+    return bool(getattr(update, "takes_output_norm", False)) and GDN_NORM_IN_UPDATE
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -248,8 +262,12 @@ def _pallas_state_update(
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> StateUpdateResult:
-    """The Triton-layout kernel of ``mixer``; tiles left as None take ``DEFAULT_STATE_TILES``."""
+    """The Triton-layout kernel of ``mixer``; tiles left as None take ``DEFAULT_STATE_TILES``
+    (GDN conv tokens with an ``OutputNorm``: a whole head a program, with
+    ``GDN_NORM_IN_UPDATE_WARPS`` warps)."""
     tiles = DEFAULT_STATE_TILES[mixer]
+    if isinstance(tokens, GdnConvTokens) and tokens.norm is not None:
+        tiles = {**tiles, "block_value": tokens.head_dim, "num_warps": GDN_NORM_IN_UPDATE_WARPS}
     if block_value is None:
         if isinstance(tokens, GdnConvTokens):
             value_dim = tokens.head_dim
@@ -877,6 +895,8 @@ def kernels_for(
     # the GDN layers hand this kernel their conv output as it is (``GdnConvTokens``); the
     # TPU layout and the per-shard form take ``GdnTokens``
     gdn_update.takes_conv_tokens = platform != "tpu"
+    # and can apply their output's gated norm (``OutputNorm``; ``norms_gdn_output``)
+    gdn_update.takes_output_norm = platform != "tpu"
     return Kernels(
         "pallas",
         platform,

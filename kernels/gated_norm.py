@@ -65,11 +65,18 @@ def _check(x: jax.Array, z_source: jax.Array, layout: GateLayout, weight: jax.Ar
         raise ValueError(f"{layout}: the gates' columns must be multiples of d={head_dim}")
 
 
+def gated_rows(x: jax.Array, z: jax.Array, weight: jax.Array, *, eps: float, dtype) -> jax.Array:
+    """The gated norm of rows ``x [..., d]`` (rounded to ``dtype`` first, as the layer rounds
+    them) with gates ``z [..., d]``: float32 statistics and products, in ``dtype``. The
+    kernels' arithmetic (this launch's and ``state_update``'s with an ``OutputNorm``)."""
+    x = x.astype(dtype).astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    out = x * inv * weight.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    return out.astype(dtype)
+
+
 def _kernel(x_ref, z_ref, weight_ref, out_ref, *, eps, dtype):
-    x = x_ref[0, :].astype(dtype).astype(jnp.float32)  # rounded as the layer rounds it
-    inv = jax.lax.rsqrt(jnp.mean(x * x) + eps)
-    z = z_ref[0, :].astype(jnp.float32)
-    out = x * inv * weight_ref[...].astype(jnp.float32) * jax.nn.silu(z)
+    out = gated_rows(x_ref[0, :], z_ref[0, :], weight_ref[...], eps=eps, dtype=dtype)
     out_ref[0, :] = out.astype(out_ref.dtype)
 
 

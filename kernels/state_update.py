@@ -43,8 +43,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
 from lazyspec.kernels import recurrence
+from lazyspec.kernels.gated_norm import GateLayout, gated_rows
 
 MODES = ("decode", "verify")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["z_source", "weight"],
+    meta_fields=["layout", "eps", "dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class OutputNorm:
+    """The GDN output's gated RMSNorm, applied by the update kernel to each head's output
+    row as it computes it (``gated_norm``'s contract and arithmetic, ``gated_rows``):
+    ``z_source [B, T, C]`` holds head i's gate where ``layout`` says (Qwen3-Next's
+    ``in_proj_qkvz`` output, read in place), ``weight [d]``, ``eps``; the outputs come out
+    in ``dtype``, normed, in place of the float32 rows."""
+
+    z_source: jax.Array
+    weight: jax.Array
+    layout: GateLayout
+    eps: float
+    dtype: Any
 
 
 @jax.tree_util.register_dataclass
@@ -62,7 +83,7 @@ class GdnTokens:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["conv_out", "a", "b", "a_log", "dt_bias", "num_new"],
+    data_fields=["conv_out", "a", "b", "a_log", "dt_bias", "num_new", "norm"],
     meta_fields=["num_k_heads", "gates_per_key"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +98,9 @@ class GdnConvTokens:
     both 0 from token ``num_new[b]`` on (``layers.gdn`` builds the same in jnp).
     ``gates_per_key`` (``grouped``): a and b are both the gate projection as Qwen3-Next's
     ``in_proj_ba`` gives it, ``[B, T, 2 * Hv]`` grouped per key head (the b of its Hv / Hk
-    value heads, then their a), which the kernel reads in place (no slices)."""
+    value heads, then their a), which the kernel reads in place (no slices). ``norm``: the
+    output's gated norm in the kernel too (``OutputNorm``; a program then holds a whole
+    head: one head a tile, the value tile the head's width)."""
 
     conv_out: jax.Array
     a: jax.Array
@@ -87,6 +110,7 @@ class GdnConvTokens:
     num_new: jax.Array
     num_k_heads: int
     gates_per_key: bool = False
+    norm: OutputNorm | None = None
 
     @classmethod
     def grouped(cls, conv_out, ba, a_log, dt_bias, num_new, num_k_heads) -> GdnConvTokens:
@@ -326,9 +350,12 @@ def _conv_token_loader(refs, heads, block_heads, per_key):
     return token
 
 
-def _gdn_kernel(slot_ref, *refs, mode, block_heads, block_value, evict_last, layer, per_key):
-    """refs: q, k, v, g, beta (``GdnTokens``) or ``_conv_token_loader``'s eight, then the
-    pool, the outputs and the state output."""
+def _gdn_kernel(
+    slot_ref, *refs, mode, block_heads, block_value, evict_last, layer, per_key, norm=None
+):
+    """refs: q, k, v, g, beta (``GdnTokens``) or ``_conv_token_loader``'s eight (then, with
+    ``norm`` = (eps, dtype) of an ``OutputNorm``, the head's gate block and the norm's
+    weight), then the pool, the outputs and the state output."""
     pool_ref, out_ref, state_ref = refs[-3:]
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
@@ -351,6 +378,10 @@ def _gdn_kernel(slot_ref, *refs, mode, block_heads, block_value, evict_last, lay
         token = _conv_token_loader(refs[:8], heads, block_heads, per_key)
     for t in range(out_ref.shape[0]):
         h, out = gdn_tile_step(h, *token(t))
+        if norm is not None:  # [1, d]: the head's whole row
+            z_ref, weight_ref = refs[8:10]
+            eps, dtype = norm
+            out = gated_rows(out, z_ref[t][None, :], weight_ref[...], eps=eps, dtype=dtype)
         out_ref[t] = out.astype(out_ref.dtype)
         if mode == "verify":
             state_ref[t] = h.astype(state_ref.dtype)
@@ -393,7 +424,38 @@ def _conv_token_specs(tokens: GdnConvTokens, block_heads: int, block_value: int)
     per_head = pl.BlockSpec((None, num_tokens, gate_width), lambda b, i, j: (b, 0, 0))
     specs = [key(0), key(num_k), values, per_head, per_head, whole(), whole(), whole()]
     arrays = (heads, heads, heads, tokens.a, tokens.b, tokens.a_log, tokens.dt_bias)
-    return specs, arrays + (tokens.num_new.astype(jnp.int32),)
+    arrays += (tokens.num_new.astype(jnp.int32),)
+    if tokens.norm is not None:  # head i's gate block (one head a tile), the weight whole
+        layout = tokens.norm.layout
+        per_group, group_width, offset = layout.heads_per_group, layout.group_width, layout.offset
+
+        def gate_block(b, i, j):
+            group, slot = jax.lax.div(i, per_group), jax.lax.rem(i, per_group)
+            return b, 0, (group * group_width + offset) // width + slot
+
+        specs += [pl.BlockSpec((None, num_tokens, width), gate_block), whole()]
+        arrays += (tokens.norm.z_source, tokens.norm.weight)
+    return specs, arrays
+
+
+def _check_output_norm(tokens: GdnConvTokens, block_heads: int, block_value: int) -> None:
+    """ValueError unless the kernel can apply ``tokens.norm``: a program a whole head, and
+    the gates where the layout puts them, in whole head-wide blocks."""
+    norm, width = tokens.norm, tokens.head_dim
+    batch, num_tokens = tokens.conv_out.shape[:2]
+    if block_heads != 1 or block_value != width:
+        raise ValueError(
+            f"the output norm needs a program a head: block_heads={block_heads} must be 1 "
+            f"and block_value={block_value} the head's {width}"
+        )
+    layout, heads = norm.layout, tokens.num_v_heads
+    groups, rest = divmod(heads, layout.heads_per_group)
+    z_shape = (batch, num_tokens, groups * layout.group_width)
+    inside = layout.offset + layout.heads_per_group * width <= layout.group_width
+    if rest or not inside or not layout.in_whole_blocks(width) or norm.z_source.shape != z_shape:
+        raise ValueError(f"{layout} does not place {heads} gates of {width} in {z_shape}")
+    if norm.weight.shape != (width,):
+        raise ValueError(f"the output norm's weight {norm.weight.shape} must be [{width}]")
 
 
 def gdn_state_update_pallas(
@@ -423,12 +485,16 @@ def gdn_state_update_pallas(
     bh = check_tile("block_heads", num_heads, block_heads)
     bv = check_tile("block_value", value_dim, block_value)
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
-    per_key = None
+    per_key = norm = None
     if isinstance(tokens, GdnConvTokens):
         token_specs, token_arrays = _conv_token_specs(tokens, bh, bv)
         if tokens.gates_per_key:
             per_key = num_heads // tokens.num_k_heads
-        out_like = jax.ShapeDtypeStruct((batch, num_tokens, num_heads, value_dim), jnp.float32)
+        out_dtype = jnp.float32
+        if tokens.norm is not None:
+            _check_output_norm(tokens, bh, bv)
+            norm, out_dtype = (tokens.norm.eps, tokens.norm.dtype), tokens.norm.dtype
+        out_like = jax.ShapeDtypeStruct((batch, num_tokens, num_heads, value_dim), out_dtype)
     else:
         keys = pl.BlockSpec((None, num_tokens, bh, key_dim), lambda b, i, j: (b, 0, i, 0))
         per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
@@ -445,6 +511,7 @@ def gdn_state_update_pallas(
             evict_last=evict_last and mode == "decode",
             layer=layer,
             per_key=per_key,
+            norm=norm,
         )
 
     return _run_update(

@@ -51,6 +51,7 @@ Exit status 1 if any check fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -202,9 +203,18 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
             "gdn GdnConvTokens.grouped": su.GdnConvTokens.grouped(conv_out, ba, *finish),
         }
         built = tokens_of(conv_out, a, b, params, num_new)
+        # the output's gated norm in the update too (``OutputNorm``), z as in_proj_qkvz has it
+        per_key = num_v // num_k
+        layout = GateLayout((2 + 2 * per_key) * width, (2 + per_key) * width, per_key)
+        source = rng.standard_normal((batch, tokens, num_k * layout.group_width))
+        weight = jnp.asarray(1.0 + 0.1 * rng.standard_normal(width), jnp.bfloat16)
+        norm = su.OutputNorm(jnp.asarray(source, jnp.bfloat16), weight, layout, 1e-6, jnp.bfloat16)
+        normed = dataclasses.replace(forms["gdn GdnConvTokens.grouped"], norm=norm)
+        gate = layout.gather(norm.z_source, num_v, width)
         for mode in su.MODES:
             run = jax.jit(lambda p, s, t, mode=mode: update(p, s, t, mode=mode, layer=1))
             want = run(pool, slot, built)
+            shape = f"{batch} rows, {tokens} tokens, {mode}"
             for name, conv in forms.items():
                 got = run(pool, slot, conv)
                 errs = [
@@ -212,8 +222,17 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
                     for n in ("outputs", "pool", "step_states")
                     if getattr(want, n) is not None
                 ]
-                found = result(max(errs) <= GDN_TOL, [max(errs)])
-                rows.append((name, f"{batch} rows, {tokens} tokens, {mode}", found))
+                rows.append((name, shape, result(max(errs) <= GDN_TOL, [max(errs)])))
+            got = run(pool, slot, normed)
+            states = [
+                float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
+                for n in ("pool", "step_states")
+                if getattr(want, n) is not None
+            ]
+            want_out = norms.gated_rms_norm(want.outputs.astype(jnp.bfloat16), gate, weight, 1e-6)
+            found = relative_error(np.asarray(got.outputs, np.float32), np.asarray(want_out))
+            verdict = result(found <= NORM_TOL and max(states) <= GDN_TOL, [found, max(states)])
+            rows.append(("gdn GdnConvTokens.grouped, norm", shape, verdict))
     return rows
 
 

@@ -17,6 +17,7 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, lo
     rows = [line.split("|")[1:-1] for line in table]
     names = {row[0].strip() for row in rows}
     checks = ("route_tokens", "sparse_moe", "gdn GdnConvTokens", "gdn GdnConvTokens.grouped")
+    checks += ("gdn GdnConvTokens.grouped, norm",)
     forms = {f"sparse_moe, {form[0]}" for form in check.MOE_FORMS}
     assert len(forms) == 3
     assert names == {

@@ -535,3 +535,129 @@ def test_gdn_conv_tokens_check_their_shapes_pallas():
     split_width = su.GdnConvTokens.grouped(tokens.conv_out, *gates[1:], num_k_heads=2)
     with pytest.raises(ValueError, match=r"a \(2, 1, 4\) must be \(2, 1, 8\)"):
         su.gdn_state_update_pallas(pool, slot, split_width, mode="decode", interpret=True)
+
+
+@pytest.mark.parametrize("case", CONV_TOKEN_CASES[:3], ids=lambda c: f"conv{c[0]}")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dtype):
+    """With an ``OutputNorm`` the update's outputs are the gated norm of its outputs
+    (``gated_norm_pallas`` over the same z source, Qwen3-Next's layout) bit for bit, in the
+    norm's dtype, with the same states; one launch where the two made two."""
+    from lazyspec.kernels.gated_norm import GateLayout, gated_norm_pallas
+
+    seed, batch, tokens, num_k, num_v, width, _ = case
+    rng = np.random.default_rng(seed)
+    per_key = num_v // num_k
+    conv_out = jnp.asarray(normal(rng, batch, tokens, (2 * num_k + num_v) * width))
+    a, b = (jnp.asarray(normal(rng, batch, tokens, num_v), jnp.bfloat16) for _ in range(2))
+    gates = [jnp.asarray(normal(rng, num_v), jnp.bfloat16) for _ in range(2)]
+    num_new = jnp.asarray(np.arange(batch) % (tokens + 1), jnp.int32)
+    conv = su.GdnConvTokens(conv_out, a, b, *gates, num_new, num_k)
+    layout = GateLayout(2 * width + 2 * per_key * width, 2 * width + per_key * width, per_key)
+    z_source = jnp.asarray(normal(rng, batch, tokens, num_k * layout.group_width), dtype)
+    weight = jnp.asarray(1.0 + 0.1 * normal(rng, width), dtype)
+    norm = su.OutputNorm(z_source, weight, layout, 1e-6, dtype)
+    pool = jnp.asarray(normal(rng, batch + 2, num_v, width, width))
+    slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
+    for mode in su.MODES:
+
+        def run(tokens, mode=mode):
+            return su.gdn_state_update_pallas(
+                pool, slot, tokens, mode=mode, block_value=width, interpret=True
+            )
+
+        plain, normed = run(conv), run(dataclasses.replace(conv, norm=norm))
+        want = gated_norm_pallas(
+            plain.outputs.reshape(-1, num_v, width),
+            z_source.reshape(batch * tokens, -1),
+            layout,
+            weight,
+            eps=1e-6,
+            dtype=dtype,
+            interpret=True,
+        ).reshape(plain.outputs.shape)
+        assert normed.outputs.dtype == dtype
+        np.testing.assert_array_equal(
+            np.asarray(normed.outputs, np.float32), np.asarray(want, np.float32)
+        )
+        for name in ("pool", "step_states"):
+            if getattr(plain, name) is not None:
+                np.testing.assert_array_equal(getattr(normed, name), getattr(plain, name))
+    jaxpr = jax.make_jaxpr(lambda t: run(t).outputs)(dataclasses.replace(conv, norm=norm)).jaxpr
+    assert [e.primitive.name for e in jaxpr.eqns].count("pallas_call") == 1
+
+
+def test_output_norm_needs_a_program_a_head_pallas():
+    """The norm reads a head's whole row: a value tile narrower than the head, several heads
+    a tile, or a layout that does not fit the z source are refused."""
+    from lazyspec.kernels.gated_norm import GateLayout
+
+    width, num_k, num_v = 8, 2, 4
+    conv = su.GdnConvTokens(
+        jnp.zeros((2, 1, (2 * num_k + num_v) * width)),
+        *(jnp.zeros((2, 1, num_v)),) * 2,
+        *(jnp.zeros(num_v),) * 2,
+        jnp.ones(2, jnp.int32),
+        num_k,
+    )
+    layout = GateLayout(8 * width, 6 * width, 2)
+    norm = su.OutputNorm(jnp.zeros((2, 1, 16 * width)), jnp.ones(width), layout, 1e-6, jnp.float32)
+    pool, slot = jnp.zeros((3, num_v, width, width)), jnp.asarray([1, 2], jnp.int32)
+    tokens = dataclasses.replace(conv, norm=norm)
+    for tiles in ({"block_value": 4}, {"block_value": 8, "block_heads": 2}):
+        with pytest.raises(ValueError, match="a program a head"):
+            su.gdn_state_update_pallas(pool, slot, tokens, mode="decode", interpret=True, **tiles)
+    short = dataclasses.replace(norm, z_source=jnp.zeros((2, 1, 15 * width)))
+    with pytest.raises(ValueError, match="does not place 4 gates"):
+        su.gdn_state_update_pallas(
+            pool, slot, dataclasses.replace(conv, norm=short), mode="decode", interpret=True
+        )
+    # the dispatch gives a normed launch a whole head a program
+    got = backend.kernels_for("pallas", "cpu").gdn_state_update(
+        pool, slot, tokens, mode="decode", interpret=True
+    )
+    assert got.outputs.dtype == jnp.float32 and got.outputs.shape == (2, 1, num_v, width)
+
+
+def test_output_norm_lowers_to_triton_at_model_shapes_pallas(monkeypatch):
+    """Qwen3-Next's decode step (16 key heads, 32 value heads of 128, the gates grouped,
+    z in ``in_proj_qkvz``'s output) lowers with the norm in the update through
+    Pallas-Triton at a whole head a program (the dispatch's tiles), in both modes; only
+    GPU-layout kernels take the norm, and only with the switch on."""
+    from lazyspec.kernels.gated_norm import GateLayout
+
+    spec = jax.ShapeDtypeStruct
+    batch, tokens, slot = 2, 1, spec((2,), jnp.int32)
+    conv = su.GdnConvTokens.grouped(
+        spec((batch, tokens, 64 * 128), jnp.float32),
+        spec((batch, tokens, 64), jnp.bfloat16),
+        *(spec((32,), jnp.bfloat16),) * 2,
+        slot,
+        16,
+    )
+    layout = GateLayout(2 * 128 + 4 * 128, 2 * 128 + 2 * 128, 2)  # 2 value heads a key head
+    norm = su.OutputNorm(
+        spec((batch, tokens, 16 * layout.group_width), jnp.bfloat16),
+        spec((128,), jnp.bfloat16),
+        layout,
+        1e-6,
+        jnp.bfloat16,
+    )
+    params = backend.pallas_compiler_params("gpu", backend.GDN_NORM_IN_UPDATE_WARPS)
+    for mode in su.MODES:
+        text = lower_for_cuda(
+            lambda p, s, t, mode=mode: (
+                su.gdn_state_update_pallas(
+                    p, s, t, mode=mode, block_value=128, compiler_params=params
+                ).outputs
+            ),
+            spec((9, 32, 128, 128), jnp.float32),
+            slot,
+            dataclasses.replace(conv, norm=norm),
+        )
+        assert text.lower().count("triton") >= 1 and "bf16" in text
+    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE", True)
+    assert backend.norms_gdn_output(backend.kernels_for("pallas", "gpu").gdn_state_update)
+    assert not backend.norms_gdn_output(backend.kernels_for("pallas", "tpu").gdn_state_update)
+    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE", False)
+    assert not backend.norms_gdn_output(backend.kernels_for("pallas", "gpu").gdn_state_update)

@@ -4,6 +4,7 @@ for both families and both kernel backends (Pallas in interpret mode)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -234,3 +235,60 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
         got = new[:, np.asarray(slot)[written]]
         np.testing.assert_allclose(got, final[:, written], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(new[:, others], old[:, others])
+
+
+def _launch_names(jaxpr) -> list[str]:
+    """The Pallas launches' names in ``jaxpr`` and the jaxprs nested in it."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params["name"]).split()[0])
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    names += _launch_names(sub)
+    return names
+
+
+def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
+    """With ``backend.GDN_NORM_IN_UPDATE`` the GDN layers hand their output's gated norm to
+    the state update's launch (``OutputNorm``): the decode from the pools gives the same
+    hidden states and pools bit for bit, and the step has no gated-norm launch left."""
+    from lazyspec.kernels import backend
+
+    model = tiny_model("qwen3_next")
+    cfg, fam = model.config, model.family
+    rng = np.random.default_rng(17)
+    slot = jnp.asarray([5, 0, 2], jnp.int32)
+    kv, rows_rec = empty_caches(cfg, 1 + 3 * CONTEXT, SLOTS + 1, jnp.float32)
+    kv = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), kv)
+    pools = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec)
+    inputs = _verify_inputs(rng, cfg.vocab_size, [1, 1, 1])
+    inputs = dataclasses.replace(
+        inputs,
+        tokens=inputs.tokens[:, :1],
+        positions=inputs.positions[:, :1],
+        kv_write_idx=inputs.kv_write_idx[:, :1],
+        ctx_len=inputs.positions[:, 0] + 1,
+    )
+    view = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
+    results, launches = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE", fused)
+        kernels = kernels_for("pallas")
+        assert backend.norms_gdn_output(kernels.gdn_state_update) is fused
+
+        def step(r, k=kernels):
+            return fam.forward(model.params, cfg, inputs, kv, r, mode="decode", kernels=k)
+
+        results[fused] = jax.jit(step)(view)
+        launches[fused] = collections.Counter(_launch_names(jax.make_jaxpr(step)(view).jaxpr))
+    (hidden, _, out), (want_hidden, _, want) = results[True], results[False]
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(want_hidden))
+    for name in ("conv_pool", "ssm_pool"):
+        np.testing.assert_array_equal(getattr(out.pools, name), getattr(want.pools, name))
+    num_gdn = len(cfg.recurrent_layer_ids)
+    assert launches[False]["gated_norm"] == num_gdn and "gated_norm" not in launches[True]
+    assert sum(launches[False].values()) == sum(launches[True].values()) + num_gdn

@@ -15,18 +15,18 @@ projections come in two layouts (``GDNSpec.split_projections``): Qwen3-Next's fu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import ConvUpdateFn, GatedNormFn, StateUpdateFn
+from lazyspec.kernels.backend import ConvUpdateFn, GatedNormFn, StateUpdateFn, norms_gdn_output
 from lazyspec.kernels.conv_update import ChannelGroups
 from lazyspec.kernels.gated_norm import GateLayout
 from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
-from lazyspec.kernels.state_update import GdnConvTokens
+from lazyspec.kernels.state_update import GdnConvTokens, OutputNorm
 from lazyspec.models.interface import PoolRows, gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
@@ -245,10 +245,12 @@ def _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new):
     return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
 
 
-def _mix_steps_kernel(update, conv_update, params, spec, projected, conv0, ssm0, num_new):
+def _mix_steps_kernel(update, conv_update, params, spec, projected, conv0, ssm0, num_new, dtype):
     """T-step form with the state update in the kernel ``update``; the conv in the kernel
     ``conv_update`` when it writes the windows in place (``conv0`` writing ``PoolRows``),
-    else in jnp. ``projected``: ``_project``'s."""
+    else in jnp. ``projected``: ``_project``'s. Returns (outputs, states, whether the
+    outputs are gated-normed already: the kernel was handed the norm with its conv tokens
+    (``norms_gdn_output``), reading z out of the fused projection; outputs in ``dtype``)."""
     mixed, _, b, a, qkvz, ba = projected
     if isinstance(conv0, PoolRows):  # gdn_mixer hands PoolRows only when both write
         conv_in, groups = mixed, None
@@ -265,18 +267,27 @@ def _mix_steps_kernel(update, conv_update, params, spec, projected, conv0, ssm0,
                 tokens = GdnConvTokens(conv_out, a, b, *finish)
             else:
                 tokens = GdnConvTokens.grouped(conv_out, ba, *finish)
+            layout = _gate_layout(spec)
+            if (
+                norms_gdn_output(update)
+                and qkvz is not None
+                and layout.in_whole_blocks(spec.head_v_dim)
+            ):
+                norm = OutputNorm(qkvz, params["norm"], layout, spec.norm_eps, dtype)
+                outs, pool = kernel_write(update, ssm0, replace(tokens, norm=norm))
+                return outs, GDNStates(None, None, None, None, pool, conv_pool), True
         else:
             tokens = gdn_tokens(*_heads(spec, conv_out), *_gates(params, a, b), num_new)
         outs, pool = kernel_write(update, ssm0, tokens)
-        return outs, GDNStates(None, None, None, None, pool, conv_pool)
+        return outs, GDNStates(None, None, None, None, pool, conv_pool), False
     valid = jnp.arange(mixed.shape[1])[None, :] < num_new[:, None]
     tokens, conv_final, conv_trace = _conv_tokens(params, spec, mixed, a, b, conv0, valid)
     tokens = gdn_tokens(*tokens, num_new)
     if writes_in_place(ssm0, update):
         outs, pool = kernel_write(update, ssm0, tokens)
-        return outs, GDNStates(conv_final, None, conv_trace, None, pool)
+        return outs, GDNStates(conv_final, None, conv_trace, None, pool), False
     outs, ssm_final, ssm_trace = kernel_steps(update, ssm0, tokens, num_new)
-    return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace)
+    return outs, GDNStates(conv_final, ssm_final, conv_trace, ssm_trace), False
 
 
 def _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size):
@@ -353,15 +364,17 @@ def gdn_mixer(
         conv0 = gathered(conv0)
     projected = _project(params, spec, x, ba)
     mixed, z, b, a = projected[:4]
+    normed = False
     if form == "chunked":
         outs, states = _mix_chunked(params, spec, mixed, a, b, conv0, ssm0, num_new, chunk_size)
     elif use_kernel:
-        outs, states = _mix_steps_kernel(
-            state_update, conv_update, params, spec, projected, conv0, ssm0, num_new
+        outs, states, normed = _mix_steps_kernel(
+            state_update, conv_update, params, spec, projected, conv0, ssm0, num_new, x.dtype
         )
     else:
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
-    outs = _gated_norm(params, spec, outs, z, projected.qkvz, x.dtype, gated_norm)
+    if not normed:  # else the state update's launch applied it
+        outs = _gated_norm(params, spec, outs, z, projected.qkvz, x.dtype, gated_norm)
     out = linear(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim))
     cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = GDNStates(
