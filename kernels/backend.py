@@ -179,21 +179,25 @@ GATED_NORM_MAX_TOKENS = 64
 # weighs exactly 0.
 # Off until timed on a GPU (a loop bound read at run time in place of a constant one).
 ATTENTION_ACTIVE_SPLITS = False
-# The GDN output's gated norm in the state update's launch (``OutputNorm``: the layer hands
-# it with the conv tokens where ``norms_gdn_output``), one launch fewer a GDN
-# layer; a program then holds a whole head (value tile 128 at Qwen3-Next's widths, where
-# the update alone takes 64), with GDN_NORM_IN_UPDATE_WARPS warps. Off until timed on a
-# GPU: the update's programs halve and each holds twice the state.
-GDN_NORM_IN_UPDATE = False
+# Up to this many tokens (rows x tokens a row) the GDN output's gated norm runs in the
+# state update's launch (``OutputNorm``: the layer hands it with the conv tokens where
+# ``norms_gdn_output``), one launch fewer a GDN layer; a program then holds a whole head
+# (value tile 128 at Qwen3-Next's widths, where the update alone takes 64), with
+# GDN_NORM_IN_UPDATE_WARPS warps. 0 (off) until timed on a GPU: the update's programs halve
+# and each holds twice the state, which a large batch's bandwidth-bound update may not
+# afford.
+GDN_NORM_IN_UPDATE_MAX_TOKENS = 0
 GDN_NORM_IN_UPDATE_WARPS = 8
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
 
 
-def norms_gdn_output(update: Any) -> bool:
-    """Whether a GDN layer hands ``update`` (a ``gdn_state_update``) its output's gated norm
-    with its conv tokens: the kernel takes one and ``GDN_NORM_IN_UPDATE`` is on, read when
-    the layer is traced, as the other dispatch constants are."""
-    return bool(getattr(update, "takes_output_norm", False)) and GDN_NORM_IN_UPDATE
+def norms_gdn_output(update: Any, num_tokens: int) -> bool:
+    """Whether a GDN layer of ``num_tokens`` tokens hands ``update`` (a
+    ``gdn_state_update``) its output's gated norm with its conv tokens: the kernel takes
+    one and they are at most ``GDN_NORM_IN_UPDATE_MAX_TOKENS``, read when the layer is
+    traced, as the other dispatch constants are."""
+    takes = bool(getattr(update, "takes_output_norm", False))
+    return takes and num_tokens <= GDN_NORM_IN_UPDATE_MAX_TOKENS
 
 
 def fitted_tile(size: int, preferred: int) -> int:

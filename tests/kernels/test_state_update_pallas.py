@@ -623,7 +623,7 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas(monkeypatch):
     """Qwen3-Next's decode step (16 key heads, 32 value heads of 128, the gates grouped,
     z in ``in_proj_qkvz``'s output) lowers with the norm in the update through
     Pallas-Triton at a whole head a program (the dispatch's tiles), in both modes; only
-    GPU-layout kernels take the norm, and only with the switch on."""
+    GPU-layout kernels take the norm, and only up to the switch's token count."""
     from lazyspec.kernels.gated_norm import GateLayout
 
     spec = jax.ShapeDtypeStruct
@@ -656,8 +656,9 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas(monkeypatch):
             dataclasses.replace(conv, norm=norm),
         )
         assert text.lower().count("triton") >= 1 and "bf16" in text
-    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE", True)
-    assert backend.norms_gdn_output(backend.kernels_for("pallas", "gpu").gdn_state_update)
-    assert not backend.norms_gdn_output(backend.kernels_for("pallas", "tpu").gdn_state_update)
-    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE", False)
-    assert not backend.norms_gdn_output(backend.kernels_for("pallas", "gpu").gdn_state_update)
+    gpu = backend.kernels_for("pallas", "gpu").gdn_state_update
+    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE_MAX_TOKENS", 16)
+    assert backend.norms_gdn_output(gpu, 16) and not backend.norms_gdn_output(gpu, 17)
+    assert not backend.norms_gdn_output(backend.kernels_for("pallas", "tpu").gdn_state_update, 1)
+    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE_MAX_TOKENS", 0)
+    assert not backend.norms_gdn_output(gpu, 1)

@@ -269,8 +269,8 @@ def _mix_steps_kernel(update, conv_update, params, spec, projected, conv0, ssm0,
                 tokens = GdnConvTokens.grouped(conv_out, ba, *finish)
             layout = _gate_layout(spec)
             if (
-                norms_gdn_output(update)
-                and qkvz is not None
+                qkvz is not None
+                and norms_gdn_output(update, qkvz.shape[0] * qkvz.shape[1])
                 and layout.in_whole_blocks(spec.head_v_dim)
             ):
                 norm = OutputNorm(qkvz, params["norm"], layout, spec.norm_eps, dtype)
