@@ -173,6 +173,15 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _largest_diff(got, want, names) -> float:
+    """max |got - want| over the named fields of two update results that ``want`` has."""
+    return max(
+        float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
+        for n in names
+        if getattr(want, n) is not None
+    )
+
+
 def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
     num_k, num_v, width = widths[4:]
     spec = gdn.GDNSpec(widths[0], num_k, num_v, width, width, 4, 1e-6)
@@ -216,22 +225,13 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
             want = run(pool, slot, built)
             shape = f"{batch} rows, {tokens} tokens, {mode}"
             for name, conv in forms.items():
-                got = run(pool, slot, conv)
-                errs = [
-                    float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
-                    for n in ("outputs", "pool", "step_states")
-                    if getattr(want, n) is not None
-                ]
-                rows.append((name, shape, result(max(errs) <= GDN_TOL, [max(errs)])))
+                err = _largest_diff(run(pool, slot, conv), want, ("outputs", "pool", "step_states"))
+                rows.append((name, shape, result(err <= GDN_TOL, [err])))
             got = run(pool, slot, normed)
-            states = [
-                float(jnp.max(jnp.abs(getattr(got, n) - getattr(want, n))))
-                for n in ("pool", "step_states")
-                if getattr(want, n) is not None
-            ]
+            state_err = _largest_diff(got, want, ("pool", "step_states"))
             want_out = norms.gated_rms_norm(want.outputs.astype(jnp.bfloat16), gate, weight, 1e-6)
             found = relative_error(np.asarray(got.outputs, np.float32), np.asarray(want_out))
-            verdict = result(found <= NORM_TOL and max(states) <= GDN_TOL, [found, max(states)])
+            verdict = result(found <= NORM_TOL and state_err <= GDN_TOL, [found, state_err])
             rows.append(("gdn GdnConvTokens.grouped, norm", shape, verdict))
     return rows
 
