@@ -176,9 +176,9 @@ GATED_NORM_MAX_TOKENS = 64
 # token's context (``paged_attention(active_splits=True)``): the split count follows the
 # table's width (the configured context; a batch-1 step's two rows take 16 splits at 1024
 # positions, 64 from 4096), the blocks read follow the lengths, and a split that read none
-# weighs exactly 0.
-# Off until timed on a GPU (a loop bound read at run time in place of a constant one).
-ATTENTION_ACTIVE_SPLITS = False
+# weighs exactly 0. On: a batch-1 step 4-5 us shorter on an H100 in two rounds of
+# ``bench_engine.py`` (BENCHMARKS.md, 2026-12-05, fourth); False merges every split.
+ATTENTION_ACTIVE_SPLITS = True
 # Up to this many tokens (rows x tokens a row) the GDN output's gated norm runs in the
 # state update's launch (``OutputNorm``: the layer hands it with the conv tokens where
 # ``norms_gdn_output``), one launch fewer a GDN layer; a program then holds a whole head

@@ -466,45 +466,61 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny widths (CPU, interpret mode)")
     p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument(
+        "--checks",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=None,
+        help="run only these checks, comma-separated (routing, moe, gdn, grouped_conv, "
+        "residual_norm, attention_prologue, gated_norm, gated_attention); default all",
+    )
     add_switch_argument(p)
     args = p.parse_args(argv)
     switches = apply_switches(args.kernel_switch)  # the dispatch's defaults for every check
     widths = WIDTHS["smoke" if args.smoke else "qwen3-next"]
     rng = np.random.default_rng(0)
     tokens = (1, 2, 3) if args.smoke else (1, 2, 3, 4, 8)
+    rows = []
+    runs = {
+        "routing": lambda: check_routing(rng, tokens, widths[1], widths[2]),
+        "moe": lambda: check_moe(rng, tokens[:2] if args.smoke else (1, 2, 4, 8), widths),
+        "gdn": lambda: check_gdn(
+            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 1), (2, 4))
+        ),
+        "grouped_conv": lambda: check_grouped_conv(
+            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4))
+        ),
+        "residual_norm": lambda: check_residual_norm(
+            rng, (1, 2, 3) if args.smoke else (1, 2, 16, 64), widths
+        ),
+        "attention_prologue": lambda: check_attention_prologue(
+            rng,
+            ((2, 3),) if args.smoke else ((1, 1), (16, 1), (64, 1), (4, 4)),
+            ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
+        ),
+        "gated_norm": lambda: check_gated_norm(rng, (3,) if args.smoke else (1, 2, 16, 64), widths),
+        "gated_attention": lambda: check_gated_attention(
+            rng,
+            ((2, 2, 40),) if args.smoke else ((1, 1, 1024), (16, 1, 1024), (4, 4, 4096)),
+            ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
+        ),
+    }
+    unknown = sorted(set(args.checks or ()) - set(runs))
+    if unknown:
+        p.error(f"unknown checks {', '.join(unknown)}; choose from {', '.join(runs)}")
     lines = [
         f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}",
         "",
         code_line(),
         *[f"kernel switch: {line}" for line in switches],
+        *([f"checks: {', '.join(args.checks)}"] if args.checks else []),
         "",
         "| check | shape | result |",
         "|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    rows = []
-    for run in (
-        lambda: check_routing(rng, tokens, widths[1], widths[2]),
-        lambda: check_moe(rng, tokens[:2] if args.smoke else (1, 2, 4, 8), widths),
-        lambda: check_gdn(
-            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 1), (2, 4))
-        ),
-        lambda: check_grouped_conv(
-            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4))
-        ),
-        lambda: check_residual_norm(rng, (1, 2, 3) if args.smoke else (1, 2, 16, 64), widths),
-        lambda: check_attention_prologue(
-            rng,
-            ((2, 3),) if args.smoke else ((1, 1), (16, 1), (64, 1), (4, 4)),
-            ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
-        ),
-        lambda: check_gated_norm(rng, (3,) if args.smoke else (1, 2, 16, 64), widths),
-        lambda: check_gated_attention(
-            rng,
-            ((2, 2, 40),) if args.smoke else ((1, 1, 1024), (16, 1, 1024), (4, 4, 4096)),
-            ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
-        ),
-    ):
+    for name, run in runs.items():
+        if args.checks and name not in args.checks:
+            continue
         found = [f"| {check} | {shape} | {result} |" for check, shape, result in run()]
         print("\n".join(found), flush=True)  # each check's rows as it ends
         rows += found

@@ -80,3 +80,18 @@ def test_check_kernels_runs_under_a_kernel_switch(tmp_path, monkeypatch, load_sc
     assert text[3] == "kernel switch: backend.ATTENTION_ACTIVE_SPLITS = True", text[:5]
     with pytest.raises(ValueError, match="not an int or bool constant"):
         check.main(["--smoke", "--kernel-switch", "backend.NO_SUCH_SWITCH=1"])
+
+
+def test_check_kernels_runs_only_the_named_checks(tmp_path, load_script):
+    """``--checks`` runs the named checks only, the header says which, and an unknown name is
+    refused before anything runs, naming the choices."""
+    check = load_script("check_kernels")
+    out = tmp_path / "check.md"
+    assert check.main(["--smoke", "--out", str(out), "--checks", "gated_attention"]) == 0
+    text = out.read_text().splitlines()
+    assert text[3] == "checks: gated_attention", text[:5]
+    table = text[text.index("|---|---|---|") + 1 :]
+    names = {line.split("|")[1].strip() for line in table}
+    assert names == {"paged_attention gate", "paged_attention gate, active splits"}
+    with pytest.raises(SystemExit):
+        check.main(["--smoke", "--checks", "gated_attention,attention"])
