@@ -156,8 +156,9 @@ MOE_DOWN_IN_UP_MAX_TOKENS = 2
 MOE_DOWN_IN_UP_BLOCK_OUT = 256
 # The up launch's intermediate tile when it applies the down product: each program writes a
 # partial sum of the tokens' whole output rows, so wider tiles mean fewer partials to write
-# and add (128 columns halve them) and fewer programs; 64 (the separate launches' tile)
-# until the wider one is timed on a GPU.
+# and add (128 columns halve them) and fewer programs; 64, the separate launches' tile:
+# on an H100, 128 (with 128 output columns) made a one-token launch 3.2 us slower and the
+# batch-1 step 8 us slower (BENCHMARKS.md, 2026-12-05, fourth).
 MOE_DOWN_IN_UP_BLOCK_INNER = 64
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
@@ -183,9 +184,9 @@ ATTENTION_ACTIVE_SPLITS = True
 # state update's launch (``OutputNorm``: the layer hands it with the conv tokens where
 # ``norms_gdn_output``), one launch fewer a GDN layer; a program then holds a whole head
 # (value tile 128 at Qwen3-Next's widths, where the update alone takes 64), with
-# GDN_NORM_IN_UPDATE_WARPS warps. 0 (off) until timed on a GPU: the update's programs halve
-# and each holds twice the state, which a large batch's bandwidth-bound update may not
-# afford.
+# GDN_NORM_IN_UPDATE_WARPS warps. 0 (off): at batch 1 on an H100 the step ran 6 kernels
+# fewer and no shorter (0.919 / 0.916 ms against 0.916 / 0.915; BENCHMARKS.md, 2026-12-05,
+# fourth): the update's programs halve and each holds twice the state.
 GDN_NORM_IN_UPDATE_MAX_TOKENS = 0
 GDN_NORM_IN_UPDATE_WARPS = 8
 DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
