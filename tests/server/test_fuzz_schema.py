@@ -7,6 +7,7 @@ fuzzer reads so that a run stays short."""
 from __future__ import annotations
 
 import copy
+import json
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ JUNK = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False),
+    st.floats(allow_nan=False, allow_infinity=False),  # JSON has neither (see below)
     st.text(max_size=8),
     st.lists(st.integers(), max_size=3),
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
@@ -119,4 +120,37 @@ def test_schema_fuzzing_never_gets_a_5xx(server, fuzz_cases):
         if "get" in methods:
             response = httpx.get(f"{server.url}{path}", timeout=60)
             assert response.status_code < 500, (path, response.text)
+    assert _greedy(server) == before
+
+
+NON_FINITE = ("Infinity", "-Infinity", "NaN")  # JSON tokens Python's parser accepts
+NUMBER_FIELDS = {
+    "/v1/completions": ("temperature", "top_p", "presence_penalty", "frequency_penalty"),
+    "/generate": ("temperature", "top_p", "top_k", "repetition_penalty"),
+}
+
+
+@pytest.mark.parametrize("token", NON_FINITE)
+def test_non_finite_numbers_are_refused_not_a_5xx(server, token):
+    """``Infinity``, ``-Infinity`` and ``NaN``, which Python's JSON parser reads as floats,
+    in a sampling field or as the prompt, are refused with a 4xx; the server then answers a
+    greedy request exactly as before."""
+    before = _greedy(server)
+    mark = "NON_FINITE_HERE"  # replaced by the bare token in the encoded body
+
+    def body(**fields) -> str:
+        return json.dumps(fields).replace(f'"{mark}"', token)
+
+    cases = [("/v1/completions", body(model=SERVED_NAME, prompt=mark))]
+    for field in NUMBER_FIELDS["/v1/completions"]:
+        fields = {"model": SERVED_NAME, "prompt": "the", "max_tokens": 2, field: mark}
+        cases.append(("/v1/completions", body(**fields)))
+    for field in NUMBER_FIELDS["/generate"]:
+        params = {"max_new_tokens": 2, field: mark}
+        cases.append(("/generate", body(text="the", sampling_params=params)))
+    headers = {"content-type": "application/json"}
+    for path, text in cases:
+        assert token in text and mark not in text
+        response = httpx.post(f"{server.url}{path}", content=text, headers=headers, timeout=60)
+        assert 400 <= response.status_code < 500, (path, text, response.status_code, response.text)
     assert _greedy(server) == before
