@@ -3,7 +3,11 @@ embedding and the write of the new K / V rows into the pools.
 
 Contract. ``q [N, Hq, Dq]`` (``Dq >= D``: the first D channels of a head are its query; the
 rest, Qwen3-Next's output gate, are neither read nor returned), ``k``, ``v [N, Hkv, D]``
-(``Hq % Hkv == 0``), the N tokens of a ``[B, T]`` batch row-major (``N = B * T``);
+(``Hq % Hkv == 0``), or, read in place out of one product's output, ``q [N, >= Hq, Dq]``
+whose first ``num_heads`` heads are the queries and ``k``, ``v [N, Hk, D]`` whose heads
+``[k_head_at, k_head_at + Hkv)`` and ``[v_head_at, v_head_at + Hkv)`` are k and v (the same
+array twice, viewed by heads of D: ``layers.attention``'s q, k and v in one product), the N
+tokens of a ``[B, T]`` batch row-major (``N = B * T``);
 ``positions``, ``write_idx [B, T]`` and ``num_new [B]`` integers; pools ``[R, Hkv, D]``.
 Optional ``q_norm`` / ``k_norm [D]`` (RMSNorm over a head's D channels, float32
 statistics, scale ``1 + w`` with ``zero_centered``, rounded to q's dtype), then the
@@ -151,17 +155,29 @@ def _kernel(
             v_pool_ref[row, h, pl.ds(start, width)] = values.astype(v_pool_ref.dtype)
 
 
-def _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm) -> None:
+def _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm, heads) -> None:
+    """``heads``: ``(num_heads, k_head_at, v_head_at)`` (``attention_prologue_pallas``)."""
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [N, H, D] with k == v")
-    num, num_kv_heads, head_dim = k.shape
-    if q.shape[0] != num or q.shape[2] < head_dim or q.shape[1] % num_kv_heads:
+    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"pools {k_pool.shape} / {v_pool.shape} must both be [R, Hkv, D]")
+    num_kv_heads, head_dim = k_pool.shape[1:]
+    num_heads, k_at, v_at = heads
+    num = k.shape[0]
+    if k.shape[2] != head_dim or min(k_at, v_at) < 0 or max(k_at, v_at) + num_kv_heads > k.shape[1]:
         raise ValueError(
-            f"q {q.shape} must be [{num}, a multiple of {num_kv_heads} heads, >= {head_dim}]"
+            f"k / v {k.shape} must be [N, H, {head_dim}] holding {num_kv_heads} heads from "
+            f"{k_at} (k) and {v_at} (v), as the pools {k_pool.shape}"
         )
-    if k_pool.shape != v_pool.shape or k_pool.shape[1:] != (num_kv_heads, head_dim):
+    if (
+        q.shape[0] != num
+        or q.shape[2] < head_dim
+        or num_heads % num_kv_heads
+        or num_heads > q.shape[1]
+    ):
         raise ValueError(
-            f"pools {k_pool.shape} / {v_pool.shape} must both be [R, {num_kv_heads}, {head_dim}]"
+            f"q {q.shape} must be [{num}, >= {num_heads} heads (a multiple of {num_kv_heads}), "
+            f">= {head_dim}]"
         )
     if positions.ndim != 2 or write_idx.shape != positions.shape or positions.size != num:
         raise ValueError(
@@ -191,20 +207,28 @@ def attention_prologue_pallas(
     zero_centered: bool = False,
     rotary_dim: int = 0,
     rope_theta: float = 10000.0,
+    num_heads: int | None = None,
+    k_head_at: int = 0,
+    v_head_at: int = 0,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The launch (module docstring); pure, the pools returned (aliased in place)."""
-    _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm)
-    num, num_kv_heads, head_dim = k.shape
-    groups = q.shape[1] // num_kv_heads
+    """The launch (module docstring); pure, the pools returned (aliased in place).
+    ``num_heads`` None: all of q's heads; ``k_head_at`` / ``v_head_at``: where k's and v's
+    heads start in their arrays (one product's output read in place)."""
+    num_heads = q.shape[1] if num_heads is None else num_heads
+    heads = (num_heads, k_head_at, v_head_at)
+    _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm, heads)
+    num = k.shape[0]
+    num_kv_heads, head_dim = k_pool.shape[1:]
+    groups = num_heads // num_kv_heads
     parts = pieces(head_dim, rotary_dim)
     ints = [a.astype(jnp.int32) for a in (positions, write_idx, num_new)]
     args = [*ints, q, k, v]
     in_specs = [whole()] * 3 + [
         pl.BlockSpec((None, groups, q.shape[2]), lambda n, h: (n, h, 0)),
-        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h, 0)),
-        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h + k_head_at, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h + v_head_at, 0)),
     ]
     for weight in (q_norm, k_norm):
         if weight is not None:
@@ -236,7 +260,7 @@ def attention_prologue_pallas(
             whole(),
         ),
         out_shape=(
-            jax.ShapeDtypeStruct((num, q.shape[1], head_dim), q.dtype),
+            jax.ShapeDtypeStruct((num, num_heads, head_dim), q.dtype),
             jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
             jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype),
         ),

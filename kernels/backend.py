@@ -180,6 +180,14 @@ GATED_NORM_MAX_TOKENS = 64
 # weighs exactly 0. On: a batch-1 step 4-5 us shorter on an H100 in two rounds of
 # ``bench_engine.py`` (BENCHMARKS.md, 2026-12-05, fourth); False merges every split.
 ATTENTION_ACTIVE_SPLITS = True
+# An attention layer with the prologue launch computes q, k and v in one product (the
+# three weights side by side, a concatenation XLA can read inside its product) and the
+# prologue reads k and v, and the paged attention's combine each head's gate, out of that
+# output in place (``reads_qkv_in_place``). Without it XLA merges the three products itself
+# and copies each output out of the merged one, and the gate is sliced out of q's: four
+# small launches a layer. Off until timed on a GPU: where XLA would copy the concatenated
+# weights first, the step reads them twice.
+ATTENTION_QKV_IN_PLACE = False
 # Up to this many tokens (rows x tokens a row) the GDN output's gated norm runs in the
 # state update's launch (``OutputNorm``: the layer hands it with the conv tokens where
 # ``norms_gdn_output``), one launch fewer a GDN layer; a program then holds a whole head
@@ -199,6 +207,14 @@ def norms_gdn_output(update: Any, num_tokens: int) -> bool:
     traced, as the other dispatch constants are."""
     takes = bool(getattr(update, "takes_output_norm", False))
     return takes and num_tokens <= GDN_NORM_IN_UPDATE_MAX_TOKENS
+
+
+def reads_qkv_in_place(prologue: Any) -> bool:
+    """Whether an attention layer hands ``prologue`` (an ``attention_prologue`` entry) one
+    product's output to read q, k and v out of in place, and the paged attention its gate
+    the same way: the launch takes one (``takes_one_product``) and
+    ``ATTENTION_QKV_IN_PLACE`` is on, read when the layer is traced."""
+    return bool(getattr(prologue, "takes_one_product", False)) and ATTENTION_QKV_IN_PLACE
 
 
 def fitted_tile(size: int, preferred: int) -> int:
@@ -704,6 +720,9 @@ def _pallas_attention_prologue(
     zero_centered: bool = False,
     rotary_dim: int = 0,
     rope_theta: float = 10000.0,
+    num_heads: int | None = None,
+    k_head_at: int = 0,
+    v_head_at: int = 0,
     xla_form: Callable[[], tuple[jax.Array, jax.Array, jax.Array]],
     interpret: bool = False,
     num_warps: int = 4,
@@ -713,7 +732,8 @@ def _pallas_attention_prologue(
     query heads of a kv head, a head's width with its gate, a piece of a head), ``xla_form()``,
     the caller's ops with the same contract."""
     options = _pallas_options(interpret, None, num_warps)
-    head_dim, groups = k.shape[2], q.shape[1] // k.shape[1]
+    num_heads = q.shape[1] if num_heads is None else num_heads
+    head_dim, groups = k_pool.shape[2], num_heads // k_pool.shape[1]
     fits = powers_of_two(groups, q.shape[2], head_dim) and all_powers_of_two(head_dim, rotary_dim)
     if q.shape[0] > ATTENTION_PROLOGUE_MAX_TOKENS or not (options["interpret"] or fits):
         return xla_form()
@@ -732,8 +752,15 @@ def _pallas_attention_prologue(
         zero_centered=zero_centered,
         rotary_dim=rotary_dim,
         rope_theta=rope_theta,
+        num_heads=num_heads,
+        k_head_at=k_head_at,
+        v_head_at=v_head_at,
         **options,
     )
+
+
+# reads q, k and v out of one product's output (``num_heads``, ``k_head_at``, ``v_head_at``)
+_pallas_attention_prologue.takes_one_product = True
 
 
 def _pallas_gated_norm(
@@ -815,7 +842,8 @@ PagedAttentionFn = Callable[..., jax.Array]
 # ``residual_norm.residual_norm_pallas``; ``xla_form()`` computes the same by XLA
 ResidualNormFn = Callable[..., ResidualNorm]
 # (q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm=None, k_norm=None, *,
-# eps, zero_centered, rotary_dim, rope_theta, xla_form) -> (q, k_pool, v_pool), as
+# eps, zero_centered, rotary_dim, rope_theta, num_heads=None, k_head_at=0, v_head_at=0,
+# xla_form) -> (q, k_pool, v_pool), as
 # ``attention_prologue.attention_prologue_pallas``; ``xla_form()`` computes the same by XLA
 AttentionPrologueFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 # (x, z_source, layout, weight, *, eps, dtype, xla_form) -> [N, H, d], as

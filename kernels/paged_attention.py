@@ -7,9 +7,12 @@ every query head read kv head i, for a shard holding part of one group of query 
 next to the whole pools); ``token_table [B, C]`` names the pool row
 of each context position; ``ctx_len [B]``; ``positions [B, T]``. Query t of row b attends
 to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``, scores ``q . k * scale``
-and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype, with ``gate`` (``[B, T,
-Hq, D]``, pre-sigmoid: Qwen3-Next's output gate) times its sigmoid, rounded as
-``layers.attention``'s output rounds it (``gated``). A query with no visible
+and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype, with ``gate`` (pre-sigmoid:
+Qwen3-Next's output gate) times its sigmoid, rounded as ``layers.attention``'s output rounds
+it (``gated``). The gate is ``[B, T, Hg, Dg]`` with ``Hg >= Hq`` and ``Dg`` a multiple of
+D: query head i's gate is ``gate[b, t, i, Dg - D:]``, so ``[B, T, Hq, D]`` is the gate
+itself and ``q_proj``'s output as it is (each head's query then its gate, with or without
+more heads after the Hq) is read in place. A query with no visible
 position (padding) gets a finite output: the jnp form's is the mean of all C values (every
 score is ``MASK_VALUE``), the kernel's is zero. Table entries at ``c >= ctx_len[b]`` are
 never read by the kernel (the jnp form gathers them, so they must be valid rows there).
@@ -110,6 +113,7 @@ def paged_attention_reference(
     """The masked jnp form (module contract): gather all C table rows, mask, softmax. Its
     cost follows C, not the lengths."""
     _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     k = k_pool[token_table].astype(q.dtype)  # [B, C, Hkv, D]
@@ -127,12 +131,33 @@ def paged_attention_reference(
 
 
 def gated(attn: jax.Array, gate: jax.Array | None) -> jax.Array:
-    """``attn`` times the sigmoid of ``gate`` (of attn's shape), both rounded to attn's
-    dtype: the output gate of ``layers.attention`` (which calls this) and of both forms
-    here; attn itself without a gate."""
+    """``attn [..., H, D]`` times the sigmoid of ``gate``, both rounded to attn's dtype:
+    the output gate of ``layers.attention`` (which calls this) and of both forms here; attn
+    itself without a gate. ``gate [..., Hg, Dg]`` as the module contract has it: head i's
+    gate is ``gate[..., i, Dg - D:]`` (attn's shape: the gate itself)."""
     if gate is None:
         return attn
+    num_heads, head_dim = attn.shape[-2:]
+    gate = gate[..., :num_heads, gate.shape[-1] - head_dim :]
     return attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
+
+
+def check_gate(q: jax.Array, gate: jax.Array | None) -> None:
+    """A gate the contract allows for q ``[B, T, Hq, D]``: ``[B, T, Hg >= Hq, a multiple
+    of D]`` (module docstring)."""
+    if gate is None:
+        return
+    batch, num_tokens, num_heads, head_dim = q.shape
+    if (
+        gate.ndim != 4
+        or gate.shape[:2] != (batch, num_tokens)
+        or gate.shape[2] < num_heads
+        or gate.shape[3] % head_dim
+    ):
+        raise ValueError(
+            f"gate {gate.shape} must be [{batch}, {num_tokens}, >= {num_heads} heads, a "
+            f"multiple of {head_dim}] for q {q.shape}"
+        )
 
 
 # ---------------------------------------------------------------- Pallas
@@ -321,7 +346,8 @@ def _combine_pallas(
     out, run_max, run_sum, gate, *, num_tokens, num_heads, dtype, lengths=None, **options
 ):
     """The splits' partial results ``[S, B, Hkv, N, ...]`` merged into ``[B, T, Hq, D]`` in
-    ``dtype`` (times ``sigmoid(gate)`` where a gate ``[B, T, Hq, D]`` is given), one Pallas
+    ``dtype`` (times ``sigmoid(gate)`` where a gate is given, read in place: each head's
+    last D channels, ``check_gate``), one Pallas
     launch: grid ``(row, kv head, token)``; the partials are whole-array refs, so any
     number of splits is looped over. ``lengths``: ``(ctx_len, positions, block_rows,
     block_kv)`` of the attention launch, to merge only the splits that read a block
@@ -329,7 +355,12 @@ def _combine_pallas(
     num_splits, batch, num_kv_heads, _, head_dim = out.shape
     groups = num_heads // num_kv_heads
     block = pl.BlockSpec((None, None, groups, head_dim), lambda b, h, t: (b, t, h, 0))
-    in_specs = [pl.BlockSpec()] * 3 + ([block] if gate is not None else [])
+    gate_specs = []
+    if gate is not None:  # the block of D channels that ends each head
+        last = gate.shape[-1] // head_dim - 1
+        spec = pl.BlockSpec((None, None, groups, head_dim), lambda b, h, t: (b, t, h, last))
+        gate_specs = [spec]
+    in_specs = [pl.BlockSpec()] * 3 + gate_specs
     args = (out, run_max, run_sum) + ((gate,) if gate is not None else ())
     tiles = None
     if lengths is not None:
@@ -382,6 +413,7 @@ def paged_attention(
     heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
     pools are read in place, no head is sliced out of them."""
     _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
+    check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_rows_total = k_pool.shape[0]
     num_kv_heads = k_pool.shape[1] if kv_head is None else 1  # kv heads q's heads read

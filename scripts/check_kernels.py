@@ -31,14 +31,17 @@ CPU, where the kernels run in interpret mode):
   the rotation, the K / V write) against the model's ops (``attention.norm_rope`` then
   ``write_kv``), Qwen3-Next's heads (the gates beside the queries): queries and written K
   rows within ``2**-7`` of the largest (XLA may keep float32 between the rotation's ops),
-  the V rows and every row not written equal;
+  the V rows and every row not written equal; again reading q, k and v out of their one
+  product's output ("one product", ``ATTENTION_QKV_IN_PLACE``);
 * the GDN output's gated norm in one launch (``Kernels.gated_norm``, the gates read out of
   Qwen3-Next's ``in_proj_qkvz`` output in place) against ``norms.gated_rms_norm`` over the
   gathered gates: within ``2**-7`` of the largest (the launch's sigmoid and XLA's may round
   differently);
 * the paged attention with its output gate (``Kernels.paged_attention(..., gate=)``: the
   splits merged and gated in a second launch) against the jnp form with the same gate:
-  within ``2**-6`` of the largest (each rounds probabilities to bf16 at another point).
+  within ``2**-6`` of the largest (each rounds probabilities to bf16 at another point);
+  the gate also read in place out of a wider array ("gate in place": each head's query
+  then its gate, as q, k and v's one product gives it).
 
 Exit status 1 if any check fails.
 
@@ -46,6 +49,7 @@ Exit status 1 if any check fails.
     python scripts/check_kernels.py --smoke            # CPU, interpret mode
     # the dispatch under a switch (repeatable; bench_engine's flag), recorded in the header
     python scripts/check_kernels.py --kernel-switch backend.ATTENTION_ACTIVE_SPLITS=1
+    python scripts/check_kernels.py --checks attention_prologue,gated_attention   # some
 """
 
 from __future__ import annotations
@@ -336,7 +340,9 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
 
 
 def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
-    """``Kernels.attention_prologue`` against the model's ops, batches of ``(B, T)``."""
+    """``Kernels.attention_prologue`` against the model's ops, batches of ``(B, T)``: on q,
+    k and v as three arrays, then (as "one product") read in place out of their one
+    product's output, as ``layers.attention`` hands it with ``ATTENTION_QKV_IN_PLACE``."""
     num_heads, num_kv_heads, head_dim, rotary = widths
     spec = attention.AttentionSpec(
         num_heads,
@@ -360,6 +366,15 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
     options["rope_theta"] = spec.rope_theta
     prologue = backend.kernels_for("pallas").attention_prologue
     got_of = jax.jit(lambda *a: prologue(*a, **options, xla_form=None))
+    k_at = num_heads * 2  # q's heads of 2 * head_dim, counted in heads of head_dim
+    heads = {"num_heads": num_heads, "k_head_at": k_at, "v_head_at": k_at + num_kv_heads}
+
+    @jax.jit
+    def one_product_of(q, k, v, *rest):
+        product = jnp.concatenate([a.reshape(a.shape[0], -1) for a in (q, k, v)], axis=1)
+        by_head = product.reshape(product.shape[0], -1, head_dim)
+        q_view = product.reshape(product.shape[0], -1, 2 * head_dim)
+        return prologue(q_view, by_head, by_head, *rest, **options, **heads, xla_form=None)
 
     rows = []
     for batch, tokens in shapes:
@@ -378,18 +393,20 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
             *(bf16(head_dim) * 0.1 for _ in range(2)),
         )
         want = jax.jit(want_of)(*args)
-        got = got_of(*args)
         new = np.zeros(pool_rows, bool)
         new[write_idx[np.arange(tokens)[None] < np.asarray(args[5])[:, None]]] = True
-        errs = [relative_error(got[0], want[0]), relative_error(got[1][new], want[1][new])]
-        exact = [
-            np.array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)),
-            np.array_equal(np.asarray(got[1])[~new], np.asarray(args[6])[~new]),
-        ]
-        ok = max(errs) <= NORM_TOL and all(exact)
-        verdict = "ok" if ok else "over the tolerance"
-        found = f"q {errs[0]:.2e}, k rows {errs[1]:.2e}, v and other rows equal: {all(exact)}"
-        rows.append(("attention_prologue", f"{batch} x {tokens} tokens", f"{verdict}: {found}"))
+        for name, run in (("", got_of), (", one product", one_product_of)):
+            got = run(*args)
+            errs = [relative_error(got[0], want[0]), relative_error(got[1][new], want[1][new])]
+            exact = [
+                np.array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32)),
+                np.array_equal(np.asarray(got[1])[~new], np.asarray(args[6])[~new]),
+            ]
+            ok = max(errs) <= NORM_TOL and all(exact)
+            verdict = "ok" if ok else "over the tolerance"
+            found = f"q {errs[0]:.2e}, k rows {errs[1]:.2e}, v and other rows equal: {all(exact)}"
+            shape = f"{batch} x {tokens} tokens"
+            rows.append((f"attention_prologue{name}", shape, f"{verdict}: {found}"))
     return rows
 
 
@@ -423,7 +440,8 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
     batches whose queries sit at the last T positions of their contexts: every row at the
     table's width, then (as "active splits", with ``backend.ATTENTION_ACTIVE_SPLITS`` on
     whatever its default) rows of a third of it to all of it, so the combine merges fewer
-    splits than the launch has."""
+    splits than the launch has; then (as "gate in place") those rows with the gate read out
+    of a wider array, as ``layers.attention`` hands q, k and v's one product."""
     num_heads, num_kv_heads, head_dim = widths[:3]
     scale = head_dim**-0.5
     attend = backend.kernels_for("pallas").paged_attention
@@ -438,6 +456,7 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
         for name, active, lengths in (
             ("paged_attention gate", default, np.full(batch, context, np.int32)),
             ("paged_attention gate, active splits", True, shorter),
+            ("paged_attention gate in place", default, shorter),
         ):
             positions = lengths[:, None] - tokens + np.arange(tokens)[None, :]
             args = (
@@ -449,10 +468,15 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
                 jnp.asarray(positions, jnp.int32),
                 bf16(batch, tokens, num_heads, head_dim),
             )
+            got_args = args
+            if name.endswith("in place"):  # each head's query then its gate, k and v after
+                wide = bf16(batch, tokens, num_heads + num_kv_heads, 2 * head_dim)
+                got_args = args[:6] + (wide.at[:, :, :num_heads, head_dim:].set(args[6]),)
             backend.ATTENTION_ACTIVE_SPLITS = active
             # a function of its own: traced afresh under the switch
             got_of = jax.jit(lambda *a, f=attend: f(*a[:6], scale, gate=a[6]))
-            got, want = (np.asarray(f(*args), np.float32) for f in (got_of, want_of))
+            got = np.asarray(got_of(*got_args), np.float32)
+            want = np.asarray(want_of(*args), np.float32)
             backend.ATTENTION_ACTIVE_SPLITS = default
             found = relative_error(got, want)
             shape = f"{batch} x {tokens} tokens, context {context}"

@@ -26,9 +26,11 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, lo
         "conv ChannelGroups",
         "residual_norm",
         "attention_prologue",
+        "attention_prologue, one product",
         "gated_norm",
         "paged_attention gate",
         "paged_attention gate, active splits",
+        "paged_attention gate in place",
     }
     assert all(row[2].strip().startswith("ok") for row in rows), rows
     # a tolerance no bf16 MoE meets fails the run
@@ -47,7 +49,7 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, lo
     rows += check.check_gated_attention(
         np.random.default_rng(0), ((1, 1, 20),), check.ATTENTION_WIDTHS["smoke"]
     )
-    assert len(rows) == 4 and all(row[2].startswith("over the tolerance") for row in rows), rows
+    assert len(rows) == 6 and all(row[2].startswith("over the tolerance") for row in rows), rows
 
 
 def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch, load_script):
@@ -92,6 +94,10 @@ def test_check_kernels_runs_only_the_named_checks(tmp_path, load_script):
     assert text[3] == "checks: gated_attention", text[:5]
     table = text[text.index("|---|---|---|") + 1 :]
     names = {line.split("|")[1].strip() for line in table}
-    assert names == {"paged_attention gate", "paged_attention gate, active splits"}
+    assert names == {
+        "paged_attention gate",
+        "paged_attention gate, active splits",
+        "paged_attention gate in place",
+    }
     with pytest.raises(SystemExit):
         check.main(["--smoke", "--checks", "gated_attention,attention"])

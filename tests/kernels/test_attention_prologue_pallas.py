@@ -149,7 +149,7 @@ def test_prologue_rejects_mismatched_inputs():
 
     with pytest.raises(ValueError, match="must be \\[N, H, D\\]"):
         launch(v=case["v"][..., :8])
-    with pytest.raises(ValueError, match="a multiple of 2 heads"):
+    with pytest.raises(ValueError, match="a multiple of 2\\)"):
         launch(q=case["q"][:, :, :3])
     with pytest.raises(ValueError, match="pools"):
         launch(v_pool=case["v_pool"][:, :1])
@@ -161,10 +161,58 @@ def test_prologue_rejects_mismatched_inputs():
         _launch(spec, case, {**params, "q_norm": params["q_norm"][:8]}, interpret=True)
 
 
+def _one_product(case: dict):
+    """q, k and v side by side in one ``[N, Hq * Dq + 2 * Hkv * D]`` array, as
+    ``layers.attention``'s one product gives them, and the launch's views and heads."""
+    q, k, v = (case[name].reshape(-1, *case[name].shape[2:]) for name in ("q", "k", "v"))
+    rows = jnp.concatenate([a.reshape(a.shape[0], -1) for a in (q, k, v)], axis=1)
+    head_dim = k.shape[-1]
+    k_at = q.shape[1] * q.shape[2] // head_dim
+    views = {
+        "q": rows.reshape(rows.shape[0], -1, q.shape[2]),
+        "k": rows.reshape(rows.shape[0], -1, head_dim),
+    }
+    views["v"] = views["k"]
+    heads = {"num_heads": q.shape[1], "k_head_at": k_at, "v_head_at": k_at + k.shape[1]}
+    return views, heads
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_prologue_reads_one_products_output_in_place_pallas(kind):
+    """Handed one product's output (q's heads, then k's and v's, the same array as k and v,
+    viewed by heads of D), the launch gives what it gives on the three arrays bit for bit:
+    it reads each part at its heads and no more of q than its query heads."""
+    spec = _spec(kind)
+    case, params = _case(np.random.default_rng(5), spec, 3, 2)
+    views, heads = _one_product(case)
+    assert views["q"].shape[1] > spec.num_heads  # k and v's heads follow q's
+    want = _launch(spec, case, params, interpret=True)
+    unflat = {name: views[name].reshape(3, 2, *views[name].shape[1:]) for name in views}
+    got = _launch(spec, {**case, **unflat}, params, interpret=True, **heads)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_prologue_refuses_heads_outside_the_product():
+    """k or v heads past the array's end, or more query heads than q holds, are refused."""
+    spec = _spec("qwen3_next")
+    case, params = _case(np.random.default_rng(6), spec, 2, 1)
+    views, heads = _one_product(case)
+    unflat = {name: views[name].reshape(2, 1, *views[name].shape[1:]) for name in views}
+    total = views["k"].shape[1]
+    for bad in ({"v_head_at": total - 1}, {"k_head_at": -1}):
+        with pytest.raises(ValueError, match="heads from"):
+            _launch(spec, {**case, **unflat}, params, interpret=True, **{**heads, **bad})
+    with pytest.raises(ValueError, match=">= 40 heads"):
+        _launch(spec, {**case, **unflat}, params, interpret=True, **{**heads, "num_heads": 40})
+
+
 def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
     """The CUDA lowering (built on CPU, not compiled) of the launch at Qwen3-Next's widths
     (16 query heads with their gates, 2 kv heads, head dim 256, 64 rotated channels) is one
-    Triton call: every block and piece fits Triton's powers of two."""
+    Triton call: every block and piece fits Triton's powers of two; likewise reading them
+    out of q, k and v's one product."""
     from lazyspec.kernels.backend import pallas_compiler_params
 
     spec = jax.ShapeDtypeStruct
@@ -188,6 +236,11 @@ def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
     )
     text = jax.jit(launch).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+    # read in place out of q, k and v's one product: [4, 16 * 512 + 2 * 2 * 256]
+    views = (spec((4, 18, 512), bf16), spec((4, 36, 256), bf16), spec((4, 36, 256), bf16))
+    heads = {"num_heads": 16, "k_head_at": 32, "v_head_at": 34}
+    one = jax.jit(functools.partial(launch, **heads)).trace(*views, *args[3:])
+    assert one.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
 
 
 LIMIT = backend.ATTENTION_PROLOGUE_MAX_TOKENS

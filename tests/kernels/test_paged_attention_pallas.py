@@ -352,10 +352,38 @@ def test_gated_output_equals_the_gated_reference_pallas():
         assert not np.allclose(got[real], np.asarray(plain, np.float32)[real])
 
 
+@pytest.mark.parametrize("active", [False, True])
+def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active):
+    """A gate handed as ``q_proj``'s output is (each head's query then its gate, and more
+    heads after the query heads: the one product's k and v) gives the output of the gate
+    alone bit for bit, in the kernel and the jnp form: each head's last D channels are
+    read, no other."""
+    rng = np.random.default_rng(9)
+    case = attention_case(rng, 2, 2, 8, 2, 64, [40, 7], jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal(case["q"].shape) * 2, jnp.bfloat16)
+    wide = jnp.asarray(rng.standard_normal((2, 2, 10, 128)) * 2, jnp.bfloat16)
+    wide = wide.at[:, :, :8, 64:].set(gate)
+    scale = 64**-0.5
+    args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
+    real = np.asarray(case["positions"] >= 0)
+    for attend in (
+        lambda g: pa.paged_attention(
+            case["q"], *args, scale, gate=g, active_splits=active, interpret=True
+        ),
+        lambda g: pa.paged_attention_reference(case["q"], *args, scale, g),
+    ):
+        got, want = (np.asarray(attend(g), np.float32) for g in (wide, gate))
+        np.testing.assert_array_equal(got[real], want[real])
+    for bad in (wide[..., :96], wide[:, :, :7], wide[:1]):  # D does not divide; too few
+        with pytest.raises(ValueError, match="gate"):
+            pa.paged_attention(case["q"], *args, scale, gate=bad, interpret=True)
+
+
 def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
     """Qwen3-Next's decode shapes (16 q / 2 kv heads, head dim 256, bf16) and a 64-token
-    prefill chunk lower through Pallas-Triton with the default tiles, with the gate too:
-    the attention launch and the combine's (merging every split or the active ones);
+    prefill chunk lower through Pallas-Triton with the default tiles, with the gate too
+    (alone, or read in place out of q, k and v's one product): the attention launch and
+    the combine's (merging every split or the active ones);
     Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
     tiles = pa.DEFAULT_ATTENTION_TILES
@@ -369,8 +397,11 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
             spec((4,), jnp.int32),
             spec((4, num_tokens), jnp.int32),
         )
-        gate = spec((4, num_tokens, 16, 256), jnp.bfloat16)
-        for active in (False, True):
+        for gate, active in (
+            (spec((4, num_tokens, 16, 256), jnp.bfloat16), False),
+            (spec((4, num_tokens, 16, 256), jnp.bfloat16), True),
+            (spec((4, num_tokens, 18, 512), jnp.bfloat16), True),  # q, k, v's one product
+        ):
             attend = jax.jit(
                 lambda *a, active=active: pa.paged_attention(
                     *a[:6], 0.0625, gate=a[6], active_splits=active, compiler_params=params

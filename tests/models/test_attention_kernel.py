@@ -16,7 +16,7 @@ from lazyspec.kernels.paged_attention import paged_attention_reference
 from lazyspec.models.interface import PoolView
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
-from tests.models.test_pool_rows import CONTEXT, SLOTS, WIDTH, _verify_inputs
+from tests.models.test_pool_rows import CONTEXT, SLOTS, WIDTH, _verify_inputs, step_eqns
 
 
 def _random_caches(rng, cfg, rows: int):
@@ -120,3 +120,69 @@ def test_pallas_attention_forward_matches_jnp_form_pallas(mode):
     assert np.isfinite(np.asarray(hidden)).all()
     for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):  # later layers' K/V
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "family,mode",
+    [
+        ("qwen3_next", "verify"),
+        ("qwen3_next", "decode"),
+        ("nemotron_h", "verify"),
+        ("granitemoehybrid", "verify"),
+    ],
+)
+def test_qkv_read_in_place_gives_the_same_forward_pallas(monkeypatch, family, mode):
+    """With ``ATTENTION_QKV_IN_PLACE`` every attention layer computes q, k and v in one
+    product, the prologue reads them out of it and the paged attention its gate where it
+    has one (handed the product's output as it is): the hidden states and KV pools of the
+    three products (up to float32 rounding: a wider product may sum in another order), two
+    products fewer a layer."""
+    from lazyspec.kernels import backend
+
+    model = tiny_model(family)
+    cfg, spec = model.config, model.config.arch.attention
+    rng = np.random.default_rng(21)
+    kv, rec = _random_caches(rng, cfg, 3)
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 0, 3])
+    if mode == "decode":
+        inputs = dataclasses.replace(
+            inputs,
+            tokens=inputs.tokens[:, :1],
+            positions=inputs.positions[:, :1],
+            kv_write_idx=inputs.kv_write_idx[:, :1],
+            num_new=jnp.minimum(inputs.num_new, 1),
+        )
+    results, dots, gates = {}, {}, {}
+    for in_place in (False, True):
+        monkeypatch.setattr(backend, "ATTENTION_QKV_IN_PLACE", in_place)
+        base = kernels_for("pallas")
+        shapes = []
+
+        def attention(*args, gate=None, shapes=shapes, base=base, **kw):
+            shapes.append(None if gate is None else gate.shape)
+            return base.paged_attention(*args, gate=gate, **kw)
+
+        kernels = dataclasses.replace(base, paged_attention=attention)
+
+        def step(kernels=kernels):
+            return model.family.forward(
+                model.params, cfg, inputs, kv, rec, mode=mode, kernels=kernels
+            )
+
+        results[in_place] = jax.jit(step)()
+        eqns = step_eqns(jax.make_jaxpr(step)().jaxpr)
+        dots[in_place] = sum(eqn.primitive.name == "dot_general" for eqn in eqns)
+        gates[in_place] = set(shapes)
+    (hidden, kv_out, _), (want_hidden, want_kv, _) = results[True], results[False]
+    for a, b in zip(jax.tree.leaves((hidden, kv_out)), jax.tree.leaves((want_hidden, want_kv))):
+        b = np.asarray(b, np.float32)
+        atol = 1e-5 * np.abs(b).max()  # rounding carried through later layers
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=1e-5, atol=atol)
+    assert dots[False] - dots[True] == 2 * len(kv.k)
+    lead = inputs.tokens.shape
+    if not spec.output_gate:
+        assert gates == {False: {None}, True: {None}}
+        return
+    assert gates[False] == {(*lead, spec.num_heads, spec.head_dim)}
+    product_heads = spec.num_heads + spec.num_kv_heads  # k and v's heads after q's, as wide
+    assert gates[True] == {(*lead, product_heads, 2 * spec.head_dim)}

@@ -237,19 +237,24 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
         np.testing.assert_array_equal(new[:, others], old[:, others])
 
 
-def _launch_names(jaxpr) -> list[str]:
-    """The Pallas launches' names in ``jaxpr`` and the jaxprs nested in it."""
-    names = []
+def step_eqns(jaxpr):
+    """The equations of ``jaxpr`` and of the jaxprs nested in it, a Pallas launch's kernel
+    excepted (the launch is one equation)."""
     for eqn in jaxpr.eqns:
+        yield eqn
         if eqn.primitive.name == "pallas_call":
-            names.append(str(eqn.params["name"]).split()[0])
             continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
-                    names += _launch_names(sub)
-    return names
+                    yield from step_eqns(sub)
+
+
+def _launch_names(jaxpr) -> list[str]:
+    """The Pallas launches' names in ``jaxpr`` and the jaxprs nested in it."""
+    eqns = step_eqns(jaxpr)
+    return [str(e.params["name"]).split()[0] for e in eqns if e.primitive.name == "pallas_call"]
 
 
 def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn
+from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn, reads_qkv_in_place
 from lazyspec.kernels.paged_attention import gated
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import rms_norm
@@ -164,6 +164,16 @@ def write_kv(
     return k_pool, v_pool
 
 
+def _one_product(params: Params, spec: AttentionSpec, x: jax.Array) -> jax.Array:
+    """q, k and v in one product, ``x @ [q_proj | k_proj | v_proj]`` (the biases likewise):
+    ``[..., Hq * Dq + 2 * Hkv * D]``, the three outputs side by side."""
+    names = ("q_proj", "k_proj", "v_proj")
+    merged = {"weight": jnp.concatenate([params[n]["weight"] for n in names], axis=1)}
+    if spec.bias:
+        merged["bias"] = jnp.concatenate([params[n]["bias"] for n in names])
+    return linear(merged, x)
+
+
 def _prologue(
     params: Params,
     spec: AttentionSpec,
@@ -177,21 +187,39 @@ def _prologue(
 ) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
     """The projections, then the norms, the rotation and the K / V write in ``prologue``
     (a ``Kernels`` entry, handed these ops as its XLA form): (q ``[B, T, Hq, D]``, the
-    gate, k_pool, v_pool)."""
-    q_out, k, v = _projections(params, spec, x)
+    gate ``[B, T, Hg, Dg]`` as ``paged_attention`` reads it (each head's last D channels),
+    k_pool, v_pool). Where the prologue ``reads_qkv_in_place``, q, k and v are one product
+    (``_one_product``) whose output the prologue reads by heads and whose q part, each
+    head's query then its gate, is the gate: no slice of it is copied out."""
     lead = x.shape[:-1]
+    flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731  [B * T, H, D]
+    if reads_qkv_in_place(prologue):
+        out = _one_product(params, spec, x)
+        q_heads = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1)
+        q_out = out[..., :q_heads].reshape(*lead, spec.num_heads, -1)  # the XLA form's
+        k, v = jnp.split(out[..., q_heads:], 2, axis=-1)
+        k, v = (a.reshape(*lead, spec.num_kv_heads, spec.head_dim) for a in (k, v))
+        rows = out.reshape(-1, out.shape[-1])
+        by_head = rows.reshape(rows.shape[0], -1, spec.head_dim)
+        k_at = q_heads // spec.head_dim
+        views = (rows.reshape(rows.shape[0], -1, q_out.shape[-1]), by_head, by_head)
+        heads = {"num_heads": spec.num_heads, "k_head_at": k_at}
+        heads["v_head_at"] = k_at + spec.num_kv_heads
+        gate = out.reshape(*lead, -1, q_out.shape[-1]) if spec.output_gate else None
+    else:
+        q_out, k, v = _projections(params, spec, x)
+        views, heads = (flat(q_out), flat(k), flat(v)), {}
+        gate = _gate(spec, q_out)
+        gate = None if gate is None else gate.reshape(*lead, spec.num_heads, spec.head_dim)
 
     def xla_form():
         q, k_new = norm_rope(params, spec, q_out[..., : spec.head_dim], k, positions)
         pools = write_kv(k_pool, v_pool, k_new, v, kv_write_idx, num_new)
         return (q.reshape(-1, *q.shape[-2:]), *pools)
 
-    flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731  [B * T, H, D]
     norms = [params["q_norm"], params["k_norm"]] if spec.qk_norm else [None, None]
     q, k_pool, v_pool = prologue(
-        flat(q_out),
-        flat(k),
-        flat(v),
+        *views,
         positions,
         kv_write_idx,
         num_new,
@@ -203,8 +231,9 @@ def _prologue(
         rotary_dim=spec.rotary_dim,
         rope_theta=spec.rope_theta,
         xla_form=xla_form,
+        **heads,
     )
-    return q.reshape(*lead, *q.shape[1:]), _gate(spec, q_out), k_pool, v_pool
+    return q.reshape(*lead, *q.shape[1:]), gate, k_pool, v_pool
 
 
 @jax.named_scope("attention")
@@ -238,8 +267,9 @@ def attention_forward(
     else:
         q, k, v, gate = project_qkv(params, spec, x, positions)
         k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
+        if paged_attention is not None and gate is not None:
+            gate = gate.reshape(q.shape)
     if paged_attention is not None:  # the kernel applies the gate as it writes its output
-        gate = None if gate is None else gate.reshape(q.shape)
         out = paged_attention(
             q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale, gate=gate
         )
