@@ -180,6 +180,12 @@ GATED_NORM_MAX_TOKENS = 64
 # weighs exactly 0. On: a batch-1 step 4-5 us shorter on an H100 in two rounds of
 # ``bench_engine.py`` (BENCHMARKS.md, 2026-12-05, fourth); False merges every split.
 ATTENTION_ACTIVE_SPLITS = True
+# Qwen3-Next's layers leave their MLP output for the next layer's input norm to add (its
+# residual-norm launch takes it as the delta; ``adds_mlp_output_in_next_norm``): at a
+# batch-1 step the add is a launch of its own after the routed experts' partial sums (7 a
+# step on an H100's profile), and an attention layer's input norm becomes the launch's.
+# Off until timed on a GPU.
+MLP_OUTPUT_IN_NEXT_NORM = False
 # An attention layer with the prologue launch computes q, k and v in one product (the
 # three weights side by side, a concatenation XLA can read inside its product) and the
 # prologue reads k and v, and the paged attention's combine each head's gate, out of that
@@ -207,6 +213,13 @@ def norms_gdn_output(update: Any, num_tokens: int) -> bool:
     traced, as the other dispatch constants are."""
     takes = bool(getattr(update, "takes_output_norm", False))
     return takes and num_tokens <= GDN_NORM_IN_UPDATE_MAX_TOKENS
+
+
+def adds_mlp_output_in_next_norm(kernels: Any) -> bool:
+    """Whether a layer hands its MLP output, not yet added, to the next layer's input norm
+    (the residual-norm launch adds it): ``kernels`` has the launch and
+    ``MLP_OUTPUT_IN_NEXT_NORM`` is on, read when the forward is traced."""
+    return getattr(kernels, "residual_norm", None) is not None and MLP_OUTPUT_IN_NEXT_NORM
 
 
 def reads_qkv_in_place(prologue: Any) -> bool:

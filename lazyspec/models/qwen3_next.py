@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import XLA_KERNELS, Kernels
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels, adds_mlp_output_in_next_norm
 from lazyspec.kernels.residual_norm import ResidualNorm
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
@@ -353,11 +353,14 @@ def mlp_block(
     kernels: Kernels = XLA_KERNELS,
     real: jax.Array | None = None,
     delta: jax.Array | None = None,
-) -> jax.Array:
+    apart: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Residual MLP / MoE half of a decoder layer; the routed experts run in
     ``kernels.moe_experts`` when it has one. ``real`` (``interface.real_tokens``): padding
     tokens are routed like token 0. ``delta``: the mixer's output, added to ``x`` here,
-    where ``kernels.residual_norm`` fuses the add, the norm and the router's logits."""
+    where ``kernels.residual_norm`` fuses the add, the norm and the router's logits.
+    ``apart``: (the residual stream, the MLP's output) not yet added, for the next layer's
+    input norm to add (``adds_mlp_output_in_next_norm``)."""
     weight = lp["post_attention_layernorm"]
     logits = None
     if delta is None:
@@ -368,24 +371,46 @@ def mlp_block(
         x_flat, h_flat, logits = _fused_norm(kernels, cfg, flat(x), flat(delta), weight, router)
         x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
-        return x + sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
-    return x + swiglu_mlp(lp["mlp"], h)
+        out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
+    else:
+        out = swiglu_mlp(lp["mlp"], h)
+    return (x, out) if apart else x + out
+
+
+def _input_norm(
+    lp: Params,
+    cfg: ModelConfig,
+    x: jax.Array,
+    kernels: Kernels,
+    delta: jax.Array | None = None,
+    router: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """A layer's input norm in ``kernels.residual_norm``'s launch: (x + delta, its norm,
+    the router's products rounded to its dtype, or None without a router); ``delta`` (the
+    previous layer's MLP output) None adds nothing."""
+    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+    delta = None if delta is None else flat(delta)
+    dtype = jnp.float32 if router is None else router.dtype
+    weight = lp["input_layernorm"]
+    x_flat, normed, logits = _fused_norm(kernels, cfg, flat(x), delta, weight, router, dtype)
+    logits = None if router is None else logits.reshape(*x.shape[:-1], logits.shape[-1])
+    return x_flat.reshape(x.shape), normed.reshape(x.shape), logits
 
 
 def _gdn_input(
-    lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels
-) -> tuple[jax.Array, jax.Array | None]:
-    """A GDN layer's normed input and, where ``kernels.residual_norm`` runs the norm, its
-    fused gate projection computed in the same launch (``in_proj_ba`` as the launch's
-    router, rounded to its dtype as ``gdn.gate_projection`` gives it); else the layer's
-    norm and None (the mixer projects the gates itself)."""
+    lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels, delta: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """A GDN layer's input (x + delta: ``delta``, the previous layer's MLP output, only
+    where ``adds_mlp_output_in_next_norm``), its norm and, where ``kernels.residual_norm``
+    runs the norm, its fused gate projection computed in the same launch (``in_proj_ba`` as
+    the launch's router, rounded to its dtype as ``gdn.gate_projection`` gives it); else
+    the layer's norm and None (the mixer projects the gates itself)."""
     weight = lp["input_layernorm"]
     gates = lp["linear_attn"].get("in_proj_ba")  # fused projections only
     if kernels.residual_norm is None or gates is None:
-        return norm(x, weight, cfg), None
-    flat, router = x.reshape(-1, x.shape[-1]), gates["weight"]
-    _, normed, ba = _fused_norm(kernels, cfg, flat, None, weight, router, router.dtype)
-    return normed.reshape(x.shape), ba.reshape(*x.shape[:-1], ba.shape[-1])
+        x = x if delta is None else x + delta
+        return x, norm(x, weight, cfg), None
+    return _input_norm(lp, cfg, x, kernels, delta, gates["weight"])
 
 
 def _attention_layer(
@@ -398,14 +423,22 @@ def _attention_layer(
     v_pool: jax.Array,
     kernels: Kernels = XLA_KERNELS,
     real: jax.Array | None = None,
+    delta: jax.Array | None = None,
+    apart: bool = False,
 ):
     """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
     runs in ``kernels.paged_attention`` when it has one (``attention_forward``), ``real``
-    as in ``mlp_block``."""
+    and ``apart`` (x then the pair ``(x, MLP output)``, not yet added) as in ``mlp_block``.
+    ``delta``: the previous layer's MLP output (only where ``adds_mlp_output_in_next_norm``),
+    which the input norm's launch adds to x first."""
+    if delta is None:
+        normed = norm(x, lp["input_layernorm"], cfg)
+    else:
+        x, normed, _ = _input_norm(lp, cfg, x, kernels, delta)
     h, k_pool, v_pool = attention_forward(
         lp["self_attn"],
         cfg.arch.attention,
-        norm(x, lp["input_layernorm"], cfg),
+        normed,
         inputs.positions,
         inputs.num_new,
         inputs.kv_write_idx,
@@ -416,7 +449,7 @@ def _attention_layer(
         kernels.paged_attention,
         kernels.attention_prologue,
     )
-    return mlp_block(lp, cfg, kind, x, kernels, real, h), k_pool, v_pool
+    return mlp_block(lp, cfg, kind, x, kernels, real, h, apart=apart), k_pool, v_pool
 
 
 def forward(
@@ -450,11 +483,13 @@ def forward(
     k_pools, v_pools = list(kv.k), list(kv.v)
     real = real_tokens(inputs)
     states, r, a = [], 0, 0
+    apart = adds_mlp_output_in_next_norm(kernels)
+    delta = None  # with ``apart``, the previous layer's MLP output, not yet added to x
     for i, role in enumerate(cfg.layer_roles):
         lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
         with jax.named_scope(f"layer_{i}"):
             if role == RECURRENT:
-                normed, ba = _gdn_input(lp, cfg, x, kernels)
+                x, normed, ba = _gdn_input(lp, cfg, x, kernels, delta)
                 h, st = gdn_mixer(
                     lp["linear_attn"],
                     cfg.arch.gdn,
@@ -475,12 +510,15 @@ def forward(
                     )
                 states.append(st)
                 rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool, st.conv_pool)
-                x, r = mlp_block(lp, cfg, kind, x, kernels, real, h), r + 1
+                x, r = mlp_block(lp, cfg, kind, x, kernels, real, h, apart=apart), r + 1
             else:
+                pools = (k_pools[a], v_pools[a])
                 x, k_pools[a], v_pools[a] = _attention_layer(
-                    lp, cfg, kind, x, inputs, k_pools[a], v_pools[a], kernels, real
+                    lp, cfg, kind, x, inputs, *pools, kernels, real, delta, apart
                 )
                 a += 1
+            x, delta = x if apart else (x, None)
+    x = x if delta is None else x + delta
     layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
     return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
 

@@ -16,7 +16,14 @@ from lazyspec.kernels.paged_attention import paged_attention_reference
 from lazyspec.models.interface import PoolView
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
-from tests.models.test_pool_rows import CONTEXT, SLOTS, WIDTH, _verify_inputs, step_eqns
+from tests.models.test_pool_rows import (
+    CONTEXT,
+    SLOTS,
+    WIDTH,
+    _verify_inputs,
+    first_tokens,
+    step_eqns,
+)
 
 
 def _random_caches(rng, cfg, rows: int):
@@ -145,13 +152,7 @@ def test_qkv_read_in_place_gives_the_same_forward_pallas(monkeypatch, family, mo
     kv, rec = _random_caches(rng, cfg, 3)
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 0, 3])
     if mode == "decode":
-        inputs = dataclasses.replace(
-            inputs,
-            tokens=inputs.tokens[:, :1],
-            positions=inputs.positions[:, :1],
-            kv_write_idx=inputs.kv_write_idx[:, :1],
-            num_new=jnp.minimum(inputs.num_new, 1),
-        )
+        inputs = first_tokens(inputs)
     results, dots, gates = {}, {}, {}
     for in_place in (False, True):
         monkeypatch.setattr(backend, "ATTENTION_QKV_IN_PLACE", in_place)

@@ -237,6 +237,25 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
         np.testing.assert_array_equal(new[:, others], old[:, others])
 
 
+def random_kv_and_pools(rng, cfg, rows: int):
+    """KV pools for ``rows`` rows of CONTEXT positions and recurrent pools of SLOTS + 1 slots,
+    random (scale 0.1)."""
+    kv, pools = empty_caches(cfg, 1 + rows * CONTEXT, SLOTS + 1, jnp.float32)
+    noise = lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype)  # noqa: E731
+    return jax.tree.map(noise, kv), jax.tree.map(noise, pools)
+
+
+def first_tokens(inputs: ForwardInputs) -> ForwardInputs:
+    """A decode step of ``inputs``: each row's first token (none where it had none)."""
+    return dataclasses.replace(
+        inputs,
+        tokens=inputs.tokens[:, :1],
+        positions=inputs.positions[:, :1],
+        kv_write_idx=inputs.kv_write_idx[:, :1],
+        num_new=jnp.minimum(inputs.num_new, 1),
+    )
+
+
 def step_eqns(jaxpr):
     """The equations of ``jaxpr`` and of the jaxprs nested in it, a Pallas launch's kernel
     excepted (the launch is one equation)."""
@@ -268,9 +287,7 @@ def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
     cfg, fam = model.config, model.family
     rng = np.random.default_rng(17)
     slot = jnp.asarray([5, 0, 2], jnp.int32)
-    kv, rows_rec = empty_caches(cfg, 1 + 3 * CONTEXT, SLOTS + 1, jnp.float32)
-    kv = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), kv)
-    pools = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec)
+    kv, pools = random_kv_and_pools(rng, cfg, 3)
     inputs = _verify_inputs(rng, cfg.vocab_size, [1, 1, 1])
     inputs = dataclasses.replace(
         inputs,
@@ -297,3 +314,41 @@ def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
     num_gdn = len(cfg.recurrent_layer_ids)
     assert launches[False]["gated_norm"] == num_gdn and "gated_norm" not in launches[True]
     assert sum(launches[False].values()) == sum(launches[True].values()) + num_gdn
+
+
+@pytest.mark.parametrize("mode", ["decode", "verify", "extend"])
+def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(monkeypatch, mode):
+    """With ``backend.MLP_OUTPUT_IN_NEXT_NORM`` each Qwen3-Next layer leaves its MLP output
+    for the next layer's input norm launch to add (the residual-norm launch's delta; an
+    attention layer's input norm becomes that launch): the same hidden states, KV pools
+    and states bit for bit, one residual-norm launch more per attention layer after the
+    first layer, and the last layer's output added after the loop."""
+    from lazyspec.kernels import backend
+
+    model = tiny_model("qwen3_next")
+    cfg, fam = model.config, model.family
+    rng = np.random.default_rng(19)
+    slot = jnp.asarray([5, 0, 2], jnp.int32)
+    kv, pools = random_kv_and_pools(rng, cfg, 3)
+    inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 1, 3])
+    rec = StateRows(conv=pools.conv[:, slot], ssm=pools.ssm[:, slot])
+    if mode == "decode":
+        inputs = first_tokens(inputs)
+        rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
+    results, launches = {}, {}
+    for apart in (False, True):
+        monkeypatch.setattr(backend, "MLP_OUTPUT_IN_NEXT_NORM", apart)
+        kernels = kernels_for("pallas")
+
+        def step(r, k=kernels):
+            return fam.forward(model.params, cfg, inputs, kv, r, mode=mode, chunk_size=4, kernels=k)
+
+        results[apart] = jax.jit(step)(rec)
+        launches[apart] = collections.Counter(_launch_names(jax.make_jaxpr(step)(rec).jaxpr))
+    got, want = (jax.tree.leaves(results[apart]) for apart in (True, False))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    later = [i for i, role in enumerate(cfg.layer_roles) if i and role != RECURRENT]
+    assert later  # the tiny model has an attention layer after the first
+    assert launches[True]["residual_norm"] == launches[False]["residual_norm"] + len(later)
