@@ -80,3 +80,18 @@ def test_bench_layout_keeps_a_form_that_fails_as_a_row(tmp_path, monkeypatch, lo
         assert row[7] == want, row
     others = [row for row in rows if row[1] != "Pallas rows [out, in]"]
     assert others and all(row[7].startswith("ok") and float(row[3]) > 0 for row in others)
+
+
+def test_bench_layout_runs_the_named_cases(tmp_path, load_script):
+    """``--cases dense`` runs the dense case alone (every form timed and checked, the run
+    passes); an unknown case is refused before anything runs."""
+    import pytest
+
+    bench = load_script("bench_layout")
+    out = tmp_path / "layout.md"
+    assert bench.main(["--smoke", "--out", str(out), "--cases", "dense"]) == 0
+    rows = table(out)
+    assert rows and {row[0] for row in rows} == {"dense"}
+    assert len(rows) == len(bench.parse_args(["--smoke"]).dense_forms) + 2
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--cases", "dense,moe"])
