@@ -193,26 +193,34 @@ def _prologue(
     head's query then its gate, is the gate: no slice of it is copied out."""
     lead = x.shape[:-1]
     flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731  [B * T, H, D]
+    q_width = spec.head_dim * (2 if spec.output_gate else 1)  # a head's query, then its gate
     if reads_qkv_in_place(prologue):
         out = _one_product(params, spec, x)
-        q_heads = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1)
-        q_out = out[..., :q_heads].reshape(*lead, spec.num_heads, -1)  # the XLA form's
-        k, v = jnp.split(out[..., q_heads:], 2, axis=-1)
-        k, v = (a.reshape(*lead, spec.num_kv_heads, spec.head_dim) for a in (k, v))
         rows = out.reshape(-1, out.shape[-1])
         by_head = rows.reshape(rows.shape[0], -1, spec.head_dim)
-        k_at = q_heads // spec.head_dim
-        views = (rows.reshape(rows.shape[0], -1, q_out.shape[-1]), by_head, by_head)
+        k_at = spec.num_heads * q_width // spec.head_dim
+        views = (rows.reshape(rows.shape[0], -1, q_width), by_head, by_head)
         heads = {"num_heads": spec.num_heads, "k_head_at": k_at}
         heads["v_head_at"] = k_at + spec.num_kv_heads
-        gate = out.reshape(*lead, -1, q_out.shape[-1]) if spec.output_gate else None
+        gate = out.reshape(*lead, -1, q_width) if spec.output_gate else None
+
+        def parts():  # the three outputs sliced out, for the XLA form only
+            ends = [k_at * spec.head_dim, (k_at + spec.num_kv_heads) * spec.head_dim]
+            q_out, k, v = jnp.split(out, ends, axis=-1)
+            kv = (*lead, spec.num_kv_heads, spec.head_dim)
+            return q_out.reshape(*lead, spec.num_heads, q_width), k.reshape(kv), v.reshape(kv)
+
     else:
         q_out, k, v = _projections(params, spec, x)
         views, heads = (flat(q_out), flat(k), flat(v)), {}
         gate = _gate(spec, q_out)
         gate = None if gate is None else gate.reshape(*lead, spec.num_heads, spec.head_dim)
 
+        def parts():
+            return q_out, k, v
+
     def xla_form():
+        q_out, k, v = parts()
         q, k_new = norm_rope(params, spec, q_out[..., : spec.head_dim], k, positions)
         pools = write_kv(k_pool, v_pool, k_new, v, kv_write_idx, num_new)
         return (q.reshape(-1, *q.shape[-2:]), *pools)
