@@ -184,16 +184,20 @@ ATTENTION_ACTIVE_SPLITS = True
 # residual-norm launch takes it as the delta; ``adds_mlp_output_in_next_norm``): at a
 # batch-1 step the add is a launch of its own after the routed experts' partial sums (7 a
 # step on an H100's profile), and an attention layer's input norm becomes the launch's.
-# Off until timed on a GPU.
-MLP_OUTPUT_IN_NEXT_NORM = False
+# On: a batch-1 step 8-10 us shorter on an H200 in two rounds of ``bench_engine.py``
+# (0.806 / 0.807 ms against 0.816 / 0.815; 110 kernels against 118) and with the switch
+# below 0.794 ms in three runs (BENCHMARKS.md, 2026-12-05, fifth).
+MLP_OUTPUT_IN_NEXT_NORM = True
 # An attention layer with the prologue launch computes q, k and v in one product (the
 # three weights side by side, a concatenation XLA can read inside its product) and the
 # prologue reads k and v, and the paged attention's combine each head's gate, out of that
 # output in place (``reads_qkv_in_place``). Without it XLA merges the three products itself
 # and copies each output out of the merged one, and the gate is sliced out of q's: four
-# small launches a layer. Off until timed on a GPU: where XLA would copy the concatenated
-# weights first, the step reads them twice.
-ATTENTION_QKV_IN_PLACE = False
+# small launches a layer. On: a batch-1 step 10-11 us shorter on an H200 in two rounds of
+# ``bench_engine.py`` (0.805 / 0.805 ms against 0.816 / 0.815; XLA reads the concatenated
+# weights in its product, no copy); with the switch above, a batch-16 step 1.699 against
+# 1.793 ms and batch 64 2.385 against 2.391 (BENCHMARKS.md, 2026-12-05, fifth).
+ATTENTION_QKV_IN_PLACE = True
 # Up to this many tokens (rows x tokens a row) the GDN output's gated norm runs in the
 # state update's launch (``OutputNorm``: the layer hands it with the conv tokens where
 # ``norms_gdn_output``), one launch fewer a GDN layer; a program then holds a whole head

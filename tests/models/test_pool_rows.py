@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lazyspec.kernels import backend
 from lazyspec.kernels.backend import XLA_KERNELS, kernels_for, state_update
 from lazyspec.models.config import RECURRENT
 from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
@@ -124,40 +125,57 @@ def _verify_forward(seed: int):
 
 def test_forward_uses_the_residual_norm_it_is_given():
     """Every Qwen3-Next layer hands its mixer's output to ``Kernels.residual_norm`` (with the
-    router where the MLP is a MoE), and every GDN layer its input (no delta, with the fused
-    gate projection ``in_proj_ba`` as the router, rounded to its dtype); each runs on what
-    the launch returns: the XLA form behind a recorder gives the XLA forward's output
-    exactly, an altered residual, altered router logits or altered gates change it."""
+    router where the MLP is a MoE), and every GDN layer its input (with the fused gate
+    projection ``in_proj_ba`` as the router, rounded to its dtype); with
+    ``MLP_OUTPUT_IN_NEXT_NORM`` each layer after the first hands its input norm the
+    previous layer's MLP output as the delta (an attention layer's input norm becomes the
+    launch's). Each runs on what the launch returns: the XLA form behind a recorder gives
+    the XLA forward's output exactly; an altered residual, altered router logits or altered
+    gates change it."""
     cfg, run = _verify_forward(13)
-    gdn = cfg.arch.gdn
+    gdn, moe = cfg.arch.gdn, cfg.arch.moe
+    adds = backend.MLP_OUTPUT_IN_NEXT_NORM
+    want = []  # (part, no delta, router shape) in call order
+    for i, (role, kind) in enumerate(zip(cfg.layer_roles, cfg.arch.mlp_kinds)):
+        delta_in = adds and i > 0
+        if role == RECURRENT:
+            want.append(("gates", not delta_in, (2 * gdn.num_v_heads, cfg.hidden_size)))
+        elif delta_in:
+            want.append(("input", False, None))
+        moe_layer = kind == "moe"
+        router = (moe.num_experts, cfg.hidden_size) if moe_layer else None
+        want.append(("moe" if moe_layer else "mlp", False, router))
+    parts = [w[0] for w in want]
+    assert "moe" in parts and "gates" in parts and ("input" in parts) == adds
 
-    def recorder(alter=lambda r, delta: r):
+    def recorder(alter=lambda r, part: r):
         calls = []
 
         def fused(
             x, delta, weight, router=None, *, eps, zero_centered, xla_form, logits_dtype=jnp.float32
         ):
-            calls.append((delta is None, None if router is None else router.shape))
+            part = parts[len(calls)] if len(calls) < len(parts) else None
+            calls.append((part, delta is None, None if router is None else router.shape))
             assert zero_centered and x.shape == (2 * WIDTH, cfg.hidden_size)
             assert delta is None or delta.shape == x.shape
-            assert logits_dtype == (jnp.float32 if delta is not None else router.dtype)
-            return alter(xla_form(), delta)
+            assert logits_dtype == (router.dtype if part == "gates" else jnp.float32)
+            return alter(xla_form(), part)
 
         return dataclasses.replace(XLA_KERNELS, residual_norm=fused), calls
 
     kernels, calls = recorder()
     np.testing.assert_array_equal(run(kernels), run(XLA_KERNELS))
-    moe, want = cfg.arch.moe, []
-    for role, kind in zip(cfg.layer_roles, cfg.arch.mlp_kinds):
-        if role == RECURRENT:
-            want.append((True, (2 * gdn.num_v_heads, cfg.hidden_size)))
-        want.append((False, (moe.num_experts, cfg.hidden_size) if kind == "moe" else None))
-    assert calls == want and any(c[1] is not None for c in calls if not c[0])
-    for alter in (
-        lambda r, delta: r if delta is None else r._replace(residual=r.residual + 1.0),
-        lambda r, delta: r if delta is None or r.logits is None else r._replace(logits=-r.logits),
-        lambda r, delta: r if delta is not None else r._replace(logits=r.logits + 1.0),
-    ):
+    assert calls == want
+    alters = [
+        lambda r, part: r._replace(residual=r.residual + 1.0) if part in ("moe", "mlp") else r,
+        lambda r, part: r._replace(logits=-r.logits) if part == "moe" else r,
+        lambda r, part: r._replace(logits=r.logits + 1.0) if part == "gates" else r,
+    ]
+    if adds:  # the attention layer's input norm: its residual goes on to the layer
+        alters.append(
+            lambda r, part: r._replace(residual=r.residual + 1.0) if part == "input" else r
+        )
+    for alter in alters:
         assert not np.allclose(run(recorder(alter)[0]), run(XLA_KERNELS))
 
 
