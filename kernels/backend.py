@@ -160,6 +160,17 @@ MOE_DOWN_IN_UP_BLOCK_OUT = 256
 # on an H100, 128 (with 128 output columns) made a one-token launch 3.2 us slower and the
 # batch-1 step 8 us slower (BENCHMARKS.md, 2026-12-05, fourth).
 MOE_DOWN_IN_UP_BLOCK_INNER = 64
+# The folded launch's contraction chunk, warps and pipeline stages (the separate launches
+# take DEFAULT_MOE_TILES'); their own constants so that a benchmark can set them
+# (``--kernel-switch``) and ``bench_moe.py --tiles fold:...`` sweeps them.
+MOE_DOWN_IN_UP_BLOCK_K = 128
+MOE_DOWN_IN_UP_NUM_WARPS = 4
+MOE_DOWN_IN_UP_NUM_STAGES = 3
+# The folded launch's unused tiles write zero partials and the partials are summed unmasked
+# (``moe_experts_pallas(zero_unused=True)``): in an H200 profile of a batch-1 step the mask
+# ran as a launch of its own before the sum, 2.7-3.1 us a MoE layer (BENCHMARKS.md,
+# 2026-12-05, fifth). Off until timed.
+MOE_DOWN_IN_UP_ZERO_UNUSED = False
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -207,7 +218,10 @@ ATTENTION_QKV_IN_PLACE = True
 # fourth): the update's programs halve and each holds twice the state.
 GDN_NORM_IN_UPDATE_MAX_TOKENS = 0
 GDN_NORM_IN_UPDATE_WARPS = 8
-DEFAULT_RESIDUAL_NORM_TILES = {"block_experts": 4, "num_warps": 4}
+# The residual-norm launch's router rows a program and its warps (``residual_norm_pallas``:
+# a program per token and router tile, each normalising its token's whole row).
+RESIDUAL_NORM_BLOCK_EXPERTS = 4
+RESIDUAL_NORM_NUM_WARPS = 4
 
 
 def norms_gdn_output(update: Any, num_tokens: int) -> bool:
@@ -606,18 +620,26 @@ def moe_launch(
     block_inner = defaults["block_inner"]
     block_out = defaults["block_out"] // (1 if num_tokens >= MOE_WIDE_OUT_TOKENS else 2)
     down_in_up = tiles.pop("down_in_up", num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS)
+    block_k, warps, stages = defaults["block_k"], defaults["num_warps"], defaults["num_stages"]
     if down_in_up:
         block_inner, block_out = MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT
+        block_k, warps = MOE_DOWN_IN_UP_BLOCK_K, MOE_DOWN_IN_UP_NUM_WARPS
+        stages = MOE_DOWN_IN_UP_NUM_STAGES
     tiles.setdefault("block_inner", fitted_tile(inner, block_inner))
     tiles.setdefault("block_out", fitted_tile(out_width, block_out))
-    tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), defaults["block_k"]))
-    params = pallas_compiler_params(
-        num_warps=defaults["num_warps"], num_stages=defaults["num_stages"]
-    )
+    tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), block_k))
+    params = pallas_compiler_params(num_warps=warps, num_stages=stages)
     options = _pallas_options(interpret, params)
     if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
         return None  # widths with no power-of-two tile Triton's dots take
-    return {**tiles, **options, "route_in_up": route_in_up, "down_in_up": down_in_up}
+    zero_unused = down_in_up and MOE_DOWN_IN_UP_ZERO_UNUSED
+    return {
+        **tiles,
+        **options,
+        "route_in_up": route_in_up,
+        "down_in_up": down_in_up,
+        "zero_unused": zero_unused,
+    }
 
 
 def _pallas_moe_experts(
@@ -704,12 +726,17 @@ def _pallas_residual_norm(
     interpret: bool = False,
     **tiles: Any,
 ) -> ResidualNorm:
-    """``residual_norm_pallas`` with ``DEFAULT_RESIDUAL_NORM_TILES`` (``tiles`` overrides
-    them) up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens (and, with a router, tokens times
-    experts up to ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``); else, or where a compiled launch would
-    need a row that is not a power of two wide (Triton), ``xla_form()``, the caller's ops
-    with the same contract."""
-    tiles = {**DEFAULT_RESIDUAL_NORM_TILES, **tiles}
+    """``residual_norm_pallas`` with ``RESIDUAL_NORM_BLOCK_EXPERTS`` router rows a program
+    and ``RESIDUAL_NORM_NUM_WARPS`` warps (``tiles`` overrides them) up to
+    ``RESIDUAL_NORM_MAX_TOKENS`` tokens (and, with a router, tokens times experts up to
+    ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``); else, or where a compiled launch would need a row
+    that is not a power of two wide (Triton), ``xla_form()``, the caller's ops with the
+    same contract."""
+    tiles = {
+        "block_experts": RESIDUAL_NORM_BLOCK_EXPERTS,
+        "num_warps": RESIDUAL_NORM_NUM_WARPS,
+        **tiles,
+    }
     options = _pallas_options(interpret, None, tiles.pop("num_warps"))
     (num_tokens, width), experts = x.shape, None if router is None else router.shape[0]
     fits = residual_norm_fits(num_tokens, experts)

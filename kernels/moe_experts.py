@@ -542,6 +542,7 @@ def _up_tile(
     block_k,
     block_out=None,
     num_tokens=None,
+    zero_unused=False,
 ):
     """The rows of a tile of ``expert`` times one column tile of its gate / up
     (``pairs``), then the activation; x is rounded to the weights' dtype as it is read.
@@ -550,7 +551,8 @@ def _up_tile(
     expert's down, ``block_out`` columns at a time, scaled by ``row_weight [block_rows]``,
     is this program's partial output: ``out_ref[tile, inner tile, :num_tokens]``
     (``[d_out]`` float32 rows; the rows past the tokens are not written, so a few tokens'
-    partials move a few rows' bytes)."""
+    partials move a few rows' bytes). ``zero_unused``: an unused tile's programs write
+    zeros there, so that the partials sum with no mask."""
     tile, inner_tile = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(inner_tile * block_inner, block_inner)
     dtype = pairs[0][0].dtype
@@ -587,6 +589,20 @@ def _up_tile(
         jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, down_step, 0)
 
     _by_expert(expert, shared_expert, compute)
+    if down is None or not zero_unused:
+        return
+
+    @pl.when(expert == UNUSED_TILE)
+    def _():
+        rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0) < num_tokens
+        zeros = jnp.zeros((block_rows, block_out), jnp.float32)
+
+        def zero_step(j, carry):
+            chunk = pl.ds(j * block_out, block_out)
+            pallas_triton.store(out_ref.at[tile, inner_tile, :, chunk], zeros, mask=rows)
+            return carry
+
+        jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, zero_step, 0)
 
 
 def _down_kernel(tile_expert_ref, h_ref, *refs, block_out, block_k, shared_expert):
@@ -692,6 +708,7 @@ def moe_experts_pallas(
     down_compiler_params: Any = None,
     route_in_up: bool = False,
     down_in_up: bool = False,
+    zero_unused: bool = False,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
@@ -712,7 +729,9 @@ def moe_experts_pallas(
     down projection too, each writing its partial sums of the tokens' outputs (a token's
     row of every used tile: rows of tokens routed elsewhere weigh 0), which are summed
     after it: no down launch and no intermediate, for a few tokens (the partials grow with
-    tokens x tiles x inner tiles)."""
+    tokens x tiles x inner tiles). ``zero_unused`` (with ``down_in_up``): the programs of
+    tiles no expert uses write zero partials, and the sum takes every tile unmasked (one
+    launch after the kernel where the mask is a launch of its own)."""
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
@@ -781,7 +800,7 @@ def moe_experts_pallas(
     grid = (num_tiles, inner // bi)
     weight_specs = [whole()] * len(projections)
     if down_in_up:  # each program's partial sums of its tokens' outputs
-        up_tiles.update(block_out=bo, num_tokens=num_tokens)
+        up_tiles.update(block_out=bo, num_tokens=num_tokens, zero_unused=zero_unused)
         projections += downs
         weight_specs += [whole()] * len(downs)
         out_spec = whole()
@@ -817,8 +836,10 @@ def moe_experts_pallas(
             **options,
         )(grouped.tile_expert, staged, *weight_args)
     if down_in_up:  # every used tile's rows, each token weighted 0 where it did not route
-        used = grouped.tile_expert != UNUSED_TILE
         partial = hidden[:, :, :num_tokens]  # the rows the programs wrote
+        if zero_unused:  # and zeros for the unused tiles: one launch (the sum) after this one
+            return jnp.sum(partial, axis=(0, 1))
+        used = grouped.tile_expert != UNUSED_TILE
         return jnp.sum(jnp.where(used[:, None, None, None], partial, 0.0), axis=(0, 1))
 
     down_kernel = functools.partial(

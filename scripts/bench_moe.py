@@ -62,6 +62,7 @@ from lazyspec.bench.kernel_timing import (
 )
 from lazyspec.bench.origin import code_line
 from lazyspec.bench.switches import add_switch_argument, apply_switches
+from lazyspec.kernels import backend
 from lazyspec.kernels.backend import DEFAULT_MOE_TILES, moe_launch, pallas_compiler_params
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.models.layers.moe import grouped_experts
@@ -101,8 +102,17 @@ SMOKE_WIDTHS = (Width("tiny", 64, 8, 2, 32),)
 # the kernel's keyword arguments a row passes on; ``down_in_up``: the dispatch's folded form
 # (``backend.MOE_DOWN_IN_UP_MAX_TOKENS``), carried by the "launch" rows (the routing is given,
 # so ``route_in_up`` never applies here)
-TILE_KEYS = ("block_rows", "block_inner", "block_out", "block_k", "block_k_down", "down_in_up")
+TILE_KEYS = (
+    "block_rows",
+    "block_inner",
+    "block_out",
+    "block_k",
+    "block_k_down",
+    "down_in_up",
+    "zero_unused",
+)
 LAUNCH = "launch"  # the dispatch's tiles for the row's token count (``moe_launch``)
+FOLD = "fold:"  # a --tiles entry's prefix: the folded form (``down_in_up``)
 KERNEL_TILES = (  # the dispatch's first
     LAUNCH,
     {**DEFAULT_MOE_TILES, "block_inner": 32},
@@ -155,6 +165,17 @@ def kernel(x, weights, ids, stacks, tiles, interpret=False):
     return moe_experts_pallas(
         x, weights, ids, up, down, gate, **sizes, interpret=interpret, compiler_params=params
     )
+
+
+def launch_params(launch: dict) -> dict:
+    """The warps and stages ``moe_launch`` compiles the dispatch's form with (the folded
+    form has its own constants)."""
+    if launch["down_in_up"]:
+        return {
+            "num_warps": backend.MOE_DOWN_IN_UP_NUM_WARPS,
+            "num_stages": backend.MOE_DOWN_IN_UP_NUM_STAGES,
+        }
+    return {k: DEFAULT_MOE_TILES[k] for k in ("num_warps", "num_stages")}
 
 
 def make_inputs(width: Width, num_tokens: int, seed: int = 0):
@@ -239,9 +260,7 @@ def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
             launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret)
             if launch is None:
                 continue  # the dispatch runs the XLA form at this count
-            tiles = {k: launch[k] for k in TILE_KEYS if launch.get(k)} | {
-                k: DEFAULT_MOE_TILES[k] for k in ("num_warps", "num_stages")
-            }
+            tiles = {k: launch[k] for k in TILE_KEYS if launch.get(k)} | launch_params(launch)
         impls.append(
             ("pallas", functools.partial(kernel, tiles=tiles, interpret=opts.interpret), tiles)
         )
@@ -290,14 +309,18 @@ def write_table(path: Path, header: str, rows: list[dict]) -> None:
 
 def parse_tiles(text: str) -> list:
     """``--tiles``: 'launch' or five integers per entry (TILE_FIELDS, block_rows 16), or
-    seven with the down launch's own block_k and stages (DOWN_FIELDS)."""
+    seven with the down launch's own block_k and stages (DOWN_FIELDS); an entry prefixed
+    ``fold:`` runs the folded form (``down_in_up``: one launch, the down product inside it;
+    block_out is then its down chunk), the dispatch's form up to
+    ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` tokens."""
     tiles: list = []
     fields = TILE_FIELDS + DOWN_FIELDS
     for entry in text.split(","):
         if entry == LAUNCH:
             tiles.append(LAUNCH)
             continue
-        values = entry.split(":")
+        fold = entry.startswith(FOLD)
+        values = entry.removeprefix(FOLD).split(":")
         if len(values) not in (len(TILE_FIELDS), len(fields)) or not all(
             v.isdigit() for v in values
         ):
@@ -305,7 +328,13 @@ def parse_tiles(text: str) -> list:
                 f"--tiles entry {entry!r}: 'launch' or {':'.join(TILE_FIELDS)}[:"
                 f"{':'.join(DOWN_FIELDS)}]"
             )
-        tiles.append({"block_rows": 16} | dict(zip(fields, map(int, values))))
+        if fold and len(values) != len(TILE_FIELDS):
+            raise SystemExit(f"--tiles entry {entry!r}: a folded entry has no down launch")
+        tiles.append(
+            {"block_rows": 16}
+            | dict(zip(fields, map(int, values)))
+            | ({"down_in_up": True} if fold else {})
+        )
     return tiles
 
 
@@ -328,7 +357,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="comma list of kernel tiles, each 'launch' (the dispatch's for the token count) "
         "or block_inner:block_out:block_k:num_warps:num_stages[:block_k_down:down_num_stages] "
-        "(default: the built-in list)",
+        "(prefix fold: for the folded form) (default: the built-in list)",
     )
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="the kernel only")
     add_switch_argument(parser)

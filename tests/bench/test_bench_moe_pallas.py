@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 
 def test_bench_moe_smoke_checks_every_form(tmp_path, load_script):
     bench_moe = load_script("bench_moe")
@@ -62,12 +64,46 @@ def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypat
     out = tmp_path / "folded.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
     switch = ["--kernel-switch", "backend.MOE_DOWN_IN_UP_MAX_TOKENS=2"]
+    # the folded launch's own warps (the dispatch's, which the row reports)
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_NUM_WARPS", 4)
+    switch += ["--kernel-switch", "backend.MOE_DOWN_IN_UP_NUM_WARPS=2"]
     assert bench_moe.main(argv + ["--tiles", "launch"] + switch) == 0
     assert "kernel switch: backend.MOE_DOWN_IN_UP_MAX_TOKENS = 2" in out.read_text()
     (row,) = [
         line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
     ]
-    assert "down_in_up=True" in row[3], row
+    assert "down_in_up=True" in row[3] and "num_warps=2" in row[3], row
     assert row[4].strip().startswith("ok"), row
     total, up, down = float(row[5]), float(row[9]), float(row[10])
     assert up > 0.0 and down == 0.0 and up <= total, row
+
+
+def test_bench_moe_fold_entries_run_the_folded_form(tmp_path, load_script):
+    """A ``fold:`` entry of ``--tiles`` runs the folded form (its row's tiles say
+    ``down_in_up``, its check passes, no down launch in its trace) at the tiles it names; a
+    plain entry runs two launches; a folded entry with a down launch's fields is refused."""
+    bench_moe = load_script("bench_moe")
+    tiles = bench_moe.parse_tiles("fold:16:32:16:4:1,16:32:16:4:1")
+    assert tiles[0] == {
+        "block_rows": 16,
+        "block_inner": 16,
+        "block_out": 32,
+        "block_k": 16,
+        "num_warps": 4,
+        "num_stages": 1,
+        "down_in_up": True,
+    }
+    assert "down_in_up" not in tiles[1]
+    with pytest.raises(SystemExit, match="no down launch"):
+        bench_moe.parse_tiles("fold:16:32:16:4:1:16:1")
+    out = tmp_path / "fold.md"
+    argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
+    assert bench_moe.main(argv + ["--tiles", "fold:16:32:16:4:1,16:32:16:4:1"]) == 0
+    rows = [
+        line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
+    ]
+    assert len(rows) == 2, rows
+    for row, folded in zip(rows, (True, False)):
+        assert ("down_in_up=True" in row[3]) == folded, row
+        assert "block_inner=16" in row[3] and row[4].strip().startswith("ok"), row
+        assert (float(row[10]) == 0.0) == folded, row  # the down launch's time

@@ -287,6 +287,11 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
         assert launch["down_in_up"], tokens
         assert launch["block_out"] == backend.MOE_DOWN_IN_UP_BLOCK_OUT, tokens
         assert launch["block_inner"] == backend.MOE_DOWN_IN_UP_BLOCK_INNER, tokens
+        assert launch["zero_unused"] == backend.MOE_DOWN_IN_UP_ZERO_UNUSED, tokens
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ZERO_UNUSED", True)  # only with the fold
+    for tokens in (1, fused, fused + 1):
+        launch = backend.moe_launch(tokens, up, down, interpret=True)
+        assert launch["zero_unused"] == launch["down_in_up"], tokens
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_BLOCK_INNER", 128)  # its own tile
     launch = backend.moe_launch(fused + 1, up, down, interpret=True)
     assert launch["block_inner"] == 64
@@ -686,9 +691,10 @@ DOWN_IN_UP_CASES = [
 def test_down_product_in_the_up_launch_pallas(case):
     """With ``down_in_up`` the MoE is one launch (routed by logits in it, or by given picks
     after a grouping), each program writing its partial sums; summed, they give
-    ``grouped_experts``' output (the two-launch form's to float32 rounding). The partials'
-    unwritten rows (tiles no expert uses, rows past the tokens) are never summed:
-    interpret mode fills them with NaN."""
+    ``grouped_experts``' output (the two-launch form's to float32 rounding). The rows
+    past the tokens are never summed, nor the rows of tiles no expert uses (masked, or
+    with ``zero_unused`` written as zeros and summed unmasked, the same sum): interpret
+    mode fills unwritten rows with NaN."""
     seed, num_tokens, top_k, num_experts, gated, dtype, with_shared, by_logits = case
     rng = np.random.default_rng(seed)
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
@@ -719,6 +725,9 @@ def test_down_product_in_the_up_launch_pallas(case):
     tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
     fused = run(x, weights, ids, up, down, gate, down_in_up=True)
     assert_close(fused, want, tol, "down product in the up launch")
+    # the unused tiles' zeros summed unmasked: the masked sum's result
+    zeroed = run(x, weights, ids, up, down, gate, down_in_up=True, zero_unused=True)
+    np.testing.assert_array_equal(np.asarray(zeroed), np.asarray(fused))
     two = run(x, weights, ids, up, down, gate)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(two), rtol=0, atol=1e-5)
     jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)

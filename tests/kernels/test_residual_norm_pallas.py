@@ -129,3 +129,31 @@ def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
     args = (row, row, spec((2048,), jnp.bfloat16), spec((64, 2048), jnp.bfloat16))
     text = jax.jit(launch).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_dispatch_takes_the_router_tile_it_is_set_to(monkeypatch):
+    """The launch's router rows a program are ``RESIDUAL_NORM_BLOCK_EXPERTS`` (fitted to
+    the router), read when the call is made, so a benchmark's ``--kernel-switch`` sets
+    them; the warps likewise (``RESIDUAL_NORM_NUM_WARPS``)."""
+    seen = []
+
+    def recorder(*args, block_experts, **options):
+        seen.append(block_experts)
+        return residual_norm_pallas(*args, block_experts=block_experts, **options)
+
+    def options(interpret, compiler_params, num_warps=4):
+        seen.append(("warps", num_warps))
+        return {"interpret": True, "compiler_params": None}
+
+    monkeypatch.setattr(backend, "residual_norm_pallas", recorder)
+    monkeypatch.setattr(backend, "_pallas_options", options)
+    x, delta, weight, router = _case(np.random.default_rng(2), 2, 32, 8)
+    fused = backend.kernels_for("pallas", "cpu").residual_norm
+    for block, warps, want in ((1, 2, 1), (16, 8, 8), (4, 4, 4)):
+        monkeypatch.setattr(backend, "RESIDUAL_NORM_BLOCK_EXPERTS", block)
+        monkeypatch.setattr(backend, "RESIDUAL_NORM_NUM_WARPS", warps)
+        seen.clear()
+        got = fused(x, delta, weight, router, eps=1e-6, xla_form=None)
+        assert seen == [("warps", warps), want], (block, seen)  # 16 fitted to 8 experts
+        ref = residual_rms_norm(x, delta, weight, router, eps=1e-6)
+        np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), rtol=1e-5)
