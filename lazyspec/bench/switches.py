@@ -18,11 +18,10 @@ def _modules() -> dict[str, ModuleType]:
     return {"backend": backend, "moe_experts": moe_experts}
 
 
-def apply_switches(items: list[str]) -> list[str]:
-    """Set each ``module.NAME=INT`` (module: backend or moe_experts; NAME an existing int or
-    bool constant, set to an int, or a bool for a bool constant); returns
-    ``module.NAME = value`` for each. ValueError names what is wrong before anything is
-    set."""
+def check_switches(items: list[str]) -> list[tuple[ModuleType, str, int | bool]]:
+    """(module, NAME, value) of each ``module.NAME=INT`` (module: backend or moe_experts;
+    NAME an existing int or bool constant; the value an int, or a bool for a bool
+    constant), setting nothing; ValueError names what is wrong."""
     modules, found = _modules(), []
     for item in items:
         key, sep, text = item.partition("=")
@@ -40,6 +39,13 @@ def apply_switches(items: list[str]) -> list[str]:
         except ValueError:
             raise ValueError(f"kernel switch {item!r}: {text!r} is not an integer") from None
         found.append((module, name, bool(value) if isinstance(current, bool) else value))
+    return found
+
+
+def apply_switches(items: list[str]) -> list[str]:
+    """Set each ``module.NAME=INT`` (``check_switches``); returns ``module.NAME = value``
+    for each. ValueError names what is wrong before anything is set."""
+    found = check_switches(items)
     for module, name, value in found:
         setattr(module, name, value)
     return [

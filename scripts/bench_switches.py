@@ -1,0 +1,247 @@
+"""Dispatch switches timed against the defaults: ``bench_engine.py`` runs, settings in turn.
+
+A dispatch constant of ``lazyspec.kernels`` (``backend.MOE_DOWN_IN_UP_ZERO_UNUSED``, ...)
+applies when a step is traced, so each setting runs ``scripts/bench_engine.py`` in a
+process of its own with its ``--kernel-switch`` items. Every round runs the defaults first,
+then each ``--setting`` in the order given; ``--rounds`` rounds. The table has one line per
+run and engine row (batch, kernels a token step, device step, kernels busy, floor, % of
+floor, engine loop) and, per setting and row, its device step against the defaults' of the
+same round in every round, and whether it was shorter in all of them: the rule the
+dispatch constants in ``kernels/backend.py`` are set by (a switch goes on only where the
+step is shorter in every round, and ``scripts/check_kernels.py`` passes with it). A run
+that fails is a line of the table with its exit status and the end of its error output;
+the script then exits 1.
+
+Every run gets ``--profile`` (a folder of its own under ``--profile-root``): the device
+step is the median span of a step's kernels, which on a GPU needs XLA's command buffers on
+(the default) to be the step as served. The arguments after ``--`` go to every run
+(default: the batch-1 decode step of the Qwen3-Next preset, as BENCHMARKS.md times it).
+
+    python scripts/bench_switches.py --rounds 2 \\
+        --setting zero=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1 \\
+        --setting unfolded=backend.MOE_ROUTE_IN_UP_MAX_TOKENS=0,backend.MOE_DOWN_IN_UP_MAX_TOKENS=0
+    python scripts/bench_switches.py --rounds 1 --setting apart=backend.MLP_OUTPUT_IN_NEXT_NORM=0 \\
+        -- --preset tiny --backends xla --batches 1 --prompt-len 64 --output-len 4   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lazyspec.bench.switches import check_switches
+
+SCRIPTS = Path(__file__).resolve().parent
+DEFAULTS = "defaults"
+DEFAULT_BENCH_ARGS = (
+    "--preset", "qwen3_next_moe", "--batches", "1", "--output-len", "64",
+    "--context", "1024", "--decode-steps", "2",
+)  # fmt: skip
+ERROR_TAIL = 2000  # characters of a failed run's error output kept in the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A name and the ``--kernel-switch`` items of one setting (none: the defaults)."""
+
+    name: str
+    switches: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Run:
+    """One process: its round, setting, exit status, engine rows and error output's end."""
+
+    round: int
+    setting: Setting
+    returncode: int
+    rows: list[dict]
+    error: str = ""
+    seconds: float = 0.0
+
+
+def parse_setting(text: str) -> Setting:
+    """``NAME=MODULE.NAME=INT[,MODULE.NAME=INT...]``; SystemExit names what is wrong."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise SystemExit(f"--setting {text!r}: expected NAME=MODULE.NAME=INT[,...]")
+    if name == DEFAULTS:
+        raise SystemExit(f"--setting {text!r}: {DEFAULTS!r} is the baseline every round runs")
+    switches = tuple(rest.split(","))
+    try:  # before any run: a name that is no constant fails here, not in every process
+        check_switches(list(switches))
+    except ValueError as exc:
+        raise SystemExit(f"--setting {text!r}: {exc}") from None
+    return Setting(name, switches)
+
+
+def plan(settings: list[Setting], rounds: int) -> list[tuple[int, Setting]]:
+    """The runs in order: each round the defaults, then every setting."""
+    return [(r, s) for r in range(1, rounds + 1) for s in [Setting(DEFAULTS), *settings]]
+
+
+def engine_rows(stdout: str) -> list[dict]:
+    """The engine rows ``bench_engine.py`` prints (a dict a line; the transformers peer's
+    rows, which have no host calls, are left out)."""
+    rows = []
+    for line in stdout.splitlines():
+        if line.startswith("{'preset'"):
+            row = ast.literal_eval(re.sub(r"\bnan\b", "None", line))
+            if "host_ms" in row:
+                rows.append(row)
+    return rows
+
+
+def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path, timeout: float):
+    command = [sys.executable, str(SCRIPTS / "bench_engine.py"), *bench_args]
+    command += ["--profile", str(profile)]
+    for item in setting.switches:
+        command += ["--kernel-switch", item]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return Run(round_, setting, -1, [], f"timed out after {timeout:.0f} s\n{err}"[-ERROR_TAIL:])
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        return Run(round_, setting, done.returncode, [], done.stderr[-ERROR_TAIL:], seconds)
+    return Run(round_, setting, 0, engine_rows(done.stdout), "", seconds)
+
+
+def row_key(row: dict) -> tuple:
+    return row["backend"], row["batch"], row["spec"]
+
+
+def step_ms(row: dict) -> float:
+    return row["device_ms"]
+
+
+def compare(runs: list[Run]) -> dict[tuple[str, tuple], dict]:
+    """Per (setting, row key): the device step less the defaults' of the same round, each
+    round, and whether it was shorter in every round (False where a round is missing)."""
+    base = {}
+    for r in runs:
+        if r.setting.name == DEFAULTS:
+            base.update({(r.round, row_key(row)): step_ms(row) for row in r.rows})
+    rounds = sorted({r.round for r in runs})
+    out: dict[tuple[str, tuple], dict] = {}
+    for r in runs:
+        if r.setting.name == DEFAULTS:
+            continue
+        for row in r.rows:
+            entry = out.setdefault((r.setting.name, row_key(row)), {"deltas": {}})
+            if (r.round, row_key(row)) in base:
+                entry["deltas"][r.round] = step_ms(row) - base[(r.round, row_key(row))]
+    for entry in out.values():
+        deltas = entry["deltas"]
+        entry["shorter"] = len(deltas) == len(rounds) and all(d < 0 for d in deltas.values())
+    return out
+
+
+def table(runs: list[Run], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| round | setting | switches | batch | spec | kernels a token step | device step ms "
+        "| busy ms | floor ms | % of floor (device step) | engine loop ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        switches = ", ".join(r.setting.switches) or "-"
+        if r.returncode != 0:
+            error = " ".join(r.error.split()).replace("|", "\\|")
+            lines.append(
+                f"| {r.round} | {r.setting.name} | {switches} | failed (exit status "
+                f"{r.returncode}): {error} | | | | | | | |"
+            )
+            continue
+        for row in r.rows:
+            lines.append(
+                f"| {r.round} | {r.setting.name} | {switches} | {row['batch']} | {row['spec']} "
+                f"| {row['kernels']:.0f} | {row['device_ms']:.3f} | {row['busy_ms']:.3f} "
+                f"| {row['floor_ms']:.3f} | {row['pct_device']:.0f} % | {row['loop_ms']:.2f} |"
+            )
+    verdicts = compare(runs)
+    if verdicts:
+        lines += [
+            "",
+            "| setting | backend, batch, spec | device step against the defaults, us, each round "
+            "| shorter in every round |",
+            "|---|---|---|---|",
+        ]
+        for (name, key), entry in verdicts.items():
+            deltas = ", ".join(f"{1e3 * d:+.1f}" for _, d in sorted(entry["deltas"].items()))
+            yes = "yes" if entry["shorter"] else "no"
+            lines.append(f"| {name} | {', '.join(map(str, key))} | {deltas} | {yes} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args = list(DEFAULT_BENCH_ARGS)
+    if "--" in argv:
+        at = argv.index("--")
+        argv, bench_args = argv[:at], argv[at + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--setting",
+        action="append",
+        required=True,
+        metavar="NAME=MODULE.NAME=INT[,...]",
+        help="a setting timed against the defaults (repeatable)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="runs of every setting, in turn")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take")
+    parser.add_argument("--profile-root", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument("--out", type=Path, default=Path("bench_switches.md"))
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds} must be at least 1")
+    for flag in ("--profile", "--kernel-switch"):
+        if flag in bench_args:
+            parser.error(f"{flag} after -- is this script's to set")
+    args.settings = [parse_setting(text) for text in args.setting]
+    names = [s.name for s in args.settings]
+    if len(set(names)) != len(names):
+        parser.error(f"setting names repeat: {names}")
+    args.bench_args = bench_args
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.profile_root or Path(tmp)
+        todo = plan(args.settings, args.rounds)
+        for i, (round_, setting) in enumerate(todo, 1):
+            profile = root / f"{i:02d}-{setting.name}"
+            run = run_one(round_, setting, args.bench_args, profile, args.timeout)
+            runs.append(run)
+            steps = ", ".join(f"{r['device_ms']:.3f} ms" for r in run.rows) or "no rows"
+            status = f"{steps}" if run.returncode == 0 else f"failed ({run.returncode})"
+            print(
+                f"[{i}/{len(todo)}] round {round_}, {setting.name}: {status} ({run.seconds:.0f} s)",
+                flush=True,
+            )
+    header = (
+        f"# Switches against the defaults\n\nbench_engine.py {' '.join(args.bench_args)} "
+        f"(each run with --profile), {args.rounds} round(s), settings in turn; device step: "
+        "the median span of a step's kernels."
+    )
+    text = table(runs, header)
+    args.out.write_text(text)
+    print(text)
+    return 0 if all(r.returncode == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

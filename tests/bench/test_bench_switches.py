@@ -1,0 +1,113 @@
+"""``scripts/bench_switches.py``: settings in turn with the defaults first every round, the
+verdict "shorter in every round", settings refused before any run, and on CPU a real run of
+the tiny preset and a failing one (its error kept in the table, exit status 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+TINY = ["--preset", "tiny", "--backends", "xla", "--batches", "1", "--output-len", "4"]
+TINY += ["--copy-mib", "4"]
+
+
+def _row(batch: int, device_ms: float, spec: str = "-") -> dict:
+    return {
+        "backend": "pallas",
+        "batch": batch,
+        "spec": spec,
+        "device_ms": device_ms,
+        "busy_ms": device_ms,
+        "kernels": 100,
+        "floor_ms": 0.5,
+        "pct_device": 50.0,
+        "loop_ms": device_ms,
+    }
+
+
+def test_plan_runs_the_defaults_first_every_round(load_script):
+    bench = load_script("bench_switches")
+    a, b = bench.Setting("a", ("backend.X=1",)), bench.Setting("b", ("backend.Y=0",))
+    names = [(r, s.name) for r, s in bench.plan([a, b], 2)]
+    assert names == [(1, "defaults"), (1, "a"), (1, "b"), (2, "defaults"), (2, "a"), (2, "b")]
+
+
+def test_a_setting_is_shorter_only_if_shorter_in_every_round(load_script):
+    bench = load_script("bench_switches")
+    base, a, b, c = (bench.Setting(n) for n in ("defaults", "a", "b", "c"))
+    runs = [
+        bench.Run(1, base, 0, [_row(1, 1.000), _row(16, 2.0)]),
+        bench.Run(1, a, 0, [_row(1, 0.990), _row(16, 1.9)]),
+        bench.Run(1, b, 0, [_row(1, 0.980)]),
+        bench.Run(1, c, 0, [_row(1, 0.950)]),
+        bench.Run(2, base, 0, [_row(1, 1.010), _row(16, 2.0)]),
+        bench.Run(2, a, 0, [_row(1, 1.005), _row(16, 2.1)]),
+        bench.Run(2, b, 0, [_row(1, 1.020)]),
+        bench.Run(2, c, 1, [], "boom"),  # round 2 failed: no verdict of "shorter"
+    ]
+    got = bench.compare(runs)
+    key1, key16 = ("pallas", 1, "-"), ("pallas", 16, "-")
+    assert got[("a", key1)]["shorter"] and not got[("a", key16)]["shorter"]
+    assert got[("a", key1)]["deltas"] == pytest.approx({1: -0.010, 2: -0.005})
+    assert not got[("b", key1)]["shorter"]  # shorter in round 1 only
+    assert not got[("c", key1)]["shorter"] and list(got[("c", key1)]["deltas"]) == [1]
+    text = bench.table(runs, "# t")
+    assert "| a | pallas, 1, - | -10.0, -5.0 | yes |" in text
+    assert "| b | pallas, 1, - | -20.0, +10.0 | no |" in text
+    assert "failed (exit status 1): boom" in text
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a", "expected NAME="),
+        ("=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1", "expected NAME="),
+        ("defaults=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1", "baseline"),
+        ("a=backend.NO_SUCH_SWITCH=1", "not an int or bool constant"),
+        ("a=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=yes", "is not an integer"),
+    ],
+)
+def test_a_bad_setting_is_refused_before_any_run(text, message, load_script):
+    bench = load_script("bench_switches")
+    with pytest.raises(SystemExit, match=message):
+        bench.parse_setting(text)
+
+
+def test_engine_rows_leave_the_peer_out(load_script):
+    bench = load_script("bench_switches")
+    stdout = "\n".join(
+        [
+            "code: lazyspec ...",
+            "{'preset': 'tiny', 'backend': 'xla', 'batch': 1, 'spec': '-', 'host_ms': {}, "
+            "'device_ms': 0.5}",
+            "{'preset': 'tiny', 'backend': 'transformers 5', 'batch': 1, 'alone_ms': nan}",
+        ]
+    )
+    assert bench.engine_rows(stdout) == [
+        {
+            "preset": "tiny",
+            "backend": "xla",
+            "batch": 1,
+            "spec": "-",
+            "host_ms": {},
+            "device_ms": 0.5,
+        }
+    ]
+
+
+def test_runs_on_cpu_and_keeps_a_failed_runs_error(tmp_path, load_script, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    bench = load_script("bench_switches")
+    out = tmp_path / "switches.md"
+    setting = "apart=backend.MLP_OUTPUT_IN_NEXT_NORM=0"
+    argv = ["--rounds", "1", "--setting", setting, "--out", str(out), "--"]
+    assert bench.main(argv + TINY + ["--prompt-len", "64"]) == 0
+    lines = [line for line in out.read_text().splitlines() if line.startswith("| 1 |")]
+    assert [line.split("|")[2].strip() for line in lines] == ["defaults", "apart"]
+    assert "backend.MLP_OUTPUT_IN_NEXT_NORM=0" in lines[1]
+    cells = [c.strip() for c in lines[1].strip("|").split("|")]
+    assert int(cells[5]) > 0 and float(cells[6]) > 0 and cells[9].endswith(" %")
+    assert "| apart | xla, 1, - |" in out.read_text()
+    # a prompt the engine refuses: every run fails, each with its error in the table
+    assert bench.main(argv + TINY + ["--prompt-len", "16"]) == 1
+    text = out.read_text()
+    assert text.count("failed (exit status 1)") == 2 and "must be a multiple of" in text
