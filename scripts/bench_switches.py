@@ -10,7 +10,10 @@ same round in every round, and whether it was shorter in all of them: the rule t
 dispatch constants in ``kernels/backend.py`` are set by (a switch goes on only where the
 step is shorter in every round, and ``scripts/check_kernels.py`` passes with it). A run
 that fails is a line of the table with its exit status and the end of its error output;
-the script then exits 1.
+the script then exits 1. With ``--checks NAMES`` every setting first runs
+``scripts/check_kernels.py --checks NAMES`` with its switches (``--check-args`` adds to
+that command, e.g. ``--check-args=--smoke`` on a CPU), and the verdict says whether the
+check passed.
 
 Every run gets ``--profile`` (a folder of its own under ``--profile-root``): the device
 step is the median span of a step's kernels, which on a GPU needs XLA's command buffers on
@@ -30,6 +33,7 @@ import argparse
 import ast
 import dataclasses
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -65,6 +69,15 @@ class Run:
     rows: list[dict]
     error: str = ""
     seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class Check:
+    """``check_kernels.py`` run with one setting's switches: its exit status, and the end
+    of its output where it failed."""
+
+    returncode: int
+    error: str = ""
 
 
 def parse_setting(text: str) -> Setting:
@@ -116,6 +129,18 @@ def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path,
     return Run(round_, setting, 0, engine_rows(done.stdout), "", seconds)
 
 
+def check_one(setting: Setting, checks: str, extra: list[str], timeout: float) -> Check:
+    command = [sys.executable, str(SCRIPTS / "check_kernels.py"), "--checks", checks, *extra]
+    for item in setting.switches:
+        command += ["--kernel-switch", item]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Check(-1, f"timed out after {timeout:.0f} s")
+    output = done.stdout + done.stderr
+    return Check(done.returncode, "" if done.returncode == 0 else output[-ERROR_TAIL:])
+
+
 def row_key(row: dict) -> tuple:
     return row["backend"], row["batch"], row["spec"]
 
@@ -146,7 +171,9 @@ def compare(runs: list[Run]) -> dict[tuple[str, tuple], dict]:
     return out
 
 
-def table(runs: list[Run], header: str) -> str:
+def table(runs: list[Run], header: str, checks: dict[str, Check] | None = None) -> str:
+    """The runs' lines and, per setting and row, the verdict; ``checks``: each setting's
+    ``check_kernels.py`` run (a column of the verdict, and the failed ones' output)."""
     lines = [
         header,
         "",
@@ -171,16 +198,24 @@ def table(runs: list[Run], header: str) -> str:
             )
     verdicts = compare(runs)
     if verdicts:
+        check_head, check_rule = ("| check passed ", "---|") if checks is not None else ("", "")
         lines += [
             "",
             "| setting | backend, batch, spec | device step against the defaults, us, each round "
-            "| shorter in every round |",
-            "|---|---|---|---|",
+            "| shorter in every round " + check_head + "|",
+            "|---|---|---|---|" + check_rule,
         ]
         for (name, key), entry in verdicts.items():
             deltas = ", ".join(f"{1e3 * d:+.1f}" for _, d in sorted(entry["deltas"].items()))
             yes = "yes" if entry["shorter"] else "no"
-            lines.append(f"| {name} | {', '.join(map(str, key))} | {deltas} | {yes} |")
+            cell = ""
+            if checks is not None:
+                cell = " yes |" if checks[name].returncode == 0 else " no |"
+            lines.append(f"| {name} | {', '.join(map(str, key))} | {deltas} | {yes} |{cell}")
+    for name, check in (checks or {}).items():
+        if check.returncode != 0:
+            error = " ".join(check.error.split())
+            lines += ["", f"check_kernels.py with {name} (exit status {check.returncode}): {error}"]
     return "\n".join(lines) + "\n"
 
 
@@ -202,6 +237,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--profile-root", type=Path, default=None, help="default: a temp dir")
     parser.add_argument("--out", type=Path, default=Path("bench_switches.md"))
+    parser.add_argument(
+        "--checks",
+        default=None,
+        metavar="NAMES",
+        help="run scripts/check_kernels.py --checks NAMES with each setting first",
+    )
+    parser.add_argument(
+        "--check-args",
+        default="",
+        help="more arguments of that command (e.g. --check-args=--smoke)",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be at least 1")
@@ -219,6 +265,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     runs: list[Run] = []
+    checks = None
+    if args.checks:
+        extra = shlex.split(args.check_args)
+        checks = {}
+        for setting in args.settings:
+            checks[setting.name] = check_one(setting, args.checks, extra, args.timeout)
+            verdict = "passed" if checks[setting.name].returncode == 0 else "failed"
+            print(f"check_kernels.py --checks {args.checks}, {setting.name}: {verdict}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.profile_root or Path(tmp)
         todo = plan(args.settings, args.rounds)
@@ -237,10 +291,11 @@ def main(argv=None) -> int:
         f"(each run with --profile), {args.rounds} round(s), settings in turn; device step: "
         "the median span of a step's kernels."
     )
-    text = table(runs, header)
+    text = table(runs, header, checks)
     args.out.write_text(text)
     print(text)
-    return 0 if all(r.returncode == 0 for r in runs) else 1
+    checked = checks is None or all(c.returncode == 0 for c in checks.values())
+    return 0 if checked and all(r.returncode == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -99,15 +99,73 @@ def test_runs_on_cpu_and_keeps_a_failed_runs_error(tmp_path, load_script, monkey
     bench = load_script("bench_switches")
     out = tmp_path / "switches.md"
     setting = "apart=backend.MLP_OUTPUT_IN_NEXT_NORM=0"
-    argv = ["--rounds", "1", "--setting", setting, "--out", str(out), "--"]
-    assert bench.main(argv + TINY + ["--prompt-len", "64"]) == 0
+    argv = ["--rounds", "1", "--setting", setting, "--out", str(out)]
+    checked = argv + ["--checks", "residual_norm", "--check-args=--smoke", "--"]
+    assert bench.main(checked + TINY + ["--prompt-len", "64"]) == 0
+    argv.append("--")
     lines = [line for line in out.read_text().splitlines() if line.startswith("| 1 |")]
     assert [line.split("|")[2].strip() for line in lines] == ["defaults", "apart"]
     assert "backend.MLP_OUTPUT_IN_NEXT_NORM=0" in lines[1]
     cells = [c.strip() for c in lines[1].strip("|").split("|")]
     assert int(cells[5]) > 0 and float(cells[6]) > 0 and cells[9].endswith(" %")
-    assert "| apart | xla, 1, - |" in out.read_text()
+    verdict = [line for line in out.read_text().splitlines() if line.startswith("| apart |")]
+    assert len(verdict) == 1 and verdict[0].endswith("| yes |"), verdict  # the check passed
     # a prompt the engine refuses: every run fails, each with its error in the table
     assert bench.main(argv + TINY + ["--prompt-len", "16"]) == 1
     text = out.read_text()
     assert text.count("failed (exit status 1)") == 2 and "must be a multiple of" in text
+
+
+def test_the_verdict_says_whether_each_settings_check_passed(tmp_path, load_script, monkeypatch):
+    """With ``--checks`` every setting's ``check_kernels.py`` runs first with its switches
+    and the extra arguments; a failed check is a "no" in the verdict, its output follows
+    the table, and the script exits 1 though every run succeeded."""
+    bench = load_script("bench_switches")
+    calls = []
+
+    def check_one(setting, checks, extra, timeout):
+        calls.append((setting.name, setting.switches, checks, extra))
+        return (
+            bench.Check(1, "| moe | 1 token | FAILED: 3e-1 |")
+            if setting.name == "b"
+            else bench.Check(0)
+        )
+
+    def run_one(round_, setting, bench_args, profile, timeout):
+        return bench.Run(round_, setting, 0, [_row(1, 0.9 if setting.name != "defaults" else 1.0)])
+
+    monkeypatch.setattr(bench, "check_one", check_one)
+    monkeypatch.setattr(bench, "run_one", run_one)
+    out = tmp_path / "t.md"
+    argv = ["--setting", "a=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1", "--out", str(out)]
+    argv += ["--setting", "b=backend.MOE_ROUTE_IN_UP_MAX_TOKENS=0"]
+    assert bench.main(argv + ["--checks", "moe", "--check-args=--smoke"]) == 1
+    text = out.read_text()
+    assert calls == [
+        ("a", ("backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1",), "moe", ["--smoke"]),
+        ("b", ("backend.MOE_ROUTE_IN_UP_MAX_TOKENS=0",), "moe", ["--smoke"]),
+    ]
+    assert "| a | pallas, 1, - | -100.0, -100.0 | yes | yes |" in text
+    assert "| b | pallas, 1, - | -100.0, -100.0 | yes | no |" in text
+    assert "check_kernels.py with b (exit status 1): | moe | 1 token | FAILED" in text
+
+
+def test_a_check_runs_check_kernels_with_the_settings_switches(load_script, monkeypatch):
+    bench = load_script("bench_switches")
+    seen = []
+
+    def run(command, **kwargs):
+        seen.append(command[1:])
+        return bench.subprocess.CompletedProcess(command, 1, "| moe | x | FAILED |", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    setting = bench.Setting("a", ("backend.X=1", "backend.Y=0"))
+    got = bench.check_one(setting, "moe,residual_norm", ["--smoke"], 10.0)
+    assert got == bench.Check(1, "| moe | x | FAILED |")
+    assert seen == [
+        [
+            str(bench.SCRIPTS / "check_kernels.py"),
+            "--checks", "moe,residual_norm", "--smoke",
+            "--kernel-switch", "backend.X=1", "--kernel-switch", "backend.Y=0",
+        ]
+    ]  # fmt: skip
