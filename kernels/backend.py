@@ -602,6 +602,15 @@ def state_copy(
     return _pallas_state_copy(*args, interpret=interpret, **tiles)
 
 
+def moe_launch_params(down_in_up: bool) -> dict[str, int]:
+    """The warps and pipeline stages ``moe_launch`` compiles its form with: the folded
+    launch's own (``MOE_DOWN_IN_UP_NUM_WARPS``, ``_NUM_STAGES``), else
+    ``DEFAULT_MOE_TILES``'."""
+    if down_in_up:
+        return {"num_warps": MOE_DOWN_IN_UP_NUM_WARPS, "num_stages": MOE_DOWN_IN_UP_NUM_STAGES}
+    return {key: DEFAULT_MOE_TILES[key] for key in ("num_warps", "num_stages")}
+
+
 def moe_launch(
     num_tokens: int, up: jax.Array, down: jax.Array, interpret: bool = False, **tiles: Any
 ) -> dict[str, Any] | None:
@@ -620,15 +629,14 @@ def moe_launch(
     block_inner = defaults["block_inner"]
     block_out = defaults["block_out"] // (1 if num_tokens >= MOE_WIDE_OUT_TOKENS else 2)
     down_in_up = tiles.pop("down_in_up", num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS)
-    block_k, warps, stages = defaults["block_k"], defaults["num_warps"], defaults["num_stages"]
+    block_k = defaults["block_k"]
     if down_in_up:
         block_inner, block_out = MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT
-        block_k, warps = MOE_DOWN_IN_UP_BLOCK_K, MOE_DOWN_IN_UP_NUM_WARPS
-        stages = MOE_DOWN_IN_UP_NUM_STAGES
+        block_k = MOE_DOWN_IN_UP_BLOCK_K
     tiles.setdefault("block_inner", fitted_tile(inner, block_inner))
     tiles.setdefault("block_out", fitted_tile(out_width, block_out))
     tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), block_k))
-    params = pallas_compiler_params(num_warps=warps, num_stages=stages)
+    params = pallas_compiler_params(**moe_launch_params(down_in_up))
     options = _pallas_options(interpret, params)
     if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
         return None  # widths with no power-of-two tile Triton's dots take

@@ -62,8 +62,12 @@ from lazyspec.bench.kernel_timing import (
 )
 from lazyspec.bench.origin import code_line
 from lazyspec.bench.switches import add_switch_argument, apply_switches
-from lazyspec.kernels import backend
-from lazyspec.kernels.backend import DEFAULT_MOE_TILES, moe_launch, pallas_compiler_params
+from lazyspec.kernels.backend import (
+    DEFAULT_MOE_TILES,
+    moe_launch,
+    moe_launch_params,
+    pallas_compiler_params,
+)
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.models.layers.moe import grouped_experts
 
@@ -167,17 +171,6 @@ def kernel(x, weights, ids, stacks, tiles, interpret=False):
     )
 
 
-def launch_params(launch: dict) -> dict:
-    """The warps and stages ``moe_launch`` compiles the dispatch's form with (the folded
-    form has its own constants)."""
-    if launch["down_in_up"]:
-        return {
-            "num_warps": backend.MOE_DOWN_IN_UP_NUM_WARPS,
-            "num_stages": backend.MOE_DOWN_IN_UP_NUM_STAGES,
-        }
-    return {k: DEFAULT_MOE_TILES[k] for k in ("num_warps", "num_stages")}
-
-
 def make_inputs(width: Width, num_tokens: int, seed: int = 0):
     """x [N, d] bf16, routings (weights [R, N, k], ids [R, N, k]) and the bf16 stacks."""
     rng = np.random.default_rng(seed)
@@ -260,7 +253,8 @@ def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
             launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret)
             if launch is None:
                 continue  # the dispatch runs the XLA form at this count
-            tiles = {k: launch[k] for k in TILE_KEYS if launch.get(k)} | launch_params(launch)
+            tiles = {k: launch[k] for k in TILE_KEYS if launch.get(k)}
+            tiles |= moe_launch_params(launch["down_in_up"])
         impls.append(
             ("pallas", functools.partial(kernel, tiles=tiles, interpret=opts.interpret), tiles)
         )
