@@ -557,6 +557,18 @@ def _up_tile(
     cols = pl.ds(inner_tile * block_inner, block_inner)
     dtype = pairs[0][0].dtype
 
+    def write_partials(part_of):
+        """This program's partial rows, ``part_of(chunk)`` a ``block_out``-column chunk at
+        a time (rows past the tokens masked out)."""
+        rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0) < num_tokens
+
+        def step(j, carry):
+            chunk = pl.ds(j * block_out, block_out)
+            pallas_triton.store(out_ref.at[tile, inner_tile, :, chunk], part_of(chunk), mask=rows)
+            return carry
+
+        jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, step, 0)
+
     def compute(load):
         def step(i, accs):
             chunk = pl.ds(i * block_k, block_k)
@@ -578,31 +590,12 @@ def _up_tile(
         if down is None:
             out_ref[...] = h
             return
-        rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0) < num_tokens
-
-        def down_step(j, carry):
-            chunk = pl.ds(j * block_out, block_out)
-            part = _dot(h, load(down, cols, chunk)) * row_weight[:, None]
-            pallas_triton.store(out_ref.at[tile, inner_tile, :, chunk], part, mask=rows)
-            return carry
-
-        jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, down_step, 0)
+        write_partials(lambda chunk: _dot(h, load(down, cols, chunk)) * row_weight[:, None])
 
     _by_expert(expert, shared_expert, compute)
-    if down is None or not zero_unused:
-        return
-
-    @pl.when(expert == UNUSED_TILE)
-    def _():
-        rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0) < num_tokens
+    if down is not None and zero_unused:
         zeros = jnp.zeros((block_rows, block_out), jnp.float32)
-
-        def zero_step(j, carry):
-            chunk = pl.ds(j * block_out, block_out)
-            pallas_triton.store(out_ref.at[tile, inner_tile, :, chunk], zeros, mask=rows)
-            return carry
-
-        jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, zero_step, 0)
+        pl.when(expert == UNUSED_TILE)(lambda: write_partials(lambda chunk: zeros))
 
 
 def _down_kernel(tile_expert_ref, h_ref, *refs, block_out, block_k, shared_expert):

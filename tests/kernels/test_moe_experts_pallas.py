@@ -424,11 +424,14 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
             found = text.lower().count("triton")
             assert found >= launches, (num_tokens, num_experts, route_in_up, found)
     # the down product in the up launch at the dispatch's tiles and the wider ones its
-    # switches take (MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT)
-    for block_inner, block_out in ((64, 256), (128, 128), (128, 256)):
+    # switches take (MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT), and with the
+    # unused tiles' zeros written (MOE_DOWN_IN_UP_ZERO_UNUSED)
+    folds = ((64, 256, False), (128, 128, False), (128, 256, False), (64, 256, True))
+    for block_inner, block_out, zero in folds:
         folded = {"down_in_up": True, "block_inner": block_inner, "block_out": block_out}
+        folded["zero_unused"] = zero
         text = lower_for_cuda(lambda *a, f=folded: run(*a, **f), *two_tokens)
-        assert text.lower().count("triton") == 1, (block_inner, block_out)
+        assert text.lower().count("triton") == 1, (block_inner, block_out, zero)
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),
