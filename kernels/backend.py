@@ -142,6 +142,8 @@ MOE_WIDE_OUT_TOKENS = 16
 # compiled whatever these say. Timed in the engine on an H100 (BENCHMARKS, "folded MoE
 # launches"): at batch 1 the three below shorten the step's device span by 1.5 % in three
 # rounds; routing in up at 8 tokens lengthens it by 2 %, so each stops at the tokens timed.
+# Re-read on an H100 with the later defaults (BENCHMARKS.md, 2026-12-05, sixth): both folds
+# off, 19-20 us longer in two rounds; the routing alone apart, 1-2 us longer.
 # MOE_ROUTE_IN_UP_MAX_TOKENS: up to this many tokens, where the kernel picks the tokens'
 # experts from the router's logits, it does so inside the up launch (every program routing
 # the tokens itself) rather than in a launch of its own before it, one launch fewer a MoE
@@ -169,7 +171,8 @@ MOE_DOWN_IN_UP_NUM_STAGES = 3
 # The folded launch's unused tiles write zero partials and the partials are summed unmasked
 # (``moe_experts_pallas(zero_unused=True)``): in an H200 profile of a batch-1 step the mask
 # ran as a launch of its own before the sum, 2.7-3.1 us a MoE layer (BENCHMARKS.md,
-# 2026-12-05, fifth). Off until timed.
+# 2026-12-05, fifth). Off: on an H100 the step ran the same kernels (the mask there is part
+# of the sum's fusion) and 10 us longer in two rounds (BENCHMARKS.md, 2026-12-05, sixth).
 MOE_DOWN_IN_UP_ZERO_UNUSED = False
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
@@ -222,6 +225,16 @@ GDN_NORM_IN_UPDATE_WARPS = 8
 # a program per token and router tile, each normalising its token's whole row).
 RESIDUAL_NORM_BLOCK_EXPERTS = 4
 RESIDUAL_NORM_NUM_WARPS = 4
+# Up to RESIDUAL_NORM_FEW_TOKENS tokens the launch takes RESIDUAL_NORM_FEW_BLOCK_EXPERTS
+# router rows a program and RESIDUAL_NORM_FEW_NUM_WARPS warps instead: a router row a
+# program, so a few tokens' logits are spread over as many programs as the router has rows.
+# On an H100 (BENCHMARKS.md, 2026-12-05, sixth), one row and 8 warps for every launch
+# shortened the step by 13-15 us at batch 1 (launches of 2 rows) and 8-11 us at batch 16
+# (16 rows) and lengthened it by 63 us at batch 64 (64 rows); with the tile by token count,
+# 19 us shorter at batch 1 (one round) and 4-6 us at batch 16 (two of three rounds).
+RESIDUAL_NORM_FEW_TOKENS = 16
+RESIDUAL_NORM_FEW_BLOCK_EXPERTS = 1
+RESIDUAL_NORM_FEW_NUM_WARPS = 8
 
 
 def norms_gdn_output(update: Any, num_tokens: int) -> bool:
@@ -721,6 +734,19 @@ def residual_norm_fits(num_tokens: int, num_experts: int | None) -> bool:
     )
 
 
+def residual_norm_tiles(num_tokens: int) -> dict[str, int]:
+    """The residual-norm launch's router rows a program and warps at ``num_tokens``
+    tokens: ``RESIDUAL_NORM_FEW_*`` up to ``RESIDUAL_NORM_FEW_TOKENS`` tokens, else
+    ``RESIDUAL_NORM_BLOCK_EXPERTS`` and ``RESIDUAL_NORM_NUM_WARPS`` (read when called, so
+    that a benchmark's ``--kernel-switch`` sets them)."""
+    if num_tokens <= RESIDUAL_NORM_FEW_TOKENS:
+        return {
+            "block_experts": RESIDUAL_NORM_FEW_BLOCK_EXPERTS,
+            "num_warps": RESIDUAL_NORM_FEW_NUM_WARPS,
+        }
+    return {"block_experts": RESIDUAL_NORM_BLOCK_EXPERTS, "num_warps": RESIDUAL_NORM_NUM_WARPS}
+
+
 def _pallas_residual_norm(
     x: jax.Array,
     delta: jax.Array | None,
@@ -734,19 +760,14 @@ def _pallas_residual_norm(
     interpret: bool = False,
     **tiles: Any,
 ) -> ResidualNorm:
-    """``residual_norm_pallas`` with ``RESIDUAL_NORM_BLOCK_EXPERTS`` router rows a program
-    and ``RESIDUAL_NORM_NUM_WARPS`` warps (``tiles`` overrides them) up to
-    ``RESIDUAL_NORM_MAX_TOKENS`` tokens (and, with a router, tokens times experts up to
-    ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``); else, or where a compiled launch would need a row
-    that is not a power of two wide (Triton), ``xla_form()``, the caller's ops with the
-    same contract."""
-    tiles = {
-        "block_experts": RESIDUAL_NORM_BLOCK_EXPERTS,
-        "num_warps": RESIDUAL_NORM_NUM_WARPS,
-        **tiles,
-    }
-    options = _pallas_options(interpret, None, tiles.pop("num_warps"))
+    """``residual_norm_pallas`` with ``residual_norm_tiles``' router rows a program and
+    warps (``tiles`` overrides them) up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens (and, with a
+    router, tokens times experts up to ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``); else, or where
+    a compiled launch would need a row that is not a power of two wide (Triton),
+    ``xla_form()``, the caller's ops with the same contract."""
     (num_tokens, width), experts = x.shape, None if router is None else router.shape[0]
+    tiles = {**residual_norm_tiles(num_tokens), **tiles}
+    options = _pallas_options(interpret, None, tiles.pop("num_warps"))
     fits = residual_norm_fits(num_tokens, experts)
     if not fits or not (options["interpret"] or powers_of_two(width)):
         return xla_form()

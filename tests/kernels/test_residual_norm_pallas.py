@@ -133,8 +133,10 @@ def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
 
 def test_dispatch_takes_the_router_tile_it_is_set_to(monkeypatch):
     """The launch's router rows a program are ``RESIDUAL_NORM_BLOCK_EXPERTS`` (fitted to
-    the router), read when the call is made, so a benchmark's ``--kernel-switch`` sets
-    them; the warps likewise (``RESIDUAL_NORM_NUM_WARPS``)."""
+    the router), and up to ``RESIDUAL_NORM_FEW_TOKENS`` tokens
+    ``RESIDUAL_NORM_FEW_BLOCK_EXPERTS``, read when the call is made, so a benchmark's
+    ``--kernel-switch`` sets them; the warps likewise (``RESIDUAL_NORM_NUM_WARPS``,
+    ``RESIDUAL_NORM_FEW_NUM_WARPS``)."""
     seen = []
 
     def recorder(*args, block_experts, **options):
@@ -149,11 +151,21 @@ def test_dispatch_takes_the_router_tile_it_is_set_to(monkeypatch):
     monkeypatch.setattr(backend, "_pallas_options", options)
     x, delta, weight, router = _case(np.random.default_rng(2), 2, 32, 8)
     fused = backend.kernels_for("pallas", "cpu").residual_norm
-    for block, warps, want in ((1, 2, 1), (16, 8, 8), (4, 4, 4)):
+    monkeypatch.setattr(backend, "RESIDUAL_NORM_FEW_BLOCK_EXPERTS", 2)
+    monkeypatch.setattr(backend, "RESIDUAL_NORM_FEW_NUM_WARPS", 1)
+    # (few tokens, block, warps) -> the launch's (warps, block), at two tokens of 8 experts
+    cases = {
+        (1, 1, 2): (2, 1),
+        (1, 16, 8): (8, 8),  # 16 fitted to 8 experts
+        (2, 4, 4): (1, 2),  # two tokens are few: the few tokens' tile
+        (4, 16, 8): (1, 2),
+    }
+    for (few_tokens, block, warps), (want_warps, want) in cases.items():
+        monkeypatch.setattr(backend, "RESIDUAL_NORM_FEW_TOKENS", few_tokens)
         monkeypatch.setattr(backend, "RESIDUAL_NORM_BLOCK_EXPERTS", block)
         monkeypatch.setattr(backend, "RESIDUAL_NORM_NUM_WARPS", warps)
         seen.clear()
         got = fused(x, delta, weight, router, eps=1e-6, xla_form=None)
-        assert seen == [("warps", warps), want], (block, seen)  # 16 fitted to 8 experts
+        assert seen == [("warps", want_warps), want], (few_tokens, block, seen)
         ref = residual_rms_norm(x, delta, weight, router, eps=1e-6)
         np.testing.assert_allclose(np.asarray(got.logits), np.asarray(ref.logits), rtol=1e-5)
