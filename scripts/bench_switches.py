@@ -13,7 +13,10 @@ that fails is a line of the table with its exit status and the end of its error 
 the script then exits 1. With ``--checks NAMES`` every setting first runs
 ``scripts/check_kernels.py --checks NAMES`` with its switches (``--check-args`` adds to
 that command, e.g. ``--check-args=--smoke`` on a CPU), and the verdict says whether the
-check passed.
+check passed. A setting's item that starts with ``--xla_`` is an XLA flag rather than a
+constant: that setting's processes get it appended to ``XLA_FLAGS`` (a compiler option
+timed the same way, e.g. cuBLAS for XLA's GEMMs). The table is written after every run, so
+a call stopped part way keeps the runs it made.
 
 Every run gets ``--profile`` (a folder of its own under ``--profile-root``): the device
 step is the median span of a step's kernels, which on a GPU needs XLA's command buffers on
@@ -23,6 +26,7 @@ step is the median span of a step's kernels, which on a GPU needs XLA's command 
     python scripts/bench_switches.py --rounds 2 \\
         --setting zero=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1 \\
         --setting unfolded=backend.MOE_ROUTE_IN_UP_MAX_TOKENS=0,backend.MOE_DOWN_IN_UP_MAX_TOKENS=0
+    python scripts/bench_switches.py --rounds 2 --setting cublas=--xla_gpu_enable_triton_gemm=false
     python scripts/bench_switches.py --rounds 1 --setting apart=backend.MLP_OUTPUT_IN_NEXT_NORM=0 \\
         -- --preset tiny --backends xla --batches 1 --prompt-len 64 --output-len 4   # CPU smoke
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import os
 import re
 import shlex
 import subprocess
@@ -49,14 +54,29 @@ DEFAULT_BENCH_ARGS = (
     "--context", "1024", "--decode-steps", "2",
 )  # fmt: skip
 ERROR_TAIL = 2000  # characters of a failed run's error output kept in the table
+XLA_FLAG_PREFIX = "--xla_"
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """A name and the ``--kernel-switch`` items of one setting (none: the defaults)."""
+    """A name, the ``--kernel-switch`` items of one setting and the XLA flags its processes
+    add to ``XLA_FLAGS`` (none of either: the defaults)."""
 
     name: str
     switches: tuple[str, ...] = ()
+    xla_flags: tuple[str, ...] = ()
+
+    def items(self) -> tuple[str, ...]:
+        """The setting as given: its switches, then its XLA flags."""
+        return self.switches + self.xla_flags
+
+    def env(self) -> dict[str, str] | None:
+        """The environment of this setting's processes: this one's with the XLA flags
+        appended to ``XLA_FLAGS``, or None (inherit it) where it has none."""
+        if not self.xla_flags:
+            return None
+        flags = " ".join([os.environ.get("XLA_FLAGS", ""), *self.xla_flags]).strip()
+        return {**os.environ, "XLA_FLAGS": flags}
 
 
 @dataclasses.dataclass
@@ -81,18 +101,24 @@ class Check:
 
 
 def parse_setting(text: str) -> Setting:
-    """``NAME=MODULE.NAME=INT[,MODULE.NAME=INT...]``; SystemExit names what is wrong."""
+    """``NAME=ITEM[,ITEM...]``, an item ``MODULE.NAME=INT`` (a dispatch constant) or an XLA
+    flag (``--xla_...``); SystemExit names what is wrong."""
     name, sep, rest = text.partition("=")
     if not sep or not name or not rest:
         raise SystemExit(f"--setting {text!r}: expected NAME=MODULE.NAME=INT[,...]")
     if name == DEFAULTS:
         raise SystemExit(f"--setting {text!r}: {DEFAULTS!r} is the baseline every round runs")
-    switches = tuple(rest.split(","))
+    items = rest.split(",")
+    flags = tuple(item for item in items if item.startswith(XLA_FLAG_PREFIX))
+    switches = tuple(item for item in items if not item.startswith(XLA_FLAG_PREFIX))
+    for flag in flags:
+        if len(flag) == len(XLA_FLAG_PREFIX) or any(c.isspace() for c in flag):
+            raise SystemExit(f"--setting {text!r}: {flag!r} is not one XLA flag")
     try:  # before any run: a name that is no constant fails here, not in every process
         check_switches(list(switches))
     except ValueError as exc:
         raise SystemExit(f"--setting {text!r}: {exc}") from None
-    return Setting(name, switches)
+    return Setting(name, switches, flags)
 
 
 def plan(settings: list[Setting], rounds: int) -> list[tuple[int, Setting]]:
@@ -119,7 +145,9 @@ def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path,
         command += ["--kernel-switch", item]
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=setting.env()
+        )
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
         return Run(round_, setting, -1, [], f"timed out after {timeout:.0f} s\n{err}"[-ERROR_TAIL:])
@@ -134,7 +162,9 @@ def check_one(setting: Setting, checks: str, extra: list[str], timeout: float) -
     for item in setting.switches:
         command += ["--kernel-switch", item]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=setting.env()
+        )
     except subprocess.TimeoutExpired:
         return Check(-1, f"timed out after {timeout:.0f} s")
     output = done.stdout + done.stderr
@@ -182,7 +212,7 @@ def table(runs: list[Run], header: str, checks: dict[str, Check] | None = None) 
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        switches = ", ".join(r.setting.switches) or "-"
+        switches = ", ".join(r.setting.items()) or "-"
         if r.returncode != 0:
             error = " ".join(r.error.split()).replace("|", "\\|")
             lines.append(
@@ -231,7 +261,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         required=True,
         metavar="NAME=MODULE.NAME=INT[,...]",
-        help="a setting timed against the defaults (repeatable)",
+        help="a setting timed against the defaults (repeatable); an item --xla_... is an XLA "
+        "flag added to the setting's XLA_FLAGS",
     )
     parser.add_argument("--rounds", type=int, default=2, help="runs of every setting, in turn")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take")
@@ -273,6 +304,11 @@ def main(argv=None) -> int:
             checks[setting.name] = check_one(setting, args.checks, extra, args.timeout)
             verdict = "passed" if checks[setting.name].returncode == 0 else "failed"
             print(f"check_kernels.py --checks {args.checks}, {setting.name}: {verdict}", flush=True)
+    header = (
+        f"# Switches against the defaults\n\nbench_engine.py {' '.join(args.bench_args)} "
+        f"(each run with --profile), {args.rounds} round(s), settings in turn; device step: "
+        "the median span of a step's kernels."
+    )
     with tempfile.TemporaryDirectory() as tmp:
         root = args.profile_root or Path(tmp)
         todo = plan(args.settings, args.rounds)
@@ -286,11 +322,7 @@ def main(argv=None) -> int:
                 f"[{i}/{len(todo)}] round {round_}, {setting.name}: {status} ({run.seconds:.0f} s)",
                 flush=True,
             )
-    header = (
-        f"# Switches against the defaults\n\nbench_engine.py {' '.join(args.bench_args)} "
-        f"(each run with --profile), {args.rounds} round(s), settings in turn; device step: "
-        "the median span of a step's kernels."
-    )
+            args.out.write_text(table(runs, header, checks))  # a stopped call keeps these
     text = table(runs, header, checks)
     args.out.write_text(text)
     print(text)

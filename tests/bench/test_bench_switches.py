@@ -169,3 +169,57 @@ def test_a_check_runs_check_kernels_with_the_settings_switches(load_script, monk
             "--kernel-switch", "backend.X=1", "--kernel-switch", "backend.Y=0",
         ]
     ]  # fmt: skip
+
+
+def test_an_xla_flag_item_goes_to_that_settings_xla_flags(load_script, monkeypatch):
+    """An item ``--xla_...`` is an XLA flag: the setting's runs and checks get it appended
+    to ``XLA_FLAGS``; the defaults' processes inherit the environment as it is."""
+    bench = load_script("bench_switches")
+    text = "cublas=--xla_gpu_enable_triton_gemm=false,backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1"
+    setting = bench.parse_setting(text)
+    assert setting.switches == ("backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1",)
+    assert setting.xla_flags == ("--xla_gpu_enable_triton_gemm=false",)
+    for bad in ("a=--xla_", "a=--xla_gpu_x=1 --xla_gpu_y=2"):
+        with pytest.raises(SystemExit, match="is not one XLA flag"):
+            bench.parse_setting(bad)
+    seen = []
+
+    def run(command, **kwargs):
+        env = kwargs.get("env")
+        seen.append(command[1].rsplit("/", 1)[-1] + ": " + str(env and env["XLA_FLAGS"]))
+        return bench.subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    for each in (setting, bench.Setting(bench.DEFAULTS)):
+        bench.run_one(1, each, [], bench.Path("p"), 1.0)
+        bench.check_one(each, "moe", [], 1.0)
+    both = "--xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false"
+    assert seen == [
+        f"bench_engine.py: {both}",
+        f"check_kernels.py: {both}",
+        "bench_engine.py: None",
+        "check_kernels.py: None",
+    ]
+    runs = [bench.Run(1, setting, 0, [_row(1, 1.0)])]
+    assert f"| 1 | cublas | {setting.switches[0]}, {setting.xla_flags[0]} |" in bench.table(
+        runs, "# t"
+    )
+
+
+def test_the_table_is_written_after_every_run(tmp_path, load_script, monkeypatch):
+    """A call stopped part way (a device's time limit) keeps the runs it made: the out
+    file holds every finished run before the next starts."""
+    bench = load_script("bench_switches")
+    out = tmp_path / "t.md"
+    seen = []
+
+    def run_one(round_, setting, bench_args, profile, timeout):
+        text = out.read_text() if out.exists() else ""
+        seen.append(sum(line.startswith(f"| {r} | ") for line in text.splitlines() for r in (1, 2)))
+        return bench.Run(round_, setting, 0, [_row(1, 1.0)])
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    argv = ["--setting", "a=backend.MOE_DOWN_IN_UP_ZERO_UNUSED=1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert seen == [0, 1, 2, 3]
