@@ -235,6 +235,14 @@ RESIDUAL_NORM_NUM_WARPS = 4
 RESIDUAL_NORM_FEW_TOKENS = 16
 RESIDUAL_NORM_FEW_BLOCK_EXPERTS = 1
 RESIDUAL_NORM_FEW_NUM_WARPS = 8
+# Qwen3-Next's mixers leave their output projection (the GDN layer's ``out_proj``, the
+# attention's ``o_proj``) as float32 partial sums over this many parts of its contraction,
+# one batched product (``linear.linear_parts``), and the residual-norm launch after it sums
+# them (``residual_norm_pallas``' partials): at a decode step XLA runs each such product as
+# a split-K GEMM and a reduction launch of its own (1.05 us, 8 a batch-1 step in an H200
+# profile, BENCHMARKS.md, 2026-12-05, fifth). Only where that launch runs
+# (``output_parts``). 0: off, not yet timed.
+OUTPUT_PARTS_IN_NORM = 0
 
 
 def norms_gdn_output(update: Any, num_tokens: int) -> bool:
@@ -244,6 +252,17 @@ def norms_gdn_output(update: Any, num_tokens: int) -> bool:
     traced, as the other dispatch constants are."""
     takes = bool(getattr(update, "takes_output_norm", False))
     return takes and num_tokens <= GDN_NORM_IN_UPDATE_MAX_TOKENS
+
+
+def output_parts(kernels: Any, num_tokens: int, num_experts: int | None) -> int:
+    """How many float32 partial sums a mixer's output projection leaves for the residual
+    norm after it (``OUTPUT_PARTS_IN_NORM``, read when the forward is traced), or 0 (one
+    product): 0 too where ``kernels`` has no residual-norm launch or it would not launch
+    for ``num_tokens`` tokens and a router of ``num_experts`` rows (``residual_norm_fits``),
+    where the partials would only add XLA's sum."""
+    if getattr(kernels, "residual_norm", None) is None:
+        return 0
+    return OUTPUT_PARTS_IN_NORM if residual_norm_fits(num_tokens, num_experts) else 0
 
 
 def adds_mlp_output_in_next_norm(kernels: Any) -> bool:

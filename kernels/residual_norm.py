@@ -1,26 +1,28 @@
 """The residual add, the RMSNorm after it and a MoE router's logits, in one Pallas launch.
 
 Contract. x and delta ``[N, d]`` (the residual stream and a sublayer's output, one dtype;
-delta may be None: x is normed as it is), ``weight [d]`` (the norm's scale: ``1 + weight``
-with ``zero_centered``, Qwen3-Next's convention), optionally ``router [E, d]`` (a MoE
-router, or any projection kept in a checkpoint's ``[out, in]`` layout, such as a GDN
-layer's ``in_proj_ba``). Returns ``ResidualNorm``: ``residual = x + delta`` (x itself
-without delta) and ``normed = rms_norm(residual)`` in x's dtype, and with a router its
-logits ``normed @ router.T`` summed in float32 and rounded to ``logits_dtype`` (float32:
-``layers.moe.router_logits``), else None. The reference is the model's own ops
-(``layers.norms.residual_rms_norm``), which XLA runs as two fusions and, for the logits, a
-split-K product and its reduction.
+delta may be None: x is normed as it is, or float32 ``[S, N, d]``: the output projection's
+partial sums over S parts of its contraction, which the launch sums in float32 and rounds
+to x's dtype, as the projection's own product would, before adding them), ``weight [d]``
+(the norm's scale: ``1 + weight`` with ``zero_centered``, Qwen3-Next's convention),
+optionally ``router [E, d]`` (a MoE router, or any projection kept in a checkpoint's
+``[out, in]`` layout, such as a GDN layer's ``in_proj_ba``). Returns ``ResidualNorm``:
+``residual = x + delta`` (x itself without delta) and ``normed = rms_norm(residual)`` in
+x's dtype, and with a router its logits ``normed @ router.T`` summed in float32 and
+rounded to ``logits_dtype`` (float32: ``layers.moe.router_logits``), else None. The
+reference is the model's own ops (``layers.norms.residual_rms_norm``), which XLA runs as
+two fusions and, for the logits, a split-K product and its reduction.
 
 Kernel: grid ``(token, expert tile)``. Every program reads its token's row of x and delta
-(``d`` wide) and, with a router, its ``block_experts`` rows of it, all in one round of
-loads; forms the residual rounded to x's dtype, the normed row (float32 statistics, rounded
-to x's dtype as the model rounds it) and the sums of its products with those columns in
-float32. Program ``(n, 0)`` writes the residual and the normed row. The router's rows are
-contiguous, so a program's loads are whole cache lines: on an H200, programs reading
-``[d, E]`` columns (32 or 8 bytes of each 128-byte row) took 10 us (16 columns in eight
-dependent chunks) and 6 us (4 columns at once) a layer at one token. The logits'
-summation order differs from XLA's product, so they agree to float32 rounding, not bit for
-bit.
+(``d`` wide; of partial sums, the token's row of every part) and, with a router, its
+``block_experts`` rows of it, all in one round of loads; forms the residual rounded to x's
+dtype, the normed row (float32 statistics, rounded to x's dtype as the model rounds it) and
+the sums of its products with those columns in float32. Program ``(n, 0)`` writes the
+residual and the normed row. The router's rows are contiguous, so a program's loads are
+whole cache lines: on an H200, programs reading ``[d, E]`` columns (32 or 8 bytes of each
+128-byte row) took 10 us (16 columns in eight dependent chunks) and 6 us (4 columns at once)
+a layer at one token. The logits' summation order differs from XLA's product, so they agree
+to float32 rounding, not bit for bit.
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
 lowering (``d`` and ``block_experts`` powers of two; a decode step's token counts, since
@@ -48,9 +50,30 @@ class ResidualNorm(NamedTuple):
     logits: jax.Array | None
 
 
+def is_partials(x: jax.Array, delta: jax.Array | None) -> bool:
+    """Whether ``delta`` is partial sums ``[S, *x.shape]`` (float32) rather than x's shape."""
+    return delta is not None and delta.ndim == x.ndim + 1
+
+
+def summed(x: jax.Array, delta: jax.Array | None) -> jax.Array | None:
+    """``delta`` as x's shape and dtype: partial sums (``is_partials``) summed in float32
+    and rounded; else as it is."""
+    if not is_partials(x, delta):
+        return delta
+    return jnp.sum(delta, axis=0, dtype=jnp.float32).astype(x.dtype)
+
+
 def _check(
     x: jax.Array, delta: jax.Array | None, weight: jax.Array, router: jax.Array | None
 ) -> None:
+    if is_partials(x, delta):
+        parts = delta.shape[0]
+        if delta.shape[1:] != x.shape or delta.dtype != jnp.float32 or parts & (parts - 1):
+            raise ValueError(
+                f"partial sums {delta.shape} {delta.dtype} must be float32 [S, *{x.shape}], "
+                "S a power of two"
+            )
+        delta = x
     delta = x if delta is None else delta
     if x.ndim != 2 or delta.shape != x.shape or delta.dtype != x.dtype:
         raise ValueError(
@@ -70,7 +93,7 @@ def norm_scale(weight: jax.Array, zero_centered: bool) -> jax.Array:
     return 1.0 + scale if zero_centered else scale
 
 
-def _kernel(*refs, eps, zero_centered, with_delta, with_router):
+def _kernel(*refs, eps, zero_centered, with_delta, with_router, partials):
     refs = list(refs)
     x_ref = refs.pop(0)
     delta_ref = refs.pop(0) if with_delta else None
@@ -81,7 +104,11 @@ def _kernel(*refs, eps, zero_centered, with_delta, with_router):
     dtype = normed_ref.dtype
     row = x_ref[0, :].astype(jnp.float32)
     if with_delta:
-        row = (row + delta_ref[0, :].astype(jnp.float32)).astype(dtype).astype(jnp.float32)
+        if partials:  # the product's parts summed in float32, rounded as its output is
+            delta = jnp.sum(delta_ref[:, 0, :], axis=0).astype(dtype)
+        else:
+            delta = delta_ref[0, :]
+        row = (row + delta.astype(jnp.float32)).astype(dtype).astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(row * row) + eps)  # the residual rounded as ``x + delta``
     normed = (row * inv * norm_scale(weight_ref[...], zero_centered)).astype(dtype)
 
@@ -117,7 +144,11 @@ def residual_norm_pallas(
     num_tokens, width = x.shape
     with_router, with_delta = router is not None, delta is not None
     row = pl.BlockSpec((1, width), lambda n, j: (n, 0))
-    in_specs = [row] * (1 + with_delta) + [pl.BlockSpec((width,), lambda n, j: (0,))]
+    partials = is_partials(x, delta)
+    delta_spec = row
+    if partials:  # every part's row of the token
+        delta_spec = pl.BlockSpec((delta.shape[0], 1, width), lambda n, j: (0, n, 0))
+    in_specs = [row] + [delta_spec] * with_delta + [pl.BlockSpec((width,), lambda n, j: (0,))]
     args = [x, delta, weight] if with_delta else [x, weight]
     out_specs = [row] * (1 + with_delta)
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)] * (1 + with_delta)
@@ -137,6 +168,7 @@ def residual_norm_pallas(
         zero_centered=zero_centered,
         with_delta=with_delta,
         with_router=with_router,
+        partials=partials,
     )
     outs = pl.pallas_call(
         kernel,

@@ -317,6 +317,28 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
                 errs.append(relative_error(got.logits, h @ w.T))
                 ok = ok and errs[2] <= LOGIT_TOL
             rows.append(("residual_norm", shape, result(ok, errs)))
+    # the output projection's float32 partial sums as the delta (backend.output_parts)
+    num_experts, parts = expert_counts[0], 4
+    router = rng.standard_normal((num_experts, hidden)) * hidden**-0.5
+    router = jnp.asarray(router, jnp.bfloat16)
+    for num_tokens in token_counts:
+        shape = f"{num_tokens} tokens, {num_experts} experts, {parts} float32 parts"
+        if not backend.residual_norm_fits(num_tokens, num_experts):
+            rows.append(("residual_norm", shape, NOT_LAUNCHED))
+            continue
+        x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+        delta = jnp.asarray(rng.standard_normal((parts, num_tokens, hidden)), jnp.float32)
+        weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
+        got = got_of(x, delta, weight, router)
+        want = want_of(x, jnp.sum(delta, 0).astype(x.dtype), weight, router)
+        h, w = (np.asarray(a, np.float64) for a in (got.normed, router))
+        errs = [
+            relative_error(got.residual, want.residual),  # the parts' sum rounded: 1 ulp apart
+            relative_error(got.normed, want.normed),
+            relative_error(got.logits, h @ w.T),
+        ]
+        ok = errs[0] <= NORM_TOL and errs[1] <= NORM_TOL and errs[2] <= LOGIT_TOL
+        rows.append(("residual_norm", shape, result(ok, errs)))
     # a GDN layer's input norm with in_proj_ba ([2 * Hv, hidden]) as the router, no delta
     gates = jnp.asarray(rng.standard_normal((2 * widths[5], hidden)) * hidden**-0.5, jnp.bfloat16)
     options = dict(options, logits_dtype=jnp.bfloat16)

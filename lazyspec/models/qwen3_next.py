@@ -19,14 +19,20 @@ Params (HF module names, linears as in ``layers/mlp.linear``): ``{"embed_tokens"
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import XLA_KERNELS, Kernels, adds_mlp_output_in_next_norm
-from lazyspec.kernels.residual_norm import ResidualNorm
+from lazyspec.kernels.backend import (
+    XLA_KERNELS,
+    Kernels,
+    adds_mlp_output_in_next_norm,
+    output_parts,
+)
+from lazyspec.kernels.residual_norm import ResidualNorm, is_partials
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
     ForwardInputs,
@@ -358,7 +364,8 @@ def mlp_block(
     """Residual MLP / MoE half of a decoder layer; the routed experts run in
     ``kernels.moe_experts`` when it has one. ``real`` (``interface.real_tokens``): padding
     tokens are routed like token 0. ``delta``: the mixer's output, added to ``x`` here,
-    where ``kernels.residual_norm`` fuses the add, the norm and the router's logits.
+    where ``kernels.residual_norm`` fuses the add, the norm and the router's logits; it may
+    be the output projection's float32 partial sums ``[S, *x.shape]`` (``output_parts``).
     ``apart``: (the residual stream, the MLP's output) not yet added, for the next layer's
     input norm to add (``adds_mlp_output_in_next_norm``)."""
     weight = lp["post_attention_layernorm"]
@@ -368,7 +375,11 @@ def mlp_block(
     else:
         router = lp["mlp"]["gate"] if kind == "moe" else None
         flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-        x_flat, h_flat, logits = _fused_norm(kernels, cfg, flat(x), flat(delta), weight, router)
+        if is_partials(x, delta):  # the mixer's output projection in parts (``output_parts``)
+            delta = delta.reshape(delta.shape[0], -1, delta.shape[-1])
+        else:
+            delta = flat(delta)
+        x_flat, h_flat, logits = _fused_norm(kernels, cfg, flat(x), delta, weight, router)
         x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
         out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
@@ -425,12 +436,14 @@ def _attention_layer(
     real: jax.Array | None = None,
     delta: jax.Array | None = None,
     apart: bool = False,
+    out_parts: int = 0,
 ):
     """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
     runs in ``kernels.paged_attention`` when it has one (``attention_forward``), ``real``
     and ``apart`` (x then the pair ``(x, MLP output)``, not yet added) as in ``mlp_block``.
     ``delta``: the previous layer's MLP output (only where ``adds_mlp_output_in_next_norm``),
-    which the input norm's launch adds to x first."""
+    which the input norm's launch adds to x first. ``out_parts``: ``o_proj`` in that many
+    float32 partial sums, which the post-attention norm's launch sums (``output_parts``)."""
     if delta is None:
         normed = norm(x, lp["input_layernorm"], cfg)
     else:
@@ -448,6 +461,7 @@ def _attention_layer(
         v_pool,
         kernels.paged_attention,
         kernels.attention_prologue,
+        out_parts,
     )
     return mlp_block(lp, cfg, kind, x, kernels, real, h, apart=apart), k_pool, v_pool
 
@@ -485,8 +499,11 @@ def forward(
     states, r, a = [], 0, 0
     apart = adds_mlp_output_in_next_norm(kernels)
     delta = None  # with ``apart``, the previous layer's MLP output, not yet added to x
+    num_tokens = math.prod(x.shape[:-1])
     for i, role in enumerate(cfg.layer_roles):
         lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
+        experts = lp["mlp"]["gate"].shape[0] if kind == "moe" else None
+        out_parts = output_parts(kernels, num_tokens, experts)
         with jax.named_scope(f"layer_{i}"):
             if role == RECURRENT:
                 x, normed, ba = _gdn_input(lp, cfg, x, kernels, delta)
@@ -502,6 +519,7 @@ def forward(
                     conv_update=kernels.conv_update,
                     gated_norm=kernels.gated_norm,
                     ba=ba,
+                    out_parts=out_parts,
                 )
                 if mode == "extend":
                     st = st._replace(
@@ -514,7 +532,7 @@ def forward(
             else:
                 pools = (k_pools[a], v_pools[a])
                 x, k_pools[a], v_pools[a] = _attention_layer(
-                    lp, cfg, kind, x, inputs, *pools, kernels, real, delta, apart
+                    lp, cfg, kind, x, inputs, *pools, kernels, real, delta, apart, out_parts
                 )
                 a += 1
             x, delta = x if apart else (x, None)

@@ -23,6 +23,30 @@ def _case(rng, tokens, width, experts, dtype=jnp.bfloat16):
     return x, delta, weight, router
 
 
+@pytest.mark.parametrize("parts", [1, 4])
+@pytest.mark.parametrize("experts", [0, 16])
+def test_residual_norm_pallas_sums_partial_sums_then_rounds(experts, parts):
+    """A float32 delta ``[S, N, d]`` (an output projection's partial sums) is summed in
+    float32 and rounded to x's dtype before the add, as the projection's own output is:
+    the launch equals the model's ops on that rounded sum (the residual exactly), and the
+    XLA form (``residual_rms_norm`` given the parts) likewise."""
+    rng = np.random.default_rng(7 + parts)
+    x, _, weight, router = _case(rng, 3, 64, experts)
+    delta = jnp.asarray(rng.standard_normal((parts, 3, 64)) * 0.3, jnp.float32)
+    options = {"eps": 1e-6, "zero_centered": True}
+    got = residual_norm_pallas(x, delta, weight, router, block_experts=4, interpret=True, **options)
+    want = residual_rms_norm(x, jnp.sum(delta, 0).astype(x.dtype), weight, router, **options)
+    np.testing.assert_array_equal(np.asarray(got.residual), np.asarray(want.residual))
+    np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(want.normed))
+    if experts:
+        np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=1e-5)
+    xla = residual_rms_norm(x, delta, weight, router, **options)
+    np.testing.assert_array_equal(np.asarray(xla.residual), np.asarray(want.residual))
+    for bad in (jnp.concatenate([delta] * 3), delta.astype(jnp.bfloat16), delta[:, :2]):
+        with pytest.raises(ValueError, match="partial sums"):
+            residual_norm_pallas(x, bad, weight, router, interpret=True, **options)
+
+
 @pytest.mark.parametrize("experts,block_experts", [(0, 4), (16, 4), (16, None), (12, 4)])
 @pytest.mark.parametrize("zero_centered", [True, False])
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -110,11 +134,12 @@ def test_dispatch_runs_the_kernel_up_to_the_limit(tokens, experts):
     np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(xla_form().normed))
 
 
-@pytest.mark.parametrize("with_delta", [True, False])
+@pytest.mark.parametrize("with_delta", [True, False, "parts"])
 def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
     """The CUDA lowering (built on CPU, not compiled) at Qwen3-Next's widths: the
-    post-mixer launch with the MoE router (float32 logits) and the GDN input launch
-    without a delta (64 rows of ``in_proj_ba``, bf16 products) are one Triton call each."""
+    post-mixer launch with the MoE router (float32 logits), given the mixer's output or its
+    output projection's four float32 parts, and the GDN input launch without a delta (64
+    rows of ``in_proj_ba``, bf16 products) are one Triton call each."""
     import jax
 
     spec = jax.ShapeDtypeStruct
@@ -126,7 +151,8 @@ def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
     def launch(x, delta, weight, router):
         return residual_norm_pallas(x, delta if with_delta else None, weight, router, **options)
 
-    args = (row, row, spec((2048,), jnp.bfloat16), spec((64, 2048), jnp.bfloat16))
+    delta = spec((4, 4, 2048), jnp.float32) if with_delta == "parts" else row
+    args = (row, delta, spec((2048,), jnp.bfloat16), spec((64, 2048), jnp.bfloat16))
     text = jax.jit(launch).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
 

@@ -16,6 +16,7 @@ from lazyspec.kernels import backend
 from lazyspec.kernels.backend import XLA_KERNELS, kernels_for, state_update
 from lazyspec.models.config import RECURRENT
 from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
+from lazyspec.models.layers.norms import residual_rms_norm
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
 
@@ -370,3 +371,40 @@ def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(monkeyp
     later = [i for i, role in enumerate(cfg.layer_roles) if i and role != RECURRENT]
     assert later  # the tiny model has an attention layer after the first
     assert launches[True]["residual_norm"] == launches[False]["residual_norm"] + len(later)
+
+
+def test_forward_hands_the_output_projection_in_parts(monkeypatch):
+    """With ``OUTPUT_PARTS_IN_NORM`` every Qwen3-Next mixer (GDN ``out_proj``, attention
+    ``o_proj``) hands the residual-norm launch after it that many float32 partial sums of
+    its output projection: the XLA form and the Pallas launch (interpret mode) sum them and
+    give the forward without parts to float32 rounding; a part left out changes it."""
+    cfg, run = _verify_forward(17)
+    base = run(XLA_KERNELS)
+    norm = kernels_for("pallas", "cpu").residual_norm
+    launch = dataclasses.replace(XLA_KERNELS, residual_norm=norm)
+    unsplit = run(launch)
+    np.testing.assert_allclose(unsplit, base, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(backend, "OUTPUT_PARTS_IN_NORM", 4)
+    seen = []
+
+    def recorder(drop: bool):
+        def fused(x, delta, weight, router=None, *, xla_form, **options):
+            if delta is not None and delta.ndim == 3:
+                seen.append((delta.shape, delta.dtype))
+                delta = delta[1:] if drop else delta
+                return residual_rms_norm(
+                    x, jnp.sum(delta, 0).astype(x.dtype), weight, router, **options
+                )
+            return xla_form()
+
+        return dataclasses.replace(XLA_KERNELS, residual_norm=fused)
+
+    np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
+    want = [((4, 2 * WIDTH, cfg.hidden_size), jnp.float32)] * len(cfg.layer_roles)
+    assert seen == want
+    assert not np.allclose(run(recorder(True)), base, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(run(launch), unsplit, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(backend, "RESIDUAL_NORM_MAX_TOKENS", 2 * WIDTH - 1)  # XLA's form
+    seen.clear()
+    np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
+    assert seen == []  # no launch at these sizes: one product, no parts

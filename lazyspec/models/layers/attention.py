@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn, reads_qkv_in_place
 from lazyspec.kernels.paged_attention import gated
-from lazyspec.models.layers.linear import linear
+from lazyspec.models.layers.linear import linear, project_out
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -137,9 +137,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: flo
     return out.reshape(batch, num_tokens, num_heads, head_dim).astype(v.dtype)
 
 
-def _output(params: Params, attn: jax.Array, gate: jax.Array | None) -> jax.Array:
-    """Flatten heads, apply the sigmoid output gate if any, then ``o_proj``."""
-    return linear(params["o_proj"], gated(attn.reshape(*attn.shape[:-2], -1), gate))
+def _output(params: Params, attn: jax.Array, gate: jax.Array | None, parts: int = 0) -> jax.Array:
+    """Flatten heads, apply the sigmoid output gate if any, then ``o_proj`` (with
+    ``parts``, its float32 partial sums: ``linear.project_out``)."""
+    return project_out(params["o_proj"], gated(attn.reshape(*attn.shape[:-2], -1), gate), parts)
 
 
 def write_kv(
@@ -258,6 +259,7 @@ def attention_forward(
     v_pool: jax.Array,
     paged_attention: PagedAttentionFn | None = None,
     prologue: AttentionPrologueFn | None = None,
+    out_parts: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention layer over the pools: write the new K/V, then attend to the context.
 
@@ -266,7 +268,9 @@ def attention_forward(
     runs in that kernel, which reads only the table entries below ``ctx_len`` and applies
     the output gate; with ``prologue`` too (another entry), the norms, the rotation and the
     K/V write run in that one. Without, the whole ``kv_read_idx`` table is gathered and
-    masked. Returns (output ``[B, T, hidden]``, k_pool, v_pool).
+    masked. Returns (output ``[B, T, hidden]``, k_pool, v_pool); with ``out_parts`` the
+    output is ``o_proj``'s float32 partial sums ``[out_parts, B, T, hidden]``
+    (``linear.linear_parts``), for a residual norm that sums them.
     """
     if paged_attention is not None and prologue is not None:
         q, gate, k_pool, v_pool = _prologue(
@@ -281,13 +285,13 @@ def attention_forward(
         out = paged_attention(
             q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale, gate=gate
         )
-        return _output(params, out, None), k_pool, v_pool
+        return _output(params, out, None, out_parts), k_pool, v_pool
     k_ctx = k_pool[kv_read_idx].astype(q.dtype)  # [B, C, Hkv, D]
     v_ctx = v_pool[kv_read_idx].astype(q.dtype)
     c = jnp.arange(kv_read_idx.shape[1])[None, None, :]
     mask = (c < ctx_len[:, None, None]) & (c <= positions[:, :, None])
     out = attend(q, k_ctx, v_ctx, mask, spec.scale)
-    return _output(params, out, gate), k_pool, v_pool
+    return _output(params, out, gate, out_parts), k_pool, v_pool
 
 
 def attention_reference(

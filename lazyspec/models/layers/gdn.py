@@ -28,7 +28,7 @@ from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
 from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
 from lazyspec.kernels.state_update import GdnConvTokens, OutputNorm
 from lazyspec.models.interface import PoolRows, gathered
-from lazyspec.models.layers.linear import linear
+from lazyspec.models.layers.linear import linear, project_out
 from lazyspec.models.layers.norms import gated_rms_norm
 from lazyspec.models.layers.state_kernels import (
     conv_write,
@@ -340,6 +340,7 @@ def gdn_mixer(
     conv_update: ConvUpdateFn | None = None,
     gated_norm: GatedNormFn | None = None,
     ba: jax.Array | None = None,
+    out_parts: int = 0,
 ) -> tuple[jax.Array, GDNStates]:
     """One GDN layer over B rows: x ``[B, T, hidden]`` (already input-normed).
 
@@ -353,7 +354,9 @@ def gdn_mixer(
     ``conv_update`` (``Kernels.conv_update``) as well, the conv windows too
     (``GDNStates.conv_pool``). ``gated_norm`` (``Kernels.gated_norm``) runs the output's
     gated norm where the projections are fused. ``ba``: the fused gate projection of x
-    where the caller computed it (``gate_projection``'s contract). Pure; mutates nothing.
+    where the caller computed it (``gate_projection``'s contract). ``out_parts``: the
+    output is ``out_proj``'s float32 partial sums ``[out_parts, B, T, hidden]``
+    (``linear.linear_parts``), for a residual norm that sums them. Pure; mutates nothing.
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
@@ -375,7 +378,7 @@ def gdn_mixer(
         outs, states = _mix_scan(params, spec, mixed, a, b, conv0, ssm0, num_new)
     if not normed:  # else the state update's launch applied it
         outs = _gated_norm(params, spec, outs, z, projected.qkvz, x.dtype, gated_norm)
-    out = linear(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim))
+    out = project_out(params["out_proj"], outs.reshape(*outs.shape[:-2], spec.value_dim), out_parts)
     cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
     states = GDNStates(
         cast(states.conv, conv0),

@@ -20,3 +20,27 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
     if "bias" in params:
         y = y + params["bias"].astype(y.dtype)
     return y
+
+
+def project_out(params: Params, x: jax.Array, parts: int = 0) -> jax.Array:
+    """``linear``, or with ``parts`` its float32 partial sums (``linear_parts``)."""
+    return linear_parts(params, x, parts) if parts else linear(params, x)
+
+
+def linear_parts(params: Params, x: jax.Array, parts: int) -> jax.Array:
+    """``linear``'s product left as float32 partial sums ``[parts, *x.shape[:-1], out]``:
+    the contraction split into ``parts`` contiguous chunks, one batched product (the
+    chunks as its batch), for a consumer that sums them itself (``residual_norm``'s
+    partials, which round the sum to the weight's dtype as ``linear`` rounds its output).
+    No bias; ``parts`` must divide the input width."""
+    weight = params["weight"]
+    width, out = weight.shape
+    if "bias" in params or parts < 1 or width % parts:
+        raise ValueError(f"{parts} parts of a {width}-wide contraction (no bias) is no split")
+    chunks = x.astype(weight.dtype).reshape(*x.shape[:-1], parts, width // parts)
+    return jax.lax.dot_general(
+        chunks,
+        weight.reshape(parts, width // parts, out),
+        (((x.ndim,), (1,)), ((x.ndim - 1,), (0,))),
+        preferred_element_type=jnp.float32,
+    )

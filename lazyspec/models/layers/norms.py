@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.residual_norm import ResidualNorm, norm_scale
+from lazyspec.kernels.residual_norm import ResidualNorm, norm_scale, summed
 from lazyspec.models.layers.moe import router_logits
 
 
@@ -45,7 +45,9 @@ def residual_rms_norm(
 ) -> ResidualNorm:
     """``x + delta`` (x without delta), its ``rms_norm`` and, given a router ``[E, d]``, its
     logits of the normed tokens (``layers.moe.router_logits``) rounded to ``logits_dtype``:
-    the XLA form of the ``Kernels.residual_norm`` launch, and its reference."""
+    the XLA form of the ``Kernels.residual_norm`` launch, and its reference. ``delta`` may
+    be float32 partial sums ``[S, *x.shape]``, summed and rounded to x's dtype first."""
+    delta = summed(x, delta)
     residual = x if delta is None else x + delta
     normed = rms_norm(residual, weight, eps, zero_centered=zero_centered)
     logits = None
