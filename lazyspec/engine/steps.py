@@ -747,7 +747,10 @@ def _decode_finish(
             out_tokens, accept_len = verify_and_sample(
                 logits, drafts, positions, batch.sampling, history, allowed
             )
-        logprobs = token_logprobs(logits, out_tokens)
+        if batch.greedy:  # no row asked for them: no log-softmax over the vocabulary
+            logprobs = jnp.zeros(out_tokens.shape, jnp.float32)
+        else:
+            logprobs = token_logprobs(logits, out_tokens)
     interval = batch.track_interval
     post = pre + accept_len
     crossed = real & (pre // interval != post // interval)

@@ -83,9 +83,10 @@ class DecodeBatch:
     sampling: SamplingRows
     # D: tokens the step takes per request (static: one program per value)
     num_verify: int = 1
-    # every row is ``SamplingRow.argmax_only`` and asks for no top logprobs: the step takes
-    # the argmax of the raw logits and skips the other sampling stages, whose skipping by
-    # ``lax.cond`` would make a GPU's dispatch wait (static: one program per value)
+    # every row is ``SamplingRow.argmax_only`` and asks for no logprobs: the step takes the
+    # argmax of the raw logits and skips the other sampling stages and the logprobs (zeros
+    # in their place), whose skipping by ``lax.cond`` would make a GPU's dispatch wait
+    # (static: one program per value)
     greedy: bool = False
 
 
@@ -176,7 +177,7 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
 
 def greedy_decodable(req: Req) -> bool:
     """Whether ``req``'s decode steps may take the argmax of the raw logits alone
-    (``DecodeBatch.greedy``): its ``SamplingRow.argmax_only`` and no top logprobs asked."""
+    (``DecodeBatch.greedy``): its ``SamplingRow.argmax_only`` and no logprobs asked."""
     return req.sampling_row.argmax_only and not req.return_logprob
 
 

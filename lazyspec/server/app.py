@@ -170,6 +170,7 @@ class _Frontend:
                 sampling,
                 i - i % spec.n if i % spec.n else None,
                 spec.logprob_start_len,
+                spec.logprobs is not None,
             )
             for i, (ids, sampling) in enumerate(zip(spec.prompts, spec.sampling))
         ]

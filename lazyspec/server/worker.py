@@ -47,6 +47,9 @@ class Submission:
     sampling: SamplingParams
     after: int | None = None
     logprob_start_len: int | None = None  # prompt logprobs from this token on
+    # the client asked for logprobs: without, the engine computes none (a greedy request's
+    # steps then take the argmax alone, ``DecodeBatch.greedy``)
+    return_logprob: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,7 @@ class EngineWorker:
                     self.engine.add_request(
                         input_ids=sub.input_ids,
                         sampling_params=sub.sampling,
-                        return_logprob=True,
+                        return_logprob=sub.return_logprob,
                         rid=sub.rid,
                         logprob_start_len=sub.logprob_start_len,
                     )
@@ -251,7 +254,7 @@ class EngineWorker:
                     req = self.engine.add_request(
                         input_ids=sub.input_ids,
                         sampling_params=sub.sampling,
-                        return_logprob=True,
+                        return_logprob=sub.return_logprob,
                         rid=sub.rid,
                         logprob_start_len=sub.logprob_start_len,
                     )

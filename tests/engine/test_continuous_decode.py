@@ -192,3 +192,20 @@ def test_the_flag_refuses_what_it_cannot_run(kw, match):
 def test_serve_has_the_flag():
     args = build_parser().parse_args(["--num-continuous-decode-steps", "4"])
     assert args.num_continuous_decode_steps == 4
+
+
+def test_a_greedy_batch_computes_no_logprobs_nobody_asked_for(greedy_case):
+    """A greedy request that asks for no logprobs, alone, decodes in ``DecodeBatch.greedy`` steps,
+    which take the argmax alone: its tokens are the reference's, and its decode steps'
+    logprobs are not computed (zeros; the first token's, from the prefill, is). Asked for,
+    the same request's logprobs are the log-softmax's (negative)."""
+    model, prompt, want = greedy_case
+    engine = _engine(model, 1)
+    params = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    plain = engine.add_request(input_ids=prompt, sampling_params=params)
+    engine.run_until_done([plain], check=Engine.check_integrity)  # alone: a greedy batch
+    asked = engine.add_request(input_ids=prompt, sampling_params=params, return_logprob=True)
+    engine.run_until_done([asked], check=Engine.check_integrity)
+    assert plain.output_ids == asked.output_ids == list(want[:9])
+    assert plain.output_logprobs[0] < 0 and plain.output_logprobs[1:] == [0.0] * 8
+    assert all(lp < 0 for lp in asked.output_logprobs)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lazyspec.config import EngineConfig
-from tests.server.conftest import assert_all_free, random_ids, wait_idle
+from tests.server.conftest import SERVED_NAME, assert_all_free, random_ids, wait_idle
 
 
 def _post(server, body: dict) -> httpx.Response:
@@ -49,6 +49,38 @@ def test_generate_text_and_ids_agree_with_full_meta_info(server):
     assert [t for _, t, _ in meta["output_token_logprobs"]] == a["output_ids"]
     assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
     assert "output_token_logprobs" not in b["meta_info"]
+
+
+def test_the_engine_computes_logprobs_only_where_the_client_asks(server, monkeypatch):
+    """A request reaches the engine with ``return_logprob`` as its client asked (SGLang's
+    ``return_logprob``; OpenAI's ``logprobs``): without, a greedy request's decode steps may
+    take the argmax alone (``greedy_decodable``) rather than computing logprobs nobody
+    reads; with, the logprobs come back."""
+    from lazyspec.scheduler.batch import greedy_decodable
+
+    seen = []
+    add = server.worker.engine.add_request
+
+    def recording(*args, **kwargs):
+        req = add(*args, **kwargs)
+        seen.append(req)
+        return req
+
+    monkeypatch.setattr(server.worker.engine, "add_request", recording)
+    ids = random_ids(np.random.default_rng(21), 17, server.tokenizer.get_vocab_size())
+    plain = _post(server, {"input_ids": ids, "sampling_params": _params(5)}).json()
+    asked = _post(server, {"input_ids": ids, "sampling_params": _params(5), "return_logprob": True})
+    body = {"model": SERVED_NAME, "prompt": ids, "max_tokens": 5, "temperature": 0}
+    completion = httpx.post(
+        f"{server.url}/v1/completions", json={**body, "logprobs": 2}, timeout=120
+    )
+    got = [(req.return_logprob, greedy_decodable(req)) for req in seen]
+    assert got == [(False, True), (True, False), (True, False)]
+    assert "output_token_logprobs" not in plain["meta_info"]
+    meta = asked.json()["meta_info"]
+    assert plain["output_ids"] == asked.json()["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+    assert len(completion.json()["choices"][0]["logprobs"]["token_logprobs"]) == 5
 
 
 def test_generate_stream_is_cumulative_and_ends_with_done(server):
