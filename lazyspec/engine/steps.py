@@ -85,7 +85,8 @@ class Pools:
     drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
     req_to_token: jax.Array  # [max_reqs + 1, context_len] int32, the host table's copy
     # the penalties' token history per request row: exact for a request with penalties
-    # (seeded when it is admitted, ``seed_counts``); other rows' values are never used
+    # (seeded when it is admitted, ``seed_counts``); other rows' values are never used (a
+    # greedy decode step writes none)
     output_counts: jax.Array  # [max_reqs + 1, vocab] int32, times each token was output
     in_prompt: jax.Array  # [max_reqs + 1, vocab] bool, the prompt holds the token
     # allowed-token bitmasks of the rows with a grammar, per verify position (xgrammar's
@@ -765,7 +766,9 @@ def _decode_finish(
     bonus = out_tokens[rows, accept_len - 1]
     seq_len = pools.seq_len.at[dest].set(post, mode="drop")
     last_token = pools.last_token.at[dest].set(bonus, mode="drop")
-    output_counts = _count_outputs(pools.output_counts, dest, out_tokens)
+    output_counts = pools.output_counts  # a greedy batch's rows have no penalty to read them
+    if not batch.greedy:
+        output_counts = _count_outputs(output_counts, dest, out_tokens)
     new_drafts, mtp_kv = pools.drafts, pools.mtp_kv
     chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:

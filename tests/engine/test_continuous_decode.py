@@ -197,15 +197,22 @@ def test_serve_has_the_flag():
 def test_a_greedy_batch_computes_no_logprobs_nobody_asked_for(greedy_case):
     """A greedy request that asks for no logprobs, alone, decodes in ``DecodeBatch.greedy`` steps,
     which take the argmax alone: its tokens are the reference's, and its decode steps'
-    logprobs are not computed (zeros; the first token's, from the prefill, is). Asked for,
-    the same request's logprobs are the log-softmax's (negative)."""
+    logprobs are not computed (zeros; the first token's, from the prefill, is), nor its
+    output counts. Asked for, the same request's logprobs are the log-softmax's
+    (negative)."""
     model, prompt, want = greedy_case
     engine = _engine(model, 1)
     params = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    counts = lambda: np.asarray(engine.runner.pools.output_counts).sum(axis=1)  # noqa: E731
     plain = engine.add_request(input_ids=prompt, sampling_params=params)
     engine.run_until_done([plain], check=Engine.check_integrity)  # alone: a greedy batch
+    after_plain = counts()
     asked = engine.add_request(input_ids=prompt, sampling_params=params, return_logprob=True)
     engine.run_until_done([asked], check=Engine.check_integrity)
     assert plain.output_ids == asked.output_ids == list(want[:9])
     assert plain.output_logprobs[0] < 0 and plain.output_logprobs[1:] == [0.0] * 8
     assert all(lp < 0 for lp in asked.output_logprobs)
+    # nor the penalties' output counts (no row of the batch has a penalty): only the
+    # prefill's token is counted; the general step counts every token (and the overlapped
+    # loop's one step past the last)
+    assert after_plain.sum() == 1 and (counts() - after_plain).sum() >= 9
