@@ -70,6 +70,10 @@ class Setting:
         """The setting as given: its switches, then its XLA flags."""
         return self.switches + self.xla_flags
 
+    def switch_args(self) -> list[str]:
+        """The ``--kernel-switch`` arguments of a process with this setting."""
+        return [arg for item in self.switches for arg in ("--kernel-switch", item)]
+
     def env(self) -> dict[str, str] | None:
         """The environment of this setting's processes: this one's with the XLA flags
         appended to ``XLA_FLAGS``, or None (inherit it) where it has none."""
@@ -140,9 +144,7 @@ def engine_rows(stdout: str) -> list[dict]:
 
 def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path, timeout: float):
     command = [sys.executable, str(SCRIPTS / "bench_engine.py"), *bench_args]
-    command += ["--profile", str(profile)]
-    for item in setting.switches:
-        command += ["--kernel-switch", item]
+    command += ["--profile", str(profile), *setting.switch_args()]
     start = time.perf_counter()
     try:
         done = subprocess.run(
@@ -159,8 +161,7 @@ def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path,
 
 def check_one(setting: Setting, checks: str, extra: list[str], timeout: float) -> Check:
     command = [sys.executable, str(SCRIPTS / "check_kernels.py"), "--checks", checks, *extra]
-    for item in setting.switches:
-        command += ["--kernel-switch", item]
+    command += setting.switch_args()
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout, env=setting.env()
@@ -322,9 +323,8 @@ def main(argv=None) -> int:
                 f"[{i}/{len(todo)}] round {round_}, {setting.name}: {status} ({run.seconds:.0f} s)",
                 flush=True,
             )
-            args.out.write_text(table(runs, header, checks))  # a stopped call keeps these
-    text = table(runs, header, checks)
-    args.out.write_text(text)
+            text = table(runs, header, checks)
+            args.out.write_text(text)  # after every run: a stopped call keeps what it made
     print(text)
     checked = checks is None or all(c.returncode == 0 for c in checks.values())
     return 0 if checked and all(r.returncode == 0 for r in runs) else 1
