@@ -174,6 +174,14 @@ MOE_DOWN_IN_UP_NUM_STAGES = 3
 # 2026-12-05, fifth). Off: on an H100 the step ran the same kernels (the mask there is part
 # of the sum's fusion) and 10 us longer in two rounds (BENCHMARKS.md, 2026-12-05, sixth).
 MOE_DOWN_IN_UP_ZERO_UNUSED = False
+# Where the folded launch also routes (``route_in_up``), its grid is (inner tile, pair): a
+# program per token's pair (top-k and the shared expert: 11 for Qwen3-Next) rather than per
+# slot (pairs rounded up to a power of two, 16), a tile's programs adjacent, and the
+# partials summed after it 11/16 as many (``moe_experts_pallas(pair_grid=True)``). In an H100
+# profile of a batch-1 step (Nsight Compute, BENCHMARKS.md, 2026-12-06) the launch's 256
+# programs kept the SMs active 43 % of its cycles; 88 of them had an expert's work. Off:
+# not yet timed.
+MOE_DOWN_IN_UP_PAIR_GRID = False
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -236,13 +244,17 @@ RESIDUAL_NORM_FEW_TOKENS = 16
 RESIDUAL_NORM_FEW_BLOCK_EXPERTS = 1
 RESIDUAL_NORM_FEW_NUM_WARPS = 8
 # Qwen3-Next's mixers leave their output projection (the GDN layer's ``out_proj``, the
-# attention's ``o_proj``) as float32 partial sums over this many parts of its contraction,
-# one batched product (``linear.linear_parts``), and the residual-norm launch after it sums
-# them (``residual_norm_pallas``' partials): at a decode step XLA runs each such product as
-# a split-K GEMM and a reduction launch of its own (1.05 us, 8 a batch-1 step in an H200
-# profile, BENCHMARKS.md, 2026-12-05, fifth). Only where that launch runs
-# (``output_parts``). 0: off, not yet timed.
-OUTPUT_PARTS_IN_NORM = 0
+# attention's ``o_proj``) as float32 partial sums over OUTPUT_PARTS_IN_NORM parts of its
+# contraction, one batched product (``linear.linear_parts``), and the residual-norm launch
+# after it sums them (``residual_norm_pallas``' partials), up to OUTPUT_PARTS_MAX_TOKENS
+# tokens: at a decode step XLA runs each such product as a split-K GEMM and a reduction
+# launch of its own (1.05 us, 8 a batch-1 step in an H200 profile, BENCHMARKS.md,
+# 2026-12-05, fifth). Only where that launch runs (``output_parts``). On an H100
+# (BENCHMARKS.md, 2026-12-06) four parts shortened the batch-1 step (a launch of 2 tokens)
+# by 3.0-3.3 us and lengthened batch 16 by 22-27 us and batch 64 by 45 us, hence the
+# token bound. 0 parts: off.
+OUTPUT_PARTS_IN_NORM = 4
+OUTPUT_PARTS_MAX_TOKENS = 2
 
 
 def norms_gdn_output(update: Any, num_tokens: int) -> bool:
@@ -256,11 +268,12 @@ def norms_gdn_output(update: Any, num_tokens: int) -> bool:
 
 def output_parts(kernels: Any, num_tokens: int, num_experts: int | None) -> int:
     """How many float32 partial sums a mixer's output projection leaves for the residual
-    norm after it (``OUTPUT_PARTS_IN_NORM``, read when the forward is traced), or 0 (one
-    product): 0 too where ``kernels`` has no residual-norm launch or it would not launch
-    for ``num_tokens`` tokens and a router of ``num_experts`` rows (``residual_norm_fits``),
-    where the partials would only add XLA's sum."""
-    if getattr(kernels, "residual_norm", None) is None:
+    norm after it (``OUTPUT_PARTS_IN_NORM`` up to ``OUTPUT_PARTS_MAX_TOKENS`` tokens, read
+    when the forward is traced), or 0 (one product): 0 too where ``kernels`` has no
+    residual-norm launch or it would not launch for ``num_tokens`` tokens and a router of
+    ``num_experts`` rows (``residual_norm_fits``), where the partials would only add XLA's
+    sum."""
+    if getattr(kernels, "residual_norm", None) is None or num_tokens > OUTPUT_PARTS_MAX_TOKENS:
         return 0
     return OUTPUT_PARTS_IN_NORM if residual_norm_fits(num_tokens, num_experts) else 0
 
@@ -679,6 +692,7 @@ def moe_launch(
         "route_in_up": route_in_up,
         "down_in_up": down_in_up,
         "zero_unused": zero_unused,
+        "pair_grid": down_in_up and route_in_up and MOE_DOWN_IN_UP_PAIR_GRID,
     }
 
 

@@ -375,9 +375,15 @@ def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(monkeyp
 
 def test_forward_hands_the_output_projection_in_parts(monkeypatch):
     """With ``OUTPUT_PARTS_IN_NORM`` every Qwen3-Next mixer (GDN ``out_proj``, attention
-    ``o_proj``) hands the residual-norm launch after it that many float32 partial sums of
-    its output projection: the XLA form and the Pallas launch (interpret mode) sum them and
-    give the forward without parts to float32 rounding; a part left out changes it."""
+    ``o_proj``) of up to ``OUTPUT_PARTS_MAX_TOKENS`` tokens hands the residual-norm launch
+    after it that many float32 partial sums of its output projection: the XLA form and the
+    Pallas launch (interpret mode) sum them and give the forward without parts to float32
+    rounding; a part left out changes it. The defaults: parts at two tokens (a batch-1
+    decode step), none at three."""
+    norm_kernels = kernels_for("pallas", "cpu")
+    assert backend.output_parts(norm_kernels, 2, 64) == backend.OUTPUT_PARTS_IN_NORM > 0
+    assert backend.output_parts(norm_kernels, 3, 64) == 0
+    assert backend.output_parts(XLA_KERNELS, 2, 64) == 0
     cfg, run = _verify_forward(17)
     base = run(XLA_KERNELS)
     norm = kernels_for("pallas", "cpu").residual_norm
@@ -385,6 +391,7 @@ def test_forward_hands_the_output_projection_in_parts(monkeypatch):
     unsplit = run(launch)
     np.testing.assert_allclose(unsplit, base, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(backend, "OUTPUT_PARTS_IN_NORM", 4)
+    monkeypatch.setattr(backend, "OUTPUT_PARTS_MAX_TOKENS", 2 * WIDTH)  # this forward's
     seen = []
 
     def recorder(drop: bool):
@@ -404,6 +411,11 @@ def test_forward_hands_the_output_projection_in_parts(monkeypatch):
     assert seen == want
     assert not np.allclose(run(recorder(True)), base, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(run(launch), unsplit, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(backend, "OUTPUT_PARTS_MAX_TOKENS", 2 * WIDTH - 1)  # past the bound
+    seen.clear()
+    np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
+    assert seen == []
+    monkeypatch.setattr(backend, "OUTPUT_PARTS_MAX_TOKENS", 2 * WIDTH)
     monkeypatch.setattr(backend, "RESIDUAL_NORM_MAX_TOKENS", 2 * WIDTH - 1)  # XLA's form
     seen.clear()
     np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
