@@ -495,21 +495,35 @@ def _up_kernel(tile_expert_ref, x_ref, *refs, gated, shared_expert, down_in_up, 
     pairs, down, rest = _split_up_refs(refs, gated, shared_expert, down_in_up)
     row_weight = rest[0][...] if down_in_up else None
     expert = tile_expert_ref[pl.program_id(0)]
-    _up_tile(expert, x_ref, pairs, down, row_weight, rest[-1], gated, shared_expert, **tiles)
+    at = (pl.program_id(0), pl.program_id(1))
+    _up_tile(expert, x_ref, pairs, down, row_weight, rest[-1], gated, shared_expert, at, **tiles)
 
 
-def _routed_up_kernel(*refs, num_route_args, route, gated, shared_expert, down_in_up, **tiles):
+def _routed_up_kernel(
+    *refs, num_route_args, route, gated, shared_expert, down_in_up, pair_grid, **tiles
+):
     """``_up_kernel`` that routes the tokens itself: every program computes the routing
     tables from the first ``num_route_args`` refs (``_route_tables``, a few tokens' logits)
     and takes its tile's expert (and with ``down_in_up`` its row weights) from them;
     program (0, 0) writes the tables (the last three refs) for the launches and the
-    combine after it. One launch fewer than ``route_tokens`` and this launch in turn."""
+    combine after it. One launch fewer than ``route_tokens`` and this launch in turn.
+    ``pair_grid`` (pairs a token, with ``down_in_up``): the grid is (inner tile, pair
+    ``p``), program p taking tile ``p // pairs * slots + p % pairs`` and writing partials
+    ``p``: no programs for the slots past a token's pairs, and a tile's programs
+    adjacent."""
     route_refs, refs = refs[:num_route_args], refs[num_route_args:]
     tables = _route_tables(route_refs, **route)
     tile_expert, row_weight = tables[:2]
-    tile = jax.lax.broadcasted_iota(jnp.int32, tile_expert.shape, 0) * tile_expert.shape[1]
+    slots = tile_expert.shape[1]
+    if pair_grid is None:
+        at = (pl.program_id(0), pl.program_id(1))
+        my_tile = pl.program_id(0)
+    else:
+        at = (pl.program_id(1), pl.program_id(0))
+        my_tile = at[0] // pair_grid * slots + at[0] % pair_grid
+    tile = jax.lax.broadcasted_iota(jnp.int32, tile_expert.shape, 0) * slots
     tile = tile + jax.lax.broadcasted_iota(jnp.int32, tile_expert.shape, 1)
-    mine = tile == pl.program_id(0)
+    mine = tile == my_tile
     expert = jnp.sum(jnp.where(mine, tile_expert, 0))
 
     x_ref, refs, table_refs = refs[0], refs[1:-3], refs[-3:]
@@ -524,7 +538,7 @@ def _routed_up_kernel(*refs, num_route_args, route, gated, shared_expert, down_i
         row_weight = jnp.sum(jnp.where(mine[:, :, None], row_weight, 0.0), axis=(0, 1))
     else:
         row_weight = None
-    _up_tile(expert, x_ref, pairs, down, row_weight, rest[-1], gated, shared_expert, **tiles)
+    _up_tile(expert, x_ref, pairs, down, row_weight, rest[-1], gated, shared_expert, at, **tiles)
 
 
 def _up_tile(
@@ -536,6 +550,7 @@ def _up_tile(
     out_ref,
     gated,
     shared_expert,
+    at,
     *,
     block_rows,
     block_inner,
@@ -549,11 +564,12 @@ def _up_tile(
     Without ``down`` the intermediate block goes to ``out_ref``. With ``down`` (the down
     pair, ``down_in_up``) the block, rounded to the weights' dtype, times its rows of the
     expert's down, ``block_out`` columns at a time, scaled by ``row_weight [block_rows]``,
-    is this program's partial output: ``out_ref[tile, inner tile, :num_tokens]``
+    is this program's partial output: ``out_ref[at[0], at[1], :num_tokens]``
     (``[d_out]`` float32 rows; the rows past the tokens are not written, so a few tokens'
-    partials move a few rows' bytes). ``zero_unused``: an unused tile's programs write
-    zeros there, so that the partials sum with no mask."""
-    tile, inner_tile = pl.program_id(0), pl.program_id(1)
+    partials move a few rows' bytes). ``at``: (this program's tile or pair, its inner
+    tile). ``zero_unused``: an unused tile's programs write zeros there, so that the
+    partials sum with no mask."""
+    tile, inner_tile = at
     cols = pl.ds(inner_tile * block_inner, block_inner)
     dtype = pairs[0][0].dtype
 
@@ -702,6 +718,7 @@ def moe_experts_pallas(
     route_in_up: bool = False,
     down_in_up: bool = False,
     zero_unused: bool = False,
+    pair_grid: bool = False,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
@@ -724,7 +741,10 @@ def moe_experts_pallas(
     after it: no down launch and no intermediate, for a few tokens (the partials grow with
     tokens x tiles x inner tiles). ``zero_unused`` (with ``down_in_up``): the programs of
     tiles no expert uses write zero partials, and the sum takes every tile unmasked (one
-    launch after the kernel where the mask is a launch of its own)."""
+    launch after the kernel where the mask is a launch of its own). ``pair_grid`` (with
+    ``route_in_up`` and ``down_in_up``): the launch's grid is (inner tile, pair), a
+    program per token's pair rather than per slot (the pairs rounded up to a power of
+    two), so fewer programs and partials (``_routed_up_kernel``)."""
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
@@ -791,20 +811,30 @@ def moe_experts_pallas(
         "down_in_up": down_in_up,
     }
     grid = (num_tiles, inner // bi)
+    # with pair_grid, the pairs a token (program p: tile p // pairs * slots + p % pairs)
+    pairs = None
+    if route_in_up and down_in_up and pair_grid:
+        pairs = routing.top_k + (shared is not None)
+        grid = (inner // bi, table_shapes[0].shape[0] * pairs)
     weight_specs = [whole()] * len(projections)
     if down_in_up:  # each program's partial sums of its tokens' outputs
         up_tiles.update(block_out=bo, num_tokens=num_tokens, zero_unused=zero_unused)
         projections += downs
         weight_specs += [whole()] * len(downs)
         out_spec = whole()
-        out_shape = jax.ShapeDtypeStruct((*grid, block_rows, out_width), jnp.float32)
+        parts = grid if pairs is None else grid[::-1]  # [tile or pair, inner tile]
+        out_shape = jax.ShapeDtypeStruct((*parts, block_rows, out_width), jnp.float32)
     else:
         out_spec = pl.BlockSpec((block_rows, bi), lambda t, i: (t, i))
         out_shape = jax.ShapeDtypeStruct((num_rows, inner), up.dtype)
     if route_in_up:
         hidden, *tables = pl.pallas_call(
             functools.partial(
-                _routed_up_kernel, num_route_args=len(route_args), route=route, **up_tiles
+                _routed_up_kernel,
+                num_route_args=len(route_args),
+                route=route,
+                pair_grid=pairs,
+                **up_tiles,
             ),
             grid=grid,
             in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs,
@@ -833,6 +863,8 @@ def moe_experts_pallas(
         if zero_unused:  # and zeros for the unused tiles: one launch (the sum) after this one
             return jnp.sum(partial, axis=(0, 1))
         used = grouped.tile_expert != UNUSED_TILE
+        if pairs is not None:  # the partials of each token's first pairs
+            used = used.reshape(table_shapes[0].shape)[:, :pairs].reshape(-1)
         return jnp.sum(jnp.where(used[:, None, None, None], partial, 0.0), axis=(0, 1))
 
     down_kernel = functools.partial(

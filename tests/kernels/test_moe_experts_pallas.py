@@ -292,6 +292,12 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
     for tokens in (1, fused, fused + 1):
         launch = backend.moe_launch(tokens, up, down, interpret=True)
         assert launch["zero_unused"] == launch["down_in_up"], tokens
+    for tokens in (1, fused + 1):  # a program per pair only where the fold routes too
+        assert not backend.moe_launch(tokens, up, down, interpret=True)["pair_grid"]
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_PAIR_GRID", True)
+    for tokens in (1, fused, fused + 1):
+        launch = backend.moe_launch(tokens, up, down, interpret=True)
+        assert launch["pair_grid"] == (launch["down_in_up"] and launch["route_in_up"]), tokens
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_BLOCK_INNER", 128)  # its own tile
     launch = backend.moe_launch(fused + 1, up, down, interpret=True)
     assert launch["block_inner"] == 64
@@ -398,11 +404,11 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     text = lower_for_cuda(lambda *a: run(*a[:-1], shared=a[-1]), *two_tokens, shared)
     assert text.lower().count("triton") >= 2
 
-    def by_logits(x, logits, real, gate, *rest, route_in_up):  # experts picked in the kernel
+    def by_logits(x, logits, real, gate, *rest, route_in_up, **fold):  # picked in the kernel
         shared = rest[-1]  # its gate's logit and sigmoid computed in the program too
         picks = me.TokenRouting(logits, 10, True, real, shared_gate=gate)
         options = {"shared": shared, "routing": picks, "route_in_up": route_in_up}
-        return run(x, None, None, *rest[:-1], **options)
+        return run(x, None, None, *rest[:-1], **options, **fold)
 
     # three tokens: padded to a power of two; 64 experts: top-k by rank, 512: by rounds
     for num_tokens, num_experts in ((1, 64), (2, 512), (3, 512), (8, 512), (8, 64)):
@@ -411,9 +417,10 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
             spec((num_experts, 512, 2048), jnp.bfloat16),
             spec((num_experts, 2048, 512), jnp.bfloat16),
         )
-        for route_in_up, launches in ((False, 3), (True, 2)):
+        pair_grid = {"down_in_up": True, "pair_grid": True}  # the folded launch alone
+        for route_in_up, launches, fold in ((False, 3, {}), (True, 2, {}), (True, 1, pair_grid)):
             text = lower_for_cuda(
-                functools.partial(by_logits, route_in_up=route_in_up),
+                functools.partial(by_logits, route_in_up=route_in_up, **fold),
                 spec((num_tokens, 2048), jnp.bfloat16),
                 spec((num_tokens, num_experts), jnp.float32),
                 spec((num_tokens,), jnp.bool_),
@@ -422,7 +429,7 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
                 dataclasses.replace(shared, weight=spec((num_tokens,), jnp.float32)),
             )
             found = text.lower().count("triton")
-            assert found >= launches, (num_tokens, num_experts, route_in_up, found)
+            assert found >= launches, (num_tokens, num_experts, route_in_up, fold, found)
     # the down product in the up launch at the dispatch's tiles and the wider ones its
     # switches take (MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT), and with the
     # unused tiles' zeros written (MOE_DOWN_IN_UP_ZERO_UNUSED)
@@ -733,6 +740,16 @@ def test_down_product_in_the_up_launch_pallas(case):
     np.testing.assert_array_equal(np.asarray(zeroed), np.asarray(fused))
     two = run(x, weights, ids, up, down, gate)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(two), rtol=0, atol=1e-5)
+    if by_logits:  # a program per token's pair: the same partials, fewer of them
+        pairs = top_k + with_shared
+        for zero in (False, True):
+            options = {"down_in_up": True, "zero_unused": zero, "pair_grid": True}
+            by_pair = run(x, weights, ids, up, down, gate, **options)
+            np.testing.assert_allclose(np.asarray(by_pair), np.asarray(fused), rtol=0, atol=1e-6)
+            jaxpr = jax.make_jaxpr(lambda x, o=options: run(x, weights, ids, up, down, gate, **o))
+            (call,) = [e for e in jaxpr(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
+            tokens = 1 << (num_tokens - 1).bit_length()
+            assert call.params["grid_mapping"].grid == (INNER // 8, tokens * pairs)
     jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)
     names = [
         str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0]
