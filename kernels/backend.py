@@ -176,11 +176,11 @@ MOE_DOWN_IN_UP_NUM_STAGES = 3
 MOE_DOWN_IN_UP_ZERO_UNUSED = False
 # Where the folded launch also routes (``route_in_up``), its grid is (inner tile, pair): a
 # program per token's pair (top-k and the shared expert: 11 for Qwen3-Next) rather than per
-# slot (pairs rounded up to a power of two, 16), a tile's programs adjacent, and the
-# partials summed after it 11/16 as many (``moe_experts_pallas(pair_grid=True)``). In an H100
-# profile of a batch-1 step (Nsight Compute, BENCHMARKS.md, 2026-12-06) the launch's 256
-# programs kept the SMs active 43 % of its cycles; 88 of them had an expert's work. Off:
-# not yet timed.
+# slot (pairs rounded up to a power of two, 16), a pair's programs at adjacent block ids,
+# and 11/16 as many partials summed after it (``moe_experts_pallas(pair_grid=True)``). In
+# an H100 profile of a batch-1 step (Nsight Compute, BENCHMARKS.md, 2026-12-05, seventh)
+# the launch's 256 programs kept the SMs active 43 % of its cycles, 88 of them with an
+# expert's work, spread in runs of 11 over the block ids. Off: not yet timed.
 MOE_DOWN_IN_UP_PAIR_GRID = False
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
@@ -250,7 +250,7 @@ RESIDUAL_NORM_FEW_NUM_WARPS = 8
 # tokens: at a decode step XLA runs each such product as a split-K GEMM and a reduction
 # launch of its own (1.05 us, 8 a batch-1 step in an H200 profile, BENCHMARKS.md,
 # 2026-12-05, fifth). Only where that launch runs (``output_parts``). On an H100
-# (BENCHMARKS.md, 2026-12-06) four parts shortened the batch-1 step (a launch of 2 tokens)
+# (BENCHMARKS.md, 2026-12-05, seventh) four parts shortened the batch-1 step (a launch of 2 tokens)
 # by 3.0-3.3 us and lengthened batch 16 by 22-27 us and batch 64 by 45 us, hence the
 # token bound. 0 parts: off.
 OUTPUT_PARTS_IN_NORM = 4
