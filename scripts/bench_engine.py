@@ -618,9 +618,11 @@ def main(argv=None) -> None:
     add_switch_argument(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from lazyspec.bench.origin import code_line
+    from lazyspec.bench.origin import code_line, device_line
 
     print(code_line(), flush=True)  # one tree's code, or a clear error before any work
+    device = device_line()
+    print(device, flush=True)
     for line in apply_switches(args.kernel_switch):
         print(f"kernel switch: {line}", flush=True)
     model = build_model(args.preset, args.dtype, args.tp_size)
@@ -650,6 +652,7 @@ def main(argv=None) -> None:
             print(row, flush=True)
             rows.append(row)
     lines = [
+        device,
         bandwidth_line,
         "",
         "| preset | tp | backend | batch | spec | ms/step (engine loop) | step alone (ms) "

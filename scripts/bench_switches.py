@@ -16,7 +16,9 @@ that command, e.g. ``--check-args=--smoke`` on a CPU), and the verdict says whet
 check passed. A setting's item that starts with ``--xla_`` is an XLA flag rather than a
 constant: that setting's processes get it appended to ``XLA_FLAGS`` (a compiler option
 timed the same way, e.g. cuBLAS for XLA's GEMMs). The table is written after every run, so
-a call stopped part way keeps the runs it made.
+a call stopped part way keeps the runs it made, and names the card and jax version the runs
+printed (``bench_engine.py``'s device line: a device call may be lent another card than
+the one asked for).
 
 Every run gets ``--profile`` (a folder of its own under ``--profile-root``): the device
 step is the median span of a step's kernels, which on a GPU needs XLA's command buffers on
@@ -93,6 +95,7 @@ class Run:
     rows: list[dict]
     error: str = ""
     seconds: float = 0.0
+    device: str = ""  # bench_engine.py's "device: ..." line
 
 
 @dataclasses.dataclass
@@ -156,7 +159,13 @@ def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path,
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         return Run(round_, setting, done.returncode, [], done.stderr[-ERROR_TAIL:], seconds)
-    return Run(round_, setting, 0, engine_rows(done.stdout), "", seconds)
+    return Run(round_, setting, 0, engine_rows(done.stdout), "", seconds, device_of(done.stdout))
+
+
+def device_of(stdout: str) -> str:
+    """The card and jax version ``bench_engine.py`` printed ("device: ..."), or ""."""
+    lines = [line for line in stdout.splitlines() if line.startswith("device: ")]
+    return lines[0][len("device: ") :] if lines else ""
 
 
 def check_one(setting: Setting, checks: str, extra: list[str], timeout: float) -> Check:
@@ -205,9 +214,11 @@ def compare(runs: list[Run]) -> dict[tuple[str, tuple], dict]:
 def table(runs: list[Run], header: str, checks: dict[str, Check] | None = None) -> str:
     """The runs' lines and, per setting and row, the verdict; ``checks``: each setting's
     ``check_kernels.py`` run (a column of the verdict, and the failed ones' output)."""
-    lines = [
-        header,
-        "",
+    devices = list(dict.fromkeys(r.device for r in runs if r.device))
+    lines = [header, ""]
+    if devices:  # the card each figure is of (a call may be lent another than the one asked)
+        lines += [f"Device: {'; '.join(devices)}.", ""]
+    lines += [
         "| round | setting | switches | batch | spec | kernels a token step | device step ms "
         "| busy ms | floor ms | % of floor (device step) | engine loop ms/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -40,3 +40,12 @@ def code_line() -> str:
             "install this tree (pip install -e), before timing it"
         )
     return f"code: lazyspec {package}, lazyspec.kernels {kernels}"
+
+
+def device_line() -> str:
+    """``device: <kind> (<platform>), jax <version>``: the card a benchmark's figures are
+    of (a device call may be lent another card than the one asked for)."""
+    import jax
+
+    device = jax.devices()[0]
+    return f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}"

@@ -94,6 +94,24 @@ def test_engine_rows_leave_the_peer_out(load_script):
     ]
 
 
+def test_the_table_names_the_cards_the_runs_were_lent(load_script):
+    """Each run's "device: ..." line (``bench_engine.py``) is kept; the table names every
+    card once, in the order met (a call lent two machines shows both)."""
+    bench = load_script("bench_switches")
+    assert bench.device_of("code: x\ndevice: NVIDIA H200 (gpu), jax 0.11.2\n{}") == (
+        "NVIDIA H200 (gpu), jax 0.11.2"
+    )
+    assert bench.device_of("code: x\n") == ""
+    cards = ["NVIDIA H100 80GB HBM3 (gpu), jax 0.11.2", "NVIDIA H200 (gpu), jax 0.11.2"]
+    runs = [
+        bench.Run(1, bench.Setting(bench.DEFAULTS), 0, [_row(1, 1.0)], device=cards[0]),
+        bench.Run(1, bench.Setting("a"), 0, [_row(1, 0.9)], device=cards[1]),
+        bench.Run(2, bench.Setting(bench.DEFAULTS), 0, [_row(1, 1.0)], device=cards[0]),
+    ]
+    text = bench.table(runs, "# head")
+    assert f"\nDevice: {cards[0]}; {cards[1]}.\n" in text
+
+
 def test_runs_on_cpu_and_keeps_a_failed_runs_error(tmp_path, load_script, monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     bench = load_script("bench_switches")
@@ -105,6 +123,7 @@ def test_runs_on_cpu_and_keeps_a_failed_runs_error(tmp_path, load_script, monkey
     argv.append("--")
     lines = [line for line in out.read_text().splitlines() if line.startswith("| 1 |")]
     assert [line.split("|")[2].strip() for line in lines] == ["defaults", "apart"]
+    assert "\nDevice: cpu (cpu), jax " in out.read_text()  # the card the runs were lent
     assert "backend.MLP_OUTPUT_IN_NEXT_NORM=0" in lines[1]
     cells = [c.strip() for c in lines[1].strip("|").split("|")]
     assert int(cells[5]) > 0 and float(cells[6]) > 0 and cells[9].endswith(" %")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyspec.bench.origin import code_folders, code_line, same_tree
+from lazyspec.bench.origin import code_folders, code_line, device_line, same_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_checkout_is_one_tree():
     package, kernels = code_folders()
     assert code_line() == f"code: lazyspec {package}, lazyspec.kernels {kernels}"
+
+
+def test_the_device_line_names_the_card_and_jax():
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    assert device_line() == f"device: {kind} ({jax.default_backend()}), jax {jax.__version__}"
 
 
 @pytest.mark.parametrize(
