@@ -292,12 +292,12 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
     for tokens in (1, fused, fused + 1):
         launch = backend.moe_launch(tokens, up, down, interpret=True)
         assert launch["zero_unused"] == launch["down_in_up"], tokens
-    for tokens in (1, fused + 1):  # a program per pair only where the fold routes too
-        assert not backend.moe_launch(tokens, up, down, interpret=True)["pair_grid"]
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_PAIR_GRID", True)
-    for tokens in (1, fused, fused + 1):
-        launch = backend.moe_launch(tokens, up, down, interpret=True)
-        assert launch["pair_grid"] == (launch["down_in_up"] and launch["route_in_up"]), tokens
+    for pair_grid in (False, True):  # a program per pair only where the fold routes too
+        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_PAIR_GRID", pair_grid)
+        for tokens in (1, fused, fused + 1):
+            launch = backend.moe_launch(tokens, up, down, interpret=True)
+            folded = launch["down_in_up"] and launch["route_in_up"]
+            assert launch["pair_grid"] == (pair_grid and folded), (pair_grid, tokens)
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_BLOCK_INNER", 128)  # its own tile
     launch = backend.moe_launch(fused + 1, up, down, interpret=True)
     assert launch["block_inner"] == 64
