@@ -182,6 +182,12 @@ MOE_DOWN_IN_UP_ZERO_UNUSED = False
 # the launch's 256 programs kept the SMs active 43 % of its cycles, 88 of them with an
 # expert's work, spread in runs of 11 over the block ids. Off: not yet timed.
 MOE_DOWN_IN_UP_PAIR_GRID = False
+# The folded launch's programs add their partial sums into the tokens' output rows with
+# float32 atomic adds (``moe_experts_pallas(atomic_sum=True)``): no launch after it sums
+# the partials (in an H200 profile of a batch-1 step, a mask and a sum: 4.7-5.2 us a MoE
+# layer, BENCHMARKS.md, 2026-12-05, fifth), for a zero fill before it. The additions' order
+# then varies between runs. Off: not yet timed.
+MOE_DOWN_IN_UP_ATOMIC_SUM = False
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -283,6 +289,17 @@ def adds_mlp_output_in_next_norm(kernels: Any) -> bool:
     (the residual-norm launch adds it): ``kernels`` has the launch and
     ``MLP_OUTPUT_IN_NEXT_NORM`` is on, read when the forward is traced."""
     return getattr(kernels, "residual_norm", None) is not None and MLP_OUTPUT_IN_NEXT_NORM
+
+
+def moe_output_as_part(kernels: Any, num_tokens: int) -> bool:
+    """Whether a MoE layer of ``num_tokens`` tokens hands its output, not yet added, to the
+    next layer's input norm in float32 as one partial sum (``sparse_moe(as_part=True)``;
+    the residual-norm launch rounds it): where that norm adds it
+    (``adds_mlp_output_in_next_norm``) and the folded launch leaves its sums itself
+    (``MOE_DOWN_IN_UP_ATOMIC_SUM``, up to ``MOE_DOWN_IN_UP_MAX_TOKENS`` tokens), so that
+    no launch rounds them in between."""
+    folded = MOE_DOWN_IN_UP_ATOMIC_SUM and num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS
+    return folded and adds_mlp_output_in_next_norm(kernels)
 
 
 def reads_qkv_in_place(prologue: Any) -> bool:
@@ -693,6 +710,7 @@ def moe_launch(
         "down_in_up": down_in_up,
         "zero_unused": zero_unused,
         "pair_grid": down_in_up and route_in_up and MOE_DOWN_IN_UP_PAIR_GRID,
+        "atomic_sum": down_in_up and MOE_DOWN_IN_UP_ATOMIC_SUM,
     }
 
 

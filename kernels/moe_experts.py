@@ -558,6 +558,7 @@ def _up_tile(
     block_out=None,
     num_tokens=None,
     zero_unused=False,
+    atomic_sum=False,
 ):
     """The rows of a tile of ``expert`` times one column tile of its gate / up
     (``pairs``), then the activation; x is rounded to the weights' dtype as it is read.
@@ -568,7 +569,9 @@ def _up_tile(
     (``[d_out]`` float32 rows; the rows past the tokens are not written, so a few tokens'
     partials move a few rows' bytes). ``at``: (this program's tile or pair, its inner
     tile). ``zero_unused``: an unused tile's programs write zeros there, so that the
-    partials sum with no mask."""
+    partials sum with no mask. ``atomic_sum``: the program adds its rows of the tokens
+    into ``out_ref[:num_tokens]`` (float32, zeros before the launch) with atomic adds
+    instead, so that the launch leaves the tokens' sums."""
     tile, inner_tile = at
     cols = pl.ds(inner_tile * block_inner, block_inner)
     dtype = pairs[0][0].dtype
@@ -576,11 +579,18 @@ def _up_tile(
     def write_partials(part_of):
         """This program's partial rows, ``part_of(chunk)`` a ``block_out``-column chunk at
         a time (rows past the tokens masked out)."""
-        rows = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0) < num_tokens
+        row = jax.lax.broadcasted_iota(jnp.int32, (block_rows, block_out), 0)
 
         def step(j, carry):
             chunk = pl.ds(j * block_out, block_out)
-            pallas_triton.store(out_ref.at[tile, inner_tile, :, chunk], part_of(chunk), mask=rows)
+            part = part_of(chunk)
+            if not atomic_sum:
+                out = out_ref.at[tile, inner_tile, :, chunk]
+                pallas_triton.store(out, part, mask=row < num_tokens)
+                return carry
+            for n in range(num_tokens):  # a token's row at a time: no masked atomics
+                mine = jnp.sum(jnp.where(row == n, part, 0.0), axis=0)
+                pallas_triton.atomic_add(out_ref, (jnp.int32(n), chunk), mine)
             return carry
 
         jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, step, 0)
@@ -719,6 +729,7 @@ def moe_experts_pallas(
     down_in_up: bool = False,
     zero_unused: bool = False,
     pair_grid: bool = False,
+    atomic_sum: bool = False,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
@@ -744,7 +755,10 @@ def moe_experts_pallas(
     launch after the kernel where the mask is a launch of its own). ``pair_grid`` (with
     ``route_in_up`` and ``down_in_up``): the launch's grid is (inner tile, pair), a
     program per token's pair rather than per slot (the pairs rounded up to a power of
-    two), so fewer programs and partials (``_routed_up_kernel``)."""
+    two), so fewer programs and partials (``_routed_up_kernel``). ``atomic_sum`` (with
+    ``down_in_up``): the programs add their partial sums into the output with atomic adds
+    (``_up_tile``), so no launch sums them after the kernel; the float32 additions' order
+    then varies between runs on a GPU (interpret mode adds in program order)."""
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
@@ -817,17 +831,27 @@ def moe_experts_pallas(
         pairs = routing.top_k + (shared is not None)
         grid = (inner // bi, table_shapes[0].shape[0] * pairs)
     weight_specs = [whole()] * len(projections)
+    atomic_sum = down_in_up and atomic_sum
     if down_in_up:  # each program's partial sums of its tokens' outputs
-        up_tiles.update(block_out=bo, num_tokens=num_tokens, zero_unused=zero_unused)
+        zero_unused = zero_unused and not atomic_sum
+        up_tiles.update(
+            block_out=bo, num_tokens=num_tokens, zero_unused=zero_unused, atomic_sum=atomic_sum
+        )
         projections += downs
         weight_specs += [whole()] * len(downs)
         out_spec = whole()
         parts = grid if pairs is None else grid[::-1]  # [tile or pair, inner tile]
         out_shape = jax.ShapeDtypeStruct((*parts, block_rows, out_width), jnp.float32)
+        if atomic_sum:  # the tokens' sums, added into zeros given as the last input
+            out_shape = jax.ShapeDtypeStruct((num_tokens, out_width), jnp.float32)
     else:
         out_spec = pl.BlockSpec((block_rows, bi), lambda t, i: (t, i))
         out_shape = jax.ShapeDtypeStruct((num_rows, inner), up.dtype)
+    # the atomic sums' zeros: the last input, its buffer the output's
+    sums = [jnp.zeros(out_shape.shape, out_shape.dtype)] if atomic_sum else []
     if route_in_up:
+        if sums:
+            options["input_output_aliases"] = {len(route_args) + 1 + len(projections): 0}
         hidden, *tables = pl.pallas_call(
             functools.partial(
                 _routed_up_kernel,
@@ -837,27 +861,31 @@ def moe_experts_pallas(
                 **up_tiles,
             ),
             grid=grid,
-            in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs,
+            in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs + [whole()] * len(sums),
             out_specs=(out_spec, whole(), whole(), whole()),
             out_shape=(out_shape, *table_shapes),
             name="moe_experts_up",
             **options,
-        )(*route_args, staged, *projections)
+        )(*route_args, staged, *projections, *sums)
         grouped = _tables_as_tiles(tables, num_tokens, block_rows)
     else:
         weight_args = list(projections)
         if down_in_up:
             weight_specs.append(pl.BlockSpec((block_rows,), lambda t, i: (t,)))
             weight_args.append(grouped.row_weight)
+        if sums:
+            options["input_output_aliases"] = {2 + len(weight_args): 0}
         hidden = pl.pallas_call(
             functools.partial(_up_kernel, **up_tiles),
             grid=grid,
-            in_specs=[whole(), x_spec] + weight_specs,
+            in_specs=[whole(), x_spec] + weight_specs + [whole()] * len(sums),
             out_specs=out_spec,
             out_shape=out_shape,
             name="moe_experts_up",
             **options,
-        )(grouped.tile_expert, staged, *weight_args)
+        )(grouped.tile_expert, staged, *weight_args, *sums)
+    if atomic_sum:  # the tokens' sums, left by the launch
+        return hidden
     if down_in_up:  # every used tile's rows, each token weighted 0 where it did not route
         partial = hidden[:, :, :num_tokens]  # the rows the programs wrote
         if zero_unused:  # and zeros for the unused tiles: one launch (the sum) after this one

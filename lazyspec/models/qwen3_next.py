@@ -30,9 +30,10 @@ from lazyspec.kernels.backend import (
     XLA_KERNELS,
     Kernels,
     adds_mlp_output_in_next_norm,
+    moe_output_as_part,
     output_parts,
 )
-from lazyspec.kernels.residual_norm import ResidualNorm, is_partials
+from lazyspec.kernels.residual_norm import ResidualNorm, is_partials, summed
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
     ForwardInputs,
@@ -367,7 +368,8 @@ def mlp_block(
     where ``kernels.residual_norm`` fuses the add, the norm and the router's logits; it may
     be the output projection's float32 partial sums ``[S, *x.shape]`` (``output_parts``).
     ``apart``: (the residual stream, the MLP's output) not yet added, for the next layer's
-    input norm to add (``adds_mlp_output_in_next_norm``)."""
+    input norm to add (``adds_mlp_output_in_next_norm``); a MoE's output then may be one
+    float32 partial sum ``[1, *x.shape]`` (``moe_output_as_part``)."""
     weight = lp["post_attention_layernorm"]
     logits = None
     if delta is None:
@@ -382,7 +384,8 @@ def mlp_block(
         x_flat, h_flat, logits = _fused_norm(kernels, cfg, flat(x), delta, weight, router)
         x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
-        out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
+        as_part = apart and moe_output_as_part(kernels, math.prod(x.shape[:-1]))
+        out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits, as_part)
     else:
         out = swiglu_mlp(lp["mlp"], h)
     return (x, out) if apart else x + out
@@ -400,7 +403,10 @@ def _input_norm(
     the router's products rounded to its dtype, or None without a router); ``delta`` (the
     previous layer's MLP output) None adds nothing."""
     flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-    delta = None if delta is None else flat(delta)
+    if is_partials(x, delta):  # a MoE's float32 output (``moe_output_as_part``)
+        delta = delta.reshape(delta.shape[0], -1, delta.shape[-1])
+    elif delta is not None:
+        delta = flat(delta)
     dtype = jnp.float32 if router is None else router.dtype
     weight = lp["input_layernorm"]
     x_flat, normed, logits = _fused_norm(kernels, cfg, flat(x), delta, weight, router, dtype)
@@ -419,7 +425,7 @@ def _gdn_input(
     weight = lp["input_layernorm"]
     gates = lp["linear_attn"].get("in_proj_ba")  # fused projections only
     if kernels.residual_norm is None or gates is None:
-        x = x if delta is None else x + delta
+        x = x if delta is None else x + summed(x, delta)
         return x, norm(x, weight, cfg), None
     return _input_norm(lp, cfg, x, kernels, delta, gates["weight"])
 
@@ -536,7 +542,7 @@ def forward(
                 )
                 a += 1
             x, delta = x if apart else (x, None)
-    x = x if delta is None else x + delta
+    x = x if delta is None else x + summed(x, delta)
     layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
     return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
 

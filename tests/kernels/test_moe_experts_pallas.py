@@ -288,10 +288,13 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
         assert launch["block_out"] == backend.MOE_DOWN_IN_UP_BLOCK_OUT, tokens
         assert launch["block_inner"] == backend.MOE_DOWN_IN_UP_BLOCK_INNER, tokens
         assert launch["zero_unused"] == backend.MOE_DOWN_IN_UP_ZERO_UNUSED, tokens
+        assert launch["atomic_sum"] == backend.MOE_DOWN_IN_UP_ATOMIC_SUM, tokens
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ZERO_UNUSED", True)  # only with the fold
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", True)
     for tokens in (1, fused, fused + 1):
         launch = backend.moe_launch(tokens, up, down, interpret=True)
         assert launch["zero_unused"] == launch["down_in_up"], tokens
+        assert launch["atomic_sum"] == launch["down_in_up"], tokens
     for pair_grid in (False, True):  # a program per pair only where the fold routes too
         monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_PAIR_GRID", pair_grid)
         for tokens in (1, fused, fused + 1):
@@ -740,6 +743,17 @@ def test_down_product_in_the_up_launch_pallas(case):
     np.testing.assert_array_equal(np.asarray(zeroed), np.asarray(fused))
     two = run(x, weights, ids, up, down, gate)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(two), rtol=0, atol=1e-5)
+    # the partials added into the output by the programs: the sum, no launch after it
+    for options in ({}, {"pair_grid": True}, {"zero_unused": True}):
+        adds = functools.partial(run, down_in_up=True, atomic_sum=True, **options)
+        added = adds(x, weights, ids, up, down, gate)
+        assert added.shape == fused.shape and added.dtype == jnp.float32, options
+        np.testing.assert_allclose(np.asarray(added), np.asarray(fused), rtol=0, atol=1e-6)
+        jaxpr = jax.make_jaxpr(lambda x, f=adds: f(x, weights, ids, up, down, gate))(x).jaxpr
+        (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        assert call.params["grid_mapping"].num_outputs == 1 + 3 * by_logits
+        after = jaxpr.eqns[jaxpr.eqns.index(call) + 1 :]  # the launch's output as it is
+        assert not [e for e in after if e.primitive.name == "reduce_sum"], options
     if by_logits:  # a program per token's pair: the same partials, fewer of them
         pairs = top_k + with_shared
         for zero in (False, True):

@@ -420,3 +420,58 @@ def test_forward_hands_the_output_projection_in_parts(monkeypatch):
     seen.clear()
     np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
     assert seen == []  # no launch at these sizes: one product, no parts
+
+
+def test_moe_output_summed_in_its_launch_goes_to_the_next_norm_in_float32_pallas(monkeypatch):
+    """With ``backend.MOE_DOWN_IN_UP_ATOMIC_SUM`` the folded MoE launch leaves the tokens'
+    sums itself, and each Qwen3-Next MoE layer of up to ``MOE_DOWN_IN_UP_MAX_TOKENS``
+    tokens hands them, float32 and not rounded, to the next layer's input norm as one
+    partial sum (``moe_output_as_part``; the last layer's is added after the loop): the
+    decode gives the forward without it to float32 rounding, and every input norm after a
+    MoE layer receives ``[1, N, d]`` float32. Past the bound, or with the switch off, the
+    MoE output is rounded to the stream's dtype as before."""
+    from lazyspec.kernels import backend
+
+    model = tiny_model("qwen3_next")
+    cfg, fam = model.config, model.family
+    rng = np.random.default_rng(23)
+    slot = jnp.asarray([5, 0, 2], jnp.int32)
+    kv, pools = random_kv_and_pools(rng, cfg, 3)
+    inputs = first_tokens(_verify_inputs(rng, cfg.vocab_size, [1, 1, 1]))
+    rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
+    monkeypatch.setattr(backend, "MLP_OUTPUT_IN_NEXT_NORM", True)
+    for name in ("MOE_ROUTE_IN_UP_MAX_TOKENS", "MOE_DOWN_IN_UP_MAX_TOKENS"):
+        monkeypatch.setattr(backend, name, 3)  # this step's three rows folded
+    kernels = kernels_for("pallas")
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", False)
+    assert not backend.moe_output_as_part(kernels, 1)  # the switch off: rounded
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", True)
+    assert backend.moe_output_as_part(kernels, 3) and not backend.moe_output_as_part(kernels, 4)
+    assert not backend.moe_output_as_part(XLA_KERNELS, 1)  # no launch to add it
+    seen, results = {}, {}
+    for atomic in (False, True):
+        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", atomic)
+        deltas = seen.setdefault(atomic, [])
+
+        def recorded(x, delta, *args, _norm=kernels.residual_norm, _seen=deltas, **options):
+            if delta is not None:
+                _seen.append((delta.shape, delta.dtype))
+            return _norm(x, delta, *args, **options)
+
+        k = dataclasses.replace(kernels, residual_norm=recorded)
+
+        def step(r, k=k):
+            return fam.forward(model.params, cfg, inputs, kv, r, mode="decode", kernels=k)
+
+        results[atomic] = jax.jit(step)(rec)
+    got, want = (jax.tree.leaves(results[atomic]) for atomic in (True, False))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    width, dtype = cfg.hidden_size, results[False][0].dtype
+    moe_layers = [i for i, kind in enumerate(cfg.arch.mlp_kinds) if kind == "moe"]
+    handed = [i + 1 for i in moe_layers if i + 1 < len(cfg.layer_roles)]
+    assert handed  # the tiny model has a MoE layer before another layer
+    parts = [s for s in seen[True] if s == ((1, 3, width), jnp.float32)]
+    assert len(parts) == len(handed), seen[True]
+    assert ((1, 3, width), jnp.float32) not in seen[False]
+    assert ((3, width), dtype) in seen[False]

@@ -11,6 +11,7 @@ it fits the shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,7 @@ def routed_experts(
     shared: SharedExpert | None = None,
     shared_gate: jax.Array | None = None,
     logits: jax.Array | None = None,
+    dtype: Any = None,
 ) -> jax.Array:
     """Sum over each token's top-k experts of weight * SwiGLU_e(x); x ``[N, hidden]``, params
     ``gate`` and ``experts`` as in the module docstring. ``moe_experts``: the kernel that
@@ -208,7 +210,8 @@ def routed_experts(
     ``shared_gate [hidden]``, the gate whose sigmoid gave ``shared.weight``, the kernel
     computes that weight itself); the top-k below then runs only where it does not.
     ``logits``: the router's logits of x where the caller computed them
-    (``Kernels.residual_norm``), else computed here. Returns x's shape and dtype."""
+    (``Kernels.residual_norm``), else computed here. Returns x's shape, in ``dtype``
+    (None: x's; float32 keeps the kernel's sums as they are)."""
     if logits is None:
         logits = router_logits(params, x)
     weights, expert_ids = route(params, spec, x, logits)
@@ -239,7 +242,7 @@ def routed_experts(
                 logits, spec.top_k, spec.norm_topk_prob, real, shared_gate
             )
         out = moe_experts(x, weights, expert_ids, *stacks, xla_form=xla_form, **fused)
-    return out.astype(x.dtype)
+    return out.astype(x.dtype if dtype is None else dtype)
 
 
 # Up to this many tokens the shared expert runs in the routed-experts kernel's launches
@@ -286,22 +289,27 @@ def sparse_moe(
     moe_experts: MoEExpertsFn | None = None,
     real: jax.Array | None = None,
     logits: jax.Array | None = None,
+    as_part: bool = False,
 ) -> jax.Array:
     """The MoE block: routed experts plus ``sigmoid(shared_gate(x)) * shared_expert(x)``.
 
     x ``[..., hidden]`` -> same shape and dtype; ``moe_experts``, ``real`` and ``logits``
-    ``[N, E]`` (over the flattened tokens) as in ``routed_experts``.
+    ``[N, E]`` (over the flattened tokens) as in ``routed_experts``. ``as_part``: the sum
+    in float32, not rounded, as one partial sum ``[1, *x.shape]`` (``residual_norm``'s
+    partials: the launch that adds it rounds it to x's dtype, as this block would).
     """
     flat = x.reshape(-1, x.shape[-1])
+    dtype = jnp.float32 if as_part else x.dtype
+    shape = (1, *x.shape) if as_part else x.shape
     gate = params["shared_expert_gate"]
     shared_gate = jax.nn.sigmoid(linear(gate, flat).astype(jnp.float32))
     fused = fused_shared_expert(params, moe_experts, shared_gate[:, 0])
     if fused is not None:  # one pair of launches for the routed and the shared experts
         # a routing kernel computes the gate's weight itself from the gate (no bias)
         in_kernel = None if "bias" in gate else gate["weight"][:, 0]
-        out = routed_experts(params, spec, flat, moe_experts, real, fused, in_kernel, logits)
-        return out.reshape(x.shape)
+        out = routed_experts(params, spec, flat, moe_experts, real, fused, in_kernel, logits, dtype)
+        return out.reshape(shape)
     routed = routed_experts(params, spec, flat, moe_experts, real, logits=logits)
     shared = swiglu_mlp(params["shared_expert"], flat)
     out = routed.astype(jnp.float32) + shared_gate * shared.astype(jnp.float32)
-    return out.astype(x.dtype).reshape(x.shape)
+    return out.astype(dtype).reshape(shape)
