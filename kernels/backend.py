@@ -180,13 +180,18 @@ MOE_DOWN_IN_UP_ZERO_UNUSED = False
 # and 11/16 as many partials summed after it (``moe_experts_pallas(pair_grid=True)``). In
 # an H100 profile of a batch-1 step (Nsight Compute, BENCHMARKS.md, 2026-12-05, seventh)
 # the launch's 256 programs kept the SMs active 43 % of its cycles, 88 of them with an
-# expert's work, spread in runs of 11 over the block ids. Off: not yet timed.
-MOE_DOWN_IN_UP_PAIR_GRID = False
+# expert's work, spread in runs of 11 over the block ids. On: the batch-1 step 23.5 and
+# 21.1 us shorter on an H100 in two calls (BENCHMARKS.md, 2026-12-06); with a 32-column
+# intermediate tile (twice the programs and partials) 13 us longer than the defaults.
+MOE_DOWN_IN_UP_PAIR_GRID = True
 # The folded launch's programs add their partial sums into the tokens' output rows with
 # float32 atomic adds (``moe_experts_pallas(atomic_sum=True)``): no launch after it sums
 # the partials (in an H200 profile of a batch-1 step, a mask and a sum: 4.7-5.2 us a MoE
 # layer, BENCHMARKS.md, 2026-12-05, fifth), for a zero fill before it. The additions' order
-# then varies between runs. Off: not yet timed.
+# then varies between runs. Off: on an H100 the batch-1 step ran 8 kernels fewer and 67 us
+# longer (on the slot grid) and 55 us longer than the pair grid without it (BENCHMARKS.md,
+# 2026-12-06): 88 programs adding whole rows into the same 2 x 2048 words cost more than
+# the sum's launch.
 MOE_DOWN_IN_UP_ATOMIC_SUM = False
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
