@@ -336,6 +336,12 @@ def _power_of_two(size: int) -> int:
     return 1 << max(size - 1, 0).bit_length()
 
 
+def pairs_a_token(routing: TokenRouting, shared: bool) -> int:
+    """The (token, expert) pairs a token routes to: its top-k, and the shared expert where
+    one runs in the same launches."""
+    return routing.top_k + shared
+
+
 def _route_args(
     routing: TokenRouting,
     shared_weight: jax.Array | None,
@@ -352,7 +358,7 @@ def _route_args(
         raise ValueError(f"top_k={routing.top_k} must be in [1, {num_experts}]")
     shared_expert = None if shared_weight is None else num_experts
     n = _power_of_two(num_tokens)
-    slots = _power_of_two(routing.top_k + (shared_weight is not None))
+    slots = _power_of_two(pairs_a_token(routing, shared_weight is not None))
     real = jnp.ones((num_tokens,), jnp.int32) if routing.real is None else routing.real
     pad = ((0, n - num_tokens), (0, _power_of_two(num_experts) - num_experts))
     args = [
@@ -828,7 +834,7 @@ def moe_experts_pallas(
     # with pair_grid, the pairs a token (program p: tile p // pairs * slots + p % pairs)
     pairs = None
     if route_in_up and down_in_up and pair_grid:
-        pairs = routing.top_k + (shared is not None)
+        pairs = pairs_a_token(routing, shared is not None)
         grid = (inner // bi, table_shapes[0].shape[0] * pairs)
     weight_specs = [whole()] * len(projections)
     atomic_sum = down_in_up and atomic_sum

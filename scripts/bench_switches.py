@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lazyspec.bench.origin import DEVICE_PREFIX
 from lazyspec.bench.switches import check_switches
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -164,8 +165,8 @@ def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path,
 
 def device_of(stdout: str) -> str:
     """The card and jax version ``bench_engine.py`` printed ("device: ..."), or ""."""
-    lines = [line for line in stdout.splitlines() if line.startswith("device: ")]
-    return lines[0][len("device: ") :] if lines else ""
+    lines = [line for line in stdout.splitlines() if line.startswith(DEVICE_PREFIX)]
+    return lines[0][len(DEVICE_PREFIX) :] if lines else ""
 
 
 def check_one(setting: Setting, checks: str, extra: list[str], timeout: float) -> Check:

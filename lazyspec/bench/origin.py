@@ -42,10 +42,14 @@ def code_line() -> str:
     return f"code: lazyspec {package}, lazyspec.kernels {kernels}"
 
 
+DEVICE_PREFIX = "device: "  # ``device_line``'s start, by which the scripts find it
+
+
 def device_line() -> str:
     """``device: <kind> (<platform>), jax <version>``: the card a benchmark's figures are
     of (a device call may be lent another card than the one asked for)."""
     import jax
 
     device = jax.devices()[0]
-    return f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+    kind = f"{device.device_kind} ({jax.default_backend()})"
+    return f"{DEVICE_PREFIX}{kind}, jax {jax.__version__}"
