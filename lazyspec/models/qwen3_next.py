@@ -333,6 +333,16 @@ def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
 
 
+def _flat_tokens(x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """x ``[..., d]`` as tokens ``[N, d]``, and delta as the same tokens: ``[N, d]``, or
+    ``[S, N, d]`` where it is float32 partial sums (``is_partials``); None stays None."""
+    flat = x.reshape(-1, x.shape[-1])
+    if delta is None:
+        return flat, None
+    parts = (delta.shape[0],) if is_partials(x, delta) else ()
+    return flat, delta.reshape(*parts, *flat.shape)
+
+
 def _fused_norm(
     kernels: Kernels,
     cfg: ModelConfig,
@@ -376,12 +386,8 @@ def mlp_block(
         h = norm(x, weight, cfg)
     else:
         router = lp["mlp"]["gate"] if kind == "moe" else None
-        flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-        if is_partials(x, delta):  # the mixer's output projection in parts (``output_parts``)
-            delta = delta.reshape(delta.shape[0], -1, delta.shape[-1])
-        else:
-            delta = flat(delta)
-        x_flat, h_flat, logits = _fused_norm(kernels, cfg, flat(x), delta, weight, router)
+        # delta may be the mixer's output projection in parts (``output_parts``)
+        x_flat, h_flat, logits = _fused_norm(kernels, cfg, *_flat_tokens(x, delta), weight, router)
         x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
         as_part = apart and moe_output_as_part(kernels, math.prod(x.shape[:-1]))
@@ -402,14 +408,11 @@ def _input_norm(
     """A layer's input norm in ``kernels.residual_norm``'s launch: (x + delta, its norm,
     the router's products rounded to its dtype, or None without a router); ``delta`` (the
     previous layer's MLP output) None adds nothing."""
-    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-    if is_partials(x, delta):  # a MoE's float32 output (``moe_output_as_part``)
-        delta = delta.reshape(delta.shape[0], -1, delta.shape[-1])
-    elif delta is not None:
-        delta = flat(delta)
     dtype = jnp.float32 if router is None else router.dtype
     weight = lp["input_layernorm"]
-    x_flat, normed, logits = _fused_norm(kernels, cfg, flat(x), delta, weight, router, dtype)
+    # delta may be a MoE's float32 output as one part (``moe_output_as_part``)
+    tokens = _flat_tokens(x, delta)
+    x_flat, normed, logits = _fused_norm(kernels, cfg, *tokens, weight, router, dtype)
     logits = None if router is None else logits.reshape(*x.shape[:-1], logits.shape[-1])
     return x_flat.reshape(x.shape), normed.reshape(x.shape), logits
 
