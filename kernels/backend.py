@@ -96,6 +96,11 @@ DEFAULT_STATE_TILES = {
     "gdn": {"block_value": 64, "num_warps": 4, "evict_last": False},
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
+# A decode step's padding rows (slot 0; a one-request step runs one beside its row,
+# ``layout.MIN_DECODE_TOKENS``) read a zero state in the Pallas updates instead of slot 0's
+# (``skip_padding``): at batch 1 half of a GDN layer's state reads (2 MiB at Qwen3-Next's
+# widths). The padding rows' outputs are discarded either way; slot 0 is never written.
+UPDATE_SKIPS_PADDING_STATE = False
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
 # Tiles a program of the pool-to-pool copy takes (``state_copy_pallas``). The copy runs in
 # every in-place decode step and copies rows only at a boundary crossing; with one tile a
@@ -193,6 +198,13 @@ MOE_DOWN_IN_UP_PAIR_GRID = True
 # 2026-12-06): 88 programs adding whole rows into the same 2 x 2048 words cost more than
 # the sum's launch.
 MOE_DOWN_IN_UP_ATOMIC_SUM = False
+# The folded launch's partials added up in a launch of ``sum_partials_pallas`` with this many
+# output columns a program, whose loads skip the unused partials (a batch-1 step's two rows:
+# the padding row's 11 pairs), instead of XLA's masked sum: in an H200 profile of a batch-1
+# step XLA ran the mask and the sum as two launches (2.7-3.1 and 2.0-2.1 us a MoE layer;
+# on an H100 one launch, 2.8 us; BENCHMARKS.md, 2026-12-05, fifth). With it the MoE output
+# goes to the next norm as a float32 part (``moe_output_as_part``). 0: XLA's sum.
+MOE_PARTIALS_SUM_BLOCK = 0
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -300,10 +312,12 @@ def moe_output_as_part(kernels: Any, num_tokens: int) -> bool:
     """Whether a MoE layer of ``num_tokens`` tokens hands its output, not yet added, to the
     next layer's input norm in float32 as one partial sum (``sparse_moe(as_part=True)``;
     the residual-norm launch rounds it): where that norm adds it
-    (``adds_mlp_output_in_next_norm``) and the folded launch leaves its sums itself
-    (``MOE_DOWN_IN_UP_ATOMIC_SUM``, up to ``MOE_DOWN_IN_UP_MAX_TOKENS`` tokens), so that
-    no launch rounds them in between."""
-    folded = MOE_DOWN_IN_UP_ATOMIC_SUM and num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS
+    (``adds_mlp_output_in_next_norm``) and the folded launch's sums come out of a Pallas
+    launch (``MOE_DOWN_IN_UP_ATOMIC_SUM``: its own; ``MOE_PARTIALS_SUM_BLOCK``: the sum's;
+    up to ``MOE_DOWN_IN_UP_MAX_TOKENS`` tokens), so that no launch rounds them in
+    between."""
+    summed = MOE_DOWN_IN_UP_ATOMIC_SUM or MOE_PARTIALS_SUM_BLOCK > 0
+    folded = summed and num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS
     return folded and adds_mlp_output_in_next_norm(kernels)
 
 
@@ -404,6 +418,7 @@ def _pallas_state_update(
         block_value=block_value,
         evict_last=evict_last,
         layer=layer,
+        skip_padding=UPDATE_SKIPS_PADDING_STATE,
         **_pallas_options(interpret, compiler_params, tiles["num_warps"]),
     )
 
@@ -708,6 +723,11 @@ def moe_launch(
     if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
         return None  # widths with no power-of-two tile Triton's dots take
     zero_unused = down_in_up and MOE_DOWN_IN_UP_ZERO_UNUSED
+    atomic_sum = down_in_up and MOE_DOWN_IN_UP_ATOMIC_SUM
+    sum_block = None  # the partials' sum: a launch of its own where they are summed masked
+    summed_apart = down_in_up and not (zero_unused or atomic_sum)
+    if summed_apart and MOE_PARTIALS_SUM_BLOCK > 0 and powers_of_two(inner // tiles["block_inner"]):
+        sum_block = fitted_tile(out_width, MOE_PARTIALS_SUM_BLOCK)
     return {
         **tiles,
         **options,
@@ -715,7 +735,8 @@ def moe_launch(
         "down_in_up": down_in_up,
         "zero_unused": zero_unused,
         "pair_grid": down_in_up and route_in_up and MOE_DOWN_IN_UP_PAIR_GRID,
-        "atomic_sum": down_in_up and MOE_DOWN_IN_UP_ATOMIC_SUM,
+        "atomic_sum": atomic_sum,
+        "sum_block": sum_block,
     }
 
 

@@ -4,7 +4,8 @@ Contract (both mixers, both forms). A batch of B rows with T new tokens each rea
 initial state from ``pool[slot[b]]`` (pool ``[num_slots + 1, H, d_a, d_b]``, one layer) and
 runs the token-by-token recurrence of ``recurrence.gdn_scan`` / ``recurrence.mamba2_scan``
 in float32. ``slot[b] == 0`` marks a padding row: its outputs are computed from slot 0 like
-any row's, and nothing is ever written to slot 0 (so verify, which writes no slot, may use
+any row's (the Pallas kernels' ``skip_padding``, in decode: from a zero state, slot 0 not
+read), and nothing is ever written to slot 0 (so verify, which writes no slot, may use
 slot 0 for real data). Real rows must name distinct slots in decode. Two modes:
   decode  the state after the last token is written back into ``pool[slot[b]]`` in place
           (the Pallas form aliases the pool; donate it under jit to avoid a copy);
@@ -244,13 +245,18 @@ def load_rows(view, first, num_rows: int) -> jax.Array:
     return pallas_triton.load(view, mask=index < num_rows, other=0)
 
 
-def load_state(pool_ref, idx: tuple, evict_last: bool) -> jax.Array:
+def load_state(pool_ref, idx: tuple, evict_last: bool, live: jax.Array | None = None) -> jax.Array:
     """The state tile ``pool_ref[idx]``. ``evict_last`` asks the cache to keep its lines, so
     that decode's write-back of the same tile finds them in L2 (Mamba2 on an H200: 3-8
-    points more of the copy bandwidth, BENCHMARKS.md)."""
-    if evict_last:
-        return pallas_triton.load(pool_ref.at[idx], eviction_policy="evict_last")
-    return pool_ref[idx]
+    points more of the copy bandwidth, BENCHMARKS.md). ``live`` (a scalar bool) given: where
+    it is false the tile is zeros and its bytes are not read (a masked load)."""
+    if not evict_last and live is None:
+        return pool_ref[idx]
+    view = pool_ref.at[idx]
+    options = {"eviction_policy": "evict_last"} if evict_last else {}
+    if live is not None:
+        options.update(mask=jnp.full(view.shape, live), other=0)
+    return pallas_triton.load(view, **options)
 
 
 def pool_index(layer: int | None, slot, *tile) -> tuple:
@@ -351,7 +357,16 @@ def _conv_token_loader(refs, heads, block_heads, per_key):
 
 
 def _gdn_kernel(
-    slot_ref, *refs, mode, block_heads, block_value, evict_last, layer, per_key, norm=None
+    slot_ref,
+    *refs,
+    mode,
+    block_heads,
+    block_value,
+    evict_last,
+    layer,
+    per_key,
+    norm=None,
+    skip_padding=False,
 ):
     """refs: q, k, v, g, beta (``GdnTokens``) or ``_conv_token_loader``'s eight (then, with
     ``norm`` = (eps, dtype) of an ``OutputNorm``, the head's gate block and the norm's
@@ -361,7 +376,8 @@ def _gdn_kernel(
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     cols = pl.ds(pl.program_id(2) * block_value, block_value)
     tile = pool_index(layer, slot, heads, slice(None), cols)
-    h = load_state(pool_ref, tile, evict_last).astype(jnp.float32)
+    live = slot != 0 if skip_padding else None
+    h = load_state(pool_ref, tile, evict_last, live).astype(jnp.float32)
     if len(refs) == 8:
         q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
 
@@ -468,11 +484,14 @@ def gdn_state_update_pallas(
     block_value: int | None = None,
     evict_last: bool = False,
     layer: int | None = None,
+    skip_padding: bool = False,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
-    through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s."""
+    through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s;
+    ``skip_padding`` (decode only): a padding row (slot 0) reads a zero state instead of
+    slot 0's, not reading its bytes (its outputs, discarded, follow from zeros)."""
     check_mode(mode)
     if isinstance(tokens, GdnConvTokens):
         batch, num_tokens, _ = tokens.conv_out.shape
@@ -512,6 +531,7 @@ def gdn_state_update_pallas(
             layer=layer,
             per_key=per_key,
             norm=norm,
+            skip_padding=skip_padding and mode == "decode",
         )
 
     return _run_update(
@@ -564,13 +584,15 @@ def _mamba2_kernel(
     heads_per_group,
     evict_last,
     layer,
+    skip_padding=False,
 ):
     slot = slot_ref[pl.program_id(0)]
     head_start = pl.program_id(1) * block_heads
     heads = pl.ds(head_start, block_heads)
     rows = pl.ds(pl.program_id(2) * block_value, block_value)
     tile = pool_index(layer, slot, heads, rows, slice(None))
-    h = load_state(pool_ref, tile, evict_last).astype(jnp.float32)
+    live = slot != 0 if skip_padding else None
+    h = load_state(pool_ref, tile, evict_last, live).astype(jnp.float32)
     a = a_ref[heads].astype(jnp.float32)
     d = d_ref[heads].astype(jnp.float32)
     for t in range(x_ref.shape[0]):
@@ -611,11 +633,12 @@ def mamba2_state_update_pallas(
     block_value: int | None = None,
     evict_last: bool = False,
     layer: int | None = None,
+    skip_padding: bool = False,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """Pallas Mamba2 update (module docstring has the contract); value tiles split P;
-    ``evict_last`` (decode only) is ``load_state``'s."""
+    ``evict_last`` and ``skip_padding`` (decode only) as in ``gdn_state_update_pallas``."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
@@ -636,6 +659,7 @@ def mamba2_state_update_pallas(
             heads_per_group=per_group,
             evict_last=evict_last and mode == "decode",
             layer=layer,
+            skip_padding=skip_padding and mode == "decode",
         )
 
     return _run_update(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -315,6 +316,39 @@ def test_evict_last_hint_keeps_results_pallas():
             assert_close(*states, FP32_TOL, f"{mode} states")
 
 
+def test_padding_rows_skip_their_state_in_decode_pallas(monkeypatch):
+    """With ``skip_padding`` (``backend.UPDATE_SKIPS_PADDING_STATE``) a decode step's padding
+    rows (slot 0) read a zero state, not slot 0's: with NaN in slot 0 their outputs are the
+    XLA form's from a zero slot 0, the real rows' outputs and slots are as without it, and
+    slot 0 stays as it was. Both mixers; verify reads slot 0 as before (its own data)."""
+    rng = np.random.default_rng(17)
+    cases = [
+        gdn_case(rng, 4, 2, 2, 8, 16, 5, jnp.float32),
+        mamba2_case(rng, 4, 2, 4, 2, 8, 16, 5, jnp.float32),
+    ]
+    monkeypatch.setattr(backend, "UPDATE_SKIPS_PADDING_STATE", True)
+    for pool, slot, inputs in cases:
+        slot = slot.at[1].set(0).at[3].set(0)  # rows 1 and 3 are padding
+        zeroed = pool.at[0].set(0.0)
+        poisoned = pool.at[0].set(jnp.nan)
+        run = functools.partial(
+            backend.state_update, kernel_backend="pallas", block_value=4, interpret=True
+        )
+        got = run(poisoned, slot, inputs, mode="decode")
+        want = backend.state_update(zeroed, slot, inputs, mode="decode", kernel_backend="xla")
+        assert_close(got.outputs, want.outputs, FP32_TOL, "outputs")
+        assert np.isnan(np.asarray(got.pool[0])).all()  # slot 0 neither read nor written
+        assert_close(got.pool[1:], want.pool[1:], FP32_TOL, "slots")
+        verify = run(zeroed, slot, inputs, mode="verify")  # reads slot 0 as it is
+        assert_close(verify.outputs, want.outputs, FP32_TOL, "verify outputs")
+        with pytest.raises(AssertionError):  # verify reads the poisoned slot 0: NaN rows
+            assert_close(run(poisoned, slot, inputs, mode="verify").outputs, want.outputs, 1, "")
+        monkeypatch.setattr(backend, "UPDATE_SKIPS_PADDING_STATE", False)
+        read = run(poisoned, slot, inputs, mode="decode")  # the switch off: slot 0 read
+        assert np.isnan(np.asarray(read.outputs)[[1, 3]]).all()
+        monkeypatch.setattr(backend, "UPDATE_SKIPS_PADDING_STATE", True)
+
+
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_layer_of_a_stacked_pool_pallas(platform):
     """``layer=l`` on the stacked pool of all layers equals the update on layer l's own pool
@@ -411,18 +445,34 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
         )
         assert "triton" in text.lower()
     for mode in su.MODES:  # a layer of the stacked pool, as the engine's decode step passes it
-        text = lower_for_cuda(
-            lambda p, s, t: su.gdn_state_update_pallas(
-                p, s, t, mode=mode, block_value=64, layer=2, compiler_params=params
-            ),
-            spec((3, 9, 32, 128, 128), jnp.float32),
-            slot,
-            gdn,
-        )
-        assert "triton" in text.lower()
+        for inputs in (gdn, grouped):  # (and padding rows skipping their state)
+            text = lower_for_cuda(
+                lambda p, s, t: su.gdn_state_update_pallas(
+                    p,
+                    s,
+                    t,
+                    mode=mode,
+                    block_value=64,
+                    layer=2,
+                    compiler_params=params,
+                    skip_padding=True,
+                ),
+                spec((3, 9, 32, 128, 128), jnp.float32),
+                slot,
+                inputs,
+            )
+            assert "triton" in text.lower()
         text = lower_for_cuda(
             lambda p, s, t: su.mamba2_state_update_pallas(
-                p, s, t, mode=mode, block_value=32, evict_last=True, layer=1, compiler_params=params
+                p,
+                s,
+                t,
+                mode=mode,
+                block_value=32,
+                evict_last=True,
+                layer=1,
+                compiler_params=params,
+                skip_padding=True,
             ),
             spec((3, 9, 128, 64, 128), jnp.float32),
             slot,
