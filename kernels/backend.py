@@ -225,6 +225,11 @@ GATED_NORM_MAX_TOKENS = 64
 # weighs exactly 0. On: a batch-1 step 4-5 us shorter on an H100 in two rounds of
 # ``bench_engine.py`` (BENCHMARKS.md, 2026-12-05, fourth); False merges every split.
 ATTENTION_ACTIVE_SPLITS = True
+# The combine launch's output columns a program (``paged_attention(combine_block=)``; 0: a
+# head's whole D). A batch-1 step's combine has four programs (two rows, two kv heads), each
+# merging its 8 query heads' 256 columns over every active split: 5.1 us a layer in an H100
+# profile (BENCHMARKS.md, 2026-12-06), where the attention launch before it took 5.2.
+ATTENTION_COMBINE_BLOCK = 0
 # Qwen3-Next's layers leave their MLP output for the next layer's input norm to add (its
 # residual-norm launch takes it as the delta; ``adds_mlp_output_in_next_norm``): at a
 # batch-1 step the add is a launch of its own after the routed experts' partial sums (7 a
@@ -950,10 +955,11 @@ def _pallas_paged_attention(
     compiler_params: Any = None,
     **tiles: Any,
 ) -> jax.Array:
-    """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them)
-    and ``ATTENTION_ACTIVE_SPLITS``, in interpret mode on CPU; compiler params left as None
-    take the warps and stages of ``DEFAULT_ATTENTION_TILES``."""
+    """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them),
+    ``ATTENTION_ACTIVE_SPLITS`` and ``ATTENTION_COMBINE_BLOCK``, in interpret mode on CPU;
+    compiler params left as None take the warps and stages of ``DEFAULT_ATTENTION_TILES``."""
     tiles.setdefault("active_splits", ATTENTION_ACTIVE_SPLITS)
+    tiles.setdefault("combine_block", ATTENTION_COMBINE_BLOCK or None)
     if compiler_params is None:
         launch = DEFAULT_ATTENTION_TILES
         compiler_params = pallas_compiler_params(

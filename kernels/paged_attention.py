@@ -27,14 +27,14 @@ blocks of ``block_kv`` context positions below
 lengths (``cdiv(visible, block_kv)``, shared among the ``num_splits`` programs of the tile;
 none reads above it). Each block gathers its K/V rows by the table's indices from the kv
 head's pool view. The splits' partial results (output, running max and sum) are combined
-by a second launch, grid ``(row, kv head, token)``, which writes each token's G heads in
-q's layout, gated (the jnp combine where G is not a power of two, for Triton); splits let a
-decode step (few query rows) spread one long context over the GPU. The split count follows
-the table's width (the configured context); with ``active_splits`` the combine merges only
-the splits that read a block below the token's tile's length, so its loops follow the
-lengths too. Decode (T = 1), verify
-(T small) and chunked prefill (a chunk attending to its cached prefix and causally within
-itself) are the same launch with different T.
+by a second launch, grid ``(row, kv head, token, column tile)``, which writes each token's
+G heads in q's layout, gated (the jnp combine where G is not a power of two, for Triton);
+splits let a decode step (few query rows) spread one long context over the GPU. The split
+count follows the table's width (the configured context); with ``active_splits`` the
+combine merges only the splits that read a block below the token's tile's length, so its
+loops follow the lengths too. Decode (T = 1), verify (T small) and chunked prefill (a chunk
+attending to its cached prefix and causally within itself) are the same launch with
+different T.
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through Triton
 ``CompilerParams``. Not for TPUs: the per-head pool view is the whole pool's rows, which
@@ -298,14 +298,14 @@ def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Arra
 
 
 def _combine_kernel(*refs, groups, num_splits, gated, lengths):
-    """One (row, kv head, token) program: the token's G query rows merged over the splits
-    (two passes over the splits' maxima and sums, one over their outputs), rounded to the
-    output's dtype and, with a gate, times its sigmoid as ``layers.attention``'s output
-    rounds them. With ``lengths`` (``(block_rows, block_kv)`` of the attention launch; the
-    refs then start with ctx_len and the positions) only the splits that read a block of
-    the token's tile are merged (``_split_blocks``): the others hold nothing (a sum of 0
-    and the maximum at ``MASK_VALUE``, which weigh exactly 0), so the merge is the same
-    and its loops follow the lengths, not the table's width."""
+    """One (row, kv head, token, column tile) program: the token's G query rows merged over
+    the splits (two passes over the splits' maxima and sums, one over their outputs' column
+    tile), rounded to the output's dtype and, with a gate, times its sigmoid as
+    ``layers.attention``'s output rounds them. With ``lengths`` (``(block_rows, block_kv)``
+    of the attention launch; the refs then start with ctx_len and the positions) only the
+    splits that read a block of the token's tile are merged (``_split_blocks``): the others
+    hold nothing (a sum of 0 and the maximum at ``MASK_VALUE``, which weigh exactly 0), so
+    the merge is the same and its loops follow the lengths, not the table's width."""
     b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     splits = num_splits
     if lengths is not None:
@@ -319,6 +319,8 @@ def _combine_kernel(*refs, groups, num_splits, gated, lengths):
     else:
         out_ref, max_ref, sum_ref, merged_ref = refs
     rows = pl.ds(t * groups, groups)
+    block_d = merged_ref.shape[-1]
+    cols = pl.ds(pl.program_id(3) * block_d, block_d)
 
     def best_of(s, best):
         return jnp.maximum(best, max_ref[s, b, h, rows])
@@ -328,11 +330,10 @@ def _combine_kernel(*refs, groups, num_splits, gated, lengths):
     def add(s, carry):
         acc, total = carry
         weight = jnp.exp(max_ref[s, b, h, rows] - best)
-        acc = acc + weight[:, None] * out_ref[s, b, h, rows, :]
+        acc = acc + weight[:, None] * out_ref[s, b, h, rows, cols]
         return acc, total + weight * sum_ref[s, b, h, rows]
 
-    head_dim = merged_ref.shape[-1]
-    init = (jnp.zeros((groups, head_dim), jnp.float32), jnp.zeros((groups,), jnp.float32))
+    init = (jnp.zeros((groups, block_d), jnp.float32), jnp.zeros((groups,), jnp.float32))
     acc, total = jax.lax.fori_loop(0, splits, add, init)
     dtype = merged_ref.dtype
     merged = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(dtype)
@@ -343,22 +344,36 @@ def _combine_kernel(*refs, groups, num_splits, gated, lengths):
 
 
 def _combine_pallas(
-    out, run_max, run_sum, gate, *, num_tokens, num_heads, dtype, lengths=None, **options
+    out,
+    run_max,
+    run_sum,
+    gate,
+    *,
+    num_tokens,
+    num_heads,
+    dtype,
+    lengths=None,
+    block_d=None,
+    **options,
 ):
     """The splits' partial results ``[S, B, Hkv, N, ...]`` merged into ``[B, T, Hq, D]`` in
     ``dtype`` (times ``sigmoid(gate)`` where a gate is given, read in place: each head's
     last D channels, ``check_gate``), one Pallas
-    launch: grid ``(row, kv head, token)``; the partials are whole-array refs, so any
-    number of splits is looped over. ``lengths``: ``(ctx_len, positions, block_rows,
-    block_kv)`` of the attention launch, to merge only the splits that read a block
-    (``_combine_kernel``); None merges every split."""
+    launch: grid ``(row, kv head, token, column tile)``, ``block_d`` columns a program
+    (None: the head's D); the partials are whole-array refs, so any number of splits is
+    looped over. ``lengths``: ``(ctx_len, positions, block_rows, block_kv)`` of the
+    attention launch, to merge only the splits that read a block (``_combine_kernel``);
+    None merges every split."""
     num_splits, batch, num_kv_heads, _, head_dim = out.shape
     groups = num_heads // num_kv_heads
-    block = pl.BlockSpec((None, None, groups, head_dim), lambda b, h, t: (b, t, h, 0))
+    block_d = head_dim if block_d is None else block_d
+    if block_d <= 0 or head_dim % block_d:
+        raise ValueError(f"block_d={block_d} must be a positive divisor of {head_dim}")
+    block = pl.BlockSpec((None, None, groups, block_d), lambda b, h, t, c: (b, t, h, c))
     gate_specs = []
     if gate is not None:  # the block of D channels that ends each head
-        last = gate.shape[-1] // head_dim - 1
-        spec = pl.BlockSpec((None, None, groups, head_dim), lambda b, h, t: (b, t, h, last))
+        last = (gate.shape[-1] // head_dim - 1) * (head_dim // block_d)
+        spec = pl.BlockSpec((None, None, groups, block_d), lambda b, h, t, c: (b, t, h, last + c))
         gate_specs = [spec]
     in_specs = [pl.BlockSpec()] * 3 + gate_specs
     args = (out, run_max, run_sum) + ((gate,) if gate is not None else ())
@@ -376,7 +391,7 @@ def _combine_pallas(
     )
     return pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, num_tokens),
+        grid=(batch, num_kv_heads, num_tokens, head_dim // block_d),
         in_specs=in_specs,
         out_specs=block,
         out_shape=jax.ShapeDtypeStruct((batch, num_tokens, num_heads, head_dim), dtype),
@@ -400,6 +415,7 @@ def paged_attention(
     kv_head: int | None = None,
     gate: jax.Array | None = None,
     active_splits: bool = False,
+    combine_block: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
@@ -408,7 +424,8 @@ def paged_attention(
     None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``.
     ``active_splits``: the combine launch merges only the splits that read a block of each
     token's tile (the same output; its loops then follow the lengths, where the split count
-    follows the table's width).
+    follows the table's width). ``combine_block``: the combine launch's columns a program
+    (None: a head's D; fewer spread a few rows' merge over more programs).
     ``kv_head=j``: every query head of q reads pool head j (q holds some of the query
     heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
     pools are read in place, no head is sliced out of them."""
@@ -469,6 +486,7 @@ def paged_attention(
     if interpret or powers_of_two(groups, head_dim):
         options = {"interpret": interpret, "compiler_params": compiler_params}
         shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}
+        shape["block_d"] = combine_block
         if active_splits:
             shape["lengths"] = (ctx_len, positions, block_rows, block_kv)
         return _combine_pallas(out, run_max, run_sum, gate, **shape, **options)

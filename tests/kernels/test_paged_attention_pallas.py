@@ -211,10 +211,12 @@ def test_kernels_record_has_attention_where_pallas_runs_pallas():
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("with_gate", [False, True])
-def test_combine_launch_equals_the_jnp_combine_pallas(num_splits, with_gate):
+@pytest.mark.parametrize("block_d", [None, 8])
+def test_combine_launch_equals_the_jnp_combine_pallas(num_splits, with_gate, block_d):
     """The splits' merge in its launch equals the jnp merge, laid out and gated as the
     attention layer does it, bit for bit: with a split that saw nothing (its maximum at
-    ``MASK_VALUE``) and query rows no split saw (zero)."""
+    ``MASK_VALUE``) and query rows no split saw (zero); a program a head's columns or a
+    tile of them (``block_d``)."""
     rng = np.random.default_rng(num_splits)
     batch, num_kv_heads, groups, num_tokens, head_dim, rows = 2, 2, 4, 3, 32, 16
     part = (num_splits, batch, num_kv_heads, rows)
@@ -238,6 +240,7 @@ def test_combine_launch_equals_the_jnp_combine_pallas(num_splits, with_gate):
         num_tokens=num_tokens,
         num_heads=heads,
         dtype=jnp.bfloat16,
+        block_d=block_d,
         interpret=True,
     )
     merged = pa._combine(out, run_max, run_sum)[:, :, : num_tokens * groups]
@@ -331,6 +334,13 @@ def test_the_dispatch_merges_as_attention_active_splits_says_pallas(monkeypatch)
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         inputs[switch] = len(launches[-1].invars)
     assert inputs[True] == inputs[False] + 2, inputs
+    grids = {}  # and ATTENTION_COMBINE_BLOCK: the combine's programs a head (0: one)
+    for block in (0, 16):
+        monkeypatch.setattr(backend, "ATTENTION_COMBINE_BLOCK", block)
+        jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
+        launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        grids[block] = launches[-1].params["grid_mapping"].grid
+    assert grids == {0: (2, 2, 1, 1), 16: (2, 2, 1, 4)}, grids
 
 
 def test_gated_output_equals_the_gated_reference_pallas():
@@ -353,11 +363,12 @@ def test_gated_output_equals_the_gated_reference_pallas():
 
 
 @pytest.mark.parametrize("active", [False, True])
-def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active):
+@pytest.mark.parametrize("combine_block", [None, 16])
+def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active, combine_block):
     """A gate handed as ``q_proj``'s output is (each head's query then its gate, and more
     heads after the query heads: the one product's k and v) gives the output of the gate
     alone bit for bit, in the kernel and the jnp form: each head's last D channels are
-    read, no other."""
+    read, no other (the combine a head's columns a program, or 16)."""
     rng = np.random.default_rng(9)
     case = attention_case(rng, 2, 2, 8, 2, 64, [40, 7], jnp.bfloat16)
     gate = jnp.asarray(rng.standard_normal(case["q"].shape) * 2, jnp.bfloat16)
@@ -368,7 +379,13 @@ def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active):
     real = np.asarray(case["positions"] >= 0)
     for attend in (
         lambda g: pa.paged_attention(
-            case["q"], *args, scale, gate=g, active_splits=active, interpret=True
+            case["q"],
+            *args,
+            scale,
+            gate=g,
+            active_splits=active,
+            combine_block=combine_block,
+            interpret=True,
         ),
         lambda g: pa.paged_attention_reference(case["q"], *args, scale, g),
     ):
@@ -402,13 +419,19 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
             (spec((4, num_tokens, 16, 256), jnp.bfloat16), True),
             (spec((4, num_tokens, 18, 512), jnp.bfloat16), True),  # q, k, v's one product
         ):
-            attend = jax.jit(
-                lambda *a, active=active: pa.paged_attention(
-                    *a[:6], 0.0625, gate=a[6], active_splits=active, compiler_params=params
+            for block in (None, 32):  # the combine a head's columns a program, or 32
+                attend = jax.jit(
+                    lambda *a, active=active, block=block: pa.paged_attention(
+                        *a[:6],
+                        0.0625,
+                        gate=a[6],
+                        active_splits=active,
+                        combine_block=block,
+                        compiler_params=params,
+                    )
                 )
-            )
-            text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("__gpu$xla.gpu.triton") == 2
+                text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
+                assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 def test_merge_stays_in_jnp_where_the_heads_of_a_kv_head_are_not_a_power_of_two_pallas():
