@@ -96,6 +96,10 @@ DEFAULT_STATE_TILES = {
     "gdn": {"block_value": 64, "num_warps": 4, "evict_last": False},
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
+# The GDN update's value tile where set (0: DEFAULT_STATE_TILES'); a batch-1 step's update
+# has 2 rows x 32 heads x 2 value tiles = 128 programs at Qwen3-Next's widths (5.0-5.1 us a
+# layer for 6 MiB of state read and written in an H100 profile, BENCHMARKS.md, 2026-12-06).
+GDN_UPDATE_BLOCK_VALUE = 0
 # A decode step's padding rows (slot 0; a one-request step runs one beside its row,
 # ``layout.MIN_DECODE_TOKENS``) read a zero state in the Pallas updates instead of slot 0's
 # (``skip_padding``): at batch 1 half of a GDN layer's state reads (2 MiB at Qwen3-Next's
@@ -401,9 +405,11 @@ def _pallas_state_update(
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """The Triton-layout kernel of ``mixer``; tiles left as None take ``DEFAULT_STATE_TILES``
-    (GDN conv tokens with an ``OutputNorm``: a whole head a program, with
-    ``GDN_NORM_IN_UPDATE_WARPS`` warps)."""
+    (GDN: ``GDN_UPDATE_BLOCK_VALUE`` where set; GDN conv tokens with an ``OutputNorm``: a
+    whole head a program, with ``GDN_NORM_IN_UPDATE_WARPS`` warps)."""
     tiles = DEFAULT_STATE_TILES[mixer]
+    if mixer == "gdn" and GDN_UPDATE_BLOCK_VALUE > 0:
+        tiles = {**tiles, "block_value": GDN_UPDATE_BLOCK_VALUE}
     if isinstance(tokens, GdnConvTokens) and tokens.norm is not None:
         tiles = {**tiles, "block_value": tokens.head_dim, "num_warps": GDN_NORM_IN_UPDATE_WARPS}
     if block_value is None:

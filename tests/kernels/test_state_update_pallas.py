@@ -284,6 +284,29 @@ def test_dispatch_default_tiles_pallas(value_dim):
         assert_close(*states, FP32_TOL, f"{mode} states")
 
 
+def test_gdn_update_value_tile_switch_pallas(monkeypatch):
+    """``backend.GDN_UPDATE_BLOCK_VALUE`` set, the GDN update takes that value tile (its
+    grid's last axis d_v / tile) with the same results; 0 keeps DEFAULT_STATE_TILES'."""
+    rng = np.random.default_rng(21)
+    pool, slot, inputs = gdn_case(rng, 2, 1, 2, 8, 32, 5, jnp.float32)
+    want = backend.state_update(pool, slot, inputs, mode="decode", kernel_backend="xla")
+    for block, tiles in ((0, 1), (8, 4)):
+        monkeypatch.setattr(backend, "GDN_UPDATE_BLOCK_VALUE", block)
+
+        def run(pool):
+            return backend.state_update(
+                pool, slot, inputs, mode="decode", kernel_backend="pallas", interpret=True
+            )
+
+        (call,) = [
+            e for e in jax.make_jaxpr(run)(pool).jaxpr.eqns if e.primitive.name == "pallas_call"
+        ]
+        assert call.params["grid_mapping"].grid[-1] == tiles, block
+        got = run(pool)
+        assert_close(got.outputs, want.outputs, FP32_TOL, "outputs")
+        assert_close(got.pool, want.pool, FP32_TOL, "pool")
+
+
 def test_evict_last_hint_keeps_results_pallas():
     """The decode load's cache hint (``evict_last``, Mamba2's default) changes no value: both
     mixers, both modes (verify ignores it), against the XLA form; the default tiles carry
