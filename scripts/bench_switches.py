@@ -146,9 +146,11 @@ def engine_rows(stdout: str) -> list[dict]:
     return rows
 
 
-def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path, timeout: float):
-    command = [sys.executable, str(SCRIPTS / "bench_engine.py"), *bench_args]
-    command += ["--profile", str(profile), *setting.switch_args()]
+def run_script(name: str, args: list[str], setting: Setting, timeout: float):
+    """``scripts/<name>`` run with ``args`` and the setting's switches and XLA flags, its
+    output captured: (the completed process, or None where it ran past ``timeout``; the
+    error output so far where it did; seconds)."""
+    command = [sys.executable, str(SCRIPTS / name), *args, *setting.switch_args()]
     start = time.perf_counter()
     try:
         done = subprocess.run(
@@ -156,8 +158,15 @@ def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path,
         )
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return None, err, time.perf_counter() - start
+    return done, "", time.perf_counter() - start
+
+
+def run_one(round_: int, setting: Setting, bench_args: list[str], profile: Path, timeout: float):
+    args = [*bench_args, "--profile", str(profile)]
+    done, err, seconds = run_script("bench_engine.py", args, setting, timeout)
+    if done is None:
         return Run(round_, setting, -1, [], f"timed out after {timeout:.0f} s\n{err}"[-ERROR_TAIL:])
-    seconds = time.perf_counter() - start
     if done.returncode != 0:
         return Run(round_, setting, done.returncode, [], done.stderr[-ERROR_TAIL:], seconds)
     return Run(round_, setting, 0, engine_rows(done.stdout), "", seconds, device_of(done.stdout))
@@ -170,13 +179,8 @@ def device_of(stdout: str) -> str:
 
 
 def check_one(setting: Setting, checks: str, extra: list[str], timeout: float) -> Check:
-    command = [sys.executable, str(SCRIPTS / "check_kernels.py"), "--checks", checks, *extra]
-    command += setting.switch_args()
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=setting.env()
-        )
-    except subprocess.TimeoutExpired:
+    done, _, _ = run_script("check_kernels.py", ["--checks", checks, *extra], setting, timeout)
+    if done is None:
         return Check(-1, f"timed out after {timeout:.0f} s")
     output = done.stdout + done.stderr
     return Check(done.returncode, "" if done.returncode == 0 else output[-ERROR_TAIL:])

@@ -220,6 +220,15 @@ def test_an_xla_flag_item_goes_to_that_settings_xla_flags(load_script, monkeypat
         "bench_engine.py: None",
         "check_kernels.py: None",
     ]
+
+    def late(command, **kwargs):  # a process past its time: a failed line, not a crash
+        raise bench.subprocess.TimeoutExpired(command, 1.0, stderr=b"compiling...")
+
+    monkeypatch.setattr(bench.subprocess, "run", late)
+    run = bench.run_one(2, setting, [], bench.Path("p"), 1.0)
+    assert (run.round, run.returncode, run.rows) == (2, -1, [])
+    assert run.error.startswith("timed out after 1 s") and run.error.endswith("compiling...")
+    assert bench.check_one(setting, "moe", [], 1.0) == bench.Check(-1, "timed out after 1 s")
     runs = [bench.Run(1, setting, 0, [_row(1, 1.0)])]
     assert f"| 1 | cublas | {setting.switches[0]}, {setting.xla_flags[0]} |" in bench.table(
         runs, "# t"
