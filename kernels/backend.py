@@ -202,13 +202,6 @@ MOE_DOWN_IN_UP_PAIR_GRID = True
 # 2026-12-06): 88 programs adding whole rows into the same 2 x 2048 words cost more than
 # the sum's launch.
 MOE_DOWN_IN_UP_ATOMIC_SUM = False
-# The folded launch's partials added up in a launch of ``sum_partials_pallas`` with this many
-# output columns a program, whose loads skip the unused partials (a batch-1 step's two rows:
-# the padding row's 11 pairs), instead of XLA's masked sum: in an H200 profile of a batch-1
-# step XLA ran the mask and the sum as two launches (2.7-3.1 and 2.0-2.1 us a MoE layer;
-# on an H100 one launch, 2.8 us; BENCHMARKS.md, 2026-12-05, fifth). With it the MoE output
-# goes to the next norm as a float32 part (``moe_output_as_part``). 0: XLA's sum.
-MOE_PARTIALS_SUM_BLOCK = 0
 # The residual add, the norm after it and the router's logits in one launch
 # (``residual_norm``) up to this many tokens, and with a router up to this many tokens times
 # experts; more run XLA's fusions. Every program holds a whole row and every token's
@@ -321,12 +314,10 @@ def moe_output_as_part(kernels: Any, num_tokens: int) -> bool:
     """Whether a MoE layer of ``num_tokens`` tokens hands its output, not yet added, to the
     next layer's input norm in float32 as one partial sum (``sparse_moe(as_part=True)``;
     the residual-norm launch rounds it): where that norm adds it
-    (``adds_mlp_output_in_next_norm``) and the folded launch's sums come out of a Pallas
-    launch (``MOE_DOWN_IN_UP_ATOMIC_SUM``: its own; ``MOE_PARTIALS_SUM_BLOCK``: the sum's;
-    up to ``MOE_DOWN_IN_UP_MAX_TOKENS`` tokens), so that no launch rounds them in
-    between."""
-    summed = MOE_DOWN_IN_UP_ATOMIC_SUM or MOE_PARTIALS_SUM_BLOCK > 0
-    folded = summed and num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS
+    (``adds_mlp_output_in_next_norm``) and the folded launch leaves its sums itself
+    (``MOE_DOWN_IN_UP_ATOMIC_SUM``, up to ``MOE_DOWN_IN_UP_MAX_TOKENS`` tokens), so that
+    no launch rounds them in between."""
+    folded = MOE_DOWN_IN_UP_ATOMIC_SUM and num_tokens <= MOE_DOWN_IN_UP_MAX_TOKENS
     return folded and adds_mlp_output_in_next_norm(kernels)
 
 
@@ -734,11 +725,6 @@ def moe_launch(
     if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
         return None  # widths with no power-of-two tile Triton's dots take
     zero_unused = down_in_up and MOE_DOWN_IN_UP_ZERO_UNUSED
-    atomic_sum = down_in_up and MOE_DOWN_IN_UP_ATOMIC_SUM
-    sum_block = None  # the partials' sum: a launch of its own where they are summed masked
-    summed_apart = down_in_up and not (zero_unused or atomic_sum)
-    if summed_apart and MOE_PARTIALS_SUM_BLOCK > 0 and powers_of_two(inner // tiles["block_inner"]):
-        sum_block = fitted_tile(out_width, MOE_PARTIALS_SUM_BLOCK)
     return {
         **tiles,
         **options,
@@ -746,8 +732,7 @@ def moe_launch(
         "down_in_up": down_in_up,
         "zero_unused": zero_unused,
         "pair_grid": down_in_up and route_in_up and MOE_DOWN_IN_UP_PAIR_GRID,
-        "atomic_sum": atomic_sum,
-        "sum_block": sum_block,
+        "atomic_sum": down_in_up and MOE_DOWN_IN_UP_ATOMIC_SUM,
     }
 
 

@@ -36,8 +36,7 @@ For a few tokens two launches fold into one (``moe_experts_pallas``' options): r
 the router's logits, the routing program's work runs at the start of every up program
 (``route_in_up``), and each up program may apply its intermediate columns' rows of the
 down projection itself (``down_in_up``), writing partial sums that are summed after it
-(again a sum in a fixed order, no atomics), by XLA or by a launch of its own that reads only
-the used partials (``sum_partials_pallas``).
+(again a sum in a fixed order, no atomics).
 
 Backends: ``interpret=True`` anywhere (the tests, on CPU); NVIDIA GPUs through the Triton
 lowering (the expert id is read from a whole-array operand and indexes whole-array weight
@@ -631,60 +630,6 @@ def _up_tile(
         pl.when(expert == UNUSED_TILE)(lambda: write_partials(lambda chunk: zeros))
 
 
-def _partials_sum_kernel(tile_expert_ref, parts_ref, out_ref, *, tiles, num_tokens):
-    """A column tile of the used partials' sum (``sum_partials_pallas``): out ``[rows,
-    block]``; partial p (of tile ``tiles[p]``) loaded ``[I, rows, block]`` at a time, masked
-    by its tile's use and the token rows (a masked lane reads nothing); unrolled."""
-    rows, block = out_ref.shape
-    cols = pl.ds(pl.program_id(0) * block, block)
-    row = jax.lax.broadcasted_iota(jnp.int32, (parts_ref.shape[1], rows, block), 1)
-    acc = jnp.zeros((rows, block), jnp.float32)
-    for p, tile in enumerate(tiles):
-        mask = (row < num_tokens) & (tile_expert_ref[tile] != UNUSED_TILE)
-        view = parts_ref.at[jnp.int32(p), :, pl.ds(0, rows), cols]  # an int32: it lowers
-        acc = acc + jnp.sum(pallas_triton.load(view, mask=mask, other=0.0), axis=0)
-    out_ref[...] = acc
-
-
-def sum_partials_pallas(
-    partials: jax.Array,
-    tile_expert: jax.Array,
-    tiles: tuple[int, ...],
-    num_tokens: int,
-    *,
-    block: int,
-    interpret: bool = False,
-    compiler_params: Any = None,
-) -> jax.Array:
-    """The folded launch's partial sums added up, float32 ``[num_tokens, d]``: ``partials
-    [P, I, R, d]`` float32 (partial p's inner tiles; rows past ``num_tokens`` never
-    written) summed over the partials whose tile ``tiles[p]`` has an expert
-    (``tile_expert[tiles[p]] != UNUSED_TILE``; the others were not written), the XLA form
-    ``sum(where(used, partials[:, :, :num_tokens], 0), axis=(0, 1))``. A program a
-    ``block``-column tile; an unused partial or a row past the tokens is a masked load, not
-    read. Its loop over the partials is unrolled: for a few tokens' partials (the fold's).
-    Lowered to Triton, ``I`` must be a power of two (a load takes a partial's inner tiles
-    at once)."""
-    num_parts, _, max_rows, width = partials.shape
-    rows = _power_of_two(num_tokens)  # a Triton block's dims are powers of two
-    block = check_tile("block", width, block)
-    if len(tiles) != num_parts or not all(0 <= t < tile_expert.shape[0] for t in tiles):
-        raise ValueError(f"tiles {tiles} must name a tile of {tile_expert.shape} a partial")
-    if not 0 < num_tokens <= rows <= max_rows:
-        raise ValueError(f"{num_tokens} tokens do not fit the partials' {max_rows} rows")
-    out = pl.pallas_call(
-        functools.partial(_partials_sum_kernel, tiles=tuple(tiles), num_tokens=num_tokens),
-        grid=(width // block,),
-        in_specs=[whole(), whole()],
-        out_specs=pl.BlockSpec((rows, block), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, width), jnp.float32),
-        name="moe_partials_sum",
-        interpret=interpret,
-        compiler_params=compiler_params,
-    )(tile_expert, partials)
-    return out[:num_tokens]
-
-
 def _down_kernel(tile_expert_ref, h_ref, *refs, block_out, block_k, shared_expert):
     """One tile's intermediate rows times a column tile of its expert's down, weighted.
     ``refs``: the routed down stack, the shared down matrix with ``shared_expert``, the
@@ -791,7 +736,6 @@ def moe_experts_pallas(
     zero_unused: bool = False,
     pair_grid: bool = False,
     atomic_sum: bool = False,
-    sum_block: int | None = None,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
@@ -820,10 +764,7 @@ def moe_experts_pallas(
     two), so fewer programs and partials (``_routed_up_kernel``). ``atomic_sum`` (with
     ``down_in_up``): the programs add their partial sums into the output with atomic adds
     (``_up_tile``), so no launch sums them after the kernel; the float32 additions' order
-    then varies between runs on a GPU (interpret mode adds in program order).
-    ``sum_block`` (with ``down_in_up``, unless ``zero_unused`` or ``atomic_sum``): the
-    partials are added in a launch of ``sum_partials_pallas`` with that column tile, which
-    reads only the used ones, rather than by XLA's masked sum."""
+    then varies between runs on a GPU (interpret mode adds in program order)."""
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
@@ -955,20 +896,6 @@ def moe_experts_pallas(
         partial = hidden[:, :, :num_tokens]  # the rows the programs wrote
         if zero_unused:  # and zeros for the unused tiles: one launch (the sum) after this one
             return jnp.sum(partial, axis=(0, 1))
-        if sum_block is not None:  # partial p: tile p, or with pairs a token's pair p
-            tiles = range(hidden.shape[0])
-            if pairs is not None:
-                slots = table_shapes[0].shape[1]
-                tiles = (p // pairs * slots + p % pairs for p in tiles)
-            return sum_partials_pallas(
-                hidden,
-                grouped.tile_expert,
-                tuple(tiles),
-                num_tokens,
-                block=sum_block,
-                interpret=interpret,
-                compiler_params=compiler_params,
-            )
         used = grouped.tile_expert != UNUSED_TILE
         if pairs is not None:  # the partials of each token's first pairs
             used = used.reshape(table_shapes[0].shape)[:, :pairs].reshape(-1)

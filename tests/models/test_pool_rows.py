@@ -424,8 +424,7 @@ def test_forward_hands_the_output_projection_in_parts(monkeypatch):
 
 def test_moe_output_summed_in_its_launch_goes_to_the_next_norm_in_float32_pallas(monkeypatch):
     """With ``backend.MOE_DOWN_IN_UP_ATOMIC_SUM`` the folded MoE launch leaves the tokens'
-    sums itself (with ``MOE_PARTIALS_SUM_BLOCK`` the partials' sum launch leaves them), and
-    each Qwen3-Next MoE layer of up to ``MOE_DOWN_IN_UP_MAX_TOKENS``
+    sums itself, and each Qwen3-Next MoE layer of up to ``MOE_DOWN_IN_UP_MAX_TOKENS``
     tokens hands them, float32 and not rounded, to the next layer's input norm as one
     partial sum (``moe_output_as_part``; the last layer's is added after the loop): the
     decode gives the forward without it to float32 rounding, and every input norm after a
@@ -446,17 +445,13 @@ def test_moe_output_summed_in_its_launch_goes_to_the_next_norm_in_float32_pallas
     kernels = kernels_for("pallas")
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", False)
     assert not backend.moe_output_as_part(kernels, 1)  # the switch off: rounded
-    for atomic, sum_block in ((True, 0), (False, 16)):
-        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", atomic)
-        monkeypatch.setattr(backend, "MOE_PARTIALS_SUM_BLOCK", sum_block)
-        assert backend.moe_output_as_part(kernels, 3), (atomic, sum_block)
-        assert not backend.moe_output_as_part(kernels, 4)
-        assert not backend.moe_output_as_part(XLA_KERNELS, 1)  # no launch to add it
+    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", True)
+    assert backend.moe_output_as_part(kernels, 3) and not backend.moe_output_as_part(kernels, 4)
+    assert not backend.moe_output_as_part(XLA_KERNELS, 1)  # no launch to add it
     seen, results = {}, {}
-    for setting in ((False, 0), (True, 0), (False, 16)):
-        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", setting[0])
-        monkeypatch.setattr(backend, "MOE_PARTIALS_SUM_BLOCK", setting[1])
-        deltas = seen.setdefault(setting, [])
+    for atomic in (False, True):
+        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", atomic)
+        deltas = seen.setdefault(atomic, [])
 
         def recorded(x, delta, *args, _norm=kernels.residual_norm, _seen=deltas, **options):
             if delta is not None:
@@ -468,17 +463,15 @@ def test_moe_output_summed_in_its_launch_goes_to_the_next_norm_in_float32_pallas
         def step(r, k=k):
             return fam.forward(model.params, cfg, inputs, kv, r, mode="decode", kernels=k)
 
-        results[setting] = jax.jit(step)(rec)
-    want = jax.tree.leaves(results[False, 0])
-    for setting in ((True, 0), (False, 16)):
-        for a, b in zip(jax.tree.leaves(results[setting]), want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    width, dtype = cfg.hidden_size, results[False, 0][0].dtype
+        results[atomic] = jax.jit(step)(rec)
+    got, want = (jax.tree.leaves(results[atomic]) for atomic in (True, False))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    width, dtype = cfg.hidden_size, results[False][0].dtype
     moe_layers = [i for i, kind in enumerate(cfg.arch.mlp_kinds) if kind == "moe"]
     handed = [i + 1 for i in moe_layers if i + 1 < len(cfg.layer_roles)]
     assert handed  # the tiny model has a MoE layer before another layer
-    for setting in ((True, 0), (False, 16)):
-        parts = [s for s in seen[setting] if s == ((1, 3, width), jnp.float32)]
-        assert len(parts) == len(handed), (setting, seen[setting])
-    assert ((1, 3, width), jnp.float32) not in seen[False, 0]
-    assert ((3, width), dtype) in seen[False, 0]
+    parts = [s for s in seen[True] if s == ((1, 3, width), jnp.float32)]
+    assert len(parts) == len(handed), seen[True]
+    assert ((1, 3, width), jnp.float32) not in seen[False]
+    assert ((3, width), dtype) in seen[False]
