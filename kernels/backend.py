@@ -96,15 +96,22 @@ DEFAULT_STATE_TILES = {
     "gdn": {"block_value": 64, "num_warps": 4, "evict_last": False},
     "mamba2": {"block_value": 32, "num_warps": 8, "evict_last": True},
 }
-# The GDN update's value tile where set (0: DEFAULT_STATE_TILES'); a batch-1 step's update
-# has 2 rows x 32 heads x 2 value tiles = 128 programs at Qwen3-Next's widths (5.0-5.1 us a
-# layer for 6 MiB of state read and written in an H100 profile, BENCHMARKS.md, 2026-12-06).
-GDN_UPDATE_BLOCK_VALUE = 0
+# Tiles timed at a batch-1 step (two rows of one token) apply up to this many tokens (rows x
+# tokens a row); larger steps keep the defaults they were measured with.
+SMALL_STEP_MAX_TOKENS = 2
+# The GDN update's value tile up to SMALL_STEP_MAX_TOKENS tokens (0: DEFAULT_STATE_TILES').
+# A batch-1 step's update had 2 rows x 32 heads x 2 value tiles = 128 programs at
+# Qwen3-Next's widths (5.0-5.1 us a layer for 6 MiB of state in an H100 profile); 32 columns,
+# twice the programs: the step 2.1 and 1.2 us shorter in two rounds on an H100
+# (BENCHMARKS.md, 2026-12-06, ninth).
+GDN_UPDATE_BLOCK_VALUE = 32
 # A decode step's padding rows (slot 0; a one-request step runs one beside its row,
 # ``layout.MIN_DECODE_TOKENS``) read a zero state in the Pallas updates instead of slot 0's
 # (``skip_padding``): at batch 1 half of a GDN layer's state reads (2 MiB at Qwen3-Next's
 # widths). The padding rows' outputs are discarded either way; slot 0 is never written.
-UPDATE_SKIPS_PADDING_STATE = False
+# On: a batch-1 step 4.3 and 7.3 us shorter in two rounds on an H100 (BENCHMARKS.md,
+# 2026-12-06, ninth); at any batch it only drops padding rows' loads.
+UPDATE_SKIPS_PADDING_STATE = True
 DEFAULT_SCATTER_TILES = {"block_rows": 8, "block_channels": 2048}
 # Tiles a program of the pool-to-pool copy takes (``state_copy_pallas``). The copy runs in
 # every in-place decode step and copies rows only at a boundary crossing; with one tile a
@@ -222,11 +229,13 @@ GATED_NORM_MAX_TOKENS = 64
 # weighs exactly 0. On: a batch-1 step 4-5 us shorter on an H100 in two rounds of
 # ``bench_engine.py`` (BENCHMARKS.md, 2026-12-05, fourth); False merges every split.
 ATTENTION_ACTIVE_SPLITS = True
-# The combine launch's output columns a program (``paged_attention(combine_block=)``; 0: a
-# head's whole D). A batch-1 step's combine has four programs (two rows, two kv heads), each
-# merging its 8 query heads' 256 columns over every active split: 5.1 us a layer in an H100
-# profile (BENCHMARKS.md, 2026-12-06), where the attention launch before it took 5.2.
-ATTENTION_COMBINE_BLOCK = 0
+# The combine launch's output columns a program (``paged_attention(combine_block=)``) up to
+# SMALL_STEP_MAX_TOKENS tokens (0: a head's whole D). A batch-1 step's combine had four
+# programs (two rows, two kv heads), each merging its 8 query heads' 256 columns over every
+# active split: 5.0-5.2 us a layer in an H100 profile, where the attention launch before it
+# took 5.1-5.4. 32 columns: the step 1.9 and 1.7 us shorter in two rounds on an H100
+# (BENCHMARKS.md, 2026-12-06, ninth).
+ATTENTION_COMBINE_BLOCK = 32
 # Qwen3-Next's layers leave their MLP output for the next layer's input norm to add (its
 # residual-norm launch takes it as the delta; ``adds_mlp_output_in_next_norm``): at a
 # batch-1 step the add is a launch of its own after the routed experts' partial sums (7 a
@@ -364,6 +373,11 @@ def _mixer(tokens: GdnTokens | GdnConvTokens | Mamba2Tokens) -> str:
     raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
 
 
+def _values(tokens: GdnTokens | Mamba2Tokens) -> jax.Array:
+    """The tokens' values ``[B, T, H, d]`` (GDN's v, Mamba2's x)."""
+    return tokens.v if isinstance(tokens, GdnTokens) else tokens.x
+
+
 def _tpu_state_update(
     mixer: str,
     pool: jax.Array,
@@ -396,10 +410,13 @@ def _pallas_state_update(
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """The Triton-layout kernel of ``mixer``; tiles left as None take ``DEFAULT_STATE_TILES``
-    (GDN: ``GDN_UPDATE_BLOCK_VALUE`` where set; GDN conv tokens with an ``OutputNorm``: a
-    whole head a program, with ``GDN_NORM_IN_UPDATE_WARPS`` warps)."""
+    (GDN: ``GDN_UPDATE_BLOCK_VALUE`` up to ``SMALL_STEP_MAX_TOKENS`` tokens where set; GDN
+    conv tokens with an ``OutputNorm``: a whole head a program, with
+    ``GDN_NORM_IN_UPDATE_WARPS`` warps)."""
     tiles = DEFAULT_STATE_TILES[mixer]
-    if mixer == "gdn" and GDN_UPDATE_BLOCK_VALUE > 0:
+    lead = (tokens.conv_out if isinstance(tokens, GdnConvTokens) else _values(tokens)).shape[:2]
+    small = lead[0] * lead[1] <= SMALL_STEP_MAX_TOKENS
+    if mixer == "gdn" and GDN_UPDATE_BLOCK_VALUE > 0 and small:
         tiles = {**tiles, "block_value": GDN_UPDATE_BLOCK_VALUE}
     if isinstance(tokens, GdnConvTokens) and tokens.norm is not None:
         tiles = {**tiles, "block_value": tokens.head_dim, "num_warps": GDN_NORM_IN_UPDATE_WARPS}
@@ -407,7 +424,7 @@ def _pallas_state_update(
         if isinstance(tokens, GdnConvTokens):
             value_dim = tokens.head_dim
         else:
-            value_dim = tokens.v.shape[-1] if mixer == "gdn" else tokens.x.shape[-1]
+            value_dim = _values(tokens).shape[-1]
         block_value = fitted_tile(value_dim, tiles["block_value"])
     if evict_last is None:
         evict_last = tiles["evict_last"]
@@ -947,10 +964,12 @@ def _pallas_paged_attention(
     **tiles: Any,
 ) -> jax.Array:
     """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them),
-    ``ATTENTION_ACTIVE_SPLITS`` and ``ATTENTION_COMBINE_BLOCK``, in interpret mode on CPU;
+    ``ATTENTION_ACTIVE_SPLITS`` and ``ATTENTION_COMBINE_BLOCK`` (up to
+    ``SMALL_STEP_MAX_TOKENS`` tokens; 0: none), in interpret mode on CPU;
     compiler params left as None take the warps and stages of ``DEFAULT_ATTENTION_TILES``."""
     tiles.setdefault("active_splits", ATTENTION_ACTIVE_SPLITS)
-    tiles.setdefault("combine_block", ATTENTION_COMBINE_BLOCK or None)
+    if ATTENTION_COMBINE_BLOCK > 0 and q.shape[0] * q.shape[1] <= SMALL_STEP_MAX_TOKENS:
+        tiles.setdefault("combine_block", fitted_tile(q.shape[-1], ATTENTION_COMBINE_BLOCK))
     if compiler_params is None:
         launch = DEFAULT_ATTENTION_TILES
         compiler_params = pallas_compiler_params(

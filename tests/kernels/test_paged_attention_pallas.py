@@ -334,13 +334,18 @@ def test_the_dispatch_merges_as_attention_active_splits_says_pallas(monkeypatch)
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         inputs[switch] = len(launches[-1].invars)
     assert inputs[True] == inputs[False] + 2, inputs
-    grids = {}  # and ATTENTION_COMBINE_BLOCK: the combine's programs a head (0: one)
-    for block in (0, 16):
+    # and ATTENTION_COMBINE_BLOCK: the combine's programs a head up to SMALL_STEP_MAX_TOKENS
+    # tokens (0: one)
+    three = attention_case(rng, 3, 1, 8, 2, 64, [30, 5, 9], jnp.float32)
+    grids = {}
+    for block, each in ((0, case), (16, case), (16, three)):
         monkeypatch.setattr(backend, "ATTENTION_COMBINE_BLOCK", block)
+        args = [each[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
         jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-        grids[block] = launches[-1].params["grid_mapping"].grid
-    assert grids == {0: (2, 2, 1, 1), 16: (2, 2, 1, 4)}, grids
+        grids[block, args[0].shape[0]] = launches[-1].params["grid_mapping"].grid
+    assert backend.SMALL_STEP_MAX_TOKENS == 2
+    assert grids == {(0, 2): (2, 2, 1, 1), (16, 2): (2, 2, 1, 4), (16, 3): (3, 2, 1, 1)}, grids
 
 
 def test_gated_output_equals_the_gated_reference_pallas():

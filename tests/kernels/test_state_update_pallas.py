@@ -39,6 +39,13 @@ def unit(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + recurrence.L2_EPS)
 
 
+def engine_pool(states: np.ndarray) -> jax.Array:
+    """A pool as the engine keeps one: slot 0, the padding rows' slot, all zeros (which the
+    dispatch's updates need not read in decode: ``backend.UPDATE_SKIPS_PADDING_STATE``)."""
+    states[0] = 0.0
+    return jnp.asarray(states)
+
+
 def gdn_case(rng, batch, tokens, heads, key_dim, value_dim, num_slots, dtype):
     shape = (batch, tokens, heads)
     q = unit(normal(rng, *shape, key_dim)) / np.float32(np.sqrt(key_dim))
@@ -49,7 +56,7 @@ def gdn_case(rng, batch, tokens, heads, key_dim, value_dim, num_slots, dtype):
             dtype, q, unit(normal(rng, *shape, key_dim)), normal(rng, *shape, value_dim), g, beta
         )
     )
-    pool = jnp.asarray(0.5 * normal(rng, num_slots + 1, heads, key_dim, value_dim))
+    pool = engine_pool(0.5 * normal(rng, num_slots + 1, heads, key_dim, value_dim))
     return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), inputs
 
 
@@ -64,7 +71,7 @@ def mamba2_case(rng, batch, tokens, heads, groups, head_dim, state_dim, num_slot
         dt,
     )
     a, d = as_jax(jnp.float32, -np.exp(0.5 * normal(rng, heads)), normal(rng, heads))
-    pool = jnp.asarray(0.5 * normal(rng, num_slots + 1, heads, head_dim, state_dim))
+    pool = engine_pool(0.5 * normal(rng, num_slots + 1, heads, head_dim, state_dim))
     return pool, jnp.asarray(draw_slots(rng, batch, num_slots)), su.Mamba2Tokens(x, b, c, dt, a, d)
 
 
@@ -285,23 +292,24 @@ def test_dispatch_default_tiles_pallas(value_dim):
 
 
 def test_gdn_update_value_tile_switch_pallas(monkeypatch):
-    """``backend.GDN_UPDATE_BLOCK_VALUE`` set, the GDN update takes that value tile (its
-    grid's last axis d_v / tile) with the same results; 0 keeps DEFAULT_STATE_TILES'."""
+    """``backend.GDN_UPDATE_BLOCK_VALUE`` set, the GDN update of up to
+    ``SMALL_STEP_MAX_TOKENS`` tokens takes that value tile (its grid's last axis d_v /
+    tile) with the same results; 0, or more tokens, keep DEFAULT_STATE_TILES'."""
     rng = np.random.default_rng(21)
-    pool, slot, inputs = gdn_case(rng, 2, 1, 2, 8, 32, 5, jnp.float32)
-    want = backend.state_update(pool, slot, inputs, mode="decode", kernel_backend="xla")
-    for block, tiles in ((0, 1), (8, 4)):
+    bound = backend.SMALL_STEP_MAX_TOKENS
+    for rows, block, tiles in ((bound, 0, 1), (bound, 8, 4), (bound + 1, 8, 1)):
+        pool, slot, inputs = gdn_case(rng, rows, 1, 2, 8, 32, 5, jnp.float32)
+        want = backend.state_update(pool, slot, inputs, mode="decode", kernel_backend="xla")
         monkeypatch.setattr(backend, "GDN_UPDATE_BLOCK_VALUE", block)
 
-        def run(pool):
+        def run(pool, slot=slot, inputs=inputs):
             return backend.state_update(
                 pool, slot, inputs, mode="decode", kernel_backend="pallas", interpret=True
             )
 
-        (call,) = [
-            e for e in jax.make_jaxpr(run)(pool).jaxpr.eqns if e.primitive.name == "pallas_call"
-        ]
-        assert call.params["grid_mapping"].grid[-1] == tiles, block
+        eqns = jax.make_jaxpr(run)(pool).jaxpr.eqns
+        (call,) = [e for e in eqns if e.primitive.name == "pallas_call"]
+        assert call.params["grid_mapping"].grid[-1] == tiles, (rows, block)
         got = run(pool)
         assert_close(got.outputs, want.outputs, FP32_TOL, "outputs")
         assert_close(got.pool, want.pool, FP32_TOL, "pool")

@@ -211,9 +211,9 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
     """Decode from a ``PoolView`` writes each row's new state into the pools at its slot (ssm
     and conv, every recurrent layer) and returns them as ``RecurrentOut.pools``: the
     written rows equal decode's final state from the gathered ``StateRows``, the hidden
-    states are the same, and every other slot is bit-identical: the null slot too, which
-    row 1 reads with a token of its own (so its new state differs) and must not write. No
-    final rows and no per-position states are returned."""
+    states are the same, and every other slot is bit-identical: the null slot too (zero, as
+    the engine keeps it), which row 1 reads with a token of its own (so its new state
+    differs) and must not write. No final rows and no per-position states are returned."""
     model = tiny_model(family)
     cfg, fam, kernels = model.config, model.family, kernels_for(backend)
     rng = np.random.default_rng(13)
@@ -222,6 +222,8 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
     kv, rows_rec = empty_caches(cfg, 1 + len(num_new) * CONTEXT, SLOTS + 1, jnp.float32)
     kv = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), kv)
     pools = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype), rows_rec)
+    # the null slot zero, as the engine keeps it (a decode step's padding rows need not read it)
+    pools = jax.tree.map(lambda x: x.at[:, 0].set(0.0), pools)
     inputs = _verify_inputs(rng, cfg.vocab_size, num_new)
     inputs = dataclasses.replace(
         inputs,
