@@ -22,8 +22,9 @@ normed heads, cos and sin, each product and sum of the rotation, to q's dtype): 
 two forms are equal bit for bit; XLA on a GPU may keep float32 between the ops it fuses,
 so there they agree to q's dtype's rounding.
 
-Kernel: grid ``(token, kv head)``; a program reads the ``Hq / Hkv`` query heads of its kv
-head and the kv head's k and v, and writes its query heads and, where the token is new, its
+Kernel: grid ``(token, kv head, query-head tile)``; a program reads its tile of the
+``Hq / Hkv`` query heads of its kv head (``block_q_heads``; one tile by default) and writes
+them, and the first tile's program the kv head's k and v and, where the token is new, its
 pool rows (the pools are whole-array refs aliased in place; the rows are named by
 ``write_idx`` inside the kernel). A head's channels move as pieces whose widths are powers
 of two (Triton): the two halves of the rotated channels, then the passed channels in
@@ -130,7 +131,7 @@ def _kernel(
     k_norm_ref = rest.pop(0) if has_k_norm else None
     inv_freq_ref = rest.pop(0) if rotated else None
     _, _, q_out_ref, k_pool_ref, v_pool_ref = rest  # the pools' in refs are aliased
-    n, h = pl.program_id(0), pl.program_id(1)
+    n, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, t = n // num_tokens, n % num_tokens
     dtype = q_out_ref.dtype
     cos = sin = None
@@ -142,13 +143,13 @@ def _kernel(
     q = _prepare(lambda s, w: q_ref[:, pl.ds(s, w)], q_norm_ref, parts, **options)
     for (start, width), piece in zip(parts, _rotate(q, cos, sin, rotated, dtype)):
         q_out_ref[:, pl.ds(start, width)] = piece
-    k = _prepare(lambda s, w: k_ref[pl.ds(s, w)], k_norm_ref, parts, **options)
-    k = _rotate(k, cos, sin, rotated, k_ref.dtype)
     row = idx_ref[b, t]
     new = (t < num_new_ref[b]) & (row >= 0) & (row < k_pool_ref.shape[0])
 
-    @pl.when(new)
+    @pl.when(new & (j == 0))  # the kv head's first query-head tile writes its k and v
     def _():
+        k = _prepare(lambda s, w: k_ref[pl.ds(s, w)], k_norm_ref, parts, **options)
+        k = _rotate(k, cos, sin, rotated, k_ref.dtype)
         for (start, width), piece in zip(parts, k):
             k_pool_ref[row, h, pl.ds(start, width)] = piece.astype(k_pool_ref.dtype)
             values = v_ref[pl.ds(start, width)]
@@ -210,25 +211,32 @@ def attention_prologue_pallas(
     num_heads: int | None = None,
     k_head_at: int = 0,
     v_head_at: int = 0,
+    block_q_heads: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The launch (module docstring); pure, the pools returned (aliased in place).
     ``num_heads`` None: all of q's heads; ``k_head_at`` / ``v_head_at``: where k's and v's
-    heads start in their arrays (one product's output read in place)."""
+    heads start in their arrays (one product's output read in place). ``block_q_heads``: a
+    program's query heads (None: all of its kv head's); the kv head's programs then split
+    its query heads, the first of them writing its k and v rows."""
     num_heads = q.shape[1] if num_heads is None else num_heads
     heads = (num_heads, k_head_at, v_head_at)
     _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm, heads)
     num = k.shape[0]
     num_kv_heads, head_dim = k_pool.shape[1:]
     groups = num_heads // num_kv_heads
+    block_q = groups if block_q_heads is None else block_q_heads
+    if block_q <= 0 or groups % block_q:
+        raise ValueError(f"block_q_heads={block_q} must divide the {groups} query heads a kv head")
+    tiles = groups // block_q
     parts = pieces(head_dim, rotary_dim)
     ints = [a.astype(jnp.int32) for a in (positions, write_idx, num_new)]
     args = [*ints, q, k, v]
     in_specs = [whole()] * 3 + [
-        pl.BlockSpec((None, groups, q.shape[2]), lambda n, h: (n, h, 0)),
-        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h + k_head_at, 0)),
-        pl.BlockSpec((None, None, head_dim), lambda n, h: (n, h + v_head_at, 0)),
+        pl.BlockSpec((None, block_q, q.shape[2]), lambda n, h, j: (n, h * tiles + j, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + k_head_at, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + v_head_at, 0)),
     ]
     for weight in (q_norm, k_norm):
         if weight is not None:
@@ -252,10 +260,10 @@ def attention_prologue_pallas(
     )
     return pl.pallas_call(
         kernel,
-        grid=(num, num_kv_heads),
+        grid=(num, num_kv_heads, tiles),
         in_specs=in_specs,
         out_specs=(
-            pl.BlockSpec((None, groups, head_dim), lambda n, h: (n, h, 0)),
+            pl.BlockSpec((None, block_q, head_dim), lambda n, h, j: (n, h * tiles + j, 0)),
             whole(),
             whole(),
         ),

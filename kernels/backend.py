@@ -219,6 +219,12 @@ RESIDUAL_NORM_MAX_TOKEN_EXPERTS = 64 * 64
 # The attention prologue's launch up to a decode or verify step's token count (a program
 # a token and kv head); a prefill chunk's norms and scatters stay XLA's fusions.
 ATTENTION_PROLOGUE_MAX_TOKENS = 64
+# Up to SMALL_STEP_MAX_TOKENS tokens, the prologue's query heads a program where set
+# (``attention_prologue_pallas(block_q_heads=)``; 0: all of a kv head's). A batch-1 step's
+# prologue had four programs (two tokens, two kv heads), each norming and rotating 8 query
+# heads of 256 and its k: 5.4-5.6 us a layer in an H100 profile (BENCHMARKS.md, 2026-12-06,
+# ninth). Not yet timed.
+ATTENTION_PROLOGUE_Q_HEADS = 0
 # The GDN output's gated norm in one launch (a program a token and head) up to this many
 # tokens; a prefill chunk's stays XLA's fusions.
 GATED_NORM_MAX_TOKENS = 64
@@ -900,6 +906,9 @@ def _pallas_attention_prologue(
     fits = powers_of_two(groups, q.shape[2], head_dim) and all_powers_of_two(head_dim, rotary_dim)
     if q.shape[0] > ATTENTION_PROLOGUE_MAX_TOKENS or not (options["interpret"] or fits):
         return xla_form()
+    block_q_heads = None  # a kv head's query heads over several programs, at a few tokens
+    if ATTENTION_PROLOGUE_Q_HEADS > 0 and q.shape[0] <= SMALL_STEP_MAX_TOKENS:
+        block_q_heads = fitted_tile(groups, ATTENTION_PROLOGUE_Q_HEADS)
     return attention_prologue_pallas(
         q,
         k,
@@ -918,6 +927,7 @@ def _pallas_attention_prologue(
         num_heads=num_heads,
         k_head_at=k_head_at,
         v_head_at=v_head_at,
+        block_q_heads=block_q_heads,
         **options,
     )
 

@@ -98,13 +98,15 @@ def _launch(spec: AttentionSpec, case: dict, params: dict, **options):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 2)])
-def test_prologue_equals_the_model_ops_pallas(kind, batch, tokens):
+@pytest.mark.parametrize("block_q_heads", [None, 1])
+def test_prologue_equals_the_model_ops_pallas(kind, batch, tokens, block_q_heads):
     """The query heads and both pools equal the model's ops bit for bit: the new rows of
     the tokens below ``num_new`` written, the rows of the others, the row past the pools
-    and every other row as they were."""
+    and every other row as they were; a kv head's query heads in one program or one a
+    program (``block_q_heads``)."""
     spec = _spec(kind)
     case, params = _case(np.random.default_rng(batch * 10 + tokens), spec, batch, tokens)
-    got = _launch(spec, case, params, interpret=True)
+    got = _launch(spec, case, params, interpret=True, block_q_heads=block_q_heads)
     want = _model_ops(spec, case, params)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -194,6 +196,50 @@ def test_prologue_reads_one_products_output_in_place_pallas(kind):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_prologue_query_head_tiles_pallas(monkeypatch):
+    """``block_q_heads`` splits a kv head's query heads over programs (the grid's last
+    axis), the same outputs as one program a kv head (Qwen3-Next's kind: 4 query heads a kv
+    head, in tiles of 2, read out of one product in place); a tile that does not divide
+    them is refused. The dispatch takes ``ATTENTION_PROLOGUE_Q_HEADS`` up to
+    ``SMALL_STEP_MAX_TOKENS`` tokens."""
+    spec = _spec("qwen3_next")
+    case, params = _case(np.random.default_rng(7), spec, 3, 2)
+    views, heads = _one_product(case)
+    unflat = {name: views[name].reshape(3, 2, *views[name].shape[1:]) for name in views}
+    want = _launch(spec, case, params, interpret=True)
+    got = _launch(spec, {**case, **unflat}, params, interpret=True, block_q_heads=2, **heads)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="block_q_heads=3"):
+        _launch(spec, case, params, interpret=True, block_q_heads=3)
+    prologue = backend.kernels_for("pallas", "cpu").attention_prologue
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    grids = {}
+    for switch, rows in ((0, 1), (2, 1), (2, 2)):
+        small, _ = _case(np.random.default_rng(8), spec, rows, 2)  # 2 or 4 tokens
+        monkeypatch.setattr(backend, "ATTENTION_PROLOGUE_Q_HEADS", switch)
+
+        def run(q, small=small):
+            return prologue(
+                q,
+                *(flat(small[name]) for name in ("k", "v")),
+                *(small[n] for n in ("positions", "write_idx", "num_new", "k_pool", "v_pool")),
+                params["q_norm"],
+                params["k_norm"],
+                eps=spec.norm_eps,
+                zero_centered=True,
+                rotary_dim=spec.rotary_dim,
+                rope_theta=spec.rope_theta,
+                xla_form=lambda: None,
+            )
+
+        jaxpr = jax.make_jaxpr(run)(flat(small["q"])).jaxpr
+        (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        grids[switch, 2 * rows] = call.params["grid_mapping"].grid
+    assert backend.SMALL_STEP_MAX_TOKENS == 2
+    assert grids == {(0, 2): (2, 2, 1), (2, 2): (2, 2, 2), (2, 4): (4, 2, 1)}, grids
+
+
 def test_prologue_refuses_heads_outside_the_product():
     """k or v heads past the array's end, or more query heads than q holds, are refused."""
     spec = _spec("qwen3_next")
@@ -236,6 +282,8 @@ def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
     )
     text = jax.jit(launch).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+    split = jax.jit(functools.partial(launch, block_q_heads=2)).trace(*args)  # 4 tiles a kv head
+    assert split.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
     # read in place out of q, k and v's one product: [4, 16 * 512 + 2 * 2 * 256]
     views = (spec((4, 18, 512), bf16), spec((4, 36, 256), bf16), spec((4, 36, 256), bf16))
     heads = {"num_heads": 16, "k_head_at": 32, "v_head_at": 34}
