@@ -96,6 +96,23 @@ def _launch(spec: AttentionSpec, case: dict, params: dict, **options):
     )
 
 
+def _dispatch(spec: AttentionSpec, case: dict, params: dict, xla_form):
+    """The backend's prologue entry (Pallas, interpret mode on CPU) on a case."""
+    prologue = backend.kernels_for("pallas", "cpu").attention_prologue
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+    return prologue(
+        *(flat(case[name]) for name in ("q", "k", "v")),
+        *(case[name] for name in ("positions", "write_idx", "num_new", "k_pool", "v_pool")),
+        params["q_norm"],
+        params["k_norm"],
+        eps=spec.norm_eps,
+        zero_centered=True,
+        rotary_dim=spec.rotary_dim,
+        rope_theta=spec.rope_theta,
+        xla_form=xla_form,
+    )
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 2)])
 @pytest.mark.parametrize("block_q_heads", [None, 1])
@@ -212,28 +229,15 @@ def test_prologue_query_head_tiles_pallas(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(ValueError, match="block_q_heads=3"):
         _launch(spec, case, params, interpret=True, block_q_heads=3)
-    prologue = backend.kernels_for("pallas", "cpu").attention_prologue
-    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
     grids = {}
     for switch, rows in ((0, 1), (2, 1), (2, 2)):
         small, _ = _case(np.random.default_rng(8), spec, rows, 2)  # 2 or 4 tokens
         monkeypatch.setattr(backend, "ATTENTION_PROLOGUE_Q_HEADS", switch)
 
         def run(q, small=small):
-            return prologue(
-                q,
-                *(flat(small[name]) for name in ("k", "v")),
-                *(small[n] for n in ("positions", "write_idx", "num_new", "k_pool", "v_pool")),
-                params["q_norm"],
-                params["k_norm"],
-                eps=spec.norm_eps,
-                zero_centered=True,
-                rotary_dim=spec.rotary_dim,
-                rope_theta=spec.rope_theta,
-                xla_form=lambda: None,
-            )
+            return _dispatch(spec, {**small, "q": q}, params, lambda: None)
 
-        jaxpr = jax.make_jaxpr(run)(flat(small["q"])).jaxpr
+        jaxpr = jax.make_jaxpr(run)(small["q"]).jaxpr
         (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         grids[switch, 2 * rows] = call.params["grid_mapping"].grid
     assert backend.SMALL_STEP_MAX_TOKENS == 2
@@ -306,19 +310,7 @@ def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
         calls.append(tokens)
         return _model_ops(spec, case, params)
 
-    prologue = backend.kernels_for("pallas", "cpu").attention_prologue
-    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-    got = prologue(
-        *(flat(case[name]) for name in ("q", "k", "v")),
-        *(case[name] for name in ("positions", "write_idx", "num_new", "k_pool", "v_pool")),
-        params["q_norm"],
-        params["k_norm"],
-        eps=spec.norm_eps,
-        zero_centered=True,
-        rotary_dim=spec.rotary_dim,
-        rope_theta=spec.rope_theta,
-        xla_form=xla_form,
-    )
+    got = _dispatch(spec, case, params, xla_form)
     assert calls == ([tokens] if tokens > LIMIT else [])
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(xla_form()[0]))
 
