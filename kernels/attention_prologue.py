@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from lazyspec.kernels.residual_norm import norm_scale
-from lazyspec.kernels.state_update import powers_of_two, whole
+from lazyspec.kernels.state_update import check_tile, powers_of_two, whole
 
 
 def pieces(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
@@ -226,9 +226,7 @@ def attention_prologue_pallas(
     num = k.shape[0]
     num_kv_heads, head_dim = k_pool.shape[1:]
     groups = num_heads // num_kv_heads
-    block_q = groups if block_q_heads is None else block_q_heads
-    if block_q <= 0 or groups % block_q:
-        raise ValueError(f"block_q_heads={block_q} must divide the {groups} query heads a kv head")
+    block_q = check_tile("block_q_heads", groups, block_q_heads)  # of a kv head's query heads
     tiles = groups // block_q
     parts = pieces(head_dim, rotary_dim)
     ints = [a.astype(jnp.int32) for a in (positions, write_idx, num_new)]

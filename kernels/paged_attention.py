@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.state_update import load_rows, powers_of_two
+from lazyspec.kernels.state_update import check_tile, load_rows, powers_of_two
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
@@ -366,9 +366,7 @@ def _combine_pallas(
     None merges every split."""
     num_splits, batch, num_kv_heads, _, head_dim = out.shape
     groups = num_heads // num_kv_heads
-    block_d = head_dim if block_d is None else block_d
-    if block_d <= 0 or head_dim % block_d:
-        raise ValueError(f"block_d={block_d} must be a positive divisor of {head_dim}")
+    block_d = check_tile("block_d", head_dim, block_d)
     block = pl.BlockSpec((None, None, groups, block_d), lambda b, h, t, c: (b, t, h, c))
     gate_specs = []
     if gate is not None:  # the block of D channels that ends each head
