@@ -223,8 +223,10 @@ ATTENTION_PROLOGUE_MAX_TOKENS = 64
 # (``attention_prologue_pallas(block_q_heads=)``; 0: all of a kv head's). A batch-1 step's
 # prologue had four programs (two tokens, two kv heads), each norming and rotating 8 query
 # heads of 256 and its k: 5.4-5.6 us a layer in an H100 profile (BENCHMARKS.md, 2026-12-06,
-# ninth). Not yet timed.
-ATTENTION_PROLOGUE_Q_HEADS = 0
+# ninth). One query head a program (32 programs) was 5.2, 2.9, 3.7 and 3.2 us shorter a
+# batch-1 step on an H100 in four rounds; two a program -0.9 and +0.9 (BENCHMARKS.md,
+# 2026-12-06, tenth).
+ATTENTION_PROLOGUE_Q_HEADS = 1
 # The GDN output's gated norm in one launch (a program a token and head) up to this many
 # tokens; a prefill chunk's stays XLA's fusions.
 GATED_NORM_MAX_TOKENS = 64

@@ -216,7 +216,7 @@ def test_prologue_reads_one_products_output_in_place_pallas(kind):
 def test_prologue_query_head_tiles_pallas(monkeypatch):
     """``block_q_heads`` splits a kv head's query heads over programs (the grid's last
     axis), the same outputs as one program a kv head (Qwen3-Next's kind: 4 query heads a kv
-    head, in tiles of 2, read out of one product in place); a tile that does not divide
+    head, in tiles of 2 and of 1, read out of one product in place); a tile that does not divide
     them is refused. The dispatch takes ``ATTENTION_PROLOGUE_Q_HEADS`` up to
     ``SMALL_STEP_MAX_TOKENS`` tokens."""
     spec = _spec("qwen3_next")
@@ -224,9 +224,10 @@ def test_prologue_query_head_tiles_pallas(monkeypatch):
     views, heads = _one_product(case)
     unflat = {name: views[name].reshape(3, 2, *views[name].shape[1:]) for name in views}
     want = _launch(spec, case, params, interpret=True)
-    got = _launch(spec, {**case, **unflat}, params, interpret=True, block_q_heads=2, **heads)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for tile in (2, 1):
+        got = _launch(spec, {**case, **unflat}, params, interpret=True, block_q_heads=tile, **heads)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(ValueError, match="block_q_heads=3"):
         _launch(spec, case, params, interpret=True, block_q_heads=3)
     grids = {}
