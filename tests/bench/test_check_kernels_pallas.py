@@ -35,7 +35,7 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, lo
     assert all(row[2].strip().startswith("ok") for row in rows), rows
     # a tolerance no bf16 MoE meets fails the run
     monkeypatch.setattr(check, "MOE_TOL", 0.0)
-    assert check.main(["--smoke"]) == 1
+    assert check.main(["--smoke", "--checks", "moe"]) == 1
     # a residual-norm row over its tolerance (a negative one: every row is) says so, which
     # fails the run as above
     monkeypatch.setattr(check, "NORM_TOL", -1.0)
@@ -76,7 +76,8 @@ def test_check_kernels_runs_under_a_kernel_switch(tmp_path, monkeypatch, load_sc
     monkeypatch.setattr(backend, "ATTENTION_ACTIVE_SPLITS", False)  # restored after
     out = tmp_path / "check.md"
     switch = ["--kernel-switch", "backend.ATTENTION_ACTIVE_SPLITS=1"]
-    assert check.main(["--smoke", "--out", str(out)] + switch) == 0
+    named = ["--checks", "gated_attention"]  # the checks the switch changes
+    assert check.main(["--smoke", "--out", str(out)] + named + switch) == 0
     assert backend.ATTENTION_ACTIVE_SPLITS is True
     text = out.read_text().splitlines()
     assert text[3] == "kernel switch: backend.ATTENTION_ACTIVE_SPLITS = True", text[:5]
