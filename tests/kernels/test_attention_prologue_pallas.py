@@ -231,7 +231,7 @@ def test_prologue_query_head_tiles_pallas(monkeypatch):
     with pytest.raises(ValueError, match="block_q_heads=3"):
         _launch(spec, case, params, interpret=True, block_q_heads=3)
     grids = {}
-    for switch, rows in ((0, 1), (2, 1), (2, 2)):
+    for switch, rows in ((0, 1), (2, 1), (1, 1), (2, 2)):
         small, _ = _case(np.random.default_rng(8), spec, rows, 2)  # 2 or 4 tokens
         monkeypatch.setattr(backend, "ATTENTION_PROLOGUE_Q_HEADS", switch)
 
@@ -242,7 +242,8 @@ def test_prologue_query_head_tiles_pallas(monkeypatch):
         (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         grids[switch, 2 * rows] = call.params["grid_mapping"].grid
     assert backend.SMALL_STEP_MAX_TOKENS == 2
-    assert grids == {(0, 2): (2, 2, 1), (2, 2): (2, 2, 2), (2, 4): (4, 2, 1)}, grids
+    want_grids = {(0, 2): (2, 2, 1), (2, 2): (2, 2, 2), (1, 2): (2, 2, 4), (2, 4): (4, 2, 1)}
+    assert grids == want_grids, grids
 
 
 def test_prologue_refuses_heads_outside_the_product():
