@@ -297,12 +297,6 @@ RESIDUAL_NORM_FEW_NUM_WARPS = 8
 # token bound. 0 parts: off.
 OUTPUT_PARTS_IN_NORM = 4
 OUTPUT_PARTS_MAX_TOKENS = 2
-# A greedy decode step (``DecodeBatch.greedy``: its rows read only the argmax) takes
-# lm_head's product in the weights' dtype (``compute_logits(float32=False)``): the argmax's
-# launch reads it as it is, where the float32 cast was a launch of its own (2.1 us a token
-# step at batch 1 in an H100 profile, [rows, vocab] float32 written and read again; BENCHMARKS.md,
-# 2026-12-06, ninth). The tokens are the same (the cast is exact). Not yet timed: off.
-GREEDY_LOGITS_IN_WEIGHT_DTYPE = False
 
 
 def norms_gdn_output(update: Any, num_tokens: int) -> bool:

@@ -56,7 +56,6 @@ from lazyspec.engine.sampling import (
 )
 from lazyspec.engine.shard_kernels import per_shard
 from lazyspec.engine.sharding import ShardingPlan
-from lazyspec.kernels import backend
 from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.models.interface import (
     ChunkStates,
@@ -655,9 +654,7 @@ def _decode_forward(fam, cfg, static: StepStatic, params, pools: Pools, batch, r
             kernels=static.kernels,
         )
     with jax.named_scope("lm_head"):
-        # a greedy batch reads only the argmax: the product's own dtype orders as its cast
-        own_dtype = batch.greedy and backend.GREEDY_LOGITS_IN_WEIGHT_DTYPE
-        logits = fam.compute_logits(params, cfg, hidden, float32=not own_dtype)  # [B, D, V]
+        logits = fam.compute_logits(params, cfg, hidden)  # [B, D, V]
     pools = dataclasses.replace(pools, kv=kv, req_to_token=rows.table)
     if not in_place:
         return DecodeCarry(hidden=hidden, logits=logits, steps=out.steps), pools

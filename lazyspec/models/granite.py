@@ -359,12 +359,9 @@ def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     return _run_layers(params, cfg, tokens, mamba_fn, attention_fn)
 
 
-def compute_logits(
-    params: Params, cfg: ModelConfig, hidden: jax.Array, float32: bool = True
-) -> jax.Array:
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final RMSNorm, lm_head (the embedding when tied), then ``/ logits_scaling``: float32
-    ``[..., V]``, whatever ``float32`` asks (the scaling divides in float32)."""
-    del float32
+    ``[..., V]``."""
     x = rms_norm(hidden, params["norm"], cfg.arch.rms_norm_eps)
     if "lm_head" in params:
         logits = linear(params["lm_head"], x).astype(jnp.float32)

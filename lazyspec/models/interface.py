@@ -37,9 +37,7 @@ they hash and compare by value, so jit takes them as static arguments.
   ``keep_chunk[b]`` of each row (``chunks`` then has one entry per row), selected layer by
   layer so the other chunk states of all layers never have to exist at once.
 * ``hidden`` is the residual stream after the last layer, *before* the final norm
-  ([B, T, hidden]); ``compute_logits(params, cfg, hidden)`` applies the final norm and lm_head
-  (float32 logits; ``float32=False``: lm_head's product in its weights' dtype where nothing
-  follows it, for a reader of its argmax only).
+  ([B, T, hidden]); ``compute_logits(params, cfg, hidden)`` applies the final norm and lm_head.
 
 ``mtp_forward(params, cfg, hidden, next_tokens, inputs, mtp_kv, *, kernels=)`` ->
 ``(mtp_hidden, mtp_kv)``: the draft head (one decoder layer, its own KV pools; its attention
@@ -298,6 +296,4 @@ class ModelFamily(Protocol):
 
     def reference_forward(self, params: dict, cfg: Any, tokens: jax.Array) -> jax.Array: ...
 
-    def compute_logits(
-        self, params: dict, cfg: Any, hidden: jax.Array, float32: bool = True
-    ) -> jax.Array: ...
+    def compute_logits(self, params: dict, cfg: Any, hidden: jax.Array) -> jax.Array: ...

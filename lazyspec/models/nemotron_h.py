@@ -328,17 +328,12 @@ def forward(
     return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, view, mode)
 
 
-def compute_logits(
-    params: dict, cfg: ModelConfig, hidden: jax.Array, float32: bool = True
-) -> jax.Array:
-    """Final RMSNorm then lm_head (the embedding when params have none); float32 [..., V].
-    ``float32=False``: lm_head's product in its weights' dtype (the tied product is float32
-    either way)."""
+def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final RMSNorm then lm_head (the embedding when params have none); float32 [..., V]."""
     x = rms_norm(hidden, params["norm"], cfg.arch.norm_eps)
     if "lm_head" not in params:
         return jnp.matmul(x.astype(jnp.float32), params["embed_tokens"].astype(jnp.float32).T)
-    logits = linear(params["lm_head"], x)
-    return logits.astype(jnp.float32) if float32 else logits
+    return linear(params["lm_head"], x).astype(jnp.float32)
 
 
 def reference_forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -574,22 +574,16 @@ def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> ja
     return x
 
 
-def _lm_head(params: Params, h: jax.Array, float32: bool = True) -> jax.Array:
+def _lm_head(params: Params, h: jax.Array) -> jax.Array:
     if "lm_head" in params:
-        logits = linear(params["lm_head"], h)
-    else:
-        embed = params["embed_tokens"]
-        logits = jnp.matmul(h.astype(embed.dtype), embed.T)
-    return logits.astype(jnp.float32) if float32 else logits
+        return linear(params["lm_head"], h).astype(jnp.float32)
+    embed = params["embed_tokens"]
+    return jnp.matmul(h.astype(embed.dtype), embed.T).astype(jnp.float32)
 
 
-def compute_logits(
-    params: Params, cfg: ModelConfig, hidden: jax.Array, float32: bool = True
-) -> jax.Array:
-    """Final norm then lm_head (the embedding when tied): float32 ``[..., vocab]``; with
-    ``float32=False`` the product as it rounds it, in its weights' dtype (the float32 cast
-    of it is exact, so an argmax of either picks the same token)."""
-    return _lm_head(params, norm(hidden, params["norm"], cfg), float32)
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final norm then lm_head (the embedding when tied): float32 ``[..., vocab]``."""
+    return _lm_head(params, norm(hidden, params["norm"], cfg))
 
 
 def mtp_forward(
