@@ -354,6 +354,14 @@ def fitted_tile(size: int, preferred: int) -> int:
     return tile
 
 
+def small_step_tile(num_tokens: int, size: int, preferred: int) -> int | None:
+    """``fitted_tile(size, preferred)`` at a step of up to ``SMALL_STEP_MAX_TOKENS`` tokens
+    where the switch ``preferred`` is set (> 0); else None: the launch keeps its own tile."""
+    if preferred > 0 and num_tokens <= SMALL_STEP_MAX_TOKENS:
+        return fitted_tile(size, preferred)
+    return None
+
+
 def _on(platform: str | None, name: str) -> bool:
     """Whether ``platform`` (default: JAX's default backend) is ``name``."""
     return (jax.default_backend() if platform is None else platform) == name
@@ -422,17 +430,16 @@ def _pallas_state_update(
     conv tokens with an ``OutputNorm``: a whole head a program, with
     ``GDN_NORM_IN_UPDATE_WARPS`` warps)."""
     tiles = DEFAULT_STATE_TILES[mixer]
-    lead = (tokens.conv_out if isinstance(tokens, GdnConvTokens) else _values(tokens)).shape[:2]
-    small = lead[0] * lead[1] <= SMALL_STEP_MAX_TOKENS
-    if mixer == "gdn" and GDN_UPDATE_BLOCK_VALUE > 0 and small:
-        tiles = {**tiles, "block_value": GDN_UPDATE_BLOCK_VALUE}
-    if isinstance(tokens, GdnConvTokens) and tokens.norm is not None:
+    conv = isinstance(tokens, GdnConvTokens)
+    value_dim = tokens.head_dim if conv else _values(tokens).shape[-1]
+    if mixer == "gdn":
+        lead = (tokens.conv_out if conv else _values(tokens)).shape[:2]
+        small = small_step_tile(lead[0] * lead[1], value_dim, GDN_UPDATE_BLOCK_VALUE)
+        if small is not None:
+            tiles = {**tiles, "block_value": small}
+    if conv and tokens.norm is not None:
         tiles = {**tiles, "block_value": tokens.head_dim, "num_warps": GDN_NORM_IN_UPDATE_WARPS}
     if block_value is None:
-        if isinstance(tokens, GdnConvTokens):
-            value_dim = tokens.head_dim
-        else:
-            value_dim = _values(tokens).shape[-1]
         block_value = fitted_tile(value_dim, tiles["block_value"])
     if evict_last is None:
         evict_last = tiles["evict_last"]
@@ -908,9 +915,8 @@ def _pallas_attention_prologue(
     fits = powers_of_two(groups, q.shape[2], head_dim) and all_powers_of_two(head_dim, rotary_dim)
     if q.shape[0] > ATTENTION_PROLOGUE_MAX_TOKENS or not (options["interpret"] or fits):
         return xla_form()
-    block_q_heads = None  # a kv head's query heads over several programs, at a few tokens
-    if ATTENTION_PROLOGUE_Q_HEADS > 0 and q.shape[0] <= SMALL_STEP_MAX_TOKENS:
-        block_q_heads = fitted_tile(groups, ATTENTION_PROLOGUE_Q_HEADS)
+    # a kv head's query heads over several programs, at a few tokens
+    block_q_heads = small_step_tile(q.shape[0], groups, ATTENTION_PROLOGUE_Q_HEADS)
     return attention_prologue_pallas(
         q,
         k,
@@ -980,8 +986,10 @@ def _pallas_paged_attention(
     ``SMALL_STEP_MAX_TOKENS`` tokens; 0: none), in interpret mode on CPU;
     compiler params left as None take the warps and stages of ``DEFAULT_ATTENTION_TILES``."""
     tiles.setdefault("active_splits", ATTENTION_ACTIVE_SPLITS)
-    if ATTENTION_COMBINE_BLOCK > 0 and q.shape[0] * q.shape[1] <= SMALL_STEP_MAX_TOKENS:
-        tiles.setdefault("combine_block", fitted_tile(q.shape[-1], ATTENTION_COMBINE_BLOCK))
+    num_tokens = q.shape[0] * q.shape[1]
+    tiles.setdefault(
+        "combine_block", small_step_tile(num_tokens, q.shape[-1], ATTENTION_COMBINE_BLOCK)
+    )
     if compiler_params is None:
         launch = DEFAULT_ATTENTION_TILES
         compiler_params = pallas_compiler_params(
