@@ -66,6 +66,11 @@ def reference(x, weights, ids, up, down, gate):
         return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
 
 
+def launch_names(calls) -> list[str]:
+    """The kernel names of ``pallas_call`` equations."""
+    return [str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0] for e in calls]
+
+
 CASES = [  # seed, tokens, top_k, experts, skewed, gated, dtype
     (1, 1, 1, 8, False, True, jnp.float32),
     (2, 1, 10, 64, False, True, jnp.bfloat16),
@@ -574,8 +579,7 @@ def test_token_rows_read_the_tokens_as_they_are_pallas():
     jaxpr = jax.make_jaxpr(lambda x: run(x, True))(x).jaxpr
     launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     first = launches[0]
-    name = first.params.get("name", first.params.get("name_and_src_info"))
-    assert "moe_experts_up" in str(name)
+    assert launch_names([first]) == ["moe_experts_up"]
     assert first.invars[1] is jaxpr.invars[0]  # x itself, [3, d] float32: no pad, no cast
     np.testing.assert_array_equal(np.asarray(run(x, True)), np.asarray(run(x, False)))
 
@@ -674,12 +678,8 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens, monkeypatch)
             me.moe_experts_pallas, routing=routing, route_in_up=route_in_up, **tile_args
         )
         jaxpr = jax.make_jaxpr(lambda x: run(x, None, None, up, down, gate))(x).jaxpr
-        names = [
-            str(e.params.get("name", e.params.get("name_and_src_info")))
-            for e in jaxpr.eqns
-            if e.primitive.name == "pallas_call"
-        ]
-        return [n.split()[0] for n in names], run(x, None, None, up, down, gate)
+        names = launch_names(e for e in jaxpr.eqns if e.primitive.name == "pallas_call")
+        return names, run(x, None, None, up, down, gate)
 
     names, separate = launches(False)
     assert names == ["moe_route", "moe_experts_up", "moe_experts_down"], names
@@ -765,11 +765,7 @@ def test_down_product_in_the_up_launch_pallas(case):
             tokens = 1 << (num_tokens - 1).bit_length()
             assert call.params["grid_mapping"].grid == (INNER // 8, tokens * pairs)
     jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)
-    names = [
-        str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0]
-        for e in jaxpr.jaxpr.eqns
-        if e.primitive.name == "pallas_call"
-    ]
+    names = launch_names(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call")
     assert names == ["moe_experts_up"], names
 
 
