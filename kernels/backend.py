@@ -244,14 +244,6 @@ ATTENTION_ACTIVE_SPLITS = True
 # took 5.1-5.4. 32 columns: the step 1.9 and 1.7 us shorter in two rounds on an H100
 # (BENCHMARKS.md, 2026-12-06, ninth).
 ATTENTION_COMBINE_BLOCK = 32
-# Up to this many tokens (rows x tokens a row) the paged attention has no combine launch:
-# the last of a tile's split programs to finish merges it (``paged_attention(
-# combine_in_launch=True)``, an int32 count a tile in a zeroed buffer, the same output bit
-# for bit). 0: off (not yet timed on a GPU).
-ATTENTION_COMBINE_IN_LAUNCH_MAX_TOKENS = 0
-# The splits the merge (the combine launch's or the attention launch's) reads a loop step,
-# by masked loads (``paged_attention(merge_unroll=)``); 1: one, a plain read (not yet timed).
-ATTENTION_MERGE_UNROLL = 1
 # Qwen3-Next's layers leave their MLP output for the next layer's input norm to add (its
 # residual-norm launch takes it as the delta; ``adds_mlp_output_in_next_norm``): at a
 # batch-1 step the add is a launch of its own after the routed experts' partial sums (7 a
@@ -990,18 +982,14 @@ def _pallas_paged_attention(
     **tiles: Any,
 ) -> jax.Array:
     """``paged_attention.paged_attention`` with its default tiles (``tiles`` overrides them),
-    ``ATTENTION_ACTIVE_SPLITS``, ``ATTENTION_COMBINE_BLOCK`` (up to
-    ``SMALL_STEP_MAX_TOKENS`` tokens; 0: none) and
-    ``ATTENTION_COMBINE_IN_LAUNCH_MAX_TOKENS`` and ``ATTENTION_MERGE_UNROLL``, in
-    interpret mode on CPU;
+    ``ATTENTION_ACTIVE_SPLITS`` and ``ATTENTION_COMBINE_BLOCK`` (up to
+    ``SMALL_STEP_MAX_TOKENS`` tokens; 0: none), in interpret mode on CPU;
     compiler params left as None take the warps and stages of ``DEFAULT_ATTENTION_TILES``."""
     tiles.setdefault("active_splits", ATTENTION_ACTIVE_SPLITS)
     num_tokens = q.shape[0] * q.shape[1]
     tiles.setdefault(
         "combine_block", small_step_tile(num_tokens, q.shape[-1], ATTENTION_COMBINE_BLOCK)
     )
-    tiles.setdefault("combine_in_launch", num_tokens <= ATTENTION_COMBINE_IN_LAUNCH_MAX_TOKENS)
-    tiles.setdefault("merge_unroll", ATTENTION_MERGE_UNROLL)
     if compiler_params is None:
         launch = DEFAULT_ATTENTION_TILES
         compiler_params = pallas_compiler_params(

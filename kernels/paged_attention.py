@@ -51,7 +51,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pallas_triton
 
 from lazyspec.kernels.state_update import check_tile, load_rows, powers_of_two
 
@@ -164,13 +163,16 @@ def check_gate(q: jax.Array, gate: jax.Array | None) -> None:
 # ---------------------------------------------------------------- Pallas
 
 
-def _attend(
+def _attention_kernel(
     ctx_len_ref,
     table_ref,
     pos_ref,
     q_ref,
     k_ref,
     v_ref,
+    out_ref,
+    max_ref,
+    sum_ref,
     *,
     scale,
     block_rows,
@@ -178,10 +180,6 @@ def _attend(
     num_splits,
     groups,
 ):
-    """This program's online softmax (grid ``(row, kv head, tile, split)``): its split's
-    blocks of the tile's visible context. Returns the unnormalised output ``[block_rows,
-    D]``, the running maximum and sum ``[block_rows]`` (float32), and the tile's context
-    blocks and blocks a split (``_split_blocks``)."""
     row = pl.program_id(0)
     ctx_len = ctx_len_ref[row]
     pos, q = _tile_queries(pos_ref, q_ref, block_rows, groups)
@@ -214,70 +212,9 @@ def _attend(
         jnp.zeros((block_rows,), jnp.float32),
     )
     acc, run_max, run_sum = jax.lax.fori_loop(0, count, body, init)
-    return acc, run_max, run_sum, num_blocks, per_split
-
-
-def _attention_kernel(*refs, **tiles):
-    """``_attend``'s partial results into this program's blocks of the three outputs."""
-    out_ref, max_ref, sum_ref = refs[6:]
-    out_ref[...], max_ref[...], sum_ref[...], *_ = _attend(*refs[:6], **tiles)
-
-
-def _attention_combine_kernel(*refs, gated, active, num_tokens, barrier, merge_unroll, **tiles):
-    """``_attend`` into the whole partial outputs at this program's (split, row, kv head,
-    tile), then the combine in the launch: each program adds 1 to its tile's counter
-    (float32 atomics' order does not matter here: an int32 count), and the program that
-    finds the tile's other ``num_splits - 1`` done merges the tile's tokens as the combine
-    launch does (``_merge_splits``, the active splits with ``active``) into ``merged [B,
-    T, Hq, D]``, gated. ``barrier``: a block barrier before the count (compiled), so that
-    every warp's stores precede it; the count's atomic add is acquire-release at GPU scope,
-    so the merging program reads the others' stores."""
-    refs = list(refs)
-    gate_ref = refs.pop(6) if gated else None
-    *_, out_ref, max_ref, sum_ref, count_ref, merged_ref = refs
-    acc, run_max, run_sum, num_blocks, per_split = _attend(*refs[:6], **tiles)
-    b, h, tile, split = (pl.program_id(axis) for axis in range(4))
-    block_rows, groups = tiles["block_rows"], tiles["groups"]
-    rows = pl.ds(tile * block_rows, block_rows)
-    out_ref[split, b, h, rows] = acc
-    max_ref[split, b, h, rows] = run_max
-    sum_ref[split, b, h, rows] = run_sum
-    if barrier:
-        pallas_triton.debug_barrier()
-    done = pallas_triton.atomic_add(count_ref, (b, h, tile), jnp.int32(1))
-    num_splits = tiles["num_splits"]
-    splits = _active_splits(num_blocks, per_split) if active else num_splits
-    head_dim = merged_ref.shape[-1]
-    tokens_a_tile = block_rows // groups
-
-    def merge_token(j):
-        token = tile * tokens_a_tile + j
-        span = pl.ds(tile * block_rows + j * groups, groups)
-        heads = pl.ds(h * groups, groups)
-
-        @pl.when(token < num_tokens)
-        def _():
-            merged = _merge_splits(
-                splits,
-                lambda s: (
-                    max_ref.at[s, b, h, span],
-                    sum_ref.at[s, b, h, span],
-                    out_ref.at[s, b, h, span, :],
-                ),
-                num_splits,
-                (groups, head_dim),
-                merge_unroll,
-            )
-            gate = None
-            if gated:
-                last = pl.ds(gate_ref.shape[-1] - head_dim, head_dim)
-                gate = gate_ref[b, token, heads, last]
-            merged_ref[b, token, heads, :] = _gate_merged(merged, gate, merged_ref.dtype)
-
-    @pl.when(done == num_splits - 1)
-    def _():
-        for j in range(tokens_a_tile):
-            merge_token(j)
+    out_ref[...] = acc
+    max_ref[...] = run_max
+    sum_ref[...] = run_sum
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -360,69 +297,15 @@ def _combine(out: jax.Array, run_max: jax.Array, run_sum: jax.Array) -> jax.Arra
     return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
-def _active_splits(num_blocks, per_split):
-    """The splits that read a block of a tile with ``num_blocks`` visible blocks, shared
-    ``per_split`` a split (``_split_blocks``); the others hold nothing."""
-    return jnp.where(num_blocks > 0, pl.cdiv(num_blocks, jnp.maximum(per_split, 1)), 0)
-
-
-def _merge_splits(splits, views_of, num_splits, shape, unroll=1):
-    """Rows of the splits' partial softmaxes merged (float32 ``shape``, rows that no split
-    saw give 0): two passes over the first ``splits`` splits' maxima and sums (``[rows]``),
-    one over their outputs (``shape``); ``views_of(s)``: split s's (maximum, sum, output)
-    views. ``unroll`` splits a loop step, read by masked loads (a split at or past
-    ``splits`` reads as one that saw nothing: maximum ``MASK_VALUE``, sum and output 0,
-    which add exactly nothing), so that a step's reads are in flight together; the
-    additions keep the splits' order."""
-    rows = shape[0]
-
-    def read(s, which, other):
-        view = views_of(jnp.minimum(s, num_splits - 1))[which]
-        if unroll == 1:
-            return view[...]
-        return pallas_triton.load(view, mask=jnp.full(view.shape, s < splits), other=other)
-
-    def best_of(step, best):
-        for u in range(unroll):
-            best = jnp.maximum(best, read(step * unroll + u, 0, MASK_VALUE))
-        return best
-
-    steps = pl.cdiv(splits, unroll)
-    best = jax.lax.fori_loop(0, steps, best_of, jnp.full((rows,), MASK_VALUE, jnp.float32))
-
-    def add(step, carry):
-        acc, total = carry
-        for u in range(unroll):
-            s = step * unroll + u
-            weight = jnp.exp(read(s, 0, MASK_VALUE) - best)
-            acc = acc + weight[:, None] * read(s, 2, 0.0)
-            total = total + weight * read(s, 1, 0.0)
-        return acc, total
-
-    init = (jnp.zeros(shape, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, total = jax.lax.fori_loop(0, steps, add, init)
-    return acc / jnp.where(total > 0, total, 1.0)[:, None]
-
-
-def _gate_merged(merged: jax.Array, gate: jax.Array | None, dtype) -> jax.Array:
-    """The merged rows rounded to ``dtype`` and, with a gate, times its sigmoid as
-    ``layers.attention``'s output rounds them."""
-    merged = merged.astype(dtype)
-    if gate is None:
-        return merged
-    gate = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dtype)
-    return (merged.astype(jnp.float32) * gate.astype(jnp.float32)).astype(dtype)
-
-
-def _combine_kernel(*refs, groups, num_splits, gated, lengths, merge_unroll=1):
+def _combine_kernel(*refs, groups, num_splits, gated, lengths):
     """One (row, kv head, token, column tile) program: the token's G query rows merged over
-    the splits (``_merge_splits``, a column tile of their outputs), rounded to the output's
-    dtype and, with a gate, times its sigmoid (``_gate_merged``). With ``lengths``
-    (``(block_rows, block_kv)`` of the attention launch; the refs then start with ctx_len
-    and the positions) only the splits that read a block of the token's tile are merged
-    (``_split_blocks``): the others hold nothing (a sum of 0 and the maximum at
-    ``MASK_VALUE``, which weigh exactly 0), so the merge is the same and its loops follow
-    the lengths, not the table's width."""
+    the splits (two passes over the splits' maxima and sums, one over their outputs' column
+    tile), rounded to the output's dtype and, with a gate, times its sigmoid as
+    ``layers.attention``'s output rounds them. With ``lengths`` (``(block_rows, block_kv)``
+    of the attention launch; the refs then start with ctx_len and the positions) only the
+    splits that read a block of the token's tile are merged (``_split_blocks``): the others
+    hold nothing (a sum of 0 and the maximum at ``MASK_VALUE``, which weigh exactly 0), so
+    the merge is the same and its loops follow the lengths, not the table's width."""
     b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     splits = num_splits
     if lengths is not None:
@@ -430,7 +313,7 @@ def _combine_kernel(*refs, groups, num_splits, gated, lengths, merge_unroll=1):
         block_rows, block_kv = lengths
         pos = _tile_positions(pos_ref, b, t * groups // block_rows, block_rows, groups)
         blocks, per_split = _split_blocks(ctx_len_ref[b], jnp.max(pos), block_kv, num_splits)
-        splits = _active_splits(blocks, per_split)
+        splits = jnp.where(blocks > 0, pl.cdiv(blocks, jnp.maximum(per_split, 1)), 0)
     if gated:
         out_ref, max_ref, sum_ref, gate_ref, merged_ref = refs
     else:
@@ -438,18 +321,26 @@ def _combine_kernel(*refs, groups, num_splits, gated, lengths, merge_unroll=1):
     rows = pl.ds(t * groups, groups)
     block_d = merged_ref.shape[-1]
     cols = pl.ds(pl.program_id(3) * block_d, block_d)
-    merged = _merge_splits(
-        splits,
-        lambda s: (
-            max_ref.at[s, b, h, rows],
-            sum_ref.at[s, b, h, rows],
-            out_ref.at[s, b, h, rows, cols],
-        ),
-        num_splits,
-        (groups, block_d),
-        merge_unroll,
-    )
-    merged_ref[...] = _gate_merged(merged, gate_ref[...] if gated else None, merged_ref.dtype)
+
+    def best_of(s, best):
+        return jnp.maximum(best, max_ref[s, b, h, rows])
+
+    best = jax.lax.fori_loop(0, splits, best_of, jnp.full((groups,), MASK_VALUE, jnp.float32))
+
+    def add(s, carry):
+        acc, total = carry
+        weight = jnp.exp(max_ref[s, b, h, rows] - best)
+        acc = acc + weight[:, None] * out_ref[s, b, h, rows, cols]
+        return acc, total + weight * sum_ref[s, b, h, rows]
+
+    init = (jnp.zeros((groups, block_d), jnp.float32), jnp.zeros((groups,), jnp.float32))
+    acc, total = jax.lax.fori_loop(0, splits, add, init)
+    dtype = merged_ref.dtype
+    merged = (acc / jnp.where(total > 0, total, 1.0)[:, None]).astype(dtype)
+    if gated:
+        gate = jax.nn.sigmoid(gate_ref[...].astype(jnp.float32)).astype(dtype)
+        merged = (merged.astype(jnp.float32) * gate.astype(jnp.float32)).astype(dtype)
+    merged_ref[...] = merged
 
 
 def _combine_pallas(
@@ -463,7 +354,6 @@ def _combine_pallas(
     dtype,
     lengths=None,
     block_d=None,
-    merge_unroll=1,
     **options,
 ):
     """The splits' partial results ``[S, B, Hkv, N, ...]`` merged into ``[B, T, Hq, D]`` in
@@ -496,7 +386,6 @@ def _combine_pallas(
         num_splits=num_splits,
         gated=gate is not None,
         lengths=None if tiles is None else tuple(tiles),
-        merge_unroll=merge_unroll,
     )
     return pl.pallas_call(
         kernel,
@@ -525,8 +414,6 @@ def paged_attention(
     gate: jax.Array | None = None,
     active_splits: bool = False,
     combine_block: int | None = None,
-    combine_in_launch: bool = False,
-    merge_unroll: int = 1,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
@@ -537,10 +424,6 @@ def paged_attention(
     token's tile (the same output; its loops then follow the lengths, where the split count
     follows the table's width). ``combine_block``: the combine launch's columns a program
     (None: a head's D; fewer spread a few rows' merge over more programs).
-    ``combine_in_launch``: no combine launch; the last of a tile's split programs to finish
-    merges the tile (``_attention_combine_kernel``, the same output bit for bit), where
-    the combine would be Pallas's and a tile holds whole tokens (G divides ``block_rows``).
-    ``merge_unroll``: the merge's splits a loop step (``_merge_splits``), either launch's.
     ``kv_head=j``: every query head of q reads pool head j (q holds some of the query
     heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
     pools are read in place, no head is sliced out of them."""
@@ -566,8 +449,6 @@ def paged_attention(
         num_splits = default_splits(batch * num_kv_heads * num_tiles, max_blocks, target)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be positive")
-    if merge_unroll < 1:
-        raise ValueError(f"merge_unroll={merge_unroll} must be positive")
     kernel = functools.partial(
         _attention_kernel,
         scale=float(scale),
@@ -580,44 +461,6 @@ def paged_attention(
         (num_rows_total, None, head_dim), lambda b, h, i, s: (0, head_base + h, 0)
     )
     partial_shape = (num_splits, batch, num_kv_heads, num_tiles * block_rows)
-    partial_shapes = (
-        jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
-        jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-        jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-    )
-    merges = interpret or powers_of_two(groups, head_dim)
-    if combine_in_launch and merges and block_rows % groups == 0:
-        gates = () if gate is None else (gate,)
-        counts = jnp.zeros((batch, num_kv_heads, num_tiles), jnp.int32)
-        inputs = (ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows)
-        inputs += (k_pool, v_pool) + gates + (counts,)
-        fold = functools.partial(
-            _attention_combine_kernel,
-            gated=gate is not None,
-            active=active_splits,
-            num_tokens=num_tokens,
-            barrier=not interpret,
-            merge_unroll=merge_unroll,
-            **kernel.keywords,
-        )
-        *_, merged = pl.pallas_call(
-            fold,
-            grid=(batch, num_kv_heads, num_tiles, num_splits),
-            in_specs=[pl.BlockSpec()] * 4
-            + [pool_spec, pool_spec]
-            + [pl.BlockSpec()] * (len(gates) + 1),
-            out_specs=[pl.BlockSpec()] * 5,
-            out_shape=partial_shapes
-            + (
-                jax.ShapeDtypeStruct(counts.shape, jnp.int32),
-                jax.ShapeDtypeStruct((batch, num_tokens, num_heads, head_dim), q.dtype),
-            ),
-            input_output_aliases={len(inputs) - 1: 3},
-            interpret=interpret,
-            compiler_params=compiler_params,
-            name="paged_attention_combined",
-        )(*inputs)
-        return merged
     out, run_max, run_sum = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, num_tiles, num_splits),
@@ -629,16 +472,19 @@ def paged_attention(
             pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
             pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
         ),
-        out_shape=partial_shapes,
+        out_shape=(
+            jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        ),
         interpret=interpret,
         compiler_params=compiler_params,
         name="paged_attention",
     )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, v_pool)
-    if merges:
+    if interpret or powers_of_two(groups, head_dim):
         options = {"interpret": interpret, "compiler_params": compiler_params}
         shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}
         shape["block_d"] = combine_block
-        shape["merge_unroll"] = merge_unroll
         if active_splits:
             shape["lengths"] = (ctx_len, positions, block_rows, block_kv)
         return _combine_pallas(out, run_max, run_sum, gate, **shape, **options)

@@ -41,8 +41,7 @@ CPU, where the kernels run in interpret mode):
   splits merged and gated in a second launch) against the jnp form with the same gate:
   within ``2**-6`` of the largest (each rounds probabilities to bf16 at another point);
   the gate also read in place out of a wider array ("gate in place": each head's query
-  then its gate, as q, k and v's one product gives it); and with the combine in the
-  attention's launch ("combine in launch") against the two launches, bit for bit.
+  then its gate, as q, k and v's one product gives it).
 
 Exit status 1 if any check fails.
 
@@ -506,45 +505,7 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
             if lengths.min() < context:
                 shape += f", lengths {lengths.min()}-{lengths.max()}"
             rows.append((name, shape, result(found <= ATTENTION_TOL, [found])))
-        rows.append(check_combine_in_launch(rng, attend, scale, batch, tokens, context, widths))
     return rows
-
-
-COMBINE_IN_LAUNCH_RUNS = 8
-
-
-def check_combine_in_launch(rng, attend, scale, batch, tokens, context, widths):
-    """The paged attention with the combine in its launch (the last split program of a tile
-    merges it; ``paged_attention(combine_in_launch=True)``) against the two launches, bit
-    for bit, ``COMBINE_IN_LAUNCH_RUNS`` runs of fresh inputs (a merge that read a split's
-    partials before they were written would differ in some run), lengths a third of the
-    table's width to all of it, gate in place."""
-    num_heads, num_kv_heads, head_dim = widths[:3]
-    num_rows = batch * context + 1
-    table = jnp.asarray(1 + rng.permutation(num_rows - 1).reshape(batch, context), jnp.int32)
-    lengths = np.linspace(max(tokens, context // 3), context, batch).astype(np.int32)
-    positions = jnp.asarray(lengths[:, None] - tokens + np.arange(tokens)[None, :], jnp.int32)
-    forms = [
-        jax.jit(lambda *a, fold=fold: attend(*a[:6], scale, gate=a[6], combine_in_launch=fold))
-        for fold in (False, True)
-    ]
-    differing = 0
-    for _ in range(COMBINE_IN_LAUNCH_RUNS):
-        bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
-        args = (
-            bf16(batch, tokens, num_heads, head_dim),
-            bf16(num_rows, num_kv_heads, head_dim),
-            bf16(num_rows, num_kv_heads, head_dim),
-            table,
-            jnp.asarray(lengths),
-            positions,
-            bf16(batch, tokens, num_heads + num_kv_heads, 2 * head_dim),
-        )
-        two, one = (np.asarray(form(*args), np.float32) for form in forms)
-        differing += int(np.sum(two != one))
-    shape = f"{batch} x {tokens} tokens, context {context}, {COMBINE_IN_LAUNCH_RUNS} runs"
-    outcome = f"{'ok' if differing == 0 else 'differs'}: {differing} elements differ"
-    return ("paged_attention combine in launch", shape, outcome)
 
 
 def main(argv=None) -> int:

@@ -290,66 +290,10 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
     assert_close(got[real], np.asarray(want)[real], FP32_TOL, "active splits")
 
 
-FOLD_CASES = ACTIVE_SPLIT_CASES + [
-    (2, 2, 16, 2, 64, [30, 9], {"block_kv": 16, "num_splits": 3}),  # two tokens a tile
-]
-
-
-def _launch_names(fn, *args) -> list[str]:
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [str(e.params["name"]) for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-
-
-@pytest.mark.parametrize("case_args", FOLD_CASES)
-@pytest.mark.parametrize("with_gate", [False, True])
-@pytest.mark.parametrize("active", [False, True])
-@pytest.mark.parametrize("unroll", [1, 3])
-def test_combine_in_the_launch_equals_the_two_launches_pallas(case_args, with_gate, active, unroll):
-    """``combine_in_launch``: one launch, whose last split program of each tile merges it,
-    gives the two launches' output bit for bit (every token of a tile: one or two tokens of
-    8 heads in a 16-row tile, a verify's four over two tiles, a prefill chunk's), padding
-    queries included, its merge reading a split a step or three (``merge_unroll``, against
-    the combine launch's one); 64 query heads a kv head (a token wider than a tile) keep
-    the combine launch."""
-    batch, num_tokens, heads, kv_heads, head_dim, contexts, tiles = case_args
-    rng = np.random.default_rng(len(contexts) + 7 * num_tokens)
-    case = attention_case(rng, batch, num_tokens, heads, kv_heads, head_dim, contexts, jnp.bfloat16)
-    gate = None
-    if with_gate:
-        gate = jnp.asarray(rng.standard_normal(case["q"].shape), jnp.bfloat16)
-    args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
-
-    def attend(fold, merge_unroll):
-        return lambda q: pa.paged_attention(
-            q,
-            *args,
-            0.1,
-            gate=gate,
-            active_splits=active,
-            combine_in_launch=fold,
-            merge_unroll=merge_unroll,
-            interpret=True,
-            **tiles,
-        )
-
-    forms = (attend(False, 1), attend(True, unroll))
-    two, one = (np.asarray(form(case["q"]), np.float32) for form in forms)
-    np.testing.assert_array_equal(one, two)
-    assert np.isfinite(one).all() and np.abs(one).max() > 0
-    folds = (
-        tiles.get("block_rows") or pa.default_row_tile(num_tokens * heads // kv_heads, head_dim, 2)
-    ) % (heads // kv_heads) == 0
-    names = _launch_names(forms[1], case["q"])
-    want = ["paged_attention_combined"] if folds else ["paged_attention", "paged_attention_combine"]
-    assert names == want, names
-
-
-@pytest.mark.parametrize("unroll", [1, 4])
-def test_the_combine_reads_only_the_active_splits_pallas(unroll):
+def test_the_combine_reads_only_the_active_splits_pallas():
     """With ``lengths`` the combine loops over the splits that read a block of the token's
     tile and no further: splits past them filled with NaN leave its output finite and equal
-    to the merge of the splits before them, read a split a step or four
-    (``merge_unroll``); the every-split merge reads them (NaN)."""
+    to the merge of the splits before them; the every-split merge reads them (NaN)."""
     rng = np.random.default_rng(11)
     batch, kv_heads, groups, num_tokens, head_dim, rows = 2, 2, 4, 1, 32, 16
     num_splits, block_kv = 6, 16
@@ -365,9 +309,7 @@ def test_the_combine_reads_only_the_active_splits_pallas(unroll):
     parts = [jnp.asarray(a, jnp.float32) for a in (out, run_max, run_sum)]
     shape = {"num_tokens": num_tokens, "num_heads": kv_heads * groups, "dtype": jnp.float32}
     lengths = (ctx_len, positions, rows, block_kv)
-    got = pa._combine_pallas(
-        *parts, None, **shape, lengths=lengths, merge_unroll=unroll, interpret=True
-    )
+    got = pa._combine_pallas(*parts, None, **shape, lengths=lengths, interpret=True)
     got = np.asarray(got)
     assert np.isfinite(got).all()
     for b, n in enumerate(active):
@@ -404,14 +346,6 @@ def test_the_dispatch_merges_as_attention_active_splits_says_pallas(monkeypatch)
         grids[block, args[0].shape[0]] = launches[-1].params["grid_mapping"].grid
     assert backend.SMALL_STEP_MAX_TOKENS == 2
     assert grids == {(0, 2): (2, 2, 1, 1), (16, 2): (2, 2, 1, 4), (16, 3): (3, 2, 1, 1)}, grids
-    # and ATTENTION_COMBINE_IN_LAUNCH_MAX_TOKENS: one launch up to that many tokens
-    launches = {}
-    for bound, each in ((0, case), (2, case), (2, three)):
-        monkeypatch.setattr(backend, "ATTENTION_COMBINE_IN_LAUNCH_MAX_TOKENS", bound)
-        args = [each[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
-        launches[bound, args[0].shape[0]] = _launch_names(lambda *a: attend(*a, 0.125), *args)
-    two = ["paged_attention", "paged_attention_combine"]
-    assert launches == {(0, 2): two, (2, 2): ["paged_attention_combined"], (2, 3): two}
 
 
 def test_gated_output_equals_the_gated_reference_pallas():
@@ -503,21 +437,6 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
                 )
                 text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
                 assert text.count("__gpu$xla.gpu.triton") == 2
-            # the combine in the attention's launch: one launch (its count and atomic add),
-            # its merge four splits a step
-            attend = jax.jit(
-                lambda *a, active=active: pa.paged_attention(
-                    *a[:6],
-                    0.0625,
-                    gate=a[6],
-                    active_splits=active,
-                    combine_in_launch=True,
-                    merge_unroll=4,
-                    compiler_params=params,
-                )
-            )
-            text = attend.trace(*args, gate).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 def test_merge_stays_in_jnp_where_the_heads_of_a_kv_head_are_not_a_power_of_two_pallas():
