@@ -265,11 +265,13 @@ ATTENTION_QKV_IN_PLACE = True
 # Up to this many tokens (rows x tokens a row) the GDN output's gated norm runs in the
 # state update's launch (``OutputNorm``: the layer hands it with the conv tokens where
 # ``norms_gdn_output``), one launch fewer a GDN layer; a program then holds a whole head
-# (value tile 128 at Qwen3-Next's widths, where the update alone takes 64), with
-# GDN_NORM_IN_UPDATE_WARPS warps. 0 (off): at batch 1 on an H100 the step ran 6 kernels
-# fewer and no shorter (0.919 / 0.916 ms against 0.916 / 0.915; BENCHMARKS.md, 2026-12-05,
-# fourth): the update's programs halve and each holds twice the state.
-GDN_NORM_IN_UPDATE_MAX_TOKENS = 0
+# (value tile 128 at Qwen3-Next's widths, where the update alone takes 32 up to
+# SMALL_STEP_MAX_TOKENS tokens), with GDN_NORM_IN_UPDATE_WARPS warps. At batch 1 on an H100
+# the step first ran 6 kernels fewer and no shorter (0.919 / 0.916 ms against 0.916 /
+# 0.915; BENCHMARKS.md, 2026-12-05, fourth); with the later kernels 1.1 and 0.8 us shorter
+# in two rounds, 78 kernels a token step against 84 (BENCHMARKS.md, 2026-12-06, eleventh):
+# on at a batch-1 step's 2 tokens.
+GDN_NORM_IN_UPDATE_MAX_TOKENS = 2
 GDN_NORM_IN_UPDATE_WARPS = 8
 # The residual-norm launch's router rows a program and its warps (``residual_norm_pallas``:
 # a program per token and router tile, each normalising its token's whole row).
