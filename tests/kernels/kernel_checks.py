@@ -17,6 +17,15 @@ def assert_close(actual, expected, tol: float, what: str) -> None:
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
 
 
+def launch_names(eqns) -> list[str]:
+    """The kernel names of the ``pallas_call`` equations among ``eqns``."""
+    return [
+        str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0]
+        for e in eqns
+        if e.primitive.name == "pallas_call"
+    ]
+
+
 def draw_slots(rng, batch: int, num_slots: int) -> np.ndarray:
     """Distinct real slots, with padding rows (slot 0) at random positions (at least one)."""
     slot = rng.choice(np.arange(1, num_slots + 1), size=batch, replace=False)

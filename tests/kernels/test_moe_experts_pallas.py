@@ -17,7 +17,7 @@ from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
-from tests.kernels.kernel_checks import assert_close
+from tests.kernels.kernel_checks import assert_close, launch_names
 
 pytestmark = pytest.mark.pallas
 
@@ -64,11 +64,6 @@ def reference(x, weights, ids, up, down, gate):
 
     with jax.default_matmul_precision("highest"):
         return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
-
-
-def launch_names(calls) -> list[str]:
-    """The kernel names of ``pallas_call`` equations."""
-    return [str(e.params.get("name", e.params.get("name_and_src_info"))).split()[0] for e in calls]
 
 
 CASES = [  # seed, tokens, top_k, experts, skewed, gated, dtype
@@ -678,7 +673,7 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens, monkeypatch)
             me.moe_experts_pallas, routing=routing, route_in_up=route_in_up, **tile_args
         )
         jaxpr = jax.make_jaxpr(lambda x: run(x, None, None, up, down, gate))(x).jaxpr
-        names = launch_names(e for e in jaxpr.eqns if e.primitive.name == "pallas_call")
+        names = launch_names(jaxpr.eqns)
         return names, run(x, None, None, up, down, gate)
 
     names, separate = launches(False)
@@ -765,7 +760,7 @@ def test_down_product_in_the_up_launch_pallas(case):
             tokens = 1 << (num_tokens - 1).bit_length()
             assert call.params["grid_mapping"].grid == (INNER // 8, tokens * pairs)
     jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)
-    names = launch_names(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call")
+    names = launch_names(jaxpr.jaxpr.eqns)
     assert names == ["moe_experts_up"], names
 
 

@@ -19,6 +19,7 @@ from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRo
 from lazyspec.models.layers.norms import residual_rms_norm
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
+from tests.kernels.kernel_checks import launch_names
 
 WIDTH, CONTEXT, SLOTS = 4, 8, 6
 
@@ -293,8 +294,7 @@ def step_eqns(jaxpr):
 
 def _launch_names(jaxpr) -> list[str]:
     """The Pallas launches' names in ``jaxpr`` and the jaxprs nested in it."""
-    eqns = step_eqns(jaxpr)
-    return [str(e.params["name"]).split()[0] for e in eqns if e.primitive.name == "pallas_call"]
+    return launch_names(step_eqns(jaxpr))
 
 
 def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
