@@ -61,31 +61,41 @@ os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 quiet_collector()
 
 
-@pytest.hookimpl(tryfirst=True)
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under ``-n 2 --dist loadgroup``: its file, and one
+    unit for all the server files, which share a live engine whose compiled programs must not
+    be dropped by another file's tests running between them in the same worker."""
+    path = nodeid.split("::", 1)[0].split("@", 1)[0]
+    return "tests/server" if path.startswith("tests/server/") else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` hands out ``work_unit``s whole, in the collection's order. A
+    scheduler of its own, not ``xdist_group`` marks: xdist applies those by renaming each
+    item's node id, which pytest 9.2 no longer reads, so every file's tests were spread over
+    both workers again, each building the file's module-scoped engines."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``), a test file is one unit of work and the
-    server tests are one unit together: they share a live engine whose compiled programs
-    must not be dropped by another file's tests running between them in the same worker.
-    Before xdist's own hook (``tryfirst``), which reads the groups: run after it, the marks
-    came too late and every file's tests were spread over both workers, each building the
-    file's module-scoped engines and subprocess runs again."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    groups = {}
-    for item in items:
-        module = item.module.__name__
-        groups[item] = "tests.server" if module.startswith("tests.server") else module
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    # the groups with a ``slow`` test first (xdist hands the groups out in this order, see
-    # ``pytest_configure``): started last, one of them would run on alone at the end
-    slow = {groups[item] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: groups[item] not in slow)
+    """The units with a ``slow`` test first: xdist hands the units out in this order (see
+    ``pytest_configure``), and one started last would run on alone at the end."""
+    slow = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: work_unit(item.nodeid) not in slow)
 
 
 def pytest_configure(config):
-    """xdist's loadgroup hands the groups out in the collection's order, not reordered by
-    their number of tests: that number says nothing of their time, and the suite puts its
-    longest groups first (``pytest_collection_modifyitems``)."""
+    """xdist hands the units out in the collection's order, not reordered by their number of
+    tests: that number says nothing of their time, and the suite puts its longest units
+    first (``pytest_collection_modifyitems``)."""
     if config.pluginmanager.hasplugin("xdist"):
         config.option.loadscopereorder = False
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis_jsonschema import from_schema
 
 from tests.server.conftest import SERVED_NAME
+from tests.server.schema_bodies import bodies
 
 # generation lengths, and n (choices per prompt), capped so that a run stays short
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "n")
@@ -87,7 +87,7 @@ def fuzz_cases(live_server) -> list[tuple[str, dict]]:
 
 
 def _bodies(cases: list[tuple[str, dict]]) -> st.SearchStrategy:
-    valid = st.one_of([st.tuples(st.just(path), from_schema(schema)) for path, schema in cases])
+    valid = st.one_of([st.tuples(st.just(path), bodies(schema)) for path, schema in cases])
 
     def spoil(case: tuple[str, dict], data) -> tuple[str, dict]:
         path, body = case
