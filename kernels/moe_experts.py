@@ -563,8 +563,6 @@ def _up_tile(
     block_k,
     block_out=None,
     num_tokens=None,
-    zero_unused=False,
-    atomic_sum=False,
 ):
     """The rows of a tile of ``expert`` times one column tile of its gate / up
     (``pairs``), then the activation; x is rounded to the weights' dtype as it is read.
@@ -574,10 +572,7 @@ def _up_tile(
     is this program's partial output: ``out_ref[at[0], at[1], :num_tokens]``
     (``[d_out]`` float32 rows; the rows past the tokens are not written, so a few tokens'
     partials move a few rows' bytes). ``at``: (this program's tile or pair, its inner
-    tile). ``zero_unused``: an unused tile's programs write zeros there, so that the
-    partials sum with no mask. ``atomic_sum``: the program adds its rows of the tokens
-    into ``out_ref[:num_tokens]`` (float32, zeros before the launch) with atomic adds
-    instead, so that the launch leaves the tokens' sums."""
+    tile)."""
     tile, inner_tile = at
     cols = pl.ds(inner_tile * block_inner, block_inner)
     dtype = pairs[0][0].dtype
@@ -589,14 +584,8 @@ def _up_tile(
 
         def step(j, carry):
             chunk = pl.ds(j * block_out, block_out)
-            part = part_of(chunk)
-            if not atomic_sum:
-                out = out_ref.at[tile, inner_tile, :, chunk]
-                pallas_triton.store(out, part, mask=row < num_tokens)
-                return carry
-            for n in range(num_tokens):  # a token's row at a time: no masked atomics
-                mine = jnp.sum(jnp.where(row == n, part, 0.0), axis=0)
-                pallas_triton.atomic_add(out_ref, (jnp.int32(n), chunk), mine)
+            out = out_ref.at[tile, inner_tile, :, chunk]
+            pallas_triton.store(out, part_of(chunk), mask=row < num_tokens)
             return carry
 
         jax.lax.fori_loop(0, out_ref.shape[-1] // block_out, step, 0)
@@ -625,9 +614,6 @@ def _up_tile(
         write_partials(lambda chunk: _dot(h, load(down, cols, chunk)) * row_weight[:, None])
 
     _by_expert(expert, shared_expert, compute)
-    if down is not None and zero_unused:
-        zeros = jnp.zeros((block_rows, block_out), jnp.float32)
-        pl.when(expert == UNUSED_TILE)(lambda: write_partials(lambda chunk: zeros))
 
 
 def _down_kernel(tile_expert_ref, h_ref, *refs, block_out, block_k, shared_expert):
@@ -733,9 +719,7 @@ def moe_experts_pallas(
     down_compiler_params: Any = None,
     route_in_up: bool = False,
     down_in_up: bool = False,
-    zero_unused: bool = False,
     pair_grid: bool = False,
-    atomic_sum: bool = False,
 ) -> jax.Array:
     """Routed experts (module docstring has the contract); float32 ``[N, d_out]``. Tiles
     None are whole axes; ``block_k`` is the contraction chunk of both launches, unless
@@ -756,15 +740,10 @@ def moe_experts_pallas(
     down projection too, each writing its partial sums of the tokens' outputs (a token's
     row of every used tile: rows of tokens routed elsewhere weigh 0), which are summed
     after it: no down launch and no intermediate, for a few tokens (the partials grow with
-    tokens x tiles x inner tiles). ``zero_unused`` (with ``down_in_up``): the programs of
-    tiles no expert uses write zero partials, and the sum takes every tile unmasked (one
-    launch after the kernel where the mask is a launch of its own). ``pair_grid`` (with
-    ``route_in_up`` and ``down_in_up``): the launch's grid is (inner tile, pair), a
-    program per token's pair rather than per slot (the pairs rounded up to a power of
-    two), so fewer programs and partials (``_routed_up_kernel``). ``atomic_sum`` (with
-    ``down_in_up``): the programs add their partial sums into the output with atomic adds
-    (``_up_tile``), so no launch sums them after the kernel; the float32 additions' order
-    then varies between runs on a GPU (interpret mode adds in program order)."""
+    tokens x tiles x inner tiles). ``pair_grid`` (with ``route_in_up`` and ``down_in_up``):
+    the launch's grid is (inner tile, pair), a program per token's pair rather than per
+    slot (the pairs rounded up to a power of two), so fewer programs and partials
+    (``_routed_up_kernel``)."""
     num_tokens = x.shape[0]
     if token_rows is None:
         token_rows = num_tokens <= min(TOKEN_ROWS_MAX_TOKENS, block_rows)
@@ -837,27 +816,17 @@ def moe_experts_pallas(
         pairs = pairs_a_token(routing, shared is not None)
         grid = (inner // bi, table_shapes[0].shape[0] * pairs)
     weight_specs = [whole()] * len(projections)
-    atomic_sum = down_in_up and atomic_sum
     if down_in_up:  # each program's partial sums of its tokens' outputs
-        zero_unused = zero_unused and not atomic_sum
-        up_tiles.update(
-            block_out=bo, num_tokens=num_tokens, zero_unused=zero_unused, atomic_sum=atomic_sum
-        )
+        up_tiles.update(block_out=bo, num_tokens=num_tokens)
         projections += downs
         weight_specs += [whole()] * len(downs)
         out_spec = whole()
         parts = grid if pairs is None else grid[::-1]  # [tile or pair, inner tile]
         out_shape = jax.ShapeDtypeStruct((*parts, block_rows, out_width), jnp.float32)
-        if atomic_sum:  # the tokens' sums, added into zeros given as the last input
-            out_shape = jax.ShapeDtypeStruct((num_tokens, out_width), jnp.float32)
     else:
         out_spec = pl.BlockSpec((block_rows, bi), lambda t, i: (t, i))
         out_shape = jax.ShapeDtypeStruct((num_rows, inner), up.dtype)
-    # the atomic sums' zeros: the last input, its buffer the output's
-    sums = [jnp.zeros(out_shape.shape, out_shape.dtype)] if atomic_sum else []
     if route_in_up:
-        if sums:
-            options["input_output_aliases"] = {len(route_args) + 1 + len(projections): 0}
         hidden, *tables = pl.pallas_call(
             functools.partial(
                 _routed_up_kernel,
@@ -867,35 +836,29 @@ def moe_experts_pallas(
                 **up_tiles,
             ),
             grid=grid,
-            in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs + [whole()] * len(sums),
+            in_specs=[whole()] * len(route_args) + [x_spec] + weight_specs,
             out_specs=(out_spec, whole(), whole(), whole()),
             out_shape=(out_shape, *table_shapes),
             name="moe_experts_up",
             **options,
-        )(*route_args, staged, *projections, *sums)
+        )(*route_args, staged, *projections)
         grouped = _tables_as_tiles(tables, num_tokens, block_rows)
     else:
         weight_args = list(projections)
         if down_in_up:
             weight_specs.append(pl.BlockSpec((block_rows,), lambda t, i: (t,)))
             weight_args.append(grouped.row_weight)
-        if sums:
-            options["input_output_aliases"] = {2 + len(weight_args): 0}
         hidden = pl.pallas_call(
             functools.partial(_up_kernel, **up_tiles),
             grid=grid,
-            in_specs=[whole(), x_spec] + weight_specs + [whole()] * len(sums),
+            in_specs=[whole(), x_spec] + weight_specs,
             out_specs=out_spec,
             out_shape=out_shape,
             name="moe_experts_up",
             **options,
-        )(grouped.tile_expert, staged, *weight_args, *sums)
-    if atomic_sum:  # the tokens' sums, left by the launch
-        return hidden
+        )(grouped.tile_expert, staged, *weight_args)
     if down_in_up:  # every used tile's rows, each token weighted 0 where it did not route
         partial = hidden[:, :, :num_tokens]  # the rows the programs wrote
-        if zero_unused:  # and zeros for the unused tiles: one launch (the sum) after this one
-            return jnp.sum(partial, axis=(0, 1))
         used = grouped.tile_expert != UNUSED_TILE
         if pairs is not None:  # the partials of each token's first pairs
             used = used.reshape(table_shapes[0].shape)[:, :pairs].reshape(-1)

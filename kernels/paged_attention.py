@@ -56,22 +56,6 @@ from lazyspec.kernels.state_update import check_tile, load_rows, powers_of_two
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
-# Query rows per program (the most; every tile re-reads its context, so a prefill chunk
-# wants tall tiles), context positions per loop step (Triton needs powers of two >= 16),
-# programs aimed for when the splits are chosen, and the launch's warps and pipeline
-# stages (``backend`` builds the compiler params from them). block_kv, warps, stages and
-# target: the fastest measured for Qwen3-Next's decode (16 q / 2 kv heads, head dim 256,
-# bf16; 16 query rows) on an H200 at 4k-128k context, batch 1 and 16 (BENCHMARKS.md,
-# "Decode attention"). Rows: a 64-token bf16 chunk after a 32k prefix took 762 / 510 /
-# 468 us with 16 / 32 / 64-row tiles there.
-DEFAULT_ATTENTION_TILES = {
-    "block_rows": 64,  # at most: fewer when the step has fewer query rows (``row_tile``)
-    "block_kv": 64,
-    "target_programs": 256,
-    "num_warps": 8,
-    "num_stages": 2,
-}
-
 
 def _check_inputs(
     q: jax.Array,
@@ -222,11 +206,6 @@ def _check_pow2(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two >= 16")
 
 
-# The most bytes of q per tile: 64 fp32 rows of head dim 256 with 2 pipeline stages ask an
-# H200 for 256 KiB of shared memory (227 KiB there); 64 bf16 rows fit.
-QUERY_TILE_BYTES = 32 * 1024
-
-
 def row_tile(num_query_rows: int, most: int) -> int:
     """Rows per tile: the power of two >= ``num_query_rows`` (T * G), at least 16 and at
     most ``most``."""
@@ -236,11 +215,12 @@ def row_tile(num_query_rows: int, most: int) -> int:
     return tile
 
 
-def default_row_tile(num_query_rows: int, head_dim: int, itemsize: int) -> int:
-    """``row_tile`` up to ``DEFAULT_ATTENTION_TILES["block_rows"]`` rows and
-    ``QUERY_TILE_BYTES`` of q."""
-    most = max(16, QUERY_TILE_BYTES // (head_dim * itemsize))
-    return row_tile(num_query_rows, min(DEFAULT_ATTENTION_TILES["block_rows"], most))
+def default_row_tile(
+    num_query_rows: int, head_dim: int, itemsize: int, most_rows: int, tile_bytes: int
+) -> int:
+    """``row_tile`` up to ``most_rows`` rows and ``tile_bytes`` of q (``AttentionTuning``)."""
+    most = max(16, tile_bytes // (head_dim * itemsize))
+    return row_tile(num_query_rows, min(most_rows, most))
 
 
 def default_splits(programs: int, max_blocks: int, target_programs: int) -> int:
@@ -408,8 +388,11 @@ def paged_attention(
     scale: float,
     *,
     block_rows: int | None = None,
-    block_kv: int = DEFAULT_ATTENTION_TILES["block_kv"],
+    block_kv: int = 64,
     num_splits: int | None = None,
+    max_block_rows: int = 64,
+    target_programs: int = 256,
+    query_tile_bytes: int = 32 * 1024,
     kv_head: int | None = None,
     gate: jax.Array | None = None,
     active_splits: bool = False,
@@ -418,8 +401,9 @@ def paged_attention(
     compiler_params: Any = None,
 ) -> jax.Array:
     """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
-    None takes ``default_row_tile``; ``num_splits``
-    None takes ``default_splits`` towards ``DEFAULT_ATTENTION_TILES["target_programs"]``.
+    None takes ``default_row_tile`` (up to ``max_block_rows`` rows and ``query_tile_bytes``
+    of q); ``num_splits`` None takes ``default_splits`` towards ``target_programs``
+    (``AttentionTuning`` holds the tuned values).
     ``active_splits``: the combine launch merges only the splits that read a block of each
     token's tile (the same output; its loops then follow the lengths, where the split count
     follows the table's width). ``combine_block``: the combine launch's columns a program
@@ -435,7 +419,9 @@ def paged_attention(
     head_base = 0 if kv_head is None else kv_head
     if block_rows is None:
         num_query_rows = num_tokens * num_heads // num_kv_heads
-        block_rows = default_row_tile(num_query_rows, head_dim, q.dtype.itemsize)
+        block_rows = default_row_tile(
+            num_query_rows, head_dim, q.dtype.itemsize, max_block_rows, query_tile_bytes
+        )
     _check_pow2("block_rows", block_rows)
     _check_pow2("block_kv", block_kv)
     rows = _query_rows(q, num_kv_heads)
@@ -445,8 +431,7 @@ def paged_attention(
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block_kv)))  # whole blocks
     max_blocks = table.shape[1] // block_kv
     if num_splits is None:
-        target = DEFAULT_ATTENTION_TILES["target_programs"]
-        num_splits = default_splits(batch * num_kv_heads * num_tiles, max_blocks, target)
+        num_splits = default_splits(batch * num_kv_heads * num_tiles, max_blocks, target_programs)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be positive")
     kernel = functools.partial(

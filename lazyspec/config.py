@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields, replace
 
+from lazyspec.kernels.tuning import parse_overrides
 from lazyspec.scheduler.strategy import EXTRA_BUFFER, NONE, STRATEGIES, Strategy
 from lazyspec.token_map import read_token_map
 
@@ -52,6 +53,9 @@ class EngineConfig:
     num_continuous_decode_steps: int = 1
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
+    # kernel tuning overrides over the device's table (lazyspec/kernels/tuning.py), e.g.
+    # "moe.pair_grid=false,attention.combine_block=0"; "": the table's values
+    kernel_tuning: str = ""
     load_format: str = "auto"  # "dummy": random weights, no tensor read
     tp_size: int = 1  # devices of the tensor-parallel mesh (experts shard over it too)
     nnodes: int = 1  # processes the mesh spans (jax.distributed), tp_size / nnodes devices each
@@ -79,6 +83,7 @@ class EngineConfig:
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _check_choice("moe_runner_backend", self.moe_runner_backend, MOE_RUNNER_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        parse_overrides(self.kernel_tuning)  # ValueError names a bad item
         for name in (
             "page_size",
             "max_total_tokens",

@@ -122,10 +122,12 @@ class Engine:
                 layout.num_slots,
                 layout.strategy.peak_slots,
             )
-        from lazyspec.kernels.backend import resolve_backend
+        from lazyspec.kernels.backend import default_tuning, resolve_backend
+        from lazyspec.kernels.tuning import parse_overrides
 
         # pallas on GPU, xla on CPU and TPU, at any tp_size (the kernels run per shard)
         backend = resolve_backend(c.kernel_backend)
+        tuning = default_tuning().with_overrides(parse_overrides(c.kernel_tuning))
         static = StepStatic(
             num_slots=layout.num_slots,
             max_reqs=layout.max_running,
@@ -135,6 +137,7 @@ class Engine:
             spec=c.spec_enabled,
             backend=backend,
             moe_runner=c.moe_runner_backend,
+            tuning=tuning,
         )
         from lazyspec.engine.multihost import StepBroadcast
 

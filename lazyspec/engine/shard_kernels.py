@@ -49,10 +49,12 @@ from lazyspec.engine.sharding import (
     TP_AXIS,
     ShardingPlan,
 )
-from lazyspec.kernels.backend import Kernels, moe_launch
+from lazyspec.kernels.backend import Kernels
 from lazyspec.kernels.conv_update import ConvUpdateResult, every_token_new
+from lazyspec.kernels.moe.dispatch import moe_launch
 from lazyspec.kernels.moe_experts import moe_experts_pallas
 from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens, StateUpdateResult
+from lazyspec.kernels.tuning import Tuning
 
 EXPERT_AXES = ("experts", None, None)  # ExpertStack's
 
@@ -229,14 +231,14 @@ def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
     return run
 
 
-def _moe_experts(moe: Callable, plan: ShardingPlan) -> Callable:
+def _moe_experts(moe: Callable, plan: ShardingPlan, tuning: Tuning) -> Callable:
     """``moe`` (``MoEExpertsFn``) with each device running its own experts on every token
     (``moe_launch`` chooses kernel or XLA form as for the whole call; the XLA form runs on
     the global arrays)."""
 
     def run(x, weights, expert_ids, up, down, gate=None, *, xla_form):
         stack_spec = _spec(plan, EXPERT_AXES, up.shape)
-        launch = moe_launch(x.shape[0], up, down)
+        launch = moe_launch(x.shape[0], up, down, tuning=tuning)
         if launch is None or _head_axis(stack_spec, 0) is None:
             return moe(x, weights, expert_ids, up, down, gate, xla_form=xla_form)
         stacks = (up, down) if gate is None else (up, down, gate)
@@ -266,7 +268,7 @@ def per_shard(kernels: Kernels, plan: ShardingPlan) -> Kernels:
 
     moe = kernels.moe_experts
     if moe is not None:
-        moe = None if kernels.platform == "tpu" else _moe_experts(moe, plan)
+        moe = None if kernels.platform == "tpu" else _moe_experts(moe, plan, kernels.tuning)
     return dataclasses.replace(
         kernels,
         gdn_state_update=wrap(kernels.gdn_state_update, _state_update),

@@ -57,6 +57,7 @@ from lazyspec.engine.sampling import (
 from lazyspec.engine.shard_kernels import per_shard
 from lazyspec.engine.sharding import ShardingPlan
 from lazyspec.kernels.backend import Kernels, kernels_for
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.interface import (
     ChunkStates,
     ForwardInputs,
@@ -225,6 +226,7 @@ class StepStatic:
     backend: str
     moe_runner: str = "auto"  # EngineConfig.moe_runner_backend
     sharding: ShardingPlan | None = None  # the runner's; the kernels run per shard of it
+    tuning: Tuning | None = None  # the kernels' (None: the device's table, ``kernels_for``)
 
     @property
     def sentinel_slot(self) -> int:
@@ -240,9 +242,9 @@ class StepStatic:
 
     @property
     def kernels(self) -> Kernels:
-        """The kernels of ``backend``, each run per shard of ``sharding``'s mesh
-        (``shard_kernels.per_shard``); resolved once (both functions cache)."""
-        kernels = kernels_for(self.backend, moe_runner=self.moe_runner)
+        """The kernels of ``backend`` with ``tuning``, each run per shard of ``sharding``'s
+        mesh (``shard_kernels.per_shard``); resolved once (both functions cache)."""
+        kernels = kernels_for(self.backend, moe_runner=self.moe_runner, tuning=self.tuning)
         return kernels if self.sharding is None else per_shard(kernels, self.sharding)
 
 

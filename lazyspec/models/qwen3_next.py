@@ -26,13 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import (
-    XLA_KERNELS,
-    Kernels,
-    adds_mlp_output_in_next_norm,
-    moe_output_as_part,
-    output_parts,
-)
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.kernels.residual_norm import ResidualNorm, is_partials, summed
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
@@ -376,22 +370,20 @@ def mlp_block(
     ``kernels.moe_experts`` when it has one. ``real`` (``interface.real_tokens``): padding
     tokens are routed like token 0. ``delta``: the mixer's output, added to ``x`` here,
     where ``kernels.residual_norm`` fuses the add, the norm and the router's logits; it may
-    be the output projection's float32 partial sums ``[S, *x.shape]`` (``output_parts``).
+    be the output projection's float32 partial sums ``[S, *x.shape]`` (``Kernels.output_parts``).
     ``apart``: (the residual stream, the MLP's output) not yet added, for the next layer's
-    input norm to add (``adds_mlp_output_in_next_norm``); a MoE's output then may be one
-    float32 partial sum ``[1, *x.shape]`` (``moe_output_as_part``)."""
+    input norm to add (``Kernels.adds_mlp_output_in_next_norm``)."""
     weight = lp["post_attention_layernorm"]
     logits = None
     if delta is None:
         h = norm(x, weight, cfg)
     else:
         router = lp["mlp"]["gate"] if kind == "moe" else None
-        # delta may be the mixer's output projection in parts (``output_parts``)
+        # delta may be the mixer's output projection in parts (``Kernels.output_parts``)
         x_flat, h_flat, logits = _fused_norm(kernels, cfg, *_flat_tokens(x, delta), weight, router)
         x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
     if kind == "moe":
-        as_part = apart and moe_output_as_part(kernels, math.prod(x.shape[:-1]))
-        out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits, as_part)
+        out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
     else:
         out = swiglu_mlp(lp["mlp"], h)
     return (x, out) if apart else x + out
@@ -410,7 +402,6 @@ def _input_norm(
     previous layer's MLP output) None adds nothing."""
     dtype = jnp.float32 if router is None else router.dtype
     weight = lp["input_layernorm"]
-    # delta may be a MoE's float32 output as one part (``moe_output_as_part``)
     tokens = _flat_tokens(x, delta)
     x_flat, normed, logits = _fused_norm(kernels, cfg, *tokens, weight, router, dtype)
     logits = None if router is None else logits.reshape(*x.shape[:-1], logits.shape[-1])
@@ -421,8 +412,8 @@ def _gdn_input(
     lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels, delta: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """A GDN layer's input (x + delta: ``delta``, the previous layer's MLP output, only
-    where ``adds_mlp_output_in_next_norm``), its norm and, where ``kernels.residual_norm``
-    runs the norm, its fused gate projection computed in the same launch (``in_proj_ba`` as
+    where ``Kernels.adds_mlp_output_in_next_norm``), its norm and, where
+    ``kernels.residual_norm`` runs the norm, its fused gate projection computed in the same launch (``in_proj_ba`` as
     the launch's router, rounded to its dtype as ``gdn.gate_projection`` gives it); else
     the layer's norm and None (the mixer projects the gates itself)."""
     weight = lp["input_layernorm"]
@@ -450,9 +441,9 @@ def _attention_layer(
     """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
     runs in ``kernels.paged_attention`` when it has one (``attention_forward``), ``real``
     and ``apart`` (x then the pair ``(x, MLP output)``, not yet added) as in ``mlp_block``.
-    ``delta``: the previous layer's MLP output (only where ``adds_mlp_output_in_next_norm``),
-    which the input norm's launch adds to x first. ``out_parts``: ``o_proj`` in that many
-    float32 partial sums, which the post-attention norm's launch sums (``output_parts``)."""
+    ``delta``: the previous layer's MLP output (only where
+    ``Kernels.adds_mlp_output_in_next_norm``), which the input norm's launch adds to x first. ``out_parts``: ``o_proj`` in that many
+    float32 partial sums, which the post-attention norm's launch sums (``Kernels.output_parts``)."""
     if delta is None:
         normed = norm(x, lp["input_layernorm"], cfg)
     else:
@@ -506,13 +497,13 @@ def forward(
     k_pools, v_pools = list(kv.k), list(kv.v)
     real = real_tokens(inputs)
     states, r, a = [], 0, 0
-    apart = adds_mlp_output_in_next_norm(kernels)
+    apart = kernels.adds_mlp_output_in_next_norm
     delta = None  # with ``apart``, the previous layer's MLP output, not yet added to x
     num_tokens = math.prod(x.shape[:-1])
     for i, role in enumerate(cfg.layer_roles):
         lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
         experts = lp["mlp"]["gate"].shape[0] if kind == "moe" else None
-        out_parts = output_parts(kernels, num_tokens, experts)
+        out_parts = kernels.output_parts(num_tokens, experts)
         with jax.named_scope(f"layer_{i}"):
             if role == RECURRENT:
                 x, normed, ba = _gdn_input(lp, cfg, x, kernels, delta)

@@ -289,18 +289,14 @@ def sparse_moe(
     moe_experts: MoEExpertsFn | None = None,
     real: jax.Array | None = None,
     logits: jax.Array | None = None,
-    as_part: bool = False,
 ) -> jax.Array:
     """The MoE block: routed experts plus ``sigmoid(shared_gate(x)) * shared_expert(x)``.
 
     x ``[..., hidden]`` -> same shape and dtype; ``moe_experts``, ``real`` and ``logits``
-    ``[N, E]`` (over the flattened tokens) as in ``routed_experts``. ``as_part``: the sum
-    in float32, not rounded, as one partial sum ``[1, *x.shape]`` (``residual_norm``'s
-    partials: the launch that adds it rounds it to x's dtype, as this block would).
+    ``[N, E]`` (over the flattened tokens) as in ``routed_experts``.
     """
     flat = x.reshape(-1, x.shape[-1])
-    dtype = jnp.float32 if as_part else x.dtype
-    shape = (1, *x.shape) if as_part else x.shape
+    dtype, shape = x.dtype, x.shape
     gate = params["shared_expert_gate"]
     shared_gate = jax.nn.sigmoid(linear(gate, flat).astype(jnp.float32))
     fused = fused_shared_expert(params, moe_experts, shared_gate[:, 0])

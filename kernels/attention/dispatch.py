@@ -1,0 +1,103 @@
+"""The attention launches: the paged attention with ``tuning.attention``'s tiles, and the
+prologue (q / k norms, rotary, K / V writes) in one launch at a decode or verify step's
+token counts, else the caller's XLA form."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from lazyspec.kernels.attention_prologue import all_powers_of_two, attention_prologue_pallas
+from lazyspec.kernels.common import pallas_compiler_params, pallas_options, small_step_tile
+from lazyspec.kernels.paged_attention import paged_attention
+from lazyspec.kernels.state_update import powers_of_two
+from lazyspec.kernels.tuning import Tuning
+
+DEFAULT_TUNING = Tuning()
+
+
+def attention_tiles(tuning: Tuning = DEFAULT_TUNING) -> dict[str, int]:
+    """``paged_attention``'s tile arguments from ``tuning.attention``."""
+    tiles = tuning.attention
+    return {
+        "max_block_rows": tiles.block_rows,
+        "block_kv": tiles.block_kv,
+        "target_programs": tiles.target_programs,
+        "query_tile_bytes": tiles.query_tile_bytes,
+    }
+
+
+def pallas_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    token_table: jax.Array,
+    ctx_len: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    *,
+    gate: jax.Array | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
+) -> jax.Array:
+    """``paged_attention`` with ``tuning.attention``'s tiles (``tiles`` overrides them):
+    active splits, and the combine's columns a program up to ``small_step_max_tokens``
+    tokens; compiler params left as None take the tuning's warps and stages."""
+    attention = tuning.attention
+    tiles = {**attention_tiles(tuning), "active_splits": attention.active_splits, **tiles}
+    num_tokens = q.shape[0] * q.shape[1]
+    combine = small_step_tile(
+        num_tokens, tuning.small_step_max_tokens, q.shape[-1], attention.combine_block
+    )
+    tiles.setdefault("combine_block", combine)
+    if compiler_params is None:
+        compiler_params = pallas_compiler_params(
+            num_warps=attention.num_warps, num_stages=attention.num_stages
+        )
+    return paged_attention(
+        q, k_pool, v_pool, token_table, ctx_len, positions, scale, gate=gate, **tiles,
+        **pallas_options(interpret, compiler_params),
+    )  # fmt: skip
+
+
+def pallas_attention_prologue(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *pools_and_norms: Any,
+    xla_form: Callable[[], tuple[jax.Array, jax.Array, jax.Array]],
+    num_heads: int | None = None,
+    interpret: bool = False,
+    num_warps: int = 4,
+    tuning: Tuning = DEFAULT_TUNING,
+    **options: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``attention_prologue_pallas`` (``pools_and_norms``: positions, write_idx, num_new,
+    k_pool, v_pool, q_norm, k_norm; ``options``: eps, zero_centered, rotary_dim, rope_theta,
+    k_head_at, v_head_at) up to ``prologue_max_tokens`` tokens; else, or where a compiled
+    launch would move a block that is not a power of two (Triton), ``xla_form()``."""
+    launch = pallas_options(interpret, None, num_warps)
+    k_pool = pools_and_norms[3]
+    num_heads = q.shape[1] if num_heads is None else num_heads
+    head_dim, groups = k_pool.shape[2], num_heads // k_pool.shape[1]
+    rotary_dim = options.get("rotary_dim", 0)
+    fits = powers_of_two(groups, q.shape[2], head_dim) and all_powers_of_two(head_dim, rotary_dim)
+    attention = tuning.attention
+    if q.shape[0] > attention.prologue_max_tokens or not (launch["interpret"] or fits):
+        return xla_form()
+    # a kv head's query heads over several programs, at a few tokens
+    block_q_heads = small_step_tile(
+        q.shape[0], tuning.small_step_max_tokens, groups, attention.prologue_q_heads
+    )
+    return attention_prologue_pallas(
+        q, k, v, *pools_and_norms, num_heads=num_heads, block_q_heads=block_q_heads,
+        **options, **launch,
+    )  # fmt: skip
+
+
+# reads q, k and v out of one product's output (``num_heads``, ``k_head_at``, ``v_head_at``)
+pallas_attention_prologue.takes_one_product = True

@@ -1,0 +1,43 @@
+"""The attention kernels' tuning: the paged attention (``paged_attention``) and the
+prologue that norms, rotates and writes q / k / v (``attention_prologue_pallas``), one
+record per device kind. Jax-free. Measurements: ``benchmarks/log/``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionTuning:
+    """Paged attention: query rows a tile at most (``block_rows``; every tile re-reads its
+    context, so a prefill chunk wants tall tiles, within ``query_tile_bytes`` of q: 64 fp32
+    rows of head dim 256 with 2 stages ask an H200 for more shared memory than it has),
+    context positions a loop step (``block_kv``), programs aimed for when the splits are
+    chosen (``target_programs``), warps and stages: the fastest measured for Qwen3-Next's
+    decode (16 q / 2 kv heads, head dim 256, bf16) on an H200 at 4k-128k context.
+    ``active_splits``: the combine merges only the splits that read a block of each token's
+    context (a batch-1 step 4-5 us shorter on an H100). ``combine_block``: the combine's
+    columns a program up to ``Tuning.small_step_max_tokens`` tokens (0: a head's whole D;
+    32: 1.9 and 1.7 us a batch-1 step shorter on an H100).
+
+    Prologue: up to ``prologue_max_tokens`` tokens (a decode or verify step) in one launch;
+    ``prologue_q_heads``: query heads a program at a small step (0: all of a kv head's; 1:
+    3-5 us a batch-1 step shorter on an H100). ``qkv_in_place``: q, k and v come from one
+    product, read in place by the prologue and the combine (10-11 us a batch-1 step shorter
+    on an H200)."""
+
+    block_rows: int = 64
+    block_kv: int = 64
+    target_programs: int = 256
+    num_warps: int = 8
+    num_stages: int = 2
+    query_tile_bytes: int = 32 * 1024
+    active_splits: bool = True
+    combine_block: int = 32
+    prologue_max_tokens: int = 64
+    prologue_q_heads: int = 1
+    qkv_in_place: bool = True
+
+
+GPU = AttentionTuning()
+TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": GPU, "tpu_v6e": GPU, "cpu": GPU}

@@ -1,0 +1,282 @@
+"""The state-pool kernels by backend: the GDN and Mamba2 T-step updates (``state_update``),
+the conv update, the scatter of verify steps' states and the pool-to-pool copy, each with
+its tiles from a ``Tuning``. The contracts are those of the functions called
+(``state_update``, ``conv_update``, ``state_scatter`` modules)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+from lazyspec.kernels.common import (
+    fitted_tile,
+    on_platform,
+    pallas_options,
+    resolve_backend,
+    small_step_tile,
+)
+from lazyspec.kernels.conv_update import (
+    ChannelGroups,
+    ConvUpdateResult,
+    conv_update_pallas,
+    conv_update_xla,
+)
+from lazyspec.kernels.state_scatter import (
+    state_copy_pallas,
+    state_copy_xla,
+    state_scatter_pallas,
+    state_scatter_xla,
+)
+from lazyspec.kernels.state_update import (
+    GdnConvTokens,
+    GdnTokens,
+    Mamba2Tokens,
+    StateUpdateResult,
+    gdn_state_update_pallas,
+    gdn_state_update_xla,
+    mamba2_state_update_pallas,
+    mamba2_state_update_xla,
+)
+from lazyspec.kernels.tuning import Tuning
+
+DEFAULT_TUNING = Tuning()
+_XLA_UPDATES = {"gdn": gdn_state_update_xla, "mamba2": mamba2_state_update_xla}
+_PALLAS_UPDATES = {"gdn": gdn_state_update_pallas, "mamba2": mamba2_state_update_pallas}
+
+
+def mixer_of(tokens: GdnTokens | GdnConvTokens | Mamba2Tokens) -> str:
+    if isinstance(tokens, (GdnTokens, GdnConvTokens)):
+        return "gdn"
+    if isinstance(tokens, Mamba2Tokens):
+        return "mamba2"
+    raise ValueError(f"tokens must be GdnTokens or Mamba2Tokens, got {type(tokens).__name__}")
+
+
+def tpu_state_update(
+    mixer: str,
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens | Mamba2Tokens,
+    *,
+    mode: str,
+    layer: int | None = None,
+    interpret: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> StateUpdateResult:
+    """The scalar-prefetch kernels of ``state_update_tpu``, with their own default tiles."""
+    from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
+
+    tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
+    return tpu_fn(pool, slot, tokens, mode=mode, layer=layer, interpret=interpret)
+
+
+def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[int, int, bool]:
+    """(value columns a program, warps, evict_last) of ``mixer``'s update for ``tokens``: the
+    mixer's tuning; GDN's small-step tile up to ``small_step_max_tokens`` tokens; GDN conv
+    tokens with an ``OutputNorm``: a whole head a program with the norm's warps."""
+    record = tuning.gdn if mixer == "gdn" else tuning.mamba2
+    block_value, num_warps = record.block_value, record.num_warps
+    conv = isinstance(tokens, GdnConvTokens)
+    value_dim = tokens.head_dim if conv else (tokens.v if mixer == "gdn" else tokens.x).shape[-1]
+    if mixer == "gdn":
+        lead = (tokens.conv_out if conv else tokens.v).shape[:2]
+        small = small_step_tile(
+            lead[0] * lead[1], tuning.small_step_max_tokens, value_dim, record.small_block_value
+        )
+        block_value = block_value if small is None else small
+    if conv and tokens.norm is not None:
+        block_value, num_warps = tokens.head_dim, tuning.gdn.norm_in_update_warps
+    return fitted_tile(value_dim, block_value), num_warps, record.evict_last
+
+
+def pallas_state_update(
+    mixer: str,
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens | Mamba2Tokens,
+    *,
+    mode: str,
+    block_heads: int = 1,
+    block_value: int | None = None,
+    evict_last: bool | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> StateUpdateResult:
+    """The Triton-layout kernel of ``mixer``; tiles left as None take ``tuning``'s."""
+    tuned_value, num_warps, tuned_evict = _update_tiles(mixer, tokens, tuning)
+    return _PALLAS_UPDATES[mixer](
+        pool,
+        slot,
+        tokens,
+        mode=mode,
+        block_heads=block_heads,
+        block_value=tuned_value if block_value is None else block_value,
+        evict_last=tuned_evict if evict_last is None else evict_last,
+        layer=layer,
+        skip_padding=tuning.state.skip_padding_state,
+        **pallas_options(interpret, compiler_params, num_warps),
+    )
+
+
+def state_update(
+    pool: jax.Array,
+    slot: jax.Array,
+    tokens: GdnTokens | Mamba2Tokens,
+    *,
+    mode: str,
+    kernel_backend: str | None = None,
+    layer: int | None = None,
+    interpret: bool = False,
+    platform: str | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
+) -> StateUpdateResult:
+    """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
+    ``layer=l``: ``pool`` is the stacked pool of all layers and layer l's rows are used.
+    ``tiles`` (``block_heads``, ``block_value``, ``evict_last``, ``compiler_params``) override
+    ``tuning``'s. On a TPU platform (``platform`` defaults to JAX's default) Pallas means the
+    scalar-prefetch kernels of ``state_update_tpu`` with their own tiles."""
+    mixer = mixer_of(tokens)
+    xla, tpu = resolve_backend(kernel_backend, platform) == "xla", on_platform("tpu", platform)
+    if isinstance(tokens, GdnConvTokens) and (xla or tpu):
+        raise ValueError("GdnConvTokens run only in the Triton-layout Pallas kernel")
+    if xla:
+        return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
+    if tpu:
+        return tpu_state_update(
+            mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret
+        )
+    return pallas_state_update(
+        mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret, tuning=tuning,
+        **tiles,
+    )  # fmt: skip
+
+
+def pallas_conv_update(
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    channel_groups: ChannelGroups | None = None,
+    block_channels: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    tuning: Tuning = DEFAULT_TUNING,
+    **options: Any,
+) -> ConvUpdateResult:
+    """The Triton-layout conv update (``options``: ``mode``, ``silu``, ``num_new``, ``layer``,
+    ``out_dtype``); ``block_channels`` left as None takes ``tuning``'s, fitted to the
+    channels (with ``channel_groups``, to its parts and group stride)."""
+    if block_channels is None:
+        fit = x.shape[2]
+        if channel_groups is not None:
+            fit = math.gcd(*channel_groups.parts, channel_groups.check(x.shape[2]))
+        block_channels = fitted_tile(fit, tuning.state.conv_block_channels)
+    return conv_update_pallas(
+        pool, slot, x, weight, bias, channel_groups=channel_groups,
+        block_channels=block_channels, **options,
+        **pallas_options(interpret, compiler_params),
+    )  # fmt: skip
+
+
+# the GDN layers hand this kernel Qwen3-Next's fused projection as it is (``ChannelGroups``);
+# the per-shard form takes the conv channels in order
+pallas_conv_update.reads_channel_groups = True
+
+
+def conv_update(
+    pool: jax.Array,
+    slot: jax.Array,
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    kernel_backend: str | None = None,
+    **options: Any,
+) -> ConvUpdateResult:
+    """Causal conv update for T tokens per row on the chosen backend (XLA on TPU);
+    ``options`` as ``pallas_conv_update``'s (``mode``, ``layer``, ``channel_groups``, ...)."""
+    if resolve_backend(kernel_backend) == "xla" or on_platform("tpu"):
+        for pallas_only in ("block_channels", "interpret", "compiler_params", "tuning"):
+            options.pop(pallas_only, None)
+        return conv_update_xla(pool, slot, x, weight, bias, **options)
+    return pallas_conv_update(pool, slot, x, weight, bias, **options)
+
+
+def _scatter_tiles(
+    ssm_pool: jax.Array, conv_pool: jax.Array, tiles: dict[str, Any], tuning: Tuning
+) -> dict[str, Any]:
+    """The scatter's and the copy's tiles: those given, else ``tuning``'s fitted to the pools."""
+    rows = fitted_tile(ssm_pool.shape[3], tuning.state.scatter_block_rows)
+    channels = fitted_tile(conv_pool.shape[2], tuning.state.scatter_block_channels)
+    return {"block_rows": rows, "block_channels": channels, "block_heads": 1, **tiles}
+
+
+def pallas_state_scatter(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    ssm_steps: jax.Array,
+    conv_steps: jax.Array,
+    dst_slot: jax.Array,
+    step: jax.Array,
+    *,
+    layer: int | None = None,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """The Pallas scatter; tiles not given take ``tuning``'s."""
+    return state_scatter_pallas(
+        ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer=layer,
+        **_scatter_tiles(ssm_pool, conv_pool, tiles, tuning),
+        **pallas_options(interpret, compiler_params),
+    )  # fmt: skip
+
+
+def state_scatter(
+    *args: jax.Array, kernel_backend: str | None = None, layer: int | None = None, **tiles: Any
+) -> tuple[jax.Array, jax.Array]:
+    """Masked copy ``pool[l, dst_slot[b]] = steps[l, b, step[b]]`` of ``args`` (ssm_pool,
+    conv_pool, ssm_steps, conv_steps, dst_slot, step) on the chosen backend (XLA on TPU);
+    with ``layer=l`` the scratch is that one layer's."""
+    if resolve_backend(kernel_backend) == "xla" or on_platform("tpu"):
+        return state_scatter_xla(*args, layer=layer)
+    return pallas_state_scatter(*args, layer=layer, **tiles)
+
+
+def pallas_state_copy(
+    ssm_pool: jax.Array,
+    conv_pool: jax.Array,
+    src_slot: jax.Array,
+    dst_slot: jax.Array,
+    *,
+    interpret: bool = False,
+    compiler_params: Any = None,
+    tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """The Pallas pool-to-pool copy; tiles not given take ``tuning``'s."""
+    return state_copy_pallas(
+        ssm_pool, conv_pool, src_slot, dst_slot,
+        **_scatter_tiles(ssm_pool, conv_pool, tiles, tuning),
+        tiles_per_program=tuning.state.copy_tiles_per_program,
+        **pallas_options(interpret, compiler_params),
+    )  # fmt: skip
+
+
+def state_copy(
+    *args: jax.Array, kernel_backend: str | None = None, **tiles: Any
+) -> tuple[jax.Array, jax.Array]:
+    """Masked pool-to-pool copy ``pool[l, dst_slot[b]] = pool[l, src_slot[b]]`` of ``args``
+    (ssm_pool, conv_pool, src_slot, dst_slot; rows with ``dst_slot[b] == 0`` write nothing)
+    on the chosen backend (XLA on TPU)."""
+    if resolve_backend(kernel_backend) == "xla" or on_platform("tpu"):
+        return state_copy_xla(*args)
+    return pallas_state_copy(*args, **tiles)
