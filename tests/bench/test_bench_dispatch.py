@@ -1,4 +1,4 @@
-"""``scripts/bench_dispatch.py``: its count of XLA's command-buffer updates per timed phase
+"""``benchmarks/tools/bench_dispatch.py``: its count of XLA's command-buffer updates per timed phase
 (read from the log lines XLA writes on a GPU), its reading of a program's command buffers
 from XLA's dumped thunk sequence and from the optimized HLO, and a CPU run of the tiny
 preset."""
@@ -14,7 +14,7 @@ from pathlib import Path
 from lazyspec.testing.xla_flags import with_fast_compile
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_dispatch.py"
+SCRIPT = ROOT / "benchmarks" / "tools" / "bench_dispatch.py"
 
 
 def _module():
@@ -223,7 +223,7 @@ def test_the_decode_phases_hand_the_words_as_the_engine_launch_does(monkeypatch)
 
     from lazyspec.engine.runner import Runner
 
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # bench_engine
     monkeypatch.setenv("XLA_FLAGS", with_fast_compile(os.environ.get("XLA_FLAGS", "")))
     bench = _module()
     handed = []

@@ -1,4 +1,4 @@
-"""The weight-layout benchmark (``scripts/bench_layout.py``) in its CPU smoke mode: every
+"""The weight-layout benchmark (``benchmarks/tools/bench_layout.py``) in its CPU smoke mode: every
 form of both cases, in both layouts, is checked against its float32 reference and timed
 from the profiler's trace."""
 
@@ -15,8 +15,8 @@ def table(path: Path) -> list[list[str]]:
     ]
 
 
-def test_bench_layout_smoke_checks_both_layouts(tmp_path, load_script):
-    bench = load_script("bench_layout")
+def test_bench_layout_smoke_checks_both_layouts(tmp_path, load_tool):
+    bench = load_tool("bench_layout")
     out = tmp_path / "layout.md"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     rows = table(out)
@@ -34,10 +34,10 @@ def test_bench_layout_smoke_checks_both_layouts(tmp_path, load_script):
     assert "floor: the weight bytes" in out.read_text()
 
 
-def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypatch, load_script):
+def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypatch, load_tool):
     """A rows-layout loop whose block comes out with its output columns in another order
     gives other products: the check says so, the strips' forms stay ok, the run fails."""
-    bench = load_script("bench_layout")
+    bench = load_tool("bench_layout")
     right = bench._product
 
     def rows_reversed(xs, w, rows_layout):  # the block's output columns in reverse
@@ -51,11 +51,11 @@ def test_bench_layout_fails_a_form_that_reads_the_wrong_block(tmp_path, monkeypa
     assert all(row[7].startswith("ok") for row in rows if row[1].endswith("in, out]"))
 
 
-def test_bench_layout_keeps_a_form_that_fails_as_a_row(tmp_path, monkeypatch, load_script):
+def test_bench_layout_keeps_a_form_that_fails_as_a_row(tmp_path, monkeypatch, load_tool):
     """A form that does not compile (here: every Pallas rows-layout dense form) is a row of
     the table with no time and the error as its check, the other forms are timed, and the
     run fails."""
-    bench = load_script("bench_layout")
+    bench = load_tool("bench_layout")
     right = bench.dense_form
 
     def dense_form(opts, block, block_k, rows_layout, warps, stages):
@@ -82,12 +82,12 @@ def test_bench_layout_keeps_a_form_that_fails_as_a_row(tmp_path, monkeypatch, lo
     assert others and all(row[7].startswith("ok") and float(row[3]) > 0 for row in others)
 
 
-def test_bench_layout_runs_the_named_cases(tmp_path, load_script):
+def test_bench_layout_runs_the_named_cases(tmp_path, load_tool):
     """``--cases dense`` runs the dense case alone (every form timed and checked, the run
     passes); an unknown case is refused before anything runs."""
     import pytest
 
-    bench = load_script("bench_layout")
+    bench = load_tool("bench_layout")
     out = tmp_path / "layout.md"
     assert bench.main(["--smoke", "--out", str(out), "--cases", "dense"]) == 0
     rows = table(out)

@@ -1,4 +1,4 @@
-"""The MoE benchmark (``scripts/bench_moe.py``) in its CPU smoke mode: the kernel and both
+"""The MoE benchmark (``benchmarks/tools/bench_moe.py``) in its CPU smoke mode: the kernel and both
 XLA forms are checked against ``grouped_experts`` and timed, and the table says so."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 
 
-def test_bench_moe_smoke_checks_every_form(tmp_path, load_script):
-    bench_moe = load_script("bench_moe")
+def test_bench_moe_smoke_checks_every_form(tmp_path, load_tool):
+    bench_moe = load_tool("bench_moe")
     out = tmp_path / "smoke.md"
     assert bench_moe.main(["--smoke", "--tokens", "3", "--out", str(out)]) == 0
     rows = [
@@ -24,7 +24,7 @@ def test_bench_moe_smoke_checks_every_form(tmp_path, load_script):
         assert math.isfinite(float(row[5])) and float(row[6]) > 0.0, row
 
 
-def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, load_script):
+def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, load_tool):
     """``--timing profiler`` (CPU, interpret mode): the dispatch's tiles ('launch') and
     explicit entries (one with the down launch's own chunk and stages) each get device time
     from the trace, split into the up and down launches, and the XLA forms are left out
@@ -33,7 +33,7 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, lo
     from lazyspec.kernels import backend
 
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
-    bench_moe = load_script("bench_moe")
+    bench_moe = load_tool("bench_moe")
     out = tmp_path / "profiled.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
     tiles = "launch,16:32:16:4:1,16:32:16:4:1:32:1"  # the last: the down launch's own chunk
@@ -51,14 +51,14 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, lo
     assert "profiler's kernel durations" in out.read_text()
 
 
-def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch, load_script):
+def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch, load_tool):
     """With ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` covering the row's tokens (set by
     ``--kernel-switch``, which the table's header records), the 'launch' row runs the down
     product in the up launch, as the dispatch would: its tiles say so, it is checked, and
     no down launch appears in its trace."""
     from lazyspec.kernels import backend
 
-    bench_moe = load_script("bench_moe")
+    bench_moe = load_tool("bench_moe")
     # off before the switch sets it for the process (restored after the test)
     monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
     out = tmp_path / "folded.md"
@@ -78,11 +78,11 @@ def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypat
     assert up > 0.0 and down == 0.0 and up <= total, row
 
 
-def test_bench_moe_fold_entries_run_the_folded_form(tmp_path, load_script):
+def test_bench_moe_fold_entries_run_the_folded_form(tmp_path, load_tool):
     """A ``fold:`` entry of ``--tiles`` runs the folded form (its row's tiles say
     ``down_in_up``, its check passes, no down launch in its trace) at the tiles it names; a
     plain entry runs two launches; a folded entry with a down launch's fields is refused."""
-    bench_moe = load_script("bench_moe")
+    bench_moe = load_tool("bench_moe")
     tiles = bench_moe.parse_tiles("fold:16:32:16:4:1,16:32:16:4:1")
     assert tiles[0] == {
         "block_rows": 16,

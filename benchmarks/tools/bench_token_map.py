@@ -8,7 +8,7 @@ commits, the bonus token included), per-position acceptance, and whether the gre
 outputs equal those without a map. CPU is enough (accept length only, no timing).
 
     python scripts/build_token_map.py --num-tokens 512 --output out/token_map_512.json
-    python scripts/bench_token_map.py --token-maps out/token_map_512.json
+    python benchmarks/tools/bench_token_map.py --token-maps out/token_map_512.json
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ loop: planning the batch, dispatching it (moving the batch to the device include
 applying its results once fetched. The device time itself (and the fetch, which waits for
 it) is not measured.
 
-    python scripts/bench_host_step.py --batch 64 --context 32768
-    python scripts/bench_host_step.py --batch 16 --context 1024 --steps 300 --page-size 16
+    python benchmarks/tools/bench_host_step.py --batch 64 --context 32768
+    python benchmarks/tools/bench_host_step.py --batch 16 --context 1024 --steps 300 --page-size 16
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench_engine (its presets and model builder) is a user tool under scripts/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 
 def main(argv=None) -> None:

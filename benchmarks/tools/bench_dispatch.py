@@ -40,11 +40,12 @@ buffers from thunks, after the HLO is final, so the optimized HLO shows none. Wh
 thunk sequence is dumped (a CPU, or an XLA that forms them in the HLO) it reads the
 optimized HLO instead; the line says which it read.
 
-    python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1,16 --count-updates
-    python scripts/bench_dispatch.py --preset qwen3_next_moe --batches 1 --program-layout
-    python scripts/bench_dispatch.py --batches 1 --ref-kinds fusion,pallas,pallas_distinct,gemv \
+    python benchmarks/tools/bench_dispatch.py --preset qwen3_next_moe --batches 1,16 --count-updates
+    python benchmarks/tools/bench_dispatch.py --preset qwen3_next_moe --batches 1 --program-layout
+    python benchmarks/tools/bench_dispatch.py --batches 1 \
+        --ref-kinds fusion,pallas,pallas_distinct,gemv \
         --xla-flag-sets '|--xla_gpu_enable_pdl=false --xla_gpu_enable_pdl_launch=false'
-    python scripts/bench_dispatch.py --preset tiny --backends xla --batches 1   # CPU smoke
+    python benchmarks/tools/bench_dispatch.py --preset tiny --backends xla --batches 1   # CPU smoke
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# bench_engine (its presets and model builder) is a user tool under scripts/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 PHASE = "bench_dispatch phase: "  # printed to stderr before each timed phase
 _UPDATE = re.compile(r"updated_allocs=(\d+)")

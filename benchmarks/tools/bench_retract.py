@@ -8,8 +8,8 @@ Reported per ``--schedule-conservativeness``: running requests per step (mean an
 steps, output tokens per second (after the warm-up compiled every shape), retractions.
 CPU, tiny random model.
 
-    python scripts/bench_retract.py                         # this tree
-    PYTHONPATH=<a checkout of an older tree> python scripts/bench_retract.py
+    python benchmarks/tools/bench_retract.py                         # this tree
+    PYTHONPATH=<a checkout of an older tree> python benchmarks/tools/bench_retract.py
 
 An older tree without ``schedule_conservativeness`` is measured once, as it admits.
 """

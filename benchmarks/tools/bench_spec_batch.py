@@ -11,7 +11,7 @@ compiles every program the timed pass calls (greedy: both passes take the same s
 winner per batch size gives the rule: speculation pays up to the largest batch where NEXTN
 beats plain decode.
 
-    python scripts/bench_spec_batch.py --batches 1,4,16,64 --limit 16
+    python benchmarks/tools/bench_spec_batch.py --batches 1,4,16,64 --limit 16
 """
 
 from __future__ import annotations

@@ -23,10 +23,12 @@ the copy bandwidth measured in the same run (torch ``copy_``, else XLA's ``x + 1
 that does not compile or run is a row with no time and its error (the exit status is then
 1, as for a form whose check fails).
 
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/bench_layout.py --out layout.md
-    python scripts/bench_layout.py --smoke --out smoke.md   # CPU: tiny widths, interpret mode
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/tools/bench_layout.py \
+        --out layout.md
+    # CPU: tiny widths, interpret mode
+    python benchmarks/tools/bench_layout.py --smoke --out smoke.md
     # the dense case alone at GDN out_proj's / attention o_proj's shape
-    python scripts/bench_layout.py --cases dense --hidden 4096 --dense-out 2048 --out o.md
+    python benchmarks/tools/bench_layout.py --cases dense --hidden 4096 --dense-out 2048 --out o.md
 """
 
 from __future__ import annotations

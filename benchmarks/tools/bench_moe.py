@@ -21,13 +21,14 @@ microseconds' launch with 10-30 us of spread between runs; kernel durations repe
 about 1 %. Run it with XLA's command buffers off, where the profiler names each kernel
 (the script stops otherwise).
 
-    python scripts/bench_moe.py --out moe.md          # on a GPU
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/bench_moe.py --timing profiler \
+    python benchmarks/tools/bench_moe.py --out moe.md          # on a GPU
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/tools/bench_moe.py \
+        --timing profiler \
         --models qwen3-next-64e --tokens 1,2,4 --tiles launch,32:128:128:4:3 --no-xla
     # the dispatch's "launch" row with a dispatch constant set (bench_engine's flag): here
     # the down product in its own launch at 1-2 tokens too
     ... --tiles launch --kernel-switch backend.MOE_DOWN_IN_UP_MAX_TOKENS=0
-    python scripts/bench_moe.py --smoke --out smoke.md  # CPU: tiny widths, interpret mode
+    python benchmarks/tools/bench_moe.py --smoke --out smoke.md  # CPU: tiny widths, interpret mode
 
 Widths (transformers' configuration defaults, which are the named checkpoints'):
 Qwen3-Next-80B-A3B (hidden 2048, 512 experts, top-10, expert intermediate 512), the same at
