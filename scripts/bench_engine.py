@@ -218,6 +218,7 @@ def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps:
         skip_warmup=True,
         decode_program_copies=getattr(args, "decode_program_copies", None),
         num_continuous_decode_steps=decode_steps,
+        kernel_tuning=getattr(args, "kernel_tuning", ""),
         **(nextn if spec else {}),
     )
     mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
@@ -613,9 +614,9 @@ def main(argv=None) -> None:
         action="store_true",
         help="also transformers' model of the same config, one row per batch (GPU, torch)",
     )
-    from lazyspec.bench.switches import add_switch_argument, apply_switches
+    from lazyspec.bench.tuning_flag import add_tuning_argument, tuning_lines
 
-    add_switch_argument(p)
+    add_tuning_argument(p)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from lazyspec.bench.origin import code_line, device_line
@@ -623,8 +624,8 @@ def main(argv=None) -> None:
     print(code_line(), flush=True)  # one tree's code, or a clear error before any work
     device = device_line()
     print(device, flush=True)
-    for line in apply_switches(args.kernel_switch):
-        print(f"kernel switch: {line}", flush=True)
+    for line in tuning_lines(args.kernel_tuning):
+        print(line, flush=True)
     model = build_model(args.preset, args.dtype, args.tp_size)
     if args.memory:
         return memory_table(model, args)

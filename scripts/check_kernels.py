@@ -25,7 +25,7 @@ CPU, where the kernels run in interpret mode):
   the largest of the kernel's own normed rows times the router (float32 sums in another
   order); and a GDN layer's input norm without a delta, with ``in_proj_ba`` as the router
   and its products rounded to bf16 (within ``2**-8``). Sizes over the launch's limits
-  (``backend.RESIDUAL_NORM_MAX_TOKENS`` and ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``: 64 tokens
+  (``NormTuning.residual_max_tokens`` and ``residual_max_token_experts``: 64 tokens
   of 256 experts) run XLA's fusions in the engine; their rows say "not launched";
 * the attention prologue in one launch (``Kernels.attention_prologue``: the q / k norms,
   the rotation, the K / V write) against the model's ops (``attention.norm_rope`` then
@@ -48,7 +48,7 @@ Exit status 1 if any check fails.
     python scripts/check_kernels.py --out check.md     # on a GPU
     python scripts/check_kernels.py --smoke            # CPU, interpret mode
     # the dispatch under a switch (repeatable; bench_engine's flag), recorded in the header
-    python scripts/check_kernels.py --kernel-switch backend.ATTENTION_ACTIVE_SPLITS=1
+    python scripts/check_kernels.py --kernel-tuning attention.active_splits=false
     python scripts/check_kernels.py --checks attention_prologue,gated_attention   # some
 """
 
@@ -64,12 +64,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.bench.origin import code_line
-from lazyspec.bench.switches import add_switch_argument, apply_switches
-from lazyspec.kernels import backend
+from lazyspec.bench.tuning_flag import add_tuning_argument, tuned, tuning_lines
+from lazyspec.kernels import backend, common
 from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels import paged_attention as pa
 from lazyspec.kernels import state_update as su
+from lazyspec.kernels.backend import default_tuning
 from lazyspec.kernels.gated_norm import GateLayout
+from lazyspec.kernels.norm import dispatch as norm_dispatch
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers import attention, gdn, moe, norms
 from lazyspec.models.layers.state_kernels import gdn_tokens
 from lazyspec.models.plan import init_plan
@@ -96,7 +99,7 @@ def launch_options() -> dict:
     """Interpret mode on a CPU, else the default backend's compiled launch."""
     if jax.default_backend() == "cpu":
         return {"interpret": True, "compiler_params": None}
-    return {"interpret": False, "compiler_params": backend.pallas_compiler_params()}
+    return {"interpret": False, "compiler_params": common.pallas_compiler_params()}
 
 
 def result(ok: bool, errors) -> str:
@@ -111,7 +114,9 @@ def relative_error(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
-def check_routing(rng, token_counts, expert_counts, top_k) -> list[tuple[str, str, str]]:
+def check_routing(
+    rng, token_counts, expert_counts, top_k, tuning: Tuning
+) -> list[tuple[str, str, str]]:
     route = jax.jit(lambda r, w: me.route_tokens(r, w, 16, **launch_options()))
     rows = []
     for num_experts in expert_counts:
@@ -131,9 +136,8 @@ def check_routing(rng, token_counts, expert_counts, top_k) -> list[tuple[str, st
     return rows
 
 
-# The routed experts' launch forms for a few tokens (``backend.moe_launch``), each checked
-# whatever the dispatch's defaults: (name, MOE_ROUTE_IN_UP_MAX_TOKENS,
-# MOE_DOWN_IN_UP_MAX_TOKENS).
+# The routed experts' launch forms for a few tokens (``moe_dispatch.moe_launch``), each checked
+# whatever the tuning says: (name, route_in_up_max_tokens, down_in_up_max_tokens).
 MOE_FORMS = (
     ("routing launch", 0, 0),
     ("routing in up", 8, 0),
@@ -141,12 +145,11 @@ MOE_FORMS = (
 )
 
 
-def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
-    """The MoE layer with the kernel against its XLA form: at the dispatch's defaults, and
-    up to 8 tokens in each of ``MOE_FORMS``."""
+def check_moe(rng, token_counts, widths, tuning: Tuning) -> list[tuple[str, str, str]]:
+    """The MoE layer with the kernel against its XLA form: at the tuning's folds, and up to 8
+    tokens in each of ``MOE_FORMS``."""
     hidden, expert_counts, top_k, inner = widths[:4]
-    kernel = backend.kernels_for("pallas").moe_experts
-    defaults = backend.MOE_ROUTE_IN_UP_MAX_TOKENS, backend.MOE_DOWN_IN_UP_MAX_TOKENS
+    defaults = tuning.moe.route_in_up_max_tokens, tuning.moe.down_in_up_max_tokens
     rows = []
     for num_experts in expert_counts:
         spec = moe.MoESpec(hidden, num_experts, top_k, inner, inner, norm_topk_prob=True)
@@ -156,24 +159,25 @@ def check_moe(rng, token_counts, widths) -> list[tuple[str, str, str]]:
             real = jnp.asarray(np.arange(num_tokens) != 1)
             forms = [("sparse_moe", *defaults)]
             if num_tokens <= 8:
-                forms += [(f"sparse_moe, {name}", *switches) for name, *switches in MOE_FORMS]
+                forms += [(f"sparse_moe, {name}", *folds) for name, *folds in MOE_FORMS]
             keep = np.asarray(real)
             with jax.default_matmul_precision("highest"):
                 want = jax.jit(moe.sparse_moe, static_argnums=(1, 3))(params, spec, x, None, real)
             want = np.asarray(want, np.float32)[keep]
             for name, route_in_up, down_in_up in forms:
-                backend.MOE_ROUTE_IN_UP_MAX_TOKENS, backend.MOE_DOWN_IN_UP_MAX_TOKENS = (
-                    route_in_up,
-                    down_in_up,
+                form = tuning.with_overrides(
+                    {
+                        "moe.route_in_up_max_tokens": route_in_up,
+                        "moe.down_in_up_max_tokens": down_in_up,
+                    }
                 )
-                # a function of its own: traced afresh under these switches
+                kernel = backend.kernels_for("pallas", tuning=form).moe_experts
                 layer = jax.jit(lambda p, x, r, s=spec, f=kernel: moe.sparse_moe(p, s, x, f, r))
                 with jax.default_matmul_precision("highest"):
                     got = np.asarray(layer(params, x, real), np.float32)[keep]
                 err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
                 shape = f"{num_tokens} tokens, {num_experts} experts"
                 rows.append((name, shape, result(err <= MOE_TOL, [err])))
-            backend.MOE_ROUTE_IN_UP_MAX_TOKENS, backend.MOE_DOWN_IN_UP_MAX_TOKENS = defaults
     return rows
 
 
@@ -186,10 +190,10 @@ def _largest_diff(got, want, names) -> float:
     )
 
 
-def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
+def check_gdn(rng, widths, cases, tuning: Tuning) -> list[tuple[str, str, str]]:
     num_k, num_v, width = widths[4:]
     spec = gdn.GDNSpec(widths[0], num_k, num_v, width, width, 4, 1e-6)
-    update = backend.kernels_for("pallas").gdn_state_update
+    update = backend.kernels_for("pallas", tuning=tuning).gdn_state_update
     tokens_of = jax.jit(
         lambda c, a, b, p, n: gdn_tokens(*gdn._heads(spec, c), *gdn._gates(p, a, b), n)
     )
@@ -240,13 +244,13 @@ def check_gdn(rng, widths, cases) -> list[tuple[str, str, str]]:
     return rows
 
 
-def check_grouped_conv(rng, widths, cases) -> list[tuple[str, str, str]]:
+def check_grouped_conv(rng, widths, cases, tuning: Tuning) -> list[tuple[str, str, str]]:
     """The conv kernel reading its channels out of ``in_proj_qkvz``'s output
     (``ChannelGroups``) against the same kernel on the channels gathered in conv order."""
     num_k, num_v, width = widths[4:]
     spec = gdn.GDNSpec(widths[0], num_k, num_v, width, width, 4, 1e-6)
     layout = gdn._conv_channels(spec)
-    conv = backend.kernels_for("pallas").conv_update
+    conv = backend.kernels_for("pallas", tuning=tuning).conv_update
     rows = []
     for batch, tokens in cases:
         fused = jnp.asarray(
@@ -280,13 +284,15 @@ def passes(verdicts: list[str]) -> bool:
     return all(v.startswith("ok") or v == NOT_LAUNCHED for v in verdicts)
 
 
-def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
+def check_residual_norm(rng, token_counts, widths, tuning: Tuning) -> list[tuple[str, str, str]]:
     """``Kernels.residual_norm`` (with and without a router) against the model's ops."""
     hidden, expert_counts = widths[:2]
     options = {"eps": 1e-6, "zero_centered": True}
     want_of = jax.jit(lambda *a: norms.residual_rms_norm(*a, **options))
     got_of = jax.jit(
-        lambda *a: backend.kernels_for("pallas").residual_norm(*a, **options, xla_form=None)
+        lambda *a: backend.kernels_for("pallas", tuning=tuning).residual_norm(
+            *a, **options, xla_form=None
+        )
     )
 
     rows = []
@@ -299,7 +305,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
             weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
             experts = "no router" if num_experts is None else f"{num_experts} experts"
             shape = f"{num_tokens} tokens, {experts}"
-            if not backend.residual_norm_fits(num_tokens, num_experts):
+            if not norm_dispatch.residual_norm_fits(num_tokens, num_experts, tuning):
                 rows.append(("residual_norm", shape, NOT_LAUNCHED))
                 continue
             router = None
@@ -317,13 +323,13 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
                 errs.append(relative_error(got.logits, h @ w.T))
                 ok = ok and errs[2] <= LOGIT_TOL
             rows.append(("residual_norm", shape, result(ok, errs)))
-    # the output projection's float32 partial sums as the delta (backend.output_parts)
+    # the output projection's float32 partial sums as the delta (Kernels.output_parts)
     num_experts, parts = expert_counts[0], 4
     router = rng.standard_normal((num_experts, hidden)) * hidden**-0.5
     router = jnp.asarray(router, jnp.bfloat16)
     for num_tokens in token_counts:
         shape = f"{num_tokens} tokens, {num_experts} experts, {parts} float32 parts"
-        if not backend.residual_norm_fits(num_tokens, num_experts):
+        if not norm_dispatch.residual_norm_fits(num_tokens, num_experts, tuning):
             rows.append(("residual_norm", shape, NOT_LAUNCHED))
             continue
         x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
@@ -344,13 +350,15 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
     options = dict(options, logits_dtype=jnp.bfloat16)
     want_of = jax.jit(lambda *a: norms.residual_rms_norm(*a, **options))
     got_of = jax.jit(
-        lambda *a: backend.kernels_for("pallas").residual_norm(*a, **options, xla_form=None)
+        lambda *a: backend.kernels_for("pallas", tuning=tuning).residual_norm(
+            *a, **options, xla_form=None
+        )
     )
     for num_tokens in token_counts:
         x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
         weight = jnp.asarray(rng.standard_normal(hidden) * 0.1, jnp.bfloat16)
         shape = f"{num_tokens} tokens, no delta, {gates.shape[0]} bf16 gates"
-        if not backend.residual_norm_fits(num_tokens, gates.shape[0]):
+        if not norm_dispatch.residual_norm_fits(num_tokens, gates.shape[0], tuning):
             rows.append(("residual_norm", shape, NOT_LAUNCHED))
             continue
         want, got = (f(x, None, weight, gates) for f in (want_of, got_of))
@@ -361,7 +369,7 @@ def check_residual_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]
     return rows
 
 
-def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
+def check_attention_prologue(rng, shapes, widths, tuning: Tuning) -> list[tuple[str, str, str]]:
     """``Kernels.attention_prologue`` against the model's ops, batches of ``(B, T)``: on q,
     k and v as three arrays, then (as "one product") read in place out of their one
     product's output, as ``layers.attention`` hands it with ``ATTENTION_QKV_IN_PLACE``."""
@@ -386,7 +394,7 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
 
     options = {"eps": spec.norm_eps, "zero_centered": True, "rotary_dim": rotary}
     options["rope_theta"] = spec.rope_theta
-    prologue = backend.kernels_for("pallas").attention_prologue
+    prologue = backend.kernels_for("pallas", tuning=tuning).attention_prologue
     got_of = jax.jit(lambda *a: prologue(*a, **options, xla_form=None))
     k_at = num_heads * 2  # q's heads of 2 * head_dim, counted in heads of head_dim
     heads = {"num_heads": num_heads, "k_head_at": k_at, "v_head_at": k_at + num_kv_heads}
@@ -432,7 +440,7 @@ def check_attention_prologue(rng, shapes, widths) -> list[tuple[str, str, str]]:
     return rows
 
 
-def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
+def check_gated_norm(rng, token_counts, widths, tuning: Tuning) -> list[tuple[str, str, str]]:
     """``Kernels.gated_norm`` against ``norms.gated_rms_norm`` on the gathered gates."""
     num_k, num_v, head_dim = widths[4:7]
     per_key = num_v // num_k
@@ -443,7 +451,7 @@ def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
         z = layout.gather(source, num_v, head_dim)
         return norms.gated_rms_norm(x.astype(jnp.bfloat16), z, weight, options["eps"])
 
-    gated = backend.kernels_for("pallas").gated_norm
+    gated = backend.kernels_for("pallas", tuning=tuning).gated_norm
     got_of = jax.jit(lambda *a: gated(a[0], a[1], layout, a[2], **options, xla_form=None))
     rows = []
     for num_tokens in token_counts:
@@ -457,18 +465,17 @@ def check_gated_norm(rng, token_counts, widths) -> list[tuple[str, str, str]]:
     return rows
 
 
-def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
+def check_gated_attention(rng, shapes, widths, tuning: Tuning) -> list[tuple[str, str, str]]:
     """``Kernels.paged_attention`` with a gate against the gated jnp form, ``(B, T, context)``
     batches whose queries sit at the last T positions of their contexts: every row at the
-    table's width, then (as "active splits", with ``backend.ATTENTION_ACTIVE_SPLITS`` on
-    whatever its default) rows of a third of it to all of it, so the combine merges fewer
+    table's width, then (as "active splits", with ``AttentionTuning.active_splits`` on
+    whatever the tuning says) rows of a third of it to all of it, so the combine merges fewer
     splits than the launch has; then (as "gate in place") those rows with the gate read out
     of a wider array, as ``layers.attention`` hands q, k and v's one product."""
     num_heads, num_kv_heads, head_dim = widths[:3]
     scale = head_dim**-0.5
-    attend = backend.kernels_for("pallas").paged_attention
     want_of = jax.jit(lambda *a: pa.paged_attention_reference(*a[:6], scale, a[6]))
-    default = backend.ATTENTION_ACTIVE_SPLITS
+    default = tuning.attention.active_splits
     rows = []
     for batch, tokens, context in shapes:
         bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
@@ -494,12 +501,11 @@ def check_gated_attention(rng, shapes, widths) -> list[tuple[str, str, str]]:
             if name.endswith("in place"):  # each head's query then its gate, k and v after
                 wide = bf16(batch, tokens, num_heads + num_kv_heads, 2 * head_dim)
                 got_args = args[:6] + (wide.at[:, :, :num_heads, head_dim:].set(args[6]),)
-            backend.ATTENTION_ACTIVE_SPLITS = active
-            # a function of its own: traced afresh under the switch
+            form = tuning.with_overrides({"attention.active_splits": active})
+            attend = backend.kernels_for("pallas", tuning=form).paged_attention
             got_of = jax.jit(lambda *a, f=attend: f(*a[:6], scale, gate=a[6]))
             got = np.asarray(got_of(*got_args), np.float32)
             want = np.asarray(want_of(*args), np.float32)
-            backend.ATTENTION_ACTIVE_SPLITS = default
             found = relative_error(got, want)
             shape = f"{batch} x {tokens} tokens, context {context}"
             if lengths.min() < context:
@@ -519,35 +525,50 @@ def main(argv=None) -> int:
         help="run only these checks, comma-separated (routing, moe, gdn, grouped_conv, "
         "residual_norm, attention_prologue, gated_norm, gated_attention); default all",
     )
-    add_switch_argument(p)
+    add_tuning_argument(p)
     args = p.parse_args(argv)
-    switches = apply_switches(args.kernel_switch)  # the dispatch's defaults for every check
+    tuning = tuned(default_tuning(), args.kernel_tuning)  # every check's dispatch
     widths = WIDTHS["smoke" if args.smoke else "qwen3-next"]
     rng = np.random.default_rng(0)
     tokens = (1, 2, 3) if args.smoke else (1, 2, 3, 4, 8)
     rows = []
     runs = {
-        "routing": lambda: check_routing(rng, tokens, widths[1], widths[2]),
-        "moe": lambda: check_moe(rng, tokens[:2] if args.smoke else (1, 2, 4, 8), widths),
+        "routing": lambda: check_routing(rng, tokens, widths[1], widths[2], tuning=tuning),
+        "moe": lambda: check_moe(
+            rng, tokens[:2] if args.smoke else (1, 2, 4, 8), widths, tuning=tuning
+        ),
         "gdn": lambda: check_gdn(
-            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 1), (2, 4))
+            rng,
+            widths,
+            ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 1), (2, 4)),
+            tuning=tuning,
         ),
         "grouped_conv": lambda: check_grouped_conv(
-            rng, widths, ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4))
+            rng,
+            widths,
+            ((2, 1), (2, 3)) if args.smoke else ((2, 1), (16, 4)),
+            tuning=tuning,
         ),
         "residual_norm": lambda: check_residual_norm(
-            rng, (1, 2, 3) if args.smoke else (1, 2, 16, 64), widths
+            rng,
+            (1, 2, 3) if args.smoke else (1, 2, 16, 64),
+            widths,
+            tuning=tuning,
         ),
         "attention_prologue": lambda: check_attention_prologue(
             rng,
             ((2, 3),) if args.smoke else ((1, 1), (16, 1), (64, 1), (4, 4)),
             ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
+            tuning=tuning,
         ),
-        "gated_norm": lambda: check_gated_norm(rng, (3,) if args.smoke else (1, 2, 16, 64), widths),
+        "gated_norm": lambda: check_gated_norm(
+            rng, (3,) if args.smoke else (1, 2, 16, 64), widths, tuning=tuning
+        ),
         "gated_attention": lambda: check_gated_attention(
             rng,
             ((2, 2, 40),) if args.smoke else ((1, 1, 1024), (16, 1, 1024), (4, 4, 4096)),
             ATTENTION_WIDTHS["smoke" if args.smoke else "qwen3-next"],
+            tuning=tuning,
         ),
     }
     unknown = sorted(set(args.checks or ()) - set(runs))
@@ -557,7 +578,7 @@ def main(argv=None) -> int:
         f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}",
         "",
         code_line(),
-        *[f"kernel switch: {line}" for line in switches],
+        *tuning_lines(args.kernel_tuning),
         *([f"checks: {', '.join(args.checks)}"] if args.checks else []),
         "",
         "| check | shape | result |",

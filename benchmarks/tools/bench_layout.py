@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from lazyspec.bench.floor import device_ops
 from lazyspec.bench.kernel_timing import copy_bandwidths, log, torch_seconds
 from lazyspec.bench.origin import code_line
-from lazyspec.kernels.backend import pallas_compiler_params
+from lazyspec.kernels.common import pallas_compiler_params
 
 ROWS = 16  # the row tile Triton's dots need; the tokens are its first rows
 CALLS = 24

@@ -27,7 +27,7 @@ about 1 %. Run it with XLA's command buffers off, where the profiler names each 
         --models qwen3-next-64e --tokens 1,2,4 --tiles launch,32:128:128:4:3 --no-xla
     # the dispatch's "launch" row with a dispatch constant set (bench_engine's flag): here
     # the down product in its own launch at 1-2 tokens too
-    ... --tiles launch --kernel-switch backend.MOE_DOWN_IN_UP_MAX_TOKENS=0
+    ... --tiles launch --kernel-tuning moe.down_in_up_max_tokens=0
     python benchmarks/tools/bench_moe.py --smoke --out smoke.md  # CPU: tiny widths, interpret mode
 
 Widths (transformers' configuration defaults, which are the named checkpoints'):
@@ -62,14 +62,12 @@ from lazyspec.bench.kernel_timing import (
     max_abs_diff,
 )
 from lazyspec.bench.origin import code_line
-from lazyspec.bench.switches import add_switch_argument, apply_switches
-from lazyspec.kernels.backend import (
-    DEFAULT_MOE_TILES,
-    moe_launch,
-    moe_launch_params,
-    pallas_compiler_params,
-)
+from lazyspec.bench.tuning_flag import add_tuning_argument, tuned, tuning_lines
+from lazyspec.kernels.backend import default_tuning
+from lazyspec.kernels.common import pallas_compiler_params
+from lazyspec.kernels.moe.dispatch import moe_launch
 from lazyspec.kernels.moe_experts import moe_experts_pallas
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.moe import grouped_experts
 
 ROUTINGS = 8
@@ -105,7 +103,7 @@ WIDTHS = (
 )
 SMOKE_WIDTHS = (Width("tiny", 64, 8, 2, 32),)
 # the kernel's keyword arguments a row passes on; ``down_in_up``: the dispatch's folded form
-# (``backend.MOE_DOWN_IN_UP_MAX_TOKENS``), carried by the "launch" rows (the routing is given,
+# (``MoETuning.down_in_up_max_tokens``), carried by the "launch" rows (the routing is given,
 # so ``route_in_up`` never applies here)
 TILE_KEYS = (
     "block_rows",
@@ -114,10 +112,18 @@ TILE_KEYS = (
     "block_k",
     "block_k_down",
     "down_in_up",
-    "zero_unused",
 )
 LAUNCH = "launch"  # the dispatch's tiles for the row's token count (``moe_launch``)
 FOLD = "fold:"  # a --tiles entry's prefix: the folded form (``down_in_up``)
+_MOE = Tuning().moe
+DEFAULT_MOE_TILES = {
+    "block_rows": _MOE.block_rows,
+    "block_inner": _MOE.block_inner,
+    "block_out": _MOE.block_out,
+    "block_k": _MOE.block_k,
+    "num_warps": _MOE.num_warps,
+    "num_stages": _MOE.num_stages,
+}
 KERNEL_TILES = (  # the dispatch's first
     LAUNCH,
     {**DEFAULT_MOE_TILES, "block_inner": 32},
@@ -251,11 +257,14 @@ def run_width(width: Width, num_tokens: int, opts, rows: list[dict]) -> None:
     impls = []
     for tiles in opts.tiles:
         if tiles == LAUNCH:
-            launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret)
+            launch = moe_launch(num_tokens, stacks[1], stacks[2], opts.interpret, opts.tuning)
             if launch is None:
                 continue  # the dispatch runs the XLA form at this count
             tiles = {k: launch[k] for k in TILE_KEYS if launch.get(k)}
-            tiles |= moe_launch_params(launch["down_in_up"])
+            moe = opts.tuning.moe
+            folded = launch["down_in_up"]
+            tiles["num_warps"] = moe.fold_num_warps if folded else moe.num_warps
+            tiles["num_stages"] = moe.fold_num_stages if folded else moe.num_stages
         impls.append(
             ("pallas", functools.partial(kernel, tiles=tiles, interpret=opts.interpret), tiles)
         )
@@ -307,7 +316,7 @@ def parse_tiles(text: str) -> list:
     seven with the down launch's own block_k and stages (DOWN_FIELDS); an entry prefixed
     ``fold:`` runs the folded form (``down_in_up``: one launch, the down product inside it;
     block_out is then its down chunk), the dispatch's form up to
-    ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` tokens."""
+    ``MoETuning.down_in_up_max_tokens`` tokens."""
     tiles: list = []
     fields = TILE_FIELDS + DOWN_FIELDS
     for entry in text.split(","):
@@ -355,7 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(prefix fold: for the folded form) (default: the built-in list)",
     )
     parser.add_argument("--no-xla", dest="xla", action="store_false", help="the kernel only")
-    add_switch_argument(parser)
+    add_tuning_argument(parser)
     args = parser.parse_args(argv)
     args.interpret = args.smoke or jax.default_backend() == "cpu"
     args.tokens = [
@@ -375,9 +384,10 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     origin = code_line()  # before any timing: one tree's code, or a clear error
     log(origin)
-    switches = apply_switches(opts.kernel_switch)
+    switches = tuning_lines(opts.kernel_tuning)
+    opts.tuning = tuned(default_tuning(), opts.kernel_tuning)
     for line in switches:
-        log(f"kernel switch: {line}")
+        log(line)
     device = jax.devices()[0]
     log(f"device: {device.device_kind} ({jax.default_backend()}), interpret={opts.interpret}")
     copies = copy_bandwidths((1 << 22) if opts.smoke else (2 << 30), opts.iters, opts.warmup)
@@ -397,7 +407,7 @@ def main(argv=None) -> int:
         f"(the best of: {copy_text}); {timing}; routed MB: "
         f"weights of the distinct experts routed (mean of {ROUTINGS} random routings); floor: "
         "those bytes at the copy bandwidth; check: max |form - grouped_experts| / max |ref|."
-        f"\n\n{origin}" + "".join(f"\n\nkernel switch: {line}" for line in switches)
+        f"\n\n{origin}" + "".join(f"\n\n{line}" for line in switches)
     )
     rows: list[dict] = []
     for width in opts.widths:

@@ -13,7 +13,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from lazyspec.kernels import (
-    backend,
+    common,
     conv_update,
     gdn_chunked,
     mamba2_chunked,
@@ -21,6 +21,7 @@ from lazyspec.kernels import (
     state_scatter,
     state_update,
 )
+from lazyspec.kernels.tuning import Tuning
 
 SCATTER_LAYERS = 4
 
@@ -69,7 +70,11 @@ def models(smoke: bool) -> list[Model]:
         ]
     conv = ({"block_channels": 256},)
     scatter = ({"block_rows": 8, "block_channels": 2048},)
-    gdn, mamba2 = backend.DEFAULT_STATE_TILES["gdn"], backend.DEFAULT_STATE_TILES["mamba2"]
+    tuning = Tuning()
+    gdn, mamba2 = (
+        {"block_value": r.block_value, "num_warps": r.num_warps, "evict_last": r.evict_last}
+        for r in (tuning.gdn, tuning.mamba2)
+    )
     return [
         Model(
             "qwen3-next-80b",
@@ -141,7 +146,7 @@ def pallas_options(interpret: bool, tiles: dict) -> dict:
     tiles = dict(tiles)
     warps, stages = tiles.pop("num_warps", 4), tiles.pop("num_stages", 1)
     params = (
-        None if interpret else backend.pallas_compiler_params(num_warps=warps, num_stages=stages)
+        None if interpret else common.pallas_compiler_params(num_warps=warps, num_stages=stages)
     )
     return {**tiles, "interpret": interpret, "compiler_params": params}
 

@@ -413,9 +413,10 @@ def _gdn_input(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """A GDN layer's input (x + delta: ``delta``, the previous layer's MLP output, only
     where ``Kernels.adds_mlp_output_in_next_norm``), its norm and, where
-    ``kernels.residual_norm`` runs the norm, its fused gate projection computed in the same launch (``in_proj_ba`` as
-    the launch's router, rounded to its dtype as ``gdn.gate_projection`` gives it); else
-    the layer's norm and None (the mixer projects the gates itself)."""
+    ``kernels.residual_norm`` runs the norm, its fused gate projection computed in the same
+    launch (``in_proj_ba`` as the launch's router, rounded to its dtype as
+    ``gdn.gate_projection`` gives it); else the layer's norm and None (the mixer projects
+    the gates itself)."""
     weight = lp["input_layernorm"]
     gates = lp["linear_attn"].get("in_proj_ba")  # fused projections only
     if kernels.residual_norm is None or gates is None:
@@ -442,8 +443,9 @@ def _attention_layer(
     runs in ``kernels.paged_attention`` when it has one (``attention_forward``), ``real``
     and ``apart`` (x then the pair ``(x, MLP output)``, not yet added) as in ``mlp_block``.
     ``delta``: the previous layer's MLP output (only where
-    ``Kernels.adds_mlp_output_in_next_norm``), which the input norm's launch adds to x first. ``out_parts``: ``o_proj`` in that many
-    float32 partial sums, which the post-attention norm's launch sums (``Kernels.output_parts``)."""
+    ``Kernels.adds_mlp_output_in_next_norm``), which the input norm's launch adds to x
+    first. ``out_parts``: ``o_proj`` in that many float32 partial sums, which the
+    post-attention norm's launch sums (``Kernels.output_parts``)."""
     if delta is None:
         normed = norm(x, lp["input_layernorm"], cfg)
     else:

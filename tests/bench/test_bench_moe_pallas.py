@@ -30,12 +30,10 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, lo
     from the trace, split into the up and down launches, and the XLA forms are left out
     with ``--no-xla``. The dispatch's folded down product is off here (two tokens are within
     its default), so the 'launch' row has a down launch too."""
-    from lazyspec.kernels import backend
-
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
     bench_moe = load_tool("bench_moe")
     out = tmp_path / "profiled.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
+    argv += ["--kernel-tuning", "moe.down_in_up_max_tokens=0"]
     tiles = "launch,16:32:16:4:1,16:32:16:4:1:32:1"  # the last: the down launch's own chunk
     assert bench_moe.main(argv + ["--tiles", tiles]) == 0
     rows = [
@@ -51,24 +49,17 @@ def test_bench_moe_profiler_timing_names_both_launches(tmp_path, monkeypatch, lo
     assert "profiler's kernel durations" in out.read_text()
 
 
-def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, monkeypatch, load_tool):
-    """With ``backend.MOE_DOWN_IN_UP_MAX_TOKENS`` covering the row's tokens (set by
-    ``--kernel-switch``, which the table's header records), the 'launch' row runs the down
-    product in the up launch, as the dispatch would: its tiles say so, it is checked, and
-    no down launch appears in its trace."""
-    from lazyspec.kernels import backend
-
+def test_bench_moe_launch_row_runs_the_dispatchs_folded_down(tmp_path, load_tool):
+    """With ``MoETuning.down_in_up_max_tokens`` covering the row's tokens (set by
+    ``--kernel-tuning``, which the table's header records), the 'launch' row runs the down
+    product in the up launch, as the dispatch would: its tiles say so (the folded launch's
+    own warps, also set), it is checked, and no down launch appears in its trace."""
     bench_moe = load_tool("bench_moe")
-    # off before the switch sets it for the process (restored after the test)
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", 0)
     out = tmp_path / "folded.md"
     argv = ["--smoke", "--tokens", "2", "--timing", "profiler", "--no-xla", "--out", str(out)]
-    switch = ["--kernel-switch", "backend.MOE_DOWN_IN_UP_MAX_TOKENS=2"]
-    # the folded launch's own warps (the dispatch's, which the row reports)
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_NUM_WARPS", 4)
-    switch += ["--kernel-switch", "backend.MOE_DOWN_IN_UP_NUM_WARPS=2"]
-    assert bench_moe.main(argv + ["--tiles", "launch"] + switch) == 0
-    assert "kernel switch: backend.MOE_DOWN_IN_UP_MAX_TOKENS = 2" in out.read_text()
+    setting = ["--kernel-tuning", "moe.down_in_up_max_tokens=2,moe.fold_num_warps=2"]
+    assert bench_moe.main(argv + ["--tiles", "launch"] + setting) == 0
+    assert "kernel tuning: moe.down_in_up_max_tokens = 2" in out.read_text()
     (row,) = [
         line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| tiny")
     ]

@@ -67,22 +67,19 @@ def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch, lo
     assert not check.passes([*verdicts.values(), "over the tolerance: 1.00e+00"])
 
 
-def test_check_kernels_runs_under_a_kernel_switch(tmp_path, monkeypatch, load_script):
-    """``--kernel-switch`` sets a dispatch constant before the checks (they run the dispatch
-    under it) and the table's header records it."""
-    from lazyspec.kernels import backend
-
+def test_check_kernels_runs_under_a_kernel_tuning(tmp_path, load_script):
+    """``--kernel-tuning`` overrides the device's tuning for every check (a different
+    ``Tuning``: nothing is patched) and the table's header records it; an unknown name is
+    refused, naming it."""
     check = load_script("check_kernels")
-    monkeypatch.setattr(backend, "ATTENTION_ACTIVE_SPLITS", False)  # restored after
     out = tmp_path / "check.md"
-    switch = ["--kernel-switch", "backend.ATTENTION_ACTIVE_SPLITS=1"]
-    named = ["--checks", "gated_attention"]  # the checks the switch changes
-    assert check.main(["--smoke", "--out", str(out)] + named + switch) == 0
-    assert backend.ATTENTION_ACTIVE_SPLITS is True
+    setting = ["--kernel-tuning", "attention.active_splits=false"]
+    named = ["--checks", "gated_attention"]  # the checks the setting changes
+    assert check.main(["--smoke", "--out", str(out)] + named + setting) == 0
     text = out.read_text().splitlines()
-    assert text[3] == "kernel switch: backend.ATTENTION_ACTIVE_SPLITS = True", text[:5]
-    with pytest.raises(ValueError, match="not an int or bool constant"):
-        check.main(["--smoke", "--kernel-switch", "backend.NO_SUCH_SWITCH=1"])
+    assert text[3] == "kernel tuning: attention.active_splits = False", text[:5]
+    with pytest.raises(ValueError, match="attention.no_such_field"):
+        check.main(["--smoke", "--kernel-tuning", "attention.no_such_field=1"])
 
 
 def test_check_kernels_runs_only_the_named_checks(tmp_path, load_script):

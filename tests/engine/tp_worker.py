@@ -286,7 +286,7 @@ def triton_calls(tp: int) -> dict[str, int]:
     from lazyspec.kernels import paged_attention as pa
     from lazyspec.kernels import state_scatter as ss
     from lazyspec.kernels import state_update as su
-    from lazyspec.kernels.backend import pallas_compiler_params
+    from lazyspec.kernels.common import pallas_compiler_params
 
     plan = sharding_plan(tiny("qwen3_next").config, tp)
     params = pallas_compiler_params("gpu")

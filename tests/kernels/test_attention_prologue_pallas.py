@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import backend
+from lazyspec.kernels.attention import dispatch as attention_dispatch
 from lazyspec.kernels.attention_prologue import attention_prologue_pallas, pieces
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.attention import AttentionSpec, norm_rope, write_kv
 
 pytestmark = pytest.mark.pallas
@@ -96,9 +98,9 @@ def _launch(spec: AttentionSpec, case: dict, params: dict, **options):
     )
 
 
-def _dispatch(spec: AttentionSpec, case: dict, params: dict, xla_form):
-    """The backend's prologue entry (Pallas, interpret mode on CPU) on a case."""
-    prologue = backend.kernels_for("pallas", "cpu").attention_prologue
+def _dispatch(spec: AttentionSpec, case: dict, params: dict, xla_form, tuning=None):
+    """The record's prologue entry (Pallas, interpret mode on CPU) on a case."""
+    prologue = backend.kernels_for("pallas", "cpu", tuning=tuning).attention_prologue
     flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
     return prologue(
         *(flat(case[name]) for name in ("q", "k", "v")),
@@ -213,12 +215,12 @@ def test_prologue_reads_one_products_output_in_place_pallas(kind):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_prologue_query_head_tiles_pallas(monkeypatch):
+def test_prologue_query_head_tiles_pallas():
     """``block_q_heads`` splits a kv head's query heads over programs (the grid's last
     axis), the same outputs as one program a kv head (Qwen3-Next's kind: 4 query heads a kv
     head, in tiles of 2 and of 1, read out of one product in place); a tile that does not divide
-    them is refused. The dispatch takes ``ATTENTION_PROLOGUE_Q_HEADS`` up to
-    ``SMALL_STEP_MAX_TOKENS`` tokens."""
+    them is refused. The dispatch takes the tuning's ``prologue_q_heads`` up to
+    ``small_step_max_tokens`` tokens."""
     spec = _spec("qwen3_next")
     case, params = _case(np.random.default_rng(7), spec, 3, 2)
     views, heads = _one_product(case)
@@ -233,15 +235,15 @@ def test_prologue_query_head_tiles_pallas(monkeypatch):
     grids = {}
     for switch, rows in ((0, 1), (2, 1), (1, 1), (2, 2)):
         small, _ = _case(np.random.default_rng(8), spec, rows, 2)  # 2 or 4 tokens
-        monkeypatch.setattr(backend, "ATTENTION_PROLOGUE_Q_HEADS", switch)
+        tuning = Tuning().with_overrides({"attention.prologue_q_heads": switch})
 
-        def run(q, small=small):
-            return _dispatch(spec, {**small, "q": q}, params, lambda: None)
+        def run(q, small=small, tuning=tuning):
+            return _dispatch(spec, {**small, "q": q}, params, lambda: None, tuning)
 
         jaxpr = jax.make_jaxpr(run)(small["q"]).jaxpr
         (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         grids[switch, 2 * rows] = call.params["grid_mapping"].grid
-    assert backend.SMALL_STEP_MAX_TOKENS == 2
+    assert Tuning().small_step_max_tokens == 2
     want_grids = {(0, 2): (2, 2, 1), (2, 2): (2, 2, 2), (1, 2): (2, 2, 4), (2, 4): (4, 2, 1)}
     assert grids == want_grids, grids
 
@@ -265,7 +267,7 @@ def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
     (16 query heads with their gates, 2 kv heads, head dim 256, 64 rotated channels) is one
     Triton call: every block and piece fits Triton's powers of two; likewise reading them
     out of q, k and v's one product."""
-    from lazyspec.kernels.backend import pallas_compiler_params
+    from lazyspec.kernels.common import pallas_compiler_params
 
     spec = jax.ShapeDtypeStruct
     bf16, i32 = jnp.bfloat16, jnp.int32
@@ -297,12 +299,12 @@ def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
     assert one.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 1
 
 
-LIMIT = backend.ATTENTION_PROLOGUE_MAX_TOKENS
+LIMIT = Tuning().attention.prologue_max_tokens
 
 
 @pytest.mark.parametrize("tokens", [LIMIT, LIMIT + 1])
 def test_dispatch_runs_the_kernel_up_to_the_limit(tokens):
-    """Up to ``ATTENTION_PROLOGUE_MAX_TOKENS`` tokens the backend's launch; beyond, the
+    """Up to ``AttentionTuning.prologue_max_tokens`` tokens the backend's launch; beyond, the
     caller's form (called once, its result returned)."""
     spec = _spec("qwen3_next")
     case, params = _case(np.random.default_rng(2), spec, 1, tokens, pool_rows=2 * LIMIT)
@@ -333,10 +335,14 @@ def test_compiled_dispatch_needs_power_of_two_blocks(monkeypatch, kind, compiled
     case, params = _case(np.random.default_rng(9), spec, 1, 1)
     launched = []
     monkeypatch.setattr(
-        backend, "_pallas_options", lambda *a: {"interpret": False, "compiler_params": None}
+        attention_dispatch,
+        "pallas_options",
+        lambda *a: {"interpret": False, "compiler_params": None},
     )
     monkeypatch.setattr(
-        backend, "attention_prologue_pallas", lambda *a, **k: launched.append(1) or "kernel"
+        attention_dispatch,
+        "attention_prologue_pallas",
+        lambda *a, **k: launched.append(1) or "kernel",
     )
     flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
     got = backend.kernels_for("pallas", "cpu").attention_prologue(

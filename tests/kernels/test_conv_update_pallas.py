@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend, recurrence
+from lazyspec.kernels import common, recurrence
 from lazyspec.kernels import conv_update as cu
+from lazyspec.kernels.state import dispatch as state_dispatch
 from tests.kernels.kernel_checks import assert_close, draw_slots
 
 pytestmark = pytest.mark.pallas
@@ -118,7 +119,7 @@ def test_conv_bad_arguments_and_dispatch_pallas():
         cu.conv_update_xla(pool, slot, x, weight[:, :3], bias, mode="decode")
     with pytest.raises(ValueError, match="mode"):
         cu.conv_update_xla(pool, slot, x, weight, bias, mode="draft")
-    via_pallas = backend.conv_update(
+    via_pallas = state_dispatch.conv_update(
         pool,
         slot,
         x,
@@ -129,7 +130,9 @@ def test_conv_bad_arguments_and_dispatch_pallas():
         block_channels=6,
         interpret=True,
     )
-    via_xla = backend.conv_update(pool, slot, x, weight, bias, mode="decode", kernel_backend="xla")
+    via_xla = state_dispatch.conv_update(
+        pool, slot, x, weight, bias, mode="decode", kernel_backend="xla"
+    )
     assert_close(via_pallas.outputs, via_xla.outputs, FP32_TOL, "dispatch outputs")
     np.testing.assert_array_equal(np.asarray(via_pallas.pool), np.asarray(via_xla.pool))
 
@@ -138,7 +141,7 @@ def test_conv_update_lowers_to_triton_at_model_shapes_pallas():
     """Nemotron-H's 10240 conv channels (not a power of two) lower through Pallas-Triton in
     1024-channel tiles, with a bf16 pool; Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
-    params = backend.pallas_compiler_params("gpu")
+    params = common.pallas_compiler_params("gpu")
     channels = 10240
     args = (
         spec((9, channels, 3), jnp.bfloat16),
@@ -237,7 +240,7 @@ def test_conv_reads_grouped_channels_in_place_pallas(mode):
     args = (pool, slot, jnp.asarray(x), weight, bias)
     layout = cu.ChannelGroups(groups, parts)
     for block in (2, 4, None):
-        got = backend.conv_update(
+        got = state_dispatch.conv_update(
             *args, mode=mode, channel_groups=layout, kernel_backend="pallas",
             block_channels=block, interpret=True,
         )  # fmt: skip
@@ -263,7 +266,7 @@ def test_grouped_conv_lowers_to_triton_at_qwen3_next_shapes_pallas():
         spec((2, 1, 16 * 768), jnp.bfloat16),
         spec((8192, 4), jnp.bfloat16),
     )
-    params = backend.pallas_compiler_params("gpu")
+    params = common.pallas_compiler_params("gpu")
     for mode in ("decode", "verify"):
         run = lambda pool, slot, x, w, mode=mode: cu.conv_update_pallas(  # noqa: E731
             pool,

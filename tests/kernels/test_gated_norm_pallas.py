@@ -13,6 +13,8 @@ import pytest
 
 from lazyspec.kernels import backend
 from lazyspec.kernels.gated_norm import GateLayout, gated_norm_pallas
+from lazyspec.kernels.norm import dispatch as norm_dispatch
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.norms import gated_rms_norm
 
 pytestmark = pytest.mark.pallas
@@ -76,7 +78,7 @@ def test_gated_norm_rejects_mismatched_inputs():
 def test_gated_norm_lowers_to_one_triton_call_at_qwen3_next_widths():
     """The CUDA lowering (built on CPU, not compiled) at Qwen3-Next's widths (32 value heads
     of 128 in 16 key-head groups of ``in_proj_qkvz``) is one Triton call."""
-    from lazyspec.kernels.backend import pallas_compiler_params
+    from lazyspec.kernels.common import pallas_compiler_params
 
     layout = GateLayout(768, 512, 2)
     launch = functools.partial(
@@ -97,12 +99,12 @@ def test_gated_norm_lowers_to_one_triton_call_at_qwen3_next_widths():
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-LIMIT = backend.GATED_NORM_MAX_TOKENS
+LIMIT = Tuning().norm.gated_max_tokens
 
 
 @pytest.mark.parametrize("tokens,shift", [(LIMIT, 0), (LIMIT + 1, 0), (2, 8)])
 def test_dispatch_runs_the_kernel_where_it_fits(tokens, shift):
-    """Up to ``GATED_NORM_MAX_TOKENS`` tokens with the gates in whole blocks of d, the
+    """Up to ``NormTuning.gated_max_tokens`` tokens with the gates in whole blocks of d, the
     backend's launch; else (or with the gates ``shift`` columns off the blocks) the
     caller's form (called once, its result returned)."""
     x, source, layout, weight = _case(np.random.default_rng(4), "qwen3_next", tokens)
@@ -134,10 +136,10 @@ def test_compiled_dispatch_needs_a_power_of_two_head(monkeypatch, head_dim, comp
     source = jnp.zeros((2, 2 * layout.group_width), jnp.bfloat16)
     launched = []
     monkeypatch.setattr(
-        backend, "_pallas_options", lambda *a: {"interpret": False, "compiler_params": None}
+        norm_dispatch, "pallas_options", lambda *a: {"interpret": False, "compiler_params": None}
     )
     monkeypatch.setattr(
-        backend, "gated_norm_pallas", lambda *a, **k: launched.append(1) or "kernel"
+        norm_dispatch, "gated_norm_pallas", lambda *a, **k: launched.append(1) or "kernel"
     )
     gated = backend.kernels_for("pallas", "cpu").gated_norm
     got = gated(

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend
+from lazyspec.kernels import backend, common
 from lazyspec.kernels import moe_experts as me
+from lazyspec.kernels.moe import dispatch as moe_dispatch
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import init_plan
@@ -243,15 +245,15 @@ def test_unrouted_experts_may_hold_nan_pallas():
     assert_close(got, want, FP32_TOL, "routed experts beside NaN experts")
 
 
-def test_dispatch_chooses_kernel_by_token_count_pallas(monkeypatch):
-    """The Pallas record's ``moe_experts`` runs the kernel up to MOE_KERNEL_MAX_TOKENS tokens
-    and the caller's XLA form above; the XLA record has no MoE kernel. The limit is read at
-    each call: a small one here keeps the interpreted kernel quick."""
+def test_dispatch_chooses_kernel_by_token_count_pallas():
+    """The Pallas record's ``moe_experts`` runs the kernel up to the tuning's
+    ``kernel_max_tokens`` tokens and the caller's XLA form above; the XLA record has no MoE
+    kernel. A small limit here keeps the interpreted kernel quick."""
     assert backend.XLA_KERNELS.moe_experts is None
-    assert backend.MOE_KERNEL_MAX_TOKENS >= 1024  # verify and prefill sizes take the kernel
+    assert Tuning().moe.kernel_max_tokens >= 1024  # verify and prefill sizes take the kernel
     limit = 48
-    monkeypatch.setattr(backend, "MOE_KERNEL_MAX_TOKENS", limit)
-    kernel = backend.kernels_for("pallas", "cpu").moe_experts
+    tuning = Tuning().with_overrides({"moe.kernel_max_tokens": limit})
+    kernel = backend.kernels_for("pallas", "cpu", tuning=tuning).moe_experts
     rng = np.random.default_rng(14)
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
     weights, ids = routing(rng, limit + 1, 2, 8, False)
@@ -268,46 +270,41 @@ def test_dispatch_chooses_kernel_by_token_count_pallas(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", (0, 2))
-def test_output_tile_widens_from_sixteen_tokens_pallas(fused, monkeypatch):
+def test_output_tile_widens_from_sixteen_tokens_pallas(fused):
     """At Qwen3-Next's expert widths the down launch's output tile is 64 columns below
-    MOE_WIDE_OUT_TOKENS tokens and 128 from there; the up launch's intermediate tile is 64
+    ``wide_out_tokens`` tokens and 128 from there; the up launch's intermediate tile is 64
     columns at every count; a width below a tile keeps its fitted tile. Up to
-    MOE_DOWN_IN_UP_MAX_TOKENS tokens (none, or two here) the down product runs in the up
-    launch, in chunks of MOE_DOWN_IN_UP_BLOCK_OUT columns, the intermediate tile
-    MOE_DOWN_IN_UP_BLOCK_INNER columns."""
+    ``down_in_up_max_tokens`` tokens (none, or two here) the down product runs in the up
+    launch, in chunks of ``fold_block_out`` columns, the intermediate tile
+    ``fold_block_inner`` columns."""
     up, down = jnp.zeros((8, 2048, 512)), jnp.zeros((8, 512, 2048))
-    wide = backend.MOE_WIDE_OUT_TOKENS
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_MAX_TOKENS", fused)
+    tuning = Tuning().with_overrides({"moe.down_in_up_max_tokens": fused})
+    wide = tuning.moe.wide_out_tokens
+
+    def launch_of(tokens, tuning=tuning, up=up, down=down):
+        return moe_dispatch.moe_launch(tokens, up, down, interpret=True, tuning=tuning)
+
     for tokens, block_out in ((fused + 1, 64), (wide - 1, 64), (wide, 128), (2048, 128)):
-        launch = backend.moe_launch(tokens, up, down, interpret=True)
+        launch = launch_of(tokens)
         assert (launch["block_out"], launch["block_inner"]) == (block_out, 64), tokens
         assert not launch["down_in_up"], tokens
     for tokens in range(1, fused + 1):  # the down product in the up launch, wide chunks
-        launch = backend.moe_launch(tokens, up, down, interpret=True)
+        launch = launch_of(tokens)
         assert launch["down_in_up"], tokens
-        assert launch["block_out"] == backend.MOE_DOWN_IN_UP_BLOCK_OUT, tokens
-        assert launch["block_inner"] == backend.MOE_DOWN_IN_UP_BLOCK_INNER, tokens
-        assert launch["zero_unused"] == backend.MOE_DOWN_IN_UP_ZERO_UNUSED, tokens
-        assert launch["atomic_sum"] == backend.MOE_DOWN_IN_UP_ATOMIC_SUM, tokens
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ZERO_UNUSED", True)  # only with the fold
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", True)
-    for tokens in (1, fused, fused + 1):
-        launch = backend.moe_launch(tokens, up, down, interpret=True)
-        assert launch["zero_unused"] == launch["down_in_up"], tokens
-        assert launch["atomic_sum"] == launch["down_in_up"], tokens
+        assert launch["block_out"] == tuning.moe.fold_block_out, tokens
+        assert launch["block_inner"] == tuning.moe.fold_block_inner, tokens
     for pair_grid in (False, True):  # a program per pair only where the fold routes too
-        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_PAIR_GRID", pair_grid)
+        grid = tuning.with_overrides({"moe.pair_grid": pair_grid})
         for tokens in (1, fused, fused + 1):
-            launch = backend.moe_launch(tokens, up, down, interpret=True)
+            launch = launch_of(tokens, grid)
             folded = launch["down_in_up"] and launch["route_in_up"]
             assert launch["pair_grid"] == (pair_grid and folded), (pair_grid, tokens)
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_BLOCK_INNER", 128)  # its own tile
-    launch = backend.moe_launch(fused + 1, up, down, interpret=True)
-    assert launch["block_inner"] == 64
+    inner = tuning.with_overrides({"moe.fold_block_inner": 128})  # its own tile
+    assert launch_of(fused + 1, inner)["block_inner"] == 64
     if fused:
-        assert backend.moe_launch(fused, up, down, interpret=True)["block_inner"] == 128
+        assert launch_of(fused, inner)["block_inner"] == 128
     narrow_up, narrow_down = jnp.zeros((8, 2048, 48)), jnp.zeros((8, 48, 96))
-    launch = backend.moe_launch(wide, narrow_up, narrow_down, interpret=True)
+    launch = launch_of(wide, tuning, narrow_up, narrow_down)
     assert (launch["block_inner"], launch["block_out"]) == (16, 32)
 
 
@@ -315,9 +312,9 @@ def test_dispatch_leaves_widths_below_triton_dots_to_xla_pallas(monkeypatch):
     """Compiled for Triton (not interpret), an intermediate width of 24 (largest power-of-two
     tile 8 < 16) runs the XLA form; 32 runs the kernel."""
     compiled = {"interpret": False, "compiler_params": None}
-    monkeypatch.setattr(backend, "_pallas_options", lambda *args: dict(compiled))
+    monkeypatch.setattr(moe_dispatch, "pallas_options", lambda *args: dict(compiled))
     launched = []
-    monkeypatch.setattr(backend, "moe_experts_pallas", lambda *a, **k: launched.append(k))
+    monkeypatch.setattr(moe_dispatch, "moe_experts_pallas", lambda *a, **k: launched.append(k))
     kernel = backend.kernels_for("pallas", "cpu").moe_experts
     routed = (jnp.zeros((2, WIDTH)), jnp.ones((2, 2)), jnp.zeros((2, 2), jnp.int32))
     for inner, want in ((24, "xla"), (32, None)):
@@ -367,9 +364,9 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     relu^2 experts lower through Pallas-Triton with the dispatch's default tiles; a
     non-power-of-two tile is rejected, which shows the lowering checks ran."""
     spec = jax.ShapeDtypeStruct
-    tiles = backend.DEFAULT_MOE_TILES
-    params = backend.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
-    kwargs = {k: tiles[k] for k in ("block_rows", "block_inner", "block_out", "block_k")}
+    tiles = Tuning().moe
+    params = common.pallas_compiler_params("gpu", tiles.num_warps, tiles.num_stages)
+    kwargs = {k: getattr(tiles, k) for k in ("block_rows", "block_inner", "block_out", "block_k")}
     routed = (spec((16, 10), jnp.float32), spec((16, 10), jnp.int32))
 
     def run(x, w, ids, up, down, gate=None, **extra):
@@ -395,7 +392,7 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
         stack,
     )
     assert "triton" in lower_for_cuda(run, *two_tokens).lower()
-    one_chunk = backend.pallas_compiler_params("gpu", tiles["num_warps"], 1)
+    one_chunk = common.pallas_compiler_params("gpu", tiles.num_warps, 1)
     down_whole = {"block_k_down": 512, "down_compiler_params": one_chunk}  # sweep knobs
     assert "triton" in lower_for_cuda(lambda *a: run(*a, **down_whole), *two_tokens).lower()
     shared = me.SharedExpert(  # Qwen3-Next's shared expert in the same launches
@@ -433,15 +430,12 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
             )
             found = text.lower().count("triton")
             assert found >= launches, (num_tokens, num_experts, route_in_up, fold, found)
-    # the down product in the up launch at the dispatch's tiles and the wider ones its
-    # switches take (MOE_DOWN_IN_UP_BLOCK_INNER, MOE_DOWN_IN_UP_BLOCK_OUT), and with the
-    # unused tiles' zeros written (MOE_DOWN_IN_UP_ZERO_UNUSED)
-    folds = ((64, 256, False), (128, 128, False), (128, 256, False), (64, 256, True))
-    for block_inner, block_out, zero in folds:
+    # the down product in the up launch at the tuning's tiles and the wider ones a sweep
+    # takes (MoETuning.fold_block_inner, fold_block_out)
+    for block_inner, block_out in ((64, 256), (128, 128), (128, 256)):
         folded = {"down_in_up": True, "block_inner": block_inner, "block_out": block_out}
-        folded["zero_unused"] = zero
         text = lower_for_cuda(lambda *a, f=folded: run(*a, **f), *two_tokens)
-        assert text.lower().count("triton") == 1, (block_inner, block_out, zero)
+        assert text.lower().count("triton") == 1, (block_inner, block_out)
     relu2 = (spec((128, 1024, 1856), jnp.bfloat16), spec((128, 1856, 1024), jnp.bfloat16))
     text = lower_for_cuda(
         lambda *a: run(*a, block_inner=64, block_k=64),
@@ -655,12 +649,12 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
 
 
 @pytest.mark.parametrize("max_tokens", (0, 2, 3))
-def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens, monkeypatch):
+def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens):
     """Routed by logits with ``route_in_up``, the MoE is two launches (up, which writes the
-    routing tables too, and down) where the routing's own launch makes three; the backend's
-    dispatch asks for it up to ``MOE_ROUTE_IN_UP_MAX_TOKENS`` tokens, and the tables it hands
-    on give the same sum as the separate launch's."""
-    monkeypatch.setattr(backend, "MOE_ROUTE_IN_UP_MAX_TOKENS", max_tokens)
+    routing tables too, and down) where the routing's own launch makes three; the dispatch
+    asks for it up to the tuning's ``route_in_up_max_tokens`` tokens, and the tables it
+    hands on give the same sum as the separate launch's."""
+    tuning = Tuning().with_overrides({"moe.route_in_up_max_tokens": max_tokens})
     rng = np.random.default_rng(41)
     up, down, gate = expert_stacks(rng, 16, jnp.float32, True)
     logits = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
@@ -681,9 +675,9 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens, monkeypatch)
     names, fused = launches(True)
     assert names == ["moe_experts_up", "moe_experts_down"], names
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(separate))
-    launch = backend.moe_launch(3, up, down, interpret=True)
-    assert launch["route_in_up"] is (3 <= max_tokens)
-    assert backend.moe_launch(2, up, down, interpret=True)["route_in_up"] is (2 <= max_tokens)
+    for tokens in (2, 3):
+        launch = moe_dispatch.moe_launch(tokens, up, down, interpret=True, tuning=tuning)
+        assert launch["route_in_up"] is (tokens <= max_tokens)
 
 
 # seed, tokens, top_k, experts, gated, dtype, shared, by logits
@@ -700,9 +694,8 @@ def test_down_product_in_the_up_launch_pallas(case):
     """With ``down_in_up`` the MoE is one launch (routed by logits in it, or by given picks
     after a grouping), each program writing its partial sums; summed, they give
     ``grouped_experts``' output (the two-launch form's to float32 rounding). The rows
-    past the tokens are never summed, nor the rows of tiles no expert uses (masked, or
-    with ``zero_unused`` written as zeros and summed unmasked, the same sum): interpret
-    mode fills unwritten rows with NaN."""
+    past the tokens are never summed, nor the rows of tiles no expert uses (masked):
+    interpret mode fills unwritten rows with NaN."""
     seed, num_tokens, top_k, num_experts, gated, dtype, with_shared, by_logits = case
     rng = np.random.default_rng(seed)
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
@@ -733,32 +726,17 @@ def test_down_product_in_the_up_launch_pallas(case):
     tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
     fused = run(x, weights, ids, up, down, gate, down_in_up=True)
     assert_close(fused, want, tol, "down product in the up launch")
-    # the unused tiles' zeros summed unmasked: the masked sum's result
-    zeroed = run(x, weights, ids, up, down, gate, down_in_up=True, zero_unused=True)
-    np.testing.assert_array_equal(np.asarray(zeroed), np.asarray(fused))
     two = run(x, weights, ids, up, down, gate)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(two), rtol=0, atol=1e-5)
-    # the partials added into the output by the programs: the sum, no launch after it
-    for options in ({}, {"pair_grid": True}, {"zero_unused": True}):
-        adds = functools.partial(run, down_in_up=True, atomic_sum=True, **options)
-        added = adds(x, weights, ids, up, down, gate)
-        assert added.shape == fused.shape and added.dtype == jnp.float32, options
-        np.testing.assert_allclose(np.asarray(added), np.asarray(fused), rtol=0, atol=1e-6)
-        jaxpr = jax.make_jaxpr(lambda x, f=adds: f(x, weights, ids, up, down, gate))(x).jaxpr
-        (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-        assert call.params["grid_mapping"].num_outputs == 1 + 3 * by_logits
-        after = jaxpr.eqns[jaxpr.eqns.index(call) + 1 :]  # the launch's output as it is
-        assert not [e for e in after if e.primitive.name == "reduce_sum"], options
     if by_logits:  # a program per token's pair: the same partials, fewer of them
         pairs = top_k + with_shared
-        for zero in (False, True):
-            options = {"down_in_up": True, "zero_unused": zero, "pair_grid": True}
-            by_pair = run(x, weights, ids, up, down, gate, **options)
-            np.testing.assert_allclose(np.asarray(by_pair), np.asarray(fused), rtol=0, atol=1e-6)
-            jaxpr = jax.make_jaxpr(lambda x, o=options: run(x, weights, ids, up, down, gate, **o))
-            (call,) = [e for e in jaxpr(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
-            tokens = 1 << (num_tokens - 1).bit_length()
-            assert call.params["grid_mapping"].grid == (INNER // 8, tokens * pairs)
+        options = {"down_in_up": True, "pair_grid": True}
+        by_pair = run(x, weights, ids, up, down, gate, **options)
+        np.testing.assert_allclose(np.asarray(by_pair), np.asarray(fused), rtol=0, atol=1e-6)
+        jaxpr = jax.make_jaxpr(lambda x, o=options: run(x, weights, ids, up, down, gate, **o))
+        (call,) = [e for e in jaxpr(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
+        tokens = 1 << (num_tokens - 1).bit_length()
+        assert call.params["grid_mapping"].grid == (INNER // 8, tokens * pairs)
     jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)
     names = launch_names(jaxpr.jaxpr.eqns)
     assert names == ["moe_experts_up"], names

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend
+from lazyspec.kernels import backend, common
 from lazyspec.kernels import paged_attention as pa
+from lazyspec.kernels.tuning import Tuning
 from tests.kernels.kernel_checks import assert_close
 
 pytestmark = pytest.mark.pallas
@@ -320,31 +321,35 @@ def test_the_combine_reads_only_the_active_splits_pallas():
     assert np.isnan(np.asarray(every)).any()
 
 
-def test_the_dispatch_merges_as_attention_active_splits_says_pallas(monkeypatch):
-    """The backend's paged attention hands ``ATTENTION_ACTIVE_SPLITS`` on: with it on, the
+def test_the_dispatch_merges_as_attention_active_splits_says_pallas():
+    """The record's paged attention hands the tuning's ``active_splits`` on: with it on, the
     combine launch takes the lengths (two inputs more)."""
     rng = np.random.default_rng(12)
     case = attention_case(rng, 2, 1, 8, 2, 64, [30, 5], jnp.float32)
     args = [case[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
-    attend = backend.kernels_for("pallas", "cpu").paged_attention
+
+    def attend_with(**overrides):
+        tuning = Tuning().with_overrides(overrides)
+        return backend.kernels_for("pallas", "cpu", tuning=tuning).paged_attention
+
     inputs = {}
     for switch in (False, True):
-        monkeypatch.setattr(backend, "ATTENTION_ACTIVE_SPLITS", switch)
+        attend = attend_with(**{"attention.active_splits": switch})
         jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         inputs[switch] = len(launches[-1].invars)
     assert inputs[True] == inputs[False] + 2, inputs
-    # and ATTENTION_COMBINE_BLOCK: the combine's programs a head up to SMALL_STEP_MAX_TOKENS
+    # and ``combine_block``: the combine's programs a head up to ``small_step_max_tokens``
     # tokens (0: one)
     three = attention_case(rng, 3, 1, 8, 2, 64, [30, 5, 9], jnp.float32)
     grids = {}
     for block, each in ((0, case), (16, case), (16, three)):
-        monkeypatch.setattr(backend, "ATTENTION_COMBINE_BLOCK", block)
+        attend = attend_with(**{"attention.combine_block": block})
         args = [each[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
         jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         grids[block, args[0].shape[0]] = launches[-1].params["grid_mapping"].grid
-    assert backend.SMALL_STEP_MAX_TOKENS == 2
+    assert Tuning().small_step_max_tokens == 2
     assert grids == {(0, 2): (2, 2, 1, 1), (16, 2): (2, 2, 1, 4), (16, 3): (3, 2, 1, 1)}, grids
 
 
@@ -409,7 +414,7 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
     Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
     tiles = pa.DEFAULT_ATTENTION_TILES
-    params = backend.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
+    params = common.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
     for num_tokens in (1, 64):
         args = (
             spec((4, num_tokens, 16, 256), jnp.bfloat16),
@@ -443,7 +448,7 @@ def test_merge_stays_in_jnp_where_the_heads_of_a_kv_head_are_not_a_power_of_two_
     """Five query heads a kv head (Triton blocks are powers of two): the CUDA lowering has
     the attention launch only, the merge in XLA."""
     spec = jax.ShapeDtypeStruct
-    params = backend.pallas_compiler_params("gpu", 8, 2)
+    params = common.pallas_compiler_params("gpu", 8, 2)
     args = (
         spec((4, 1, 10, 128), jnp.bfloat16),
         *(spec((1000, 2, 128), jnp.bfloat16),) * 2,

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend
+from lazyspec.kernels import backend, common
+from lazyspec.kernels.norm import dispatch as norm_dispatch
 from lazyspec.kernels.residual_norm import residual_norm_pallas
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.norms import residual_rms_norm
 
 pytestmark = pytest.mark.pallas
@@ -108,8 +110,8 @@ def test_residual_norm_pallas_rejects_mismatched_inputs():
         residual_norm_pallas(x, delta, weight, router, block_experts=3, **options)
 
 
-LIMIT = backend.RESIDUAL_NORM_MAX_TOKENS
-PER_EXPERT = backend.RESIDUAL_NORM_MAX_TOKEN_EXPERTS
+LIMIT = Tuning().norm.residual_max_tokens
+PER_EXPERT = Tuning().norm.residual_max_token_experts
 
 
 @pytest.mark.parametrize(
@@ -118,8 +120,8 @@ PER_EXPERT = backend.RESIDUAL_NORM_MAX_TOKEN_EXPERTS
     + [(PER_EXPERT // 128, 128), (PER_EXPERT // 128 + 1, 128)],
 )
 def test_dispatch_runs_the_kernel_up_to_the_limit(tokens, experts):
-    """Up to ``RESIDUAL_NORM_MAX_TOKENS`` tokens, and tokens times experts up to
-    ``RESIDUAL_NORM_MAX_TOKEN_EXPERTS``, the backend's launch; beyond, the caller's form."""
+    """Up to ``NormTuning.residual_max_tokens`` tokens, and tokens times experts up to
+    ``residual_max_token_experts``, the backend's launch; beyond, the caller's form."""
     x, delta, weight, router = _case(np.random.default_rng(1), tokens, 32, experts)
     over = tokens > LIMIT or tokens * max(experts, 1) > PER_EXPERT
     calls = []
@@ -144,7 +146,7 @@ def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
 
     spec = jax.ShapeDtypeStruct
     options = {"eps": 1e-6, "zero_centered": True}
-    options["compiler_params"] = backend.pallas_compiler_params("gpu")
+    options["compiler_params"] = common.pallas_compiler_params("gpu")
     options["logits_dtype"] = jnp.float32 if with_delta else jnp.bfloat16
     row = spec((4, 2048), jnp.bfloat16)
 
@@ -158,11 +160,9 @@ def test_launch_lowers_to_one_triton_call_at_qwen3_next_widths(with_delta):
 
 
 def test_dispatch_takes_the_router_tile_it_is_set_to(monkeypatch):
-    """The launch's router rows a program are ``RESIDUAL_NORM_BLOCK_EXPERTS`` (fitted to
-    the router), and up to ``RESIDUAL_NORM_FEW_TOKENS`` tokens
-    ``RESIDUAL_NORM_FEW_BLOCK_EXPERTS``, read when the call is made, so a benchmark's
-    ``--kernel-switch`` sets them; the warps likewise (``RESIDUAL_NORM_NUM_WARPS``,
-    ``RESIDUAL_NORM_FEW_NUM_WARPS``)."""
+    """The launch's router rows a program are the tuning's ``block_experts`` (fitted to the
+    router), and up to ``few_tokens`` tokens ``few_block_experts``; the warps likewise
+    (``num_warps``, ``few_num_warps``): each resolved record launches with its own."""
     seen = []
 
     def recorder(*args, block_experts, **options):
@@ -173,12 +173,10 @@ def test_dispatch_takes_the_router_tile_it_is_set_to(monkeypatch):
         seen.append(("warps", num_warps))
         return {"interpret": True, "compiler_params": None}
 
-    monkeypatch.setattr(backend, "residual_norm_pallas", recorder)
-    monkeypatch.setattr(backend, "_pallas_options", options)
+    monkeypatch.setattr(norm_dispatch, "residual_norm_pallas", recorder)
+    monkeypatch.setattr(norm_dispatch, "pallas_options", options)
     x, delta, weight, router = _case(np.random.default_rng(2), 2, 32, 8)
-    fused = backend.kernels_for("pallas", "cpu").residual_norm
-    monkeypatch.setattr(backend, "RESIDUAL_NORM_FEW_BLOCK_EXPERTS", 2)
-    monkeypatch.setattr(backend, "RESIDUAL_NORM_FEW_NUM_WARPS", 1)
+    base = Tuning().with_overrides({"norm.few_block_experts": 2, "norm.few_num_warps": 1})
     # (few tokens, block, warps) -> the launch's (warps, block), at two tokens of 8 experts
     cases = {
         (1, 1, 2): (2, 1),
@@ -187,9 +185,10 @@ def test_dispatch_takes_the_router_tile_it_is_set_to(monkeypatch):
         (4, 16, 8): (1, 2),
     }
     for (few_tokens, block, warps), (want_warps, want) in cases.items():
-        monkeypatch.setattr(backend, "RESIDUAL_NORM_FEW_TOKENS", few_tokens)
-        monkeypatch.setattr(backend, "RESIDUAL_NORM_BLOCK_EXPERTS", block)
-        monkeypatch.setattr(backend, "RESIDUAL_NORM_NUM_WARPS", warps)
+        tuning = base.with_overrides(
+            {"norm.few_tokens": few_tokens, "norm.block_experts": block, "norm.num_warps": warps}
+        )
+        fused = backend.kernels_for("pallas", "cpu", tuning=tuning).residual_norm
         seen.clear()
         got = fused(x, delta, weight, router, eps=1e-6, xla_form=None)
         assert seen == [("warps", want_warps), want], (few_tokens, block, seen)

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend
+from lazyspec.kernels import backend, common
 from lazyspec.kernels import state_scatter as ss
+from lazyspec.kernels.state import dispatch as state_dispatch
+from lazyspec.kernels.tuning import Tuning
 
 pytestmark = pytest.mark.pallas
 
@@ -88,7 +90,7 @@ def test_state_scatter_donated_under_jit_pallas():
     expected = expected_pools(pools, steps, dst, step)
     originals = [jnp.array(p, copy=True) for p in pools]
     commit = jax.jit(
-        lambda s, c, *rest: backend.state_scatter(
+        lambda s, c, *rest: state_dispatch.state_scatter(
             s, c, *rest, kernel_backend="pallas", block_channels=4, interpret=True
         ),
         donate_argnums=(0, 1),
@@ -136,7 +138,7 @@ def test_state_scatter_bad_arguments_pallas():
     with pytest.raises(ValueError, match="B <= 4"):
         ss.state_scatter_xla(*pools, *steps, jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32))
     with pytest.raises(ValueError, match="kernel_backend"):
-        backend.state_scatter(*pools, *steps, dst, step, kernel_backend="cuda")
+        state_dispatch.state_scatter(*pools, *steps, dst, step, kernel_backend="cuda")
 
 
 def test_state_scatter_lowers_to_triton_at_model_shapes_pallas():
@@ -157,7 +159,7 @@ def test_state_scatter_lowers_to_triton_at_model_shapes_pallas():
             *a,
             block_rows=32,
             block_channels=1024,
-            compiler_params=backend.pallas_compiler_params("gpu"),
+            compiler_params=common.pallas_compiler_params("gpu"),
         )
     ).trace(*args)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
@@ -251,10 +253,10 @@ def test_state_copy_lowers_to_triton_at_model_shapes_pallas():
     lowered = jax.jit(
         lambda *a: ss.state_copy_pallas(
             *a,
-            block_rows=backend.DEFAULT_SCATTER_TILES["block_rows"],
-            block_channels=backend.DEFAULT_SCATTER_TILES["block_channels"],
-            tiles_per_program=backend.COPY_TILES_PER_PROGRAM,
-            compiler_params=backend.pallas_compiler_params("gpu"),
+            block_rows=Tuning().state.scatter_block_rows,
+            block_channels=Tuning().state.scatter_block_channels,
+            tiles_per_program=Tuning().state.copy_tiles_per_program,
+            compiler_params=common.pallas_compiler_params("gpu"),
         )
     ).trace(*args)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()

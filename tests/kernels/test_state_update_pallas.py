@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels import backend, recurrence
+from lazyspec.kernels import backend, common, recurrence
 from lazyspec.kernels import state_update as su
+from lazyspec.kernels.state import dispatch as state_dispatch
+from lazyspec.kernels.tuning import Tuning
 from tests.kernels.kernel_checks import assert_close, draw_slots
 
 pytestmark = pytest.mark.pallas
@@ -41,7 +43,7 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 def engine_pool(states: np.ndarray) -> jax.Array:
     """A pool as the engine keeps one: slot 0, the padding rows' slot, all zeros (which the
-    dispatch's updates need not read in decode: ``backend.UPDATE_SKIPS_PADDING_STATE``)."""
+    dispatch's updates need not read in decode: ``StateTuning.skip_padding_state``)."""
     states[0] = 0.0
     return jnp.asarray(states)
 
@@ -221,37 +223,40 @@ def test_bad_arguments_raise_value_error_pallas():
 
 
 def test_backend_resolution_and_dispatch_pallas():
-    assert backend.resolve_backend(None, "cpu") == "xla"
-    assert backend.resolve_backend(None, "gpu") == "pallas"
-    assert backend.resolve_backend(None, "tpu") == "xla"  # untested on TPU: opt in
-    assert backend.resolve_backend("xla", "gpu") == "xla"
+    assert common.resolve_backend(None, "cpu") == "xla"
+    assert common.resolve_backend(None, "gpu") == "pallas"
+    assert common.resolve_backend(None, "tpu") == "xla"  # untested on TPU: opt in
+    assert common.resolve_backend("xla", "gpu") == "xla"
     with pytest.raises(ValueError, match="triton"):
-        backend.resolve_backend("triton")
-    assert backend.pallas_compiler_params("cpu") is None
-    assert backend.pallas_compiler_params("gpu", num_warps=8).num_warps == 8
+        common.resolve_backend("triton")
+    assert common.pallas_compiler_params("cpu") is None
+    assert common.pallas_compiler_params("gpu", num_warps=8).num_warps == 8
     rng = np.random.default_rng(24)
     pool, slot, inputs = mamba2_case(rng, 3, 2, 4, 2, 4, 8, 4, jnp.float32)
-    via_pallas = backend.state_update(
+    via_pallas = state_dispatch.state_update(
         pool, slot, inputs, mode="verify", kernel_backend="pallas", block_heads=2, interpret=True
     )
-    via_xla = backend.state_update(pool, slot, inputs, mode="verify", kernel_backend="xla")
+    via_xla = state_dispatch.state_update(pool, slot, inputs, mode="verify", kernel_backend="xla")
     assert_close(via_pallas.outputs, via_xla.outputs, FP32_TOL, "dispatch outputs")
     assert_close(via_pallas.step_states, via_xla.step_states, FP32_TOL, "dispatch states")
     with pytest.raises(ValueError, match="GdnTokens"):
-        backend.state_update(pool, slot, (inputs.x,), mode="verify", kernel_backend="xla")
+        state_dispatch.state_update(pool, slot, (inputs.x,), mode="verify", kernel_backend="xla")
 
 
 def test_kernels_record_resolves_each_backend_once_pallas():
     """``kernels_for`` binds each backend's functions once: XLA has no state-update kernel
     (the mixers' own scans), Pallas the Triton-layout kernels (interpret mode on CPU) with
     the dispatch's default tiles, Pallas on a TPU the scalar-prefetch ones and the XLA
-    scatter. Records compare by backend and platform, not by their bound functions."""
-    assert backend.kernels_for("xla") is backend.XLA_KERNELS
-    assert backend.kernels_for(None, "cpu") is backend.XLA_KERNELS
+    scatter. Records compare by backend, platform and tuning, not by their bound functions."""
+    assert backend.kernels_for("xla", "cpu") == backend.XLA_KERNELS
+    assert backend.kernels_for(None, "cpu") == backend.kernels_for("xla", "cpu")
     xla = backend.XLA_KERNELS
     assert xla.gdn_state_update is None and xla.mamba2_state_update is None
     pallas = backend.kernels_for("pallas", "cpu")
     assert pallas == backend.Kernels("pallas", "cpu", None, None, None) != xla
+    other = Tuning().with_overrides({"gdn.block_value": 32})
+    assert backend.kernels_for("pallas", "cpu", tuning=other) != pallas  # another program
+    assert backend.kernels_for("pallas", "cpu", tuning=other).tuning == other
     assert backend.kernels_for("pallas", "tpu").state_scatter is backend.state_scatter_xla
     with pytest.raises(ValueError, match="triton"):
         backend.kernels_for("triton")
@@ -264,7 +269,7 @@ def test_kernels_record_resolves_each_backend_once_pallas():
     for (pool, slot, inputs), update in zip(cases, updates):
         for mode in su.MODES:
             got = update(pool, slot, inputs, mode=mode)
-            want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+            want = state_dispatch.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
             assert_close(got.outputs, want.outputs, FP32_TOL, f"{mode} outputs")
             got_state = got.pool if mode == "decode" else got.step_states
             want_state = want.pool if mode == "decode" else want.step_states
@@ -273,39 +278,40 @@ def test_kernels_record_resolves_each_backend_once_pallas():
 
 @pytest.mark.parametrize("value_dim", [128, 24])
 def test_dispatch_default_tiles_pallas(value_dim):
-    """Without tile arguments the dispatch takes DEFAULT_STATE_TILES: GDN value tiles of 64
-    (two tiles over d_v = 128) or, when 64 does not divide d_v (24), the largest power of
-    two that does (8)."""
-    assert backend.fitted_tile(128, backend.DEFAULT_STATE_TILES["gdn"]["block_value"]) == 64
-    assert backend.fitted_tile(24, 64) == 8 and backend.fitted_tile(10240, 2048) == 2048
-    assert backend.fitted_tile(7, 64) == 1
+    """Without tile arguments the dispatch takes the tuning's: GDN value tiles of 64 (two
+    tiles over d_v = 128) or, when 64 does not divide d_v (24), the largest power of two
+    that does (8)."""
+    assert common.fitted_tile(128, Tuning().gdn.block_value) == 64
+    assert common.fitted_tile(24, 64) == 8 and common.fitted_tile(10240, 2048) == 2048
+    assert common.fitted_tile(7, 64) == 1
     rng = np.random.default_rng(value_dim)
     pool, slot, inputs = gdn_case(rng, 3, 2, 2, 8, value_dim, 5, jnp.float32)
     for mode in su.MODES:
-        got = backend.state_update(
+        got = state_dispatch.state_update(
             pool, slot, inputs, mode=mode, kernel_backend="pallas", interpret=True
         )
-        want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+        want = state_dispatch.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
         assert_close(got.outputs, want.outputs, FP32_TOL, f"{mode} outputs")
         states = (got.pool, want.pool) if mode == "decode" else (got.step_states, want.step_states)
         assert_close(*states, FP32_TOL, f"{mode} states")
 
 
-def test_gdn_update_value_tile_switch_pallas(monkeypatch):
-    """``backend.GDN_UPDATE_BLOCK_VALUE`` set, the GDN update of up to
-    ``SMALL_STEP_MAX_TOKENS`` tokens takes that value tile (its grid's last axis d_v /
-    tile) with the same results; 0, or more tokens, keep DEFAULT_STATE_TILES'."""
+def test_gdn_update_value_tile_switch_pallas():
+    """``GdnTuning.small_block_value`` set, the GDN update of up to
+    ``Tuning.small_step_max_tokens`` tokens takes that value tile (its grid's last axis d_v /
+    tile) with the same results; 0, or more tokens, keep ``block_value``."""
     rng = np.random.default_rng(21)
-    bound = backend.SMALL_STEP_MAX_TOKENS
+    bound = Tuning().small_step_max_tokens
     for rows, block, tiles in ((bound, 0, 1), (bound, 8, 4), (bound + 1, 8, 1)):
         pool, slot, inputs = gdn_case(rng, rows, 1, 2, 8, 32, 5, jnp.float32)
-        want = backend.state_update(pool, slot, inputs, mode="decode", kernel_backend="xla")
-        monkeypatch.setattr(backend, "GDN_UPDATE_BLOCK_VALUE", block)
+        want = state_dispatch.state_update(pool, slot, inputs, mode="decode", kernel_backend="xla")
+        tuning = Tuning().with_overrides({"gdn.small_block_value": block})
 
-        def run(pool, slot=slot, inputs=inputs):
-            return backend.state_update(
-                pool, slot, inputs, mode="decode", kernel_backend="pallas", interpret=True
-            )
+        def run(pool, slot=slot, inputs=inputs, tuning=tuning):
+            return state_dispatch.state_update(
+                pool, slot, inputs, mode="decode", kernel_backend="pallas", interpret=True,
+                tuning=tuning,
+            )  # fmt: skip
 
         eqns = jax.make_jaxpr(run)(pool).jaxpr.eqns
         (call,) = [e for e in eqns if e.primitive.name == "pallas_call"]
@@ -319,8 +325,7 @@ def test_evict_last_hint_keeps_results_pallas():
     """The decode load's cache hint (``evict_last``, Mamba2's default) changes no value: both
     mixers, both modes (verify ignores it), against the XLA form; the default tiles carry
     the hint for Mamba2 only."""
-    assert backend.DEFAULT_STATE_TILES["mamba2"]["evict_last"]
-    assert not backend.DEFAULT_STATE_TILES["gdn"]["evict_last"]
+    assert Tuning().mamba2.evict_last and not Tuning().gdn.evict_last
     rng = np.random.default_rng(7)
     cases = [
         gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),
@@ -328,7 +333,7 @@ def test_evict_last_hint_keeps_results_pallas():
     ]
     for pool, slot, inputs in cases:
         for mode in su.MODES:
-            got = backend.state_update(
+            got = state_dispatch.state_update(
                 pool,
                 slot,
                 inputs,
@@ -338,7 +343,7 @@ def test_evict_last_hint_keeps_results_pallas():
                 evict_last=True,
                 interpret=True,
             )
-            want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+            want = state_dispatch.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
             tol = BF16_OUT_TOL if inputs.__class__ is su.Mamba2Tokens else FP32_TOL
             assert_close(got.outputs, want.outputs, tol, f"{mode} outputs")
             states = (
@@ -347,8 +352,8 @@ def test_evict_last_hint_keeps_results_pallas():
             assert_close(*states, FP32_TOL, f"{mode} states")
 
 
-def test_padding_rows_skip_their_state_in_decode_pallas(monkeypatch):
-    """With ``skip_padding`` (``backend.UPDATE_SKIPS_PADDING_STATE``) a decode step's padding
+def test_padding_rows_skip_their_state_in_decode_pallas():
+    """With ``skip_padding`` (``StateTuning.skip_padding_state``) a decode step's padding
     rows (slot 0) read a zero state, not slot 0's: with NaN in slot 0 their outputs are the
     XLA form's from a zero slot 0, the real rows' outputs and slots are as without it, and
     slot 0 stays as it was. Both mixers; verify reads slot 0 as before (its own data)."""
@@ -357,16 +362,19 @@ def test_padding_rows_skip_their_state_in_decode_pallas(monkeypatch):
         gdn_case(rng, 4, 2, 2, 8, 16, 5, jnp.float32),
         mamba2_case(rng, 4, 2, 4, 2, 8, 16, 5, jnp.float32),
     ]
-    monkeypatch.setattr(backend, "UPDATE_SKIPS_PADDING_STATE", True)
+    assert Tuning().state.skip_padding_state
+    off = Tuning().with_overrides({"state.skip_padding_state": False})
     for pool, slot, inputs in cases:
         slot = slot.at[1].set(0).at[3].set(0)  # rows 1 and 3 are padding
         zeroed = pool.at[0].set(0.0)
         poisoned = pool.at[0].set(jnp.nan)
         run = functools.partial(
-            backend.state_update, kernel_backend="pallas", block_value=4, interpret=True
+            state_dispatch.state_update, kernel_backend="pallas", block_value=4, interpret=True
         )
         got = run(poisoned, slot, inputs, mode="decode")
-        want = backend.state_update(zeroed, slot, inputs, mode="decode", kernel_backend="xla")
+        want = state_dispatch.state_update(
+            zeroed, slot, inputs, mode="decode", kernel_backend="xla"
+        )
         assert_close(got.outputs, want.outputs, FP32_TOL, "outputs")
         assert np.isnan(np.asarray(got.pool[0])).all()  # slot 0 neither read nor written
         assert_close(got.pool[1:], want.pool[1:], FP32_TOL, "slots")
@@ -374,10 +382,8 @@ def test_padding_rows_skip_their_state_in_decode_pallas(monkeypatch):
         assert_close(verify.outputs, want.outputs, FP32_TOL, "verify outputs")
         with pytest.raises(AssertionError):  # verify reads the poisoned slot 0: NaN rows
             assert_close(run(poisoned, slot, inputs, mode="verify").outputs, want.outputs, 1, "")
-        monkeypatch.setattr(backend, "UPDATE_SKIPS_PADDING_STATE", False)
-        read = run(poisoned, slot, inputs, mode="decode")  # the switch off: slot 0 read
+        read = run(poisoned, slot, inputs, mode="decode", tuning=off)  # off: slot 0 read
         assert np.isnan(np.asarray(read.outputs)[[1, 3]]).all()
-        monkeypatch.setattr(backend, "UPDATE_SKIPS_PADDING_STATE", True)
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
@@ -394,9 +400,9 @@ def test_layer_of_a_stacked_pool_pallas(platform):
     for pool, slot, inputs in cases:
         stacked = jnp.stack([pool * 0.5, pool, pool * 2.0])
         for mode in su.MODES:
-            want = backend.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
+            want = state_dispatch.state_update(pool, slot, inputs, mode=mode, kernel_backend="xla")
             for name in ("pallas", "xla"):
-                got = backend.state_update(
+                got = state_dispatch.state_update(
                     stacked,
                     slot,
                     inputs,
@@ -416,11 +422,13 @@ def test_layer_of_a_stacked_pool_pallas(platform):
                         np.asarray(got.pool[other]), np.asarray(stacked[other])
                     )
         with pytest.raises(ValueError, match="layer=3"):
-            backend.state_update(
+            state_dispatch.state_update(
                 stacked, slot, inputs, mode="verify", layer=3, kernel_backend="xla"
             )
         with pytest.raises(ValueError, match="leading layer axis"):
-            backend.state_update(pool, slot, inputs, mode="verify", layer=0, kernel_backend="xla")
+            state_dispatch.state_update(
+                pool, slot, inputs, mode="verify", layer=0, kernel_backend="xla"
+            )
 
 
 def lower_for_cuda(fn, *args) -> str:
@@ -433,7 +441,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
     groups) lower through Pallas-Triton with the benchmark's tiles; a non-power-of-two tile
     is rejected, which shows the lowering checks really ran."""
     spec = jax.ShapeDtypeStruct
-    params = backend.pallas_compiler_params("gpu")
+    params = common.pallas_compiler_params("gpu")
     batch, tokens, slot = 4, 4, spec((4,), jnp.int32)
     gdn = su.GdnTokens(
         *(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
@@ -527,9 +535,9 @@ def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
     C) lowers through Pallas-Triton with the default tiles, as the engine's decode step calls
     it (a layer of the stacked pool)."""
     spec = jax.ShapeDtypeStruct
-    params = backend.pallas_compiler_params("gpu")
+    params = common.pallas_compiler_params("gpu")
     batch, tokens, head_dim, state_dim = 4, 4, 64, 128
-    tiles = backend.DEFAULT_STATE_TILES["mamba2"]
+    tiles = {"block_value": Tuning().mamba2.block_value, "evict_last": Tuning().mamba2.evict_last}
     mamba = su.Mamba2Tokens(
         spec((batch, tokens, num_heads, head_dim), jnp.bfloat16),
         *(spec((batch, tokens, 1, state_dim), jnp.bfloat16),) * 2,
@@ -543,7 +551,7 @@ def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
                 s,
                 t,
                 mode=mode,
-                block_value=backend.fitted_tile(head_dim, tiles["block_value"]),
+                block_value=common.fitted_tile(head_dim, tiles["block_value"]),
                 evict_last=tiles["evict_last"],
                 layer=1,
                 compiler_params=params,
@@ -612,7 +620,7 @@ def test_gdn_conv_tokens_check_their_shapes_pallas():
     with pytest.raises(ValueError, match="block_heads=4 must divide 2"):
         su.gdn_state_update_pallas(pool, slot, tokens, mode="decode", block_heads=4, interpret=True)
     with pytest.raises(ValueError, match="only in the Triton-layout"):
-        backend.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")
+        state_dispatch.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")
     split_width = su.GdnConvTokens.grouped(tokens.conv_out, *gates[1:], num_k_heads=2)
     with pytest.raises(ValueError, match=r"a \(2, 1, 4\) must be \(2, 1, 8\)"):
         su.gdn_state_update_pallas(pool, slot, split_width, mode="decode", interpret=True)
@@ -700,7 +708,7 @@ def test_output_norm_needs_a_program_a_head_pallas():
     assert got.outputs.dtype == jnp.float32 and got.outputs.shape == (2, 1, num_v, width)
 
 
-def test_output_norm_lowers_to_triton_at_model_shapes_pallas(monkeypatch):
+def test_output_norm_lowers_to_triton_at_model_shapes_pallas():
     """Qwen3-Next's decode step (16 key heads, 32 value heads of 128, the gates grouped,
     z in ``in_proj_qkvz``'s output) lowers with the norm in the update through
     Pallas-Triton at a whole head a program (the dispatch's tiles), in both modes; only
@@ -724,7 +732,7 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas(monkeypatch):
         1e-6,
         jnp.bfloat16,
     )
-    params = backend.pallas_compiler_params("gpu", backend.GDN_NORM_IN_UPDATE_WARPS)
+    params = common.pallas_compiler_params("gpu", Tuning().gdn.norm_in_update_warps)
     for mode in su.MODES:
         text = lower_for_cuda(
             lambda p, s, t, mode=mode: (
@@ -737,9 +745,12 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas(monkeypatch):
             dataclasses.replace(conv, norm=norm),
         )
         assert text.lower().count("triton") >= 1 and "bf16" in text
-    gpu = backend.kernels_for("pallas", "gpu").gdn_state_update
-    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE_MAX_TOKENS", 16)
+
+    def update(platform: str, max_tokens: int):
+        tuning = Tuning().with_overrides({"gdn.norm_in_update_max_tokens": max_tokens})
+        return backend.kernels_for("pallas", platform, tuning=tuning).gdn_state_update
+
+    gpu = update("gpu", 16)
     assert backend.norms_gdn_output(gpu, 16) and not backend.norms_gdn_output(gpu, 17)
-    assert not backend.norms_gdn_output(backend.kernels_for("pallas", "tpu").gdn_state_update, 1)
-    monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE_MAX_TOKENS", 0)
-    assert not backend.norms_gdn_output(gpu, 1)
+    assert not backend.norms_gdn_output(update("tpu", 16), 1)
+    assert not backend.norms_gdn_output(update("gpu", 0), 1)

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend, recurrence
+from lazyspec.kernels import common, recurrence
 from lazyspec.kernels import state_update as su
 from lazyspec.kernels import state_update_tpu as tpu
+from lazyspec.kernels.state import dispatch as state_dispatch
 from tests.kernels.test_state_update_pallas import (
     BF16_OUT_TOL,
     FP32_TOL,
@@ -85,7 +86,7 @@ def test_dispatch_on_tpu_takes_the_tpu_layout():
     layout (here in interpret mode); both agree with the scan."""
     rng = np.random.default_rng(46)
     pool, slot, inputs = mamba2_case(rng, 4, 2, 16, 2, 8, 16, 6, jnp.float32)
-    assert backend.resolve_backend(None, "tpu") == "xla"
+    assert common.resolve_backend(None, "tpu") == "xla"
     outs, _, states = reference(
         pool,
         slot,
@@ -94,7 +95,7 @@ def test_dispatch_on_tpu_takes_the_tpu_layout():
         (inputs.a, inputs.d),
     )
     for kernel_backend in (None, "pallas"):
-        got = backend.state_update(
+        got = state_dispatch.state_update(
             pool,
             slot,
             inputs,

@@ -13,6 +13,7 @@ import pytest
 
 from lazyspec.kernels.backend import XLA_KERNELS, kernels_for
 from lazyspec.kernels.paged_attention import paged_attention_reference
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.interface import PoolView
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
@@ -139,15 +140,13 @@ def test_pallas_attention_forward_matches_jnp_form_pallas(mode):
         ("qwen3_next", "xla prologue"),
     ],
 )
-def test_qkv_read_in_place_gives_the_same_forward_pallas(monkeypatch, family, mode):
-    """With ``ATTENTION_QKV_IN_PLACE`` every attention layer computes q, k and v in one
+def test_qkv_read_in_place_gives_the_same_forward_pallas(family, mode):
+    """With ``AttentionTuning.qkv_in_place`` every attention layer computes q, k and v in one
     product, the prologue reads them out of it and the paged attention its gate where it
     has one (handed the product's output as it is): the hidden states and KV pools of the
     three products (up to float32 rounding: a wider product may sum in another order), two
     products fewer a layer. "xla prologue": a verify step over the prologue's token limit,
     whose XLA form slices the three outputs out of the one product."""
-    from lazyspec.kernels import backend
-
     model = tiny_model(family)
     cfg, spec = model.config, model.config.arch.attention
     rng = np.random.default_rng(21)
@@ -155,13 +154,13 @@ def test_qkv_read_in_place_gives_the_same_forward_pallas(monkeypatch, family, mo
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 0, 3])
     if mode == "decode":
         inputs = first_tokens(inputs)
+    limit = {}
     if mode == "xla prologue":
-        monkeypatch.setattr(backend, "ATTENTION_PROLOGUE_MAX_TOKENS", 1)
-        mode = "verify"
+        limit, mode = {"attention.prologue_max_tokens": 1}, "verify"
     results, dots, gates = {}, {}, {}
     for in_place in (False, True):
-        monkeypatch.setattr(backend, "ATTENTION_QKV_IN_PLACE", in_place)
-        base = kernels_for("pallas")
+        tuning = Tuning().with_overrides({**limit, "attention.qkv_in_place": in_place})
+        base = kernels_for("pallas", tuning=tuning)
         shapes = []
 
         def attention(*args, gate=None, shapes=shapes, base=base, **kw):

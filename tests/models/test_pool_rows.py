@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend
-from lazyspec.kernels.backend import XLA_KERNELS, kernels_for, state_update
+from lazyspec.kernels.backend import XLA_KERNELS, kernels_for
+from lazyspec.kernels.state.dispatch import state_update
+from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.config import RECURRENT
 from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRows, StepStates
 from lazyspec.models.layers.norms import residual_rms_norm
@@ -129,14 +130,14 @@ def test_forward_uses_the_residual_norm_it_is_given():
     """Every Qwen3-Next layer hands its mixer's output to ``Kernels.residual_norm`` (with the
     router where the MLP is a MoE), and every GDN layer its input (with the fused gate
     projection ``in_proj_ba`` as the router, rounded to its dtype); with
-    ``MLP_OUTPUT_IN_NEXT_NORM`` each layer after the first hands its input norm the
+    ``NormTuning.mlp_output_in_next_norm`` each layer after the first hands its input norm the
     previous layer's MLP output as the delta (an attention layer's input norm becomes the
     launch's). Each runs on what the launch returns: the XLA form behind a recorder gives
     the XLA forward's output exactly; an altered residual, altered router logits or altered
     gates change it."""
     cfg, run = _verify_forward(13)
     gdn, moe = cfg.arch.gdn, cfg.arch.moe
-    adds = backend.MLP_OUTPUT_IN_NEXT_NORM
+    adds = Tuning().norm.mlp_output_in_next_norm
     want = []  # (part, no delta, router shape) in call order
     for i, (role, kind) in enumerate(zip(cfg.layer_roles, cfg.arch.mlp_kinds)):
         delta_in = adds and i > 0
@@ -297,13 +298,11 @@ def _launch_names(jaxpr) -> list[str]:
     return launch_names(step_eqns(jaxpr))
 
 
-def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
-    """Up to ``backend.GDN_NORM_IN_UPDATE_MAX_TOKENS`` tokens the GDN layers hand their
+def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas():
+    """Up to ``GdnTuning.norm_in_update_max_tokens`` tokens the GDN layers hand their
     output's gated norm to the state update's launch (``OutputNorm``): the decode from the
     pools gives the same hidden states and pools bit for bit, and the step has no gated-norm
     launch left; a step of more tokens keeps the norm's own launch."""
-    from lazyspec.kernels import backend
-
     model = tiny_model("qwen3_next")
     cfg, fam = model.config, model.family
     rng = np.random.default_rng(17)
@@ -320,8 +319,8 @@ def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
     view = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
     results, launches = {}, {}
     for fused in (False, True):  # the step's 3 tokens over the limit of 2, then within 3
-        monkeypatch.setattr(backend, "GDN_NORM_IN_UPDATE_MAX_TOKENS", 3 if fused else 2)
-        kernels = kernels_for("pallas")
+        tuning = Tuning().with_overrides({"gdn.norm_in_update_max_tokens": 3 if fused else 2})
+        kernels = kernels_for("pallas", tuning=tuning)
 
         def step(r, k=kernels):
             return fam.forward(model.params, cfg, inputs, kv, r, mode="decode", kernels=k)
@@ -338,14 +337,12 @@ def test_gdn_norm_in_the_state_update_gives_the_same_decode_pallas(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["decode", "verify", "extend"])
-def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(monkeypatch, mode):
-    """With ``backend.MLP_OUTPUT_IN_NEXT_NORM`` each Qwen3-Next layer leaves its MLP output
+def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(mode):
+    """With ``NormTuning.mlp_output_in_next_norm`` each Qwen3-Next layer leaves its MLP output
     for the next layer's input norm launch to add (the residual-norm launch's delta; an
     attention layer's input norm becomes that launch): the same hidden states, KV pools
     and states bit for bit, one residual-norm launch more per attention layer after the
     first layer, and the last layer's output added after the loop."""
-    from lazyspec.kernels import backend
-
     model = tiny_model("qwen3_next")
     cfg, fam = model.config, model.family
     rng = np.random.default_rng(19)
@@ -358,8 +355,8 @@ def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(monkeyp
         rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
     results, launches = {}, {}
     for apart in (False, True):
-        monkeypatch.setattr(backend, "MLP_OUTPUT_IN_NEXT_NORM", apart)
-        kernels = kernels_for("pallas")
+        tuning = Tuning().with_overrides({"norm.mlp_output_in_next_norm": apart})
+        kernels = kernels_for("pallas", tuning=tuning)
 
         def step(r, k=kernels):
             return fam.forward(model.params, cfg, inputs, kv, r, mode=mode, chunk_size=4, kernels=k)
@@ -375,28 +372,27 @@ def test_mlp_output_added_in_the_next_norm_gives_the_same_forward_pallas(monkeyp
     assert launches[True]["residual_norm"] == launches[False]["residual_norm"] + len(later)
 
 
-def test_forward_hands_the_output_projection_in_parts(monkeypatch):
-    """With ``OUTPUT_PARTS_IN_NORM`` every Qwen3-Next mixer (GDN ``out_proj``, attention
-    ``o_proj``) of up to ``OUTPUT_PARTS_MAX_TOKENS`` tokens hands the residual-norm launch
+def test_forward_hands_the_output_projection_in_parts():
+    """With ``NormTuning.output_parts`` every Qwen3-Next mixer (GDN ``out_proj``, attention
+    ``o_proj``) of up to ``output_parts_max_tokens`` tokens hands the residual-norm launch
     after it that many float32 partial sums of its output projection: the XLA form and the
     Pallas launch (interpret mode) sum them and give the forward without parts to float32
     rounding; a part left out changes it. The defaults: parts at two tokens (a batch-1
     decode step), none at three."""
     norm_kernels = kernels_for("pallas", "cpu")
-    assert backend.output_parts(norm_kernels, 2, 64) == backend.OUTPUT_PARTS_IN_NORM > 0
-    assert backend.output_parts(norm_kernels, 3, 64) == 0
-    assert backend.output_parts(XLA_KERNELS, 2, 64) == 0
+    assert norm_kernels.output_parts(2, 64) == Tuning().norm.output_parts > 0
+    assert norm_kernels.output_parts(3, 64) == 0
+    assert XLA_KERNELS.output_parts(2, 64) == 0
     cfg, run = _verify_forward(17)
     base = run(XLA_KERNELS)
     norm = kernels_for("pallas", "cpu").residual_norm
     launch = dataclasses.replace(XLA_KERNELS, residual_norm=norm)
     unsplit = run(launch)
     np.testing.assert_allclose(unsplit, base, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(backend, "OUTPUT_PARTS_IN_NORM", 4)
-    monkeypatch.setattr(backend, "OUTPUT_PARTS_MAX_TOKENS", 2 * WIDTH)  # this forward's
+    parts = {"norm.output_parts": 4, "norm.output_parts_max_tokens": 2 * WIDTH}  # this forward's
     seen = []
 
-    def recorder(drop: bool):
+    def recorder(drop: bool, overrides=parts):
         def fused(x, delta, weight, router=None, *, xla_form, **options):
             if delta is not None and delta.ndim == 3:
                 seen.append((delta.shape, delta.dtype))
@@ -406,74 +402,19 @@ def test_forward_hands_the_output_projection_in_parts(monkeypatch):
                 )
             return xla_form()
 
-        return dataclasses.replace(XLA_KERNELS, residual_norm=fused)
+        tuning = Tuning().with_overrides(overrides)
+        return dataclasses.replace(XLA_KERNELS, residual_norm=fused, tuning=tuning)
 
     np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
     want = [((4, 2 * WIDTH, cfg.hidden_size), jnp.float32)] * len(cfg.layer_roles)
     assert seen == want
     assert not np.allclose(run(recorder(True)), base, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(run(launch), unsplit, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(backend, "OUTPUT_PARTS_MAX_TOKENS", 2 * WIDTH - 1)  # past the bound
+    past = {**parts, "norm.output_parts_max_tokens": 2 * WIDTH - 1}  # past the bound
     seen.clear()
-    np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(recorder(False, past)), base, rtol=1e-5, atol=1e-5)
     assert seen == []
-    monkeypatch.setattr(backend, "OUTPUT_PARTS_MAX_TOKENS", 2 * WIDTH)
-    monkeypatch.setattr(backend, "RESIDUAL_NORM_MAX_TOKENS", 2 * WIDTH - 1)  # XLA's form
+    xla_sizes = {**parts, "norm.residual_max_tokens": 2 * WIDTH - 1}  # XLA's form
     seen.clear()
-    np.testing.assert_allclose(run(recorder(False)), base, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(recorder(False, xla_sizes)), base, rtol=1e-5, atol=1e-5)
     assert seen == []  # no launch at these sizes: one product, no parts
-
-
-def test_moe_output_summed_in_its_launch_goes_to_the_next_norm_in_float32_pallas(monkeypatch):
-    """With ``backend.MOE_DOWN_IN_UP_ATOMIC_SUM`` the folded MoE launch leaves the tokens'
-    sums itself, and each Qwen3-Next MoE layer of up to ``MOE_DOWN_IN_UP_MAX_TOKENS``
-    tokens hands them, float32 and not rounded, to the next layer's input norm as one
-    partial sum (``moe_output_as_part``; the last layer's is added after the loop): the
-    decode gives the forward without it to float32 rounding, and every input norm after a
-    MoE layer receives ``[1, N, d]`` float32. Past the bound, or with the switch off, the
-    MoE output is rounded to the stream's dtype as before."""
-    from lazyspec.kernels import backend
-
-    model = tiny_model("qwen3_next")
-    cfg, fam = model.config, model.family
-    rng = np.random.default_rng(23)
-    slot = jnp.asarray([5, 0, 2], jnp.int32)
-    kv, pools = random_kv_and_pools(rng, cfg, 3)
-    inputs = first_tokens(_verify_inputs(rng, cfg.vocab_size, [1, 1, 1]))
-    rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=slot)
-    monkeypatch.setattr(backend, "MLP_OUTPUT_IN_NEXT_NORM", True)
-    for name in ("MOE_ROUTE_IN_UP_MAX_TOKENS", "MOE_DOWN_IN_UP_MAX_TOKENS"):
-        monkeypatch.setattr(backend, name, 3)  # this step's three rows folded
-    kernels = kernels_for("pallas")
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", False)
-    assert not backend.moe_output_as_part(kernels, 1)  # the switch off: rounded
-    monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", True)
-    assert backend.moe_output_as_part(kernels, 3) and not backend.moe_output_as_part(kernels, 4)
-    assert not backend.moe_output_as_part(XLA_KERNELS, 1)  # no launch to add it
-    seen, results = {}, {}
-    for atomic in (False, True):
-        monkeypatch.setattr(backend, "MOE_DOWN_IN_UP_ATOMIC_SUM", atomic)
-        deltas = seen.setdefault(atomic, [])
-
-        def recorded(x, delta, *args, _norm=kernels.residual_norm, _seen=deltas, **options):
-            if delta is not None:
-                _seen.append((delta.shape, delta.dtype))
-            return _norm(x, delta, *args, **options)
-
-        k = dataclasses.replace(kernels, residual_norm=recorded)
-
-        def step(r, k=k):
-            return fam.forward(model.params, cfg, inputs, kv, r, mode="decode", kernels=k)
-
-        results[atomic] = jax.jit(step)(rec)
-    got, want = (jax.tree.leaves(results[atomic]) for atomic in (True, False))
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    width, dtype = cfg.hidden_size, results[False][0].dtype
-    moe_layers = [i for i, kind in enumerate(cfg.arch.mlp_kinds) if kind == "moe"]
-    handed = [i + 1 for i in moe_layers if i + 1 < len(cfg.layer_roles)]
-    assert handed  # the tiny model has a MoE layer before another layer
-    parts = [s for s in seen[True] if s == ((1, 3, width), jnp.float32)]
-    assert len(parts) == len(handed), seen[True]
-    assert ((1, 3, width), jnp.float32) not in seen[False]
-    assert ((3, width), dtype) in seen[False]
