@@ -44,6 +44,12 @@ def _kinds(keys) -> collections.Counter:
     return collections.Counter(key.kind for key in keys)
 
 
+def _compiled(runner: Runner) -> int:
+    """Executables the runner's jitted programs hold (``Runner.num_compiled`` counts every
+    runner's, and jitted functions of one step share theirs)."""
+    return sum(jitted._cache_size() for jitted in runner.programs.all())
+
+
 def test_keys_name_each_program_once():
     """Every extend bucket; every decode shape in both forms per copy; a grammar batch's
     split pair per shape (or, served fused with K decode steps, its one-token shapes per
@@ -87,7 +93,7 @@ def test_warmup_compiles_the_table_exactly():
     model = SimpleNamespace(**{**vars(tiny_model()), "tokenizer": char_tokenizer()})
     engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
     table = engine.runner.program_table()
-    assert Runner.num_compiled() == len(table) == len(engine.runner.program_keys)
+    assert _compiled(engine.runner) == len(table) == len(engine.runner.program_keys)
     wanted = collections.Counter(program.jitted for program in table)
     assert {jitted: jitted._cache_size() for jitted in wanted} == wanted
     with backend_compiles() as seen:
@@ -104,12 +110,12 @@ def test_two_tunings_compile_two_programs():
     jax.clear_caches()
     model = tiny_model()
     served = Engine(model=model, **SETTINGS)
-    compiled = Runner.num_compiled()
+    compiled = _compiled(served.runner)
     assert compiled == len(served.runner.program_keys)
     params = {"max_new_tokens": 6, "ignore_eos": True}
     with backend_compiles() as seen:
         served.generate(input_ids=[[5, 6, 7], list(range(3, 90))], sampling_params=params)
-    assert Runner.num_compiled() == compiled and not seen
+    assert _compiled(served.runner) == compiled and not seen
     pair_grid = not default_tuning().moe.pair_grid
     other = Engine(
         model=model, skip_warmup=True, kernel_tuning=f"moe.pair_grid={pair_grid}", **SETTINGS
@@ -117,6 +123,7 @@ def test_two_tunings_compile_two_programs():
     assert other.runner.static.tuning != served.runner.static.tuning
     key = other.runner.program_keys[0]
     other.runner.warm(key)
-    assert Runner.num_compiled() == compiled + 1
+    assert other.runner.programs is served.runner.programs  # one set of pool shardings
+    assert _compiled(served.runner) == compiled + 1
     Engine(model=model, skip_warmup=True, **SETTINGS).runner.warm(key)
-    assert Runner.num_compiled() == compiled + 1
+    assert _compiled(served.runner) == compiled + 1
