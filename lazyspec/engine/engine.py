@@ -9,7 +9,6 @@ step right after launching it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable
@@ -20,14 +19,9 @@ import numpy as np
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
+from lazyspec.engine.programs import FUSED, SPLIT
 from lazyspec.engine.runner import PackedOutputs, Runner
 from lazyspec.engine.steps import StepStatic
-from lazyspec.scheduler.batch import (
-    build_decode,
-    build_extend,
-    empty_count_seed,
-    table_updates,
-)
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.grammar import GrammarBackend, grammar_of
 from lazyspec.scheduler.layout import plan_memory
@@ -153,6 +147,7 @@ class Engine:
             broadcast=self.broadcast if c.is_leader else None,
             draft_token_ids=self._draft_token_ids(cfg),
             decode_copies=c.decode_program_copies or self._default_decode_copies(),
+            grammar=self._grammar_form(),
         )
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
@@ -200,74 +195,30 @@ class Engine:
         )
         return ids
 
+    def _grammar_form(self) -> str | None:
+        """How batches with grammar rows run (``programs.program_keys``): none without a
+        tokenizer; split around their masks in the overlapped loop, fused without it."""
+        if self.model.tokenizer is None:
+            return None
+        return FUSED if self.config.disable_overlap_schedule else SPLIT
+
     def _default_decode_copies(self) -> int:
         """Two copies of the decode program where programs run as CUDA graphs (``InTurn``)."""
         return 2 if self.sharding.mesh.devices.flat[0].platform == "gpu" else 1
 
     def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compile every bucket shape now, so serving compiles nothing new.
+        """Compile every program of the runner's table now (``Runner.warm`` each key), so
+        serving compiles nothing new.
 
-        ``progress(done, total)`` is called with ``done = 0`` first and after each shape; an
-        exception it raises stops the warm-up (and propagates)."""
-        layout, runner = self.layout, self.runner
-        rows_buckets, length_buckets = layout.extend_buckets
-        batches = [
-            functools.partial(build_extend, layout, [], num_rows=rows, length=length)
-            for rows in rows_buckets
-            for length in length_buckets
-        ]
-        decodes = [
-            functools.partial(build_decode, layout, [], num_rows=rows, num_verify=num_verify)
-            for rows, num_verify in layout.decode_shapes
-        ]
-        # each decode shape also as a step of argmax-only rows (DecodeBatch.greedy); a
-        # batch with grammar rows never is one: the split programs take the general form
-        # launched once per copy of the decode program (called in turn), so each compiles
-        batches += [
-            functools.partial(build, greedy=greedy)
-            for build in decodes
-            for greedy in (False, True)
-            for _ in range(runner.decode_copies)
-        ]
-        if layout.decode_steps == 1:
-            decodes = [functools.partial(build, greedy=False) for build in decodes]
-        else:
-            # K-step programs: a batch with grammar rows takes one token a step (general form)
-            decodes = [
-                functools.partial(
-                    build_decode,
-                    layout,
-                    [],
-                    num_rows=layout.decode_rows(rows, 1),
-                    num_verify=1,
-                    greedy=False,
-                )
-                for rows in layout.decode_buckets
-            ]
-            if self._grammars is not None and self.config.disable_overlap_schedule:
-                batches += [build for build in decodes for _ in range(runner.decode_copies)]
-        # an all-padding chunk compiles the table-update program and writes nothing (and an
-        # empty seed the token-count one)
-        chunk = table_updates(layout, None, layout.table_chunk_len)
-        programs = [lambda build=build: runner.fetch(runner.launch(build())) for build in batches]
-        if self._grammars is not None and not self.config.disable_overlap_schedule:
-            # the split decode step of the overlapped loop's batches with grammar rows
-            def split_step(build):
-                return runner.fetch(runner.launch_finish(runner.launch_forward(build())))
-
-            programs += [functools.partial(split_step, build) for build in decodes]
-        programs.append(lambda: (runner.update_table(chunk), runner.read_table()))
-        seed = empty_count_seed(layout)
-        programs.append(lambda: (runner.seed_counts(seed), runner.read_counts(0)))
-        # so does an all-padding grammar-mask update
-        no_masks = np.zeros((0, *runner.abstract.vocab_mask.shape[1:]), np.int32)
-        programs.append(lambda: runner.update_vocab_masks(np.zeros(0, np.int32), no_masks))
-        for done, compile_program in enumerate(programs):
+        ``progress(done, total)`` is called with ``done = 0`` first and after each program;
+        an exception it raises stops the warm-up (and propagates)."""
+        keys = self.runner.program_keys
+        for done, key in enumerate(keys):
             if progress is not None:
-                progress(done, len(programs))
-            compile_program()
+                progress(done, len(keys))
+            self.runner.warm(key)
         if progress is not None:
-            progress(len(programs), len(programs))
+            progress(len(keys), len(keys))
 
     # ------------------------------------------------------------------ requests
 

@@ -23,14 +23,10 @@ import jax
 import numpy as np
 
 from lazyspec.config import EngineConfig
-from lazyspec.engine.steps import PackedBatch, pack_batch
-from lazyspec.scheduler.batch import (
-    DecodeBatch,
-    ExtendBatch,
-    build_decode,
-    build_extend,
-    empty_count_seed,
-)
+from lazyspec.engine import programs
+from lazyspec.engine.packing import PackedBatch, pack_batch
+from lazyspec.engine.programs import ProgramKey, program_input
+from lazyspec.scheduler.batch import DecodeBatch, ExtendBatch
 from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
@@ -162,21 +158,19 @@ class StepBroadcast:
 
     def _packed_layout(self, kind: int, rows: int, length: int) -> tuple[Any, int]:
         """The ``PackedLayout`` of a bucket and the words it packs into (a decode batch's are
-        padded: ``pack_batch``), from an empty batch of it (the same tree and leaf shapes as
-        any batch of that bucket: warm-up compiles from the same)."""
+        padded: ``pack_batch``), from its program's all-padding input (``program_input``:
+        the same tree and leaf shapes as any batch of that bucket)."""
         kind = DECODE if kind == DECODE_FORWARD else kind
         key = (kind, rows, length)
         if key not in self._packed_layouts:
             if kind == SEED:
-                batch = empty_count_seed(self.layout)
+                program = ProgramKey(programs.SEED)
             elif kind == EXTEND:
-                batch = build_extend(self.layout, [], num_rows=rows, length=length)
+                program = ProgramKey(programs.EXTEND, rows, length)
             else:
                 num_verify, greedy = divmod(length, 2)
-                batch = build_decode(
-                    self.layout, [], num_rows=rows, num_verify=num_verify, greedy=bool(greedy)
-                )
-            packed = pack_batch(batch)
+                program = ProgramKey(programs.DECODE, rows, num_verify, bool(greedy))
+            packed = pack_batch(program_input(self.layout, program))
             self._packed_layouts[key] = (packed.layout, len(packed.words))
         return self._packed_layouts[key]
 

@@ -17,75 +17,42 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.engine import multihost
 from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab
-from lazyspec.engine.multihost import (
-    DECODE,
-    DECODE_FINISH,
-    DECODE_FORWARD,
-    EXTEND,
-    MASK,
-    SEED,
-    STOP,
-    TABLE,
-    StepBroadcast,
-)
-from lazyspec.engine.sharding import ShardingPlan, device_bytes
-from lazyspec.engine.steps import (
-    DecodeBatch,
-    DecodeCarry,
-    ExtendBatch,
+from lazyspec.engine.multihost import StepBroadcast
+from lazyspec.engine.packing import (
     PackedBatch,
     PackedLayout,
-    Pools,
-    StepStatic,
-    apply_table_updates,
-    apply_vocab_masks,
-    decode_finish,
-    decode_forward,
-    decode_step,
-    extend_step,
+    decode_output_layout,
     pack_batch,
-    pack_outputs,
-    seed_counts,
-    unpack_batch,
     unpack_outputs,
 )
+from lazyspec.engine.programs import (
+    DECODE,
+    EXTEND,
+    FINISH,
+    FORWARD,
+    MASK,
+    MASK_ROWS_PER_UPDATE,
+    SEED,
+    TABLE,
+    Program,
+    ProgramKey,
+    num_compiled,
+    program_input,
+    program_keys,
+    programs_for,
+)
+from lazyspec.engine.sharding import ShardingPlan, device_bytes
+from lazyspec.engine.steps import DecodeCarry, ExtendBatch, Pools, StepStatic
 from lazyspec.models.interface import KVPools
-from lazyspec.scheduler.batch import CountSeed
+from lazyspec.scheduler.batch import CountSeed, DecodeBatch, table_updates
 from lazyspec.scheduler.grammar import mask_width
 from lazyspec.scheduler.layout import Layout
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def _unpacking(step):
-    """``step`` taking its batch packed (``PackedBatch``)."""
-
-    @functools.wraps(step)
-    def run(fam, cfg, static, params, pools, packed: PackedBatch, *rest):
-        return step(fam, cfg, static, params, pools, unpack_batch(packed), *rest)
-
-    return run
-
-
-def _sharded(step, replicate_outputs: bool = True):
-    """``step`` with the sharding plan as a further static argument: the pools it returns are
-    constrained to the shardings they came in with (every masked scatter writes a pool in
-    place) and its small outputs are replicated (unless not ``replicate_outputs``: a split
-    decode step's carry keeps the shardings the forward gives it, logits by vocabulary,
-    states by heads)."""
-
-    def run(fam, cfg, static, sharding: ShardingPlan, params, pools, batch, *rest):
-        outputs, pools = step(fam, cfg, static, params, pools, batch, *rest)
-        pools = jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools))
-        if replicate_outputs:
-            outputs = jax.lax.with_sharding_constraint(outputs, sharding.replicated)
-        return outputs, pools
-
-    run.__name__ = step.__name__
-    return run
 
 
 class InTurn:
@@ -114,130 +81,16 @@ class PendingDecode:
     carry: DecodeCarry
 
 
-def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
-    return seed_counts(output_counts, in_prompt, unpack_batch(packed))
-
-
-# (family, config, static settings, the packed batch's layout) -> the layout of the
-# decode step's packed outputs, recorded when the step is traced for that batch layout
-_OUTPUT_LAYOUTS: dict[tuple, PackedLayout] = {}
-
-
-def _packing_outputs(step):
-    """``step`` (taking the sharding plan, ``_sharded``) returning its outputs packed into
-    one int32 array (``pack_outputs``) the shape of its batch's words, which it is handed
-    (donated): no output buffer to allocate and one copy back per step. The layout is
-    recorded as the step is traced (``_OUTPUT_LAYOUTS``)."""
-
-    def run(fam, cfg, static, sharding, params, pools, packed: PackedBatch, *rest):
-        outputs, pools = step(fam, cfg, static, sharding, params, pools, packed, *rest)
-        words, layout = pack_outputs(outputs)
-        _OUTPUT_LAYOUTS[(fam, cfg, static, packed.layout)] = layout
-        # the shape of the batch's words (donated): XLA writes the outputs over them
-        room = packed.words.shape[0]
-        if words.shape[0] > room:
-            raise AssertionError(
-                f"a decode step's outputs take {words.shape[0]} words, more than its batch's "
-                f"{room}: steps.decode_output_words undercounts them"
-            )
-        return jnp.pad(words, (0, room - words.shape[0])), pools
-
-    run.__name__ = step.__name__
-    return run
-
-
 @dataclasses.dataclass(frozen=True)
 class PackedOutputs:
-    """A launched step's outputs as one device array (``_packing_outputs``) and its layout;
-    ``Runner.fetch`` unpacks them."""
+    """A launched decode step's outputs as one device array (``programs.step_program``) and
+    their layout; ``Runner.fetch`` unpacks them."""
 
     words: jax.Array
     layout: PackedLayout
 
     def copy_to_host_async(self) -> None:
         self.words.copy_to_host_async()
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """The jitted programs of runners whose pools have one set of shardings. Each program
-    returns the pools it changes with exactly the shardings they were allocated with
-    (``out_shardings``), so every call after the first matches the first call's signature:
-    XLA alone may return an equivalent sharding under another spec (on one device, ``P()``
-    for ``P(None, 'tp', None)``), which jit's dispatch cache counts as a new signature."""
-
-    extend: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (outputs, pools)
-    decode: Any
-    # the same decode step jitted again: its own executables, so its own CUDA graphs
-    decode_copy: Any
-    # a decode step in two programs, the grammar masks written between them
-    decode_forward: Any  # (fam, cfg, static, sharding, params, pools, packed) -> (carry, pools)
-    decode_finish: Any  # (..., params, pools, packed, carry) -> (outputs, pools)
-    table: Any  # (req_to_token, updates) -> req_to_token
-    mask: Any  # (vocab_mask, rows, masks) -> vocab_mask
-    seed: Any  # (output_counts, in_prompt, packed) -> (output_counts, in_prompt)
-
-    def all(self) -> tuple[Any, ...]:
-        return (
-            self.extend,
-            self.decode,
-            self.decode_copy,
-            self.decode_forward,
-            self.decode_finish,
-            self.table,
-            self.mask,
-            self.seed,
-        )
-
-
-# One Programs per set of pool shardings: every runner of an equal model and equal settings
-# shares one compilation per shape (the config, the family, the static settings and the
-# sharding plan are static arguments hashed by value). The steps take their batch packed.
-_PROGRAMS: dict[tuple, Programs] = {}
-
-
-def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
-    """The programs whose pool outputs carry ``pool_shardings`` (made once per such set)."""
-    leaves, treedef = jax.tree.flatten(pool_shardings)
-    key = (sharding, treedef, tuple(leaves))
-    if key not in _PROGRAMS:
-        step_out = (sharding.replicated, pool_shardings)
-
-        def step_jit(step, replicate_outputs: bool = True, packed_outputs: bool = False):
-            run = _sharded(_unpacking(step), replicate_outputs)
-            return jax.jit(
-                _packing_outputs(run) if packed_outputs else run,
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5, 6) if packed_outputs else (5,),
-                out_shardings=step_out if replicate_outputs else (None, pool_shardings),
-            )
-
-        _PROGRAMS[key] = Programs(
-            extend=step_jit(extend_step),
-            decode=step_jit(decode_step, packed_outputs=True),
-            decode_copy=step_jit(decode_step, packed_outputs=True),
-            decode_forward=step_jit(decode_forward, replicate_outputs=False),
-            decode_finish=step_jit(decode_finish),
-            table=jax.jit(
-                apply_table_updates,
-                donate_argnums=(0,),
-                out_shardings=pool_shardings.req_to_token,
-            ),
-            mask=jax.jit(
-                apply_vocab_masks, donate_argnums=(0,), out_shardings=pool_shardings.vocab_mask
-            ),
-            seed=jax.jit(
-                _seed_packed,
-                donate_argnums=(0, 1),
-                out_shardings=(pool_shardings.output_counts, pool_shardings.in_prompt),
-            ),
-        )
-    return _PROGRAMS[key]
-
-
-# grammar rows whose bitmasks one mask update writes (one compiled shape; more rows take
-# several updates)
-MASK_ROWS_PER_UPDATE = 8
 
 
 def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtype: str) -> Pools:
@@ -270,6 +123,10 @@ def abstract_pools(cfg: Any, layout: Layout, spec: bool, kv_dtype: str, ssm_dtyp
     )
 
 
+def _spec(array: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding)
+
+
 def _nbytes(leaf: jax.ShapeDtypeStruct) -> int:
     return math.prod(leaf.shape) * leaf.dtype.itemsize
 
@@ -296,6 +153,7 @@ class Runner:
         broadcast: StepBroadcast | None = None,
         draft_token_ids: np.ndarray | None = None,
         decode_copies: int = 1,
+        grammar: str | None = None,
     ) -> None:
         """Places the params on ``sharding``'s mesh (a copy where they lie elsewhere) and
         allocates the pools there, each array with the sharding the rule table gives it;
@@ -304,7 +162,8 @@ class Runner:
         processes (in ``follow``) make the same call. ``draft_token_ids`` (a speculative
         token map, ``token_map.draft_token_ids``): the draft head's reduced lm_head is
         gathered once and kept in the params (``draft_vocab.DRAFT_VOCAB``).
-        ``decode_copies``: copies of the decode program called in turn (``InTurn``)."""
+        ``decode_copies``: copies of the decode program called in turn (``InTurn``);
+        ``grammar``: how batches with grammar rows are served (``programs.program_keys``)."""
         self.broadcast = broadcast
         self.family = model.family
         self.cfg = model.config
@@ -329,19 +188,37 @@ class Runner:
             self.abstract,
             self.pool_shardings,
         )
-        self.programs = programs = programs_for(sharding, self.pool_shardings)
-        self._extend = functools.partial(programs.extend, self.family, self.cfg, static, sharding)
+        self._bind_programs(layout, decode_copies, grammar)
+
+    def _bind_programs(self, layout: Layout, decode_copies: int, grammar: str | None) -> None:
+        """The programs this runner launches and its table (``programs.program_keys``):
+        the keys, and each decode program's output layout by its batch's packed layout."""
+        self.layout, self.decode_copies = layout, decode_copies
+        self.program_keys = program_keys(layout, decode_copies, grammar)
+        self.programs = programs = programs_for(self.sharding, self.pool_shardings)
+        static = (self.family, self.cfg, self.static, self.sharding)
+        self._extend = functools.partial(programs.extend, *static)
         decodes = [programs.decode, programs.decode_copy][:decode_copies]
-        self.decode_copies = decode_copies
-        self._decode = InTurn(
-            [functools.partial(d, self.family, self.cfg, static, sharding) for d in decodes]
-        )
-        self._forward = functools.partial(
-            programs.decode_forward, self.family, self.cfg, static, sharding
-        )
-        self._finish = functools.partial(
-            programs.decode_finish, self.family, self.cfg, static, sharding
-        )
+        self._decode = InTurn([functools.partial(decode, *static) for decode in decodes])
+        self._forward = functools.partial(programs.decode_forward, *static)
+        self._finish = functools.partial(programs.decode_finish, *static)
+        self._output_layouts = {
+            pack_batch(program_input(layout, key)).layout: decode_output_layout(
+                key.rows, key.tokens, self.static.spec
+            )
+            for key in self.program_keys
+            if key.kind == DECODE
+        }
+
+    def _unlisted_output_layout(self, layout: PackedLayout) -> PackedLayout:
+        """The output layout of a decode batch laid out as ``layout`` but of no key of the
+        table (serving builds none: its program compiles while serving)."""
+        logger.warning("a decode batch of no program of the table: %s", layout.leaves)
+        batch = jax.tree.unflatten(layout.treedef, [None] * len(layout.leaves))
+        rows = PackedBatch(None, layout).num_rows
+        out = decode_output_layout(rows, batch.num_verify, self.static.spec)
+        self._output_layouts[layout] = out
+        return out
 
     def slot_bytes(self) -> int:
         return slot_bytes(self.abstract)
@@ -402,8 +279,8 @@ class Runner:
         )
         if extend:
             return outputs
-        key = (self.family, self.cfg, self.static, packed.layout)
-        return PackedOutputs(outputs, _OUTPUT_LAYOUTS[key])
+        layout = self._output_layouts.get(packed.layout)
+        return PackedOutputs(outputs, layout or self._unlisted_output_layout(packed.layout))
 
     def launch_forward(
         self,
@@ -482,25 +359,25 @@ class Runner:
         pending = None  # a split decode step's forward, until its finish comes
         while True:
             kind, payload = broadcast.receive()
-            if kind == STOP:
+            if kind == multihost.STOP:
                 return num_calls
-            if kind == TABLE:
+            if kind == multihost.TABLE:
                 self._apply_table(payload)
-            elif kind == SEED:
+            elif kind == multihost.SEED:
                 self._apply_seed(payload)
-            elif kind == MASK:
+            elif kind == multihost.MASK:
                 rows, masks = payload
                 self._apply_masks(
                     rows, masks.reshape(len(rows), *self.abstract.vocab_mask.shape[1:])
                 )
-            elif kind == DECODE_FORWARD:
+            elif kind == multihost.DECODE_FORWARD:
                 pending = self._launch_forward(payload)
-            elif kind == DECODE_FINISH:
+            elif kind == multihost.DECODE_FINISH:
                 self._launch_finish(pending)
                 pending = None
             else:
-                assert kind in (EXTEND, DECODE), kind
-                self._launch_packed(kind == EXTEND, payload)
+                assert kind in (multihost.EXTEND, multihost.DECODE), kind
+                self._launch_packed(kind == multihost.EXTEND, payload)
             num_calls += 1
 
     def update_vocab_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
@@ -539,9 +416,68 @@ class Runner:
     def num_compiled() -> int:
         """Programs the jitted steps hold, for every runner of this process (runners of equal
         configs and settings share theirs)."""
-        return sum(
-            jitted._cache_size() for programs in _PROGRAMS.values() for jitted in programs.all()
+        return num_compiled()
+
+    # ------------------------------------------------------------------ the program table
+
+    def warm(self, key: ProgramKey) -> None:
+        """Run ``key``'s program once on an all-padding input, which writes nothing, through
+        the calls serving makes (so other processes make them too): compiles it unless it
+        is compiled. A split decode step's key runs both its programs."""
+        kind = key.kind
+        if kind == TABLE:
+            self.update_table(table_updates(self.layout, None, key.tokens))
+            self.read_table()
+        elif kind == SEED:
+            self.seed_counts(program_input(self.layout, key))
+            self.read_counts(0)
+        elif kind == MASK:
+            no_masks = np.zeros((0, *self.abstract.vocab_mask.shape[1:]), np.int32)
+            self.update_vocab_masks(np.zeros(0, np.int32), no_masks)
+        elif kind in (FORWARD, FINISH):
+            pending = self.launch_forward(program_input(self.layout, key))
+            self.fetch(self.launch_finish(pending))
+        else:
+            assert kind in (EXTEND, DECODE), key
+            self._decode.turn = key.copy
+            self.fetch(self.launch(program_input(self.layout, key)))
+
+    def program_table(self) -> tuple[Program, ...]:
+        """The table as programs to lower or compile ahead of a call: each key with the
+        jitted function that runs it and, made as it is lowered, arguments of the shapes and
+        shardings serving calls it with (a split step's finish compiles its forward first,
+        for the shardings of its carry)."""
+        return tuple(
+            Program(key, self.programs.jitted(key), functools.partial(self._program_args, key))
+            for key in self.program_keys
         )
+
+    def _program_args(self, key: ProgramKey) -> tuple:
+        """The arguments ``key``'s program is called with (abstract where on the device)."""
+        params, pools = jax.tree.map(_spec, (self.params, self.pools))
+        if key.kind == TABLE:
+            updates = table_updates(self.layout, None, key.tokens)
+            return pools.req_to_token, self._input_spec(updates)
+        if key.kind == MASK:
+            width = self.abstract.vocab_mask.shape[1:]
+            rows = jax.ShapeDtypeStruct((key.rows,), jnp.int32, sharding=self.sharding.replicated)
+            masks = jax.ShapeDtypeStruct((key.rows, *width), jnp.int32, sharding=rows.sharding)
+            return pools.vocab_mask, rows, masks
+        packed = pack_batch(program_input(self.layout, key))
+        packed = dataclasses.replace(packed, words=self._input_spec(packed.words))
+        if key.kind == SEED:
+            return pools.output_counts, pools.in_prompt, packed
+        args = (self.family, self.cfg, self.static, self.sharding, params, pools, packed)
+        if key.kind == FINISH:
+            carry, _ = self.programs.decode_forward.lower(*args).compile().out_info
+            args += (carry,)
+        return args
+
+    def _input_spec(self, array: np.ndarray) -> np.ndarray | jax.ShapeDtypeStruct:
+        """A step's host array as its call takes it (``_input``), abstract where placed."""
+        if not self.place_inputs:
+            return array
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=self.sharding.replicated)
 
     def read_slot(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copy of one slot's (conv, ssm) state, for tests and debugging."""

@@ -1,6 +1,7 @@
 """Turn 2 of a conversation hits the checkpoint the rules predict, and the output and
 logprobs equal those after a cache flush; forced spare-allocation failure changes only
-which checkpoint is cached; serving compiles nothing new after warm-up."""
+which checkpoint is cached; warm-up compiles every program of the table and serving
+compiles nothing new after it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.char_tokenizer import char_tokenizer
+from lazyspec.testing.compiles import backend_compiles
 from lazyspec.testing.tiny_models import tiny_model
 
 INTERVAL = 64
@@ -153,6 +155,11 @@ def test_zero_recompiles_after_warmup():
     # a tokenizer, so that grammar requests can be served: their decode steps run split
     model = SimpleNamespace(**{**vars(tiny_model()), "tokenizer": char_tokenizer()})
     engine = _engine("extra_buffer_lazy", skip_warmup=False, model=model)
+    # warm-up compiled every program of the table: compiling each ahead of a call finds it
+    with backend_compiles() as seen:
+        for program in engine.runner.program_table():
+            program.compile()
+    assert not seen
     compiled = engine.runner.num_compiled()
     rng = np.random.default_rng(3)
     prompts = [list(rng.integers(3, 128, size=int(n))) for n in rng.integers(5, 300, size=6)]

@@ -13,14 +13,14 @@ import numpy as np
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
-from lazyspec.engine.runner import Runner
-from lazyspec.engine.steps import (
+from lazyspec.engine.packing import (
     decode_output_words,
     pack_batch,
     pack_outputs,
     unpack_batch,
     unpack_outputs,
 )
+from lazyspec.engine.runner import Runner
 from lazyspec.models import nemotron_h
 from lazyspec.models.registry import parse_hf_config
 from lazyspec.scheduler.batch import build_decode, build_extend
