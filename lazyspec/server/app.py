@@ -35,6 +35,7 @@ from lazyspec.server.protocol import (
     ChatTemplate,
     GenerationSpec,
     Limits,
+    max_body_prompt_chars,
     max_prompt_chars,
     parse_chat,
     parse_completion,
@@ -56,6 +57,10 @@ from lazyspec.server.worker import EngineWorker, RequestGroup, Submission
 logger = logging.getLogger(__name__)
 
 NUM_PARSE_THREADS = 4  # requests parsed and tokenized at once (HF tokenizers drop the GIL)
+# bodies up to this size parse in a pool of their own, so that a few large bodies (seconds
+# of tokenizing each, within the limits) never make an ordinary request wait for a thread
+SMALL_BODY_BYTES = 64 * 2**10
+NUM_SMALL_PARSE_THREADS = 2
 NUM_TEXT_THREADS = 2  # detokenizers of long outputs, apart so big prompts cannot stall them
 INLINE_DETOKENIZE_TOKENS = 2048  # shorter outputs decode on the loop (well under 1 ms)
 RETRY_AFTER_S = 5  # the Retry-After header of every 503
@@ -111,13 +116,17 @@ class _Frontend:
         self.metrics = worker.metrics
         self.tokenizer = worker.tokenizer
         self.template = settings.chat_template or ChatTemplate(None)
+        queued = settings.max_queued_requests
         self.limits = Limits(
             worker.vocab_size,
             worker.max_context,
             (settings.served_model_name,),
             max_prompt_chars(self.tokenizer, worker.max_context),
+            None if queued is None else worker.max_running + queued,
+            max_body_prompt_chars(self.tokenizer, worker.max_context, worker.kv_tokens),
         )
         self.parse_pool = ThreadPoolExecutor(NUM_PARSE_THREADS, "lazyspec-parse")
+        self.small_parse_pool = ThreadPoolExecutor(NUM_SMALL_PARSE_THREADS, "lazyspec-parse-small")
         self.text_pool = ThreadPoolExecutor(NUM_TEXT_THREADS, "lazyspec-detokenize")
         self.num_live = 0
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
@@ -127,8 +136,9 @@ class _Frontend:
     async def parse(
         self, parser: Callable[..., GenerationSpec], raw: bytes, *args: Any
     ) -> GenerationSpec:
-        """``parser(body, tokenizer, limits, *args)`` of the JSON ``raw``, run in the parse
-        pool so that a long prompt never blocks the event loop."""
+        """``parser(body, tokenizer, limits, *args)`` of the JSON ``raw``, run in a parse
+        pool so that a long prompt never blocks the event loop (small bodies in their own
+        pool, so that they never wait behind large ones)."""
 
         def work() -> GenerationSpec:
             spec = parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
@@ -139,7 +149,8 @@ class _Frontend:
                     raise ApiError(str(exc), param=grammar_of(sampling)[0]) from None
             return spec
 
-        return await asyncio.get_running_loop().run_in_executor(self.parse_pool, work)
+        pool = self.small_parse_pool if len(raw) <= SMALL_BODY_BYTES else self.parse_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
 
     async def open(self, spec: GenerationSpec) -> tuple[RequestGroup, list[Choice]]:
         """Admit ``spec``'s requests (503 when the queue is full or the server is shutting

@@ -73,20 +73,40 @@ class Limits:
     max_context: int  # prompt + max new tokens, at most
     model_names: tuple[str, ...]
     max_prompt_chars: int | None = None  # longer prompt text is refused untokenized
+    # engine requests one body may start (prompts x n): running + queued places; None: any
+    max_requests: int | None = None
+    # prompt text of one body, all its prompts together, worth tokenizing; None: any
+    max_body_prompt_chars: int | None = None
 
 
 MIN_CHARS_PER_TOKEN = 64
 
 
-def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
-    """The longest prompt text worth tokenizing: ``max_context`` tokens of the longest
-    vocabulary entry (its stored form, which is never shorter than the text it covers),
-    at least MIN_CHARS_PER_TOKEN each, a margin for normalizers that shorten text. Longer
-    text cannot fit the context. None without a tokenizer."""
+def chars_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the characters one token covers: the longest vocabulary entry (its
+    stored form, which is never shorter than the text it covers), at least
+    MIN_CHARS_PER_TOKEN, a margin for normalizers that shorten text. None without one."""
     if tokenizer is None:
         return None
     longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
-    return max_context * max(MIN_CHARS_PER_TOKEN, longest)
+    return max(MIN_CHARS_PER_TOKEN, longest)
+
+
+def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
+    """The longest prompt text worth tokenizing: ``max_context`` tokens of
+    ``chars_per_token`` each. Longer text cannot fit the context. None without a
+    tokenizer."""
+    bound = chars_per_token(tokenizer)
+    return None if bound is None else max_context * bound
+
+
+def max_body_prompt_chars(tokenizer: Any, max_context: int, kv_tokens: int) -> int | None:
+    """The most prompt text one body may have tokenized: the whole KV pool's tokens (at
+    least one context) of ``chars_per_token`` each. A body over it holds more prompt text
+    than the pool could take at once, so its tokenization would only hold the parse threads
+    for seconds; None without a tokenizer."""
+    bound = chars_per_token(tokenizer)
+    return None if bound is None else max(max_context, kv_tokens) * bound
 
 
 @dataclass(frozen=True)
@@ -148,6 +168,34 @@ def with_choices(spec: GenerationSpec) -> GenerationSpec:
         prompt_texts=[spec.prompt_texts[i] for i in indices],
         sampling=sampling,
     )
+
+
+def check_request_size(limits: Limits, param: str, prompt: Any, n: int) -> None:
+    """Refuse a body by its raw JSON before any prompt is tokenized or copied: ``prompt``
+    (the body's prompt field, undecoded) times ``n`` must fit ``limits.max_requests``, and
+    its text, all prompts together, ``limits.max_body_prompt_chars``. Costs one pass over
+    the prompt list (no tokenizing, no copies); a malformed prompt is left to the parser."""
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    num_prompts = len(prompt) if batched else 1
+    count = num_prompts * n
+    if limits.max_requests is not None and count > limits.max_requests:
+        raise ApiError(  # no retry can help: the request alone exceeds the capacity
+            f"{num_prompts} prompts x n={n} = {count} requests exceed the server's capacity "
+            f"({limits.max_requests}: running + max_queued_requests)",
+            param="n" if n > 1 else param,
+            code="too_many_prompts",
+        )
+    if limits.max_body_prompt_chars is None or not batched:
+        return  # one prompt: max_prompt_chars (smaller) applies before it is tokenized
+    num_chars = sum(len(text) for text in prompt if isinstance(text, str))
+    if num_chars > limits.max_body_prompt_chars:
+        raise ApiError(
+            f"the prompts hold {num_chars} characters, more than one request may have "
+            f"tokenized (max_body_prompt_chars={limits.max_body_prompt_chars}: the KV pool's "
+            "tokens at the longest token's length); send fewer or shorter prompts",
+            param=param,
+            code="prompt_too_long",
+        )
 
 
 # ---------------------------------------------------------------- field readers
@@ -498,6 +546,7 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     n = _num_choices(body, best_of=True)
     if "prompt" not in body:
         raise ApiError("prompt is required", param="prompt")
+    check_request_size(limits, "prompt", body["prompt"], n)
     prompts, texts, _ = parse_prompts(body["prompt"], tokenizer, limits, "prompt")
     max_new = _integer(body, "max_tokens", 16, 1, limits.max_context)
     spec = GenerationSpec(
@@ -521,6 +570,7 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     """POST /v1/chat/completions; ``template`` renders the messages (a ChatTemplate)."""
     _check_model(body, limits)
     n = _num_choices(body, best_of=False)
+    check_request_size(limits, "messages", None, n)  # the text is checked with the messages
     messages = parse_messages(body.get("messages"))
     _check_text_len(sum(len(m["content"]) for m in messages), limits, "messages")
     prompt = _encode(template.render(messages), tokenizer, limits, "messages", special=False)
@@ -558,9 +608,6 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         and all(isinstance(t, str) for t in body["text"])
     ):
         raise ApiError(f"text={body['text']!r} must be a string or a list of strings", param=param)
-    prompts, texts, batched = parse_prompts(
-        body[param], tokenizer, limits, param, text=param == "text"
-    )
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ApiError(f"sampling_params={params!r} must be an object", param="sampling_params")
@@ -589,6 +636,10 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     if unknown:
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
     n = _num_choices(params, best_of=False)
+    check_request_size(limits, param, body[param], n)
+    prompts, texts, batched = parse_prompts(
+        body[param], tokenizer, limits, param, text=param == "text"
+    )
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
     top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
     return_logprob = _boolean(body, "return_logprob", False)

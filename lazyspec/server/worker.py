@@ -100,6 +100,7 @@ class EngineWorker:
         # facts fixed at construction, read by the HTTP side without a round trip
         self.max_running = engine.max_running
         self.max_context = engine.max_request_len
+        self.kv_tokens = int(engine.memory_plan["kv_tokens"])
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
         self.counters = _Counters()
