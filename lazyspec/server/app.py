@@ -10,6 +10,7 @@ Errors are answered as ``{"error": {message, type, param, code}}`` with a 4xx/5x
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyspec.scheduler.grammar import grammar_of
+from lazyspec.server.fields import check_fields
 from lazyspec.server.guard import (
     DEFAULT_MAX_REQUEST_BYTES,
     LOOPBACK_HOSTS,
@@ -52,7 +54,7 @@ from lazyspec.server.render import (
     sse,
 )
 from lazyspec.server.schema import chat_body, completion_body, generate_body, request_body
-from lazyspec.server.worker import EngineWorker, RequestGroup, Submission
+from lazyspec.server.worker import EngineWorker, RequestGroup, Submission, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ CLOSE_WAIT_S = 10.0  # after aborting at shutdown: time for the error events to 
 SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
+ENDPOINTS = {parse_completion: "completions", parse_chat: "chat", parse_generate: "generate"}
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str
@@ -78,6 +83,9 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS  # Host names; None: no check
     allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); (): no CORS headers
+    stream_interval: int = 1  # output tokens per streamed chunk (the last may hold fewer)
+    grammar_backend: str = "xgrammar"  # "none": grammar requests are refused
+    watchdog_timeout: float | None = None  # a step running longer makes /health 503
 
 
 class _GuardedStream(StreamingResponse):
@@ -132,6 +140,7 @@ class _Frontend:
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
         self.draining = False  # set once by drain(): nothing is admitted afterwards
         self._abort_now = False
+        self._watchdog_logged: float | None = None  # the stalled step already logged
 
     async def parse(
         self, parser: Callable[..., GenerationSpec], raw: bytes, *args: Any
@@ -141,8 +150,16 @@ class _Frontend:
         pool, so that they never wait behind large ones)."""
 
         def work() -> GenerationSpec:
-            spec = parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+            body = parse_json_body(raw)
+            check_fields(body, ENDPOINTS[parser])
+            spec = parser(body, self.tokenizer, self.limits, *args)
             for sampling in spec.sampling:
+                field = grammar_of(sampling)[0] if grammar_of(sampling) else None
+                if field is not None and self.settings.grammar_backend == "none":
+                    raise ApiError(
+                        "structured output is off on this server (--grammar-backend none)",
+                        param=field,
+                    )
                 try:  # compiled here, off the engine thread; the engine finds it cached
                     self.worker.engine.check_grammar(sampling)
                 except ValueError as exc:
@@ -197,8 +214,26 @@ class _Frontend:
         except BaseException:
             self.release(group)
             raise
-        choices = [Choice(self.tokenizer, spec.stop, sub.rid, len(sub.input_ids)) for sub in subs]
+        choices = [Choice(self.tokenizer, spec, sub.rid, len(sub.input_ids)) for sub in subs]
         return group, choices
+
+    def check_watchdog(self) -> None:
+        """ApiError 503 (logged once per stalled step) while the engine step now running has
+        run longer than ``settings.watchdog_timeout``."""
+        limit = self.settings.watchdog_timeout
+        seconds = self.worker.step_seconds()
+        if limit is None or seconds <= limit:
+            self._watchdog_logged = None
+            return
+        if self._watchdog_logged != self.worker.step_started:
+            self._watchdog_logged = self.worker.step_started
+            logger.error("watchdog: an engine step has run %.1f s (limit %.1f s)", seconds, limit)
+        raise ApiError(
+            f"an engine step has run {seconds:.1f} s, over --watchdog-timeout={limit}",
+            status=503,
+            code="watchdog",
+            error_type="server_error",
+        )
 
     def check_admitting(self) -> None:
         """ApiError 503 once ``drain`` has begun."""
@@ -239,12 +274,19 @@ class _Frontend:
             self.metrics.num_live.set(self.num_live)
 
     async def events(
-        self, group: RequestGroup, choices: list[Choice]
+        self, group: RequestGroup, choices: list[Choice], interval: int = 1
     ) -> AsyncIterator[tuple[int, str, Any]]:
         """(index, new text, event) until every choice finished; a stop string ends its
-        engine request early."""
+        engine request early. With ``interval`` > 1 a choice's events are merged until they
+        hold that many tokens (or it finishes)."""
+        pending: dict[int, TokenEvent] = {}
         while not all(c.finished for c in choices):
             event = await group.next_event()
+            if event.index in pending:
+                event = merge_events(pending.pop(event.index), event)
+            if event.finish_reason is None and len(event.token_ids) < interval:
+                pending[event.index] = event
+                continue
             choice = choices[event.index]
             if choice.finished:
                 continue
@@ -297,7 +339,8 @@ class _Frontend:
         group, choices = await self.open(spec)
 
         async def body() -> AsyncIterator[str]:
-            async for chunk in render(self.events(group, choices), choices):
+            events = self.events(group, choices, self.settings.stream_interval)
+            async for chunk in render(events, choices):
                 yield chunk
             errors = [c.error for c in choices if c.error]
             if errors:
@@ -306,6 +349,18 @@ class _Frontend:
             self.count(endpoint, choices, start)
 
         return _GuardedStream(body(), lambda: self.release(group))
+
+
+def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """One event holding ``first``'s tokens then ``then``'s (its counters and finish)."""
+    return dataclasses.replace(
+        then,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=first.logprobs + then.logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        input_logprobs=first.input_logprobs or then.input_logprobs,
+        input_top_logprobs=first.input_top_logprobs or then.input_top_logprobs,
+    )
 
 
 def retry_after(status: int) -> dict[str, str] | None:
@@ -363,6 +418,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
             raise ApiError(
                 "the engine thread is not running", status=503, error_type="server_error"
             )
+        front.check_watchdog()
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -25,12 +25,23 @@ from lazyspec.config import (
     STRATEGY_CHOICES,
     EngineConfig,
 )
+from lazyspec.server.flags import (
+    LOG_LEVELS,
+    SglangFlags,
+    add_sglang_flags,
+    apply_sglang_flags,
+    size,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 SHUTDOWN_CLOSE_S = 15  # uvicorn's own wait for connections after the drain
-ALIASES = {"mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"]}
+ALIASES = {
+    "mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"],
+    "skip_warmup": ["--skip-server-warmup"],
+    "tp_size": ["--tensor-parallel-size"],
+}
 SKIPPED_FIELDS = {"mamba_radix_cache_strategy"}  # an alias, exposed through ALIASES
 CHOICES = {
     "dtype": DTYPES,
@@ -134,7 +145,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             group.add_argument(*names, dest=f.name, action="store_true", default=None, help=text)
             continue
-        convert = int if kind.startswith("int") else float if kind == "float" else str
+        convert = size if kind.startswith("int") else float if kind == "float" else str
         default = f"(default: {f.default})" if f.default is not None else ""
         group.add_argument(
             *names,
@@ -157,7 +168,7 @@ def _add_security_flags(server: argparse._ArgumentGroup) -> None:
     )
     server.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=size,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="Largest request body; larger ones are answered 413, never parsed "
         "(default: %(default)s).",
@@ -236,10 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level",
         default="info",
-        choices=("debug", "info", "warning", "error"),
+        type=str.lower,
+        choices=LOG_LEVELS,
         help="Logging level. (default: %(default)s)",
     )
     _add_engine_flags(parser)
+    add_sglang_flags(parser)
     return parser
 
 
@@ -272,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = engine_kwargs(args)
     try:
         kwargs["model_path"] = resolve_model_path(args.model_path)
+        sglang = apply_sglang_flags(args, kwargs)
         config = EngineConfig(**kwargs)
     except ValueError as exc:
         parser.error(str(exc))
@@ -291,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     if not config.is_leader:
         _follow(kwargs)
         return
-    settings = _server_settings(args, kwargs["model_path"])
+    settings = _server_settings(args, kwargs["model_path"], sglang)
     holder = StartingApp()
     server = GracefulServer(
         uvicorn.Config(
@@ -327,7 +341,7 @@ def _follow(kwargs: dict[str, Any]) -> None:
     logger.info("process 0 shut down after %d device calls", num_calls)
 
 
-def _server_settings(args: argparse.Namespace, model_path: str) -> Any:
+def _server_settings(args: argparse.Namespace, model_path: str, sglang: SglangFlags) -> Any:
     from lazyspec.server.app import ServerSettings
     from lazyspec.server.guard import split_list
     from lazyspec.server.protocol import ChatTemplate
@@ -345,6 +359,9 @@ def _server_settings(args: argparse.Namespace, model_path: str) -> Any:
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         allowed_origins=split_list(args.allowed_origins),
+        stream_interval=sglang.stream_interval,
+        grammar_backend=sglang.grammar_backend,
+        watchdog_timeout=sglang.watchdog_timeout,
     )
 
 

@@ -126,6 +126,8 @@ class GenerationSpec:
     batched: bool = False
     n: int = 1  # choices per prompt: copy j > 0 waits for copy 0's prefill (prefix cache)
     logprob_start_len: int | None = None  # prompt logprobs from this token on (None: none)
+    no_stop_trim: bool = False  # SGLang's: a matched stop string stays in the text
+    skip_special_tokens: bool = True  # SGLang's: special tokens are left out of the text
 
 
 def _num_choices(body: dict, best_of: bool) -> int:
@@ -442,6 +444,30 @@ def _response_format(body: dict) -> dict[str, str]:
     return {"json_schema": json.dumps(schema)}
 
 
+def _v1_grammar(body: dict) -> dict[str, str]:
+    """/v1's grammar: ``response_format``, or SGLang's top-level ``json_schema`` (a string
+    or an object), ``regex`` or ``ebnf``; at most one of them."""
+    given = dict(_response_format(body))
+    if isinstance(body.get("json_schema"), dict):
+        body = {**body, "json_schema": json.dumps(body["json_schema"])}
+    sglang = _grammar(body)
+    if given and sglang:
+        raise ApiError(
+            f"give at most one of response_format, json_schema, regex and ebnf (got "
+            f"response_format and {sorted(sglang)[0]})",
+            param=sorted(sglang)[0],
+        )
+    return given or sglang
+
+
+def _text_options(body: dict) -> dict[str, bool]:
+    """SGLang's ``no_stop_trim`` and ``skip_special_tokens`` as GenerationSpec fields."""
+    return {
+        "no_stop_trim": _boolean(body, "no_stop_trim", False),
+        "skip_special_tokens": _boolean(body, "skip_special_tokens", True),
+    }
+
+
 def _grammar(params: dict) -> dict[str, str]:
     """/generate's ``json_schema``, ``regex`` or ``ebnf`` (strings; at most one)."""
     given = {name: params[name] for name in GRAMMAR_FIELDS if params.get(name) is not None}
@@ -552,9 +578,7 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     spec = GenerationSpec(
         prompts,
         texts,
-        _sampling(
-            body, max_new, prompts, limits, "max_tokens", "min_tokens", _response_format(body)
-        ),
+        _sampling(body, max_new, prompts, limits, "max_tokens", "min_tokens", _v1_grammar(body)),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -562,6 +586,7 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
         echo := _boolean(body, "echo", False),
         n=n,
         logprob_start_len=0 if echo and logprobs is not None else None,
+        **_text_options(body),
     )
     return with_choices(spec)
 
@@ -573,7 +598,13 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     check_request_size(limits, "messages", None, n)  # the text is checked with the messages
     messages = parse_messages(body.get("messages"))
     _check_text_len(sum(len(m["content"]) for m in messages), limits, "messages")
-    prompt = _encode(template.render(messages), tokenizer, limits, "messages", special=False)
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise ApiError(
+            f"chat_template_kwargs={extra!r} must be an object", param="chat_template_kwargs"
+        )
+    text = template.render(messages, extra)
+    prompt = _encode(text, tokenizer, limits, "messages", special=False)
     max_new = _integer(body, "max_completion_tokens", None, 1, limits.max_context)
     if max_new is None:
         max_new = _integer(body, "max_tokens", None, 1, limits.max_context)
@@ -584,14 +615,13 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     spec = GenerationSpec(
         [prompt],
         [None],
-        _sampling(
-            body, max_new, [prompt], limits, "max_tokens", "min_tokens", _response_format(body)
-        ),
+        _sampling(body, max_new, [prompt], limits, "max_tokens", "min_tokens", _v1_grammar(body)),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
         (top or 0) if want else None,
         n=n,
+        **_text_options(body),
     )
     return with_choices(spec)
 
@@ -669,6 +699,7 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         batched=batched or n > 1,  # SGLang answers n > 1 with a list
         n=n,
         logprob_start_len=start if return_logprob and start >= 0 else None,
+        **_text_options(params),
     )
     return with_choices(spec)
 
@@ -723,9 +754,16 @@ class TextStream:
     safe to show: no incomplete UTF-8 tail, no prefix of a stop string; at the first stop
     string the text is cut before it and ``stopped`` names it."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: tuple[str, ...] = (),
+        keep_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.keep_stop, self.skip_special_tokens = keep_stop, skip_special_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
@@ -735,7 +773,7 @@ class TextStream:
         if self.stopped is not None or self.tokenizer is None:
             return ""
         self.token_ids.extend(token_ids)
-        full = self.tokenizer.decode(self.token_ids)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         start = len(self.text)
         cut = self._first_stop(full, max(0, start - self.hold))
         if cut is not None:
@@ -759,7 +797,8 @@ class TextStream:
         if best is None:
             return None
         self.stopped = best[1]
-        return max(best[0], len(self.text))
+        end = best[0] + len(best[1]) if self.keep_stop else best[0]  # no_stop_trim keeps it
+        return max(end, len(self.text))
 
 
 class ChatTemplate:
@@ -797,13 +836,14 @@ class ChatTemplate:
             source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         )
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], extra: dict[str, Any] | None = None) -> str:
+        """The prompt text; ``extra`` (``chat_template_kwargs``) adds template variables."""
         if self._template is None:
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=True, **self.specials
-            )
+            variables = {**(extra or {}), **self.specials}
+            variables.update(messages=messages, add_generation_prompt=True)
+            return self._template.render(**variables)
         except ApiError:
             raise
         except Exception as exc:  # a template error is the request's fault or the model's
