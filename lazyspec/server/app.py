@@ -452,7 +452,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
         return out if spec.batched else out[0]
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict:
+    async def flush_cache(request: Request) -> dict:
+        if request.headers.get("content-type") is not None or await request.body():
+            check_json_content_type(request.headers.get("content-type"))  # no form, no text
         if not await asyncio.wrap_future(worker.call(worker.flush_cache)):
             raise ApiError("cache not flushed: requests are still running", status=400, code="busy")
         return {"success": True, "message": "Cache flushed."}

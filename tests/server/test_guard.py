@@ -373,3 +373,51 @@ def test_normal_latency_holds_while_amplifying_bodies_arrive(server):
     assert max(during) < 3 * baseline + 0.5, (baseline, during)
     assert sorted(status for status, _ in answers) == [400] * len(raw), answers
     assert max(elapsed for _, elapsed in answers) < 2.0, answers
+
+
+POST_PATHS = ("/flush_cache", "/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_cross_origin_posts_are_refused_on_every_endpoint(server, path):
+    """What a page on another origin can send without a preflight (a form, text/plain or
+    an empty POST, with its Origin) changes nothing; the server's own origin and listed
+    origins pass."""
+    evil = {"Origin": "http://evil.example"}
+    simple = [
+        (b"", {}),
+        (b"a=1", {"Content-Type": "application/x-www-form-urlencoded"}),
+        (b"{}", {"Content-Type": "text/plain"}),
+        (b"{}", {"Content-Type": "multipart/form-data; boundary=x"}),
+    ]
+    for content, headers in simple:
+        response = httpx.post(f"{server.url}{path}", content=content, headers={**evil, **headers})
+        assert _check_error(response, 403)["code"] == "origin_not_allowed", response.text
+    if path == "/flush_cache":  # without an Origin a form is still no JSON
+        response = httpx.post(
+            f"{server.url}{path}",
+            content=b"a=1",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        _check_error(response, 415)
+    own = {"Origin": server.url, **JSON}
+    body = json.dumps(SMALL if path == "/generate" else {}).encode()
+    if path in ("/flush_cache", "/generate"):
+        assert httpx.post(f"{server.url}{path}", content=body, headers=own).status_code == 200
+    with _serve(server, allowed_origins=("http://evil.example",)) as url:
+        if path in ("/flush_cache", "/generate"):
+            listed = httpx.post(f"{url}{path}", content=body, headers={**evil, **JSON}, timeout=60)
+            assert listed.status_code == 200, listed.text
+
+
+def test_a_request_without_host_is_told_so(server):
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"no Host header" in answer and b"None" not in answer, answer
