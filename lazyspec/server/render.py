@@ -100,6 +100,13 @@ def model_list(name: str, max_context: int) -> dict[str, Any]:
     }
 
 
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special added tokens (BOS, EOS, ...)."""
+    if tokenizer is None:
+        return frozenset()
+    return frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
 def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
@@ -161,12 +168,31 @@ class CompletionRenderer(_Renderer):
 
     def echoed_logprobs(self, index: int, choice: Choice) -> tuple[list, list, list]:
         """The echoed prompt's (ids, logprobs, tops): computed on the prompt (the first
-        token's logprob null), or all null when the engine sent none."""
-        ids = self.spec.prompts[index]
+        token's logprob null), or all null when the engine sent none. Special tokens the
+        tokenizer added (a BOS) are left out, as OpenAI's echo leaves them out of ``text``,
+        so that ``text_offset`` indexes the text."""
+        ids = list(self.spec.prompts[index])
         if choice.input_logprobs is None:
-            return list(ids), [None] * len(ids), [[]] * len(ids)
-        tops = [top or [] for top in choice.input_top_logprobs]
-        return list(ids), [lp for lp, _ in choice.input_logprobs], tops
+            lps, tops = [None] * len(ids), [[]] * len(ids)
+        else:
+            lps = [lp for lp, _ in choice.input_logprobs]
+            tops = [top or [] for top in choice.input_top_logprobs]
+        keep = self._shown(ids, self.prompt_text(index))
+        return [ids[i] for i in keep], [lps[i] for i in keep], [tops[i] for i in keep]
+
+    def _shown(self, ids: list[int], text: str) -> list[int]:
+        """Indices of the ``ids`` whose text ``text`` shows: a special token is dropped
+        unless ``text`` holds it where it stands."""
+        special = _special_ids(self.tokenizer)
+        keep, offset = [], 0
+        for i, token in enumerate(ids):
+            piece = _token_text(self.tokenizer, token)
+            if text.startswith(piece, offset):
+                offset += len(piece)
+            elif token in special:
+                continue
+            keep.append(i)
+        return keep
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         out = []
@@ -201,11 +227,12 @@ class CompletionRenderer(_Renderer):
                 yield sse(self.envelope([self._chunk(i, self.prompt_text(i), echo_logprobs, None)]))
             logprobs = None
             if self.spec.logprobs is not None:
+                prefix_len = len(self.prompt_text(i)) if self.spec.echo else 0
                 logprobs = self.logprobs(
                     event.token_ids,
                     event.logprobs,
                     event.top_logprobs,
-                    len(c.text.text) - len(delta),
+                    prefix_len + len(c.text.text) - len(delta),
                 )
             if delta or c.finished or logprobs is not None:
                 yield sse(self.envelope([self._chunk(i, delta, logprobs, _openai_finish(c))]))
