@@ -145,9 +145,9 @@ def _num_choices(body: dict, best_of: bool) -> int:
 
 
 def copy_seed(seed: int | None, copy: int) -> int | None:
-    """The seed of copy ``copy`` of a request seeded with ``seed``: copies differ in the low
-    32 bits the engine uses (for copy < 2**32) and stay in SEED_RANGE; None stays None (each
-    request's default seed differs already)."""
+    """The seed of copy ``copy`` of a request seeded with ``seed``: copies differ (for copy
+    < 2**32) and stay in SEED_RANGE; None stays None (each request's default seed differs
+    already)."""
     if seed is None or copy == 0:
         return seed
     shifted = seed + copy

@@ -195,3 +195,18 @@ def test_echo_offsets_index_the_text_with_a_bos(server):
     for chunk in chunks:
         if chunk["logprobs"] is not None:
             assert _offsets_index_text(text, chunk["logprobs"]) == [], chunk
+
+
+def test_every_bit_of_a_64_bit_seed_counts(server):
+    body = {"prompt": "the state of", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    texts = {}
+    for seed in (1, 2**32 + 1, 2**40 + 1, 2**63 + 1, -1):
+        out = _post(server, "/v1/completions", {**body, "seed": seed}).json()
+        texts[seed] = out["choices"][0]["text"]
+    assert len(set(texts.values())) == len(texts), texts
+    again = _post(server, "/v1/completions", {**body, "seed": 2**40 + 1}).json()
+    assert again["choices"][0]["text"] == texts[2**40 + 1]
+    from lazyspec.scheduler.batch import seed_bits
+
+    assert [seed_bits(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]  # kept as they were
+    assert seed_bits(-1) == seed_bits(2**64 - 1)  # two's complement: one 64-bit seed
