@@ -100,9 +100,8 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
         "--mem-fraction-static",
         type=float,
         default=None,
-        help="Fraction of the accelerator's memory for weights and the KV and state pools; "
-        "sizes --max-total-tokens (and --max-mamba-cache-size when unset) from what the "
-        "weights leave. Default on GPU / TPU: 0.85; on CPU the flags' sizes apply.",
+        help="Fraction of the accelerator's memory for weights and pools. Accepted and "
+        "logged; the pools are sized by --max-total-tokens and --max-mamba-cache-size.",
     )
     group.add_argument(
         "--kv-cache-dtype",
@@ -181,6 +180,12 @@ def apply_sglang_flags(args: argparse.Namespace, kwargs: dict[str, Any]) -> Sgla
     fraction = args.mem_fraction_static
     if fraction is not None and not 0 < fraction < 1:
         raise ValueError(f"--mem-fraction-static={fraction} must be in (0, 1)")
+    if fraction is not None:
+        logger.warning(
+            "--mem-fraction-static=%s is not applied: the KV and state pools are sized by "
+            "--max-total-tokens and --max-mamba-cache-size",
+            fraction,
+        )
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval={args.stream_interval} must be >= 1")
     if args.watchdog_timeout is not None and not args.watchdog_timeout > 0:
