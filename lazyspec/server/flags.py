@@ -60,7 +60,6 @@ IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--nccl-port": (True, "devices communicate through XLA collectives"),
     "--dist-timeout": (True, "jax.distributed's own heartbeat applies"),
     "--enable-p2p-check": (False, "devices communicate through XLA collectives"),
-    "--mamba-full-memory-ratio": (True, "KV and state pools are sized from their own flags"),
     "--allow-auto-truncate": (False, "over-long prompts are refused with a 400"),
     "--enable-mixed-precision": (False, "weights and activations share --dtype"),
 }
@@ -88,6 +87,7 @@ class SglangFlags:
     """The values of the SGLang flags that act here (None: not given)."""
 
     mem_fraction_static: float | None = None
+    mamba_full_memory_ratio: float = 0.9
     grammar_backend: str = "xgrammar"
     stream_interval: int = 1
     watchdog_timeout: float | None = None
@@ -100,8 +100,17 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
         "--mem-fraction-static",
         type=float,
         default=None,
-        help="Fraction of the accelerator's memory for weights and pools. Accepted and "
-        "logged; the pools are sized by --max-total-tokens and --max-mamba-cache-size.",
+        help="Fraction of the device's memory (what its allocator may use: on a GPU, "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION of the card) for the weights and the KV and state "
+        "pools; the pools take what the weights leave, and a pool sized by "
+        "--max-total-tokens or --max-mamba-cache-size keeps that size. Default: 0.85 on "
+        "accelerators; on CPU the pools keep their fixed defaults unless this is given.",
+    )
+    group.add_argument(
+        "--mamba-full-memory-ratio",
+        type=float,
+        default=0.9,
+        help="With --mem-fraction-static: state-pool bytes / KV-pool bytes. (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-dtype",
@@ -180,17 +189,16 @@ def apply_sglang_flags(args: argparse.Namespace, kwargs: dict[str, Any]) -> Sgla
     fraction = args.mem_fraction_static
     if fraction is not None and not 0 < fraction < 1:
         raise ValueError(f"--mem-fraction-static={fraction} must be in (0, 1)")
-    if fraction is not None:
-        logger.warning(
-            "--mem-fraction-static=%s is not applied: the KV and state pools are sized by "
-            "--max-total-tokens and --max-mamba-cache-size",
-            fraction,
-        )
+    ratio = args.mamba_full_memory_ratio
+    if not 0 < ratio < math.inf:
+        raise ValueError(f"--mamba-full-memory-ratio={ratio} must be positive")
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval={args.stream_interval} must be >= 1")
     if args.watchdog_timeout is not None and not args.watchdog_timeout > 0:
         raise ValueError(f"--watchdog-timeout={args.watchdog_timeout} must be > 0")
-    return SglangFlags(fraction, args.grammar_backend, args.stream_interval, args.watchdog_timeout)
+    return SglangFlags(
+        fraction, ratio, args.grammar_backend, args.stream_interval, args.watchdog_timeout
+    )
 
 
 def _apply_kv_cache_dtype(value: str, kwargs: dict[str, Any]) -> None:

@@ -302,7 +302,16 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = enable_compilation_cache(args.compilation_cache_dir)
     logger.info("compilation cache: %s", cache or "off")
+
+    def size_pools(engine_kwargs: dict[str, Any]) -> None:
+        from lazyspec.engine import multihost
+        from lazyspec.server.pools import apply_pool_plan
+
+        multihost.initialize(config)  # before the device's memory is read
+        apply_pool_plan(engine_kwargs, sglang.mem_fraction_static, sglang.mamba_full_memory_ratio)
+
     if not config.is_leader:
+        size_pools(kwargs)  # every process plans alike (the same devices are assumed)
         _follow(kwargs)
         return
     settings = _server_settings(args, kwargs["model_path"], sglang)
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         holder,
         args.graceful_shutdown_timeout,
     )
-    startup = EngineStartup(kwargs, settings, holder, server, f"http://{args.host}:{args.port}")
+    url = f"http://{args.host}:{args.port}"
+    startup = EngineStartup(kwargs, settings, holder, server, url, size_pools)
     server.on_started = startup.start
     server.on_cancel = startup.bar.cancel
     try:
