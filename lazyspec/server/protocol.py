@@ -38,6 +38,11 @@ MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_JSON_DEPTH = 64  # nested arrays/objects in a body; json.loads recurses once per level
+# The smallest repetition_penalty taken. SGLang and vLLM take any value above 0, but the
+# penalty divides a repeated token's positive logit in float32: 1e-300 rounds to 0, the
+# logits to inf and the sample to garbage (one token, no text). 0.01 already multiplies
+# those logits by 100, so nothing a smaller value could mean is lost.
+REPETITION_PENALTY_MIN = 0.01
 
 
 class ApiError(Exception):
@@ -402,7 +407,7 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
 
 def _penalties(body: dict) -> dict[str, float]:
     """frequency_penalty and presence_penalty in [-2, 2] (OpenAI's range), repetition_penalty
-    in (0, 2] (SGLang's)."""
+    in [REPETITION_PENALTY_MIN, 2] (SGLang's (0, 2] less the values float32 cannot apply)."""
     low, high = PENALTY_RANGE
     out = {}
     for name in ("frequency_penalty", "presence_penalty"):
@@ -410,9 +415,10 @@ def _penalties(body: dict) -> dict[str, float]:
         if not low <= out[name] <= high:
             raise ApiError(f"{name}={out[name]} must be in [{low}, {high}]", param=name)
     out["repetition_penalty"] = value = _number(body, "repetition_penalty", 1.0)
-    if not 0 < value <= REPETITION_PENALTY_MAX:
+    if not REPETITION_PENALTY_MIN <= value <= REPETITION_PENALTY_MAX:
         raise ApiError(
-            f"repetition_penalty={value} must be in (0, {REPETITION_PENALTY_MAX}]",
+            f"repetition_penalty={value} must be in "
+            f"[{REPETITION_PENALTY_MIN}, {REPETITION_PENALTY_MAX}] (1 = no penalty)",
             param="repetition_penalty",
         )
     return out

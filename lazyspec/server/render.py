@@ -303,8 +303,15 @@ class ChatRenderer(_Renderer):
             yield self.usage_chunk(choices, chunk)
 
 
+OPENAI_FINISH_REASONS = ("stop", "length")  # of OpenAI's values, the ones a choice can end with
+
+
 def _openai_finish(choice: Choice) -> str | None:
-    return None if not choice.finished else choice.finish_type
+    """OpenAI's ``finish_reason``: "stop" or "length"; None while running and for an
+    aborted choice, which has no OpenAI value: its stream ends with an error event instead
+    (as SGLang's does for an abort it did not ask for; the request's abort is in /metrics)."""
+    reason = choice.finish_type if choice.finished else None
+    return reason if reason in OPENAI_FINISH_REASONS else None
 
 
 def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:

@@ -80,6 +80,12 @@ def test_completion_response_format_json_object(server):
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert isinstance(json.loads(choice["text"]), dict)
+    # cut by max_tokens: "length", and the text is only the start of an object
+    response = _post(server, "/v1/completions", {**body, "max_tokens": 1})
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"] == "{", choice
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice["text"])
 
 
 @pytest.mark.parametrize(
