@@ -20,7 +20,6 @@ logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
 KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _SIZE = re.compile(r"^(-?\d+(?:\.\d+)?)([kKmMgG]?)$")
 _SIZE_UNITS = {
@@ -125,13 +124,6 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
         help="Structured-output backend; none refuses grammar requests. (default: %(default)s)",
     )
     group.add_argument(
-        "--schedule-policy",
-        default="fcfs",
-        choices=SCHEDULE_POLICIES,
-        help="Admission order of waiting requests. fcfs: arrival order. lpm (longest "
-        "prefix match) is accepted and runs as fcfs. (default: %(default)s)",
-    )
-    group.add_argument(
         "--max-prefill-tokens",
         type=size,
         default=None,
@@ -182,10 +174,6 @@ def apply_sglang_flags(args: argparse.Namespace, kwargs: dict[str, Any]) -> Sgla
         _apply_max_prefill_tokens(args.max_prefill_tokens, kwargs)
     if args.tokenizer_path is not None:
         _check_tokenizer_path(args.tokenizer_path, kwargs.get("model_path"))
-    if args.schedule_policy == "lpm":
-        logger.warning(
-            "--schedule-policy lpm runs as fcfs: waiting requests are admitted in arrival order"
-        )
     fraction = args.mem_fraction_static
     if fraction is not None and not 0 < fraction < 1:
         raise ValueError(f"--mem-fraction-static={fraction} must be in (0, 1)")

@@ -21,6 +21,7 @@ from lazyspec.config import (
     KERNEL_BACKENDS,
     LOAD_FORMATS,
     MOE_RUNNER_BACKENDS,
+    SCHEDULE_POLICIES,
     SPEC_ALGORITHMS,
     STRATEGY_CHOICES,
     EngineConfig,
@@ -51,6 +52,7 @@ CHOICES = {
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
     "moe_runner_backend": MOE_RUNNER_BACKENDS,
     "load_format": LOAD_FORMATS,
+    "schedule_policy": SCHEDULE_POLICIES,
     "decode_program_copies": (1, 2),
 }
 HELP = {
@@ -124,6 +126,9 @@ HELP = {
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
     "the requests with the least progress).",
+    "schedule_policy": "Admission order of waiting requests: fcfs (arrival) or lpm (longest "
+    "cached prefix first, SGLang's rule; a queue over 128 requests is taken in arrival "
+    "order).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "
     "allocation fails.",
