@@ -79,8 +79,8 @@ def _nbytes(leaf: Any) -> int:
 def weight_bytes(model_cfg: Any, dtype: str) -> int:
     """Bytes of the model's weights in ``dtype`` (leaves that keep their own dtype in it),
     from the family's weight plan; the MTP head counted when the config declares one."""
-    import jax
     import jax.numpy as jnp
+    from jax.tree_util import tree_leaves
 
     from lazyspec.models.registry import family_module
 
@@ -88,7 +88,7 @@ def weight_bytes(model_cfg: Any, dtype: str) -> int:
     if not model_cfg.tie_word_embeddings:
         heads["lm_head"] = None
     plan = family_module(model_cfg.family).weight_plan(model_cfg, heads)
-    leaves = jax.tree.leaves(plan, is_leaf=lambda node: hasattr(node, "param_shape"))
+    leaves = tree_leaves(plan, is_leaf=lambda node: hasattr(node, "param_shape"))
     return sum(
         math.prod(leaf.param_shape) * jnp.dtype(leaf.dtype or dtype).itemsize for leaf in leaves
     )
