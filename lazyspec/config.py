@@ -20,6 +20,7 @@ SPEC_ALGORITHMS = (None, "NEXTN", "MTP")
 KERNEL_BACKENDS = (None, "xla", "pallas")
 MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas")
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class EngineConfig:
     decode_program_copies: int | None = None
     # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
     schedule_conservativeness: float = 1.0
+    # admission order of waiting requests (SGLang's): arrival (fcfs) or longest cached
+    # prefix first (lpm)
+    schedule_policy: str = "fcfs"
     # Fault injection / experiments (tests and benchmarks only).
     debug_fail_spare_alloc: bool = False
     debug_lazy_evict_on_failure: bool = False
@@ -84,6 +88,7 @@ class EngineConfig:
         _check_choice("moe_runner_backend", self.moe_runner_backend, MOE_RUNNER_BACKENDS)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         parse_overrides(self.kernel_tuning)  # ValueError names a bad item
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         for name in (
             "page_size",
             "max_total_tokens",

@@ -171,6 +171,7 @@ class Engine:
             cache,
             cfg.eos_token_ids,
             NewTokenRatio(c.schedule_conservativeness),
+            schedule_policy=c.schedule_policy,
         )
         self.max_running = layout.max_running
         self._memory_plan = layout.memory_plan(

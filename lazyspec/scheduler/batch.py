@@ -125,6 +125,17 @@ class SamplingRow:
     argmax_only: bool = False
 
 
+def seed_bits(seed: int) -> int:
+    """A seed of up to 64 bits (negative ones taken mod 2**64) as the 32 bits the sampler
+    keys on: the low word xor a hash of the high word (MurmurHash3's finalizer, which maps
+    0 to 0), so every bit counts and seeds below 2**32 keep their value."""
+    value = seed % 2**64
+    high = value >> 32
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        high = ((high ^ (high >> shift)) * factor) & 0xFFFFFFFF
+    return (value & 0xFFFFFFFF) ^ high ^ (high >> 16)
+
+
 def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
     """``req``'s SamplingRow; ValueError / OverflowError if a value does not fit its dtype
     (the default seed is the CRC-32 of the request id). ``eos_ids`` are the model's, masked
@@ -164,7 +175,7 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         temperature,
         top_p,
         np.int32(params.top_k),
-        np.uint32(seed & 0xFFFFFFFF),
+        np.uint32(seed_bits(seed)),
         np.int32(len(req.input_ids) + params.min_new_tokens),
         mask_ids,
         bias_ids,

@@ -10,7 +10,7 @@ from typing import Any
 NO_SLOT = 0  # the null slot: "none" for every slot field
 TOP_LOGPROBS = 5  # most likely tokens reported per position (top_logprobs_num <= this)
 MAX_TEMPERATURE = 100.0  # past this the distribution is uniform to float32 precision anyway
-SEED_RANGE = (-(2**63), 2**64 - 1)  # inclusive: any 64-bit seed; the low 32 bits are used
+SEED_RANGE = (-(2**63), 2**64 - 1)  # inclusive: any 64-bit seed (batch.seed_bits)
 MAX_LOGIT_BIAS = 16  # (token, bias) pairs per request (a fixed width in the step batch)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # inclusive, as OpenAI's
 # stop_token_ids a request with min_new_tokens > 0 may give: they and the model's EOS ids

@@ -48,6 +48,10 @@ from lazyspec.scheduler.token_ratio import NewTokenRatio
 
 logger = logging.getLogger(__name__)
 
+# lpm sorts a waiting queue up to this long (one tree walk per request per step); a longer
+# one is taken in arrival order (SGLang's cut-off)
+LPM_MAX_WAITING = 128
+
 
 @dataclass
 class StepPlan:
@@ -92,6 +96,7 @@ class Scheduler:
         cache: RequestCache,
         eos_ids: tuple[int, ...],
         token_ratio: NewTokenRatio | None = None,
+        schedule_policy: str = "fcfs",
     ) -> None:
         self.layout = layout
         self.policy = policy
@@ -109,6 +114,7 @@ class Scheduler:
         self.num_admitted_tokens = 0  # prompt tokens of admitted requests
         self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
         self.token_ratio = token_ratio or NewTokenRatio()
+        self.schedule_policy = schedule_policy  # "fcfs" or "lpm" (_order_by_prefix)
         self.num_retractions = 0  # requests retracted to free KV for a decode step
         self._count_seeds: list[CountSeed] = []  # admitted rows' histories, for the next plan
         self._sampling_memo = SamplingMemo()  # the decode batches' sampling arrays
@@ -196,6 +202,8 @@ class Scheduler:
         """The next step's plan, or None. Mutates: admits, plans slots and pages; may
         retract or fail requests when a decode step cannot get its pages. ``inflight``:
         the records of the launched step not yet processed (empty without overlap)."""
+        if self.schedule_policy == "lpm":
+            self._order_by_prefix()
         while self.waiting:
             if not self._prepare(self.waiting[0]):
                 continue  # it failed and left the queue; the next one is the head now
@@ -221,6 +229,16 @@ class Scheduler:
             }
             self._finish(req, reason, inflight=())
         return None
+
+    def _order_by_prefix(self) -> None:
+        """lpm (SGLang's rule): the waiting requests by their cached prefix (with a state),
+        longest first; ties keep queue order, so a retracted request stays ahead of its
+        equals. A queue longer than LPM_MAX_WAITING keeps arrival order, as SGLang's does.
+        Mutates the queue and, through the matches, the tree's LRU orders and stats."""
+        if not 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            return
+        cached = {id(r): self.tree.match_prefix(r.all_ids[:-1]).prefix_len for r in self.waiting}
+        self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[id(r)]))
 
     def _plan_extend(self, reqs: list[Req]) -> StepPlan:
         records = []

@@ -10,6 +10,7 @@ Errors are answered as ``{"error": {message, type, param, code}}`` with a 4xx/5x
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyspec.scheduler.grammar import grammar_of
+from lazyspec.server.fields import check_fields
 from lazyspec.server.guard import (
     DEFAULT_MAX_REQUEST_BYTES,
     LOOPBACK_HOSTS,
@@ -35,6 +37,7 @@ from lazyspec.server.protocol import (
     ChatTemplate,
     GenerationSpec,
     Limits,
+    max_body_prompt_chars,
     max_prompt_chars,
     parse_chat,
     parse_completion,
@@ -51,17 +54,24 @@ from lazyspec.server.render import (
     sse,
 )
 from lazyspec.server.schema import chat_body, completion_body, generate_body, request_body
-from lazyspec.server.worker import EngineWorker, RequestGroup, Submission
+from lazyspec.server.worker import EngineWorker, RequestGroup, Submission, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 NUM_PARSE_THREADS = 4  # requests parsed and tokenized at once (HF tokenizers drop the GIL)
+# bodies up to this size parse in a pool of their own, so that a few large bodies (seconds
+# of tokenizing each, within the limits) never make an ordinary request wait for a thread
+SMALL_BODY_BYTES = 64 * 2**10
+NUM_SMALL_PARSE_THREADS = 2
 NUM_TEXT_THREADS = 2  # detokenizers of long outputs, apart so big prompts cannot stall them
 INLINE_DETOKENIZE_TOKENS = 2048  # shorter outputs decode on the loop (well under 1 ms)
 RETRY_AFTER_S = 5  # the Retry-After header of every 503
 DRAIN_POLL_S = 0.05
 CLOSE_WAIT_S = 10.0  # after aborting at shutdown: time for the error events to go out
 SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+ENDPOINTS = {parse_completion: "completions", parse_chat: "chat", parse_generate: "generate"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,9 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS  # Host names; None: no check
     allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); (): no CORS headers
+    stream_interval: int = 1  # output tokens per streamed chunk (the last may hold fewer)
+    grammar_backend: str = "xgrammar"  # "none": grammar requests are refused
+    watchdog_timeout: float | None = None  # a step running longer makes /health 503
 
 
 class _GuardedStream(StreamingResponse):
@@ -111,35 +124,50 @@ class _Frontend:
         self.metrics = worker.metrics
         self.tokenizer = worker.tokenizer
         self.template = settings.chat_template or ChatTemplate(None)
+        queued = settings.max_queued_requests
         self.limits = Limits(
             worker.vocab_size,
             worker.max_context,
             (settings.served_model_name,),
             max_prompt_chars(self.tokenizer, worker.max_context),
+            None if queued is None else worker.max_running + queued,
+            max_body_prompt_chars(self.tokenizer, worker.max_context, worker.kv_tokens),
         )
         self.parse_pool = ThreadPoolExecutor(NUM_PARSE_THREADS, "lazyspec-parse")
+        self.small_parse_pool = ThreadPoolExecutor(NUM_SMALL_PARSE_THREADS, "lazyspec-parse-small")
         self.text_pool = ThreadPoolExecutor(NUM_TEXT_THREADS, "lazyspec-detokenize")
         self.num_live = 0
         self._held: set[RequestGroup] = set()  # groups whose queue places are taken
         self.draining = False  # set once by drain(): nothing is admitted afterwards
         self._abort_now = False
+        self._watchdog_logged: float | None = None  # the stalled step already logged
 
     async def parse(
         self, parser: Callable[..., GenerationSpec], raw: bytes, *args: Any
     ) -> GenerationSpec:
-        """``parser(body, tokenizer, limits, *args)`` of the JSON ``raw``, run in the parse
-        pool so that a long prompt never blocks the event loop."""
+        """``parser(body, tokenizer, limits, *args)`` of the JSON ``raw``, run in a parse
+        pool so that a long prompt never blocks the event loop (small bodies in their own
+        pool, so that they never wait behind large ones)."""
 
         def work() -> GenerationSpec:
-            spec = parser(parse_json_body(raw), self.tokenizer, self.limits, *args)
+            body = parse_json_body(raw)
+            check_fields(body, ENDPOINTS[parser])
+            spec = parser(body, self.tokenizer, self.limits, *args)
             for sampling in spec.sampling:
+                field = grammar_of(sampling)[0] if grammar_of(sampling) else None
+                if field is not None and self.settings.grammar_backend == "none":
+                    raise ApiError(
+                        "structured output is off on this server (--grammar-backend none)",
+                        param=field,
+                    )
                 try:  # compiled here, off the engine thread; the engine finds it cached
                     self.worker.engine.check_grammar(sampling)
                 except ValueError as exc:
                     raise ApiError(str(exc), param=grammar_of(sampling)[0]) from None
             return spec
 
-        return await asyncio.get_running_loop().run_in_executor(self.parse_pool, work)
+        pool = self.small_parse_pool if len(raw) <= SMALL_BODY_BYTES else self.parse_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
 
     async def open(self, spec: GenerationSpec) -> tuple[RequestGroup, list[Choice]]:
         """Admit ``spec``'s requests (503 when the queue is full or the server is shutting
@@ -186,8 +214,26 @@ class _Frontend:
         except BaseException:
             self.release(group)
             raise
-        choices = [Choice(self.tokenizer, spec.stop, sub.rid, len(sub.input_ids)) for sub in subs]
+        choices = [Choice(self.tokenizer, spec, sub.rid, len(sub.input_ids)) for sub in subs]
         return group, choices
+
+    def check_watchdog(self) -> None:
+        """ApiError 503 (logged once per stalled step) while the engine step now running has
+        run longer than ``settings.watchdog_timeout``."""
+        limit = self.settings.watchdog_timeout
+        seconds = self.worker.step_seconds()
+        if limit is None or seconds <= limit:
+            self._watchdog_logged = None
+            return
+        if self._watchdog_logged != self.worker.step_started:
+            self._watchdog_logged = self.worker.step_started
+            logger.error("watchdog: an engine step has run %.1f s (limit %.1f s)", seconds, limit)
+        raise ApiError(
+            f"an engine step has run {seconds:.1f} s, over --watchdog-timeout={limit}",
+            status=503,
+            code="watchdog",
+            error_type="server_error",
+        )
 
     def check_admitting(self) -> None:
         """ApiError 503 once ``drain`` has begun."""
@@ -228,12 +274,19 @@ class _Frontend:
             self.metrics.num_live.set(self.num_live)
 
     async def events(
-        self, group: RequestGroup, choices: list[Choice]
+        self, group: RequestGroup, choices: list[Choice], interval: int = 1
     ) -> AsyncIterator[tuple[int, str, Any]]:
         """(index, new text, event) until every choice finished; a stop string ends its
-        engine request early."""
+        engine request early. With ``interval`` > 1 a choice's events are merged until they
+        hold that many tokens (or it finishes)."""
+        pending: dict[int, TokenEvent] = {}
         while not all(c.finished for c in choices):
             event = await group.next_event()
+            if event.index in pending:
+                event = merge_events(pending.pop(event.index), event)
+            if event.finish_reason is None and len(event.token_ids) < interval:
+                pending[event.index] = event
+                continue
             choice = choices[event.index]
             if choice.finished:
                 continue
@@ -286,7 +339,8 @@ class _Frontend:
         group, choices = await self.open(spec)
 
         async def body() -> AsyncIterator[str]:
-            async for chunk in render(self.events(group, choices), choices):
+            events = self.events(group, choices, self.settings.stream_interval)
+            async for chunk in render(events, choices):
                 yield chunk
             errors = [c.error for c in choices if c.error]
             if errors:
@@ -295,6 +349,18 @@ class _Frontend:
             self.count(endpoint, choices, start)
 
         return _GuardedStream(body(), lambda: self.release(group))
+
+
+def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """One event holding ``first``'s tokens then ``then``'s (its counters and finish)."""
+    return dataclasses.replace(
+        then,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=first.logprobs + then.logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        input_logprobs=first.input_logprobs or then.input_logprobs,
+        input_top_logprobs=first.input_top_logprobs or then.input_top_logprobs,
+    )
 
 
 def retry_after(status: int) -> dict[str, str] | None:
@@ -352,6 +418,7 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
             raise ApiError(
                 "the engine thread is not running", status=503, error_type="server_error"
             )
+        front.check_watchdog()
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -385,7 +452,9 @@ def create_app(worker: EngineWorker, settings: ServerSettings) -> FastAPI:
         return out if spec.batched else out[0]
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict:
+    async def flush_cache(request: Request) -> dict:
+        if request.headers.get("content-type") is not None or await request.body():
+            check_json_content_type(request.headers.get("content-type"))  # no form, no text
         if not await asyncio.wrap_future(worker.call(worker.flush_cache)):
             raise ApiError("cache not flushed: requests are still running", status=400, code="busy")
         return {"success": True, "message": "Cache flushed."}

@@ -109,9 +109,9 @@ class HostGuard:
         if host is not None and host_name(host) in self.allowed:
             return await self.app(scope, receive, send)
         # 400, not 421: a client may retry a 421 on another connection, which cannot help
+        said = "the request has no Host header" if host is None else f"Host {host!r} is not allowed"
         error = ApiError(
-            f"Host {host!r} is not allowed; start the server with --allowed-hosts to allow it",
-            code="host_not_allowed",
+            f"{said}; start the server with --allowed-hosts to allow it", code="host_not_allowed"
         )
         await _refuse(error, self.error_response, scope, send)
 
@@ -128,8 +128,10 @@ class RequestGuard:
         api_key: str | None,
         max_request_bytes: int,
         error_response: ErrorResponse,
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         self.app = app
+        self.allowed_origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
         self.api_key = None if api_key is None else api_key.encode("utf-8")
         self.max_request_bytes = max_request_bytes
         self.error_response = error_response
@@ -137,6 +139,15 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["method"] == "POST" and not self._same_or_allowed_origin(scope):
+            error = ApiError(
+                f"cross-origin POST from {_header(scope, b'origin')!r} refused; start the "
+                "server with --allowed-origins to allow that origin",
+                status=403,
+                code="origin_not_allowed",
+            )
+            await _refuse(error, self.error_response, scope, send)
+            return
         if not self._authorized(scope):
             error = ApiError("a valid API key is required", status=401, code="invalid_api_key")
             await _refuse(error, self.error_response, scope, send, **{"WWW-Authenticate": "Bearer"})
@@ -148,6 +159,20 @@ class RequestGuard:
             await _refuse(self._too_large(), self.error_response, scope, send, Connection="close")
             return
         await self.app(scope, self._counting(receive), send)
+
+    def _same_or_allowed_origin(self, scope: Scope) -> bool:
+        """A POST without ``Origin`` (not from a browser), from the server's own origin, or
+        from one of ``allowed_origins``. Browsers send a form, text/plain or empty POST to
+        another origin without a preflight, with an ``Origin`` header: refusing it here keeps
+        a web page from changing the server's state (``/flush_cache``) or using it."""
+        origin = _header(scope, b"origin")
+        if origin is None or "*" in self.allowed_origins:
+            return True
+        origin = origin.strip().rstrip("/").lower()
+        if origin in self.allowed_origins:
+            return True
+        host = (_header(scope, b"host") or "").strip().lower()
+        return bool(host) and origin.partition("://")[2] == host
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None:
@@ -188,6 +213,7 @@ def guard_stack(app: Any, settings: Any, error_response: ErrorResponse) -> None:
         api_key=settings.api_key,
         max_request_bytes=settings.max_request_bytes,
         error_response=error_response,
+        allowed_origins=settings.allowed_origins,
     )
     if settings.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware

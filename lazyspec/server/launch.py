@@ -21,16 +21,28 @@ from lazyspec.config import (
     KERNEL_BACKENDS,
     LOAD_FORMATS,
     MOE_RUNNER_BACKENDS,
+    SCHEDULE_POLICIES,
     SPEC_ALGORITHMS,
     STRATEGY_CHOICES,
     EngineConfig,
+)
+from lazyspec.server.flags import (
+    LOG_LEVELS,
+    SglangFlags,
+    add_sglang_flags,
+    apply_sglang_flags,
+    size,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "default_model"
 SHUTDOWN_CLOSE_S = 15  # uvicorn's own wait for connections after the drain
-ALIASES = {"mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"]}
+ALIASES = {
+    "mamba_scheduler_strategy": ["--mamba-radix-cache-strategy"],
+    "skip_warmup": ["--skip-server-warmup"],
+    "tp_size": ["--tensor-parallel-size"],
+}
 SKIPPED_FIELDS = {"mamba_radix_cache_strategy"}  # an alias, exposed through ALIASES
 CHOICES = {
     "dtype": DTYPES,
@@ -40,6 +52,7 @@ CHOICES = {
     "kernel_backend": tuple(b for b in KERNEL_BACKENDS if b is not None),
     "moe_runner_backend": MOE_RUNNER_BACKENDS,
     "load_format": LOAD_FORMATS,
+    "schedule_policy": SCHEDULE_POLICIES,
     "decode_program_copies": (1, 2),
 }
 HELP = {
@@ -115,6 +128,9 @@ HELP = {
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
     "the requests with the least progress).",
+    "schedule_policy": "Admission order of waiting requests: fcfs (arrival) or lpm (longest "
+    "cached prefix first, SGLang's rule; a queue over 128 requests is taken in arrival "
+    "order).",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "
     "allocation fails.",
@@ -136,7 +152,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             group.add_argument(*names, dest=f.name, action="store_true", default=None, help=text)
             continue
-        convert = int if kind.startswith("int") else float if kind == "float" else str
+        convert = size if kind.startswith("int") else float if kind == "float" else str
         default = f"(default: {f.default})" if f.default is not None else ""
         group.add_argument(
             *names,
@@ -159,7 +175,7 @@ def _add_security_flags(server: argparse._ArgumentGroup) -> None:
     )
     server.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=size,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="Largest request body; larger ones are answered 413, never parsed "
         "(default: %(default)s).",
@@ -238,10 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--log-level",
         default="info",
-        choices=("debug", "info", "warning", "error"),
+        type=str.lower,
+        choices=LOG_LEVELS,
         help="Logging level. (default: %(default)s)",
     )
     _add_engine_flags(parser)
+    add_sglang_flags(parser)
     return parser
 
 
@@ -274,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = engine_kwargs(args)
     try:
         kwargs["model_path"] = resolve_model_path(args.model_path)
+        sglang = apply_sglang_flags(args, kwargs)
         config = EngineConfig(**kwargs)
     except ValueError as exc:
         parser.error(str(exc))
@@ -290,10 +309,19 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = enable_compilation_cache(args.compilation_cache_dir)
     logger.info("compilation cache: %s", cache or "off")
+
+    def size_pools(engine_kwargs: dict[str, Any]) -> None:
+        from lazyspec.engine import multihost
+        from lazyspec.server.pools import apply_pool_plan
+
+        multihost.initialize(config)  # before the device's memory is read
+        apply_pool_plan(engine_kwargs, sglang.mem_fraction_static, sglang.mamba_full_memory_ratio)
+
     if not config.is_leader:
+        size_pools(kwargs)  # every process plans alike (the same devices are assumed)
         _follow(kwargs)
         return
-    settings = _server_settings(args, kwargs["model_path"])
+    settings = _server_settings(args, kwargs["model_path"], sglang)
     holder = StartingApp()
     server = GracefulServer(
         uvicorn.Config(
@@ -307,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
         holder,
         args.graceful_shutdown_timeout,
     )
-    startup = EngineStartup(kwargs, settings, holder, server, f"http://{args.host}:{args.port}")
+    url = f"http://{args.host}:{args.port}"
+    startup = EngineStartup(kwargs, settings, holder, server, url, size_pools)
     server.on_started = startup.start
     server.on_cancel = startup.bar.cancel
     try:
@@ -329,7 +358,7 @@ def _follow(kwargs: dict[str, Any]) -> None:
     logger.info("process 0 shut down after %d device calls", num_calls)
 
 
-def _server_settings(args: argparse.Namespace, model_path: str) -> Any:
+def _server_settings(args: argparse.Namespace, model_path: str, sglang: SglangFlags) -> Any:
     from lazyspec.server.app import ServerSettings
     from lazyspec.server.guard import split_list
     from lazyspec.server.protocol import ChatTemplate
@@ -347,6 +376,9 @@ def _server_settings(args: argparse.Namespace, model_path: str) -> Any:
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         allowed_origins=split_list(args.allowed_origins),
+        stream_interval=sglang.stream_interval,
+        grammar_backend=sglang.grammar_backend,
+        watchdog_timeout=sglang.watchdog_timeout,
     )
 
 

@@ -203,10 +203,19 @@ class EngineStartup:
     thread. A build error is kept in ``error`` and ends the server."""
 
     def __init__(
-        self, kwargs: dict, settings: Any, holder: StartingApp, server: Any, url: str
+        self,
+        kwargs: dict,
+        settings: Any,
+        holder: StartingApp,
+        server: Any,
+        url: str,
+        size_pools: Any = None,
     ) -> None:
+        """``size_pools(kwargs)`` (optional) fills in the pool sizes first, in the build
+        thread (it reads the device's memory); its ValueError ends the server."""
         self.kwargs, self.settings, self.holder, self.server = kwargs, settings, holder, server
         self.url = url
+        self.size_pools = size_pools
         self.bar = WarmupBar()
         self.worker: Any = None
         self.error: str | None = None
@@ -223,6 +232,8 @@ class EngineStartup:
 
         print(f"loading weights from {self.kwargs['model_path']} ...", flush=True)
         try:
+            if self.size_pools is not None:
+                self.size_pools(self.kwargs)
             engine = Engine(warmup_progress=self.bar, **self.kwargs)
             if self.bar.cancelled.is_set():
                 return

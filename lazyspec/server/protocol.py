@@ -38,6 +38,11 @@ MAX_LOGPROBS = TOP_LOGPROBS  # alternatives per position the engine computes
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_JSON_DEPTH = 64  # nested arrays/objects in a body; json.loads recurses once per level
+# The smallest repetition_penalty taken. SGLang and vLLM take any value above 0, but the
+# penalty divides a repeated token's positive logit in float32: 1e-300 rounds to 0, the
+# logits to inf and the sample to garbage (one token, no text). 0.01 already multiplies
+# those logits by 100, so nothing a smaller value could mean is lost.
+REPETITION_PENALTY_MIN = 0.01
 
 
 class ApiError(Exception):
@@ -73,20 +78,40 @@ class Limits:
     max_context: int  # prompt + max new tokens, at most
     model_names: tuple[str, ...]
     max_prompt_chars: int | None = None  # longer prompt text is refused untokenized
+    # engine requests one body may start (prompts x n): running + queued places; None: any
+    max_requests: int | None = None
+    # prompt text of one body, all its prompts together, worth tokenizing; None: any
+    max_body_prompt_chars: int | None = None
 
 
 MIN_CHARS_PER_TOKEN = 64
 
 
-def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
-    """The longest prompt text worth tokenizing: ``max_context`` tokens of the longest
-    vocabulary entry (its stored form, which is never shorter than the text it covers),
-    at least MIN_CHARS_PER_TOKEN each, a margin for normalizers that shorten text. Longer
-    text cannot fit the context. None without a tokenizer."""
+def chars_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the characters one token covers: the longest vocabulary entry (its
+    stored form, which is never shorter than the text it covers), at least
+    MIN_CHARS_PER_TOKEN, a margin for normalizers that shorten text. None without one."""
     if tokenizer is None:
         return None
     longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
-    return max_context * max(MIN_CHARS_PER_TOKEN, longest)
+    return max(MIN_CHARS_PER_TOKEN, longest)
+
+
+def max_prompt_chars(tokenizer: Any, max_context: int) -> int | None:
+    """The longest prompt text worth tokenizing: ``max_context`` tokens of
+    ``chars_per_token`` each. Longer text cannot fit the context. None without a
+    tokenizer."""
+    bound = chars_per_token(tokenizer)
+    return None if bound is None else max_context * bound
+
+
+def max_body_prompt_chars(tokenizer: Any, max_context: int, kv_tokens: int) -> int | None:
+    """The most prompt text one body may have tokenized: the whole KV pool's tokens (at
+    least one context) of ``chars_per_token`` each. A body over it holds more prompt text
+    than the pool could take at once, so its tokenization would only hold the parse threads
+    for seconds; None without a tokenizer."""
+    bound = chars_per_token(tokenizer)
+    return None if bound is None else max(max_context, kv_tokens) * bound
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,8 @@ class GenerationSpec:
     batched: bool = False
     n: int = 1  # choices per prompt: copy j > 0 waits for copy 0's prefill (prefix cache)
     logprob_start_len: int | None = None  # prompt logprobs from this token on (None: none)
+    no_stop_trim: bool = False  # SGLang's: a matched stop string stays in the text
+    skip_special_tokens: bool = True  # SGLang's: special tokens are left out of the text
 
 
 def _num_choices(body: dict, best_of: bool) -> int:
@@ -123,9 +150,9 @@ def _num_choices(body: dict, best_of: bool) -> int:
 
 
 def copy_seed(seed: int | None, copy: int) -> int | None:
-    """The seed of copy ``copy`` of a request seeded with ``seed``: copies differ in the low
-    32 bits the engine uses (for copy < 2**32) and stay in SEED_RANGE; None stays None (each
-    request's default seed differs already)."""
+    """The seed of copy ``copy`` of a request seeded with ``seed``: copies differ (for copy
+    < 2**32) and stay in SEED_RANGE; None stays None (each request's default seed differs
+    already)."""
     if seed is None or copy == 0:
         return seed
     shifted = seed + copy
@@ -148,6 +175,34 @@ def with_choices(spec: GenerationSpec) -> GenerationSpec:
         prompt_texts=[spec.prompt_texts[i] for i in indices],
         sampling=sampling,
     )
+
+
+def check_request_size(limits: Limits, param: str, prompt: Any, n: int) -> None:
+    """Refuse a body by its raw JSON before any prompt is tokenized or copied: ``prompt``
+    (the body's prompt field, undecoded) times ``n`` must fit ``limits.max_requests``, and
+    its text, all prompts together, ``limits.max_body_prompt_chars``. Costs one pass over
+    the prompt list (no tokenizing, no copies); a malformed prompt is left to the parser."""
+    batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    num_prompts = len(prompt) if batched else 1
+    count = num_prompts * n
+    if limits.max_requests is not None and count > limits.max_requests:
+        raise ApiError(  # no retry can help: the request alone exceeds the capacity
+            f"{num_prompts} prompts x n={n} = {count} requests exceed the server's capacity "
+            f"({limits.max_requests}: running + max_queued_requests)",
+            param="n" if n > 1 else param,
+            code="too_many_prompts",
+        )
+    if limits.max_body_prompt_chars is None or not batched:
+        return  # one prompt: max_prompt_chars (smaller) applies before it is tokenized
+    num_chars = sum(len(text) for text in prompt if isinstance(text, str))
+    if num_chars > limits.max_body_prompt_chars:
+        raise ApiError(
+            f"the prompts hold {num_chars} characters, more than one request may have "
+            f"tokenized (max_body_prompt_chars={limits.max_body_prompt_chars}: the KV pool's "
+            "tokens at the longest token's length); send fewer or shorter prompts",
+            param=param,
+            code="prompt_too_long",
+        )
 
 
 # ---------------------------------------------------------------- field readers
@@ -352,7 +407,7 @@ def _logit_bias(body: dict, limits: Limits) -> tuple[tuple[int, float], ...]:
 
 def _penalties(body: dict) -> dict[str, float]:
     """frequency_penalty and presence_penalty in [-2, 2] (OpenAI's range), repetition_penalty
-    in (0, 2] (SGLang's)."""
+    in [REPETITION_PENALTY_MIN, 2] (SGLang's (0, 2] less the values float32 cannot apply)."""
     low, high = PENALTY_RANGE
     out = {}
     for name in ("frequency_penalty", "presence_penalty"):
@@ -360,9 +415,10 @@ def _penalties(body: dict) -> dict[str, float]:
         if not low <= out[name] <= high:
             raise ApiError(f"{name}={out[name]} must be in [{low}, {high}]", param=name)
     out["repetition_penalty"] = value = _number(body, "repetition_penalty", 1.0)
-    if not 0 < value <= REPETITION_PENALTY_MAX:
+    if not REPETITION_PENALTY_MIN <= value <= REPETITION_PENALTY_MAX:
         raise ApiError(
-            f"repetition_penalty={value} must be in (0, {REPETITION_PENALTY_MAX}]",
+            f"repetition_penalty={value} must be in "
+            f"[{REPETITION_PENALTY_MIN}, {REPETITION_PENALTY_MAX}] (1 = no penalty)",
             param="repetition_penalty",
         )
     return out
@@ -392,6 +448,30 @@ def _response_format(body: dict) -> dict[str, str]:
             param="response_format",
         )
     return {"json_schema": json.dumps(schema)}
+
+
+def _v1_grammar(body: dict) -> dict[str, str]:
+    """/v1's grammar: ``response_format``, or SGLang's top-level ``json_schema`` (a string
+    or an object), ``regex`` or ``ebnf``; at most one of them."""
+    given = dict(_response_format(body))
+    if isinstance(body.get("json_schema"), dict):
+        body = {**body, "json_schema": json.dumps(body["json_schema"])}
+    sglang = _grammar(body)
+    if given and sglang:
+        raise ApiError(
+            f"give at most one of response_format, json_schema, regex and ebnf (got "
+            f"response_format and {sorted(sglang)[0]})",
+            param=sorted(sglang)[0],
+        )
+    return given or sglang
+
+
+def _text_options(body: dict) -> dict[str, bool]:
+    """SGLang's ``no_stop_trim`` and ``skip_special_tokens`` as GenerationSpec fields."""
+    return {
+        "no_stop_trim": _boolean(body, "no_stop_trim", False),
+        "skip_special_tokens": _boolean(body, "skip_special_tokens", True),
+    }
 
 
 def _grammar(params: dict) -> dict[str, str]:
@@ -498,14 +578,13 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
     n = _num_choices(body, best_of=True)
     if "prompt" not in body:
         raise ApiError("prompt is required", param="prompt")
+    check_request_size(limits, "prompt", body["prompt"], n)
     prompts, texts, _ = parse_prompts(body["prompt"], tokenizer, limits, "prompt")
     max_new = _integer(body, "max_tokens", 16, 1, limits.max_context)
     spec = GenerationSpec(
         prompts,
         texts,
-        _sampling(
-            body, max_new, prompts, limits, "max_tokens", "min_tokens", _response_format(body)
-        ),
+        _sampling(body, max_new, prompts, limits, "max_tokens", "min_tokens", _v1_grammar(body)),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
@@ -513,6 +592,7 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> GenerationSp
         echo := _boolean(body, "echo", False),
         n=n,
         logprob_start_len=0 if echo and logprobs is not None else None,
+        **_text_options(body),
     )
     return with_choices(spec)
 
@@ -521,9 +601,16 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     """POST /v1/chat/completions; ``template`` renders the messages (a ChatTemplate)."""
     _check_model(body, limits)
     n = _num_choices(body, best_of=False)
+    check_request_size(limits, "messages", None, n)  # the text is checked with the messages
     messages = parse_messages(body.get("messages"))
     _check_text_len(sum(len(m["content"]) for m in messages), limits, "messages")
-    prompt = _encode(template.render(messages), tokenizer, limits, "messages", special=False)
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise ApiError(
+            f"chat_template_kwargs={extra!r} must be an object", param="chat_template_kwargs"
+        )
+    text = template.render(messages, extra)
+    prompt = _encode(text, tokenizer, limits, "messages", special=False)
     max_new = _integer(body, "max_completion_tokens", None, 1, limits.max_context)
     if max_new is None:
         max_new = _integer(body, "max_tokens", None, 1, limits.max_context)
@@ -534,14 +621,13 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: Any) -> Gen
     spec = GenerationSpec(
         [prompt],
         [None],
-        _sampling(
-            body, max_new, [prompt], limits, "max_tokens", "min_tokens", _response_format(body)
-        ),
+        _sampling(body, max_new, [prompt], limits, "max_tokens", "min_tokens", _v1_grammar(body)),
         _stop_strings(body),
         _boolean(body, "stream", False),
         _include_usage(body),
         (top or 0) if want else None,
         n=n,
+        **_text_options(body),
     )
     return with_choices(spec)
 
@@ -558,9 +644,6 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         and all(isinstance(t, str) for t in body["text"])
     ):
         raise ApiError(f"text={body['text']!r} must be a string or a list of strings", param=param)
-    prompts, texts, batched = parse_prompts(
-        body[param], tokenizer, limits, param, text=param == "text"
-    )
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ApiError(f"sampling_params={params!r} must be an object", param="sampling_params")
@@ -589,6 +672,10 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     if unknown:
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
     n = _num_choices(params, best_of=False)
+    check_request_size(limits, param, body[param], n)
+    prompts, texts, batched = parse_prompts(
+        body[param], tokenizer, limits, param, text=param == "text"
+    )
     max_new = _integer(params, "max_new_tokens", 128, 0, limits.max_context)
     top = _integer(body, "top_logprobs_num", 0, 0, MAX_LOGPROBS)
     return_logprob = _boolean(body, "return_logprob", False)
@@ -618,6 +705,7 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         batched=batched or n > 1,  # SGLang answers n > 1 with a list
         n=n,
         logprob_start_len=start if return_logprob and start >= 0 else None,
+        **_text_options(params),
     )
     return with_choices(spec)
 
@@ -672,9 +760,16 @@ class TextStream:
     safe to show: no incomplete UTF-8 tail, no prefix of a stop string; at the first stop
     string the text is cut before it and ``stopped`` names it."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: tuple[str, ...] = (),
+        keep_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.keep_stop, self.skip_special_tokens = keep_stop, skip_special_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
@@ -684,7 +779,7 @@ class TextStream:
         if self.stopped is not None or self.tokenizer is None:
             return ""
         self.token_ids.extend(token_ids)
-        full = self.tokenizer.decode(self.token_ids)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         start = len(self.text)
         cut = self._first_stop(full, max(0, start - self.hold))
         if cut is not None:
@@ -708,7 +803,8 @@ class TextStream:
         if best is None:
             return None
         self.stopped = best[1]
-        return max(best[0], len(self.text))
+        end = best[0] + len(best[1]) if self.keep_stop else best[0]  # no_stop_trim keeps it
+        return max(end, len(self.text))
 
 
 class ChatTemplate:
@@ -746,13 +842,14 @@ class ChatTemplate:
             source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         )
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict[str, str]], extra: dict[str, Any] | None = None) -> str:
+        """The prompt text; ``extra`` (``chat_template_kwargs``) adds template variables."""
         if self._template is None:
             return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=True, **self.specials
-            )
+            variables = {**(extra or {}), **self.specials}
+            variables.update(messages=messages, add_generation_prompt=True)
+            return self._template.render(**variables)
         except ApiError:
             raise
         except Exception as exc:  # a template error is the request's fault or the model's

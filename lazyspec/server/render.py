@@ -16,8 +16,8 @@ from lazyspec.server.worker import TokenEvent
 class Choice:
     """Output state of one engine request: tokens, logprobs, text, finish."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...], rid: str, prompt_tokens: int) -> None:
-        self.text = TextStream(tokenizer, stop)
+    def __init__(self, tokenizer: Any, spec: GenerationSpec, rid: str, prompt_tokens: int) -> None:
+        self.text = TextStream(tokenizer, spec.stop, spec.no_stop_trim, spec.skip_special_tokens)
         self.rid, self.prompt_tokens = rid, prompt_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -100,6 +100,13 @@ def model_list(name: str, max_context: int) -> dict[str, Any]:
     }
 
 
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special added tokens (BOS, EOS, ...)."""
+    if tokenizer is None:
+        return frozenset()
+    return frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
 def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
@@ -161,12 +168,31 @@ class CompletionRenderer(_Renderer):
 
     def echoed_logprobs(self, index: int, choice: Choice) -> tuple[list, list, list]:
         """The echoed prompt's (ids, logprobs, tops): computed on the prompt (the first
-        token's logprob null), or all null when the engine sent none."""
-        ids = self.spec.prompts[index]
+        token's logprob null), or all null when the engine sent none. Special tokens the
+        tokenizer added (a BOS) are left out, as OpenAI's echo leaves them out of ``text``,
+        so that ``text_offset`` indexes the text."""
+        ids = list(self.spec.prompts[index])
         if choice.input_logprobs is None:
-            return list(ids), [None] * len(ids), [[]] * len(ids)
-        tops = [top or [] for top in choice.input_top_logprobs]
-        return list(ids), [lp for lp, _ in choice.input_logprobs], tops
+            lps, tops = [None] * len(ids), [[]] * len(ids)
+        else:
+            lps = [lp for lp, _ in choice.input_logprobs]
+            tops = [top or [] for top in choice.input_top_logprobs]
+        keep = self._shown(ids, self.prompt_text(index))
+        return [ids[i] for i in keep], [lps[i] for i in keep], [tops[i] for i in keep]
+
+    def _shown(self, ids: list[int], text: str) -> list[int]:
+        """Indices of the ``ids`` whose text ``text`` shows: a special token is dropped
+        unless ``text`` holds it where it stands."""
+        special = _special_ids(self.tokenizer)
+        keep, offset = [], 0
+        for i, token in enumerate(ids):
+            piece = _token_text(self.tokenizer, token)
+            if text.startswith(piece, offset):
+                offset += len(piece)
+            elif token in special:
+                continue
+            keep.append(i)
+        return keep
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         out = []
@@ -201,11 +227,12 @@ class CompletionRenderer(_Renderer):
                 yield sse(self.envelope([self._chunk(i, self.prompt_text(i), echo_logprobs, None)]))
             logprobs = None
             if self.spec.logprobs is not None:
+                prefix_len = len(self.prompt_text(i)) if self.spec.echo else 0
                 logprobs = self.logprobs(
                     event.token_ids,
                     event.logprobs,
                     event.top_logprobs,
-                    len(c.text.text) - len(delta),
+                    prefix_len + len(c.text.text) - len(delta),
                 )
             if delta or c.finished or logprobs is not None:
                 yield sse(self.envelope([self._chunk(i, delta, logprobs, _openai_finish(c))]))
@@ -276,8 +303,15 @@ class ChatRenderer(_Renderer):
             yield self.usage_chunk(choices, chunk)
 
 
+OPENAI_FINISH_REASONS = ("stop", "length")  # of OpenAI's values, the ones a choice can end with
+
+
 def _openai_finish(choice: Choice) -> str | None:
-    return None if not choice.finished else choice.finish_type
+    """OpenAI's ``finish_reason``: "stop" or "length"; None while running and for an
+    aborted choice, which has no OpenAI value: its stream ends with an error event instead
+    (as SGLang's does for an abort it did not ask for; the request's abort is in /metrics)."""
+    reason = choice.finish_type if choice.finished else None
+    return reason if reason in OPENAI_FINISH_REASONS else None
 
 
 def generate_result(c: Choice, spec: GenerationSpec) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from lazyspec.server.protocol import (
     MAX_CHOICES,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
+    REPETITION_PENALTY_MIN,
     ROLES,
     Limits,
 )
@@ -92,7 +93,11 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
         "frequency_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
         "presence_penalty": _nullable({"type": "number", "minimum": low, "maximum": high}),
         "repetition_penalty": _nullable(
-            {"type": "number", "exclusiveMinimum": 0, "maximum": REPETITION_PENALTY_MAX}
+            {
+                "type": "number",
+                "minimum": REPETITION_PENALTY_MIN,
+                "maximum": REPETITION_PENALTY_MAX,
+            }
         ),
         "logit_bias": _nullable(
             {

@@ -100,6 +100,7 @@ class EngineWorker:
         # facts fixed at construction, read by the HTTP side without a round trip
         self.max_running = engine.max_running
         self.max_context = engine.max_request_len
+        self.kv_tokens = int(engine.memory_plan["kv_tokens"])
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
         self.counters = _Counters()
@@ -108,6 +109,7 @@ class EngineWorker:
         # submissions waiting for another request's prefill, by that request's id
         self._held: dict[str, list[tuple[Submission, Any, asyncio.Queue, float]]] = {}
         self._stopping = False
+        self.step_started: float | None = None  # monotonic time the running step began
         self._thread = threading.Thread(target=self._run, name="lazyspec-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -125,6 +127,11 @@ class EngineWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def step_seconds(self) -> float:
+        """How long the engine step now running has run (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def submit(
         self, submissions: list[Submission], loop: asyncio.AbstractEventLoop, sink: asyncio.Queue
@@ -163,11 +170,14 @@ class EngineWorker:
                 self._shutdown()
                 return
             if self.engine.busy:
+                self.step_started = time.monotonic()
                 try:
                     self.engine.step()
                 except Exception as exc:  # the device or engine failed: fail, keep serving
                     logger.exception("engine step failed")
                     self._fail_all(f"engine step failed: {exc!r}")
+                finally:
+                    self.step_started = None
             self._publish()
             self.metrics.observe_engine(self.engine, self._accept_length())
 

@@ -106,3 +106,28 @@ def test_the_matched_prefix_is_locked_not_evicted_to_make_room():
     assert req.prefix_len == req.cached_tokens == 16
     assert sched.tree.match_prefix(shared + [0]).prefix_len == 16  # still cached
     check_all(sched.cache.kv, sched.cache.slots, sched.tree, req.slots.owned(), req.own_pages)
+
+
+def _first_admitted(policy: str, cached: list[int], prompts: list[list[int]]) -> list[str]:
+    """Ids of the requests the first schedule admits (one place) under ``policy``."""
+    sched = _scheduler(max_running_requests=1)
+    sched.schedule_policy = policy
+    _cache_prefix(sched, cached)
+    for i, prompt in enumerate(prompts):
+        sched.add(_req(f"r{i}", prompt, 4))
+    sched.schedule()
+    return [r.rid for r in sched.running]
+
+
+def test_lpm_admits_the_longest_cached_prefix_first(monkeypatch):
+    rng = np.random.default_rng(1)
+    cached = rng.integers(1, 100, 16).tolist()
+    other = rng.integers(100, 200, 20).tolist()
+    prompts = [other, cached[:8] + other[:4], cached + other[:4]]  # 0, 8 and 16 cached
+    assert _first_admitted("fcfs", cached, prompts) == ["r0"]
+    assert _first_admitted("lpm", cached, prompts) == ["r2"]
+    # equal matches keep arrival order
+    assert _first_admitted("lpm", cached, [prompts[0], other[::-1]]) == ["r0"]
+    # past the cut-off the queue keeps arrival order, as SGLang's
+    monkeypatch.setattr("lazyspec.scheduler.scheduler.LPM_MAX_WAITING", 2)
+    assert _first_admitted("lpm", cached, prompts) == ["r0"]

@@ -105,7 +105,34 @@ def test_range_errors_name_the_allowed_range(server):
     assert response.status_code == 400 and "[-2.0, 2.0]" in response.json()["error"]["message"]
     body = {"text": "x", "sampling_params": {"repetition_penalty": -1}}
     message = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()["error"]
-    assert "(0, 2.0]" in message["message"], message
+    assert "[0.01, 2.0]" in message["message"], message
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/generate"])
+def test_repetition_penalty_range_keeps_output(server, path):
+    """A penalty float32 cannot apply (1e-300 rounds to 0) is refused; the smallest one
+    taken still gives max_tokens tokens of text."""
+
+    def post(penalty: float) -> httpx.Response:
+        fields = {"temperature": 0, "repetition_penalty": penalty}
+        if path == COMPLETIONS:
+            body = {"prompt": "the state of a recurrent layer", "max_tokens": 8, **fields}
+        else:
+            body = {"text": "the state of a recurrent layer"}
+            body["sampling_params"] = {"max_new_tokens": 8, **fields}
+        return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+    response = post(1e-300)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "repetition_penalty"
+    response = post(0.01)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    if path == COMPLETIONS:
+        text, num_tokens = out["choices"][0]["text"], out["usage"]["completion_tokens"]
+    else:
+        text, num_tokens = out["text"], out["meta_info"]["completion_tokens"]
+    assert num_tokens == 8 and text.strip(), out
 
 
 def _check_error(response: httpx.Response, status: int | None = None, param: str | None = None):

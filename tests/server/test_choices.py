@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 
 from lazyspec.server.protocol import copy_seed
-from tests.server.conftest import SERVED_NAME, random_ids
+from tests.server.conftest import EOS_ID, SERVED_NAME, random_ids
 
 PROMPT_LEN = 150  # past two 64-token checkpoints of the server's engine
 SAMPLED = {"temperature": 1.0, "ignore_eos": True}
@@ -159,3 +159,54 @@ def test_completions_echo_with_logprobs_scores_the_prompt(server):
         lines = [line for line in response.iter_lines() if line]
     first = json.loads(lines[0][len("data: ") :])["choices"][0]
     assert first["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:20]
+
+
+def _offsets_index_text(text: str, logprobs: dict) -> list[tuple[int, str]]:
+    """The (offset, token) pairs whose token is not at its text_offset in ``text``."""
+    pairs = zip(logprobs["text_offset"], logprobs["tokens"])
+    return [
+        (at, token)
+        for at, token in pairs
+        if "\ufffd" not in token and text[at : at + len(token)] != token
+    ]
+
+
+def test_echo_offsets_index_the_text_with_a_bos(server):
+    """A BOS the tokenizer added (here sent as an id) is not in ``text``: it is left out of
+    ``tokens`` too, so every text_offset indexes ``text``, whole or streamed."""
+    eos = "<|endoftext|>"
+    ids = [EOS_ID, *server.tokenizer.encode("the state of a slot").ids]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert eos not in logprobs["tokens"] and eos not in choice["text"], logprobs["tokens"]
+    assert len(logprobs["tokens"]) == len(ids) - 1 + 3
+    assert _offsets_index_text(choice["text"], logprobs) == []
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as response:
+        chunks = [
+            json.loads(line[len("data: ") :])["choices"][0]
+            for line in response.iter_lines()
+            if line.startswith("data: {")
+        ]
+    text = "".join(c["text"] for c in chunks)
+    assert text == choice["text"]
+    for chunk in chunks:
+        if chunk["logprobs"] is not None:
+            assert _offsets_index_text(text, chunk["logprobs"]) == [], chunk
+
+
+def test_every_bit_of_a_64_bit_seed_counts(server):
+    body = {"prompt": "the state of", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    texts = {}
+    for seed in (1, 2**32 + 1, 2**40 + 1, 2**63 + 1, -1):
+        out = _post(server, "/v1/completions", {**body, "seed": seed}).json()
+        texts[seed] = out["choices"][0]["text"]
+    assert len(set(texts.values())) == len(texts), texts
+    again = _post(server, "/v1/completions", {**body, "seed": 2**40 + 1}).json()
+    assert again["choices"][0]["text"] == texts[2**40 + 1]
+    from lazyspec.scheduler.batch import seed_bits
+
+    assert [seed_bits(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]  # kept as they were
+    assert seed_bits(-1) == seed_bits(2**64 - 1)  # two's complement: one 64-bit seed

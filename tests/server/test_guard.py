@@ -295,3 +295,129 @@ def test_openapi_is_not_served_but_describes_every_json_body(server):
             top_k = s["properties"].get("top_k") or s["properties"]["sampling_params"]
             assert f"'maximum': {vocab}" in str(top_k)
     assert "/flush_cache" in paths and "get" not in paths["/flush_cache"]
+
+
+# ---------------------------------------------------------------- amplification
+
+
+def _amplifying_bodies(server) -> list[tuple[str, dict]]:
+    """The shapes that made one small body cost seconds: many one-character prompts times
+    n (each copy a request), and a batch of long texts under the per-prompt limit."""
+    from lazyspec.server.protocol import max_body_prompt_chars, max_prompt_chars
+
+    worker = server.worker
+    per_prompt = max_prompt_chars(server.tokenizer, worker.max_context) // 2
+    budget = max_body_prompt_chars(server.tokenizer, worker.max_context, worker.kv_tokens)
+    words = "the state of a recurrent layer is copied into a slot when the prefix cache "
+    long_text = (words * (per_prompt // len(words) + 1))[:per_prompt]
+    texts = [long_text] * (budget // per_prompt + 2)  # fewer than the server's places
+    return [
+        ("/v1/completions", {"prompt": ["x"] * 10_000, "n": 128, "max_tokens": 1}),
+        ("/generate", {"text": ["x"] * 10_000, "sampling_params": {"n": 128}}),
+        ("/v1/completions", {"prompt": texts, "max_tokens": 1}),
+        ("/generate", {"text": texts, "sampling_params": {"max_new_tokens": 1}}),
+    ]
+
+
+def test_amplifying_bodies_are_refused_before_tokenizing(server):
+    """prompts x n and the prompts' total text are checked on the raw JSON, so a refusal
+    costs no tokenizing and no copies, and parsing one takes milliseconds."""
+    from lazyspec.server.app import ServerSettings, _Frontend
+    from lazyspec.server.protocol import ApiError, parse_completion, parse_generate
+
+    codes = []
+    for path, body in _amplifying_bodies(server):
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+        codes.append(_check_error(response, 400)["code"])
+    assert codes == ["too_many_prompts"] * 2 + ["prompt_too_long"] * 2, codes
+    limits = _Frontend(server.worker, ServerSettings(SERVED_NAME, max_queued_requests=256)).limits
+    for path, body in _amplifying_bodies(server):
+        parser = parse_completion if path == "/v1/completions" else parse_generate
+        start = time.perf_counter()
+        with pytest.raises(ApiError) as refused:
+            parser(body, server.tokenizer, limits)
+        elapsed = time.perf_counter() - start
+        assert refused.value.code in ("too_many_prompts", "prompt_too_long")
+        assert elapsed < 0.01, (path, elapsed)  # no tokenizing, no copies
+
+
+def test_normal_latency_holds_while_amplifying_bodies_arrive(server):
+    """Four amplifying bodies at once leave an ordinary completion's latency as it was."""
+    normal = {"model": SERVED_NAME, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+
+    def timed(client: httpx.Client) -> float:
+        start = time.perf_counter()
+        response = client.post("/v1/completions", json=normal)
+        assert response.status_code == 200, response.text
+        return time.perf_counter() - start
+
+    bodies = _amplifying_bodies(server)
+    raw = [(path, json.dumps(body).encode()) for path, body in bodies]
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        timed(client)
+        baseline = sorted(timed(client) for _ in range(5))[2]
+        answers: list[tuple[int, float]] = []
+
+        def send(path: str, content: bytes) -> None:
+            with httpx.Client(base_url=server.url, timeout=120) as own:
+                start = time.perf_counter()
+                response = own.post(path, content=content, headers=JSON)
+                answers.append((response.status_code, time.perf_counter() - start))
+
+        senders = [threading.Thread(target=send, args=item) for item in raw]
+        for sender in senders:
+            sender.start()
+        during = [timed(client) for _ in range(3)]
+        for sender in senders:
+            sender.join(120)
+    assert max(during) < 3 * baseline + 0.5, (baseline, during)
+    assert sorted(status for status, _ in answers) == [400] * len(raw), answers
+    assert max(elapsed for _, elapsed in answers) < 2.0, answers
+
+
+POST_PATHS = ("/flush_cache", "/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_cross_origin_posts_are_refused_on_every_endpoint(server, path):
+    """What a page on another origin can send without a preflight (a form, text/plain or
+    an empty POST, with its Origin) changes nothing; the server's own origin and listed
+    origins pass."""
+    evil = {"Origin": "http://evil.example"}
+    simple = [
+        (b"", {}),
+        (b"a=1", {"Content-Type": "application/x-www-form-urlencoded"}),
+        (b"{}", {"Content-Type": "text/plain"}),
+        (b"{}", {"Content-Type": "multipart/form-data; boundary=x"}),
+    ]
+    for content, headers in simple:
+        response = httpx.post(f"{server.url}{path}", content=content, headers={**evil, **headers})
+        assert _check_error(response, 403)["code"] == "origin_not_allowed", response.text
+    if path == "/flush_cache":  # without an Origin a form is still no JSON
+        response = httpx.post(
+            f"{server.url}{path}",
+            content=b"a=1",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        _check_error(response, 415)
+    own = {"Origin": server.url, **JSON}
+    body = json.dumps(SMALL if path == "/generate" else {}).encode()
+    if path in ("/flush_cache", "/generate"):
+        assert httpx.post(f"{server.url}{path}", content=body, headers=own).status_code == 200
+    with _serve(server, allowed_origins=("http://evil.example",)) as url:
+        if path in ("/flush_cache", "/generate"):
+            listed = httpx.post(f"{url}{path}", content=body, headers={**evil, **JSON}, timeout=60)
+            assert listed.status_code == 200, listed.text
+
+
+def test_a_request_without_host_is_told_so(server):
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"no Host header" in answer and b"None" not in answer, answer

@@ -70,9 +70,15 @@ def _open_streams(url: str, num: int, max_tokens: int) -> tuple[list, list[list[
 
 
 def _assert_ended_with_error(lines: list[str]) -> None:
+    """An error event, then [DONE]; every chunk's finish_reason one of OpenAI's (an
+    aborted choice has none)."""
     assert lines[-1] == "[DONE]", lines[-3:]
     error = json.loads(lines[-2])["error"]
     assert error["message"] == "the server is shutting down" and error["type"], error
+    chunks = [json.loads(line) for line in lines[:-2]]
+    assert chunks and all("choices" in chunk for chunk in chunks), lines[:-2]
+    reasons = [choice["finish_reason"] for chunk in chunks for choice in chunk["choices"]]
+    assert set(reasons) <= {None, "stop", "length"}, reasons
 
 
 def _assert_refused_as_shutting_down(url: str) -> None:

@@ -80,6 +80,12 @@ def test_completion_response_format_json_object(server):
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert isinstance(json.loads(choice["text"]), dict)
+    # cut by max_tokens: "length", and the text is only the start of an object
+    response = _post(server, "/v1/completions", {**body, "max_tokens": 1})
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"] == "{", choice
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice["text"])
 
 
 @pytest.mark.parametrize(
@@ -109,3 +115,89 @@ def test_malformed_grammars_are_400(server, path, body, words):
     # the engine thread is alive: a plain request still runs
     ok = _post(server, "/generate", {"text": "the", "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200, ok.text
+
+
+def _stream_text(server, path: str, body: dict) -> tuple[str, str | None]:
+    """The streamed text and last finish_reason of a /v1 stream."""
+    text, finish = [], None
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            text.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+            finish = choice["finish_reason"] or finish
+    return "".join(text), finish
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_sglang_grammar_fields_constrain_v1_outputs(server, path, stream):
+    """SGLang's extra_body regex, ebnf and json_schema (a string) on both /v1 endpoints."""
+    head = {"model": SERVED_NAME, "max_tokens": 40, "temperature": 0.9, "seed": 3}
+    if path == "/v1/completions":
+        head["prompt"] = "a slot"
+    else:
+        head["messages"] = [{"role": "user", "content": "a slot"}]
+    cases = [
+        ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
+        ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+        ({"json_schema": json.dumps(SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    ]
+    for fields, check in cases:
+        body = {**head, **fields, "stream": stream}
+        if stream:
+            text, finish = _stream_text(server, path, body)
+        else:
+            response = _post(server, path, body)
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            text = choice.get("text", choice.get("message", {}).get("content"))
+            finish = choice["finish_reason"]
+        assert finish == "stop", (fields, text)
+        assert check(text) is not False, (fields, text)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_unknown_and_unsupported_fields_are_400_by_name(server, path):
+    if path == "/generate":
+        base = {"text": "the state", "sampling_params": {"max_new_tokens": 2}}
+    elif path == "/v1/completions":
+        base = {"model": SERVED_NAME, "prompt": "the state", "max_tokens": 2}
+    else:
+        base = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]}
+        base["max_tokens"] = 2
+    response = _post(server, path, {**base, "regexp": "a+"})  # a typo of SGLang's regex
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("regexp", "unknown_field"), error
+    assert "'regexp'" in error["message"]
+    response = _post(server, path, {**base, "min_p": 0.1 if path != "/generate" else None})
+    if path != "/generate":
+        assert response.json()["error"]["param"] == "min_p", response.text
+    # metadata and defaults of what is not supported pass
+    ok = _post(server, path, {**base, "user": "u1", "min_p": 0.0, "lora_path": None})
+    assert ok.status_code == 200, ok.text
+    both = {**base, "regex": "a+", "response_format": {"type": "json_object"}}
+    if path != "/generate":
+        assert _post(server, path, both).json()["error"]["param"] == "regex"
+
+
+def test_no_stop_trim_and_skip_special_tokens(server):
+    """SGLang's text options: the matched stop string kept; special tokens shown."""
+    body = {"model": SERVED_NAME, "prompt": "the state of", "max_tokens": 24, "temperature": 0}
+    body["ignore_eos"] = True
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert len(whole) > 6, whole
+    stop = whole[3:6]
+    trimmed = _post(server, "/v1/completions", {**body, "stop": stop}).json()["choices"][0]
+    kept = _post(server, "/v1/completions", {**body, "stop": stop, "no_stop_trim": True})
+    kept = kept.json()["choices"][0]
+    cut = whole.index(stop)
+    assert trimmed["text"] == whole[:cut] and kept["text"] == whole[: cut + len(stop)], kept
+    eos = "<|endoftext|>"
+    forced = {**body, "logit_bias": {"2": 100}, "max_tokens": 2}  # id 2 is <|endoftext|>
+    hidden = _post(server, "/v1/completions", forced).json()["choices"][0]["text"]
+    shown = _post(server, "/v1/completions", {**forced, "skip_special_tokens": False}).json()
+    assert eos not in hidden and shown["choices"][0]["text"] == eos * 2, (hidden, shown)
