@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lazyspec.kernels.tuning import Tuning
+
 
 def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, load_script):
     check = load_script("check_kernels")
@@ -39,25 +41,26 @@ def test_check_kernels_smoke_passes_every_check_pallas(tmp_path, monkeypatch, lo
     # a residual-norm row over its tolerance (a negative one: every row is) says so, which
     # fails the run as above
     monkeypatch.setattr(check, "NORM_TOL", -1.0)
-    rows = check.check_residual_norm(np.random.default_rng(0), (1,), check.WIDTHS["smoke"])
+    tuning = Tuning()
+    rows = check.check_residual_norm(np.random.default_rng(0), (1,), check.WIDTHS["smoke"], tuning)
     assert rows and all(row[2].startswith("over the tolerance") for row in rows), rows
     rows = check.check_attention_prologue(
-        np.random.default_rng(0), ((1, 2),), check.ATTENTION_WIDTHS["smoke"]
+        np.random.default_rng(0), ((1, 2),), check.ATTENTION_WIDTHS["smoke"], tuning
     )
-    rows += check.check_gated_norm(np.random.default_rng(0), (1,), check.WIDTHS["smoke"])
+    rows += check.check_gated_norm(np.random.default_rng(0), (1,), check.WIDTHS["smoke"], tuning)
     monkeypatch.setattr(check, "ATTENTION_TOL", -1.0)
     rows += check.check_gated_attention(
-        np.random.default_rng(0), ((1, 1, 20),), check.ATTENTION_WIDTHS["smoke"]
+        np.random.default_rng(0), ((1, 1, 20),), check.ATTENTION_WIDTHS["smoke"], tuning
     )
     assert len(rows) == 6 and all(row[2].startswith("over the tolerance") for row in rows), rows
 
 
-def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(monkeypatch, load_script):
+def test_check_residual_norm_leaves_sizes_over_the_launch_pallas(load_script):
     """Sizes the launch leaves to XLA's fusions (its router's tokens times experts over the
     limit) are reported as not launched, the rest checked, and the run still passes."""
     check = load_script("check_kernels")
-    monkeypatch.setattr(check.backend, "RESIDUAL_NORM_MAX_TOKEN_EXPERTS", 16)
-    rows = check.check_residual_norm(np.random.default_rng(0), (2,), check.WIDTHS["smoke"])
+    tuning = Tuning().with_overrides({"norm.residual_max_token_experts": 16})
+    rows = check.check_residual_norm(np.random.default_rng(0), (2,), check.WIDTHS["smoke"], tuning)
     verdicts = {shape: verdict for _, shape, verdict in rows}
     # smoke widths: 8 and 12 experts; 2 tokens of 12 experts are 24 > 16
     assert verdicts["2 tokens, 12 experts"] == check.NOT_LAUNCHED

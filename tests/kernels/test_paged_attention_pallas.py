@@ -124,10 +124,12 @@ def test_default_row_tile_keeps_q_within_its_bytes_pallas():
     """A 64-token chunk of 8 heads per kv head (512 rows) takes 64-row tiles in bf16 and
     32-row tiles in fp32 at head dim 256 (shared memory), 64 in fp32 at head dim 128; decode
     keeps 16."""
-    assert pa.default_row_tile(512, 256, 2) == 64
-    assert pa.default_row_tile(512, 256, 4) == 32
-    assert pa.default_row_tile(512, 128, 4) == 64
-    assert pa.default_row_tile(8, 256, 4) == 16
+    tiles = Tuning().attention
+    most = (tiles.block_rows, tiles.query_tile_bytes)
+    assert pa.default_row_tile(512, 256, 2, *most) == 64
+    assert pa.default_row_tile(512, 256, 4, *most) == 32
+    assert pa.default_row_tile(512, 128, 4, *most) == 64
+    assert pa.default_row_tile(8, 256, 4, *most) == 16
 
 
 def test_row_tile_grows_with_the_query_rows_pallas():
@@ -413,8 +415,8 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
     the combine's (merging every split or the active ones);
     Triton IR is built here, not compiled."""
     spec = jax.ShapeDtypeStruct
-    tiles = pa.DEFAULT_ATTENTION_TILES
-    params = common.pallas_compiler_params("gpu", tiles["num_warps"], tiles["num_stages"])
+    tiles = Tuning().attention
+    params = common.pallas_compiler_params("gpu", tiles.num_warps, tiles.num_stages)
     for num_tokens in (1, 64):
         args = (
             spec((4, num_tokens, 16, 256), jnp.bfloat16),

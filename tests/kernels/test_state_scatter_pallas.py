@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import backend, common
+from lazyspec.kernels import common
 from lazyspec.kernels import state_scatter as ss
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.tuning import Tuning
@@ -230,7 +230,7 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
             np.testing.assert_array_equal(new, want, err_msg=name)
             np.testing.assert_array_equal(new[:, untouched], old[:, untouched], err_msg=name)
     none = jnp.zeros_like(dst)  # no row copies: the pools come back unchanged
-    for fn in (pallas, ss.state_copy_xla, backend.state_copy):
+    for fn in (pallas, ss.state_copy_xla, state_dispatch.state_copy):
         for new, old in zip(fn(*pools, src, none), originals):
             np.testing.assert_array_equal(np.asarray(new.astype(jnp.float32)), old)
     with pytest.raises(ValueError, match="src_slot"):
