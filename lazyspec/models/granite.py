@@ -21,13 +21,13 @@ experts)}, ...]}``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.models.config import (
     ATTENTION,
     RECURRENT,
@@ -36,38 +36,29 @@ from lazyspec.models.config import (
     require,
     time_step_limit,
 )
+from lazyspec.models.decoder import (
+    Decoder,
+    Mlp,
+    Step,
+    attention_mixer,
+    family_forwards,
+    mamba2_mixer_kind,
+)
 from lazyspec.models.granite_params import (  # noqa: F401 (family API)
     init_params,
     load_params,
     weight_plan,
 )
-from lazyspec.models.interface import (
-    ForwardInputs,
-    KVPools,
-    LayerStates,
-    PoolView,
-    RecurrentOut,
-    StateRows,
-    after_layer,
-    for_mode,
-    keep_chunk_states,
-    real_tokens,
-    recurrent_out,
-)
-from lazyspec.models.layers.attention import (
-    AttentionSpec,
-    attention_forward,
-    attention_reference,
-)
+from lazyspec.models.layers.attention import AttentionSpec
 from lazyspec.models.layers.linear import linear
-from lazyspec.models.layers.mamba2 import Mamba2Dims, mamba2_mixer
+from lazyspec.models.layers.mamba2 import Mamba2Dims
 from lazyspec.models.layers.mlp import swiglu_mlp
 from lazyspec.models.layers.moe import MoESpec, routed_experts
 from lazyspec.models.layers.norms import rms_norm
+from lazyspec.models.layers.residual import ResidualStream
 from lazyspec.models.plan import Params
 
 FAMILY = "granitemoehybrid"
-MODES = ("extend", "decode", "verify")
 # layer_types names: transformers' current ones and the legacy ones of released configs.
 _ROLES = {
     "linear_attention": RECURRENT,
@@ -221,142 +212,42 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------- forward passes
 
 
-def _ffn(
-    lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels, real: jax.Array | None
-) -> jax.Array:
-    """Shared MLP plus (with experts) the routed experts, for x ``[..., D]``; those run in
-    ``kernels.moe_experts`` when it has one, padding tokens (``real``) routed like token 0."""
-    out = swiglu_mlp(lp["shared_mlp"], x)
-    if "block_sparse_moe" in lp:
-        flat = x.reshape(-1, x.shape[-1])
-        moe = routed_experts(lp["block_sparse_moe"], cfg.arch.moe, flat, kernels.moe_experts, real)
-        out = out + moe.reshape(x.shape)
-    return out
+def _ffn_kind(moe: MoESpec | None) -> Mlp:
+    """Shared MLP plus (with experts) the routed experts, for h ``[..., D]``; those run in
+    the step's ``moe_experts`` when it has one, padding tokens (``real``) routed like token
+    0."""
 
-
-def _run_layers(
-    params: Params,
-    cfg: ModelConfig,
-    tokens: jax.Array,
-    mamba_fn,
-    attention_fn,
-    kernels: Kernels = XLA_KERNELS,
-    real: jax.Array | None = None,
-):
-    """Embed, then every layer; the mixers go through the two callbacks ``(params, x)``;
-    ``real`` as in ``_ffn``."""
-    arch: GraniteArch = cfg.arch
-    eps, residual = arch.rms_norm_eps, arch.residual_multiplier
-    h = params["embed_tokens"][tokens] * arch.embedding_multiplier
-    for i, role in enumerate(cfg.layer_roles):
-        lp = params["layers"][i]
-        with jax.named_scope(f"layer{i}_{'mamba' if role == RECURRENT else 'attention'}"):
-            x = rms_norm(h, lp["input_layernorm"], eps)
-            if role == RECURRENT:
-                out = mamba_fn(lp["mamba"], x)
-            else:
-                out = attention_fn(lp["self_attn"], x)
-            h = h + out.astype(h.dtype) * residual
-            out = _ffn(lp, cfg, rms_norm(h, lp["post_attention_layernorm"], eps), kernels, real)
-            h = h + out.astype(h.dtype) * residual
-    return h
-
-
-def forward(
-    params: Params,
-    cfg: ModelConfig,
-    inputs: ForwardInputs,
-    kv: KVPools,
-    rec: StateRows | PoolView,
-    *,
-    mode: str,
-    chunk_size: int = 64,
-    kernels: Kernels = XLA_KERNELS,
-    keep_chunk: jax.Array | None = None,
-) -> tuple[jax.Array, KVPools, RecurrentOut]:
-    """The device contract of ``interface.py``: (hidden before the final norm, kv, states).
-
-    ``extend`` runs the chunked Mamba2 form (``RecurrentOut.chunks``: the state after every
-    ``chunk_size`` new tokens of the row, or only ``keep_chunk``'s); ``decode`` / ``verify``
-    the T-step form (``verify`` also fills ``RecurrentOut.steps``), whose SSM update runs in
-    ``kernels.mamba2_state_update``, the attention in ``kernels.paged_attention`` and the
-    routed experts in ``kernels.moe_experts`` when it has them. ``decode`` from a
-    ``PoolView`` writes each layer's new state into the pools (``RecurrentOut.pools``).
-    Pure: returns new pools.
-    """
-    if mode not in MODES:
-        raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
-    arch: GraniteArch = cfg.arch
-    form = "chunked" if mode == "extend" else "steps"
-    k_pools, v_pools, states = list(kv.k), list(kv.v), []
-    attention_ids = iter(range(len(k_pools)))
-    view = for_mode(rec, mode)  # in decode from pools: as the layers so far wrote them
-
-    def mamba_fn(mixer, x):
-        nonlocal view
-        r = len(states)
-        out, st = mamba2_mixer(
-            mixer,
-            arch.mamba,
-            x,
-            *view.layer(r),
-            inputs.num_new,
-            form=form,
-            chunk_size=chunk_size,
-            state_update=kernels.mamba2_state_update,
-            conv_update=kernels.conv_update,
-        )
-        conv_trace, ssm_trace = st.trace_conv, st.trace_ssm
-        if mode == "extend":
-            conv_trace = keep_chunk_states(conv_trace, keep_chunk)
-            ssm_trace = keep_chunk_states(ssm_trace, keep_chunk)
-        states.append(LayerStates(st.conv, st.ssm, conv_trace, ssm_trace))
-        view = after_layer(view, r, st.conv, st.ssm, st.ssm_pool, st.conv_pool)
+    def run(lp, h, step: Step, logits) -> jax.Array:
+        out = swiglu_mlp(lp["shared_mlp"], h)
+        if "block_sparse_moe" in lp:
+            flat = h.reshape(-1, h.shape[-1])
+            routed = routed_experts(
+                lp["block_sparse_moe"], moe, flat, step.kernels.moe_experts, step.real
+            )
+            out = out + routed.reshape(h.shape)
         return out
 
-    def attention_fn(mixer, x):
-        a = next(attention_ids)
-        out, k_pools[a], v_pools[a] = attention_forward(
-            mixer,
-            arch.attention,
-            x,
-            inputs.positions,
-            inputs.num_new,
-            inputs.kv_write_idx,
-            inputs.kv_read_idx,
-            inputs.ctx_len,
-            k_pools[a],
-            v_pools[a],
-            kernels.paged_attention,
-            kernels.attention_prologue,
-        )
-        return out
-
-    hidden = _run_layers(
-        params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels, real_tokens(inputs)
-    )
-    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(states, view, mode)
+    return Mlp(run)
 
 
-def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Whole sequences ``[B, T]`` from empty states with no cache machinery: token-by-token
-    Mamba2 scans and dense causal attention. Returns the hidden stream before the final norm
-    ``[B, T, D]``."""
+@functools.cache
+def decoder(cfg: ModelConfig) -> Decoder:
+    """The declared layers: Mamba2 or attention, then the ffn; plain RMSNorms, every
+    sublayer's output scaled by the residual multiplier, the embedding by its own."""
     arch: GraniteArch = cfg.arch
-    batch, num_tokens = tokens.shape
-    num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
+    mixer_kinds = {RECURRENT: "mamba2", ATTENTION: "attention"}
+    layers = tuple((mixer_kinds[role], "ffn") for role in cfg.layer_roles)
+    stream = ResidualStream(arch.rms_norm_eps, multiplier=arch.residual_multiplier)
+    mixers = {"attention": attention_mixer(arch.attention)}
+    if arch.mamba is not None:
+        mixers["mamba2"] = mamba2_mixer_kind(arch.mamba, "mamba")
+    mlps = {"ffn": _ffn_kind(arch.moe)}
+    return Decoder(layers, stream, mixers, mlps, embedding_multiplier=arch.embedding_multiplier)
 
-    def mamba_fn(mixer, x):
-        dims = arch.mamba
-        conv0 = jnp.zeros((batch, dims.conv_dim, dims.conv_kernel - 1), jnp.float32)
-        ssm0 = jnp.zeros((batch, dims.num_heads, dims.head_dim, dims.state_size), jnp.float32)
-        return mamba2_mixer(mixer, dims, x, conv0, ssm0, num_new, form="reference")[0]
 
-    def attention_fn(mixer, x):
-        return attention_reference(mixer, arch.attention, x, positions)
-
-    return _run_layers(params, cfg, tokens, mamba_fn, attention_fn)
+# ``extend`` runs the chunked Mamba2 form, ``decode`` / ``verify`` the T-step form whose SSM
+# update runs in ``kernels.mamba2_state_update`` when it has one (``decoder.py``)
+forward, reference_forward = family_forwards(decoder)
 
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

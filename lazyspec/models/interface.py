@@ -187,12 +187,15 @@ class ChunkStates:
 
 class LayerStates(NamedTuple):
     """One recurrent layer's states after a forward: final ``[B, ...]`` and the trace
-    ``[B, S, ...]`` (the state after every step, or every chunk)."""
+    ``[B, S, ...]`` (the state after every step, or every chunk); written in place by a
+    kernel, the pools it returned instead (``ssm_pool`` / ``conv_pool``, the rows None)."""
 
-    conv: jax.Array
-    ssm: jax.Array
-    conv_trace: jax.Array
-    ssm_trace: jax.Array
+    conv: jax.Array | None
+    ssm: jax.Array | None
+    conv_trace: jax.Array | None
+    ssm_trace: jax.Array | None
+    ssm_pool: jax.Array | None = None
+    conv_pool: jax.Array | None = None
 
 
 def gathered(ssm0: jax.Array | PoolRows) -> jax.Array:

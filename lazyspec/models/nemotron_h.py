@@ -14,7 +14,7 @@ Params: ``{"embed_tokens": [V, D], "norm": [D], "lm_head": linear (absent when t
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.models.config import (
     ATTENTION,
     RECURRENT,
@@ -31,28 +30,20 @@ from lazyspec.models.config import (
     eos_ids,
     time_step_limit,
 )
-from lazyspec.models.interface import (
-    ForwardInputs,
-    KVPools,
-    LayerStates,
-    PoolView,
-    RecurrentOut,
-    StateRows,
-    after_layer,
-    for_mode,
-    keep_chunk_states,
-    real_tokens,
-    recurrent_out,
+from lazyspec.models.decoder import (
+    NONE,
+    Decoder,
+    Mlp,
+    attention_mixer,
+    family_forwards,
+    mamba2_mixer_kind,
 )
-from lazyspec.models.layers.attention import (
-    AttentionSpec,
-    attention_forward,
-    attention_reference,
-)
+from lazyspec.models.layers.attention import AttentionSpec
 from lazyspec.models.layers.linear import linear
-from lazyspec.models.layers.mamba2 import Mamba2Dims, mamba2_mixer
+from lazyspec.models.layers.mamba2 import Mamba2Dims
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.relu2_moe import MoESpec, relu2_mlp, sparse_moe
+from lazyspec.models.layers.residual import ResidualStream
 from lazyspec.models.nemotron_h_params import (  # noqa: F401 (family API)
     init_params,
     load_params,
@@ -62,7 +53,6 @@ from lazyspec.models.nemotron_h_params import (  # noqa: F401 (family API)
 logger = logging.getLogger(__name__)
 
 FAMILY = "nemotron_h"
-MODES = ("extend", "decode", "verify")
 
 # Block names of layers_block_type and of the legacy hybrid_override_pattern characters.
 _BLOCK_KINDS = {
@@ -219,113 +209,33 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
 # ---------------------------------------------------------------- forward
 
 
-def _run_blocks(
-    params: dict,
-    cfg: ModelConfig,
-    tokens: jax.Array,
-    mamba_fn,
-    attention_fn,
-    kernels: Kernels = XLA_KERNELS,
-    real: jax.Array | None = None,
-):
-    """Embed, then every block; mixers with state go through the two callbacks, the routed
-    experts through ``kernels.moe_experts`` when it has one, padding tokens (``real``,
-    ``interface.real_tokens``) routed like token 0."""
+def _mlp_kinds(arch: NemotronHArch) -> dict[str, Mlp]:
+    """The relu^2 MLP and the relu^2 MoE (routed experts in the step's ``moe_experts`` when
+    it has one, padding tokens routed like token 0), their params at ``lp["mixer"]``."""
+
+    def moe(lp, h, step, logits) -> jax.Array:
+        return sparse_moe(lp["mixer"], arch.moe, h, step.kernels.moe_experts, step.real)
+
+    return {"mlp": Mlp(lambda lp, h, step, logits: relu2_mlp(lp["mixer"], h)), "moe": Mlp(moe)}
+
+
+@functools.cache
+def decoder(cfg: ModelConfig) -> Decoder:
+    """The declared blocks: each a mixer (Mamba2, attention) or an MLP (relu^2, MoE) after
+    the block's one plain RMSNorm."""
     arch: NemotronHArch = cfg.arch
-    h = params["embed_tokens"][tokens]
-    for i, kind in enumerate(arch.block_kinds):
-        layer = params["layers"][i]
-        with jax.named_scope(f"layer{i}_{kind}"):
-            x = rms_norm(h, layer["norm"], arch.norm_eps)
-            if kind == "mamba":
-                out = mamba_fn(layer["mixer"], x)
-            elif kind == "attention":
-                out = attention_fn(layer["mixer"], x)
-            elif kind == "mlp":
-                out = relu2_mlp(layer["mixer"], x)
-            else:
-                out = sparse_moe(layer["mixer"], arch.moe, x, kernels.moe_experts, real)
-            h = h + out.astype(h.dtype)
-    return h
+    halves = {"mamba": ("mamba2", NONE), "attention": ("attention", NONE)}
+    layers = tuple(halves.get(kind, (NONE, kind)) for kind in arch.block_kinds)
+    mixers = {"attention": attention_mixer(arch.attention, "mixer")}
+    if arch.mamba is not None:
+        mixers["mamba2"] = mamba2_mixer_kind(arch.mamba, "mixer")
+    stream = ResidualStream(arch.norm_eps)
+    return Decoder(layers, stream, mixers, _mlp_kinds(arch), norms=("norm", "norm"))
 
 
-def forward(
-    params: dict,
-    cfg: ModelConfig,
-    inputs: ForwardInputs,
-    kv: KVPools,
-    rec: StateRows | PoolView,
-    *,
-    mode: str,
-    chunk_size: int = 64,
-    kernels: Kernels = XLA_KERNELS,
-    keep_chunk: jax.Array | None = None,
-) -> tuple[jax.Array, KVPools, RecurrentOut]:
-    """The device contract of ``interface.py``: returns (hidden, kv, RecurrentOut).
-
-    ``extend`` runs the chunked Mamba2 form and reports the state after every ``chunk_size``
-    tokens (``chunks``); ``verify`` the T-step form with the state after every position
-    (``steps``); ``decode`` the T-step form with the final state only; the T-step SSM update
-    runs in ``kernels.mamba2_state_update``, the attention in ``kernels.paged_attention`` and
-    the routed experts in ``kernels.moe_experts`` when it has them. ``keep_chunk`` as in
-    ``interface.py``. ``decode`` from a ``PoolView`` writes each layer's new state into the
-    pools (``RecurrentOut.pools``). Pure; pools are returned, not mutated.
-    """
-    if mode not in MODES:
-        raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
-    arch: NemotronHArch = cfg.arch
-    form = "chunked" if mode == "extend" else "steps"
-    k_pools, v_pools, states = list(kv.k), list(kv.v), []
-    attention_ids = iter(range(len(k_pools)))
-    view = for_mode(rec, mode)  # in decode from pools: as the layers so far wrote them
-
-    def mamba_fn(mixer, x):
-        nonlocal view
-        r = len(states)
-        out, state = mamba2_mixer(
-            mixer,
-            arch.mamba,
-            x,
-            *view.layer(r),
-            inputs.num_new,
-            form=form,
-            chunk_size=chunk_size,
-            state_update=kernels.mamba2_state_update,
-            conv_update=kernels.conv_update,
-        )
-        if mode == "extend":
-            state = dataclasses.replace(
-                state,
-                trace_conv=keep_chunk_states(state.trace_conv, keep_chunk),
-                trace_ssm=keep_chunk_states(state.trace_ssm, keep_chunk),
-            )
-        states.append(state)
-        view = after_layer(view, r, state.conv, state.ssm, state.ssm_pool, state.conv_pool)
-        return out
-
-    def attention_fn(mixer, x):
-        a = next(attention_ids)
-        out, k_pools[a], v_pools[a] = attention_forward(
-            mixer,
-            arch.attention,
-            x,
-            inputs.positions,
-            inputs.num_new,
-            inputs.kv_write_idx,
-            inputs.kv_read_idx,
-            inputs.ctx_len,
-            k_pools[a],
-            v_pools[a],
-            kernels.paged_attention,
-            kernels.attention_prologue,
-        )
-        return out
-
-    hidden = _run_blocks(
-        params, cfg, inputs.tokens, mamba_fn, attention_fn, kernels, real_tokens(inputs)
-    )
-    layers = [LayerStates(s.conv, s.ssm, s.trace_conv, s.trace_ssm) for s in states]
-    return hidden, KVPools(k=k_pools, v=v_pools), recurrent_out(layers, view, mode)
+# ``extend`` runs the chunked Mamba2 form, ``decode`` / ``verify`` the T-step form whose SSM
+# update runs in ``kernels.mamba2_state_update`` when it has one (``decoder.py``)
+forward, reference_forward = family_forwards(decoder)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -334,26 +244,3 @@ def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Arr
     if "lm_head" not in params:
         return jnp.matmul(x.astype(jnp.float32), params["embed_tokens"].astype(jnp.float32).T)
     return linear(params["lm_head"], x).astype(jnp.float32)
-
-
-def reference_forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Full recompute with no cache machinery: tokens [B, T] -> hidden [B, T, D] (pre-norm).
-
-    Mamba2 runs the token-by-token scan from zero states; attention is dense and causal.
-    """
-    arch: NemotronHArch = cfg.arch
-    batch, num_tokens = tokens.shape
-    num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), (batch, num_tokens))
-
-    def mamba_fn(mixer, x):
-        dims = arch.mamba
-        conv0 = jnp.zeros((batch, dims.conv_dim, dims.conv_kernel - 1), jnp.float32)
-        ssm0 = jnp.zeros((batch, dims.num_heads, dims.head_dim, dims.state_size), jnp.float32)
-        out, _ = mamba2_mixer(mixer, dims, x, conv0, ssm0, num_new, form="reference")
-        return out
-
-    def attention_fn(mixer, x):
-        return attention_reference(mixer, arch.attention, x, positions)
-
-    return _run_blocks(params, cfg, tokens, mamba_fn, attention_fn)

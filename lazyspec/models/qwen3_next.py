@@ -19,7 +19,6 @@ Params (HF module names, linears as in ``layers/mlp.linear``): ``{"embed_tokens"
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,36 +26,31 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
-from lazyspec.kernels.residual_norm import ResidualNorm, is_partials, summed
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
+from lazyspec.models.decoder import (
+    Decoder,
+    Mixer,
+    Mlp,
+    Step,
+    attention_mixer,
+    decoder_layer,
+    family_forwards,
+)
 from lazyspec.models.interface import (
     ForwardInputs,
     KVPools,
     LayerStates,
-    PoolView,
-    RecurrentOut,
-    StateRows,
-    after_layer,
-    for_mode,
-    keep_chunk_states,
     real_tokens,
-    recurrent_out,
 )
-from lazyspec.models.layers.attention import (
-    AttentionSpec,
-    attention_forward,
-    attention_plan,
-    attention_reference,
-)
+from lazyspec.models.layers.attention import AttentionSpec, attention_plan
 from lazyspec.models.layers.gdn import GDNSpec, gdn_mixer, gdn_plan
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.layers.moe import MoESpec, moe_plan, sparse_moe
-from lazyspec.models.layers.norms import residual_rms_norm, rms_norm
+from lazyspec.models.layers.residual import ResidualStream, add
 from lazyspec.models.plan import Params, Placement, TensorSpec, init_plan, linear_spec, load_plan
 
 FAMILY = "qwen3_next"
-MODES = ("extend", "decode", "verify")
 MTP_PROBE = "mtp.fc.weight"  # present in checkpoints that ship the MTP head
 _ROLES = {"linear_attention": RECURRENT, "full_attention": ATTENTION}
 
@@ -323,248 +317,63 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
 # ---------------------------------------------------------------- forward passes
 
 
+def _stream(cfg: ModelConfig) -> ResidualStream:
+    """Zero-centred RMSNorms, whose add and norm may run in ``Kernels.residual_norm``."""
+    return ResidualStream(cfg.arch.rms_norm_eps, zero_centered=True, launch=True)
+
+
 def norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return rms_norm(x, weight, cfg.arch.rms_norm_eps, zero_centered=True)
+    return _stream(cfg).norm(x, weight)
 
 
-def _flat_tokens(x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
-    """x ``[..., d]`` as tokens ``[N, d]``, and delta as the same tokens: ``[N, d]``, or
-    ``[S, N, d]`` where it is float32 partial sums (``is_partials``); None stays None."""
-    flat = x.reshape(-1, x.shape[-1])
-    if delta is None:
-        return flat, None
-    parts = (delta.shape[0],) if is_partials(x, delta) else ()
-    return flat, delta.reshape(*parts, *flat.shape)
+def _gates(lp: Params) -> jax.Array | None:
+    """The fused gate projection of a GDN layer (``in_proj_ba``), None where split."""
+    gates = lp["linear_attn"].get("in_proj_ba")
+    return None if gates is None else gates["weight"]
 
 
-def _fused_norm(
-    kernels: Kernels,
-    cfg: ModelConfig,
-    x: jax.Array,
-    delta: jax.Array | None,
-    weight: jax.Array,
-    router: jax.Array | None,
-    logits_dtype: Any = jnp.float32,
-) -> ResidualNorm:
-    """``norms.residual_rms_norm`` of tokens ``[N, hidden]`` with the model's norm options,
-    in ``kernels.residual_norm`` (handed those ops as its XLA form) where there is one."""
-    args = (x, delta, weight, router)
-    options = {"eps": cfg.arch.rms_norm_eps, "zero_centered": True, "logits_dtype": logits_dtype}
-    xla_form = functools.partial(residual_rms_norm, *args, **options)
-    if kernels.residual_norm is None:
-        return xla_form()
-    return kernels.residual_norm(*args, **options, xla_form=xla_form)
+def _gdn_kind(spec: GDNSpec) -> Mixer:
+    """The GDN mixer in the step's form and kernels; ``gates``: its gate projection from
+    the input norm's launch, ``parts``: ``out_proj`` left in float32 partial sums."""
+
+    def run(lp, h, conv0, ssm0, step: Step, parts: int, gates) -> tuple[jax.Array, LayerStates]:
+        options = step.recurrent_options(step.kernels.gdn_state_update)
+        options.update(gated_norm=step.kernels.gated_norm, ba=gates, out_parts=parts)
+        out, states = gdn_mixer(
+            lp["linear_attn"], spec, h, conv0, ssm0, step.inputs.num_new, **options
+        )
+        return out, LayerStates(*states)
+
+    return Mixer(run, RECURRENT, router=_gates)
 
 
-def mlp_block(
-    lp: Params,
-    cfg: ModelConfig,
-    kind: str,
-    x: jax.Array,
-    kernels: Kernels = XLA_KERNELS,
-    real: jax.Array | None = None,
-    delta: jax.Array | None = None,
-    apart: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Residual MLP / MoE half of a decoder layer; the routed experts run in
-    ``kernels.moe_experts`` when it has one. ``real`` (``interface.real_tokens``): padding
-    tokens are routed like token 0. ``delta``: the mixer's output, added to ``x`` here,
-    where ``kernels.residual_norm`` fuses the add, the norm and the router's logits; it may
-    be the output projection's float32 partial sums ``[S, *x.shape]`` (``Kernels.output_parts``).
-    ``apart``: (the residual stream, the MLP's output) not yet added, for the next layer's
-    input norm to add (``Kernels.adds_mlp_output_in_next_norm``)."""
-    weight = lp["post_attention_layernorm"]
-    logits = None
-    if delta is None:
-        h = norm(x, weight, cfg)
-    else:
-        router = lp["mlp"]["gate"] if kind == "moe" else None
-        # delta may be the mixer's output projection in parts (``Kernels.output_parts``)
-        x_flat, h_flat, logits = _fused_norm(kernels, cfg, *_flat_tokens(x, delta), weight, router)
-        x, h = x_flat.reshape(x.shape), h_flat.reshape(x.shape)
-    if kind == "moe":
-        out = sparse_moe(lp["mlp"], cfg.arch.moe, h, kernels.moe_experts, real, logits)
-    else:
-        out = swiglu_mlp(lp["mlp"], h)
-    return (x, out) if apart else x + out
+def _mlps(arch: Qwen3NextArch) -> dict[str, Mlp]:
+    """The sparse MoE (routed experts in the step's kernels, routed from the norm's logits
+    where it computed them) and the dense SwiGLU MLP."""
+
+    def moe(lp, h, step: Step, logits):
+        flat = None if logits is None else logits.reshape(-1, logits.shape[-1])
+        return sparse_moe(lp["mlp"], arch.moe, h, step.kernels.moe_experts, step.real, flat)
+
+    def dense(lp, h, step: Step, logits):
+        return swiglu_mlp(lp["mlp"], h)
+
+    return {"moe": Mlp(moe, router=lambda lp: lp["mlp"]["gate"]), "dense": Mlp(dense)}
 
 
-def _input_norm(
-    lp: Params,
-    cfg: ModelConfig,
-    x: jax.Array,
-    kernels: Kernels,
-    delta: jax.Array | None = None,
-    router: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """A layer's input norm in ``kernels.residual_norm``'s launch: (x + delta, its norm,
-    the router's products rounded to its dtype, or None without a router); ``delta`` (the
-    previous layer's MLP output) None adds nothing."""
-    dtype = jnp.float32 if router is None else router.dtype
-    weight = lp["input_layernorm"]
-    tokens = _flat_tokens(x, delta)
-    x_flat, normed, logits = _fused_norm(kernels, cfg, *tokens, weight, router, dtype)
-    logits = None if router is None else logits.reshape(*x.shape[:-1], logits.shape[-1])
-    return x_flat.reshape(x.shape), normed.reshape(x.shape), logits
+@functools.cache
+def decoder(cfg: ModelConfig) -> Decoder:
+    """The declared layers: GDN or gated attention, then the layer's MLP kind."""
+    arch: Qwen3NextArch = cfg.arch
+    mixer_kinds = {RECURRENT: "gdn", ATTENTION: "attention"}
+    layers = tuple(zip((mixer_kinds[r] for r in cfg.layer_roles), arch.mlp_kinds, strict=True))
+    mixers = {"gdn": _gdn_kind(arch.gdn), "attention": attention_mixer(arch.attention)}
+    return Decoder(layers, _stream(cfg), mixers, _mlps(arch))
 
 
-def _gdn_input(
-    lp: Params, cfg: ModelConfig, x: jax.Array, kernels: Kernels, delta: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """A GDN layer's input (x + delta: ``delta``, the previous layer's MLP output, only
-    where ``Kernels.adds_mlp_output_in_next_norm``), its norm and, where
-    ``kernels.residual_norm`` runs the norm, its fused gate projection computed in the same
-    launch (``in_proj_ba`` as the launch's router, rounded to its dtype as
-    ``gdn.gate_projection`` gives it); else the layer's norm and None (the mixer projects
-    the gates itself)."""
-    weight = lp["input_layernorm"]
-    gates = lp["linear_attn"].get("in_proj_ba")  # fused projections only
-    if kernels.residual_norm is None or gates is None:
-        x = x if delta is None else x + summed(x, delta)
-        return x, norm(x, weight, cfg), None
-    return _input_norm(lp, cfg, x, kernels, delta, gates["weight"])
-
-
-def _attention_layer(
-    lp: Params,
-    cfg: ModelConfig,
-    kind: str,
-    x: jax.Array,
-    inputs: ForwardInputs,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    kernels: Kernels = XLA_KERNELS,
-    real: jax.Array | None = None,
-    delta: jax.Array | None = None,
-    apart: bool = False,
-    out_parts: int = 0,
-):
-    """A full attention decoder layer over the pools: (x, k_pool, v_pool); the attention
-    runs in ``kernels.paged_attention`` when it has one (``attention_forward``), ``real``
-    and ``apart`` (x then the pair ``(x, MLP output)``, not yet added) as in ``mlp_block``.
-    ``delta``: the previous layer's MLP output (only where
-    ``Kernels.adds_mlp_output_in_next_norm``), which the input norm's launch adds to x
-    first. ``out_parts``: ``o_proj`` in that many float32 partial sums, which the
-    post-attention norm's launch sums (``Kernels.output_parts``)."""
-    if delta is None:
-        normed = norm(x, lp["input_layernorm"], cfg)
-    else:
-        x, normed, _ = _input_norm(lp, cfg, x, kernels, delta)
-    h, k_pool, v_pool = attention_forward(
-        lp["self_attn"],
-        cfg.arch.attention,
-        normed,
-        inputs.positions,
-        inputs.num_new,
-        inputs.kv_write_idx,
-        inputs.kv_read_idx,
-        inputs.ctx_len,
-        k_pool,
-        v_pool,
-        kernels.paged_attention,
-        kernels.attention_prologue,
-        out_parts,
-    )
-    return mlp_block(lp, cfg, kind, x, kernels, real, h, apart=apart), k_pool, v_pool
-
-
-def forward(
-    params: Params,
-    cfg: ModelConfig,
-    inputs: ForwardInputs,
-    kv: KVPools,
-    rec: StateRows | PoolView,
-    *,
-    mode: str,
-    chunk_size: int = 64,
-    kernels: Kernels = XLA_KERNELS,
-    keep_chunk: jax.Array | None = None,
-) -> tuple[jax.Array, KVPools, RecurrentOut]:
-    """The device contract of ``interface.py``: (hidden before the final norm, kv, states).
-
-    ``extend`` runs the chunked GDN form (``RecurrentOut.chunks``: state after every
-    ``chunk_size`` new tokens of the row); ``decode`` / ``verify`` the token-by-token form
-    (``verify`` also fills ``RecurrentOut.steps``), whose state update runs in
-    ``kernels.gdn_state_update`` when it has one, the attention in ``kernels.paged_attention``
-    and the routed experts in ``kernels.moe_experts`` likewise. ``keep_chunk`` as in
-    ``interface.py``. ``decode`` from a ``PoolView`` writes each layer's new state into the
-    pools (``RecurrentOut.pools``), through the kernel's decode mode when it has one.
-    Pure: returns new pools.
-    """
-    if mode not in MODES:
-        raise ValueError(f"unknown forward mode {mode!r}; expected one of {MODES}")
-    form = "chunked" if mode == "extend" else "steps"
-    rec = for_mode(rec, mode)
-    x = params["embed_tokens"][inputs.tokens]
-    k_pools, v_pools = list(kv.k), list(kv.v)
-    real = real_tokens(inputs)
-    states, r, a = [], 0, 0
-    apart = kernels.adds_mlp_output_in_next_norm
-    delta = None  # with ``apart``, the previous layer's MLP output, not yet added to x
-    num_tokens = math.prod(x.shape[:-1])
-    for i, role in enumerate(cfg.layer_roles):
-        lp, kind = params["layers"][i], cfg.arch.mlp_kinds[i]
-        experts = lp["mlp"]["gate"].shape[0] if kind == "moe" else None
-        out_parts = kernels.output_parts(num_tokens, experts)
-        with jax.named_scope(f"layer_{i}"):
-            if role == RECURRENT:
-                x, normed, ba = _gdn_input(lp, cfg, x, kernels, delta)
-                h, st = gdn_mixer(
-                    lp["linear_attn"],
-                    cfg.arch.gdn,
-                    normed,
-                    *rec.layer(r),
-                    inputs.num_new,
-                    form=form,
-                    chunk_size=chunk_size,
-                    state_update=kernels.gdn_state_update,
-                    conv_update=kernels.conv_update,
-                    gated_norm=kernels.gated_norm,
-                    ba=ba,
-                    out_parts=out_parts,
-                )
-                if mode == "extend":
-                    st = st._replace(
-                        conv_trace=keep_chunk_states(st.conv_trace, keep_chunk),
-                        ssm_trace=keep_chunk_states(st.ssm_trace, keep_chunk),
-                    )
-                states.append(st)
-                rec = after_layer(rec, r, st.conv, st.ssm, st.ssm_pool, st.conv_pool)
-                x, r = mlp_block(lp, cfg, kind, x, kernels, real, h, apart=apart), r + 1
-            else:
-                pools = (k_pools[a], v_pools[a])
-                x, k_pools[a], v_pools[a] = _attention_layer(
-                    lp, cfg, kind, x, inputs, *pools, kernels, real, delta, apart, out_parts
-                )
-                a += 1
-            x, delta = x if apart else (x, None)
-    x = x if delta is None else x + summed(x, delta)
-    layers = [LayerStates(st.conv, st.ssm, st.conv_trace, st.ssm_trace) for st in states]
-    return x, KVPools(k_pools, v_pools), recurrent_out(layers, rec, mode)
-
-
-def reference_forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Whole sequences ``[B, T]`` from empty states with no cache machinery at all.
-
-    Token-by-token GDN scans and dense causal attention. Returns the hidden stream before
-    the final norm ``[B, T, hidden]``.
-    """
-    batch, num_tokens = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(num_tokens), (batch, num_tokens))
-    num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    gdn = cfg.arch.gdn
-    x = params["embed_tokens"][tokens]
-    for i, role in enumerate(cfg.layer_roles):
-        lp = params["layers"][i]
-        h = norm(x, lp["input_layernorm"], cfg)
-        if role == RECURRENT:
-            conv0 = jnp.zeros((batch, gdn.conv_dim, gdn.conv_kernel - 1), jnp.float32)
-            ssm0 = jnp.zeros((batch, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), jnp.float32)
-            h, _ = gdn_mixer(lp["linear_attn"], gdn, h, conv0, ssm0, num_new, form="reference")
-        else:
-            h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
-        x = mlp_block(lp, cfg, cfg.arch.mlp_kinds[i], x + h)
-    return x
+# ``extend`` runs the chunked GDN form, ``decode`` / ``verify`` the token-by-token form whose
+# state update runs in ``kernels.gdn_state_update`` when it has one (``decoder.py``)
+forward, reference_forward = family_forwards(decoder)
 
 
 def _lm_head(params: Params, h: jax.Array) -> jax.Array:
@@ -612,18 +421,15 @@ def mtp_forward(
     )
     x = linear(mp["fc"], combined)
     k_pools, v_pools = list(mtp_kv.k), list(mtp_kv.v)
+    pools = KVPools([k_pools[layer]], [v_pools[layer]])
+    step = Step("draft", inputs, pools, None, kernels=kernels, real=real_tokens(inputs))
+    draft = decoder(cfg)
     with jax.named_scope("mtp_layer"):
-        x, k_pools[layer], v_pools[layer] = _attention_layer(
-            mp["layers"][layer],
-            cfg,
-            cfg.arch.mtp_mlp_kind,
-            x,
-            inputs,
-            k_pools[layer],
-            v_pools[layer],
-            kernels,
-            real_tokens(inputs),
-        )
+        # one product out of the attention: no partial sums in the draft layer
+        kinds = ("attention", cfg.arch.mtp_mlp_kind)
+        x, out = decoder_layer(draft, mp["layers"][layer], kinds, x, None, step, False)
+        x = add(draft.stream, x, out)
+    k_pools[layer], v_pools[layer] = step.k[0], step.v[0]
     return x, KVPools(k_pools, v_pools)
 
 

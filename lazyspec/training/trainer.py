@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lazyspec.models.config import RECURRENT, ModelConfig
-from lazyspec.models.layers.attention import attention_reference
-from lazyspec.models.layers.gdn import gdn_mixer
+from lazyspec.models.config import ModelConfig
+from lazyspec.models.decoder import decoder_layer, reference_step, run_reference
 from lazyspec.models.layers.linear import linear
+from lazyspec.models.layers.residual import add
 from lazyspec.models.plan import Params
-from lazyspec.models.qwen3_next import compute_logits, compute_mtp_logits, mlp_block, norm
+from lazyspec.models.qwen3_next import compute_logits, compute_mtp_logits, decoder, norm
 
 DEFAULT_MTP_WEIGHT = 0.3
 GDN_FORMS = {"chunked": "chunked", "scan": "reference"}  # training name -> gdn_mixer form
@@ -53,44 +53,6 @@ def cast_for_compute(params: Params, dtype: Any) -> Params:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _gdn_full(
-    lp: Params, cfg: ModelConfig, h: jax.Array, gdn_form: str, chunk_size: int
-) -> jax.Array:
-    """A GDN mixer over whole rows from zero states."""
-    gdn = cfg.arch.gdn
-    batch, num_tokens = h.shape[:2]
-    conv0 = jnp.zeros((batch, gdn.conv_dim, gdn.conv_kernel - 1), jnp.float32)
-    ssm0 = jnp.zeros((batch, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim), jnp.float32)
-    num_new = jnp.full((batch,), num_tokens, jnp.int32)
-    out, _ = gdn_mixer(
-        lp, gdn, h, conv0, ssm0, num_new, form=GDN_FORMS[gdn_form], chunk_size=chunk_size
-    )
-    return out
-
-
-def _decoder_layer(
-    lp: Params,
-    cfg: ModelConfig,
-    kind: str,
-    recurrent: bool,
-    x: jax.Array,
-    positions: jax.Array,
-    gdn_form: str = "chunked",
-    chunk_size: int = 64,
-) -> jax.Array:
-    h = norm(x, lp["input_layernorm"], cfg)
-    if recurrent:
-        h = _gdn_full(lp["linear_attn"], cfg, h, gdn_form, chunk_size)
-    else:
-        h = attention_reference(lp["self_attn"], cfg.arch.attention, h, positions)
-    return mlp_block(lp, cfg, kind, x + h)
-
-
-def _positions(tokens: jax.Array) -> jax.Array:
-    batch, num_tokens = tokens.shape
-    return jnp.broadcast_to(jnp.arange(num_tokens), (batch, num_tokens))
-
-
 def training_forward(
     params: Params,
     cfg: ModelConfig,
@@ -108,21 +70,8 @@ def training_forward(
         raise ValueError(f"training_forward supports qwen3_next models, got {cfg.family!r}")
     if gdn_form not in GDN_FORMS:
         raise ValueError(f"unknown gdn_form {gdn_form!r}; expected one of {sorted(GDN_FORMS)}")
-    positions = _positions(tokens)
-    x = params["embed_tokens"][tokens]
-    for i, role in enumerate(cfg.layer_roles):
-        with jax.named_scope(f"layer_{i}"):
-            x = _decoder_layer(
-                params["layers"][i],
-                cfg,
-                cfg.arch.mlp_kinds[i],
-                role == RECURRENT,
-                x,
-                positions,
-                gdn_form,
-                chunk_size,
-            )
-    return x
+    form = {"form": GDN_FORMS[gdn_form], "chunk_size": chunk_size}
+    return run_reference(decoder(cfg), cfg, params, tokens, **form)
 
 
 def mtp_next_tokens(tokens: jax.Array) -> jax.Array:
@@ -153,10 +102,10 @@ def mtp_training_hidden(
         axis=-1,
     )
     x = linear(mp["fc"], combined)
+    draft, kinds = decoder(cfg), ("attention", cfg.arch.mtp_mlp_kind)
     with jax.named_scope("mtp_layer"):
-        return _decoder_layer(
-            mp["layers"][0], cfg, cfg.arch.mtp_mlp_kind, False, x, _positions(tokens)
-        )
+        x, out = decoder_layer(draft, mp["layers"][0], kinds, x, None, reference_step(cfg, tokens))
+        return add(draft.stream, x, out)
 
 
 def token_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

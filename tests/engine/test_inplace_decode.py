@@ -19,7 +19,8 @@ import pytest
 from lazyspec.engine import steps
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.steps import decode_step
-from lazyspec.kernels.backend import XLA_KERNELS, Kernels, pallas_compiler_params
+from lazyspec.kernels.backend import XLA_KERNELS, Kernels
+from lazyspec.kernels.common import pallas_compiler_params
 from lazyspec.kernels.conv_update import conv_update_pallas
 from lazyspec.kernels.state_scatter import state_copy_pallas
 from lazyspec.kernels.state_update import gdn_state_update_pallas
