@@ -31,22 +31,17 @@ def attention_tiles(tuning: Tuning = DEFAULT_TUNING) -> dict[str, int]:
 
 def pallas_paged_attention(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    token_table: jax.Array,
-    ctx_len: jax.Array,
-    positions: jax.Array,
-    scale: float,
-    *,
-    gate: jax.Array | None = None,
+    *operands: Any,
     interpret: bool = False,
     compiler_params: Any = None,
     tuning: Tuning = DEFAULT_TUNING,
     **tiles: Any,
 ) -> jax.Array:
-    """``paged_attention`` with ``tuning.attention``'s tiles (``tiles`` overrides them):
-    active splits, and the combine's columns a program up to ``small_step_max_tokens``
-    tokens; compiler params left as None take the tuning's warps and stages."""
+    """``paged_attention`` of q and ``operands`` (k_pool, v_pool, token_table, ctx_len,
+    positions, scale; ``gate=`` among ``tiles``) with ``tuning.attention``'s tiles
+    (``tiles`` overrides them): active splits, and the combine's columns a program up to
+    ``small_step_max_tokens`` tokens; compiler params left as None take the tuning's warps
+    and stages."""
     attention = tuning.attention
     tiles = {**attention_tiles(tuning), "active_splits": attention.active_splits, **tiles}
     num_tokens = q.shape[0] * q.shape[1]
@@ -58,10 +53,7 @@ def pallas_paged_attention(
         compiler_params = pallas_compiler_params(
             num_warps=attention.num_warps, num_stages=attention.num_stages
         )
-    return paged_attention(
-        q, k_pool, v_pool, token_table, ctx_len, positions, scale, gate=gate, **tiles,
-        **pallas_options(interpret, compiler_params),
-    )  # fmt: skip
+    return paged_attention(q, *operands, **tiles, **pallas_options(interpret, compiler_params))
 
 
 def pallas_attention_prologue(

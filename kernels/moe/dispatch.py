@@ -67,29 +67,23 @@ def moe_launch(
 
 
 def pallas_moe_experts(
-    x: jax.Array,
-    weights: jax.Array,
-    expert_ids: jax.Array,
-    up: jax.Array,
-    down: jax.Array,
-    gate: jax.Array | None = None,
-    *,
+    *operands: jax.Array | None,
     xla_form: Callable[[], jax.Array],
-    shared: SharedExpert | None = None,
-    routing: TokenRouting | None = None,
     interpret: bool = False,
     tuning: Tuning = DEFAULT_TUNING,
+    shared: SharedExpert | None = None,
+    routing: TokenRouting | None = None,
     **tiles: Any,
 ) -> jax.Array:
-    """``moe_experts_pallas`` where ``moe_launch`` gives its arguments, else ``xla_form()``.
-    ``shared``: a shared expert run in the same launches (``xla_form`` then adds it too).
-    ``routing``: the router's logits, from which the kernel picks a few tokens' experts."""
+    """``moe_experts_pallas`` of ``operands`` (x, weights, expert_ids, up, down[, gate]) where
+    ``moe_launch`` gives its arguments, else ``xla_form()``. ``shared``: a shared expert run
+    in the same launches (``xla_form`` then adds it too). ``routing``: the router's logits,
+    from which the kernel picks a few tokens' experts."""
+    x, up, down = operands[0], operands[3], operands[4]
     launch = moe_launch(x.shape[0], up, down, interpret, tuning, **tiles)
     if launch is None:
         return xla_form()
-    return moe_experts_pallas(
-        x, weights, expert_ids, up, down, gate, shared=shared, routing=routing, **launch
-    )
+    return moe_experts_pallas(*operands, shared=shared, routing=routing, **launch)
 
 
 # the MoE layers hand this function their shared expert and router logits
@@ -100,13 +94,7 @@ pallas_moe_experts.routes_tokens = True
 
 
 def tpu_moe_experts(
-    x: jax.Array,
-    weights: jax.Array,
-    expert_ids: jax.Array,
-    up: jax.Array,
-    down: jax.Array,
-    gate: jax.Array | None = None,
-    *,
+    *operands: jax.Array | None,
     xla_form: Callable[[], jax.Array],
     interpret: bool = False,
     tuning: Tuning = DEFAULT_TUNING,
@@ -115,17 +103,16 @@ def tpu_moe_experts(
     """``pallas_moe_experts`` with the scalar-prefetch kernel of ``moe_experts_tpu``; tiles
     not given are ``tuning.moe``'s TPU tiles where those divide (else the whole axis)."""
     moe = tuning.moe
-    if x.shape[0] > moe.kernel_max_tokens:
+    if operands[0].shape[0] > moe.kernel_max_tokens:
         return xla_form()
     from lazyspec.kernels import moe_experts_tpu  # Mosaic imports only where used
 
-    inner, out_width = up.shape[2], down.shape[2]
-    tiles.setdefault(
-        "block_inner", moe.tpu_block_inner if inner % moe.tpu_block_inner == 0 else inner
-    )
-    tiles.setdefault(
-        "block_out", moe.tpu_block_out if out_width % moe.tpu_block_out == 0 else out_width
-    )
-    return moe_experts_tpu.moe_experts_tpu(
-        x, weights, expert_ids, up, down, gate, interpret=interpret, **tiles
-    )
+    inner, out_width = operands[3].shape[2], operands[4].shape[2]
+    tiles.setdefault("block_inner", fitted_or_whole(inner, moe.tpu_block_inner))
+    tiles.setdefault("block_out", fitted_or_whole(out_width, moe.tpu_block_out))
+    return moe_experts_tpu.moe_experts_tpu(*operands, interpret=interpret, **tiles)
+
+
+def fitted_or_whole(size: int, tile: int) -> int:
+    """``tile`` where it divides ``size``, else the whole axis (the TPU layout's rule)."""
+    return tile if size % tile == 0 else size

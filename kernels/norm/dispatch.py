@@ -8,10 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from lazyspec.kernels.common import fitted_tile, pallas_options
-from lazyspec.kernels.gated_norm import GateLayout, gated_norm_pallas
+from lazyspec.kernels.gated_norm import gated_norm_pallas
 from lazyspec.kernels.residual_norm import ResidualNorm, residual_norm_pallas
 from lazyspec.kernels.state_update import powers_of_two
 from lazyspec.kernels.tuning import Tuning
@@ -46,47 +45,40 @@ def pallas_residual_norm(
     weight: jax.Array,
     router: jax.Array | None = None,
     *,
-    eps: float,
-    zero_centered: bool = False,
-    logits_dtype: Any = jnp.float32,
     xla_form: Callable[[], ResidualNorm],
     interpret: bool = False,
     tuning: Tuning = DEFAULT_TUNING,
-    **tiles: Any,
+    **options: Any,
 ) -> ResidualNorm:
-    """``residual_norm_pallas`` with ``residual_norm_tiles``' tiles (``tiles`` overrides them)
-    where ``residual_norm_fits``; else, or where a compiled launch would need a row that is
-    not a power of two wide (Triton), ``xla_form()``."""
+    """``residual_norm_pallas`` (``options``: ``eps``, ``zero_centered``, ``logits_dtype``,
+    tiles overriding ``residual_norm_tiles``') where ``residual_norm_fits``; else, or where a
+    compiled launch would need a row that is not a power of two wide (Triton), ``xla_form()``."""
     (num_tokens, width), experts = x.shape, None if router is None else router.shape[0]
-    tiles = {**residual_norm_tiles(num_tokens, tuning), **tiles}
-    options = pallas_options(interpret, None, tiles.pop("num_warps"))
+    options = {**residual_norm_tiles(num_tokens, tuning), **options}
+    launch = pallas_options(interpret, None, options.pop("num_warps"))
     fits = residual_norm_fits(num_tokens, experts, tuning)
-    if not fits or not (options["interpret"] or powers_of_two(width)):
+    if not fits or not (launch["interpret"] or powers_of_two(width)):
         return xla_form()
     if router is not None:
-        tiles["block_experts"] = fitted_tile(experts, tiles["block_experts"])
-    options.update(eps=eps, zero_centered=zero_centered, logits_dtype=logits_dtype)
-    return residual_norm_pallas(x, delta, weight, router, **tiles, **options)
+        options["block_experts"] = fitted_tile(experts, options["block_experts"])
+    return residual_norm_pallas(x, delta, weight, router, **options, **launch)
 
 
 def pallas_gated_norm(
     x: jax.Array,
-    z_source: jax.Array,
-    layout: GateLayout,
-    weight: jax.Array,
-    *,
-    eps: float,
-    dtype: Any,
+    *operands: Any,
     xla_form: Callable[[], jax.Array],
     interpret: bool = False,
     num_warps: int = 1,
     tuning: Tuning = DEFAULT_TUNING,
+    **options: Any,
 ) -> jax.Array:
-    """``gated_norm_pallas`` up to ``gated_max_tokens`` tokens where the gates' columns are
-    whole blocks of d (and, compiled, d a power of two); else ``xla_form()``."""
-    options = pallas_options(interpret, None, num_warps)
-    head_dim = x.shape[-1]
-    fits = layout.in_whole_blocks(head_dim) and (options["interpret"] or powers_of_two(head_dim))
+    """``gated_norm_pallas`` of x and ``operands`` (z_source, layout, weight; ``options``:
+    ``eps``, ``dtype``) up to ``gated_max_tokens`` tokens where the gates' columns are whole
+    blocks of d (and, compiled, d a power of two); else ``xla_form()``."""
+    launch = pallas_options(interpret, None, num_warps)
+    head_dim, layout = x.shape[-1], operands[1]
+    fits = layout.in_whole_blocks(head_dim) and (launch["interpret"] or powers_of_two(head_dim))
     if x.shape[0] > tuning.norm.gated_max_tokens or not fits:
         return xla_form()
-    return gated_norm_pallas(x, z_source, layout, weight, eps=eps, dtype=dtype, **options)
+    return gated_norm_pallas(x, *operands, **options, **launch)

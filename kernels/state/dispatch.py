@@ -157,12 +157,7 @@ def state_update(
 
 
 def pallas_conv_update(
-    pool: jax.Array,
-    slot: jax.Array,
-    x: jax.Array,
-    weight: jax.Array,
-    bias: jax.Array | None = None,
-    *,
+    *operands: jax.Array | None,
     channel_groups: ChannelGroups | None = None,
     block_channels: int | None = None,
     interpret: bool = False,
@@ -170,19 +165,19 @@ def pallas_conv_update(
     tuning: Tuning = DEFAULT_TUNING,
     **options: Any,
 ) -> ConvUpdateResult:
-    """The Triton-layout conv update (``options``: ``mode``, ``silu``, ``num_new``, ``layer``,
-    ``out_dtype``); ``block_channels`` left as None takes ``tuning``'s, fitted to the
-    channels (with ``channel_groups``, to its parts and group stride)."""
+    """The Triton-layout conv update of ``operands`` (pool, slot, x, weight[, bias];
+    ``options``: ``mode``, ``silu``, ``num_new``, ``layer``, ``out_dtype``);
+    ``block_channels`` left as None takes ``tuning``'s, fitted to the channels (with
+    ``channel_groups``, to its parts and group stride)."""
     if block_channels is None:
-        fit = x.shape[2]
+        fit = operands[2].shape[2]
         if channel_groups is not None:
-            fit = math.gcd(*channel_groups.parts, channel_groups.check(x.shape[2]))
+            fit = math.gcd(*channel_groups.parts, channel_groups.check(fit))
         block_channels = fitted_tile(fit, tuning.state.conv_block_channels)
+    launch = pallas_options(interpret, compiler_params)
     return conv_update_pallas(
-        pool, slot, x, weight, bias, channel_groups=channel_groups,
-        block_channels=block_channels, **options,
-        **pallas_options(interpret, compiler_params),
-    )  # fmt: skip
+        *operands, channel_groups=channel_groups, block_channels=block_channels, **options, **launch
+    )
 
 
 # the GDN layers hand this kernel Qwen3-Next's fused projection as it is (``ChannelGroups``);
@@ -191,22 +186,15 @@ pallas_conv_update.reads_channel_groups = True
 
 
 def conv_update(
-    pool: jax.Array,
-    slot: jax.Array,
-    x: jax.Array,
-    weight: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    kernel_backend: str | None = None,
-    **options: Any,
+    *operands: jax.Array | None, kernel_backend: str | None = None, **options: Any
 ) -> ConvUpdateResult:
     """Causal conv update for T tokens per row on the chosen backend (XLA on TPU);
-    ``options`` as ``pallas_conv_update``'s (``mode``, ``layer``, ``channel_groups``, ...)."""
+    ``operands`` and ``options`` as ``pallas_conv_update``'s."""
     if resolve_backend(kernel_backend) == "xla" or on_platform("tpu"):
         for pallas_only in ("block_channels", "interpret", "compiler_params", "tuning"):
             options.pop(pallas_only, None)
-        return conv_update_xla(pool, slot, x, weight, bias, **options)
-    return pallas_conv_update(pool, slot, x, weight, bias, **options)
+        return conv_update_xla(*operands, **options)
+    return pallas_conv_update(*operands, **options)
 
 
 def _scatter_tiles(
@@ -219,25 +207,18 @@ def _scatter_tiles(
 
 
 def pallas_state_scatter(
-    ssm_pool: jax.Array,
-    conv_pool: jax.Array,
-    ssm_steps: jax.Array,
-    conv_steps: jax.Array,
-    dst_slot: jax.Array,
-    step: jax.Array,
-    *,
+    *operands: jax.Array,
     layer: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
     tuning: Tuning = DEFAULT_TUNING,
     **tiles: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    """The Pallas scatter; tiles not given take ``tuning``'s."""
-    return state_scatter_pallas(
-        ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer=layer,
-        **_scatter_tiles(ssm_pool, conv_pool, tiles, tuning),
-        **pallas_options(interpret, compiler_params),
-    )  # fmt: skip
+    """The Pallas scatter of ``operands`` (ssm_pool, conv_pool, ssm_steps, conv_steps,
+    dst_slot, step); tiles not given take ``tuning``'s."""
+    tiles = _scatter_tiles(operands[0], operands[1], tiles, tuning)
+    launch = pallas_options(interpret, compiler_params)
+    return state_scatter_pallas(*operands, layer=layer, **tiles, **launch)
 
 
 def state_scatter(
@@ -252,23 +233,17 @@ def state_scatter(
 
 
 def pallas_state_copy(
-    ssm_pool: jax.Array,
-    conv_pool: jax.Array,
-    src_slot: jax.Array,
-    dst_slot: jax.Array,
-    *,
+    *operands: jax.Array,
     interpret: bool = False,
     compiler_params: Any = None,
     tuning: Tuning = DEFAULT_TUNING,
     **tiles: Any,
 ) -> tuple[jax.Array, jax.Array]:
-    """The Pallas pool-to-pool copy; tiles not given take ``tuning``'s."""
-    return state_copy_pallas(
-        ssm_pool, conv_pool, src_slot, dst_slot,
-        **_scatter_tiles(ssm_pool, conv_pool, tiles, tuning),
-        tiles_per_program=tuning.state.copy_tiles_per_program,
-        **pallas_options(interpret, compiler_params),
-    )  # fmt: skip
+    """The Pallas pool-to-pool copy of ``operands`` (ssm_pool, conv_pool, src_slot,
+    dst_slot); tiles not given take ``tuning``'s."""
+    tiles = _scatter_tiles(operands[0], operands[1], tiles, tuning)
+    tiles["tiles_per_program"] = tuning.state.copy_tiles_per_program
+    return state_copy_pallas(*operands, **tiles, **pallas_options(interpret, compiler_params))
 
 
 def state_copy(
