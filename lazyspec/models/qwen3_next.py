@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
-from lazyspec.kernels.residual_norm import ResidualNorm, is_partials, summed
+from lazyspec.kernels.norm.residual import ResidualNorm, is_partials, summed
 from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
 from lazyspec.models.interface import (
     ForwardInputs,
