@@ -263,10 +263,8 @@ def gdn_state_update_pallas(
         (slot, *token_arrays, pool),
         out_like,
         values,
-        (None, num_tokens, bh, key_dim, bv),
-        lambda b, i, j: (b, 0, i, 0, j),
-        interpret,
-        compiler_params,
+        pl.BlockSpec((None, num_tokens, bh, key_dim, bv), lambda b, i, j: (b, 0, i, 0, j)),
+        {"interpret": interpret, "compiler_params": compiler_params},
     )
 
 

@@ -91,8 +91,6 @@ def gdn_state_update_tpu(
         [keys, keys, values, per_head, per_head, pool_spec],
         (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta, pool),
         tokens.v,
-        values,
-        pool_spec,
-        steps_spec,
+        (values, pool_spec, steps_spec),
         interpret,
     )

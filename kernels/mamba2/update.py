@@ -163,10 +163,8 @@ def mamba2_state_update_pallas(
         (slot, tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d, pool),
         tokens.x,
         values,
-        (None, num_tokens, bh, bp, state_dim),
-        lambda b, i, j: (b, 0, i, j, 0),
-        interpret,
-        compiler_params,
+        pl.BlockSpec((None, num_tokens, bh, bp, state_dim), lambda b, i, j: (b, 0, i, j, 0)),
+        {"interpret": interpret, "compiler_params": compiler_params},
     )
 
 

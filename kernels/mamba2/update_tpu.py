@@ -114,8 +114,6 @@ def mamba2_state_update_tpu(
             pool,
         ),
         tokens.x,
-        values,
-        pool_spec,
-        steps_spec,
+        (values, pool_spec, steps_spec),
         interpret,
     )

@@ -240,16 +240,13 @@ def run_update(
     args: tuple,
     out_like: jax.Array,
     out_spec: pl.BlockSpec,
-    state_block: tuple,
-    state_index,
-    interpret: bool,
-    compiler_params: Any,
+    steps_spec: pl.BlockSpec,
+    options: dict[str, Any],
 ) -> StateUpdateResult:
     """Launch an update kernel whose refs are (*args, out, state): ``state`` is the pool (the
-    last arg, aliased) in decode and the ``[B, T, *state]`` step states in verify."""
-    state_shape, state_spec = state_output(
-        mode, pool, out_like, whole(), pl.BlockSpec(state_block, state_index)
-    )
+    last arg, aliased) in decode and the ``[B, T, *state]`` step states (``steps_spec``) in
+    verify. ``options``: ``interpret`` and ``compiler_params``."""
+    state_shape, state_spec = state_output(mode, pool, out_like, whole(), steps_spec)
     outputs, states = pl.pallas_call(
         kernel,
         grid=grid,
@@ -257,8 +254,7 @@ def run_update(
         out_specs=(out_spec, state_spec),
         out_shape=(jax.ShapeDtypeStruct(out_like.shape, out_like.dtype), state_shape),
         input_output_aliases={len(args) - 1: 1} if mode == "decode" else {},
-        interpret=interpret,
-        compiler_params=compiler_params,
+        **options,
     )(*args)
     return update_result(mode, outputs, states)
 

@@ -57,12 +57,13 @@ def launch(
     in_specs,
     args,
     out_like,
-    out_spec,
-    pool_spec,
-    steps_spec,
+    specs: tuple,
     interpret: bool,
 ) -> StateUpdateResult:
-    """pallas_call with the slot ids scalar-prefetched; refs (slot, *args, out, state)."""
+    """pallas_call with the slot ids scalar-prefetched; refs (slot, *args, out, state).
+    ``specs``: the outputs' spec, then the state's: the pool block (decode) and the step
+    states' (verify)."""
+    out_spec, pool_spec, steps_spec = specs
     state_shape, state_spec = state_output(mode, pool, out_like, pool_spec, steps_spec)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=(out_spec, state_spec)
