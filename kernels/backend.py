@@ -3,12 +3,12 @@ steps call, for a backend, a platform and a ``Tuning``.
 
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
 (where Pallas runs only in interpret mode, which the dispatch then uses: for tests) and on
-TPU (``kernel_backend="pallas"`` opts in to the scalar-prefetch state update of
-``state_update_tpu``; the conv update and the scatter stay on XLA there). Each op's dispatch
-(``kernels/<op>/dispatch.py``) chooses between its Pallas launch and the caller's XLA form by
-shape, with the tiles and limits of the ``Tuning`` bound here; nothing reads a module global
-while a program is traced, and the record (tuning included) is part of every step's static
-key.
+TPU (``kernel_backend="pallas"`` opts in to the scalar-prefetch state updates of
+``gdn.update_tpu`` / ``mamba2.update_tpu``; the conv update and the scatter stay on XLA
+there). Each op's dispatch (``kernels/<op>/dispatch.py``) chooses between its Pallas launch
+and the caller's XLA form by shape, with the tiles and limits of the ``Tuning`` bound here;
+nothing reads a module global while a program is traced, and the record (tuning included)
+is part of every step's static key.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import jax
 
 from lazyspec.kernels.attention.dispatch import pallas_attention_prologue, pallas_paged_attention
 from lazyspec.kernels.common import KernelBackend, platform_of, resolve_backend
-from lazyspec.kernels.conv_update import ConvUpdateResult
 from lazyspec.kernels.moe.dispatch import pallas_moe_experts, tpu_moe_experts
 from lazyspec.kernels.norm.dispatch import (
     pallas_gated_norm,
     pallas_residual_norm,
     residual_norm_fits,
 )
-from lazyspec.kernels.residual_norm import ResidualNorm
+from lazyspec.kernels.norm.residual import ResidualNorm
+from lazyspec.kernels.state.conv import ConvUpdateResult
 from lazyspec.kernels.state.dispatch import (
     pallas_conv_update,
     pallas_state_copy,
@@ -37,11 +37,11 @@ from lazyspec.kernels.state.dispatch import (
     pallas_state_update,
     tpu_state_update,
 )
-from lazyspec.kernels.state_scatter import state_copy_xla, state_scatter_xla
-from lazyspec.kernels.state_update import StateUpdateResult
+from lazyspec.kernels.state.scatter import state_copy_xla, state_scatter_xla
+from lazyspec.kernels.state.update_common import StateUpdateResult
 from lazyspec.kernels.tuning import Tuning, device_kind_key, tuning_for
 
-# (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state_update``
+# (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state.update_common``
 StateUpdateFn = Callable[..., StateUpdateResult]
 # (ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, *, layer=None) -> (ssm, conv)
 StateScatterFn = Callable[..., tuple[jax.Array, jax.Array]]
@@ -52,7 +52,7 @@ ConvUpdateFn = Callable[..., ConvUpdateResult]
 # (x, weights, expert_ids, up, down, gate=None, *, xla_form) -> float32 [N, d_out], as
 # ``moe_experts_pallas``; ``xla_form()`` computes the same by the XLA dispatch
 MoEExpertsFn = Callable[..., jax.Array]
-# (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``paged_attention``
+# (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``attention.paged``
 PagedAttentionFn = Callable[..., jax.Array]
 # (x, delta, weight, router=None, *, eps, zero_centered, logits_dtype, xla_form) ->
 # ResidualNorm, as ``residual_norm_pallas``; ``xla_form()`` computes the same by XLA
@@ -72,7 +72,7 @@ class Kernels:
     forward and the engine's steps, which call what they are given.
 
     ``gdn_state_update`` / ``mamba2_state_update``: the contract of ``state.dispatch.
-    state_update``; None on XLA, where the mixers run their own jnp token scans.
+    state.update_common``; None on XLA, where the mixers run their own jnp token scans.
     ``state_scatter`` / ``state_copy``: the contracts of ``state_scatter`` and ``state_copy``.
     ``conv_update``: the conv of a decode step that writes the pools in place; None on XLA
     and TPU. ``moe_experts``: the routed experts, kernel or the caller's XLA form by token
@@ -168,7 +168,7 @@ def kernels_for(
 ) -> Kernels:
     """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
     to JAX's default) with ``tuning`` bound (None: ``default_tuning(platform)``). Pallas on a
-    TPU: the scalar-prefetch state updates of ``state_update_tpu`` and ``moe_experts_tpu``,
+    TPU: the scalar-prefetch state updates of ``*.update_tpu`` and ``moe.experts_tpu``,
     the XLA scatter and the jnp attention; elsewhere the Triton-layout kernels (in interpret
     mode on CPU). ``moe_runner`` picks the routed experts' form: "pallas" the kernel, "xla"
     none (the layers' sort-based dispatch), "auto" the kernel on GPUs and in interpret mode,

@@ -1,11 +1,15 @@
-"""What every op's dispatch shares: the platform tests, Pallas' launch options (interpret
-mode on CPU, Triton compiler params on GPUs) and the tile fitting rules."""
+"""What every op shares: the platform tests, Pallas' launch options (interpret mode on CPU,
+Triton compiler params on GPUs), the tile fitting rules, and the kernels' small helpers
+(tile checks, whole-array blocks, masked row loads)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 KernelBackend = Literal["pallas", "xla"]
 KERNEL_BACKENDS: tuple[str, ...] = ("pallas", "xla")
@@ -47,8 +51,6 @@ def pallas_compiler_params(
     in-kernel pool indexing is measured to work; None (the default lowering) elsewhere."""
     if platform_of(platform) not in TRITON_PLATFORMS:
         return None
-    from jax.experimental.pallas import triton as pallas_triton
-
     return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -78,3 +80,41 @@ def small_step_tile(num_tokens: int, max_tokens: int, size: int, preferred: int)
     if preferred > 0 and num_tokens <= max_tokens:
         return fitted_tile(size, preferred)
     return None
+
+
+def check_tile(name: str, size: int, block: int | None) -> int:
+    """The tile size for an axis of ``size`` (None = whole axis); ValueError unless it divides."""
+    block = size if block is None else block
+    if block <= 0 or size % block:
+        raise ValueError(f"{name}={block} must be a positive divisor of {size}")
+    return block
+
+
+def check_tpu_tile(name: str, size: int, block: int | None, unit: int) -> int:
+    """A tile for an axis that is a minor block dim on a TPU: the whole axis or a multiple of
+    unit that divides it."""
+    block = check_tile(name, size, block)
+    if block != size and block % unit:
+        raise ValueError(f"{name}={block} must be {size} or a multiple of {unit} on TPU")
+    return block
+
+
+def whole() -> pl.BlockSpec:
+    """A block that is the whole array (indexed inside the kernel)."""
+    return pl.BlockSpec()
+
+
+def powers_of_two(*sizes: int) -> bool:
+    """Whether every size is a power of two, as a Triton block's dimensions must be."""
+    return all(n & (n - 1) == 0 for n in sizes)
+
+
+def load_rows(view, first, num_rows: int) -> jax.Array:
+    """``view[...]``, a tile of ``view.shape[0]`` rows starting at row ``first`` (a multiple
+    of that count) of an array of ``num_rows`` rows, read with the rows past the array as
+    zeros (a masked load) where the last tile is partial: no padded copy of the array is
+    needed. Where every tile is whole, a plain load."""
+    if num_rows % view.shape[0] == 0:
+        return view[...]
+    index = first + jax.lax.broadcasted_iota(jnp.int32, view.shape, 0)
+    return pallas_triton.load(view, mask=index < num_rows, other=0)

@@ -66,12 +66,12 @@ import numpy as np
 from lazyspec.bench.origin import code_line
 from lazyspec.bench.tuning_flag import add_tuning_argument, tuned, tuning_lines
 from lazyspec.kernels import backend, common
-from lazyspec.kernels import moe_experts as me
-from lazyspec.kernels import paged_attention as pa
-from lazyspec.kernels import state_update as su
+from lazyspec.kernels.attention import paged as pa
 from lazyspec.kernels.backend import default_tuning
-from lazyspec.kernels.gated_norm import GateLayout
+from lazyspec.kernels.moe import routing as me
 from lazyspec.kernels.norm import dispatch as norm_dispatch
+from lazyspec.kernels.norm.gated import GateLayout
+from lazyspec.kernels.state import update_common as su
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers import attention, gdn, moe, norms
 from lazyspec.models.layers.state_kernels import gdn_tokens

@@ -66,7 +66,7 @@ from lazyspec.bench.tuning_flag import add_tuning_argument, tuned, tuning_lines
 from lazyspec.kernels.backend import default_tuning
 from lazyspec.kernels.common import pallas_compiler_params
 from lazyspec.kernels.moe.dispatch import moe_launch
-from lazyspec.kernels.moe_experts import moe_experts_pallas
+from lazyspec.kernels.moe.experts import moe_experts_pallas
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.moe import grouped_experts
 

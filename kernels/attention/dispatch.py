@@ -9,10 +9,14 @@ from typing import Any
 
 import jax
 
-from lazyspec.kernels.attention_prologue import all_powers_of_two, attention_prologue_pallas
-from lazyspec.kernels.common import pallas_compiler_params, pallas_options, small_step_tile
-from lazyspec.kernels.paged_attention import paged_attention
-from lazyspec.kernels.state_update import powers_of_two
+from lazyspec.kernels.attention.paged import paged_attention
+from lazyspec.kernels.attention.prologue import all_powers_of_two, attention_prologue_pallas
+from lazyspec.kernels.common import (
+    pallas_compiler_params,
+    pallas_options,
+    powers_of_two,
+    small_step_tile,
+)
 from lazyspec.kernels.tuning import Tuning
 
 DEFAULT_TUNING = Tuning()

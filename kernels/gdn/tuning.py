@@ -32,7 +32,7 @@ GPU = GdnTuning()
 TABLE = {
     "h100": GPU,
     "h200": GPU,  # the tiles were first timed on an H200, the small-step ones on an H100
-    "tpu_v5e": GPU,  # the TPU layout (``state_update_tpu``) keeps its own tiles
+    "tpu_v5e": GPU,  # the TPU layout (``update_tpu``) keeps its own tiles
     "tpu_v6e": GPU,
     "cpu": GPU,  # interpret mode: the GPU's dispatch, so the suite runs the GPU's paths
 }

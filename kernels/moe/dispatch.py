@@ -1,5 +1,5 @@
 """The routed experts by token count: ``moe_experts_pallas`` (GPUs, interpret mode) or the
-TPU layout ``moe_experts_tpu`` where the tuning's limits let them run, else the caller's
+TPU layout ``moe.experts_tpu`` where the tuning's limits let them run, else the caller's
 XLA form (the layers' sort-based dispatch with the same contract)."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from lazyspec.kernels.common import (
     pallas_compiler_params,
     pallas_options,
 )
-from lazyspec.kernels.moe_experts import SharedExpert, TokenRouting, moe_experts_pallas
+from lazyspec.kernels.moe.experts import moe_experts_pallas
+from lazyspec.kernels.moe.plan import SharedExpert
+from lazyspec.kernels.moe.routing import TokenRouting
 from lazyspec.kernels.tuning import Tuning
 
 DEFAULT_TUNING = Tuning()
@@ -100,17 +102,17 @@ def tpu_moe_experts(
     tuning: Tuning = DEFAULT_TUNING,
     **tiles: Any,
 ) -> jax.Array:
-    """``pallas_moe_experts`` with the scalar-prefetch kernel of ``moe_experts_tpu``; tiles
+    """``pallas_moe_experts`` with the scalar-prefetch kernel of ``moe.experts_tpu``; tiles
     not given are ``tuning.moe``'s TPU tiles where those divide (else the whole axis)."""
     moe = tuning.moe
     if operands[0].shape[0] > moe.kernel_max_tokens:
         return xla_form()
-    from lazyspec.kernels import moe_experts_tpu  # Mosaic imports only where used
+    from lazyspec.kernels.moe import experts_tpu  # Mosaic imports only where used
 
     inner, out_width = operands[3].shape[2], operands[4].shape[2]
     tiles.setdefault("block_inner", fitted_or_whole(inner, moe.tpu_block_inner))
     tiles.setdefault("block_out", fitted_or_whole(out_width, moe.tpu_block_out))
-    return moe_experts_tpu.moe_experts_tpu(*operands, interpret=interpret, **tiles)
+    return experts_tpu.moe_experts_tpu(*operands, interpret=interpret, **tiles)
 
 
 def fitted_or_whole(size: int, tile: int) -> int:

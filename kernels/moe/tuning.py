@@ -1,4 +1,4 @@
-"""The routed experts' tuning (``moe_experts_pallas`` on GPUs, ``moe_experts_tpu`` on TPUs),
+"""The routed experts' tuning (``moe_experts_pallas`` on GPUs, ``moe.experts_tpu`` on TPUs),
 one record per device kind. Jax-free. Measured by the profiler's kernel times at Qwen3-Next
 widths (hidden 2048, expert intermediate 512; 64 experts top-10 and 512 top-10), 1 to 2048
 tokens; the measurements and the variants retired are in ``benchmarks/log/``.

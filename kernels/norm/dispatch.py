@@ -9,10 +9,9 @@ from typing import Any
 
 import jax
 
-from lazyspec.kernels.common import fitted_tile, pallas_options
-from lazyspec.kernels.gated_norm import gated_norm_pallas
-from lazyspec.kernels.residual_norm import ResidualNorm, residual_norm_pallas
-from lazyspec.kernels.state_update import powers_of_two
+from lazyspec.kernels.common import fitted_tile, pallas_options, powers_of_two
+from lazyspec.kernels.norm.gated import gated_norm_pallas
+from lazyspec.kernels.norm.residual import ResidualNorm, residual_norm_pallas
 from lazyspec.kernels.tuning import Tuning
 
 DEFAULT_TUNING = Tuning()

@@ -1,7 +1,7 @@
-"""The state-pool kernels by backend: the GDN and Mamba2 T-step updates (``state_update``),
-the conv update, the scatter of verify steps' states and the pool-to-pool copy, each with
-its tiles from a ``Tuning``. The contracts are those of the functions called
-(``state_update``, ``conv_update``, ``state_scatter`` modules)."""
+"""The state-pool kernels by backend: the GDN and Mamba2 T-step updates (``gdn.update``,
+``mamba2.update``), the conv update, the scatter of verify steps' states and the
+pool-to-pool copy, each with its tiles from a ``Tuning``. The contracts are those of the
+functions called (``state.update_common``, ``state.conv``, ``state.scatter``)."""
 
 from __future__ import annotations
 
@@ -17,27 +17,25 @@ from lazyspec.kernels.common import (
     resolve_backend,
     small_step_tile,
 )
-from lazyspec.kernels.conv_update import (
+from lazyspec.kernels.gdn.update import gdn_state_update_pallas, gdn_state_update_xla
+from lazyspec.kernels.mamba2.update import mamba2_state_update_pallas, mamba2_state_update_xla
+from lazyspec.kernels.state.conv import (
     ChannelGroups,
     ConvUpdateResult,
     conv_update_pallas,
     conv_update_xla,
 )
-from lazyspec.kernels.state_scatter import (
+from lazyspec.kernels.state.scatter import (
     state_copy_pallas,
     state_copy_xla,
     state_scatter_pallas,
     state_scatter_xla,
 )
-from lazyspec.kernels.state_update import (
+from lazyspec.kernels.state.update_common import (
     GdnConvTokens,
     GdnTokens,
     Mamba2Tokens,
     StateUpdateResult,
-    gdn_state_update_pallas,
-    gdn_state_update_xla,
-    mamba2_state_update_pallas,
-    mamba2_state_update_xla,
 )
 from lazyspec.kernels.tuning import Tuning
 
@@ -65,10 +63,13 @@ def tpu_state_update(
     interpret: bool = False,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> StateUpdateResult:
-    """The scalar-prefetch kernels of ``state_update_tpu``, with their own default tiles."""
-    from lazyspec.kernels import state_update_tpu  # Mosaic imports only where used
-
-    tpu_fn = getattr(state_update_tpu, f"{mixer}_state_update_tpu")
+    """The scalar-prefetch kernels of ``gdn.update_tpu`` / ``mamba2.update_tpu``, with their
+    own default tiles."""
+    # Mosaic imports only where used
+    if mixer == "gdn":
+        from lazyspec.kernels.gdn.update_tpu import gdn_state_update_tpu as tpu_fn
+    else:
+        from lazyspec.kernels.mamba2.update_tpu import mamba2_state_update_tpu as tpu_fn
     return tpu_fn(pool, slot, tokens, mode=mode, layer=layer, interpret=interpret)
 
 
@@ -139,7 +140,7 @@ def state_update(
     ``layer=l``: ``pool`` is the stacked pool of all layers and layer l's rows are used.
     ``tiles`` (``block_heads``, ``block_value``, ``evict_last``, ``compiler_params``) override
     ``tuning``'s. On a TPU platform (``platform`` defaults to JAX's default) Pallas means the
-    scalar-prefetch kernels of ``state_update_tpu`` with their own tiles."""
+    scalar-prefetch kernels of ``*.update_tpu`` with their own tiles."""
     mixer = mixer_of(tokens)
     xla, tpu = resolve_backend(kernel_backend, platform) == "xla", on_platform("tpu", platform)
     if isinstance(tokens, GdnConvTokens) and (xla or tpu):

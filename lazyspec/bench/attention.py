@@ -36,7 +36,7 @@ from lazyspec.bench.kernel_timing import (  # noqa: E402
     max_abs_diff,
     time_calls,
 )
-from lazyspec.kernels import paged_attention as pa  # noqa: E402
+from lazyspec.kernels.attention import paged as pa  # noqa: E402
 from lazyspec.kernels.backend import kernels_for  # noqa: E402
 
 

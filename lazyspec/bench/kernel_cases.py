@@ -12,15 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels import (
-    common,
-    conv_update,
-    gdn_chunked,
-    mamba2_chunked,
-    recurrence,
-    state_scatter,
-    state_update,
-)
+from lazyspec.kernels import common
+from lazyspec.kernels.gdn import chunked as gdn_chunked
+from lazyspec.kernels.gdn import reference as gdn_reference
+from lazyspec.kernels.gdn import update as gdn_update
+from lazyspec.kernels.mamba2 import chunked as mamba2_chunked
+from lazyspec.kernels.mamba2 import reference as mamba2_reference
+from lazyspec.kernels.mamba2 import update as mamba2_update
+from lazyspec.kernels.state import conv as conv_update
+from lazyspec.kernels.state import scatter as state_scatter
+from lazyspec.kernels.state import update_common as state_update
 from lazyspec.kernels.tuning import Tuning
 
 SCATTER_LAYERS = 4
@@ -184,14 +185,14 @@ def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     tokens_in = token_inputs(model, keys, batch, tokens)
     if model.mixer == "gdn":
         pallas, xla, out = (
-            state_update.gdn_state_update_pallas,
-            state_update.gdn_state_update_xla,
+            gdn_update.gdn_state_update_pallas,
+            gdn_update.gdn_state_update_xla,
             tokens_in.v,
         )
     else:
         pallas, xla, out = (
-            state_update.mamba2_state_update_pallas,
-            state_update.mamba2_state_update_xla,
+            mamba2_update.mamba2_state_update_pallas,
+            mamba2_update.mamba2_state_update_xla,
             tokens_in.x,
         )
     pool_shape = (num_slots + 1, model.heads, model.d_a, model.d_b)
@@ -300,7 +301,7 @@ def chunk_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
         + nbytes(*jax.tree.leaves(tokens_in))
     )
     chunked_form = gdn_chunked.gdn_chunked if gdn else mamba2_chunked.mamba2_chunked
-    scan_form = recurrence.gdn_scan if gdn else recurrence.mamba2_scan
+    scan_form = gdn_reference.gdn_scan if gdn else mamba2_reference.mamba2_scan
     axes = (0,) * (1 + len(per_row)) + (None,) * len(shared) + (0,)
 
     def fn(impl, tiles):

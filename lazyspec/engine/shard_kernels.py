@@ -50,10 +50,10 @@ from lazyspec.engine.sharding import (
     ShardingPlan,
 )
 from lazyspec.kernels.backend import Kernels
-from lazyspec.kernels.conv_update import ConvUpdateResult, every_token_new
 from lazyspec.kernels.moe.dispatch import moe_launch
-from lazyspec.kernels.moe_experts import moe_experts_pallas
-from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens, StateUpdateResult
+from lazyspec.kernels.moe.experts import moe_experts_pallas
+from lazyspec.kernels.state.conv import ConvUpdateResult, every_token_new
+from lazyspec.kernels.state.update_common import GdnTokens, Mamba2Tokens, StateUpdateResult
 from lazyspec.kernels.tuning import Tuning
 
 EXPERT_AXES = ("experts", None, None)  # ExpertStack's

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lazyspec.kernels.moe_experts import ExpertTiles
+from lazyspec.kernels.moe.grouping import ExpertTiles
 
 
 def expert_picks(tiles: ExpertTiles, block_rows: int) -> list[dict[int, float]]:

@@ -5,7 +5,7 @@ its profile (the device step's span).
 It is also the regression run of a hang: every tensor-parallel step of more than one
 request row at these shapes used to stop forever inside jaxlib's CPU triangular solve (the
 chunked GDN prefill), which splits its batch over the thread pool both devices' programs
-run on (``kernels/gdn_chunked.solve_unit_lower``). A subprocess with a timeout, so a hang
+run on (``kernels/gdn/chunked.solve_unit_lower``). A subprocess with a timeout, so a hang
 fails the test.
 """
 

@@ -21,9 +21,9 @@ from lazyspec.engine.engine import Engine
 from lazyspec.engine.steps import decode_step
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.kernels.common import pallas_compiler_params
-from lazyspec.kernels.conv_update import conv_update_pallas
-from lazyspec.kernels.state_scatter import state_copy_pallas
-from lazyspec.kernels.state_update import gdn_state_update_pallas
+from lazyspec.kernels.gdn.update import gdn_state_update_pallas
+from lazyspec.kernels.state.conv import conv_update_pallas
+from lazyspec.kernels.state.scatter import state_copy_pallas
 from lazyspec.models.interface import ForwardInputs, StateRows
 from lazyspec.scheduler.batch import build_decode
 from lazyspec.testing.tiny_models import tiny_model

@@ -219,7 +219,7 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
     likewise for the state copy (both pools)."""
     from lazyspec.engine.shard_kernels import per_shard
     from lazyspec.kernels.backend import kernels_for
-    from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
+    from lazyspec.kernels.state.update_common import GdnTokens, Mamba2Tokens
 
     rng = np.random.default_rng(tp)
     whole = kernels_for("pallas", "cpu")
@@ -283,10 +283,11 @@ def triton_calls(tp: int) -> dict[str, int]:
     replicated, one branch per KV head; the attention launch and the combine's in each) at
     model-sized shapes, each kernel in its Triton (not interpret) launch."""
     from lazyspec.engine import shard_kernels as sk
-    from lazyspec.kernels import paged_attention as pa
-    from lazyspec.kernels import state_scatter as ss
-    from lazyspec.kernels import state_update as su
+    from lazyspec.kernels.attention import paged as pa
     from lazyspec.kernels.common import pallas_compiler_params
+    from lazyspec.kernels.mamba2 import update as mamba2_update
+    from lazyspec.kernels.state import scatter as ss
+    from lazyspec.kernels.state import update_common as su
 
     plan = sharding_plan(tiny("qwen3_next").config, tp)
     params = pallas_compiler_params("gpu")
@@ -294,7 +295,9 @@ def triton_calls(tp: int) -> dict[str, int]:
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     rows, steps, heads, channels = 4, 4, 8, 10240
     update = sk._state_update(
-        functools.partial(su.mamba2_state_update_pallas, block_value=32, compiler_params=params),
+        functools.partial(
+            mamba2_update.mamba2_state_update_pallas, block_value=32, compiler_params=params
+        ),
         plan,
     )
     tokens = su.Mamba2Tokens(

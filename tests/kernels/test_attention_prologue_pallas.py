@@ -13,7 +13,7 @@ import pytest
 
 from lazyspec.kernels import backend
 from lazyspec.kernels.attention import dispatch as attention_dispatch
-from lazyspec.kernels.attention_prologue import attention_prologue_pallas, pieces
+from lazyspec.kernels.attention.prologue import attention_prologue_pallas, pieces
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.attention import AttentionSpec, norm_rope, write_kv
 

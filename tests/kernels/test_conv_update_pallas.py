@@ -1,4 +1,4 @@
-"""Conv-update kernels (Pallas in interpret mode and XLA) against ``recurrence.conv_scan``."""
+"""Conv-update kernels (Pallas in interpret mode and XLA) against ``cu.conv_scan``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import common, recurrence
-from lazyspec.kernels import conv_update as cu
+from lazyspec.kernels import common
+from lazyspec.kernels.state import conv as cu
 from lazyspec.kernels.state import dispatch as state_dispatch
 from tests.kernels.kernel_checks import assert_close, draw_slots
 
@@ -33,7 +33,7 @@ def conv_case(rng, batch, tokens, channels, kernel, num_slots, pool_dtype, x_dty
 
 def reference(pool, slot, x, weight, bias):
     """Per-row ``conv_scan`` from pool[slot]; the expected pool written with numpy."""
-    scan = lambda w0, xs: recurrence.conv_scan(w0, xs, weight, bias)  # noqa: E731
+    scan = lambda w0, xs: cu.conv_scan(w0, xs, weight, bias)  # noqa: E731
     outs, final, windows = jax.vmap(scan)(pool[slot], x)
     expected_pool = np.array(pool.astype(jnp.float32))
     for row, s in enumerate(np.asarray(slot)):
@@ -105,7 +105,7 @@ def test_conv_tile_step_matches_conv_step_pallas():
             bias,
             silu,
         )
-        want_window, want_y = recurrence.conv_step(window, x, weight, bias, silu)
+        want_window, want_y = cu.conv_step(window, x, weight, bias, silu)
         assert_close(y, want_y, 1e-6, "conv tile output")
         np.testing.assert_array_equal(np.stack(columns, axis=1), np.asarray(want_window))
 
@@ -174,7 +174,7 @@ def test_conv_stacked_pool_and_num_new_match_scan_pallas(mode):
     slot = jnp.asarray([4, 0, 2, 5], jnp.int32)
     num_new = jnp.asarray([3, 2, 0, 1], jnp.int32)
     valid = jnp.arange(tokens)[None, :] < num_new[:, None]
-    scan = lambda w0, xs, ok: recurrence.conv_scan(w0, xs, weight, bias, ok)  # noqa: E731
+    scan = lambda w0, xs, ok: cu.conv_scan(w0, xs, weight, bias, ok)  # noqa: E731
     outs, final, windows = jax.vmap(scan)(stacked[layer][slot], x, valid)
     assert not np.array_equal(np.asarray(final[3]), np.asarray(stacked[layer, 5]))
     np.testing.assert_array_equal(np.asarray(final[2]), np.asarray(stacked[layer, 2]))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import backend
-from lazyspec.kernels.gated_norm import GateLayout, gated_norm_pallas
 from lazyspec.kernels.norm import dispatch as norm_dispatch
+from lazyspec.kernels.norm.gated import GateLayout, gated_norm_pallas
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.norms import gated_rms_norm
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels.gdn_chunked import _lapack_solve, solve_unit_lower
+from lazyspec.kernels.gdn.chunked import _lapack_solve, solve_unit_lower
 
 
 @pytest.mark.parametrize("size", [1, 2, 16, 64])

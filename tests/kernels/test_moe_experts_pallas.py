@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import backend, common
-from lazyspec.kernels import moe_experts as me
 from lazyspec.kernels.moe import dispatch as moe_dispatch
+from lazyspec.kernels.moe import experts as me
+from lazyspec.kernels.moe import grouping as moe_grouping
+from lazyspec.kernels.moe import plan as moe_plan
+from lazyspec.kernels.moe import routing as moe_routing
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.layers.linear import linear
@@ -96,7 +99,7 @@ def test_moe_experts_pallas_matches_grouped_experts(case):
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
 
 
-def shared_reference(x, shared: me.SharedExpert):
+def shared_reference(x, shared: moe_plan.SharedExpert):
     """``weight[n] * shared_expert(x[n])`` in float32 at full precision."""
     with jax.default_matmul_precision("highest"):
         dot = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))  # noqa: E731
@@ -127,7 +130,7 @@ def test_shared_expert_runs_as_one_more_expert_pallas(case):
     weights, ids = routing(rng, num_tokens, top_k, num_experts, False)
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
     s_up, s_down, s_gate = expert_stacks(rng, 1, dtype, gated)
-    shared = me.SharedExpert(
+    shared = moe_plan.SharedExpert(
         up=s_up[0],
         down=s_down[0],
         gate=None if s_gate is None else s_gate[0],
@@ -165,12 +168,12 @@ def test_shared_expert_of_other_widths_is_refused_pallas():
     weights, ids = routing(rng, 2, 2, 8, False)
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
     x = jnp.asarray(rng.standard_normal((2, WIDTH)), jnp.float32)
-    wide = me.SharedExpert(
+    wide = moe_plan.SharedExpert(
         up=jnp.zeros((WIDTH, 2 * INNER)), down=down[0], gate=gate[0], weight=jnp.ones(2)
     )
     with pytest.raises(ValueError, match="shared up"):
         me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=wide, interpret=True)
-    ungated = me.SharedExpert(up=up[0], down=down[0], gate=None, weight=jnp.ones(2))
+    ungated = moe_plan.SharedExpert(up=up[0], down=down[0], gate=None, weight=jnp.ones(2))
     with pytest.raises(ValueError, match="has a gate exactly when"):
         me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=ungated, interpret=True)
 
@@ -183,14 +186,14 @@ def test_grouping_gives_only_routed_experts_their_tiles_pallas():
     block_rows = 4
     for num_tokens, top_k, num_experts, skewed in ((5, 3, 16, False), (9, 2, 8, True)):
         weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
-        tiles = me.group_pairs(weights, ids, num_experts, block_rows)
+        tiles = moe_grouping.group_pairs(weights, ids, num_experts, block_rows)
         counts = np.bincount(np.asarray(ids).ravel(), minlength=num_experts)
         want = np.repeat(np.arange(num_experts), -(-counts // block_rows))
-        bound = me.max_tiles(num_tokens * top_k, num_experts, block_rows)
+        bound = moe_grouping.max_tiles(num_tokens * top_k, num_experts, block_rows)
         tile_expert = np.asarray(tiles.tile_expert)
         assert tile_expert.shape == (bound,) and len(want) <= bound
         np.testing.assert_array_equal(tile_expert[: len(want)], want)
-        assert (tile_expert[len(want) :] == me.UNUSED_TILE).all()
+        assert (tile_expert[len(want) :] == moe_grouping.UNUSED_TILE).all()
         rows = np.asarray(tiles.pair_row)
         first_tile = np.cumsum(-(-counts // block_rows)) - (-(-counts // block_rows))
         seen = np.zeros(num_experts, np.int64)
@@ -222,9 +225,9 @@ def test_pairs_outside_the_stacks_are_dropped_pallas():
         mine = (local >= 0) & (local < per)
         assert bool(mine.any()) and not bool(mine.all())
         got = kernel(x, weights, local, up[block], down[block], gate[block])
-        tiles = me.group_pairs(weights, local, per, 4)
+        tiles = moe_grouping.group_pairs(weights, local, per, 4)
         counts = np.bincount(np.asarray(local)[np.asarray(mine)], minlength=per)
-        used = int((np.asarray(tiles.tile_expert) != me.UNUSED_TILE).sum())
+        used = int((np.asarray(tiles.tile_expert) != moe_grouping.UNUSED_TILE).sum())
         assert used == int((-(-counts // 4)).sum())  # tiles for this shard's pairs only
         only = reference(x, jnp.where(mine, weights, 0.0), ids, up, down, gate)
         assert_close(got, only, FP32_TOL, f"shard {shard}")
@@ -395,7 +398,7 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
     one_chunk = common.pallas_compiler_params("gpu", tiles.num_warps, 1)
     down_whole = {"block_k_down": 512, "down_compiler_params": one_chunk}  # sweep knobs
     assert "triton" in lower_for_cuda(lambda *a: run(*a, **down_whole), *two_tokens).lower()
-    shared = me.SharedExpert(  # Qwen3-Next's shared expert in the same launches
+    shared = moe_plan.SharedExpert(  # Qwen3-Next's shared expert in the same launches
         up=spec((2048, 512), jnp.bfloat16),
         down=spec((512, 2048), jnp.bfloat16),
         gate=spec((2048, 512), jnp.bfloat16),
@@ -406,7 +409,7 @@ def test_moe_experts_lower_to_triton_at_model_shapes_pallas():
 
     def by_logits(x, logits, real, gate, *rest, route_in_up, **fold):  # picked in the kernel
         shared = rest[-1]  # its gate's logit and sigmoid computed in the program too
-        picks = me.TokenRouting(logits, 10, True, real, shared_gate=gate)
+        picks = moe_routing.TokenRouting(logits, 10, True, real, shared_gate=gate)
         options = {"shared": shared, "routing": picks, "route_in_up": route_in_up}
         return run(x, None, None, *rest[:-1], **options, **fold)
 
@@ -480,7 +483,7 @@ def test_both_grouping_forms_give_the_same_tiles_pallas():
             mine = int(jnp.sum(local >= 0))
             assert 0 < mine <= local.size and (shift == 0) == (mine == local.size)
             forms = [
-                me.group_pairs(weights, local, num_experts - shift, 4, compare=c)
+                moe_grouping.group_pairs(weights, local, num_experts - shift, 4, compare=c)
                 for c in (True, False)
             ]
             for got, want in zip(jax.tree.leaves(forms[0]), jax.tree.leaves(forms[1])):
@@ -501,10 +504,12 @@ def test_token_rows_grouping_gives_each_routed_expert_one_tile_pallas():
         weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
         local = np.asarray(ids) - shift
         mine = (local >= 0) & (local < num_experts - shift)
-        tiles = me.group_tokens(weights, jnp.asarray(local), num_experts - shift, block_rows)
+        tiles = moe_grouping.group_tokens(
+            weights, jnp.asarray(local), num_experts - shift, block_rows
+        )
         tile_expert = np.asarray(tiles.tile_expert)
         assert tile_expert.shape == (num_tokens * top_k,)
-        used = tile_expert[tile_expert != me.UNUSED_TILE]
+        used = tile_expert[tile_expert != moe_grouping.UNUSED_TILE]
         assert sorted(used) == sorted(set(local[mine].tolist()))  # one tile per expert
         rows = np.asarray(tiles.pair_row)
         num_rows = tile_expert.size * block_rows
@@ -593,9 +598,9 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     tile per expert (``expert_picks`` refuses two), every other row weighing 0; and the
     kernel with it sums as with the router's own picks, with the routing in a launch of its
     own or in the up launch, bit for bit the same."""
-    monkeypatch.setattr(me, "RANK_MAX_ELEMENTS", 16384 if top_k_form == "rank" else 0)
+    monkeypatch.setattr(moe_routing, "RANK_MAX_ELEMENTS", 16384 if top_k_form == "rank" else 0)
     seed, num_tokens, top_k, num_experts, norm, with_shared, real = case
-    assert num_tokens * num_experts**2 <= me.RANK_MAX_ELEMENTS or top_k_form == "rounds"
+    assert num_tokens * num_experts**2 <= moe_routing.RANK_MAX_ELEMENTS or top_k_form == "rounds"
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
     logits[:, 1] = logits[:, 4]  # a tie
@@ -609,12 +614,12 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     gate_logit = linear({"weight": shared_gate[:, None]}, tokens)[:, 0].astype(jnp.float32)
     shared_weight = jax.nn.sigmoid(gate_logit) if with_shared else None
     block_rows = 16
-    routing = me.TokenRouting(logits, top_k, norm, real)
-    tiles = me.route_tokens(routing, shared_weight, block_rows, interpret=True)
+    routing = moe_routing.TokenRouting(logits, top_k, norm, real)
+    tiles = moe_routing.route_tokens(routing, shared_weight, block_rows, interpret=True)
     if with_shared:  # the gate's logit and sigmoid computed in the program: the same tables
         by_gate = dataclasses.replace(routing, shared_gate=shared_gate)
         unused = jnp.zeros(num_tokens)
-        also = me.route_tokens(by_gate, unused, block_rows, interpret=True, x=tokens)
+        also = moe_routing.route_tokens(by_gate, unused, block_rows, interpret=True, x=tokens)
         for got, want in zip(jax.tree.leaves(also), jax.tree.leaves(tiles)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
@@ -636,7 +641,7 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     extra = {}
     if with_shared:
         s_up, s_down, s_gate = expert_stacks(rng, 1, jnp.float32, True)
-        extra["shared"] = me.SharedExpert(s_up[0], s_down[0], s_gate[0], shared_weight)
+        extra["shared"] = moe_plan.SharedExpert(s_up[0], s_down[0], s_gate[0], shared_weight)
     tile_args = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
     want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **extra, **tile_args)
     extra["routing"] = routing
@@ -658,7 +663,7 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens):
     rng = np.random.default_rng(41)
     up, down, gate = expert_stacks(rng, 16, jnp.float32, True)
     logits = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
-    routing = me.TokenRouting(logits, 4, True, jnp.asarray([True, True, False]))
+    routing = moe_routing.TokenRouting(logits, 4, True, jnp.asarray([True, True, False]))
     x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
     tile_args = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
 
@@ -708,7 +713,7 @@ def test_down_product_in_the_up_launch_pallas(case):
     if with_shared:
         s_up, s_down, s_gate = expert_stacks(rng, 1, dtype, gated)
         s_weight = jnp.asarray(rng.random(num_tokens), jnp.float32)
-        extra["shared"] = me.SharedExpert(
+        extra["shared"] = moe_plan.SharedExpert(
             s_up[0], s_down[0], None if not gated else s_gate[0], s_weight
         )
         up_all = jnp.concatenate([up, s_up])
@@ -721,7 +726,7 @@ def test_down_product_in_the_up_launch_pallas(case):
         up_all, down_all, gate_all = up, down, gate
     want = reference(x, ref_weights, ref_ids, up_all, down_all, gate_all)
     if by_logits:
-        extra.update(routing=me.TokenRouting(logits, top_k, True), route_in_up=True)
+        extra.update(routing=moe_routing.TokenRouting(logits, top_k, True), route_in_up=True)
     run = functools.partial(me.moe_experts_pallas, **extra)
     tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
     fused = run(x, weights, ids, up, down, gate, down_in_up=True)
@@ -745,16 +750,20 @@ def test_down_product_in_the_up_launch_pallas(case):
 def test_route_tokens_checks_its_inputs_pallas():
     x = jnp.zeros((2, WIDTH))
     up, down, gate = expert_stacks(np.random.default_rng(36), 8, jnp.float32, True)
-    wrong = me.TokenRouting(jnp.zeros((2, 7)), 2, True)
+    wrong = moe_routing.TokenRouting(jnp.zeros((2, 7)), 2, True)
     with pytest.raises(ValueError, match="routing logits"):
         me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
-    wrong = me.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH + 1))
+    wrong = moe_routing.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH + 1))
     with pytest.raises(ValueError, match="routing shared_gate"):
         me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
-    by_gate = me.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH))
+    by_gate = moe_routing.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH))
     with pytest.raises(ValueError, match="for the shared gate"):
-        me.route_tokens(by_gate, jnp.zeros(2), 16, interpret=True)  # no x
+        moe_routing.route_tokens(by_gate, jnp.zeros(2), 16, interpret=True)  # no x
     with pytest.raises(ValueError, match="top_k"):
-        me.route_tokens(me.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=True)
+        moe_routing.route_tokens(
+            moe_routing.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=True
+        )
     with pytest.raises(ValueError, match="at most block_rows"):
-        me.route_tokens(me.TokenRouting(jnp.zeros((9, 8)), 2, True), None, 8, interpret=True)
+        moe_routing.route_tokens(
+            moe_routing.TokenRouting(jnp.zeros((9, 8)), 2, True), None, 8, interpret=True
+        )

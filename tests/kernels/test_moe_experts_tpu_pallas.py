@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import backend
-from lazyspec.kernels import moe_experts_tpu as tpu
+from lazyspec.kernels.moe import experts_tpu as tpu
 from tests.kernels.kernel_checks import assert_close
 from tests.kernels.test_moe_experts_pallas import (
     BF16_TOL,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import backend, common
-from lazyspec.kernels import paged_attention as pa
+from lazyspec.kernels.attention import paged as pa
 from lazyspec.kernels.tuning import Tuning
 from tests.kernels.kernel_checks import assert_close
 

@@ -9,7 +9,7 @@ import pytest
 
 from lazyspec.kernels import backend, common
 from lazyspec.kernels.norm import dispatch as norm_dispatch
-from lazyspec.kernels.residual_norm import residual_norm_pallas
+from lazyspec.kernels.norm.residual import residual_norm_pallas
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.norms import residual_rms_norm
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import common
-from lazyspec.kernels import state_scatter as ss
 from lazyspec.kernels.state import dispatch as state_dispatch
+from lazyspec.kernels.state import scatter as ss
 from lazyspec.kernels.tuning import Tuning
 
 pytestmark = pytest.mark.pallas

@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels import backend, common, recurrence
-from lazyspec.kernels import state_update as su
+from lazyspec.kernels import backend, common
+from lazyspec.kernels.gdn import reference as gdn_reference
+from lazyspec.kernels.gdn import update as gdn_update
+from lazyspec.kernels.mamba2 import reference as mamba2_reference
+from lazyspec.kernels.mamba2 import update as mamba2_update
 from lazyspec.kernels.state import dispatch as state_dispatch
+from lazyspec.kernels.state import update_common as su
 from lazyspec.kernels.tuning import Tuning
 from tests.kernels.kernel_checks import assert_close, draw_slots
 
@@ -38,7 +42,7 @@ def as_jax(dtype, *arrays):
 
 
 def unit(x: np.ndarray) -> np.ndarray:
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + recurrence.L2_EPS)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + gdn_reference.L2_EPS)
 
 
 def engine_pool(states: np.ndarray) -> jax.Array:
@@ -119,14 +123,16 @@ def test_gdn_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
     outs, expected_pool, states = reference(
-        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        pool, slot, gdn_reference.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
     )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
-    got = su.gdn_state_update_pallas(
+    got = gdn_update.gdn_state_update_pallas(
         pool, slot, inputs, mode=mode, block_heads=bh, block_value=bv, interpret=True
     )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
-    got = jax.jit(su.gdn_state_update_xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
+    got = jax.jit(gdn_update.gdn_state_update_xla, static_argnames="mode")(
+        pool, slot, inputs, mode=mode
+    )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
 
@@ -146,16 +152,18 @@ def test_mamba2_pallas_and_xla_match_scan(case):
     outs, expected_pool, states = reference(
         pool,
         slot,
-        recurrence.mamba2_scan,
+        mamba2_reference.mamba2_scan,
         (inputs.x, inputs.b, inputs.c, inputs.dt),
         shared=(inputs.a, inputs.d),
     )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
-    got = su.mamba2_state_update_pallas(
+    got = mamba2_update.mamba2_state_update_pallas(
         pool, slot, inputs, mode=mode, block_heads=bh, block_value=bp, interpret=True
     )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
-    got = jax.jit(su.mamba2_state_update_xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
+    got = jax.jit(mamba2_update.mamba2_state_update_xla, static_argnames="mode")(
+        pool, slot, inputs, mode=mode
+    )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
 
@@ -172,7 +180,7 @@ def test_tile_steps_match_recurrence_steps_pallas():
         softplus(normal(rng, heads)) / 4,
     )
     for got, want in zip(
-        su.gdn_tile_step(h, q, k, v, g, beta), recurrence.gdn_step(h, q, k, v, g, beta)
+        gdn_update.gdn_tile_step(h, q, k, v, g, beta), gdn_reference.gdn_step(h, q, k, v, g, beta)
     ):
         assert_close(got, want, 1e-6, "gdn tile step")
     heads, groups, p, n = 4, 2, 3, 6
@@ -188,8 +196,8 @@ def test_tile_steps_match_recurrence_steps_pallas():
     )
     per_head = lambda m: jnp.repeat(m, heads // groups, axis=0)  # noqa: E731
     for got, want in zip(
-        su.mamba2_tile_step(h, x, per_head(b), per_head(c), dt, a, d),
-        recurrence.mamba2_step(h, x, b, c, dt, a, d),
+        mamba2_update.mamba2_tile_step(h, x, per_head(b), per_head(c), dt, a, d),
+        mamba2_reference.mamba2_step(h, x, b, c, dt, a, d),
     ):
         assert_close(got, want, 1e-6, "mamba2 tile step")
 
@@ -212,14 +220,14 @@ def test_bad_arguments_raise_value_error_pallas():
     rng = np.random.default_rng(23)
     pool, slot, inputs = gdn_case(rng, 2, 1, 6, 8, 8, 3, jnp.float32)
     with pytest.raises(ValueError, match="prefill"):
-        su.gdn_state_update_pallas(pool, slot, inputs, mode="prefill", interpret=True)
+        gdn_update.gdn_state_update_pallas(pool, slot, inputs, mode="prefill", interpret=True)
     with pytest.raises(ValueError, match="block_heads=4"):
-        su.gdn_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=4)
+        gdn_update.gdn_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=4)
     with pytest.raises(ValueError, match="pool shape"):
-        su.gdn_state_update_xla(pool[:, :, :4], slot, inputs, mode="decode")
+        gdn_update.gdn_state_update_xla(pool[:, :, :4], slot, inputs, mode="decode")
     pool, slot, inputs = mamba2_case(rng, 2, 1, 6, 2, 4, 8, 3, jnp.float32)
     with pytest.raises(ValueError, match="heads per group"):
-        su.mamba2_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=2)
+        mamba2_update.mamba2_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=2)
 
 
 def test_backend_resolution_and_dispatch_pallas():
@@ -466,7 +474,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
     for mode in su.MODES:
         for inputs in (gdn, conv, grouped):
             text = lower_for_cuda(
-                lambda p, s, t: su.gdn_state_update_pallas(
+                lambda p, s, t: gdn_update.gdn_state_update_pallas(
                     p, s, t, mode=mode, block_value=32, compiler_params=params
                 ),
                 spec((9, 32, 128, 128), jnp.float32),
@@ -475,7 +483,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
             )
             assert "triton" in text.lower()
         text = lower_for_cuda(
-            lambda p, s, t: su.mamba2_state_update_pallas(
+            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
                 p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params
             ),
             spec((9, 128, 64, 128), jnp.float32),
@@ -486,7 +494,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
     for mode in su.MODES:  # a layer of the stacked pool, as the engine's decode step passes it
         for inputs in (gdn, grouped):  # (and padding rows skipping their state)
             text = lower_for_cuda(
-                lambda p, s, t: su.gdn_state_update_pallas(
+                lambda p, s, t: gdn_update.gdn_state_update_pallas(
                     p,
                     s,
                     t,
@@ -502,7 +510,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
             )
             assert "triton" in text.lower()
         text = lower_for_cuda(
-            lambda p, s, t: su.mamba2_state_update_pallas(
+            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
                 p,
                 s,
                 t,
@@ -520,7 +528,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
         assert "triton" in text.lower()
     with pytest.raises(ValueError, match="power of 2"):
         lower_for_cuda(
-            lambda p, s, t: su.mamba2_state_update_pallas(
+            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
                 p, s, t, mode="decode", block_value=48, compiler_params=params
             ),
             spec((9, 128, 96, 128), jnp.float32),
@@ -546,7 +554,7 @@ def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
     )
     for mode in su.MODES:
         text = lower_for_cuda(
-            lambda p, s, t: su.mamba2_state_update_pallas(
+            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
                 p,
                 s,
                 t,
@@ -597,7 +605,7 @@ def test_gdn_conv_tokens_match_the_layers_tokens_pallas(case):
     pool = jnp.asarray(normal(rng, batch + 2, num_v, width, width))
     slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
     for mode in su.MODES:
-        run = lambda t: su.gdn_state_update_pallas(  # noqa: E731
+        run = lambda t: gdn_update.gdn_state_update_pallas(  # noqa: E731
             pool, slot, t, mode=mode, block_heads=block_heads, interpret=True
         )
         want = run(want_tokens)
@@ -615,15 +623,17 @@ def test_gdn_conv_tokens_check_their_shapes_pallas():
     gates = (jnp.zeros((2, 1, 4)),) * 2 + (jnp.zeros(4),) * 2 + (jnp.ones(2, jnp.int32),)
     uneven = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8 + 4)), *gates, num_k_heads=2)
     with pytest.raises(ValueError, match="heads of one width"):
-        su.gdn_state_update_pallas(pool, slot, uneven, mode="decode", interpret=True)
+        gdn_update.gdn_state_update_pallas(pool, slot, uneven, mode="decode", interpret=True)
     tokens = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8)), *gates, num_k_heads=2)
     with pytest.raises(ValueError, match="block_heads=4 must divide 2"):
-        su.gdn_state_update_pallas(pool, slot, tokens, mode="decode", block_heads=4, interpret=True)
+        gdn_update.gdn_state_update_pallas(
+            pool, slot, tokens, mode="decode", block_heads=4, interpret=True
+        )
     with pytest.raises(ValueError, match="only in the Triton-layout"):
         state_dispatch.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")
     split_width = su.GdnConvTokens.grouped(tokens.conv_out, *gates[1:], num_k_heads=2)
     with pytest.raises(ValueError, match=r"a \(2, 1, 4\) must be \(2, 1, 8\)"):
-        su.gdn_state_update_pallas(pool, slot, split_width, mode="decode", interpret=True)
+        gdn_update.gdn_state_update_pallas(pool, slot, split_width, mode="decode", interpret=True)
 
 
 @pytest.mark.parametrize("case", CONV_TOKEN_CASES[:3], ids=lambda c: f"conv{c[0]}")
@@ -632,7 +642,7 @@ def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dty
     """With an ``OutputNorm`` the update's outputs are the gated norm of its outputs
     (``gated_norm_pallas`` over the same z source, Qwen3-Next's layout) bit for bit, in the
     norm's dtype, with the same states; one launch where the two made two."""
-    from lazyspec.kernels.gated_norm import GateLayout, gated_norm_pallas
+    from lazyspec.kernels.norm.gated import GateLayout, gated_norm_pallas
 
     seed, batch, tokens, num_k, num_v, width, _ = case
     rng = np.random.default_rng(seed)
@@ -651,7 +661,7 @@ def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dty
     for mode in su.MODES:
 
         def run(tokens, mode=mode):
-            return su.gdn_state_update_pallas(
+            return gdn_update.gdn_state_update_pallas(
                 pool, slot, tokens, mode=mode, block_value=width, interpret=True
             )
 
@@ -679,7 +689,7 @@ def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dty
 def test_output_norm_needs_a_program_a_head_pallas():
     """The norm reads a head's whole row: a value tile narrower than the head, several heads
     a tile, or a layout that does not fit the z source are refused."""
-    from lazyspec.kernels.gated_norm import GateLayout
+    from lazyspec.kernels.norm.gated import GateLayout
 
     width, num_k, num_v = 8, 2, 4
     conv = su.GdnConvTokens(
@@ -695,10 +705,12 @@ def test_output_norm_needs_a_program_a_head_pallas():
     tokens = dataclasses.replace(conv, norm=norm)
     for tiles in ({"block_value": 4}, {"block_value": 8, "block_heads": 2}):
         with pytest.raises(ValueError, match="a program a head"):
-            su.gdn_state_update_pallas(pool, slot, tokens, mode="decode", interpret=True, **tiles)
+            gdn_update.gdn_state_update_pallas(
+                pool, slot, tokens, mode="decode", interpret=True, **tiles
+            )
     short = dataclasses.replace(norm, z_source=jnp.zeros((2, 1, 15 * width)))
     with pytest.raises(ValueError, match="does not place 4 gates"):
-        su.gdn_state_update_pallas(
+        gdn_update.gdn_state_update_pallas(
             pool, slot, dataclasses.replace(conv, norm=short), mode="decode", interpret=True
         )
     # the dispatch gives a normed launch a whole head a program
@@ -713,7 +725,7 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas():
     z in ``in_proj_qkvz``'s output) lowers with the norm in the update through
     Pallas-Triton at a whole head a program (the dispatch's tiles), in both modes; only
     GPU-layout kernels take the norm, and only up to the switch's token count."""
-    from lazyspec.kernels.gated_norm import GateLayout
+    from lazyspec.kernels.norm.gated import GateLayout
 
     spec = jax.ShapeDtypeStruct
     batch, tokens, slot = 2, 1, spec((2,), jnp.int32)
@@ -736,7 +748,7 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas():
     for mode in su.MODES:
         text = lower_for_cuda(
             lambda p, s, t, mode=mode: (
-                su.gdn_state_update_pallas(
+                gdn_update.gdn_state_update_pallas(
                     p, s, t, mode=mode, block_value=128, compiler_params=params
                 ).outputs
             ),

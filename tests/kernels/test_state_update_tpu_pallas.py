@@ -8,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.kernels import common, recurrence
-from lazyspec.kernels import state_update as su
-from lazyspec.kernels import state_update_tpu as tpu
+from lazyspec.kernels import common
+from lazyspec.kernels.gdn import reference as gdn_reference
+from lazyspec.kernels.gdn import update_tpu as gdn_tpu
+from lazyspec.kernels.mamba2 import reference as mamba2_reference
+from lazyspec.kernels.mamba2 import update_tpu as mamba2_tpu
 from lazyspec.kernels.state import dispatch as state_dispatch
+from lazyspec.kernels.state import update_common as su
 from tests.kernels.test_state_update_pallas import (
     BF16_OUT_TOL,
     FP32_TOL,
@@ -37,9 +40,11 @@ def test_gdn_tpu_layout_matches_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
     outs, expected_pool, states = reference(
-        pool, slot, recurrence.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+        pool, slot, gdn_reference.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
     )
-    got = tpu.gdn_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh, interpret=True)
+    got = gdn_tpu.gdn_state_update_tpu(
+        pool, slot, inputs, mode=mode, block_heads=bh, interpret=True
+    )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
@@ -60,11 +65,13 @@ def test_mamba2_tpu_layout_matches_scan(case):
     outs, expected_pool, states = reference(
         pool,
         slot,
-        recurrence.mamba2_scan,
+        mamba2_reference.mamba2_scan,
         (inputs.x, inputs.b, inputs.c, inputs.dt),
         (inputs.a, inputs.d),
     )
-    got = tpu.mamba2_state_update_tpu(pool, slot, inputs, mode=mode, block_heads=bh, interpret=True)
+    got = mamba2_tpu.mamba2_state_update_tpu(
+        pool, slot, inputs, mode=mode, block_heads=bh, interpret=True
+    )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
@@ -73,12 +80,12 @@ def test_tpu_layout_rejects_illegal_tiles():
     rng = np.random.default_rng(45)
     pool, slot, inputs = gdn_case(rng, 2, 1, 16, 8, 256, 3, jnp.float32)
     with pytest.raises(ValueError, match="multiple of 8"):
-        tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_heads=4)
+        gdn_tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_heads=4)
     with pytest.raises(ValueError, match="multiple of 128"):
-        tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_value=64)
+        gdn_tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_value=64)
     pool, slot, inputs = mamba2_case(rng, 2, 1, 16, 4, 4, 8, 3, jnp.float32)
     with pytest.raises(ValueError, match="heads per group"):
-        tpu.mamba2_state_update_tpu(pool, slot, inputs, mode="verify", block_heads=8)
+        mamba2_tpu.mamba2_state_update_tpu(pool, slot, inputs, mode="verify", block_heads=8)
 
 
 def test_dispatch_on_tpu_takes_the_tpu_layout():
@@ -90,7 +97,7 @@ def test_dispatch_on_tpu_takes_the_tpu_layout():
     outs, _, states = reference(
         pool,
         slot,
-        recurrence.mamba2_scan,
+        mamba2_reference.mamba2_scan,
         (inputs.x, inputs.b, inputs.c, inputs.dt),
         (inputs.a, inputs.d),
     )
@@ -125,8 +132,8 @@ def test_tpu_layout_lowers_to_mosaic_at_model_shapes():
             *(spec((128,), jnp.float32),) * 2,
         )
         for fn, pool, inputs in (
-            (tpu.gdn_state_update_tpu, (9, 32, 128, 128), gdn),
-            (tpu.mamba2_state_update_tpu, (9, 128, 64, 128), mamba),
+            (gdn_tpu.gdn_state_update_tpu, (9, 32, 128, 128), gdn),
+            (mamba2_tpu.mamba2_state_update_tpu, (9, 128, 64, 128), mamba),
         ):
             lowered = (
                 jax.jit(lambda p, s, t, fn=fn: fn(p, s, t, mode=mode))

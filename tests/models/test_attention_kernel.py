@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lazyspec.kernels.attention.paged import paged_attention_reference
 from lazyspec.kernels.backend import XLA_KERNELS, kernels_for
-from lazyspec.kernels.paged_attention import paged_attention_reference
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.interface import PoolView
 from lazyspec.models.model import empty_caches

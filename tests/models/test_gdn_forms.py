@@ -17,8 +17,9 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
-from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
+from lazyspec.kernels.gdn.chunked import conv_chunked, gdn_chunked
+from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
+from lazyspec.kernels.state.conv import conv_scan
 from lazyspec.models.layers.gdn import GDNSpec, gdn_mixer, gdn_plan
 from lazyspec.models.plan import init_plan
 

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lazyspec.kernels.mamba2_chunked import conv_windowed, mamba2_chunked
-from lazyspec.kernels.recurrence import conv_scan, mamba2_scan
+from lazyspec.kernels.mamba2.chunked import conv_windowed, mamba2_chunked
+from lazyspec.kernels.mamba2.reference import mamba2_scan
+from lazyspec.kernels.state.conv import conv_scan
 from lazyspec.models.layers.mamba2 import Mamba2Dims, mamba2_mixer, mamba2_plan
 from lazyspec.models.plan import init_plan
 

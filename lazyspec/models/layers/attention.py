@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.attention.paged import gated
 from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn, reads_qkv_in_place
-from lazyspec.kernels.paged_attention import gated
 from lazyspec.models.layers.linear import linear, project_out
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin

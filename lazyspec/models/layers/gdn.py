@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import ConvUpdateFn, GatedNormFn, StateUpdateFn, norms_gdn_output
-from lazyspec.kernels.conv_update import ChannelGroups
-from lazyspec.kernels.gated_norm import GateLayout
-from lazyspec.kernels.gdn_chunked import conv_chunked, gdn_chunked
-from lazyspec.kernels.recurrence import conv_scan, gdn_scan, l2_normalize
-from lazyspec.kernels.state_update import GdnConvTokens, OutputNorm
+from lazyspec.kernels.gdn.chunked import conv_chunked, gdn_chunked
+from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
+from lazyspec.kernels.norm.gated import GateLayout
+from lazyspec.kernels.state.conv import ChannelGroups, conv_scan
+from lazyspec.kernels.state.update_common import GdnConvTokens, OutputNorm
 from lazyspec.models.interface import PoolRows, gathered
 from lazyspec.models.layers.linear import linear, project_out
 from lazyspec.models.layers.norms import gated_rms_norm

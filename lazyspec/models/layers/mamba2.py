@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
-from lazyspec.kernels.mamba2_chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
-from lazyspec.kernels.recurrence import conv_scan, conv_step, mamba2_scan, mamba2_step
+from lazyspec.kernels.mamba2.chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
+from lazyspec.kernels.mamba2.reference import mamba2_scan, mamba2_step
+from lazyspec.kernels.state.conv import conv_scan, conv_step
 from lazyspec.models.interface import PoolRows, gathered
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.kernels.backend import MoEExpertsFn
-from lazyspec.kernels.moe_experts import TOKEN_ROWS_MAX_TOKENS, SharedExpert, TokenRouting
+from lazyspec.kernels.moe.grouping import TOKEN_ROWS_MAX_TOKENS
+from lazyspec.kernels.moe.plan import SharedExpert
+from lazyspec.kernels.moe.routing import TokenRouting
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.mlp import mlp_plan, swiglu_mlp
 from lazyspec.models.plan import Params, TensorSpec, linear_spec

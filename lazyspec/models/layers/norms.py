@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.residual_norm import ResidualNorm, norm_scale, summed
+from lazyspec.kernels.norm.residual import ResidualNorm, norm_scale, summed
 from lazyspec.models.layers.moe import router_logits
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import Kernels
-from lazyspec.kernels.residual_norm import ResidualNorm, is_partials, summed
+from lazyspec.kernels.norm.residual import ResidualNorm, is_partials, summed
 from lazyspec.models.layers.norms import residual_rms_norm, rms_norm
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.attention_prologue import inverse_frequencies
+from lazyspec.kernels.attention.prologue import inverse_frequencies
 
 
 def rope_cos_sin(

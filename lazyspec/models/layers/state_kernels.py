@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
-from lazyspec.kernels.conv_update import ChannelGroups
-from lazyspec.kernels.state_update import GdnTokens, Mamba2Tokens
+from lazyspec.kernels.state.conv import ChannelGroups
+from lazyspec.kernels.state.update_common import GdnTokens, Mamba2Tokens
 from lazyspec.models.interface import PoolRows, gathered
 
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.state_update import check_tile
+from lazyspec.kernels.common import check_tile
 
 
 class ResidualNorm(NamedTuple):

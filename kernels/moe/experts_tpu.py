@@ -1,9 +1,9 @@
 """The routed-experts kernel laid out for TPUs (Mosaic): the tiles' experts are
 scalar-prefetched and pick each tile's weight blocks in the BlockSpec index maps, so the
-pipeline DMAs only routed experts' weights into VMEM (the Triton form in ``moe_experts``
+pipeline DMAs only routed experts' weights into VMEM (the Triton form in ``experts``
 indexes whole-array weight refs inside the kernel, which Mosaic would stage whole).
 
-Same contract and grouping as ``moe_experts`` (``group_pairs``; two launches, the second
+Same contract and grouping as ``experts`` (``grouping.group_pairs``; two launches, the second
 weighted by the routing weights; the combine gathers each token's k rows). Unused tiles of
 the static grid name the last used tile's expert in the index maps, so the pipeline sees
 the block it already holds and fetches nothing; their compute is skipped and the rows they
@@ -23,21 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lazyspec.kernels.moe_experts import (
-    UNUSED_TILE,
-    check_experts,
-    combine_pairs,
-    group_pairs,
-)
-from lazyspec.kernels.state_update import check_tile
-
-
-def _tpu_tile(name: str, size: int, block: int | None) -> int:
-    """A minor-dim tile: the whole axis or a multiple of 128 that divides it."""
-    block = check_tile(name, size, block)
-    if block != size and block % 128:
-        raise ValueError(f"{name}={block} must be {size} or a multiple of 128 on TPU")
-    return block
+from lazyspec.kernels.common import check_tpu_tile
+from lazyspec.kernels.moe.grouping import UNUSED_TILE, combine_pairs, group_pairs
+from lazyspec.kernels.moe.plan import check_experts
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -88,13 +76,13 @@ def moe_experts_tpu(
     block_out: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Routed experts (``moe_experts`` module docstring has the contract); float32
+    """Routed experts (``experts`` module docstring has the contract); float32
     ``[N, d_out]``. Tiles None are the whole axis."""
     check_experts(x, expert_ids, up, down, gate)
     num_experts, width, inner = up.shape
     out_width = down.shape[2]
-    bi = _tpu_tile("block_inner", inner, block_inner)
-    bo = _tpu_tile("block_out", out_width, block_out)
+    bi = check_tpu_tile("block_inner", inner, block_inner, 128)
+    bo = check_tpu_tile("block_out", out_width, block_out, 128)
     if block_rows <= 0 or block_rows % 8:
         raise ValueError(f"block_rows={block_rows} must be a positive multiple of 8 on TPU")
     grouped = group_pairs(weights, expert_ids, num_experts, block_rows)

@@ -21,7 +21,7 @@ block_rows, d_b]`` tile of the ssm state and the remaining ``C / block_channels`
 a channel tile of the conv window (column by column, so every moved conv array is
 ``[block_channels]``). Pools and
 scratch are whole-array refs indexed inside the kernel; the pools are aliased in place.
-Untested on TPU (whole-array refs would be staged into VMEM; see ``state_update``).
+Untested on TPU (whole-array refs would be staged into VMEM; see ``update_common``).
 
 ``state_copy`` is the pool-to-pool form, for a decode step that updated the working slots in
 place: for every layer l and row b with ``dst_slot[b] != 0``,
@@ -34,13 +34,14 @@ consecutive tiles of its row, so a step that copies nothing launches fewer progr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.state_update import check_tile, whole
+from lazyspec.kernels.common import check_tile, whole
 
 
 def _layer_view(
@@ -89,6 +90,76 @@ def _check_inputs(
         )
 
 
+def _checked_view(
+    ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer: int | None
+) -> tuple[int, jax.Array, jax.Array]:
+    """``_layer_view``, after checking the inputs (``_check_inputs``)."""
+    first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
+    step_layers = ssm_pool.shape[0] if layer is None else 1
+    _check_inputs(ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, step_layers)
+    return first_layer, ssm_steps, conv_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolTiles:
+    """The tiles a row's copy is cut into: ``block_heads`` x ``block_rows`` tiles of the
+    state (``num_state_tiles``, ``row_tiles`` of them a head tile), then ``block_channels``
+    tiles of the conv window, ``num_tiles`` in all."""
+
+    block_heads: int
+    block_rows: int
+    block_channels: int
+    row_tiles: int
+    num_state_tiles: int
+    num_tiles: int
+
+    @classmethod
+    def of(cls, ssm_pool, conv_pool, block_heads, block_rows, block_channels) -> PoolTiles:
+        """The tiles of these pools, each size checked (None: the whole axis)."""
+        num_heads, state_rows, num_channels = (
+            ssm_pool.shape[2],
+            ssm_pool.shape[3],
+            conv_pool.shape[2],
+        )
+        bh = check_tile("block_heads", num_heads, block_heads)
+        br = check_tile("block_rows", state_rows, block_rows)
+        bc = check_tile("block_channels", num_channels, block_channels)
+        num_state_tiles = (num_heads // bh) * (state_rows // br)
+        return cls(
+            bh, br, bc, state_rows // br, num_state_tiles, num_state_tiles + num_channels // bc
+        )
+
+    def state(self, tile) -> tuple:
+        """(heads, rows) of state tile ``tile``: tiles run over the rows, then the heads."""
+        heads = pl.ds(jax.lax.div(tile, self.row_tiles) * self.block_heads, self.block_heads)
+        rows = pl.ds(jax.lax.rem(tile, self.row_tiles) * self.block_rows, self.block_rows)
+        return heads, rows
+
+    def conv(self, tile):
+        """The channels of tile ``tile``, a conv tile (the tiles after the state's)."""
+        return pl.ds((tile - self.num_state_tiles) * self.block_channels, self.block_channels)
+
+
+def _pools_call(kernel, grid, operands: tuple, interpret: bool, compiler_params: Any):
+    """``pallas_call`` of a kernel that writes the two pools, the last two operands, in
+    place (aliased to its outputs); every operand whole."""
+    ssm_pool, conv_pool = operands[-2:]
+    last = len(operands) - 1
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole()] * len(operands),
+        out_specs=(whole(), whole()),
+        out_shape=(
+            jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
+            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+        ),
+        input_output_aliases={last - 1: 0, last: 1},
+        interpret=interpret,
+        compiler_params=compiler_params,
+    )(*operands)
+
+
 def _scatter_kernel(
     dst_ref,
     step_ref,
@@ -99,10 +170,7 @@ def _scatter_kernel(
     ssm_ref,
     conv_ref,
     *,
-    block_heads,
-    block_rows,
-    block_channels,
-    num_state_tiles,
+    tiles: PoolTiles,
     first_layer,
 ):
     del ssm_in_ref, conv_in_ref  # aliased to ssm_ref / conv_ref; only written through those
@@ -113,17 +181,15 @@ def _scatter_kernel(
     step = jnp.minimum(raw_step, ssm_src_ref.shape[2] - 1)
     write = (raw_step >= 0) & (dst != 0)
 
-    @pl.when(write & (tile < num_state_tiles))
+    @pl.when(write & (tile < tiles.num_state_tiles))
     def _copy_ssm():
-        row_tiles = ssm_ref.shape[3] // block_rows
-        heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
-        rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
+        heads, rows = tiles.state(tile)
         state = ssm_src_ref[layer, row, step, heads, rows, :]
         ssm_ref[pool_layer, dst, heads, rows, :] = state.astype(ssm_ref.dtype)
 
-    @pl.when(write & (tile >= num_state_tiles))
+    @pl.when(write & (tile >= tiles.num_state_tiles))
     def _copy_conv():
-        chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
+        chans = tiles.conv(tile)
         for j in range(conv_ref.shape[-1]):
             column = conv_src_ref[layer, row, step, chans, j]
             conv_ref[pool_layer, dst, chans, j] = column.astype(conv_ref.dtype)
@@ -146,45 +212,17 @@ def state_scatter_pallas(
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas masked copy (module docstring has the contract). Returns the updated
     (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
-    first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
-    _check_inputs(
-        ssm_pool,
-        conv_pool,
-        ssm_steps,
-        conv_steps,
-        dst_slot,
-        step,
-        ssm_pool.shape[0] if layer is None else 1,
+    first_layer, ssm_steps, conv_steps = _checked_view(
+        ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer
     )
-    bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
-    br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
-    bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
-    num_state_tiles = (ssm_pool.shape[2] // bh) * (ssm_pool.shape[3] // br)
-    grid = (ssm_steps.shape[0], dst_slot.shape[0], num_state_tiles + conv_pool.shape[2] // bc)
+    tiles = PoolTiles.of(ssm_pool, conv_pool, block_heads, block_rows, block_channels)
+    grid = (ssm_steps.shape[0], dst_slot.shape[0], tiles.num_tiles)
 
     def kernel(*refs):
-        _scatter_kernel(
-            *refs,
-            block_heads=bh,
-            block_rows=br,
-            block_channels=bc,
-            num_state_tiles=num_state_tiles,
-            first_layer=first_layer,
-        )
+        _scatter_kernel(*refs, tiles=tiles, first_layer=first_layer)
 
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[whole()] * 6,
-        out_specs=(whole(), whole()),
-        out_shape=(
-            jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
-            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
-        ),
-        input_output_aliases={4: 0, 5: 1},
-        interpret=interpret,
-        compiler_params=compiler_params,
-    )(dst_slot, step, ssm_steps, conv_steps, ssm_pool, conv_pool)
+    operands = (dst_slot, step, ssm_steps, conv_steps, ssm_pool, conv_pool)
+    return _pools_call(kernel, grid, operands, interpret, compiler_params)
 
 
 def _copy_kernel(
@@ -195,29 +233,23 @@ def _copy_kernel(
     ssm_ref,
     conv_ref,
     *,
-    block_heads,
-    block_rows,
-    block_channels,
-    num_state_tiles,
-    num_tiles,
+    tiles: PoolTiles,
     tiles_per_program,
 ):
     # the in refs are the pools before the copy (aliased to the out refs): a source row is
     # never a destination, so reading them is reading what the copy leaves in place
     layer, row, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     src, dst = src_ref[row], dst_ref[row]
-    row_tiles = ssm_ref.shape[3] // block_rows
 
     def copy_tile(tile):
-        @pl.when(tile < num_state_tiles)
+        @pl.when(tile < tiles.num_state_tiles)
         def _copy_ssm():
-            heads = pl.ds(jax.lax.div(tile, row_tiles) * block_heads, block_heads)
-            rows = pl.ds(jax.lax.rem(tile, row_tiles) * block_rows, block_rows)
+            heads, rows = tiles.state(tile)
             ssm_ref[layer, dst, heads, rows, :] = ssm_in_ref[layer, src, heads, rows, :]
 
-        @pl.when((tile >= num_state_tiles) & (tile < num_tiles))
+        @pl.when((tile >= tiles.num_state_tiles) & (tile < tiles.num_tiles))
         def _copy_conv():
-            chans = pl.ds((tile - num_state_tiles) * block_channels, block_channels)
+            chans = tiles.conv(tile)
             for j in range(conv_ref.shape[-1]):
                 conv_ref[layer, dst, chans, j] = conv_in_ref[layer, src, chans, j]
 
@@ -259,40 +291,17 @@ def state_copy_pallas(
     program per (layer, row, tile group), each returning at once, and those launches grow
     with the batch."""
     _check_copy(ssm_pool, conv_pool, src_slot, dst_slot)
-    bh = check_tile("block_heads", ssm_pool.shape[2], block_heads)
-    br = check_tile("block_rows", ssm_pool.shape[3], block_rows)
-    bc = check_tile("block_channels", conv_pool.shape[2], block_channels)
+    tiles = PoolTiles.of(ssm_pool, conv_pool, block_heads, block_rows, block_channels)
     if tiles_per_program <= 0:
         raise ValueError(f"tiles_per_program={tiles_per_program} must be positive")
-    num_state_tiles = (ssm_pool.shape[2] // bh) * (ssm_pool.shape[3] // br)
-    num_tiles = num_state_tiles + conv_pool.shape[2] // bc
-    groups = -(-num_tiles // tiles_per_program)
+    groups = -(-tiles.num_tiles // tiles_per_program)
     grid = (ssm_pool.shape[0], dst_slot.shape[0], groups)
 
     def state_copy(*refs):  # the kernel's name in profiles
-        _copy_kernel(
-            *refs,
-            block_heads=bh,
-            block_rows=br,
-            block_channels=bc,
-            num_state_tiles=num_state_tiles,
-            num_tiles=num_tiles,
-            tiles_per_program=tiles_per_program,
-        )
+        _copy_kernel(*refs, tiles=tiles, tiles_per_program=tiles_per_program)
 
-    return pl.pallas_call(
-        state_copy,
-        grid=grid,
-        in_specs=[whole()] * 4,
-        out_specs=(whole(), whole()),
-        out_shape=(
-            jax.ShapeDtypeStruct(ssm_pool.shape, ssm_pool.dtype),
-            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
-        ),
-        input_output_aliases={2: 0, 3: 1},
-        interpret=interpret,
-        compiler_params=compiler_params,
-    )(src_slot, dst_slot, ssm_pool, conv_pool)
+    operands = (src_slot, dst_slot, ssm_pool, conv_pool)
+    return _pools_call(state_copy, grid, operands, interpret, compiler_params)
 
 
 def state_copy_xla(
@@ -322,15 +331,8 @@ def state_scatter_xla(
 ) -> tuple[jax.Array, jax.Array]:
     """Same contract as ``state_scatter_pallas``: one ``.at[].set(mode="drop")`` per pool,
     masked rows sent to an out-of-range slot."""
-    first_layer, ssm_steps, conv_steps = _layer_view(ssm_pool, ssm_steps, conv_steps, layer)
-    _check_inputs(
-        ssm_pool,
-        conv_pool,
-        ssm_steps,
-        conv_steps,
-        dst_slot,
-        step,
-        ssm_pool.shape[0] if layer is None else 1,
+    first_layer, ssm_steps, conv_steps = _checked_view(
+        ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer
     )
     layers = slice(None) if layer is None else slice(first_layer, first_layer + 1)
     rows = jnp.arange(dst_slot.shape[0])

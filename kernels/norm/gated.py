@@ -68,7 +68,7 @@ def _check(x: jax.Array, z_source: jax.Array, layout: GateLayout, weight: jax.Ar
 def gated_rows(x: jax.Array, z: jax.Array, weight: jax.Array, *, eps: float, dtype) -> jax.Array:
     """The gated norm of rows ``x [..., d]`` (rounded to ``dtype`` first, as the layer rounds
     them) with gates ``z [..., d]``: float32 statistics and products, in ``dtype``. The
-    kernels' arithmetic (this launch's and ``state_update``'s with an ``OutputNorm``)."""
+    kernels' arithmetic (this launch's and ``gdn.update``'s with an ``OutputNorm``)."""
     x = x.astype(dtype).astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     out = x * inv * weight.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))

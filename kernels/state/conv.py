@@ -2,14 +2,14 @@
 
 Contract. Row b reads its window from ``pool[slot[b]]`` (pool ``[num_slots + 1, C, K-1]``,
 the raw inputs of the last K-1 tokens, oldest first, in the pool's dtype) and runs
-``recurrence.conv_step`` over its T tokens ``x [B, T, C]``, giving outputs ``[B, T, C]``
+``conv_step`` over its T tokens ``x [B, T, C]``, giving outputs ``[B, T, C]``
 (float32 math, silu unless ``silu=False``, stored in ``out_dtype``, default x's dtype).
 ``slot[b] == 0`` marks a padding row (outputs from slot 0, nothing written); real rows name
-distinct slots. Modes as in ``state_update``: decode writes the final window back into
-``pool[slot[b]]`` in place (aliased), verify leaves the pool alone and returns the window
-after every token, ``step_windows [B, T, C, K-1]``. With ``num_new`` ``[B]``, tokens
-t >= num_new[b] leave the window as it is (``conv_scan``'s ``valid``; their outputs are
-still computed). With ``layer=l`` the pool is the stacked pool of all recurrent layers
+distinct slots. Modes as in the state update (``update_common``): decode writes the final
+window back into ``pool[slot[b]]`` in place (aliased), verify leaves the pool alone and
+returns the window after every token, ``step_windows [B, T, C, K-1]``. With ``num_new``
+``[B]``, tokens t >= num_new[b] leave the window as it is (``conv_scan``'s ``valid``; their
+outputs are still computed). With ``layer=l`` the pool is the stacked pool of all recurrent layers
 (``[L, num_slots + 1, C, K-1]``) and layer l's windows are read and, in decode, written in
 place: the engine's decode step hands its pools over as they are, as it does to the state
 update.
@@ -18,7 +18,7 @@ Pallas layout: grid ``(row, channel tile)``. The window is held as K-1 column ve
 ``block_channels`` each, so every load and store is a 1-D ``[block_channels]`` array
 (Triton needs power-of-two sizes and K-1 = 3 is not). Untested on TPU: blocks keep their
 last two dims full or aligned when ``block_channels`` is C or a multiple of 128, but the
-whole-array pool would be staged into VMEM (see ``state_update``).
+whole-array pool would be staged into VMEM (see ``update_common``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,47 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels import recurrence
-from lazyspec.kernels.state_update import check_mode, check_tile, pool_index, whole
+from lazyspec.kernels.common import check_tile, whole
+from lazyspec.kernels.state.update_common import check_mode, pool_index
+
+# ---------------------------------------------------------------- reference
+# One row, float32 math; the reference every faster form is checked against. Per row: window
+# [C, K-1] of the raw (pre-conv) inputs of the last K-1 tokens, oldest first; x [C]; weight
+# [C, K] (weight[:, K-1] multiplies the newest token); bias [C] or None. A ``valid`` mask
+# marks real tokens: a padding token leaves the window unchanged.
+
+
+def conv_step(window, x, weight, bias=None, silu: bool = True):
+    """One token through the causal depthwise conv. Returns (new window, output [C])."""
+    full = jnp.concatenate([window, x[:, None].astype(window.dtype)], axis=1)  # [C, K]
+    y = jnp.sum(full.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    if silu:
+        y = jax.nn.silu(y)
+    return full[:, 1:], y
+
+
+def conv_scan(window0, x, weight, bias=None, valid=None, silu: bool = True):
+    """Token-by-token causal conv over T tokens ([T, C] inputs).
+
+    Returns (outputs [T, C], final window, window after every token [T, C, K-1]).
+    """
+    num_tokens = x.shape[0]
+    if valid is None:
+        valid = jnp.ones((num_tokens,), dtype=bool)
+
+    def body(window, xs):
+        x_t, ok = xs
+        new_window, y = conv_step(window, x_t, weight, bias, silu)
+        new_window = jnp.where(ok, new_window, window)
+        return new_window, (y, new_window)
+
+    final, (ys, windows) = jax.lax.scan(body, window0, (x, valid))
+    return ys, final, windows
+
+
+# ---------------------------------------------------------------- Pallas and XLA forms
 
 
 @jax.tree_util.register_dataclass
@@ -98,7 +137,7 @@ def conv_tile_step(
     bias: jax.Array,
     silu: bool = True,
 ) -> tuple[list[jax.Array], jax.Array]:
-    """``recurrence.conv_step`` on a channel tile with the window as K-1 column vectors.
+    """``conv_step`` on a channel tile with the window as K-1 column vectors.
 
     columns: K-1 arrays [bc] in the window dtype, oldest first; x [bc]; weight_columns: K
     arrays [bc] (the last multiplies x); bias [bc] float32. Returns (new columns, y [bc])."""
@@ -292,7 +331,7 @@ def conv_update_xla(
     valid = jnp.arange(x.shape[1])[None, :] < num_new[:, None]
 
     def one_row(window, row_x, row_valid):
-        return recurrence.conv_scan(window, row_x, weight, bias, row_valid, silu=silu)
+        return conv_scan(window, row_x, weight, bias, row_valid, silu=silu)
 
     layer_pool = pool if layer is None else pool[layer]
     outputs, final, windows = jax.vmap(one_row)(layer_pool[slot], x, valid)

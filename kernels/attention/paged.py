@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.state_update import check_tile, load_rows, powers_of_two
+from lazyspec.kernels.common import check_tile, load_rows, powers_of_two
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
@@ -445,33 +445,54 @@ def paged_attention(
     pool_spec = pl.BlockSpec(
         (num_rows_total, None, head_dim), lambda b, h, i, s: (0, head_base + h, 0)
     )
-    partial_shape = (num_splits, batch, num_kv_heads, num_tiles * block_rows)
-    out, run_max, run_sum = pl.pallas_call(
+    grid = (batch, num_kv_heads, num_tiles, num_splits)
+    out_specs, out_shape = _partial_outputs(grid, block_rows, head_dim)
+    options = {"interpret": interpret, "compiler_params": compiler_params}
+    partials = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, num_tiles, num_splits),
+        grid=grid,
         in_specs=[pl.BlockSpec()] * 4 + [pool_spec, pool_spec],
-        out_specs=(
-            pl.BlockSpec(
-                (None, None, None, block_rows, head_dim), lambda b, h, i, s: (s, b, h, i, 0)
-            ),
-            pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
-            pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
-        ),
-        out_shape=(
-            jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-        ),
-        interpret=interpret,
-        compiler_params=compiler_params,
+        out_specs=out_specs,
+        out_shape=out_shape,
         name="paged_attention",
+        **options,
     )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, v_pool)
-    if interpret or powers_of_two(groups, head_dim):
-        options = {"interpret": interpret, "compiler_params": compiler_params}
+    lengths = (ctx_len, positions, block_rows, block_kv) if active_splits else None
+    return _merge_splits(partials, q, gate, combine_block, lengths, options)
+
+
+def _partial_outputs(grid: tuple[int, ...], block_rows: int, head_dim: int):
+    """(specs, shapes) of the split launch's float32 partials over ``grid`` (row, kv head,
+    row tile, split): each split's output rows ``[splits, B, kv heads, rows, D]``, then
+    their running max and sum ``[splits, B, kv heads, rows]``."""
+    batch, num_kv_heads, num_tiles, num_splits = grid
+    partial_shape = (num_splits, batch, num_kv_heads, num_tiles * block_rows)
+    specs = (
+        pl.BlockSpec((None, None, None, block_rows, head_dim), lambda b, h, i, s: (s, b, h, i, 0)),
+        pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
+        pl.BlockSpec((None, None, None, block_rows), lambda b, h, i, s: (s, b, h, i)),
+    )
+    shapes = (
+        jax.ShapeDtypeStruct(partial_shape + (head_dim,), jnp.float32),
+        jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+        jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+    )
+    return specs, shapes
+
+
+def _merge_splits(partials, q, gate, combine_block, lengths, options) -> jax.Array:
+    """The splits' partials merged into ``[B, T, H, D]`` in q's dtype, gated: the combine
+    launch (``_combine_pallas``; ``lengths`` given, over the active splits only) where its
+    blocks fit Triton or in interpret mode, else in jnp."""
+    out, run_max, run_sum = partials
+    batch, num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = out.shape[2]
+    groups = num_heads // num_kv_heads
+    if options["interpret"] or powers_of_two(groups, head_dim):
         shape = {"num_tokens": num_tokens, "num_heads": num_heads, "dtype": q.dtype}
         shape["block_d"] = combine_block
-        if active_splits:
-            shape["lengths"] = (ctx_len, positions, block_rows, block_kv)
+        if lengths is not None:
+            shape["lengths"] = lengths
         return _combine_pallas(out, run_max, run_sum, gate, **shape, **options)
     merged = _combine(out, run_max, run_sum)[:, :, : num_tokens * groups]
     merged = merged.reshape(batch, num_kv_heads, num_tokens, -1, head_dim).transpose(0, 2, 1, 3, 4)

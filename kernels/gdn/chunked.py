@@ -1,6 +1,6 @@
 """Chunked prefill forms of the GDN layer: the gated delta rule and its causal conv.
 
-Both work on ONE row (callers vmap over rows), with the conventions of ``recurrence.py``.
+Both work on ONE row (callers vmap over rows), with the conventions of ``reference``.
 Only the first ``num_valid`` of the T tokens are real; the rest leave every state unchanged,
 so a ragged row's final state is exact. Besides the final state, both return the state after
 every full ``chunk_size`` tokens of the row (``T // chunk_size`` of them): the checkpoints the

@@ -1,7 +1,7 @@
 """Chunked (SSD) prefill form of Mamba2 and the window form of its causal conv, in plain jnp.
 
 Both work on ONE row (callers vmap over rows), in float32, with the shapes and conventions of
-``kernels/recurrence.py``; they are checked against ``mamba2_scan`` / ``conv_scan`` there.
+``reference`` (and ``state.conv``); they are checked against ``mamba2_scan`` / ``conv_scan``.
 
 Ragged rows: only the first ``num_valid`` tokens are real. A padding token gets ``dt = 0``,
 which makes its decay ``exp(0 * a) = 1`` and its write ``0 * x * b = 0``, so the state passes
@@ -21,12 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.mamba2.reference import expand_groups
+
 DEFAULT_CHUNK = 64
-
-
-def _expand_groups(bc: jax.Array, num_heads: int) -> jax.Array:
-    """[..., G, N] -> [..., H, N]: head i reads group i // (H / G)."""
-    return jnp.repeat(bc, num_heads // bc.shape[-2], axis=-2)
 
 
 def _pad_to_chunks(array: jax.Array, num_padded: int) -> jax.Array:
@@ -98,8 +95,8 @@ def mamba2_chunked(
     valid = jnp.arange(num_tokens) < num_valid
     dt = jnp.where(valid[:, None], dt.astype(jnp.float32), 0.0)
     x = x.astype(jnp.float32)
-    b_h = _expand_groups(b.astype(jnp.float32), num_heads)
-    c_h = _expand_groups(c.astype(jnp.float32), num_heads)
+    b_h = expand_groups(b.astype(jnp.float32), num_heads)
+    c_h = expand_groups(c.astype(jnp.float32), num_heads)
 
     def to_chunks(array):
         array = _pad_to_chunks(array, num_padded)

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.residual_norm import norm_scale
-from lazyspec.kernels.state_update import check_tile, powers_of_two, whole
+from lazyspec.kernels.common import check_tile, powers_of_two, whole
+from lazyspec.kernels.norm.residual import norm_scale
 
 
 def pieces(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
@@ -192,6 +192,15 @@ def _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_nor
             raise ValueError(f"{name} {weight.shape} must be [{head_dim}]")
 
 
+def _weight_operands(q_norm, k_norm, rotary_dim: int, rope_theta: float) -> list[jax.Array]:
+    """The launch's operands after q, k and v: the norms' weights given, then the rotary
+    inverse frequencies where there is a rotation (each read whole)."""
+    operands = [weight for weight in (q_norm, k_norm) if weight is not None]
+    if rotary_dim:
+        operands.append(jnp.asarray(inverse_frequencies(rotary_dim, rope_theta)))
+    return operands
+
+
 def attention_prologue_pallas(
     q: jax.Array,
     k: jax.Array,
@@ -236,13 +245,8 @@ def attention_prologue_pallas(
         pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + k_head_at, 0)),
         pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + v_head_at, 0)),
     ]
-    for weight in (q_norm, k_norm):
-        if weight is not None:
-            args.append(weight)
-            in_specs.append(whole())
-    if rotary_dim:
-        args.append(jnp.asarray(inverse_frequencies(rotary_dim, rope_theta)))
-        in_specs.append(whole())
+    args += _weight_operands(q_norm, k_norm, rotary_dim, rope_theta)
+    in_specs += [whole()] * (len(args) - len(in_specs))
     first_pool = len(args)
     args += [k_pool, v_pool]
     in_specs += [whole(), whole()]
