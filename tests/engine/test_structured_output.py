@@ -20,7 +20,7 @@ import pytest
 
 import lazyspec
 from lazyspec.engine.engine import Engine
-from lazyspec.scheduler.grammar import make_backend, mask_width
+from lazyspec.scheduler.grammar import LLGuidanceBackend, make_backend, mask_width
 from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
@@ -196,6 +196,21 @@ def test_grammar_fields_are_validated(model, backend_name):
         backend.compile("ebnf", 'root ::= "a" missing')
     assert backend.matcher("ebnf", 'root ::= "a" [0-9]').accept(model.tokenizer.token_to_id("a"))
     assert backend.compile("regex", "ab") is backend.compile("regex", "ab")  # cached by text
+
+
+def test_a_backend_without_its_library_names_the_extra_to_install(model):
+    """A grammar request on a backend whose library is missing is a ValueError (a 400)
+    naming the extra, not an ImportError (a 500)."""
+
+    class Missing(LLGuidanceBackend):
+        def _build(self):
+            raise ImportError("No module named 'llguidance'")
+
+    backend = Missing(model.tokenizer, model.config.vocab_size, (2,))
+    with pytest.raises(
+        ValueError, match=r"llguidance is not installed \(pip install '\.\[serve\]'\)"
+    ):
+        backend.compile("regex", "a+")
 
 
 def test_drafts_the_grammar_allows_are_accepted(model, backend_name, case):
