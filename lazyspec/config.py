@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field, fields, replace
 
 from lazyspec.kernels.tuning import parse_overrides
+from lazyspec.scheduler.grammar import GRAMMAR_BACKENDS
 from lazyspec.scheduler.strategy import EXTRA_BUFFER, NONE, STRATEGIES, Strategy
 from lazyspec.token_map import read_token_map
 
@@ -70,6 +71,9 @@ class EngineConfig:
     # admission order of waiting requests (SGLang's): arrival (fcfs) or longest cached
     # prefix first (lpm)
     schedule_policy: str = "fcfs"
+    # structured output (lazyspec/scheduler/grammar.py): llguidance, xgrammar (needs the
+    # .[xgrammar] extra: torch, transformers, triton) or none (grammar requests refused)
+    grammar_backend: str = "llguidance"
     # Fault injection / experiments (tests and benchmarks only).
     debug_fail_spare_alloc: bool = False
     debug_lazy_evict_on_failure: bool = False
@@ -89,6 +93,7 @@ class EngineConfig:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         parse_overrides(self.kernel_tuning)  # ValueError names a bad item
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("grammar_backend", self.grammar_backend, GRAMMAR_BACKENDS)
         for name in (
             "page_size",
             "max_total_tokens",

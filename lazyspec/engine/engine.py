@@ -23,7 +23,7 @@ from lazyspec.engine.programs import FUSED, SPLIT
 from lazyspec.engine.runner import PackedOutputs, Runner
 from lazyspec.engine.steps import StepStatic
 from lazyspec.scheduler.cache import RequestCache
-from lazyspec.scheduler.grammar import GrammarBackend, grammar_of
+from lazyspec.scheduler.grammar import GrammarBackend, grammar_of, make_backend
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
@@ -92,9 +92,9 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
-        # built now (xgrammar is imported at the first compile) so that threads share it
+        # built now (its library is imported at the first compile) so that threads share it
         self._grammars = (
-            GrammarBackend(model.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+            make_backend(c.grammar_backend, model.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
             if model.tokenizer is not None
             else None
         )
@@ -198,8 +198,9 @@ class Engine:
 
     def _grammar_form(self) -> str | None:
         """How batches with grammar rows run (``programs.program_keys``): none without a
-        tokenizer; split around their masks in the overlapped loop, fused without it."""
-        if self.model.tokenizer is None:
+        tokenizer or a grammar backend; split around their masks in the overlapped loop,
+        fused without it."""
+        if self.model.tokenizer is None or self.config.grammar_backend == "none":
             return None
         return FUSED if self.config.disable_overlap_schedule else SPLIT
 
@@ -287,9 +288,11 @@ class Engine:
 
     @property
     def grammar_backend(self) -> GrammarBackend:
-        """The grammar compiler of this model's tokenizer (ValueError without one).
-        Thread-safe: a server compiles in its parse threads."""
+        """The grammar compiler of this model's tokenizer (ValueError without one, or with
+        grammar_backend none). Thread-safe: a server compiles in its parse threads."""
         if self._grammars is None:
+            if self.config.grammar_backend == "none":
+                raise ValueError("structured output is off on this server (--grammar-backend none)")
             raise ValueError("constrained decoding needs the model folder's tokenizer.json")
         return self._grammars
 

@@ -84,7 +84,6 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS  # Host names; None: no check
     allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); (): no CORS headers
     stream_interval: int = 1  # output tokens per streamed chunk (the last may hold fewer)
-    grammar_backend: str = "xgrammar"  # "none": grammar requests are refused
     watchdog_timeout: float | None = None  # a step running longer makes /health 503
 
 
@@ -154,12 +153,6 @@ class _Frontend:
             check_fields(body, ENDPOINTS[parser])
             spec = parser(body, self.tokenizer, self.limits, *args)
             for sampling in spec.sampling:
-                field = grammar_of(sampling)[0] if grammar_of(sampling) else None
-                if field is not None and self.settings.grammar_backend == "none":
-                    raise ApiError(
-                        "structured output is off on this server (--grammar-backend none)",
-                        param=field,
-                    )
                 try:  # compiled here, off the engine thread; the engine finds it cached
                     self.worker.engine.check_grammar(sampling)
                 except ValueError as exc:

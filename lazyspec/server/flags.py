@@ -19,7 +19,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-GRAMMAR_BACKENDS = ("xgrammar", "none")
 KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _SIZE = re.compile(r"^(-?\d+(?:\.\d+)?)([kKmMgG]?)$")
 _SIZE_UNITS = {
@@ -87,7 +86,6 @@ class SglangFlags:
 
     mem_fraction_static: float | None = None
     mamba_full_memory_ratio: float = 0.9
-    grammar_backend: str = "xgrammar"
     stream_interval: int = 1
     watchdog_timeout: float | None = None
 
@@ -116,12 +114,6 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV cache dtype: auto (= --dtype), float32 or bfloat16 (bf16); must match "
         "--dtype, in which the KV cache is kept. (default: %(default)s)",
-    )
-    group.add_argument(
-        "--grammar-backend",
-        default="xgrammar",
-        choices=GRAMMAR_BACKENDS,
-        help="Structured-output backend; none refuses grammar requests. (default: %(default)s)",
     )
     group.add_argument(
         "--max-prefill-tokens",
@@ -184,9 +176,7 @@ def apply_sglang_flags(args: argparse.Namespace, kwargs: dict[str, Any]) -> Sgla
         raise ValueError(f"--stream-interval={args.stream_interval} must be >= 1")
     if args.watchdog_timeout is not None and not args.watchdog_timeout > 0:
         raise ValueError(f"--watchdog-timeout={args.watchdog_timeout} must be > 0")
-    return SglangFlags(
-        fraction, ratio, args.grammar_backend, args.stream_interval, args.watchdog_timeout
-    )
+    return SglangFlags(fraction, ratio, args.stream_interval, args.watchdog_timeout)
 
 
 def _apply_kv_cache_dtype(value: str, kwargs: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from lazyspec.config import (
     STRATEGY_CHOICES,
     EngineConfig,
 )
+from lazyspec.scheduler.grammar import GRAMMAR_BACKENDS
 from lazyspec.server.flags import (
     LOG_LEVELS,
     SglangFlags,
@@ -53,6 +54,7 @@ CHOICES = {
     "moe_runner_backend": MOE_RUNNER_BACKENDS,
     "load_format": LOAD_FORMATS,
     "schedule_policy": SCHEDULE_POLICIES,
+    "grammar_backend": GRAMMAR_BACKENDS,
     "decode_program_copies": (1, 2),
 }
 HELP = {
@@ -131,6 +133,9 @@ HELP = {
     "schedule_policy": "Admission order of waiting requests: fcfs (arrival) or lpm (longest "
     "cached prefix first, SGLang's rule; a queue over 128 requests is taken in arrival "
     "order).",
+    "grammar_backend": "Structured-output backend (json_schema, regex, ebnf, "
+    "response_format): llguidance, xgrammar (pip install '.[xgrammar]': torch, "
+    "transformers, triton) or none, which refuses grammar requests with a 400.",
     "debug_fail_spare_alloc": "Fault injection: every lazy spare-slot allocation fails.",
     "debug_lazy_evict_on_failure": "Experiment: evict cached checkpoints when a lazy spare "
     "allocation fails.",
@@ -377,7 +382,6 @@ def _server_settings(args: argparse.Namespace, model_path: str, sglang: SglangFl
         allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
         allowed_origins=split_list(args.allowed_origins),
         stream_interval=sglang.stream_interval,
-        grammar_backend=sglang.grammar_backend,
         watchdog_timeout=sglang.watchdog_timeout,
     )
 

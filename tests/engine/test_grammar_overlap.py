@@ -5,7 +5,8 @@ in flight is processed.
 Served with overlap on, grammar requests and the unconstrained requests batched with them
 give the tokens of the loop without overlap (every strategy that overlaps, speculation on
 and off, under retraction too), the unconstrained ones those of a run without any grammar
-request; the runner's calls come in the overlapped order.
+request; the runner's calls come in the overlapped order. llguidance (the default backend)
+runs every case, xgrammar those with speculation.
 """
 
 from __future__ import annotations
@@ -95,22 +96,26 @@ def unconstrained(model) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "strategy,spec,pool",
+    "strategy,spec,pool,backend",
     [
-        ("extra_buffer", True, 4096),
-        ("extra_buffer_lazy", True, 4096),
-        ("extra_buffer", False, 4096),
-        ("extra_buffer_lazy", False, 4096),
-        ("extra_buffer_lazy", True, 224),  # retractions mid-decode
+        ("extra_buffer", True, 4096, "llguidance"),
+        ("extra_buffer_lazy", True, 4096, "llguidance"),
+        ("extra_buffer", False, 4096, "llguidance"),
+        ("extra_buffer_lazy", False, 4096, "llguidance"),
+        ("extra_buffer_lazy", True, 224, "llguidance"),  # retractions mid-decode
+        ("extra_buffer", True, 4096, "xgrammar"),
+        ("extra_buffer_lazy", True, 224, "xgrammar"),
     ],
 )
 def test_overlapped_grammar_batches_give_the_tokens_of_the_synchronous_loop(
-    model, unconstrained, strategy, spec, pool
+    model, unconstrained, strategy, spec, pool, backend
 ):
     requests = _requests()
     served, counts = {}, {}
     for overlap in (True, False):
-        engine = _engine(model, strategy, spec, overlap, max_total_tokens=pool)
+        engine = _engine(
+            model, strategy, spec, overlap, max_total_tokens=pool, grammar_backend=backend
+        )
         counts[overlap] = _count_calls(engine)
         served[overlap] = _serve(engine, requests)
         assert_null_sinks_zero(engine)

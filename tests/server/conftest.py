@@ -133,23 +133,33 @@ def model_dir(tmp_path_factory) -> Path:
     return build_model_folder(tmp_path_factory.mktemp("tiny_server_model"))
 
 
-@pytest.fixture(scope="session")
-def live_server(model_dir):
+def serve_folder(model_dir: Path, **settings: Any) -> LiveServer:
+    """An engine of ``model_dir`` with ``ENGINE_SETTINGS`` (``settings`` add to them or
+    replace them), compiled, behind the app on a loopback port; ``stop_server`` ends it."""
     from lazyspec.engine.engine import Engine
     from lazyspec.server.app import ServerSettings, create_app
     from lazyspec.server.protocol import ChatTemplate
     from lazyspec.server.worker import EngineWorker
 
-    engine = Engine(model_path=str(model_dir), **ENGINE_SETTINGS)  # compiles every shape
+    engine = Engine(model_path=str(model_dir), **{**ENGINE_SETTINGS, **settings})
     worker = EngineWorker(engine).start()
-    settings = ServerSettings(
+    server_settings = ServerSettings(
         SERVED_NAME, max_queued_requests=256, chat_template=ChatTemplate.from_folder(model_dir)
     )
-    server, thread, url = start_http(create_app(worker, settings))
-    live = LiveServer(url, worker, model_dir, engine.tokenizer, server, thread)
-    yield live
+    server, thread, url = start_http(create_app(worker, server_settings))
+    return LiveServer(url, worker, model_dir, engine.tokenizer, server, thread)
+
+
+def stop_server(live: LiveServer) -> None:
     live.stop()
-    worker.stop()
+    live.worker.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(model_dir):
+    live = serve_folder(model_dir)  # compiles every shape
+    yield live
+    stop_server(live)
 
 
 @pytest.fixture()

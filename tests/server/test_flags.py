@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from lazyspec.config import EngineConfig
-from tests.server.conftest import SERVED_NAME, start_http
+from tests.server.conftest import ENGINE_SETTINGS, SERVED_NAME, start_http
 
 SGLANG_LINE = [
     "--model-path",
@@ -68,7 +68,10 @@ def test_an_sglang_command_line_parses_and_ignored_flags_log_once(caplog):
     assert config.chunked_prefill_size == 512  # under --max-prefill-tokens: unchanged
     assert args.log_level == "warning"
     assert (sglang.mem_fraction_static, sglang.stream_interval) == (0.8, 2)
-    assert (sglang.watchdog_timeout, sglang.grammar_backend) == (300.0, "xgrammar")
+    assert sglang.watchdog_timeout == 300.0 and config.grammar_backend == "xgrammar"
+    assert EngineConfig(**_parse(["--model-path", "/m"])[1]).grammar_backend == "llguidance"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        _parse(["--model-path", "/m", "--grammar-backend", "outlines"])
     lines = [r.getMessage() for r in caplog.records]
     for flag in (
         "--trust-remote-code",
@@ -149,13 +152,27 @@ def test_stream_interval_groups_tokens_and_keeps_the_text(server):
 
 
 def test_grammar_backend_none_refuses_grammars_by_field(server):
-    http, thread, url = _serve(server, grammar_backend="none")
+    """An engine built with grammar_backend none (no grammar programs compiled) refuses a
+    grammar request with a 400 naming its field, before anything runs."""
+    from lazyspec.engine.engine import Engine
+    from lazyspec.server.app import ServerSettings, create_app
+    from lazyspec.server.worker import EngineWorker
+
+    engine = Engine(
+        model_path=str(server.model_dir),
+        **ENGINE_SETTINGS,
+        skip_warmup=True,
+        grammar_backend="none",
+    )
+    worker = EngineWorker(engine).start()
+    http, thread, url = start_http(create_app(worker, ServerSettings(SERVED_NAME)))
     try:
         body = {"prompt": "x", "max_tokens": 4, "regex": "[ab]+"}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     finally:
         http.should_exit = True
         thread.join(30)
+        worker.stop()
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "regex" and "--grammar-backend none" in error["message"]

@@ -1,6 +1,8 @@
 """Structured output over HTTP: response_format on /v1, json_schema / regex / ebnf on /generate.
 
-The served model has random weights: only the grammar makes its output parse.
+The served model has random weights: only the grammar makes its output parse. The grammar
+tests run on both backends: the session's server (llguidance, the default) and one served
+with --grammar-backend xgrammar for this module.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import SERVED_NAME
+from tests.server.conftest import SERVED_NAME, serve_folder, stop_server, wait_idle
 
 SCHEMA = {
     "type": "object",
@@ -26,32 +28,52 @@ SCHEMA = {
 REGEX = r"(café|naïve) [0-9]{2}"
 
 
+@pytest.fixture(scope="module", params=("llguidance", "xgrammar"))
+def backend_server(request, live_server):
+    """The server of one grammar backend: the session's for its own, else one for here."""
+    if request.param == live_server.worker.engine.config.grammar_backend:
+        yield live_server
+        return
+    live = serve_folder(live_server.model_dir, grammar_backend=request.param)
+    yield live
+    stop_server(live)
+
+
+@pytest.fixture()
+def grammar_server(backend_server):
+    """``backend_server`` with an empty prefix cache and no request left running."""
+    wait_idle(backend_server)
+    response = httpx.post(f"{backend_server.url}/flush_cache", timeout=30)
+    assert response.status_code == 200, response.text
+    return backend_server
+
+
 def _post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=120)
 
 
-def test_generate_json_schema_and_regex_outputs_parse(server):
+def test_generate_json_schema_and_regex_outputs_parse(grammar_server):
     for text in (["the state of", "draft tokens are"], "a slot"):  # the same batch shapes
         plain = {"text": text, "sampling_params": {"max_new_tokens": 8}}
-        assert _post(server, "/generate", plain).status_code == 200
-    compiled = server.info()["num_compiled_programs"]
+        assert _post(grammar_server, "/generate", plain).status_code == 200
+    compiled = grammar_server.info()["num_compiled_programs"]
     body = {
         "text": ["the state of", "draft tokens are"],
         "sampling_params": {"max_new_tokens": 40, "json_schema": json.dumps(SCHEMA)},
     }
-    response = _post(server, "/generate", body)
+    response = _post(grammar_server, "/generate", body)
     assert response.status_code == 200, response.text
     for out in response.json():
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
     body = {"text": "a slot", "sampling_params": {"max_new_tokens": 24, "regex": REGEX}}
-    response = _post(server, "/generate", body)
+    response = _post(grammar_server, "/generate", body)
     assert response.status_code == 200, response.text
     assert re.fullmatch(REGEX, response.json()["text"]), response.json()
-    assert server.info()["num_compiled_programs"] == compiled  # the mask update is warm
+    assert grammar_server.info()["num_compiled_programs"] == compiled  # the mask update is warm
 
 
-def test_chat_response_format_json_schema(server):
+def test_chat_response_format_json_schema(grammar_server):
     body = {
         "model": SERVED_NAME,
         "messages": [{"role": "user", "content": "give me a checkpoint"}],
@@ -60,14 +82,14 @@ def test_chat_response_format_json_schema(server):
         "seed": 7,
         "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
     }
-    response = _post(server, "/v1/chat/completions", body)
+    response = _post(grammar_server, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
 
-def test_completion_response_format_json_object(server):
+def test_completion_response_format_json_object(grammar_server):
     body = {
         "model": SERVED_NAME,
         "prompt": "while attention keeps pages",
@@ -75,13 +97,13 @@ def test_completion_response_format_json_object(server):
         "temperature": 0,
         "response_format": {"type": "json_object"},
     }
-    response = _post(server, "/v1/completions", body)
+    response = _post(grammar_server, "/v1/completions", body)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert isinstance(json.loads(choice["text"]), dict)
     # cut by max_tokens: "length", and the text is only the start of an object
-    response = _post(server, "/v1/completions", {**body, "max_tokens": 1})
+    response = _post(grammar_server, "/v1/completions", {**body, "max_tokens": 1})
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["text"] == "{", choice
     with pytest.raises(json.JSONDecodeError):
@@ -93,8 +115,8 @@ def test_completion_response_format_json_object(server):
     [
         ("/generate", {"sampling_params": {"json_schema": '{"type": "objekt"}'}}, "objekt"),
         ("/generate", {"sampling_params": {"json_schema": '{"type": '}}, "invalid json_schema"),
-        ("/generate", {"sampling_params": {"regex": "a(b"}}, "parenthesis"),
-        ("/generate", {"sampling_params": {"ebnf": 'root ::= "a" |'}}, "invalid ebnf"),
+        ("/generate", {"sampling_params": {"regex": "a(b"}}, "invalid regex"),
+        ("/generate", {"sampling_params": {"ebnf": 'root ::= "a" b'}}, "invalid ebnf"),
         ("/generate", {"sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "at most one"),
         (
             "/v1/completions",
@@ -104,16 +126,18 @@ def test_completion_response_format_json_object(server):
         ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ],
 )
-def test_malformed_grammars_are_400(server, path, body, words):
+def test_malformed_grammars_are_400(grammar_server, path, body, words):
     if path == "/generate":
         body = {"text": "the state", **body}
     else:
         body = {"model": SERVED_NAME, "prompt": "the state", "max_tokens": 4, **body}
-    response = _post(server, path, body)
+    response = _post(grammar_server, path, body)
     assert response.status_code == 400, response.text
     assert words in response.json()["error"]["message"], response.json()
     # the engine thread is alive: a plain request still runs
-    ok = _post(server, "/generate", {"text": "the", "sampling_params": {"max_new_tokens": 2}})
+    ok = _post(
+        grammar_server, "/generate", {"text": "the", "sampling_params": {"max_new_tokens": 2}}
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -133,7 +157,7 @@ def _stream_text(server, path: str, body: dict) -> tuple[str, str | None]:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_sglang_grammar_fields_constrain_v1_outputs(server, path, stream):
+def test_sglang_grammar_fields_constrain_v1_outputs(grammar_server, path, stream):
     """SGLang's extra_body regex, ebnf and json_schema (a string) on both /v1 endpoints."""
     head = {"model": SERVED_NAME, "max_tokens": 40, "temperature": 0.9, "seed": 3}
     if path == "/v1/completions":
@@ -148,9 +172,9 @@ def test_sglang_grammar_fields_constrain_v1_outputs(server, path, stream):
     for fields, check in cases:
         body = {**head, **fields, "stream": stream}
         if stream:
-            text, finish = _stream_text(server, path, body)
+            text, finish = _stream_text(grammar_server, path, body)
         else:
-            response = _post(server, path, body)
+            response = _post(grammar_server, path, body)
             assert response.status_code == 200, response.text
             choice = response.json()["choices"][0]
             text = choice.get("text", choice.get("message", {}).get("content"))
