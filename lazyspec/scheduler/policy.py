@@ -26,7 +26,7 @@ a request's slots. The scheduler calls, in a request's life:
 | ``plan_extend`` / ``plan_decode`` | before each step            | may allocate / borrow a slot   |
 | ``settle_extend`` / ``settle_decode`` | after the step's results | relabels / frees slots        |
 | ``donation(req, inflight, ...)``  | before a tree insert        | nothing                        |
-| ``take_keep(req)``                | prefill checkpoint insert   | swaps in a fresh keep slot     |
+| ``take_keep(req, length)``        | prefill checkpoint insert   | swaps in a fresh keep slot     |
 |                                   |                             | (no_buffer: hands over spare)  |
 | ``give_back(slot)``               | the tree refused a donation | frees it                       |
 | ``release(req, kept)``            | finish                      | frees all but ``kept``         |
@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from lazyspec.cache.allocators import SlotAllocator
+from lazyspec.cache.checkpoint_value import Worth
 from lazyspec.scheduler.request import NO_SLOT, Phase, Req, ReqSlots
 from lazyspec.scheduler.strategy import Strategy
 
@@ -92,6 +93,7 @@ class SlotPolicy:
         self.fail_spare_alloc = fail_spare_alloc
         self.evict_on_failure = evict_on_failure
         self.num_spare_failures = 0
+        self.num_declined_inserts = 0  # running requests' checkpoints the tree had no slot for
 
     # ------------------------------------------------------------------ admission
 
@@ -251,26 +253,35 @@ class SlotPolicy:
             return None
         return Donation(slots.chunk_track_len, slots.keep)
 
-    def take_keep(self, req: Req) -> int | None:
-        """Hand the keep slot to the caller (for the tree) and give the still-running request
-        a fresh one, evicting a cached state if needed; None (nothing changed) when no slot
-        can be had. no_buffer hands over its prefill-end copy (``spare``) instead."""
+    def take_keep(self, req: Req, length: int) -> int | None:
+        """Hand the keep slot (the state after ``length`` tokens) to the caller (for the tree)
+        and give the still-running request a fresh one: a free slot, else one the tree
+        evicts for it. Under the ``"value"`` eviction policy the tree evicts only a state
+        worth less than this checkpoint, which the same request supersedes as it goes on
+        (``RadixCache.fresh_worth``): the insert is declined rather than evicting another
+        conversation's checkpoint for it. None (nothing changed) when no slot can be had.
+        no_buffer hands over its prefill-end copy (``spare``) instead."""
         slots = req.slots
         slots.chunk_track_len = None
         if self.strategy.donates_working:
             taken, slots.spare = slots.spare, NO_SLOT
             return taken if taken != NO_SLOT else None
-        fresh = self._alloc_evicting()
+        worth = None
+        if self.tree is not None:
+            worth = self.tree.fresh_worth(length - req.prefix_len)
+        fresh = self._alloc_evicting(worth)
         if fresh is None:
+            self.num_declined_inserts += 1
             return None
         taken, slots.keep, slots.last_track_len = slots.keep, fresh, None
         return taken
 
-    def _alloc_evicting(self) -> int | None:
-        """One slot, evicting a cached state if none is free; None when none can be had."""
+    def _alloc_evicting(self, below: Worth | None = None) -> int | None:
+        """One slot, evicting a cached state (worth less than ``below``, if given) if none is
+        free; None when none can be had."""
         fresh = self.slots.alloc(1)
         if fresh is None and self.tree is not None:
-            self.tree.evict_state(1)
+            self.tree.evict_state(1, below=below)
             fresh = self.slots.alloc(1)
         return None if fresh is None else fresh[0]
 
