@@ -85,7 +85,9 @@ def run_once(model, workload: str, strategy: str, policy: str, pool: int, seed: 
         max_total_tokens=args.kv_tokens,
         context_length=args.context,
         random_seed=seed,
-        skip_warmup=True,
+        # compile every program before the clock starts (later engines of the process find
+        # them compiled), so that TTFT and throughput measure serving, not compilation
+        skip_warmup=False,
         mamba_cache_policy=policy,
         **STRATEGIES[strategy],
         **spec,
