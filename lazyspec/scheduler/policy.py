@@ -125,8 +125,9 @@ class SlotPolicy:
         the scan chunk and the page): at ``start + (num_new // G) * G`` when that is past
         ``start``, written in place into the keep slot (relabelled when the result is
         processed; a chunk before the last one is donated when the next chunk is planned,
-        ``chunk_donation``). no_buffer's last chunk ALLOCATES a slot (evicting if needed)
-        that also receives the final state, held as ``spare`` until the prefill-end insert.
+        ``chunk_donation``). no_buffer's last chunk ALLOCATES a slot (evicting a state worth
+        less, as ``take_keep``; without one the prompt is not inserted) that also receives
+        the final state, held as ``spare`` until the prefill-end insert.
         Later chunks read their state from the working slot."""
         slots = req.slots
         record = RowRecord(
@@ -135,7 +136,7 @@ class SlotPolicy:
         slots.source = slots.working
         slots.chunk_track_len = None
         if self.strategy.donates_working and is_last_chunk:
-            copy = self._alloc_evicting()
+            copy = self._alloc_evicting(self._fresh_worth(req, start + num_new))
             if copy is None:
                 return record
             slots.spare = copy
@@ -266,15 +267,16 @@ class SlotPolicy:
         if self.strategy.donates_working:
             taken, slots.spare = slots.spare, NO_SLOT
             return taken if taken != NO_SLOT else None
-        worth = None
-        if self.tree is not None:
-            worth = self.tree.fresh_worth(length - req.prefix_len)
-        fresh = self._alloc_evicting(worth)
+        fresh = self._alloc_evicting(self._fresh_worth(req, length))
         if fresh is None:
             self.num_declined_inserts += 1
             return None
         taken, slots.keep, slots.last_track_len = slots.keep, fresh, None
         return taken
+
+    def _fresh_worth(self, req: Req, length: int) -> Worth | None:
+        """What ``req``'s checkpoint at ``length`` is worth to the tree (None: no limit)."""
+        return None if self.tree is None else self.tree.fresh_worth(length - req.prefix_len)
 
     def _alloc_evicting(self, below: Worth | None = None) -> int | None:
         """One slot, evicting a cached state (worth less than ``below``, if given) if none is
