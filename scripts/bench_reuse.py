@@ -14,8 +14,9 @@ included) and output tokens per second.
         --output-len 160 --pools 96 --seeds 0,1,2          # the source document's workload
     python scripts/bench_reuse.py --workloads fewshot,agentic,random --pools 96
 
-Strategies: extra_buffer, extra_buffer_lazy, and lazy with the old evict-on-failure
-behaviour restored (``debug_lazy_evict_on_failure``), which shows why it was removed.
+Strategies: extra_buffer, extra_buffer_lazy, lazy with the old evict-on-failure behaviour
+restored (``debug_lazy_evict_on_failure``), which shows why it was removed, and cache_off
+(the radix cache disabled: the outputs every other run must equal).
 Policies (``mamba_cache_policy``): value (the default) and sglang (SGLang's LRU rules).
 """
 
@@ -37,6 +38,8 @@ STRATEGIES = {
     "lazy+evict_on_failure": dict(
         mamba_scheduler_strategy="extra_buffer_lazy", debug_lazy_evict_on_failure=True
     ),
+    # the cache-free run: every output must equal it (reuse 0 by construction)
+    "cache_off": dict(disable_radix_cache=True),
 }
 POLICIES = ("value", "sglang")
 
@@ -228,7 +231,12 @@ def parse_args(argv=None):
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--pools", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 96])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
-    p.add_argument("--strategies", type=lambda s: s.split(","), default=list(STRATEGIES))
+    p.add_argument(
+        "--strategies",
+        type=lambda s: s.split(","),
+        default=list(STRATEGIES)[:3],
+        help=", ".join(STRATEGIES),
+    )
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     p.add_argument("--workloads", type=lambda s: s.split(","), default=["multiturn"])
     p.add_argument(
@@ -271,6 +279,8 @@ def main(argv=None) -> None:
         for s in args.strategies
         for policy in args.policies
         for seed in args.seeds
+        # the cache-free run has no policy to vary: once, under the first one
+        if s != "cache_off" or policy == args.policies[0]
     ]
     results = [run_once(model, *job, args) for job in tqdm(jobs, desc="reuse")]
     table = summarize(results)
