@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields, replace
 
+from lazyspec.cache.radix_cache import EVICTION_POLICIES
 from lazyspec.kernels.tuning import parse_overrides
 from lazyspec.scheduler.grammar import GRAMMAR_BACKENDS
 from lazyspec.scheduler.strategy import EXTRA_BUFFER, NONE, STRATEGIES, Strategy
@@ -36,6 +37,10 @@ class EngineConfig:
     mamba_track_interval: int = 256
     mamba_ssm_dtype: str = "float32"
     mamba_chunk_size: int = 64
+    # which cached checkpoint gives up its slot (cache/checkpoint_value.py): "value" (prefill
+    # tokens saved x likelihood of a hit; superseded checkpoints first; a running request's
+    # checkpoint is declined rather than evicting one worth more) or "sglang" (LRU; SGLang's)
+    mamba_cache_policy: str = "value"
     chunked_prefill_size: int = 512
     context_length: int | None = None
     disable_overlap_schedule: bool = False
@@ -87,6 +92,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("mamba_ssm_dtype", self.mamba_ssm_dtype, DTYPES)
         _check_choice("mamba_scheduler_strategy", self.mamba_scheduler_strategy, STRATEGY_CHOICES)
+        _check_choice("mamba_cache_policy", self.mamba_cache_policy, EVICTION_POLICIES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPEC_ALGORITHMS)
         _check_choice("kernel_backend", self.kernel_backend, KERNEL_BACKENDS)
         _check_choice("moe_runner_backend", self.moe_runner_backend, MOE_RUNNER_BACKENDS)

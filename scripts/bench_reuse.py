@@ -1,25 +1,36 @@
-"""The RadixCache reuse benchmark: multi-turn conversations against a shared state pool.
+"""The RadixCache reuse benchmark suite: workloads x checkpoint strategies x cache policies.
 
-N independent conversations x T turns; turn k+1 = turn k's prompt + its output + new user
-tokens, submitted when turn k finishes; at most ``--max-running`` requests run at once.
-Reported: the fraction of prompt tokens served from the cache on turns 2..T
-(sum cached_tokens / sum prompt_tokens), per strategy and state-pool size, over seeds.
+Workloads (``lazyspec/bench/reuse_workloads.py``): the source document's multi-turn
+conversations (N conversations x T turns; turn k+1 = turn k's prompt + its output + new user
+tokens, submitted when turn k finishes), few-shot prefix sharing, agentic multi-turn with
+tool outputs, and random prompts (nothing shared). At most ``--max-running`` requests run at
+once against a state pool of ``--pools`` slots. Reported per run: the fraction of the counted
+requests' prompt tokens served from the cache (sum cached_tokens / sum prompt_tokens; a
+counted request is one that could hit: a later turn, a later member of a group), the counted
+requests that hit, the mean time to first token (wall clock from submission, queueing
+included) and output tokens per second.
 
-    python scripts/bench_reuse.py --out-dir bench_out            # the default grid
-    python scripts/bench_reuse.py --spec --out-dir bench_out     # with NEXTN speculation
+    python scripts/bench_reuse.py --model-path lazyspec/assets/default_model --spec \
+        --output-len 160 --pools 96 --seeds 0,1,2          # the source document's workload
+    python scripts/bench_reuse.py --workloads fewshot,agentic,random --pools 96
 
-Strategies: extra_buffer, extra_buffer_lazy, and lazy with the old evict-on-failure
-behaviour restored (``debug_lazy_evict_on_failure``), which shows why it was removed.
+Strategies: extra_buffer, extra_buffer_lazy, lazy with the old evict-on-failure behaviour
+restored (``debug_lazy_evict_on_failure``), which shows why it was removed, and cache_off
+(the radix cache disabled: the outputs every other run must equal).
+Policies (``mamba_cache_policy``): value (the default) and sglang (SGLang's LRU rules).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+from lazyspec.bench.reuse_workloads import DEFAULT_SHAPES, WORKLOADS, Workload
 
 STRATEGIES = {
     "extra_buffer": dict(mamba_scheduler_strategy="extra_buffer"),
@@ -27,21 +38,43 @@ STRATEGIES = {
     "lazy+evict_on_failure": dict(
         mamba_scheduler_strategy="extra_buffer_lazy", debug_lazy_evict_on_failure=True
     ),
+    # the cache-free run: every output must equal it (reuse 0 by construction)
+    "cache_off": dict(disable_radix_cache=True),
 }
+POLICIES = ("value", "sglang")
 
 
 @dataclass(frozen=True)
 class Result:
+    workload: str
     strategy: str
+    policy: str
     pool: int
     seed: int
     reuse: float
     hit_requests: int
     requests: int
+    ttft_s: float  # mean over every request
+    output_tok_s: float
     accept_len: float | None
+    outputs: list[list[int]]  # per request in submission order (identical across policies)
 
 
-def run_once(model, strategy: str, pool: int, seed: int, args) -> Result:
+def shape_of(workload: str, args) -> object:
+    """The workload's shape; the multi-turn one takes the command line's lengths."""
+    if workload != "multiturn":
+        return replace(DEFAULT_SHAPES[workload], output_len=args.suite_output_len)
+    return replace(
+        DEFAULT_SHAPES["multiturn"],
+        conversations=args.conversations,
+        turns=args.turns,
+        first_len=args.first_len,
+        turn_len=args.turn_len,
+        output_len=args.output_len,
+    )
+
+
+def run_once(model, workload: str, strategy: str, policy: str, pool: int, seed: int, args):
     from lazyspec.engine.engine import Engine
 
     spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
@@ -55,63 +88,114 @@ def run_once(model, strategy: str, pool: int, seed: int, args) -> Result:
         max_total_tokens=args.kv_tokens,
         context_length=args.context,
         random_seed=seed,
-        skip_warmup=True,
+        # compile every program before the clock starts (later engines of the process find
+        # them compiled), so that TTFT and throughput measure serving, not compilation
+        skip_warmup=False,
+        mamba_cache_policy=policy,
         **STRATEGIES[strategy],
         **spec,
     )
-    rng = np.random.default_rng(seed)
-    vocab = model.config.vocab_size
+    work = Workload(workload, shape_of(workload, args), model.config.vocab_size, seed)
+    live, outputs, ttfts = {}, [], []
 
-    def jitter(n: int) -> int:
-        """Lengths vary +-25 % per request (seeded), so seeds change the schedule."""
-        return max(1, int(round(n * rng.uniform(0.75, 1.25))))
+    def submit(request) -> None:
+        params = {"max_new_tokens": request.max_new_tokens, "ignore_eos": True}
+        req = engine.add_request(input_ids=request.prompt, sampling_params=params)
+        live[req.rid] = (req, request, time.perf_counter(), len(outputs))
+        outputs.append(None)
 
-    def user_tokens(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(3, vocab, size=jitter(n))]
-
-    def params() -> dict:
-        return {"max_new_tokens": jitter(args.output_len), "ignore_eos": True}
-
-    live = {}  # rid -> (request, conversation, turn, prompt)
-    for conv in range(args.conversations):
-        prompt = user_tokens(args.first_len)
-        req = engine.add_request(input_ids=prompt, sampling_params=params())
-        live[req.rid] = (req, conv, 1, prompt)
-    cached = prompt_tokens = hits = count = 0
+    for request in work.first():
+        submit(request)
+    cached = prompt_tokens = hits = count = num_out = 0
+    start = time.perf_counter()
+    first_token = {}
     while live:
         engine.step()
-        for rid, (req, conv, turn, prompt) in list(live.items()):
+        now = time.perf_counter()
+        for rid, (req, request, sent, index) in list(live.items()):
+            if req.output_ids and rid not in first_token:
+                first_token[rid] = now - sent
             if not req.finished:
                 continue
             del live[rid]
-            if turn >= 2:
+            ttfts.append(first_token.get(rid, now - sent))
+            outputs[index] = list(req.output_ids)
+            num_out += len(req.output_ids)
+            if request.counted:
                 cached += req.cached_tokens
-                prompt_tokens += len(prompt)
+                prompt_tokens += len(request.prompt)
                 hits += req.cached_tokens > 0
                 count += 1
-            if turn < args.turns:
-                nxt = prompt + req.output_ids + user_tokens(args.turn_len)
-                new = engine.add_request(input_ids=nxt, sampling_params=params())
-                live[new.rid] = (new, conv, turn + 1, nxt)
+            nxt = work.follow(request, list(req.output_ids))
+            if nxt is not None:
+                submit(nxt)
+    elapsed = time.perf_counter() - start
     engine.shutdown()
     engine.check_integrity()
     accept = engine.get_server_info()["avg_accept_length"]
-    return Result(strategy, pool, seed, cached / max(prompt_tokens, 1), hits, count, accept)
+    return Result(
+        workload,
+        strategy,
+        policy,
+        pool,
+        seed,
+        cached / max(prompt_tokens, 1),
+        hits,
+        count,
+        float(np.mean(ttfts)),
+        num_out / elapsed,
+        accept,
+        outputs,
+    )
 
 
 def summarize(results: list[Result]) -> str:
-    pools = sorted({r.pool for r in results}, reverse=True)
+    """One row per workload x pool x strategy x policy: reuse mean (min-max) and per seed,
+    hit requests, TTFT and throughput means; then whether every run of a workload, pool
+    and seed gave the same outputs."""
     lines = [
-        "| state pool (slots) | " + " | ".join(STRATEGIES) + " |",
-        "|---|" + "---|" * len(STRATEGIES),
+        "| workload | pool | strategy | policy | reuse mean (min-max) | per seed | hit requests "
+        "| TTFT mean (s) | output tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for pool in pools:
-        cells = []
-        for name in STRATEGIES:
-            vals = [r.reuse for r in results if r.pool == pool and r.strategy == name]
-            cells.append(f"{np.mean(vals):.4f} ({min(vals):.4f}-{max(vals):.4f})" if vals else "-")
-        lines.append(f"| {pool} | " + " | ".join(cells) + " |")
+    keys = sorted({(r.workload, r.pool, r.strategy, r.policy) for r in results}, key=_order)
+    for workload, pool, strategy, policy in keys:
+        runs = [
+            r
+            for r in results
+            if (r.workload, r.pool, r.strategy, r.policy) == (workload, pool, strategy, policy)
+        ]
+        reuse = [r.reuse for r in runs]
+        seeds = ", ".join(f"{r.seed}: {r.reuse:.3f}" for r in runs)
+        hits = f"{np.mean([r.hit_requests for r in runs]):.1f} / {runs[0].requests}"
+        lines.append(
+            f"| {workload} | {pool} | {strategy} | {policy} | {np.mean(reuse):.3f} "
+            f"({min(reuse):.3f}-{max(reuse):.3f}) | {seeds} | {hits} "
+            f"| {np.mean([r.ttft_s for r in runs]):.2f} "
+            f"| {np.mean([r.output_tok_s for r in runs]):.1f} |"
+        )
+    groups = {}
+    for r in results:
+        groups.setdefault((r.workload, r.pool, r.seed), []).append(r)
+    differ = [
+        key for key, runs in groups.items() if any(r.outputs != runs[0].outputs for r in runs)
+    ]
+    lines.append("")
+    lines.append(
+        f"outputs identical across strategies and policies: {not differ}"
+        + (f" (differ: {differ})" if differ else "")
+    )
     return "\n".join(lines)
+
+
+def _order(key: tuple) -> tuple:
+    workload, pool, strategy, policy = key
+    return (
+        WORKLOADS.index(workload),
+        -pool,
+        list(STRATEGIES).index(strategy),
+        POLICIES.index(policy),
+    )
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -120,19 +204,18 @@ def plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pools = sorted({r.pool for r in results}, reverse=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(STRATEGIES)
-    for i, name in enumerate(STRATEGIES):
-        means = [
-            np.mean([r.reuse for r in results if r.pool == p and r.strategy == name]) for p in pools
-        ]
-        ax.bar(np.arange(len(pools)) + i * width, means, width, label=name)
-    ax.set_xticks(np.arange(len(pools)) + width * (len(STRATEGIES) - 1) / 2)
-    ax.set_xticklabels([f"{p} slots" for p in pools])
-    ax.set_ylabel("prompt tokens served from cache (turns 2+)")
-    ax.set_title("RadixCache reuse by checkpoint strategy")
-    ax.legend()
+    keys = sorted({(r.workload, r.pool, r.strategy, r.policy) for r in results}, key=_order)
+    means = [
+        np.mean([r.reuse for r in results if (r.workload, r.pool, r.strategy, r.policy) == k])
+        for k in keys
+    ]
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(keys)), 4))
+    colors = ["tab:blue" if k[3] == "value" else "tab:gray" for k in keys]
+    ax.bar(np.arange(len(keys)), means, color=colors)
+    ax.set_xticks(np.arange(len(keys)))
+    ax.set_xticklabels([f"{w}\n{s}\n{p} ({n})" for w, n, s, p in keys], fontsize=6)
+    ax.set_ylabel("counted prompt tokens served from cache")
+    ax.set_title("RadixCache reuse by workload, strategy and policy (blue: value, gray: sglang)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -144,11 +227,21 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--first-len", type=int, default=200, help="turn-1 prompt tokens")
     p.add_argument("--turn-len", type=int, default=60, help="new user tokens per later turn")
-    p.add_argument("--output-len", type=int, default=40)
+    p.add_argument("--output-len", type=int, default=40, help="output tokens, multiturn")
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--pools", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 96])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
-    p.add_argument("--strategies", type=lambda s: s.split(","), default=list(STRATEGIES))
+    p.add_argument(
+        "--strategies",
+        type=lambda s: s.split(","),
+        default=list(STRATEGIES)[:3],
+        help=", ".join(STRATEGIES),
+    )
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=["multiturn"])
+    p.add_argument(
+        "--suite-output-len", type=int, default=32, help="output tokens, other workloads"
+    )
     p.add_argument("--interval", type=int, default=64)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--chunked-prefill", type=int, default=256)
@@ -171,8 +264,25 @@ def main(argv=None) -> None:
         from lazyspec.testing.tiny_models import tiny_model
 
         model = tiny_model("qwen3_next")
-    jobs = [(s, p, seed) for p in args.pools for s in args.strategies for seed in args.seeds]
-    results = [run_once(model, s, p, seed, args) for s, p, seed in tqdm(jobs, desc="reuse")]
+    for name, choices in (
+        ("workloads", WORKLOADS),
+        ("strategies", STRATEGIES),
+        ("policies", POLICIES),
+    ):
+        unknown = set(getattr(args, name)) - set(choices)
+        if unknown:
+            raise SystemExit(f"--{name}: unknown {sorted(unknown)}; known: {list(choices)}")
+    jobs = [
+        (w, s, policy, p, seed)
+        for w in args.workloads
+        for p in args.pools
+        for s in args.strategies
+        for policy in args.policies
+        for seed in args.seeds
+        # the cache-free run has no policy to vary: once, under the first one
+        if s != "cache_off" or policy == args.policies[0]
+    ]
+    results = [run_once(model, *job, args) for job in tqdm(jobs, desc="reuse")]
     table = summarize(results)
     print(table)
     if args.out_dir:

@@ -57,6 +57,7 @@ def _engine(model, spec: bool, exhausted: bool, args) -> Engine:
         max_total_tokens=args.kv_tokens,
         context_length=args.context,
         debug_fail_spare_alloc=exhausted,
+        mamba_cache_policy=args.mamba_cache_policy,
         skip_warmup=True,
         **kw,
     )
@@ -167,6 +168,12 @@ def parse_args(argv=None):
     p.add_argument("--drafter", choices=("scripted", "mtp"), default="scripted")
     p.add_argument("--corrupt", type=float, default=0.3, help="scripted drafter corruption rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mamba-cache-policy",
+        choices=("sglang", "value"),
+        default="sglang",
+        help="the tree's eviction policy (the grid is SGLang's: its rules by default)",
+    )
     p.add_argument("--out", default=None, help="also write the table to this file")
     return p.parse_args(argv)
 

@@ -8,6 +8,12 @@ the node alone, so ``kv_lock >= state_lock`` everywhere.
 
 Ownership: ``insert`` takes every KV index it is given (keeps it or frees duplicates); a state
 slot is taken only when ``InsertResult.state_taken`` says so, otherwise the caller frees it.
+
+Which state ``evict_state`` gives up is the tree's eviction policy (``EVICTION_POLICIES``):
+``"sglang"`` takes the least recently used unlocked state, as SGLang's mamba radix cache does;
+``"value"`` takes the one worth least (``checkpoint_value.py``: prefill tokens saved per slot
+times the likelihood of a hit, checkpoints superseded on their own chain first), and a caller
+may ask it to evict only states worth less than the one it wants to insert.
 """
 
 from __future__ import annotations
@@ -20,8 +26,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
+from lazyspec.cache.checkpoint_value import Worth, rank_states
 
-__all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixCache", "TreeNode", "check_all"]
+EVICTION_POLICIES = ("value", "sglang")
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "CacheStats",
+    "InsertResult",
+    "MatchResult",
+    "RadixCache",
+    "TreeNode",
+    "Worth",
+    "check_all",
+]
 
 
 @dataclass(eq=False)
@@ -88,7 +106,10 @@ class RadixCache:
         kv_allocator: KVAllocator,
         slot_allocator: SlotAllocator,
         disable: bool = False,
+        eviction: str = "sglang",
     ) -> None:
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction={eviction!r} must be one of {EVICTION_POLICIES}")
         if page_size != kv_allocator.page_size:
             raise ValueError(
                 f"page_size {page_size!r} differs from the KV allocator's {kv_allocator.page_size}"
@@ -97,6 +118,7 @@ class RadixCache:
         self.kv_allocator = kv_allocator
         self.slot_allocator = slot_allocator
         self.disable = disable
+        self.eviction = eviction
         self.stats = CacheStats()
         self._reset()
 
@@ -320,12 +342,17 @@ class RadixCache:
                 heapq.heappush(heap, (rank[survivor.node_id], survivor))
         return freed
 
-    def evict_state(self, num_slots: int) -> int:
-        """Free up to ``num_slots`` unlocked states in state-LRU order: an internal node
-        becomes a tombstone (KV kept); a leaf is deleted with its KV, then any tombstone
-        parents left as leaves. Returns slots freed."""
+    def evict_state(self, num_slots: int, below: Worth | None = None) -> int:
+        """Free up to ``num_slots`` unlocked states: an internal node becomes a tombstone (KV
+        kept); a leaf is deleted with its KV, then any tombstone parents left as leaves.
+        Returns slots freed. Which states go is the eviction policy's choice: ``"sglang"``
+        takes them in state-LRU order (``below`` is ignored); ``"value"`` takes the state
+        worth least, one at a time (each eviction changes what the others are worth), and
+        with ``below`` only states worth less than it (possibly none)."""
         if num_slots < 0:
             raise ValueError(f"cannot evict {num_slots!r} slots")
+        if self.eviction == "value":
+            return self._evict_by_value(num_slots, below)
         freed = 0
         # Deletions below only remove tombstones besides `node`, so the snapshot stays valid.
         for node in list(self._state_lru.values()):
@@ -333,15 +360,38 @@ class RadixCache:
                 break
             if node.state_lock > 0:
                 continue
-            if node.is_leaf:
-                parent = node.parent
-                self._delete_leaf(node)
-                self._prune_tombstones(parent)
-            else:
-                self.slot_allocator.free([node.state_slot])
-                self._drop_state(node)
+            self._evict_one_state(node)
             freed += 1
         return freed
+
+    def _evict_by_value(self, num_slots: int, below: Worth | None) -> int:
+        freed = 0
+        while freed < num_slots:
+            ranked = rank_states(self.root, self._state_lru)
+            if not ranked or (below is not None and not ranked[0][0] < below):
+                break
+            self._evict_one_state(ranked[0][1])
+            freed += 1
+        return freed
+
+    def fresh_worth(self, saved_tokens: int) -> Worth | None:
+        """What a running request's new checkpoint is worth to the eviction policy: it saves
+        ``saved_tokens`` over the request's deepest cached state and is the most recent, but
+        the same request supersedes it as it goes on. None under ``"sglang"`` (a fresh
+        checkpoint may evict any unlocked state). A query."""
+        if self.eviction != "value":
+            return None
+        return Worth.of(saved_tokens, recency=1.0, superseded=True)
+
+    def _evict_one_state(self, node: TreeNode) -> None:
+        assert node.state_lock == 0 and node.has_state, node.node_id
+        if node.is_leaf:
+            parent = node.parent
+            self._delete_leaf(node)
+            self._prune_tombstones(parent)
+        else:
+            self.slot_allocator.free([node.state_slot])
+            self._drop_state(node)
 
     def _delete_leaf(self, leaf: TreeNode) -> int:
         """Free an unlocked leaf's KV and state and unlink it; returns its token count."""

@@ -152,7 +152,11 @@ class Engine:
         self.kv_allocator = KVAllocator(layout.num_pages, layout.page_size)
         self.slot_allocator = SlotAllocator(layout.num_slots)
         self.tree = RadixCache(
-            layout.page_size, self.kv_allocator, self.slot_allocator, disable=c.disable_radix_cache
+            layout.page_size,
+            self.kv_allocator,
+            self.slot_allocator,
+            disable=c.disable_radix_cache,
+            eviction=c.mamba_cache_policy,
         )
         self.policy = SlotPolicy(
             layout.strategy,

@@ -26,7 +26,7 @@ a request's slots. The scheduler calls, in a request's life:
 | ``plan_extend`` / ``plan_decode`` | before each step            | may allocate / borrow a slot   |
 | ``settle_extend`` / ``settle_decode`` | after the step's results | relabels / frees slots        |
 | ``donation(req, inflight, ...)``  | before a tree insert        | nothing                        |
-| ``take_keep(req)``                | prefill checkpoint insert   | swaps in a fresh keep slot     |
+| ``take_keep(req, length)``        | prefill checkpoint insert   | swaps in a fresh keep slot     |
 |                                   |                             | (no_buffer: hands over spare)  |
 | ``give_back(slot)``               | the tree refused a donation | frees it                       |
 | ``release(req, kept)``            | finish                      | frees all but ``kept``         |
@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from lazyspec.cache.allocators import SlotAllocator
+from lazyspec.cache.checkpoint_value import Worth
 from lazyspec.scheduler.request import NO_SLOT, Phase, Req, ReqSlots
 from lazyspec.scheduler.strategy import Strategy
 
@@ -92,6 +93,7 @@ class SlotPolicy:
         self.fail_spare_alloc = fail_spare_alloc
         self.evict_on_failure = evict_on_failure
         self.num_spare_failures = 0
+        self.num_declined_inserts = 0  # running requests' checkpoints the tree had no slot for
 
     # ------------------------------------------------------------------ admission
 
@@ -123,8 +125,9 @@ class SlotPolicy:
         the scan chunk and the page): at ``start + (num_new // G) * G`` when that is past
         ``start``, written in place into the keep slot (relabelled when the result is
         processed; a chunk before the last one is donated when the next chunk is planned,
-        ``chunk_donation``). no_buffer's last chunk ALLOCATES a slot (evicting if needed)
-        that also receives the final state, held as ``spare`` until the prefill-end insert.
+        ``chunk_donation``). no_buffer's last chunk ALLOCATES a slot (evicting a state worth
+        less, as ``take_keep``; without one the prompt is not inserted) that also receives
+        the final state, held as ``spare`` until the prefill-end insert.
         Later chunks read their state from the working slot."""
         slots = req.slots
         record = RowRecord(
@@ -133,7 +136,7 @@ class SlotPolicy:
         slots.source = slots.working
         slots.chunk_track_len = None
         if self.strategy.donates_working and is_last_chunk:
-            copy = self._alloc_evicting()
+            copy = self._alloc_evicting(self._fresh_worth(req, start + num_new))
             if copy is None:
                 return record
             slots.spare = copy
@@ -251,26 +254,36 @@ class SlotPolicy:
             return None
         return Donation(slots.chunk_track_len, slots.keep)
 
-    def take_keep(self, req: Req) -> int | None:
-        """Hand the keep slot to the caller (for the tree) and give the still-running request
-        a fresh one, evicting a cached state if needed; None (nothing changed) when no slot
-        can be had. no_buffer hands over its prefill-end copy (``spare``) instead."""
+    def take_keep(self, req: Req, length: int) -> int | None:
+        """Hand the keep slot (the state after ``length`` tokens) to the caller (for the tree)
+        and give the still-running request a fresh one: a free slot, else one the tree
+        evicts for it. Under the ``"value"`` eviction policy the tree evicts only a state
+        worth less than this checkpoint, which the same request supersedes as it goes on
+        (``RadixCache.fresh_worth``): the insert is declined rather than evicting another
+        conversation's checkpoint for it. None (nothing changed) when no slot can be had.
+        no_buffer hands over its prefill-end copy (``spare``) instead."""
         slots = req.slots
         slots.chunk_track_len = None
         if self.strategy.donates_working:
             taken, slots.spare = slots.spare, NO_SLOT
             return taken if taken != NO_SLOT else None
-        fresh = self._alloc_evicting()
+        fresh = self._alloc_evicting(self._fresh_worth(req, length))
         if fresh is None:
+            self.num_declined_inserts += 1
             return None
         taken, slots.keep, slots.last_track_len = slots.keep, fresh, None
         return taken
 
-    def _alloc_evicting(self) -> int | None:
-        """One slot, evicting a cached state if none is free; None when none can be had."""
+    def _fresh_worth(self, req: Req, length: int) -> Worth | None:
+        """What ``req``'s checkpoint at ``length`` is worth to the tree (None: no limit)."""
+        return None if self.tree is None else self.tree.fresh_worth(length - req.prefix_len)
+
+    def _alloc_evicting(self, below: Worth | None = None) -> int | None:
+        """One slot, evicting a cached state (worth less than ``below``, if given) if none is
+        free; None when none can be had."""
         fresh = self.slots.alloc(1)
         if fresh is None and self.tree is not None:
-            self.tree.evict_state(1)
+            self.tree.evict_state(1, below=below)
             fresh = self.slots.alloc(1)
         return None if fresh is None else fresh[0]
 

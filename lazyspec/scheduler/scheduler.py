@@ -546,7 +546,7 @@ class Scheduler:
         self._insert_running(req, donation.length)
 
     def _insert_running(self, req: Req, length: int) -> None:
-        slot = self.policy.take_keep(req)
+        slot = self.policy.take_keep(req, length)
         if slot is None:
             return
         if not self.cache.cache_req(req, length, slot, finished=False):

@@ -72,6 +72,8 @@ HELP = {
     "mamba_track_interval": "Tokens between decode-time recurrent-state checkpoints (a "
     "multiple of page-size and mamba-chunk-size); prefill checkpoints sit on the grid "
     "lcm(mamba-chunk-size, page-size) of each chunk.",
+    "mamba_cache_policy": "Which cached checkpoint gives up its slot: value (superseded "
+    "first, then prefill tokens saved x recency; a running request's is declined) or sglang (LRU).",
     "mamba_ssm_dtype": "dtype of the recurrent (ssm) state pool.",
     "mamba_chunk_size": "Chunk length of the chunked prefill scan.",
     "chunked_prefill_size": "Most prompt tokens one request prefills per step.",

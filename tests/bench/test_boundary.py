@@ -27,6 +27,7 @@ def test_defaults_are_the_documented_grid():
     args = boundary.parse_args([])
     assert (args.prompt_len, args.interval, args.boundary, args.steps) == (500, 64, 832, 3)
     assert args.offsets == OFFSETS and args.drafter == "scripted" and args.model_path is None
+    assert args.mamba_cache_policy == "sglang"  # the parity grid runs under SGLang's rules
 
 
 @pytest.mark.slow

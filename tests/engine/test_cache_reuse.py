@@ -52,11 +52,12 @@ def _turns(engine: Engine, prompt: list[int], num_new: int, extra: list[int]):
         ("no_buffer", False, 100 + 59),  # the working slot at the exact final length
     ],
 )
-def test_turn2_hits_expected_checkpoint(strategy, fail, expected_hit):
+@pytest.mark.parametrize("policy", ["sglang", "value"])
+def test_turn2_hits_expected_checkpoint(strategy, fail, expected_hit, policy):
     rng = np.random.default_rng(1)
     prompt = list(rng.integers(3, 128, size=100))
     extra = list(rng.integers(3, 128, size=9))
-    engine = _engine(strategy, debug_fail_spare_alloc=fail)
+    engine = _engine(strategy, debug_fail_spare_alloc=fail, mamba_cache_policy=policy)
     first, hit, miss = _turns(engine, prompt, 60, extra)
     assert hit["meta_info"]["cached_tokens"] == expected_hit
     assert miss["meta_info"]["cached_tokens"] == 0

@@ -189,12 +189,12 @@ def test_take_keep_hands_over_the_keep_slot_and_installs_a_fresh_one():
     old_keep = req.slots.keep
     req.slots.last_track_len = 16
     assert policy.donation(req, [], finished=False).slot == old_keep
-    assert policy.take_keep(req) == old_keep
+    assert policy.take_keep(req, 16) == old_keep
     assert req.slots.keep not in (old_keep, NO_SLOT) and req.slots.last_track_len is None
     policy.give_back(old_keep)  # the tree did not take it
     assert slots.num_free == 1
-    assert policy.take_keep(req) is not None and slots.num_free == 0
-    assert policy.take_keep(req) is None  # no slot and no tree to evict from: unchanged
+    assert policy.take_keep(req, 16) is not None and slots.num_free == 0
+    assert policy.take_keep(req, 16) is None  # no slot and no tree to evict from: unchanged
 
 
 def test_extend_checkpoint_is_on_the_prefill_grid():
@@ -226,7 +226,7 @@ def test_settled_chunk_checkpoint_taken_by_the_tree_is_not_relabelled():
     req = _req(0, NO_SLOT, last=None)
     policy.admit(req, source_slot=NO_SLOT)
     first = policy.plan_extend(req, start=0, num_new=16, chunk=8, is_last_chunk=False)
-    taken = policy.take_keep(req)
+    taken = policy.take_keep(req, 16)
     assert taken == first.target_slot != req.slots.keep
     policy.settle_extend(first)
     assert req.slots.last_track_len is None
@@ -243,4 +243,4 @@ def test_no_buffer_last_chunk_copies_its_final_state():
     last = policy.plan_extend(req, start=16, num_new=14, chunk=8, is_last_chunk=True)
     assert last.copy_slot == req.slots.spare != NO_SLOT
     assert policy.donation(req, [], finished=False) == Donation(30, last.copy_slot)
-    assert policy.take_keep(req) == last.copy_slot and req.slots.spare == NO_SLOT
+    assert policy.take_keep(req, 30) == last.copy_slot and req.slots.spare == NO_SLOT
