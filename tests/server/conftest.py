@@ -137,7 +137,7 @@ def model_dir(tmp_path_factory) -> Path:
 def live_server(model_dir):
     from lazyspec.engine.engine import Engine
     from lazyspec.server.app import ServerSettings, create_app
-    from lazyspec.server.protocol import ChatTemplate
+    from lazyspec.server.chat import ChatTemplate
     from lazyspec.server.worker import EngineWorker
 
     engine = Engine(model_path=str(model_dir), **ENGINE_SETTINGS)  # compiles every shape

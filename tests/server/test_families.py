@@ -145,7 +145,7 @@ def test_chat_on_a_new_family_checkpoint(folders, caplog, name, spec):
 
     from lazyspec.engine.engine import Engine
     from lazyspec.server.app import ServerSettings, create_app
-    from lazyspec.server.protocol import ChatTemplate
+    from lazyspec.server.chat import ChatTemplate
     from lazyspec.server.worker import EngineWorker
 
     folder = folders[name]
@@ -193,7 +193,8 @@ def test_chat_on_a_new_family_checkpoint(folders, caplog, name, spec):
 
 
 def test_every_media_part_is_refused_by_name():
-    from lazyspec.server.protocol import MEDIA_PARTS, ApiError, parse_messages
+    from lazyspec.server.chat import MEDIA_PARTS, parse_messages
+    from lazyspec.server.limits import ApiError
 
     for kind in MEDIA_PARTS:
         parts = [{"type": "text", "text": "look"}, {"type": kind, kind: {}}]

@@ -342,7 +342,7 @@ def test_two_prompts_give_two_indexed_choices(server, client):
 
 def test_text_stream_holds_split_characters_and_stop_prefixes(model_dir):
     from lazyspec.models.loader import load_tokenizer
-    from lazyspec.server.protocol import TextStream
+    from lazyspec.server.text_stream import TextStream
 
     tokenizer = load_tokenizer(model_dir)
     # "é" as two single-byte tokens (byte-level alphabet: 0xC3 -> "Ã", 0xA9 -> "©")
@@ -366,7 +366,8 @@ def test_text_stream_holds_split_characters_and_stop_prefixes(model_dir):
 
 
 def test_chat_template_fallback_and_template_errors():
-    from lazyspec.server.protocol import ApiError, ChatTemplate, parse_messages
+    from lazyspec.server.chat import ChatTemplate, parse_messages
+    from lazyspec.server.limits import ApiError
 
     messages = parse_messages(
         [
