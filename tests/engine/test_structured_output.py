@@ -20,7 +20,7 @@ from lazyspec.scheduler.grammar import GrammarBackend, mask_width
 from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
-from lazyspec.testing.tiny_models import _logits_at, small_engine, tiny_model
+from lazyspec.testing.tiny_models import SPEC, _logits_at, small_engine, tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -33,7 +33,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 REGEX = r"[a-f]{2,5}-[0-9]{3}"
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def model():
 
 
 def _engine(model, strategy: str, spec: bool) -> Engine:
-    return small_engine(model, strategy, strategy != "no_buffer", **(SPEC if spec else {}))
+    return small_engine(model, strategy, strategy != "no_buffer", spec)
 
 
 def constrained_greedy(model, backend, prompt, kind, text, max_new) -> list[int]:
