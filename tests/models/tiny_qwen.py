@@ -15,25 +15,25 @@ from typing import Any
 
 import numpy as np
 
+from lazyspec.testing.tiny_models import QWEN_HF
+
+# The engine tests' tiny widths with a larger vocabulary, value heads and shared expert;
+# each tiny config names its layers, rotary share and MTP head.
+_PER_CONFIG = (
+    "model_type",
+    "num_hidden_layers",
+    "layer_types",
+    "max_position_embeddings",
+    "num_nextn_predict_layers",
+    "partial_rotary_factor",
+    "rope_theta",
+)
 BASE: dict[str, Any] = dict(
+    {k: v for k, v in QWEN_HF.items() if k not in _PER_CONFIG},
     vocab_size=160,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
     linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=24,
     shared_expert_intermediate_size=40,
     initializer_range=0.1,
-    rms_norm_eps=1e-6,
-    eos_token_id=2,
 )
 
 LIN, FULL = "linear_attention", "full_attention"
