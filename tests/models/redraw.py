@@ -1,7 +1,33 @@
-"""Random values for the tensors transformers initialises to constants in its Mamba2 hybrids
-(Nemotron-H, Granite 4.0-H), so that no term of the math is trivially 1 or 0. Needs torch."""
+"""Tiny transformers checkpoints of the Mamba2 hybrids (Nemotron-H, Granite 4.0-H) with
+random values for the tensors transformers initialises to constants, so that no term of the
+math is trivially 1 or 0. Needs torch + transformers."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def save_redrawn(
+    folder: str | Path,
+    config_class: str,
+    model_class: str,
+    config_kwargs: dict[str, Any],
+    seed: int,
+    **redraw: Any,
+):
+    """Build transformers' ``model_class`` of ``config_class(**config_kwargs)`` (fp32, eval)
+    from ``seed``, re-draw its constants (``redraw_constants(model, seed + 1, **redraw)``)
+    and save it to ``folder``; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**config_kwargs)
+    model = getattr(transformers, model_class)(config).float().eval()
+    redraw_constants(model, seed + 1, **redraw)
+    model.save_pretrained(str(folder))
+    return model
 
 
 def redraw_constants(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lazyspec.testing.tiny_models import GRANITE_HF
-from tests.models.redraw import redraw_constants
+from tests.models.redraw import save_redrawn
 
 # The engine tests' tiny widths (Mamba2 H=4 heads of P=16, expand 2, N=16, K=4) with the
 # Granite multipliers far from 1, as in the released configs; each tiny config names its
@@ -79,20 +79,15 @@ def hf_config_dict(pattern: str, overrides: dict[str, Any]) -> dict[str, Any]:
 def save_tiny_granite(folder: str | Path, pattern: str, overrides: dict[str, Any], seed: int = 0):
     """Build, randomise and save a tiny GraniteMoeHybridForCausalLM; returns the torch model
     (eval)."""
-    import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    torch.manual_seed(seed)
-    config = GraniteMoeHybridConfig(**hf_config_dict(pattern, overrides))
-    model = GraniteMoeHybridForCausalLM(config).float().eval()
-    redraw_constants(
-        model,
-        seed + 1,
+    return save_redrawn(
+        folder,
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        hf_config_dict(pattern, overrides),
+        seed,
         d_suffix="mamba.D",
         norm_suffixes=("norm.weight", "layernorm.weight"),
         embedding_suffixes=("lm_head.weight", "embed_tokens.weight"),
         embedding_scale=0.1,
         unit_gain=True,
     )
-    model.save_pretrained(str(folder))
-    return model

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lazyspec.testing.tiny_models import NEMOTRON_HF
-from tests.models.redraw import redraw_constants
+from tests.models.redraw import save_redrawn
 
 _PER_CONFIG = ("model_type", "n_groups", "max_position_embeddings", "layers_block_type")
 
@@ -52,20 +52,15 @@ def hf_config_dict(pattern: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def save_tiny_nemotron(folder: str | Path, pattern: str, overrides: dict[str, Any], seed: int = 0):
     """Build, randomise and save a tiny NemotronHForCausalLM; returns the torch model (eval)."""
-    import torch
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(seed)
-    config = NemotronHConfig(**hf_config_dict(pattern, overrides))
-    model = NemotronHForCausalLM(config).float().eval()
-    redraw_constants(
-        model,
-        seed + 1,
+    return save_redrawn(
+        folder,
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        hf_config_dict(pattern, overrides),
+        seed,
         d_suffix="mixer.D",
         norm_suffixes=("norm.weight", "norm_f.weight"),
         embedding_suffixes=("lm_head.weight", "embeddings.weight"),
         embedding_scale=1.0,
         buffer_suffixes=("e_score_correction_bias",),
     )
-    model.save_pretrained(str(folder))
-    return model

@@ -153,9 +153,17 @@ def save_tiny_qwen(folder: Path, name: str, seed: int = 0, with_mtp: bool = Fals
     With ``with_mtp`` the config declares ``num_nextn_predict_layers = 1`` and the file
     holds the ``mtp.*`` tensors (transformers itself ignores both).
     """
+    return save_with_mtp(
+        folder, build_hf_model(name, seed), seed, with_mtp, "num_nextn_predict_layers"
+    )
+
+
+def save_with_mtp(folder: Path, model, seed: int, with_mtp: bool, mtp_field: str):
+    """Save the transformers ``model`` to ``folder``; with ``with_mtp`` add random ``mtp.*``
+    tensors to the file and declare one MTP layer as ``mtp_field`` of the (text) config.
+    Returns (model, mtp tensors or None)."""
     import json
 
-    model = build_hf_model(name, seed)
     model.save_pretrained(str(folder))
     if not with_mtp:
         return model, None
@@ -163,7 +171,7 @@ def save_tiny_qwen(folder: Path, name: str, seed: int = 0, with_mtp: bool = Fals
     add_tensors(folder, extra)
     config_path = Path(folder) / "config.json"
     config = json.loads(config_path.read_text())
-    config["num_nextn_predict_layers"] = 1
+    config.get("text_config", config)[mtp_field] = 1
     config_path.write_text(json.dumps(config, indent=2))
     return model, extra
 

@@ -27,6 +27,7 @@ from lazyspec.testing.tiny_models import (
     GRANITE_HF,
     GRANITE_INIT_SCALE,
     QWEN35_HF,
+    SMALL_ENGINE,
     reference_greedy,
 )
 from lazyspec.training.export import checkpoint_tensors
@@ -60,13 +61,11 @@ VISION_TENSORS = {
 }
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 SETTINGS = dict(
+    SMALL_ENGINE,
     mamba_track_interval=32,
-    mamba_chunk_size=16,
     chunked_prefill_size=16,
     max_running_requests=1,
     max_total_tokens=2048,
-    context_length=256,
-    skip_warmup=True,
 )
 
 
