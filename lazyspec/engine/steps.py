@@ -241,21 +241,11 @@ def extend_step(
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
-        with jax.named_scope("draft_extend"):
-            mtp_hidden, mtp_kv = fam.mtp_forward(
-                params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
-            )
+        mtp_hidden, mtp_kv = _draft_extend(
+            fam, cfg, static, params, mtp_kv, hidden, next_tokens, inputs
+        )
         new_drafts, mtp_kv = _draft_chain(
-            fam,
-            cfg,
-            static,
-            params,
-            mtp_kv,
-            mtp_hidden[rows, last],
-            tail,
-            last_pos,
-            kv_read_idx,
-            real & batch.is_last_chunk,
+            fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, last, real & batch.is_last_chunk
         )
         drafts = drafts.at[done_row].set(new_drafts, mode="drop")
     new_pools = dataclasses.replace(
@@ -290,20 +280,31 @@ def extend_step(
     return outputs, new_pools
 
 
-def _draft_chain(
-    fam, cfg, static: StepStatic, params, mtp_kv, hidden0, token0, pos0, kv_read_idx, real
-):
-    """Greedy chain drafting with the MTP head.
+def _draft_extend(fam, cfg, static: StepStatic, params, mtp_kv, hidden, next_tokens, inputs):
+    """The MTP head over a step's positions: ``hidden`` the target's hidden states
+    ``[B, T, H]``, ``next_tokens`` each position's successor, ``inputs`` the step's (its KV
+    writes). Returns (MTP hidden ``[B, T, H]``, mtp_kv)."""
+    with jax.named_scope("draft_extend"):
+        return fam.mtp_forward(
+            params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
+        )
 
-    ``hidden0`` is the MTP hidden at position ``pos0`` (whose input token's successor is
-    ``token0``); its logits give draft 1. Each further draft runs the MTP layer one position
-    ahead on (previous MTP hidden, previous draft). Each draft is the argmax over the whole
-    vocabulary, or over a speculative token map's ids when the params hold its reduced
-    lm_head (``draft_vocab.draft_argmax``). Returns (drafts [B, S], mtp_kv).
+
+def _draft_chain(fam, cfg, static: StepStatic, params, mtp_kv, mtp_hidden, inputs, pick, real):
+    """Greedy chain drafting with the MTP head, from each row's position ``pick`` of the
+    step (``inputs``, whose MTP hidden states are ``mtp_hidden``).
+
+    The MTP hidden at that position gives draft 1. Each further draft runs the MTP layer
+    one position ahead on (previous MTP hidden, previous draft). Each draft is the argmax
+    over the whole vocabulary, or over a speculative token map's ids when the params hold
+    its reduced lm_head (``draft_vocab.draft_argmax``). Rows not ``real`` write no KV.
+    Returns (drafts [B, S], mtp_kv).
     """
     num_steps = static.num_verify - 1
+    rows = jnp.arange(pick.shape[0])
+    kv_read_idx = inputs.kv_read_idx
     drafts = []
-    hidden, pos = hidden0, pos0
+    hidden, pos = mtp_hidden[rows, pick], inputs.positions[rows, pick]
     for step in range(num_steps):
         draft = draft_argmax(fam, cfg, params, hidden)
         drafts.append(draft)
@@ -498,7 +499,7 @@ def _decode_finish(
     num_rows = batch.req_row.shape[0]
     num_pos = batch.num_verify
     real, row, pre, drafts, positions = view.real, view.row, view.pre, view.drafts, view.positions
-    kv_read_idx, inputs = view.kv_read_idx, view.inputs
+    inputs = view.inputs
     hidden, logits, steps = carry.hidden, carry.logits, carry.steps
     # the forward left seq_len / last_token / drafts as it found them: these are its rows
     with jax.named_scope("sampling"):
@@ -537,10 +538,9 @@ def _decode_finish(
     chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
-        with jax.named_scope("draft_extend"):
-            mtp_hidden, mtp_kv = fam.mtp_forward(
-                params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
-            )
+        mtp_hidden, mtp_kv = _draft_extend(
+            fam, cfg, static, params, mtp_kv, hidden, next_tokens, inputs
+        )
         if num_pos == 1:
             # speculation off for this batch (``Layout.spec_max_batch``): the draft head's
             # KV still follows every token (only its K / V projections are live), so
@@ -548,16 +548,7 @@ def _decode_finish(
             new_drafts = pools.drafts.at[dest].set(NO_DRAFT, mode="drop")
         else:
             chain, mtp_kv = _draft_chain(
-                fam,
-                cfg,
-                static,
-                params,
-                mtp_kv,
-                mtp_hidden[rows, accept_len - 1],
-                bonus,
-                post - 1,
-                kv_read_idx,
-                real,
+                fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, accept_len - 1, real
             )
             new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
     new_pools = dataclasses.replace(
