@@ -55,18 +55,17 @@ class Shape:
         """K and V bytes a call must read (bf16): every row's whole context."""
         return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * 2
 
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        """(batch, context, num_heads, num_kv_heads, head_dim)."""
+        return self.batch, self.context, self.num_heads, self.num_kv_heads, self.head_dim
+
 
 def make_inputs(shape: Shape, table_len: int, seed: int = 0) -> dict[str, jax.Array]:
     """q, the pools, the table, ctx_len and positions of a decode step at full context, and
     the table padded with the sink row to ``table_len`` ("wide_table")."""
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    b, c, hq, hkv, d = (
-        shape.batch,
-        shape.context,
-        shape.num_heads,
-        shape.num_kv_heads,
-        shape.head_dim,
-    )
+    b, c, hq, hkv, d = shape.dims
     pool_shape = (b * c + 1, hkv, d)
     table = (1 + jnp.arange(b * c, dtype=jnp.int32)).reshape(b, c)
     return {
@@ -153,13 +152,7 @@ def run_peer(spec: str, iters: int, warmup: int) -> int:
 
     shape = Shape(**json.loads(spec))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    b, c, hq, hkv, d = (
-        shape.batch,
-        shape.context,
-        shape.num_heads,
-        shape.num_kv_heads,
-        shape.head_dim,
-    )
+    b, c, hq, hkv, d = shape.dims
     q = torch.randn(b, hq, 1, d, device=device, dtype=torch.bfloat16)
     k = torch.randn(b, hkv, c, d, device=device, dtype=torch.bfloat16)
     v = torch.randn(b, hkv, c, d, device=device, dtype=torch.bfloat16)

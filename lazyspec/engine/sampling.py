@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lazyspec.scheduler.batch import SamplingRows
+from lazyspec.scheduler.batch import ExtendBatch, SamplingRows
 from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NEG_INF = -1e30
@@ -315,3 +315,45 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     safe = jnp.maximum(tokens, 0)
     return jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+
+
+PROMPT_LOGPROB_BLOCK = 256  # positions whose logits a prompt-logprob pass holds at once
+
+
+def prompt_logprobs(fam, cfg, params, hidden, batch: ExtendBatch, positions):
+    """Logprobs (raw logits, temperature 1) of each chunk position's next prompt token and
+    the position's top alternatives: ([B, T], [B, T, K], [B, T, K]). Computed only when a
+    row asks (``logprob_start``), over blocks of positions so that the logits of a whole
+    chunk are never held; zeros otherwise."""
+    num_rows, num_tokens = batch.tokens.shape
+    targets = jnp.concatenate([batch.tokens[:, 1:], batch.next_token[:, None]], axis=1)
+    t_idx = jnp.arange(num_tokens)[None, :]
+    wanted = (positions + 1 >= batch.logprob_start[:, None]) & (t_idx < batch.num_new[:, None])
+    block = math.gcd(num_tokens, PROMPT_LOGPROB_BLOCK)
+    num_blocks = num_tokens // block
+
+    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
+        x = x.reshape(num_rows, num_blocks, block, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def unblock(x):
+        return jnp.moveaxis(x, 0, 1).reshape(num_rows, num_tokens, *x.shape[3:])
+
+    def one_block(args):
+        hidden_block, target_block = args
+        logits = fam.compute_logits(params, cfg, hidden_block)
+        values, ids = top_logprobs(logits)
+        return token_logprobs(logits, target_block), values, ids
+
+    def compute(_):
+        out = jax.lax.map(one_block, (blocks(hidden), blocks(targets)))
+        return tuple(unblock(x) for x in out)
+
+    def skip(_):
+        return (
+            jnp.zeros((num_rows, num_tokens), jnp.float32),
+            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.float32),
+            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.int32),
+        )
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip, None)

@@ -26,6 +26,8 @@ Both steps first apply the request-table updates their batch carries to
 ``pools.req_to_token`` and then gather their rows' KV indices from it (``_read_table``):
 the host sends table deltas, never whole rows.
 
+The state commit (gather, scatter, checkpoint copy) is ``state_commit``'s.
+
 Every scatter uses an out-of-range sentinel with ``mode="drop"`` for rows that must not
 write, so slot 0, page 0 and request row 0 are never written.
 """
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,6 +48,7 @@ from lazyspec.engine.draft_vocab import draft_argmax
 from lazyspec.engine.sampling import (
     TokenHistory,
     greedy_verify,
+    prompt_logprobs,
     sample_from,
     target_probs,
     token_logprobs,
@@ -56,21 +58,19 @@ from lazyspec.engine.sampling import (
 )
 from lazyspec.engine.shard_kernels import per_shard
 from lazyspec.engine.sharding import ShardingPlan
+from lazyspec.engine.state_commit import (
+    commit_picked,
+    commit_verify,
+    copy_checkpoint,
+    gather_state,
+    scatter_state,
+)
 from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.kernels.tuning import Tuning
-from lazyspec.models.interface import (
-    ChunkStates,
-    ForwardInputs,
-    KVPools,
-    PoolView,
-    StateRows,
-    StepStates,
-)
+from lazyspec.models.interface import ForwardInputs, KVPools, PoolView, StepStates
 from lazyspec.scheduler.batch import CountSeed, DecodeBatch, ExtendBatch
-from lazyspec.scheduler.layout import NULL_SLOT
 from lazyspec.scheduler.request import TOP_LOGPROBS
 
-NO_STEP = -1  # state_scatter: this row writes nothing
 NO_DRAFT = -1  # pools.drafts: no draft for this position (verify rejects it)
 
 
@@ -161,48 +161,6 @@ def _count_outputs(output_counts: jax.Array, rows: jax.Array, tokens: jax.Array)
     return output_counts.at[rows[:, None], tokens].add(1, mode="drop")
 
 
-PROMPT_LOGPROB_BLOCK = 256  # positions whose logits a prompt-logprob pass holds at once
-
-
-def _prompt_logprobs(fam, cfg, params, hidden, batch: ExtendBatch, positions):
-    """Logprobs (raw logits, temperature 1) of each chunk position's next prompt token and
-    the position's top alternatives: ([B, T], [B, T, K], [B, T, K]). Computed only when a
-    row asks (``logprob_start``), over blocks of positions so that the logits of a whole
-    chunk are never held; zeros otherwise."""
-    num_rows, num_tokens = batch.tokens.shape
-    targets = jnp.concatenate([batch.tokens[:, 1:], batch.next_token[:, None]], axis=1)
-    t_idx = jnp.arange(num_tokens)[None, :]
-    wanted = (positions + 1 >= batch.logprob_start[:, None]) & (t_idx < batch.num_new[:, None])
-    block = math.gcd(num_tokens, PROMPT_LOGPROB_BLOCK)
-    num_blocks = num_tokens // block
-
-    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
-        x = x.reshape(num_rows, num_blocks, block, *x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
-
-    def unblock(x):
-        return jnp.moveaxis(x, 0, 1).reshape(num_rows, num_tokens, *x.shape[3:])
-
-    def one_block(args):
-        hidden_block, target_block = args
-        logits = fam.compute_logits(params, cfg, hidden_block)
-        values, ids = top_logprobs(logits)
-        return token_logprobs(logits, target_block), values, ids
-
-    def compute(_):
-        out = jax.lax.map(one_block, (blocks(hidden), blocks(targets)))
-        return tuple(unblock(x) for x in out)
-
-    def skip(_):
-        return (
-            jnp.zeros((num_rows, num_tokens), jnp.float32),
-            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.float32),
-            jnp.zeros((num_rows, num_tokens, TOP_LOGPROBS), jnp.int32),
-        )
-
-    return jax.lax.cond(jnp.any(wanted), compute, skip, None)
-
-
 def apply_vocab_masks(vocab_mask: jax.Array, rows: jax.Array, masks: jax.Array) -> jax.Array:
     """``vocab_mask[rows[i]] = masks[i]`` (``masks [K, D, W]``); rows past the table (the
     drop sentinel) write nothing."""
@@ -215,85 +173,6 @@ def _read_table(static: StepStatic, pools: Pools, batch: ExtendBatch | DecodeBat
     table = apply_table_updates(pools.req_to_token, batch.table_updates)
     rows = jnp.where(batch.req_row <= static.max_reqs, batch.req_row, 0)
     return table, table[rows]
-
-
-def _gather_state(pools: Pools, slots: jax.Array) -> StateRows:
-    return StateRows(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
-
-
-def _scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
-    """pool[:, slots[b]] = state[:, b]; out-of-range slots are dropped."""
-    pools_conv = pools_conv.at[:, slots].set(conv.astype(pools_conv.dtype), mode="drop")
-    pools_ssm = pools_ssm.at[:, slots].set(ssm.astype(pools_ssm.dtype), mode="drop")
-    return pools_conv, pools_ssm
-
-
-def _commit_picked(
-    static: StepStatic,
-    pools_conv,
-    pools_ssm,
-    states: ChunkStates | StepStates,
-    dst_slot: jax.Array,
-    index: jax.Array,
-):
-    """pool[l, dst_slot[b]] = states[l][b, index[b]] (states after each prefill chunk, stacked
-    ``[L, B, N, ...]``, or after each verify position, per-layer lists of ``[B, N, ...]``)
-    for rows whose dst_slot is a real slot; sentinel rows write nothing. The engine's
-    ``Kernels.state_scatter``: one launch for stacked states, one per layer for lists (so
-    the verify scratch is never stacked into one array). Returns (conv, ssm)."""
-    # state_scatter's convention for "write nothing" is a negative step index (its slot
-    # then reads as the null slot), not the drop sentinel the scatters here use
-    write = (dst_slot >= 1) & (dst_slot <= static.num_slots)
-    dst, step = jnp.where(write, dst_slot, NULL_SLOT), jnp.where(write, index, NO_STEP)
-    if isinstance(states, ChunkStates):
-        ssm, conv = static.kernels.state_scatter(
-            pools_ssm, pools_conv, states.ssm, states.conv, dst, step
-        )
-        return conv, ssm
-    ssm, conv = pools_ssm, pools_conv
-    for layer, (ssm_steps, conv_steps) in enumerate(zip(states.ssm, states.conv)):
-        ssm, conv = static.kernels.state_scatter(
-            ssm, conv, ssm_steps, conv_steps, dst, step, layer=layer
-        )
-    return conv, ssm
-
-
-def _commit_verify(
-    static: StepStatic,
-    pools: Pools,
-    steps: StepStates,
-    batch: DecodeBatch,
-    accept_len: jax.Array,
-    pre: jax.Array,
-    crossed: jax.Array,
-):
-    """A verify's commit (DESIGN §7), two masked scatters from the per-position states
-    ``steps``: the last accepted state into the working slot, and for rows that crossed a
-    multiple of the interval the crossing state into the planned checkpoint slot. Returns
-    (conv, ssm)."""
-    interval = batch.track_interval
-    real = batch.req_row <= static.max_reqs
-    t_cross = ((pre + accept_len) // interval) * interval - pre - 1
-    sentinel_slot = static.sentinel_slot
-    working = jnp.where(real, batch.working_slot, sentinel_slot)
-    track = jnp.where(crossed, batch.track_slot, sentinel_slot)
-    conv, ssm = _commit_picked(static, pools.conv, pools.ssm, steps, working, accept_len - 1)
-    return _commit_picked(static, conv, ssm, steps, track, t_cross)
-
-
-def _copy_checkpoint(static: StepStatic, written: PoolView, batch: DecodeBatch, crossed):
-    """An in-place decode's commit: the working slots already hold the new state
-    (``written``, the pools the forward returned), so a row that crossed a multiple of the
-    interval copies its working slot into its planned checkpoint slot, pool to pool. Rows
-    that did not cross, or have no real target (the drop sentinel), copy nothing (their
-    destination reads as the null slot, which ``state_copy`` never writes). Returns
-    (conv, ssm)."""
-    track = batch.track_slot
-    write = crossed & (track >= 1) & (track <= static.num_slots)
-    dst = jnp.where(write, track, NULL_SLOT)
-    src = jnp.where(write, batch.working_slot, NULL_SLOT)
-    ssm, conv = static.kernels.state_copy(written.ssm_pool, written.conv_pool, src, dst)
-    return conv, ssm
 
 
 def extend_step(
@@ -315,7 +194,7 @@ def extend_step(
         kv_read_idx=kv_read_idx,
         ctx_len=batch.start_pos + batch.num_new,
     )
-    rec = _gather_state(pools, batch.state_src_slot)
+    rec = gather_state(pools, batch.state_src_slot)
     with jax.named_scope("target_extend"):
         hidden, kv, out = fam.forward(
             params,
@@ -329,11 +208,11 @@ def extend_step(
             keep_chunk=batch.track_chunk,
         )
     with jax.named_scope("state_commit"):
-        conv, ssm = _scatter_state(
+        conv, ssm = scatter_state(
             pools.conv, pools.ssm, batch.working_slot, out.final.conv, out.final.ssm
         )
-        conv, ssm = _scatter_state(conv, ssm, batch.copy_slot, out.final.conv, out.final.ssm)
-        conv, ssm = _commit_picked(
+        conv, ssm = scatter_state(conv, ssm, batch.copy_slot, out.final.conv, out.final.ssm)
+        conv, ssm = commit_picked(
             static, conv, ssm, out.chunks, batch.track_slot, jnp.zeros_like(batch.track_chunk)
         )  # the one kept chunk state
     rows = jnp.arange(num_rows)
@@ -362,21 +241,11 @@ def extend_step(
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
-        with jax.named_scope("draft_extend"):
-            mtp_hidden, mtp_kv = fam.mtp_forward(
-                params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
-            )
+        mtp_hidden, mtp_kv = _draft_extend(
+            fam, cfg, static, params, mtp_kv, hidden, next_tokens, inputs
+        )
         new_drafts, mtp_kv = _draft_chain(
-            fam,
-            cfg,
-            static,
-            params,
-            mtp_kv,
-            mtp_hidden[rows, last],
-            tail,
-            last_pos,
-            kv_read_idx,
-            real & batch.is_last_chunk,
+            fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, last, real & batch.is_last_chunk
         )
         drafts = drafts.at[done_row].set(new_drafts, mode="drop")
     new_pools = dataclasses.replace(
@@ -395,7 +264,7 @@ def extend_step(
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
     with jax.named_scope("prompt_logprobs"):
-        prompt_lp, prompt_top, prompt_top_ids = _prompt_logprobs(
+        prompt_lp, prompt_top, prompt_top_ids = prompt_logprobs(
             fam, cfg, params, hidden, batch, positions
         )
     outputs = {
@@ -411,20 +280,31 @@ def extend_step(
     return outputs, new_pools
 
 
-def _draft_chain(
-    fam, cfg, static: StepStatic, params, mtp_kv, hidden0, token0, pos0, kv_read_idx, real
-):
-    """Greedy chain drafting with the MTP head.
+def _draft_extend(fam, cfg, static: StepStatic, params, mtp_kv, hidden, next_tokens, inputs):
+    """The MTP head over a step's positions: ``hidden`` the target's hidden states
+    ``[B, T, H]``, ``next_tokens`` each position's successor, ``inputs`` the step's (its KV
+    writes). Returns (MTP hidden ``[B, T, H]``, mtp_kv)."""
+    with jax.named_scope("draft_extend"):
+        return fam.mtp_forward(
+            params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
+        )
 
-    ``hidden0`` is the MTP hidden at position ``pos0`` (whose input token's successor is
-    ``token0``); its logits give draft 1. Each further draft runs the MTP layer one position
-    ahead on (previous MTP hidden, previous draft). Each draft is the argmax over the whole
-    vocabulary, or over a speculative token map's ids when the params hold its reduced
-    lm_head (``draft_vocab.draft_argmax``). Returns (drafts [B, S], mtp_kv).
+
+def _draft_chain(fam, cfg, static: StepStatic, params, mtp_kv, mtp_hidden, inputs, pick, real):
+    """Greedy chain drafting with the MTP head, from each row's position ``pick`` of the
+    step (``inputs``, whose MTP hidden states are ``mtp_hidden``).
+
+    The MTP hidden at that position gives draft 1. Each further draft runs the MTP layer
+    one position ahead on (previous MTP hidden, previous draft). Each draft is the argmax
+    over the whole vocabulary, or over a speculative token map's ids when the params hold
+    its reduced lm_head (``draft_vocab.draft_argmax``). Rows not ``real`` write no KV.
+    Returns (drafts [B, S], mtp_kv).
     """
     num_steps = static.num_verify - 1
+    rows = jnp.arange(pick.shape[0])
+    kv_read_idx = inputs.kv_read_idx
     drafts = []
-    hidden, pos = hidden0, pos0
+    hidden, pos = mtp_hidden[rows, pick], inputs.positions[rows, pick]
     for step in range(num_steps):
         draft = draft_argmax(fam, cfg, params, hidden)
         drafts.append(draft)
@@ -547,7 +427,7 @@ def _decode_forward(fam, cfg, static: StepStatic, params, pools: Pools, batch, r
     interval = batch.track_interval
     crossed = rows.real & (rows.pre // interval != (rows.pre + 1) // interval)
     with jax.named_scope("state_commit"):
-        conv, ssm = _copy_checkpoint(static, out.pools, batch, crossed)
+        conv, ssm = copy_checkpoint(static, out.pools, batch, crossed)
     pools = dataclasses.replace(pools, conv=conv, ssm=ssm)
     return DecodeCarry(hidden=hidden, logits=logits, steps=None), pools
 
@@ -619,7 +499,7 @@ def _decode_finish(
     num_rows = batch.req_row.shape[0]
     num_pos = batch.num_verify
     real, row, pre, drafts, positions = view.real, view.row, view.pre, view.drafts, view.positions
-    kv_read_idx, inputs = view.kv_read_idx, view.inputs
+    inputs = view.inputs
     hidden, logits, steps = carry.hidden, carry.logits, carry.steps
     # the forward left seq_len / last_token / drafts as it found them: these are its rows
     with jax.named_scope("sampling"):
@@ -644,7 +524,7 @@ def _decode_finish(
         if steps is None:  # decode_forward wrote the state and copied the checkpoints
             conv, ssm = pools.conv, pools.ssm
         else:
-            conv, ssm = _commit_verify(static, pools, steps, batch, accept_len, pre, crossed)
+            conv, ssm = commit_verify(static, pools, steps, batch, accept_len, pre, crossed)
     sentinel_row = static.sentinel_row
     dest = jnp.where(real, batch.req_row, sentinel_row)
     rows = jnp.arange(num_rows)
@@ -658,10 +538,9 @@ def _decode_finish(
     chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
-        with jax.named_scope("draft_extend"):
-            mtp_hidden, mtp_kv = fam.mtp_forward(
-                params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
-            )
+        mtp_hidden, mtp_kv = _draft_extend(
+            fam, cfg, static, params, mtp_kv, hidden, next_tokens, inputs
+        )
         if num_pos == 1:
             # speculation off for this batch (``Layout.spec_max_batch``): the draft head's
             # KV still follows every token (only its K / V projections are live), so
@@ -669,16 +548,7 @@ def _decode_finish(
             new_drafts = pools.drafts.at[dest].set(NO_DRAFT, mode="drop")
         else:
             chain, mtp_kv = _draft_chain(
-                fam,
-                cfg,
-                static,
-                params,
-                mtp_kv,
-                mtp_hidden[rows, accept_len - 1],
-                bonus,
-                post - 1,
-                kv_read_idx,
-                real,
+                fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, accept_len - 1, real
             )
             new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
     new_pools = dataclasses.replace(

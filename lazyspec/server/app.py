@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyspec.scheduler.grammar import grammar_of
+from lazyspec.server.chat import ChatTemplate
 from lazyspec.server.fields import check_fields
 from lazyspec.server.guard import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -32,18 +33,9 @@ from lazyspec.server.guard import (
     check_json_content_type,
     guard_stack,
 )
-from lazyspec.server.protocol import (
-    ApiError,
-    ChatTemplate,
-    GenerationSpec,
-    Limits,
-    max_body_prompt_chars,
-    max_prompt_chars,
-    parse_chat,
-    parse_completion,
-    parse_generate,
-    parse_json_body,
-)
+from lazyspec.server.limits import ApiError, Limits, max_body_prompt_chars, max_prompt_chars
+from lazyspec.server.protocol import GenerationSpec, parse_chat, parse_completion, parse_generate
+from lazyspec.server.readers import parse_json_body
 from lazyspec.server.render import (
     ChatRenderer,
     Choice,

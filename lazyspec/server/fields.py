@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lazyspec.server.protocol import ApiError
+from lazyspec.server.limits import ApiError
 
 # SGLang's extra_body sampling fields on both /v1 endpoints that the parsers read
 SGLANG_V1_SAMPLING = (

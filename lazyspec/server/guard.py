@@ -17,7 +17,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from lazyspec.server.protocol import ApiError
+from lazyspec.server.limits import ApiError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # a 1M-token prompt of token ids is ~8 MB of JSON

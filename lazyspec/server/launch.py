@@ -367,8 +367,8 @@ def _follow(kwargs: dict[str, Any]) -> None:
 
 def _server_settings(args: argparse.Namespace, model_path: str, sglang: SglangFlags) -> Any:
     from lazyspec.server.app import ServerSettings
+    from lazyspec.server.chat import ChatTemplate
     from lazyspec.server.guard import split_list
-    from lazyspec.server.protocol import ChatTemplate
 
     template = (
         ChatTemplate(Path(args.chat_template).read_text())

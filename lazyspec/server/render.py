@@ -9,7 +9,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lazyspec.server.protocol import ApiError, GenerationSpec, TextStream
+from lazyspec.server.limits import ApiError
+from lazyspec.server.protocol import GenerationSpec
+from lazyspec.server.text_stream import TextStream
 from lazyspec.server.worker import TokenEvent
 
 

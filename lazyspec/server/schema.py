@@ -20,7 +20,7 @@ from lazyspec.scheduler.request import (
     REPETITION_PENALTY_MAX,
     SEED_RANGE,
 )
-from lazyspec.server.protocol import (
+from lazyspec.server.limits import (
     MAX_CHOICES,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,

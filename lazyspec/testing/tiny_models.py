@@ -149,17 +149,23 @@ SMALL_ENGINE = dict(
 )
 
 
-def small_engine(model, strategy: str = "extra_buffer", overlap: bool = True, **settings):
+# speculation as the engine tests run it: the MTP head drafting three tokens
+SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+
+
+def small_engine(
+    model, strategy: str = "extra_buffer", overlap: bool = True, spec: bool = False, **settings
+):
     """An ``Engine`` of ``model`` with ``SMALL_ENGINE``'s settings, the checkpoint
-    ``strategy`` and the overlapped loop on or off; ``settings`` add to them or replace
-    them."""
+    ``strategy``, the overlapped loop on or off and ``SPEC``'s speculation with ``spec``;
+    ``settings`` add to them or replace them."""
     from lazyspec.engine.engine import Engine  # the engine imports the models, not this
 
     return Engine(
         model=model,
         mamba_scheduler_strategy=strategy,
         disable_overlap_schedule=not overlap,
-        **{**SMALL_ENGINE, **settings},
+        **{**SMALL_ENGINE, **(SPEC if spec else {}), **settings},
     )
 
 

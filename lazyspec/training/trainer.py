@@ -199,16 +199,10 @@ def make_train_step(
     gradient's global norm (before clipping).
     """
 
+    loss = _loss_of(cfg, mtp_weight, compute_dtype, gdn_form)
+
     def step(params, opt_state, tokens):
-        grad_fn = jax.value_and_grad(total_loss, has_aux=True)
-        (_, metrics), grads = grad_fn(
-            params,
-            cfg,
-            tokens,
-            mtp_weight=mtp_weight,
-            compute_dtype=compute_dtype,
-            gdn_form=gdn_form,
-        )
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, dict(metrics, grad_norm=optax.tree.norm(grads))
@@ -225,7 +219,15 @@ def make_eval_step(
 ):
     """A jitted ``(params, tokens) -> metrics`` (the loss parts, no update)."""
 
-    def step(params, tokens):
+    loss = _loss_of(cfg, mtp_weight, compute_dtype, gdn_form)
+    return jax.jit(lambda params, tokens: loss(params, tokens)[1])
+
+
+def _loss_of(cfg: ModelConfig, mtp_weight: float, compute_dtype: Any, gdn_form: str):
+    """``total_loss`` of ``cfg`` with these settings, as ``(params, tokens) -> (loss,
+    metrics)``."""
+
+    def loss(params, tokens):
         return total_loss(
             params,
             cfg,
@@ -233,9 +235,9 @@ def make_eval_step(
             mtp_weight=mtp_weight,
             compute_dtype=compute_dtype,
             gdn_form=gdn_form,
-        )[1]
+        )
 
-    return jax.jit(step)
+    return loss
 
 
 # ---------------------------------------------------------------- data and evaluation

@@ -28,22 +28,14 @@ from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.collector import quiet_collector
+from tests.engine import tp_worker
 from tests.engine.tp_worker import tiny, workload
 from tests.models.tiny_qwen import config_dict, write_checkpoint
 
 TP = 4
 NNODES = 2
 # the tiny engine of tp_worker's runs; warm-up on, so the followers compile as process 0 does
-SETTINGS = dict(
-    speculative_algorithm="NEXTN",
-    mamba_scheduler_strategy="extra_buffer_lazy",
-    mamba_track_interval=16,
-    mamba_chunk_size=16,
-    chunked_prefill_size=16,
-    max_running_requests=2,
-    max_total_tokens=1024,
-    context_length=384,
-)
+SETTINGS = dict(tp_worker.SETTINGS, speculative_algorithm="NEXTN", context_length=384)
 
 
 def write_folder(where: Path) -> Path:

@@ -8,10 +8,6 @@ when the engine is built."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -21,10 +17,8 @@ from lazyspec.engine.draft_vocab import DRAFT_VOCAB, build_draft_vocab, draft_ar
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.sharding import sharding_plan
 from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
-from lazyspec.testing.xla_flags import for_host_devices
 from lazyspec.token_map import draft_token_ids
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.device_runs import run_on_cpu_devices
 
 MAP_IDS = [5, 9, 17, 33, 34, 60, 61, 62, 90, 127]  # the tiny models' vocabulary is 128
 EOS = 2
@@ -199,23 +193,8 @@ def test_tensor_parallel_map_is_sharded_by_columns_and_exact(case):
     splits the lm_head's, the ids replicated; two requests in one batch stay exact and draft
     only map ids."""
     _, prompts, _, _, path = case
-    env = dict(
-        os.environ,
-        XLA_FLAGS=for_host_devices(2),
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
     args = [path, json.dumps([[int(t) for t in p] for p in prompts[:2]])]
-    done = subprocess.run(
-        [sys.executable, "-c", TP2_RUN, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_on_cpu_devices(["-c", TP2_RUN, *args], 2, 600)
     assert report["same"] == [True, True]
     assert report["lm_head_spec"] == [None, "tp"]
     assert report["ids_spec"] in ([], [None])

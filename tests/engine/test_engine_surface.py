@@ -9,19 +9,18 @@ import dataclasses
 import pytest
 
 from lazyspec.engine.engine import Engine
-from lazyspec.testing.tiny_models import tiny_model
+from lazyspec.testing.tiny_models import small_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(
-        model=tiny_model(),
+    return small_engine(
+        tiny_model(),
+        "auto",
         mamba_track_interval=64,
+        mamba_chunk_size=64,
         chunked_prefill_size=128,
-        max_running_requests=4,
-        max_total_tokens=4096,
         context_length=512,
-        skip_warmup=True,
     )
 
 

@@ -22,8 +22,8 @@ import pytest
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.sinks import assert_null_sinks_zero
-from lazyspec.testing.tiny_models import tiny_model
-from tests.engine.test_structured_output import REGEX, SCHEMA, SPEC
+from lazyspec.testing.tiny_models import small_engine, tiny_model
+from tests.engine.test_structured_output import REGEX, SCHEMA
 
 CONSTRAINED = 3  # the first requests of ``_requests`` have a grammar
 
@@ -35,20 +35,7 @@ def model():
 
 
 def _engine(model, strategy: str, spec: bool, overlap: bool, **kw) -> Engine:
-    return Engine(
-        model=model,
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=kw.pop("max_running_requests", 6),
-        max_total_tokens=kw.pop("max_total_tokens", 4096),
-        context_length=256,
-        skip_warmup=True,
-        **(SPEC if spec else {}),
-        **kw,
-    )
+    return small_engine(model, strategy, overlap, spec, **{"max_running_requests": 6, **kw})
 
 
 def _requests() -> list[tuple[list[int], dict]]:

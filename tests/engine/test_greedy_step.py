@@ -19,10 +19,8 @@ from lazyspec.engine.engine import Engine
 from lazyspec.engine.sampling import greedy_verify, verify_and_sample
 from lazyspec.scheduler.batch import DecodeBatch, greedy_decodable, sampling_row
 from lazyspec.scheduler.request import Req, SamplingParams
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
 from tests.engine.test_sampling import sampling_arrays
-
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 
 
 @pytest.mark.parametrize("num_pos", [1, 2, 4])
@@ -76,19 +74,7 @@ def test_a_request_that_changes_its_logits_takes_the_general_step(change):
 
 
 def _engine(model, overlap: bool, spec: bool, **kw) -> Engine:
-    return Engine(
-        model=model,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=2,
-        max_total_tokens=kw.pop("max_total_tokens", 4096),
-        context_length=256,
-        skip_warmup=kw.pop("skip_warmup", True),
-        **(SPEC if spec else {}),
-        **kw,
-    )
+    return small_engine(model, "auto", overlap, spec, **{"max_running_requests": 2, **kw})
 
 
 @pytest.fixture(scope="module")

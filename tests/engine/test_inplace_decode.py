@@ -26,7 +26,7 @@ from lazyspec.kernels.state.conv import conv_update_pallas
 from lazyspec.kernels.state.scatter import state_copy_pallas
 from lazyspec.models.interface import ForwardInputs, StateRows
 from lazyspec.scheduler.batch import build_decode
-from lazyspec.testing.tiny_models import tiny_model
+from lazyspec.testing.tiny_models import small_engine, tiny_model
 
 pytestmark = pytest.mark.pallas
 
@@ -40,16 +40,13 @@ PADDING_WORKING, PADDING_TRACK = 3, 8
 
 
 def _engine(family: str, backend: str) -> Engine:
-    return Engine(
-        model=tiny_model(family),
+    return small_engine(
+        tiny_model(family),
+        "auto",
         kernel_backend=backend,
         mamba_track_interval=INTERVAL,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=4,
         max_total_tokens=1024,
         context_length=128,
-        skip_warmup=True,
     )
 
 

@@ -12,22 +12,14 @@ import pytest
 
 from lazyspec.engine.engine import Engine
 from lazyspec.scheduler import batch as batch_module
-from lazyspec.testing.tiny_models import tiny_model
+from lazyspec.testing.tiny_models import small_engine, tiny_model
 
 
 @pytest.fixture(scope="module")
 def running_engine():
     """Two requests mid-decode, one of them past a cached in-prompt checkpoint."""
-    engine = Engine(
-        model=tiny_model(),
-        mamba_scheduler_strategy="extra_buffer_lazy",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=32,
-        max_running_requests=4,
-        max_total_tokens=1024,
-        context_length=256,
-        skip_warmup=True,
+    engine = small_engine(
+        tiny_model(), "extra_buffer_lazy", chunked_prefill_size=32, max_total_tokens=1024
     )
     rng = np.random.default_rng(4)
     params = {"max_new_tokens": 40, "ignore_eos": True}
@@ -43,12 +35,22 @@ def running_engine():
     return engine, reqs
 
 
-def test_leaked_page_is_reported(running_engine):
+# (allocator, its alloc and free methods, what check_integrity says of one leaked unit)
+LEAKS = {
+    "page": ("kv_allocator", "alloc_pages", "free_pages", "allocated but not cached or in use"),
+    "slot": ("slot_allocator", "alloc", "free", "slots"),
+}
+
+
+@pytest.mark.parametrize("kind", LEAKS)
+def test_leaked_page_or_slot_is_reported(running_engine, kind):
     engine, _ = running_engine
-    leaked = engine.kv_allocator.alloc_pages(1)
-    with pytest.raises(AssertionError, match="allocated but not cached or in use"):
+    name, alloc, free, message = LEAKS[kind]
+    allocator = getattr(engine, name)
+    leaked = getattr(allocator, alloc)(1)
+    with pytest.raises(AssertionError, match=message):
         engine.check_integrity()
-    engine.kv_allocator.free_pages(leaked)
+    getattr(allocator, free)(leaked)
     engine.check_integrity()
 
 
@@ -71,15 +73,6 @@ def test_page_held_twice_is_reported(running_engine):
             engine.check_integrity()
     finally:
         reqs[1].own_pages = own
-    engine.check_integrity()
-
-
-def test_leaked_slot_is_reported(running_engine):
-    engine, _ = running_engine
-    leaked = engine.slot_allocator.alloc(1)
-    with pytest.raises(AssertionError, match="slots"):
-        engine.check_integrity()
-    engine.slot_allocator.free(leaked)
     engine.check_integrity()
 
 
@@ -110,16 +103,13 @@ def test_request_table_follows_every_kind_of_host_write(monkeypatch):
     request onto the tree's pages reach the device table; checked after every step. A
     small per-step bucket sends most updates in the chunks applied before a step."""
     monkeypatch.setattr(batch_module, "TABLE_UPDATES_PER_STEP", 8)
-    engine = Engine(
-        model=tiny_model(),
-        mamba_scheduler_strategy="extra_buffer_lazy",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
+    engine = small_engine(
+        tiny_model(),
+        "extra_buffer_lazy",
         chunked_prefill_size=32,
         max_running_requests=2,
         max_total_tokens=1024,
         context_length=128,
-        skip_warmup=True,
     )
     rng = np.random.default_rng(5)
     prompt = list(rng.integers(3, 128, size=40))

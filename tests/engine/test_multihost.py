@@ -15,41 +15,24 @@ compilation is most of their time.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.sharding import make_mesh
-from lazyspec.testing.xla_flags import for_host_devices
+from tests.engine.device_runs import ROOT, cpu_devices_env, last_json_line, run_on_cpu_devices
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 400
-
-
-def _env(num_devices: int) -> dict[str, str]:
-    return dict(
-        os.environ,
-        XLA_FLAGS=for_host_devices(num_devices),
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
 
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _report(stdout: str) -> dict:
-    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _two_processes() -> list[dict]:
@@ -59,7 +42,7 @@ def _two_processes() -> list[dict]:
         subprocess.Popen(
             [sys.executable, "-m", "tests.engine.multihost_worker", port, str(rank)],
             cwd=ROOT,
-            env=_env(2),
+            env=cpu_devices_env(2),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -74,7 +57,7 @@ def _two_processes() -> list[dict]:
             except subprocess.TimeoutExpired:
                 pytest.fail(f"process {rank} of the two-process run hung past {TIMEOUT_S} s")
             assert proc.returncode == 0, f"process {rank}: {stderr[-4000:]}"
-            outputs.append(_report(stdout))
+            outputs.append(last_json_line(stdout))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -86,16 +69,10 @@ def _two_processes() -> list[dict]:
 @pytest.fixture(scope="module")
 def reports() -> dict:
     leader, follower = _two_processes()
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.engine.multihost_worker", "reference"],
-        cwd=ROOT,
-        env=_env(4),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    reference = run_on_cpu_devices(
+        ["-m", "tests.engine.multihost_worker", "reference"], 4, TIMEOUT_S
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return {"leader": leader, "follower": follower, "reference": _report(done.stdout)}
+    return {"leader": leader, "follower": follower, "reference": reference}
 
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,7 @@ import pytest
 
 from lazyspec.engine.engine import Engine
 from lazyspec.testing.sinks import assert_null_sinks_zero, null_sink_rows
-from lazyspec.testing.tiny_models import tiny_model
-
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+from lazyspec.testing.tiny_models import small_engine, tiny_model
 
 # The exactness tests check the sinks after every strategy x overlap x page size run
 # (tests/engine/test_engine_exactness.py) and every speculative run (test_spec_decoding.py);
@@ -44,19 +42,14 @@ def _run_workload(engine: Engine) -> None:
 
 @pytest.mark.parametrize("strategy,no_cache,spec,page_size", CASES)
 def test_null_slot_and_null_page_stay_zero(strategy, no_cache, spec, page_size):
-    engine = Engine(
-        model=tiny_model("qwen3_next"),
-        mamba_scheduler_strategy=strategy,
+    engine = small_engine(
+        tiny_model("qwen3_next"),
+        strategy,
+        spec=spec,
         disable_radix_cache=no_cache,
         page_size=page_size,
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
         chunked_prefill_size=32,
-        max_running_requests=4,
         max_total_tokens=2048,
-        context_length=256,
-        skip_warmup=True,
-        **(SPEC if spec else {}),
     )
     before = null_sink_rows(engine)
     cfg = engine.model.config

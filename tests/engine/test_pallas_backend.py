@@ -7,22 +7,13 @@ import numpy as np
 import pytest
 
 from lazyspec.engine.engine import Engine
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
 
 pytestmark = pytest.mark.pallas
 
 
 def _engine(model, **kw) -> Engine:
-    return Engine(
-        model=model,
-        kernel_backend="pallas",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_total_tokens=1024,
-        skip_warmup=True,
-        **kw,
-    )
+    return small_engine(model, "auto", kernel_backend="pallas", max_total_tokens=1024, **kw)
 
 
 @pytest.mark.parametrize(

@@ -15,28 +15,15 @@ import pytest
 from lazyspec.engine.engine import Engine
 from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.sinks import assert_null_sinks_zero
-from lazyspec.testing.tiny_models import reference_processed_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_processed_greedy, small_engine, tiny_model
 
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 NUM_NEW = (20, 28, 12, 24, 16)
 PENALIZED = (1, 4)
 PENALTIES = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
 
 
 def _engine(model, strategy: str, overlap: bool, spec: bool, **kw) -> Engine:
-    return Engine(
-        model=model,
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=kw.pop("max_running_requests", 4),
-        context_length=256,
-        skip_warmup=True,
-        **(SPEC if spec else {}),
-        **kw,
-    )
+    return small_engine(model, strategy, overlap, spec, **kw)
 
 
 @pytest.fixture(scope="module")

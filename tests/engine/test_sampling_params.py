@@ -15,7 +15,8 @@ import pytest
 
 from lazyspec.config import EngineConfig
 from lazyspec.scheduler.request import SamplingParams
-from lazyspec.server.protocol import ApiError, Limits, parse_completion, parse_generate
+from lazyspec.server.limits import ApiError, Limits
+from lazyspec.server.protocol import parse_completion, parse_generate
 from lazyspec.testing.tiny_models import reference_processed_greedy, small_engine, tiny_model
 
 

@@ -29,6 +29,7 @@ from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.state_oracle import TreeStateOracle
 from lazyspec.testing.tiny_models import (
+    SPEC,
     reference_greedy,
     serve_greedy_lengths,
     small_engine,
@@ -36,7 +37,6 @@ from lazyspec.testing.tiny_models import (
 )
 from tests.engine.test_sampling import sampling_arrays
 
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 D = 4
 LIMIT = 2  # speculation off over more than two running requests
 

@@ -13,27 +13,19 @@ from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
 from lazyspec.testing.sinks import assert_null_sinks_zero
 from lazyspec.testing.state_oracle import TreeStateOracle, _prefix
-from lazyspec.testing.tiny_models import reference_greedy, reference_processed_greedy, tiny_model
+from lazyspec.testing.tiny_models import (
+    reference_greedy,
+    reference_processed_greedy,
+    small_engine,
+    tiny_model,
+)
 
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 D = 4
 
 
 def _engine(model, strategy: str, overlap: bool, spec: bool, **kw) -> Engine:
-    return Engine(
-        model=model,
-        mamba_scheduler_strategy=strategy,
-        disable_overlap_schedule=not overlap,
-        mamba_track_interval=kw.pop("interval", 16),
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=kw.pop("max_running_requests", 4),
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=True,
-        **(SPEC if spec else {}),
-        **kw,
-    )
+    interval = kw.pop("interval", 16)
+    return small_engine(model, strategy, overlap, spec, mamba_track_interval=interval, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from lazyspec.scheduler.grammar import LLGuidanceBackend, make_backend, mask_wid
 from lazyspec.scheduler.request import SamplingParams
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.scripted_drafter import make_script, scripted_model
-from lazyspec.testing.tiny_models import _logits_at, small_engine, tiny_model
+from lazyspec.testing.tiny_models import SPEC, _logits_at, small_engine, tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -37,7 +37,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 REGEX = r"[a-f]{2,5}-[0-9]{3}"
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
 BACKENDS = ("llguidance", "xgrammar")
 
 
@@ -57,13 +56,7 @@ def _backend(model, name: str):
 
 
 def _engine(model, strategy: str, spec: bool, backend: str) -> Engine:
-    return small_engine(
-        model,
-        strategy,
-        strategy != "no_buffer",
-        grammar_backend=backend,
-        **(SPEC if spec else {}),
-    )
+    return small_engine(model, strategy, strategy != "no_buffer", spec, grammar_backend=backend)
 
 
 def constrained_greedy(model, backend, prompt, kind, text, max_new) -> list[int]:

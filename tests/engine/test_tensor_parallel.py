@@ -13,22 +13,16 @@ first imported, and this process already has jax with one device.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lazyspec.engine.sharding import check_tp_size, make_mesh
 from lazyspec.testing.tiny_models import tiny_model
-from lazyspec.testing.xla_flags import for_host_devices
 from tests.engine import tp_worker
+from tests.engine.device_runs import run_on_cpu_devices
 
-ROOT = Path(__file__).resolve().parents[2]
 TP_SIZES = (1, 4)
 FAMILIES = tuple(tp_worker.FAMILIES)
 # float32 sums in another order: measured <= 5e-7 apart. The tiny random models are
@@ -37,22 +31,7 @@ LOGPROB_TOL = 1e-5
 
 
 def _run_worker(tp: int) -> dict:
-    env = dict(
-        os.environ,
-        XLA_FLAGS=for_host_devices(max(TP_SIZES)),
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.engine.tp_worker", str(tp)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_on_cpu_devices(["-m", "tests.engine.tp_worker", str(tp)], max(TP_SIZES), 900)
 
 
 @pytest.fixture(scope="module")

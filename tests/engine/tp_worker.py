@@ -60,6 +60,17 @@ FAMILIES = {
 }
 
 
+# the tiny engines of the tensor-parallel runs (multihost_worker's too)
+SETTINGS = dict(
+    mamba_scheduler_strategy="extra_buffer_lazy",
+    mamba_track_interval=16,
+    mamba_chunk_size=16,
+    chunked_prefill_size=16,
+    max_running_requests=2,
+    max_total_tokens=1024,
+)
+
+
 def tiny(family: str) -> SimpleNamespace:
     hf, _ = FAMILIES[family]
     cfg = parse_hf_config(dict(hf))
@@ -185,17 +196,7 @@ def engine_for(family: str, tp: int, **kw) -> Engine:
     if FAMILIES[family][1]:
         kw["speculative_algorithm"] = "NEXTN"
     return Engine(
-        model=tiny(family),
-        tp_size=tp,
-        mamba_scheduler_strategy="extra_buffer_lazy",
-        mamba_track_interval=16,
-        mamba_chunk_size=16,
-        chunked_prefill_size=16,
-        max_running_requests=2,
-        max_total_tokens=1024,
-        context_length=128,
-        skip_warmup=True,
-        **kw,
+        model=tiny(family), tp_size=tp, **SETTINGS, context_length=128, skip_warmup=True, **kw
     )
 
 

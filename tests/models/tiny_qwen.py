@@ -15,25 +15,25 @@ from typing import Any
 
 import numpy as np
 
+from lazyspec.testing.tiny_models import QWEN_HF
+
+# The engine tests' tiny widths with a larger vocabulary, value heads and shared expert;
+# each tiny config names its layers, rotary share and MTP head.
+_PER_CONFIG = (
+    "model_type",
+    "num_hidden_layers",
+    "layer_types",
+    "max_position_embeddings",
+    "num_nextn_predict_layers",
+    "partial_rotary_factor",
+    "rope_theta",
+)
 BASE: dict[str, Any] = dict(
+    {k: v for k, v in QWEN_HF.items() if k not in _PER_CONFIG},
     vocab_size=160,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
     linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=24,
     shared_expert_intermediate_size=40,
     initializer_range=0.1,
-    rms_norm_eps=1e-6,
-    eos_token_id=2,
 )
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -153,9 +153,17 @@ def save_tiny_qwen(folder: Path, name: str, seed: int = 0, with_mtp: bool = Fals
     With ``with_mtp`` the config declares ``num_nextn_predict_layers = 1`` and the file
     holds the ``mtp.*`` tensors (transformers itself ignores both).
     """
+    return save_with_mtp(
+        folder, build_hf_model(name, seed), seed, with_mtp, "num_nextn_predict_layers"
+    )
+
+
+def save_with_mtp(folder: Path, model, seed: int, with_mtp: bool, mtp_field: str):
+    """Save the transformers ``model`` to ``folder``; with ``with_mtp`` add random ``mtp.*``
+    tensors to the file and declare one MTP layer as ``mtp_field`` of the (text) config.
+    Returns (model, mtp tensors or None)."""
     import json
 
-    model = build_hf_model(name, seed)
     model.save_pretrained(str(folder))
     if not with_mtp:
         return model, None
@@ -163,7 +171,7 @@ def save_tiny_qwen(folder: Path, name: str, seed: int = 0, with_mtp: bool = Fals
     add_tensors(folder, extra)
     config_path = Path(folder) / "config.json"
     config = json.loads(config_path.read_text())
-    config["num_nextn_predict_layers"] = 1
+    config.get("text_config", config)[mtp_field] = 1
     config_path.write_text(json.dumps(config, indent=2))
     return model, extra
 

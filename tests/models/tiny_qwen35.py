@@ -8,11 +8,10 @@ level, like released checkpoints) declared by ``mtp_num_hidden_layers``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from tests.models.tiny_qwen import BASE, add_tensors, mtp_tensors, redraw_constants
+from tests.models.tiny_qwen import BASE, redraw_constants, save_with_mtp
 
 LIN, FULL = "linear_attention", "full_attention"
 MOE_FIELDS = (
@@ -98,15 +97,6 @@ def language_model(hf_model):
 
 def save_tiny_qwen35(folder: Path, name: str, seed: int = 0, with_mtp: bool = False):
     """Save tiny config ``name`` to ``folder``; returns (hf_model, mtp tensors or None)."""
-    model = build_hf_model(name, seed)
-    model.save_pretrained(str(folder))
-    if not with_mtp:
-        return model, None
-    extra = mtp_tensors(model, seed + 2)
-    add_tensors(folder, extra)
-    config_path = Path(folder) / "config.json"
-    config = json.loads(config_path.read_text())
-    text = config.get("text_config", config)
-    text["mtp_num_hidden_layers"] = 1
-    config_path.write_text(json.dumps(config, indent=2))
-    return model, extra
+    return save_with_mtp(
+        folder, build_hf_model(name, seed), seed, with_mtp, "mtp_num_hidden_layers"
+    )

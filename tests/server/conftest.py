@@ -138,7 +138,7 @@ def serve_folder(model_dir: Path, **settings: Any) -> LiveServer:
     replace them), compiled, behind the app on a loopback port; ``stop_server`` ends it."""
     from lazyspec.engine.engine import Engine
     from lazyspec.server.app import ServerSettings, create_app
-    from lazyspec.server.protocol import ChatTemplate
+    from lazyspec.server.chat import ChatTemplate
     from lazyspec.server.worker import EngineWorker
 
     engine = Engine(model_path=str(model_dir), **{**ENGINE_SETTINGS, **settings})

@@ -27,6 +27,7 @@ from lazyspec.testing.tiny_models import (
     GRANITE_HF,
     GRANITE_INIT_SCALE,
     QWEN35_HF,
+    SMALL_ENGINE,
     reference_greedy,
 )
 from lazyspec.training.export import checkpoint_tensors
@@ -60,13 +61,11 @@ VISION_TENSORS = {
 }
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 SETTINGS = dict(
+    SMALL_ENGINE,
     mamba_track_interval=32,
-    mamba_chunk_size=16,
     chunked_prefill_size=16,
     max_running_requests=1,
     max_total_tokens=2048,
-    context_length=256,
-    skip_warmup=True,
 )
 
 
@@ -145,7 +144,7 @@ def test_chat_on_a_new_family_checkpoint(folders, caplog, name, spec):
 
     from lazyspec.engine.engine import Engine
     from lazyspec.server.app import ServerSettings, create_app
-    from lazyspec.server.protocol import ChatTemplate
+    from lazyspec.server.chat import ChatTemplate
     from lazyspec.server.worker import EngineWorker
 
     folder = folders[name]
@@ -193,7 +192,8 @@ def test_chat_on_a_new_family_checkpoint(folders, caplog, name, spec):
 
 
 def test_every_media_part_is_refused_by_name():
-    from lazyspec.server.protocol import MEDIA_PARTS, ApiError, parse_messages
+    from lazyspec.server.chat import MEDIA_PARTS, parse_messages
+    from lazyspec.server.limits import ApiError
 
     for kind in MEDIA_PARTS:
         parts = [{"type": "text", "text": "look"}, {"type": kind, kind: {}}]

@@ -105,7 +105,8 @@ def test_deep_json_is_400_without_traceback_and_keeps_the_connection(server, raw
 
 
 def test_json_depth_counts_only_structure():
-    from lazyspec.server.protocol import MAX_JSON_DEPTH, ApiError, json_depth, parse_json_body
+    from lazyspec.server.limits import MAX_JSON_DEPTH, ApiError
+    from lazyspec.server.readers import json_depth, parse_json_body
 
     assert json_depth(b'{"a": [[1, {"b": []}]], "s": "[[[[\\"]]"}') == 5
     assert json_depth(b'["\\\\", ["\\\\\\"[["]]') == 2  # escaped backslashes, then a quote
@@ -303,7 +304,7 @@ def test_openapi_is_not_served_but_describes_every_json_body(server):
 def _amplifying_bodies(server) -> list[tuple[str, dict]]:
     """The shapes that made one small body cost seconds: many one-character prompts times
     n (each copy a request), and a batch of long texts under the per-prompt limit."""
-    from lazyspec.server.protocol import max_body_prompt_chars, max_prompt_chars
+    from lazyspec.server.limits import max_body_prompt_chars, max_prompt_chars
 
     worker = server.worker
     per_prompt = max_prompt_chars(server.tokenizer, worker.max_context) // 2
@@ -323,7 +324,8 @@ def test_amplifying_bodies_are_refused_before_tokenizing(server):
     """prompts x n and the prompts' total text are checked on the raw JSON, so a refusal
     costs no tokenizing and no copies, and parsing one takes milliseconds."""
     from lazyspec.server.app import ServerSettings, _Frontend
-    from lazyspec.server.protocol import ApiError, parse_completion, parse_generate
+    from lazyspec.server.limits import ApiError
+    from lazyspec.server.protocol import parse_completion, parse_generate
 
     codes = []
     for path, body in _amplifying_bodies(server):

@@ -18,6 +18,31 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _complete(client: openai.OpenAI, prompt, max_tokens: int, **kw):
+    """A greedy completion of ``prompt`` with EOS ignored; ``kw`` adds request fields."""
+    return client.completions.create(
+        model=SERVED_NAME,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body=IGNORE_EOS,
+        **kw,
+    )
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], max_tokens: int, **kw):
+    """A greedy chat completion of ``messages`` with EOS ignored; ``kw`` adds request
+    fields."""
+    return client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body=IGNORE_EOS,
+        **kw,
+    )
+
+
 def _generate(server, input_ids: list[int], max_new: int) -> dict:
     body = {
         "input_ids": input_ids,
@@ -56,14 +81,7 @@ def test_greedy_completion_equals_cache_free_recompute(server, client):
     assert np.max(np.abs(ref_lp - served_lp)) <= 1e-4
 
     wait_idle(server)
-    completion = client.completions.create(
-        model=SERVED_NAME,
-        prompt=prompt,
-        max_tokens=num_new,
-        temperature=0,
-        logprobs=1,
-        extra_body=IGNORE_EOS,
-    )
+    completion = _complete(client, prompt, num_new, logprobs=1)
     choice = completion.choices[0]
     assert choice.text == server.tokenizer.decode(ids)
     assert choice.finish_reason == "length"
@@ -90,26 +108,14 @@ def test_chat_uses_the_template_and_streams_the_same_text(server, client):
         "a checkpoint?<|im_end|>\n<|im_start|>assistant\n"
     )
     prompt = server.tokenizer.encode(rendered, add_special_tokens=False).ids
-    chat = client.chat.completions.create(
-        model=SERVED_NAME, messages=messages, max_tokens=10, temperature=0, extra_body=IGNORE_EOS
-    )
+    chat = _chat(client, messages, 10)
     assert chat.usage.prompt_tokens == len(prompt)
     assert chat.usage.completion_tokens == 10
     expected = _generate(server, prompt, 10)
     assert chat.choices[0].message.content == expected["text"]
     assert chat.choices[0].message.role == "assistant"
 
-    chunks = list(
-        client.chat.completions.create(
-            model=SERVED_NAME,
-            messages=messages,
-            max_tokens=10,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=IGNORE_EOS,
-        )
-    )
+    chunks = list(_chat(client, messages, 10, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected["text"]
@@ -123,18 +129,8 @@ def test_chat_uses_the_template_and_streams_the_same_text(server, client):
 
 def test_streamed_completion_equals_the_whole_one(server, client):
     prompt = random_ids(np.random.default_rng(11), 30, _vocab(server))
-    whole = client.completions.create(
-        model=SERVED_NAME, prompt=prompt, max_tokens=16, temperature=0, extra_body=IGNORE_EOS
-    )
-    stream = client.completions.create(
-        model=SERVED_NAME,
-        prompt=prompt,
-        max_tokens=16,
-        temperature=0,
-        stream=True,
-        extra_body=IGNORE_EOS,
-        stream_options={"include_usage": True},
-    )
+    whole = _complete(client, prompt, 16)
+    stream = _complete(client, prompt, 16, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 16
@@ -143,15 +139,7 @@ def test_streamed_completion_equals_the_whole_one(server, client):
 
 def test_chat_logprobs_match_generate(server, client):
     messages = [{"role": "user", "content": "draft tokens are verified"}]
-    chat = client.chat.completions.create(
-        model=SERVED_NAME,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=1,
-        extra_body=IGNORE_EOS,
-    )
+    chat = _chat(client, messages, 8, logprobs=True, top_logprobs=1)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 8
     for item in content:
@@ -196,14 +184,7 @@ def test_top_logprobs_match_cache_free_recompute(server, client):
         assert np.max(np.abs(logp[position, [t for _, t, _ in top]] - values)) <= 1e-4
 
     wait_idle(server)
-    completion = client.completions.create(
-        model=SERVED_NAME,
-        prompt=prompt,
-        max_tokens=num_new,
-        temperature=0,
-        logprobs=3,
-        extra_body=IGNORE_EOS,
-    )
+    completion = _complete(client, prompt, num_new, logprobs=3)
     decode = lambda t: server.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
     compared = 0
     for position, served in enumerate(completion.choices[0].logprobs.top_logprobs):
@@ -215,14 +196,8 @@ def test_top_logprobs_match_cache_free_recompute(server, client):
                 compared += 1
     assert compared >= num_new
     wait_idle(server)
-    chat = client.chat.completions.create(
-        model=SERVED_NAME,
-        messages=[{"role": "user", "content": "alternatives"}],
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body=IGNORE_EOS,
+    chat = _chat(
+        client, [{"role": "user", "content": "alternatives"}], 4, logprobs=True, top_logprobs=3
     )
     for item in chat.choices[0].logprobs.content:
         assert len(item.top_logprobs) == 3
@@ -237,11 +212,7 @@ def test_same_long_prompt_twice_hits_the_checkpoint(server, client):
     prompt = random_ids(np.random.default_rng(12), 150, _vocab(server))
     results = []
     for _ in range(2):
-        results.append(
-            client.completions.create(
-                model=SERVED_NAME, prompt=prompt, max_tokens=8, temperature=0, extra_body=IGNORE_EOS
-            )
-        )
+        results.append(_complete(client, prompt, 8))
         wait_idle(server)
     first, second = results
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -262,41 +233,16 @@ def test_stop_string_cuts_the_text_and_frees_the_request(server, client):
     rng = np.random.default_rng(13)
     for _ in range(10):
         prompt = random_ids(rng, 20, _vocab(server))
-        full = (
-            client.completions.create(
-                model=SERVED_NAME,
-                prompt=prompt,
-                max_tokens=24,
-                temperature=0,
-                extra_body=IGNORE_EOS,
-            )
-            .choices[0]
-            .text
-        )
+        full = _complete(client, prompt, 24).choices[0].text
         stop = _stop_candidate(full)
         if stop:
             break
     assert stop, "no usable stop string in ten greedy outputs"
     expected = full[: full.find(stop)]
-    cut = client.completions.create(
-        model=SERVED_NAME,
-        prompt=prompt,
-        max_tokens=24,
-        temperature=0,
-        stop=[stop, "\x00never"],
-        extra_body=IGNORE_EOS,
-    )
+    cut = _complete(client, prompt, 24, stop=[stop, "\x00never"])
     assert cut.choices[0].text == expected
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(
-        model=SERVED_NAME,
-        prompt=prompt,
-        max_tokens=24,
-        temperature=0,
-        stop=stop,
-        stream=True,
-        extra_body=IGNORE_EOS,
-    )
+    streamed = _complete(client, prompt, 24, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected
     info = wait_idle(server)
     assert info["free_state_slots"] + info["cached_state_slots"] == info["state_slots"]
@@ -328,9 +274,7 @@ def test_seed_makes_sampling_repeatable(server, client):
 def test_two_prompts_give_two_indexed_choices(server, client):
     rng = np.random.default_rng(15)
     prompts = [random_ids(rng, 12, _vocab(server)), random_ids(rng, 25, _vocab(server))]
-    both = client.completions.create(
-        model=SERVED_NAME, prompt=prompts, max_tokens=6, temperature=0, extra_body=IGNORE_EOS
-    )
+    both = _complete(client, prompts, 6)
     assert [c.index for c in both.choices] == [0, 1]
     assert both.usage.prompt_tokens == 37 and both.usage.completion_tokens == 12
     for choice, prompt in zip(both.choices, prompts):
@@ -342,7 +286,7 @@ def test_two_prompts_give_two_indexed_choices(server, client):
 
 def test_text_stream_holds_split_characters_and_stop_prefixes(model_dir):
     from lazyspec.models.loader import load_tokenizer
-    from lazyspec.server.protocol import TextStream
+    from lazyspec.server.text_stream import TextStream
 
     tokenizer = load_tokenizer(model_dir)
     # "é" as two single-byte tokens (byte-level alphabet: 0xC3 -> "Ã", 0xA9 -> "©")
@@ -366,7 +310,8 @@ def test_text_stream_holds_split_characters_and_stop_prefixes(model_dir):
 
 
 def test_chat_template_fallback_and_template_errors():
-    from lazyspec.server.protocol import ApiError, ChatTemplate, parse_messages
+    from lazyspec.server.chat import ChatTemplate, parse_messages
+    from lazyspec.server.limits import ApiError
 
     messages = parse_messages(
         [

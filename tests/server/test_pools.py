@@ -9,14 +9,13 @@ import logging
 import pytest
 
 from lazyspec.server import pools
+from tests.server.conftest import ENGINE_SETTINGS
 
 GIB = 2**30
+# the server tests' engine, its KV pool left to the pool plan
 SETTINGS = dict(
-    mamba_track_interval=64,
-    mamba_chunk_size=64,
-    chunked_prefill_size=64,
+    {k: v for k, v in ENGINE_SETTINGS.items() if k != "max_total_tokens"},
     max_running_requests=4,
-    context_length=512,
     skip_warmup=True,
 )
 
