@@ -31,6 +31,7 @@ from lazyspec.scheduler.request import (
     TOP_LOGPROBS,
     SamplingParams,
 )
+from lazyspec.server.stop_regex import StopPatterns, stop_patterns
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128  # n: samples per prompt
@@ -133,6 +134,7 @@ class GenerationSpec:
     logprob_start_len: int | None = None  # prompt logprobs from this token on (None: none)
     no_stop_trim: bool = False  # SGLang's: a matched stop string stays in the text
     skip_special_tokens: bool = True  # SGLang's: special tokens are left out of the text
+    stop_regex: tuple[str, ...] = ()  # SGLang's: the output stops where one of these matches
 
 
 def _num_choices(body: dict, best_of: bool) -> int:
@@ -466,12 +468,21 @@ def _v1_grammar(body: dict) -> dict[str, str]:
     return given or sglang
 
 
-def _text_options(body: dict) -> dict[str, bool]:
-    """SGLang's ``no_stop_trim`` and ``skip_special_tokens`` as GenerationSpec fields."""
+def _text_options(body: dict) -> dict[str, Any]:
+    """SGLang's ``no_stop_trim``, ``skip_special_tokens`` and ``stop_regex`` as
+    GenerationSpec fields."""
     return {
         "no_stop_trim": _boolean(body, "no_stop_trim", False),
         "skip_special_tokens": _boolean(body, "skip_special_tokens", True),
+        "stop_regex": _stop_regexes(body),
     }
+
+
+def _stop_regexes(body: dict) -> tuple[str, ...]:
+    try:
+        return stop_patterns(body.get("stop_regex"), MAX_STOP_STRINGS)
+    except ValueError as exc:
+        raise ApiError(f"stop_regex: {exc}", param="stop_regex") from None
 
 
 def _grammar(params: dict) -> dict[str, str]:
@@ -501,6 +512,9 @@ def _sampling(
     ``grammar``: the one grammar field to constrain the output with, if any."""
     temperature = _number(body, "temperature", 1.0)
     top_p = _number(body, "top_p", 1.0)
+    min_p = _number(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise ApiError(f"min_p={min_p} must be in [0, 1]", param="min_p")
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise ApiError(
             f"temperature={temperature} must be in [0, {MAX_TEMPERATURE}]", param="temperature"
@@ -548,6 +562,7 @@ def _sampling(
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
+                min_p=min_p,
                 ignore_eos=_boolean(body, "ignore_eos", False),
                 stop_token_ids=tuple(stop_ids),
                 seed=seed,
@@ -652,8 +667,10 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
         "ignore_eos",
         "stop",
+        "stop_regex",
         "stop_token_ids",
         "seed",
         "min_new_tokens",
@@ -756,9 +773,10 @@ def _content(content: Any, i: int) -> str:
 
 
 class TextStream:
-    """Incremental detokenization with stop strings. ``push`` returns the new text that is
-    safe to show: no incomplete UTF-8 tail, no prefix of a stop string; at the first stop
-    string the text is cut before it and ``stopped`` names it."""
+    """Incremental detokenization with stop strings and stop patterns (``stop_regex``).
+    ``push`` returns the new text that is safe to show: no incomplete UTF-8 tail, no prefix
+    of a stop string, no text a match still forming may begin in (``stop_regex.py``); at
+    the first stop string or match the text is cut before it and ``stopped`` names it."""
 
     def __init__(
         self,
@@ -766,11 +784,13 @@ class TextStream:
         stop: tuple[str, ...] = (),
         keep_stop: bool = False,
         skip_special_tokens: bool = True,
+        stop_regex: tuple[str, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.keep_stop, self.skip_special_tokens = keep_stop, skip_special_tokens
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.patterns = StopPatterns(stop_regex)
+        self.hold = max(max((len(s) for s in stop), default=1) - 1, self.patterns.hold)
         self.token_ids: list[int] = []
         self.text = ""
         self.stopped: str | None = None
@@ -780,8 +800,10 @@ class TextStream:
             return ""
         self.token_ids.extend(token_ids)
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        if not final:  # a character still incomplete (U+FFFD until its last byte comes)
+            full = full.rstrip("\ufffd")  # is neither shown nor matched yet
         start = len(self.text)
-        cut = self._first_stop(full, max(0, start - self.hold))
+        cut = self._first_stop(full, start)
         if cut is not None:
             end = cut
         elif final:
@@ -794,16 +816,18 @@ class TextStream:
         self.text += delta
         return delta
 
-    def _first_stop(self, full: str, search_from: int) -> int | None:
-        best = None
+    def _first_stop(self, full: str, shown: int) -> int | None:
+        """Where the text ends at the earliest stop string or match (None: none yet)."""
+        best = self.patterns.first(full, shown)  # (start, end, pattern)
+        search_from = max(0, shown - self.hold)
         for s in self.stop:
             at = full.find(s, search_from)
             if at >= 0 and (best is None or at < best[0]):
-                best = (at, s)
+                best = (at, at + len(s), s)
         if best is None:
             return None
-        self.stopped = best[1]
-        end = best[0] + len(best[1]) if self.keep_stop else best[0]  # no_stop_trim keeps it
+        self.stopped = best[2]
+        end = best[1] if self.keep_stop else best[0]  # no_stop_trim keeps it
         return max(end, len(self.text))
 
 
