@@ -1,9 +1,10 @@
 """Device-side sampling: frequency / presence / repetition penalties, logit bias,
-min_new_tokens masking, grammar bitmasks, greedy, temperature, top-k, top-p, per-request
-seeds, and the speculative accept rule (greedy match, or rejection sampling against a one-hot
-draft). Plain sampling and the accept rule both use the processed distribution
-(``processed_logits`` then temperature / top-k / top-p); greedy rows take the argmax of the
-processed logits.
+min_new_tokens masking, grammar bitmasks, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, and the speculative accept rule (greedy match, or rejection sampling
+against a one-hot draft). Plain sampling and the accept rule both use the processed
+distribution (``processed_logits`` then temperature / top-k / top-p / min-p, SGLang's order);
+greedy rows take the argmax of the processed logits (min-p never drops the most likely
+token, so it changes nothing for them).
 
 ``processed_logits`` is one function per stage, in SGLang's order: penalties (repetition,
 then frequency / presence) on the raw logits, the logit bias, the min_new_tokens mask, then
@@ -57,9 +58,9 @@ def _rows_where(wanted: jax.Array, fn, x: jax.Array) -> jax.Array:
 
 
 # Per-row sampling parameters: the host batches' ``SamplingRows`` (temperature [B] float32,
-# 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; seed [B] uint32; min_len [B] and
-# mask_ids [B, M]; bias_ids / bias_values [B, K]; frequency / presence / repetition
-# penalties [B] float32; constrained [B] bool: the row has a grammar), as a pytree.
+# 0 = greedy; top_p [B]; top_k [B] int32, <= 0 = off; min_p [B], 0 = off; seed [B] uint32;
+# min_len [B] and mask_ids [B, M]; bias_ids / bias_values [B, K]; frequency / presence /
+# repetition penalties [B] float32; constrained [B] bool: the row has a grammar), as a pytree.
 SamplingArrays = SamplingRows
 jax.tree_util.register_dataclass(
     SamplingArrays,
@@ -127,14 +128,24 @@ def min_tokens_masked(logits: jax.Array, params: SamplingArrays, positions) -> j
     return jnp.where(early & masked[:, None], NEG_INF, logits)
 
 
-def _filtered_logits(logits: jax.Array, temperature, top_p, top_k) -> jax.Array:
-    """Temperature-scaled logits with top-k / top-p masked to -inf ([..., V], per-row params)
-    on the rows that ask for either (top_k on and < V, or top_p < 1). A large batch with no
-    such row skips the sort over the vocabulary, as SGLang skips it (``_rows_where``)."""
+def _filtered_logits(logits: jax.Array, temperature, top_p, top_k, min_p) -> jax.Array:
+    """Temperature-scaled logits with top-k / top-p, then min-p, masked to -inf ([..., V],
+    per-row params) on the rows that ask for them (top_k on and < V, or top_p < 1; min_p >
+    0). A large batch with no such row skips the sort over the vocabulary, and one with no
+    min-p row the min-p pass, as SGLang skips them (``_rows_where``)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[..., None]
     filters = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
-    return _rows_where(filters, lambda x: _top_k_top_p(x, top_p, top_k), scaled)
+    scaled = _rows_where(filters, lambda x: _top_k_top_p(x, top_p, top_k), scaled)
+    return _rows_where(min_p > 0, lambda x: _min_p(x, min_p), scaled)
+
+
+def _min_p(scaled: jax.Array, min_p) -> jax.Array:
+    """SGLang's min-p: a token stays if its probability is at least ``min_p`` times the most
+    likely token's (p / p_max = exp(logit - max logit); top-k / top-p keep the most likely
+    token, so their renormalization leaves the ratio as it was)."""
+    ratio = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    return jnp.where(ratio < min_p[..., None], NEG_INF, scaled)
 
 
 def _top_k_top_p(scaled: jax.Array, top_p, top_k) -> jax.Array:
@@ -208,7 +219,9 @@ def target_probs(
     penalties' view, ``allowed`` the grammar bitmasks [B, T, W] (see ``grammar_masked``)."""
     logits = processed_logits(logits, params, positions, history, allowed)
     t = params.temperature[:, None]
-    filtered = _filtered_logits(logits, t, params.top_p[:, None], params.top_k[:, None])
+    filtered = _filtered_logits(
+        logits, t, params.top_p[:, None], params.top_k[:, None], params.min_p[:, None]
+    )
     probs = jax.nn.softmax(filtered, axis=-1)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=probs.dtype)
     return jnp.where((t == 0)[..., None], one_hot, probs)

@@ -38,6 +38,8 @@ class SamplingRows:
     temperature: np.ndarray  # [B] float32, 0 = greedy
     top_p: np.ndarray  # [B] float32
     top_k: np.ndarray  # [B] int32, <= 0 = off
+    # tokens below min_p x the most likely one's probability are dropped (0 = off)
+    min_p: np.ndarray  # [B] float32
     seed: np.ndarray  # [B] uint32
     # EOS / stop ids (mask_ids, -1 = none) get -inf logits at the positions p with
     # p + 1 < min_len (prompt length + min_new_tokens: fewer outputs than that so far)
@@ -110,6 +112,7 @@ class SamplingRow:
     temperature: np.float32
     top_p: np.float32
     top_k: np.int32
+    min_p: np.float32
     seed: np.uint32
     min_len: np.int32
     mask_ids: np.ndarray  # [MASK_IDS] int32
@@ -120,7 +123,7 @@ class SamplingRow:
     repetition_penalty: np.float32
     constrained: bool  # the request has a grammar
     # greedy with nothing that changes the raw logits' argmax (no bias, penalty, min-tokens
-    # mask or grammar; top-k / top-p do not change a greedy row's token); set by
+    # mask or grammar; top-k / top-p / min-p do not change a greedy row's token); set by
     # ``sampling_row`` from the values above
     argmax_only: bool = False
 
@@ -175,6 +178,7 @@ def sampling_row(req: Req, eos_ids: tuple[int, ...] = ()) -> SamplingRow:
         temperature,
         top_p,
         np.int32(params.top_k),
+        np.float32(params.min_p),
         np.uint32(seed_bits(seed)),
         np.int32(len(req.input_ids) + params.min_new_tokens),
         mask_ids,
@@ -227,6 +231,7 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         temperature=np.zeros(num_rows, np.float32),
         top_p=np.ones(num_rows, np.float32),
         top_k=np.full(num_rows, -1, np.int32),
+        min_p=np.zeros(num_rows, np.float32),
         seed=np.zeros(num_rows, np.uint32),
         min_len=np.zeros(num_rows, np.int32),
         mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),

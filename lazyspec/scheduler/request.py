@@ -27,6 +27,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    # SGLang's: tokens below min_p x the most likely token's probability are dropped (0 = off)
+    min_p: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -51,6 +53,7 @@ class SamplingParams:
             "temperature",
             "top_p",
             "top_k",
+            "min_p",
             "ignore_eos",
             "stop_token_ids",
             "seed",
@@ -96,6 +99,8 @@ class SamplingParams:
         top_k_max = vocab_size if vocab_size is not None else float("inf")
         if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= top_k_max):
             raise ValueError(f"top_k={self.top_k!r} must be -1 (off) or in [1, {top_k_max}]")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p!r} must be a number in [0, 1]")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be true or false")
         low, high = SEED_RANGE

@@ -3,7 +3,7 @@
 
 A field is read by the parsers (``protocol``), accepted and ignored because it changes
 nothing here (metadata such as ``user``), or accepted only at the value that asks for
-nothing (``min_p: 0``, ``lora_path: null``): any other value is a 400 saying it is not
+nothing (``lora_path: null``, ``session_id: null``): any other value is a 400 saying it is not
 supported. A field neither OpenAI nor SGLang defines is a 400 that names it.
 """
 
@@ -25,6 +25,8 @@ SGLANG_V1_SAMPLING = (
     "no_stop_trim",
     "ignore_eos",
     "skip_special_tokens",
+    "min_p",
+    "stop_regex",
 )
 _OPENAI_SHARED = (
     "model",
@@ -88,8 +90,6 @@ IGNORED = {
 }
 # accepted only at the value that asks for nothing (null, false, 0, "", {} or [])
 _UNSUPPORTED_SHARED = (
-    "min_p",
-    "stop_regex",
     "lora_path",
     "session_id",
     "session_params",

@@ -51,6 +51,7 @@ class GenerationSpec:
     logprob_start_len: int | None = None  # prompt logprobs from this token on (None: none)
     no_stop_trim: bool = False  # SGLang's: a matched stop string stays in the text
     skip_special_tokens: bool = True  # SGLang's: special tokens are left out of the text
+    stop_regex: tuple[str, ...] = ()  # SGLang's: the output stops where one of these matches
 
 
 def _num_choices(body: dict, best_of: bool) -> int:
@@ -182,8 +183,10 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
         "ignore_eos",
         "stop",
+        "stop_regex",
         "stop_token_ids",
         "seed",
         "min_new_tokens",

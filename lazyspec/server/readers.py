@@ -32,6 +32,7 @@ from lazyspec.server.limits import (
     ApiError,
     Limits,
 )
+from lazyspec.server.stop_regex import stop_patterns
 
 
 def json_depth(raw: bytes) -> int:
@@ -292,12 +293,21 @@ def v1_grammar(body: dict) -> dict[str, str]:
     return given or sglang
 
 
-def text_options(body: dict) -> dict[str, bool]:
-    """SGLang's ``no_stop_trim`` and ``skip_special_tokens`` as GenerationSpec fields."""
+def text_options(body: dict) -> dict[str, Any]:
+    """SGLang's ``no_stop_trim``, ``skip_special_tokens`` and ``stop_regex`` as
+    GenerationSpec fields."""
     return {
         "no_stop_trim": bool_field(body, "no_stop_trim", False),
         "skip_special_tokens": bool_field(body, "skip_special_tokens", True),
+        "stop_regex": stop_regexes(body),
     }
+
+
+def stop_regexes(body: dict) -> tuple[str, ...]:
+    try:
+        return stop_patterns(body.get("stop_regex"), MAX_STOP_STRINGS)
+    except ValueError as exc:
+        raise ApiError(f"stop_regex: {exc}", param="stop_regex") from None
 
 
 def grammar_field(params: dict) -> dict[str, str]:
@@ -327,6 +337,9 @@ def sampling_params(
     ``grammar``: the one grammar field to constrain the output with, if any."""
     temperature = float_field(body, "temperature", 1.0)
     top_p = float_field(body, "top_p", 1.0)
+    min_p = float_field(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise ApiError(f"min_p={min_p} must be in [0, 1]", param="min_p")
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise ApiError(
             f"temperature={temperature} must be in [0, {MAX_TEMPERATURE}]", param="temperature"
@@ -374,6 +387,7 @@ def sampling_params(
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
+                min_p=min_p,
                 ignore_eos=bool_field(body, "ignore_eos", False),
                 stop_token_ids=tuple(stop_ids),
                 seed=seed,

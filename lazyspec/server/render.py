@@ -19,7 +19,9 @@ class Choice:
     """Output state of one engine request: tokens, logprobs, text, finish."""
 
     def __init__(self, tokenizer: Any, spec: GenerationSpec, rid: str, prompt_tokens: int) -> None:
-        self.text = TextStream(tokenizer, spec.stop, spec.no_stop_trim, spec.skip_special_tokens)
+        self.text = TextStream(
+            tokenizer, spec.stop, spec.no_stop_trim, spec.skip_special_tokens, spec.stop_regex
+        )
         self.rid, self.prompt_tokens = rid, prompt_tokens
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []

@@ -28,6 +28,7 @@ from lazyspec.server.limits import (
     ROLES,
     Limits,
 )
+from lazyspec.server.stop_regex import MAX_PATTERN_CHARS
 
 Schema = dict[str, Any]
 
@@ -71,6 +72,8 @@ def _prompt(limits: Limits) -> Schema:
 
 def _sampling(limits: Limits) -> dict[str, Schema]:
     stop_string = {"type": "string", "minLength": 1}
+    # a Python regular expression that cannot match the empty text
+    stop_pattern = {"type": "string", "minLength": 1, "maxLength": MAX_PATTERN_CHARS}
     stop_ids = {"type": "array", "items": _token_ids(limits)["items"]}
     top_k = {"type": "integer", "minimum": 1, "maximum": limits.vocab_size}
     low, high = PENALTY_RANGE
@@ -78,6 +81,7 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
         "top_k": _nullable({"anyOf": [{"const": -1}, top_k]}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
         "seed": _integer(*SEED_RANGE),
         "ignore_eos": _boolean(),
         "stop_token_ids": _nullable(stop_ids),
@@ -86,6 +90,14 @@ def _sampling(limits: Limits) -> dict[str, Schema]:
                 "anyOf": [
                     stop_string,
                     {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
+                ]
+            }
+        ),
+        "stop_regex": _nullable(
+            {
+                "anyOf": [
+                    stop_pattern,
+                    {"type": "array", "items": stop_pattern, "maxItems": MAX_STOP_STRINGS},
                 ]
             }
         ),

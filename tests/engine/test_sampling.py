@@ -53,6 +53,7 @@ def sampling_arrays(num_rows: int, temperature: float, **rows) -> SamplingArrays
         temperature=np.full(num_rows, temperature, np.float32),
         top_p=np.ones(num_rows, np.float32),
         top_k=np.full(num_rows, -1, np.int32),
+        min_p=np.zeros(num_rows, np.float32),
         seed=np.arange(num_rows, dtype=np.uint32),
         min_len=np.zeros(num_rows, np.int32),
         mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
@@ -300,6 +301,43 @@ def test_top_k_and_top_p_rows_beside_plain_rows():
     assert _chi2(tokens[plain, 0], _target_probs(0)) < critical[VOCAB - 1]
 
 
+def _min_p_probs(position: int, min_p: float, top_k: int = -1) -> np.ndarray:
+    """SGLang's order: temperature, top-k, then min-p against the most likely token."""
+    q = _top_k_top_p_probs(position, top_k, 1.0)
+    q = np.where(q >= min_p * q.max(), q, 0.0)
+    return q / q.sum()
+
+
+def test_min_p_rows_shape_the_speculative_distribution():
+    """Rows with min_p = 0.45, rows with top_k = 4 then min_p = 0.25, and plain rows. Each
+    follows its filtered target at both verify positions: the accept test and the resample
+    use the min-p distribution (with 0.45, position 1's draft is outside it and never
+    accepted). The plain rows draw what they draw where no row asks for min-p."""
+    third = NUM_ROWS // 3
+    kind = np.arange(NUM_ROWS) // third  # 0: min_p, 1: top_k then min_p, 2 (and the rest): plain
+    cases = [(0.45, -1), (0.25, 4)]
+    min_p = np.array([0.45, 0.25, 0.0, 0.0], np.float32)[kind]
+    top_k = np.where(kind == 1, 4, -1).astype(np.int32)
+    tokens, accept_len = _emitted(sampling_arrays(NUM_ROWS, TEMPERATURE, min_p=min_p, top_k=top_k))
+    plain_only, _ = _emitted()
+    drafts = np.argmax(DRAFT_LOGITS, axis=-1)
+    for which, (p, k) in enumerate(cases):
+        rows = kind == which
+        want = [_min_p_probs(0, p, k), _min_p_probs(1, p, k)]
+        assert np.count_nonzero(want[0]) < np.count_nonzero(_top_k_top_p_probs(0, k, 1.0))
+        assert want[0][drafts[0]] > 0
+        assert (want[1][drafts[1]] == 0) == (which == 0)
+        assert (accept_len[rows] > 2).any() == (which == 1)  # draft 1 accepted only if kept
+        accepted = rows & (accept_len >= 2)
+        for got, q in ((tokens[rows, 0], want[0]), (tokens[accepted, 1], want[1])):
+            kept = np.flatnonzero(q > 0)
+            assert set(np.unique(got)) <= set(kept), (which, np.unique(got), kept)
+            stat = _chi2(np.searchsorted(kept, got), q[kept])
+            assert stat < CHI2_CRITICAL_P001[len(kept) - 1], (which, stat, q)
+    plain = kind >= 2
+    assert np.array_equal(tokens[plain], plain_only[plain])
+
+
 def _has_cond(fn, *args) -> bool:
     """Whether ``fn``'s jaxpr (nested ones included) holds a ``lax.cond``."""
 
@@ -321,15 +359,16 @@ def test_small_batches_sample_without_conditionals_and_draw_the_same_tokens():
     """A small verify batch (at most BRANCH_FREE_MAX_POSITIONS positions) has no
     ``lax.cond`` (a GPU waits on the host for its predicate) and emits, row for row, what
     the same rows emit inside a large batch, whose stages skip by ``lax.cond``: greedy,
-    plain, top-k, top-p and grammar rows, at temperature 0 and 0.7."""
+    plain, top-k, top-p, min-p and grammar rows, at temperature 0 and 0.7."""
     num_rows = 64
     rng = np.random.default_rng(3)
-    kind = np.arange(num_rows) % 5  # 0 greedy, 1 plain, 2 top-k, 3 top-p, 4 grammar
+    kind = np.arange(num_rows) % 6  # 0 greedy, 1 plain, 2 top-k, 3 top-p, 4 grammar, 5 min-p
     params = sampling_arrays(
         num_rows,
         TEMPERATURE,
         top_k=np.where(kind == 2, 2, -1).astype(np.int32),
         top_p=np.where(kind == 3, 0.5, 1.0).astype(np.float32),
+        min_p=np.where(kind == 5, 0.3, 0.0).astype(np.float32),
         constrained=kind == 4,
         seed=rng.integers(0, 2**32, num_rows, dtype=np.uint32),
     )

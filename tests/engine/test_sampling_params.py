@@ -180,8 +180,8 @@ def test_parsers_carry_the_penalties():
         ),
         (_completion, dict(presence_penalty=-2.5), "presence_penalty=-2.5 must be in [-2.0, 2.0]"),
         (_completion, dict(presence_penalty="x"), "presence_penalty='x' must be a finite number"),
-        (_generate, dict(repetition_penalty=0), "repetition_penalty=0.0 must be in (0, 2.0]"),
-        (_generate, dict(repetition_penalty=3), "repetition_penalty=3.0 must be in (0, 2.0]"),
+        (_generate, dict(repetition_penalty=0), "repetition_penalty=0.0 must be in [0.01, 2.0]"),
+        (_generate, dict(repetition_penalty=3), "repetition_penalty=3.0 must be in [0.01, 2.0]"),
     ],
 )
 def test_parsers_refuse_out_of_range_values(parse, body, words):

@@ -197,11 +197,11 @@ def test_unknown_and_unsupported_fields_are_400_by_name(server, path):
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("regexp", "unknown_field"), error
     assert "'regexp'" in error["message"]
-    response = _post(server, path, {**base, "min_p": 0.1 if path != "/generate" else None})
-    if path != "/generate":
-        assert response.json()["error"]["param"] == "min_p", response.text
+    response = _post(server, path, {**base, "lora_path": "adapter"})
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("lora_path", "unsupported_field"), error
     # metadata and defaults of what is not supported pass
-    ok = _post(server, path, {**base, "user": "u1", "min_p": 0.0, "lora_path": None})
+    ok = _post(server, path, {**base, "user": "u1", "lora_path": None, "session_id": None})
     assert ok.status_code == 200, ok.text
     both = {**base, "regex": "a+", "response_format": {"type": "json_object"}}
     if path != "/generate":
@@ -225,3 +225,51 @@ def test_no_stop_trim_and_skip_special_tokens(server):
     hidden = _post(server, "/v1/completions", forced).json()["choices"][0]["text"]
     shown = _post(server, "/v1/completions", {**forced, "skip_special_tokens": False}).json()
     assert eos not in hidden and shown["choices"][0]["text"] == eos * 2, (hidden, shown)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_min_p_and_stop_regex_on_v1_and_in_streams(server, path):
+    """SGLang's min_p and stop_regex through extra_body: min_p = 1 keeps only the most
+    likely token, so a hot seeded sample is the greedy text; a stop_regex cuts the text
+    where its first match starts (streamed or not), or keeps the match with no_stop_trim."""
+    head = {"model": SERVED_NAME, "max_tokens": 24, "ignore_eos": True}
+    if path == "/v1/completions":
+        head["prompt"] = "the state of"
+    else:
+        head["messages"] = [{"role": "user", "content": "the state of"}]
+
+    def text_of(body: dict) -> tuple[str, str | None]:
+        if body.get("stream"):
+            return _stream_text(server, path, body)
+        response = _post(server, path, body)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice.get("text", choice.get("message", {}).get("content")), choice["finish_reason"]
+
+    greedy, _ = text_of({**head, "temperature": 0})
+    hot = {**head, "temperature": 1.5, "seed": 11}
+    for stream in (False, True):
+        assert text_of({**hot, "min_p": 1.0, "stream": stream})[0] == greedy, stream
+    assert text_of(hot)[0] != greedy  # without min_p the hot sample is not greedy
+    assert len(greedy) > 8, greedy
+    pattern = re.escape(greedy[4]) + r"[\s\S]" + re.escape(greedy[6])  # a match at 4 or before
+    found = re.search(pattern, greedy)
+    for stream in (False, True):
+        body = {**head, "temperature": 0, "stop_regex": [pattern], "stream": stream}
+        assert text_of(body) == (greedy[: found.start()], "stop"), stream
+        kept = text_of({**body, "no_stop_trim": True})
+        assert kept == (greedy[: found.end()], "stop"), stream
+
+
+def test_min_p_and_stop_regex_on_generate(server):
+    params = {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0}
+    body = {"text": "draft tokens are", "sampling_params": params}
+    greedy = _post(server, "/generate", body).json()["text"]
+    hot = {**params, "temperature": 1.5, "seed": 5, "min_p": 1}
+    assert _post(server, "/generate", {**body, "sampling_params": hot}).json()["text"] == greedy
+    pattern = re.escape(greedy[3:5]) + "+"
+    found = re.search(pattern, greedy)
+    stop = {**params, "stop_regex": pattern}
+    out = _post(server, "/generate", {**body, "sampling_params": stop}).json()
+    assert out["text"] == greedy[: found.start()], (out, greedy)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
