@@ -42,6 +42,7 @@ from lazyspec.scheduler.batch import (
 )
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import Layout
+from lazyspec.scheduler.logprobs import take_prompt_logprobs, top_pairs
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import NO_SLOT, Phase, Req
 from lazyspec.scheduler.token_ratio import NewTokenRatio
@@ -412,7 +413,7 @@ class Scheduler:
                 continue  # finished, or retracted since this step was planned
             self.policy.settle_extend(record)
             if req.next_prompt_logprob is not None:
-                _take_prompt_logprobs(req, record.start, record.num_new, results, b)
+                take_prompt_logprobs(req, record.start, record.num_new, results, b)
             if record.is_last_chunk:
                 self._cache_prefill_checkpoint(req, inflight)
                 if req.sampling.max_new_tokens == 0:
@@ -423,7 +424,7 @@ class Scheduler:
                     req,
                     [int(results["token"][b])],
                     [float(results["logprob"][b])],
-                    [_top(results, b, None)] if req.return_logprob else None,
+                    [top_pairs(results, b, None)] if req.return_logprob else None,
                     inflight,
                 )
 
@@ -457,7 +458,7 @@ class Scheduler:
                 req,
                 tokens,
                 all_logprobs[b][:n],
-                [_top(results, b, i) for i in range(n)] if req.return_logprob else None,
+                [top_pairs(results, b, i) for i in range(n)] if req.return_logprob else None,
                 inflight,
             )
             if verified:
@@ -593,22 +594,3 @@ class Scheduler:
         length, slot = (donation.length, donation.slot) if donation else (0, NO_SLOT)
         taken = self.cache.cache_req(req, length, slot, finished=True)
         self.policy.release(req, kept=slot if taken else NO_SLOT)
-
-
-def _take_prompt_logprobs(req: Req, start: int, num_new: int, results, b: int) -> None:
-    """Mutates ``req``: append the logprobs of the prompt tokens this chunk's positions
-    predict (position q gives token q + 1), from its next missing one on."""
-    for q in range(start, start + num_new):
-        if q + 1 != req.next_prompt_logprob:
-            continue
-        t = q - start
-        req.input_logprobs.append(float(results["prompt_logprobs"][b, t]))
-        values, ids = results["prompt_top_logprobs"][b, t], results["prompt_top_ids"][b, t]
-        req.input_top_logprobs.append([(float(v), int(i)) for v, i in zip(values, ids)])
-
-
-def _top(results: dict[str, np.ndarray], b: int, i: int | None) -> list[tuple[float, int]]:
-    """The step's top-k (logprob, token id) pairs of row b (position i of a decode step)."""
-    values = results["top_logprobs"][b] if i is None else results["top_logprobs"][b, i]
-    ids = results["top_ids"][b] if i is None else results["top_ids"][b, i]
-    return [(float(v), int(t)) for v, t in zip(values, ids)]
