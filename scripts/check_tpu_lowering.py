@@ -1,6 +1,7 @@
 """Every program of an engine's table exported for TPU, on any host (no TPU needed).
 
-For each model, an engine is built on this host and its program table
+For each model (a character tokenizer attached, so that the table holds the split decode
+programs of batches with grammar rows), an engine is built on this host and its program table
 (``Runner.program_table()``) is given the kernels of ``kernel_backend="pallas"`` on platform
 TPU (``kernels_for("pallas", "tpu")``: the Mosaic state updates and, with
 ``--moe-runner pallas``, the Mosaic routed experts; the jnp attention, the XLA scatter and
@@ -27,6 +28,7 @@ from typing import Any
 
 import jax
 
+from lazyspec.engine.programs import FINISH, FORWARD
 from lazyspec.engine.steps import StepStatic
 from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.kernels.tuning import tuning_for
@@ -52,16 +54,17 @@ def tiny(name: str) -> Any:
 
     from lazyspec.models.registry import parse_hf_config
     from lazyspec.testing import tiny_models
+    from lazyspec.testing.char_tokenizer import char_tokenizer
 
     family, _, fields = name.partition(":")
-    model = tiny_models.tiny_model(family)
-    if not fields:
-        return model
-    hf = {"nemotron_h": tiny_models.NEMOTRON_HF, "qwen3_next": tiny_models.QWEN_HF}[family]
-    over = {key: int(value) for key, value in (f.split("=") for f in fields.split(","))}
-    cfg = parse_hf_config(dict(hf, **over))
-    params = model.family.init_params(cfg, jax.random.PRNGKey(0))
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=model.family)
+    model = SimpleNamespace(**vars(tiny_models.tiny_model(family)))
+    model.tokenizer = char_tokenizer()  # grammar rows: the split decode programs too
+    if fields:
+        hf = {"nemotron_h": tiny_models.NEMOTRON_HF, "qwen3_next": tiny_models.QWEN_HF}[family]
+        over = {key: int(value) for key, value in (f.split("=") for f in fields.split(","))}
+        model.config = parse_hf_config(dict(hf, **over))
+        model.params = model.family.init_params(model.config, jax.random.PRNGKey(0))
+    return model
 
 
 def tpu_runner(name: str, spec: bool, moe_runner: str, device_kind: str) -> Any:
@@ -83,6 +86,20 @@ def program_name(family: str, key: Any) -> str:
     return f"{family}: {shape}" + (" greedy" if key.greedy else "") + f" copy={key.copy}"
 
 
+def export_for_tpu(runner: Any, program: Any) -> jax.export.Exported:
+    """``program`` exported for TPU. A split decode step's finish takes its forward's carry,
+    which ``Program.arguments`` gets by compiling the forward for this host (impossible with
+    Mosaic kernels off a TPU): here the carry is the forward's exported outputs."""
+    if program.key.kind != FINISH:
+        return jax.export.export(program.jitted, platforms=["tpu"])(*program.arguments())
+    forward_key = dataclasses.replace(program.key, kind=FORWARD)
+    forward_args = runner._program_args(forward_key)
+    forward = runner.programs.jitted(forward_key)
+    outputs = jax.export.export(forward, platforms=["tpu"])(*forward_args)
+    carry, _ = jax.tree.unflatten(outputs.out_tree, outputs.out_avals)
+    return jax.export.export(program.jitted, platforms=["tpu"])(*forward_args, carry)
+
+
 def lower_all(runner: Any, family: str) -> tuple[dict[str, int], dict[str, str]]:
     """({program: Mosaic kernel calls in it} of the programs exported for TPU, {program:
     error} of those that were not)."""
@@ -90,7 +107,7 @@ def lower_all(runner: Any, family: str) -> tuple[dict[str, int], dict[str, str]]
     for program in runner.program_table():
         name = program_name(family, program.key)
         try:
-            exported = jax.export.export(program.jitted, platforms=["tpu"])(*program.arguments())
+            exported = export_for_tpu(runner, program)
             assert exported.platforms == ("tpu",), exported.platforms
             lowered[name] = exported.mlir_module().count("tpu_custom_call")
         except Exception as error:  # noqa: BLE001  every failure is reported by name
