@@ -4,7 +4,7 @@ record per device kind. Jax-free. Measurements: ``benchmarks/log/``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,12 @@ class AttentionTuning:
     ``prologue_q_heads``: query heads a program at a small step (0: all of a kv head's; 1:
     3-5 us a batch-1 step shorter on an H100). ``qkv_in_place``: q, k and v come from one
     product, read in place by the prologue and the combine (10-11 us a batch-1 step shorter
-    on an H200)."""
+    on an H200).
+
+    ``xla_block_kv``: context positions a loop step of the jnp attention
+    (``layers.attention.paged_attend``), where no paged-attention kernel runs (CPU, TPU, the
+    xla backend): its loop runs to the batch's longest context, so a step's cost follows the
+    lengths; 0 takes the whole table in one block (the cost of the configured context)."""
 
     block_rows: int = 64
     block_kv: int = 64
@@ -37,7 +42,12 @@ class AttentionTuning:
     prologue_max_tokens: int = 64
     prologue_q_heads: int = 1
     qkv_in_place: bool = True
+    xla_block_kv: int = 256
 
 
 GPU = AttentionTuning()
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": GPU, "tpu_v6e": GPU, "cpu": GPU}
+# the jnp attention's blocks: CPU's measured (benchmarks/log/2026-12-06-xla-attention-
+# lengths.md: 256 and 512 alike, 128 slower); TPU's untimed, wider for the MXU
+CPU = replace(GPU, xla_block_kv=256)
+TPU = replace(GPU, xla_block_kv=512)
+TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": TPU, "tpu_v6e": TPU, "cpu": CPU}

@@ -267,7 +267,10 @@ def attention_mixer(spec: AttentionSpec, key: str = "self_attn") -> Mixer:
         i, kernels = step.inputs, step.kernels
         tokens = (i.positions, i.num_new, i.kv_write_idx, i.kv_read_idx, i.ctx_len)
         kernel_fns = (kernels.paged_attention, kernels.attention_prologue)
-        return attention_forward(lp[key], spec, h, *tokens, k_pool, v_pool, *kernel_fns, parts)
+        block_kv = kernels.tuning.attention.xla_block_kv  # the jnp form's, without a kernel
+        return attention_forward(
+            lp[key], spec, h, *tokens, k_pool, v_pool, *kernel_fns, parts, block_kv
+        )
 
     return Mixer(run, ATTENTION)
 
