@@ -56,9 +56,12 @@ class Engine:
         self,
         model: Any = None,
         warmup_progress: Callable[[int, int], None] | None = None,
+        background_warmup: bool = False,
         **kwargs: Any,
     ) -> None:
-        """``warmup_progress(done, total)`` is called as warm-up compiles (see ``warmup``)."""
+        """``warmup_progress(done, total)`` is called as warm-up compiles; with
+        ``background_warmup`` the engine is built once the programs a first request needs
+        are compiled (see ``warmup``)."""
         self.config = c = EngineConfig(**kwargs)
         from lazyspec.engine import multihost
         from lazyspec.engine.sharding import sharding_plan
@@ -92,6 +95,7 @@ class Engine:
         self._build(cfg)
         self._ids = itertools.count()
         self._inflight = None
+        self._compiler = None  # the table compiling or compiled (``warmup.TableCompiler``)
         # built now (its library is imported at the first compile) so that threads share it
         self._grammars = (
             make_backend(c.grammar_backend, model.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
@@ -100,7 +104,7 @@ class Engine:
         )
         # the other processes compile as process 0's warm-up sends them its calls (follow)
         if not self.config.skip_warmup and self.config.is_leader:
-            self.warmup(warmup_progress)
+            self.warmup(warmup_progress, background_warmup)
 
     # ------------------------------------------------------------------ construction
 
@@ -212,19 +216,28 @@ class Engine:
         """Two copies of the decode program where programs run as CUDA graphs (``InTurn``)."""
         return 2 if self.sharding.mesh.devices.flat[0].platform == "gpu" else 1
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Compile every program of the runner's table now (``Runner.warm`` each key), so
-        serving compiles nothing new.
+    def warmup(
+        self, progress: Callable[[int, int], None] | None = None, background: bool = False
+    ) -> None:
+        """Compile every program of the runner's table, in a thread pool, and run each once
+        (``warmup.compile_table``), so serving compiles nothing new. With ``background``,
+        return once the programs a first request needs are compiled and run; the rest
+        compile on (``warmup_status``), and a step that needs one waits for it.
 
-        ``progress(done, total)`` is called with ``done = 0`` first and after each program;
-        an exception it raises stops the warm-up (and propagates)."""
-        keys = self.runner.program_keys
-        for done, key in enumerate(keys):
-            if progress is not None:
-                progress(done, len(keys))
-            self.runner.warm(key)
-        if progress is not None:
-            progress(len(keys), len(keys))
+        ``progress(done, total)`` is called with ``done = 0`` first and after each program
+        waited for; an exception it raises stops the warm-up (and propagates)."""
+        from lazyspec.engine.warmup import compile_table, warm_in_turn
+
+        if self.broadcast is not None:  # the other processes compile as they follow
+            warm_in_turn(self.runner, progress)
+            return
+        self._compiler = compile_table(self.runner, progress, background)
+
+    def warmup_status(self) -> dict | None:
+        """The program table's compilation, its counts and the persistent compilation
+        cache's hits and misses (``TableCompiler.status``); None if it was not compiled
+        ahead. Safe from any thread."""
+        return None if self._compiler is None else self._compiler.status()
 
     # ------------------------------------------------------------------ requests
 
@@ -495,6 +508,7 @@ class Engine:
                 "speculative_disable_by_batch_size": self.config.speculative_disable_by_batch_size,
                 "num_decode_steps_without_speculation": sched.num_spec_off_steps,
                 "num_compiled_programs": self.num_compiled(),
+                "warmup": self.warmup_status(),
                 "avg_accept_length": mean_accept,
                 # once per admitted request (a request waiting for room is not re-counted)
                 "cache_hit_tokens": sched.num_cached_tokens,
@@ -511,7 +525,10 @@ class Engine:
 
     def shutdown(self) -> None:
         """Mutates: finishes the in-flight step; with several processes, then releases the
-        others from ``follow`` (no step can run after that)."""
+        others from ``follow`` (no step can run after that). Programs of the table not
+        yet compiling are dropped."""
+        if self._compiler is not None:
+            self._compiler.cancel()
         while self._inflight is not None:
             self.step()
         if self.broadcast is not None and self.config.is_leader:

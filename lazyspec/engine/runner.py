@@ -53,6 +53,8 @@ from lazyspec.scheduler.layout import Layout
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# the programs of one shape each: a request-table chunk, a count seed, a mask update
+FIXED = (TABLE, SEED, MASK)
 
 
 class InTurn:
@@ -202,13 +204,40 @@ class Runner:
         self._decode = InTurn([functools.partial(decode, *static) for decode in decodes])
         self._forward = functools.partial(programs.decode_forward, *static)
         self._finish = functools.partial(programs.decode_finish, *static)
-        self._output_layouts = {
-            pack_batch(program_input(layout, key)).layout: decode_output_layout(
-                key.rows, key.tokens, self.static.spec
-            )
+        # each batch program's key by its step kind and its batch's packed layout (a decode
+        # key's copy is the one ``InTurn`` calls next)
+        self._batch_keys = {
+            (key.kind, pack_batch(program_input(layout, key)).layout): key
             for key in self.program_keys
-            if key.kind == DECODE
+            if key.kind in (EXTEND, DECODE, FORWARD, FINISH) and key.copy == 0
         }
+        self._output_layouts = {
+            packed: decode_output_layout(key.rows, key.tokens, self.static.spec)
+            for (kind, packed), key in self._batch_keys.items()
+            if kind == DECODE
+        }
+        self._fixed_keys = {key.kind: key for key in self.program_keys if key.kind in FIXED}
+        # the table's programs still compiling (``warmup.TableCompiler``): a launch of one
+        # waits for it; None once all are compiled (or the table was not compiled ahead)
+        self.compiling: Any = None
+
+    def _await_program(self, kind: str, packed: PackedLayout | None = None) -> None:
+        """Block until the program that runs a ``kind`` step (of a batch laid out as
+        ``packed``) is compiled, if the table is still compiling; a program of no key of
+        the table is left to compile as it is called."""
+        compiling = self.compiling
+        if compiling is None:
+            return
+        if packed is None:
+            key = self._fixed_keys.get(kind)
+        else:
+            key = self._batch_keys.get((kind, packed))
+            if key is not None and kind == DECODE:
+                key = dataclasses.replace(key, copy=self._decode.turn)
+        if key is not None:
+            compiling.wait(key)
+        if compiling.done:
+            self.compiling = None
 
     def _unlisted_output_layout(self, layout: PackedLayout) -> PackedLayout:
         """The output layout of a decode batch laid out as ``layout`` but of no key of the
@@ -273,6 +302,8 @@ class Runner:
         self, extend: bool, packed: PackedBatch
     ) -> dict[str, jax.Array] | PackedOutputs:
         step = self._extend if extend else self._decode
+        if self.compiling is not None:
+            self._await_program(EXTEND if extend else DECODE, packed.layout)
         words = self._input(packed.words)
         outputs, self.pools = step(
             self.params, self.pools, dataclasses.replace(packed, words=words)
@@ -299,6 +330,8 @@ class Runner:
         return self._launch_forward(packed)
 
     def _launch_forward(self, packed: PackedBatch) -> PendingDecode:
+        if self.compiling is not None:
+            self._await_program(FORWARD, packed.layout)
         words = self._input(packed.words)
         packed = dataclasses.replace(packed, words=words)
         carry, self.pools = self._forward(self.params, self.pools, packed)
@@ -313,6 +346,8 @@ class Runner:
         return self._launch_finish(pending)
 
     def _launch_finish(self, pending: PendingDecode) -> dict[str, jax.Array]:
+        if self.compiling is not None:
+            self._await_program(FINISH, pending.packed.layout)
         outputs, self.pools = self._finish(self.params, self.pools, pending.packed, pending.carry)
         return outputs
 
@@ -329,6 +364,7 @@ class Runner:
         self._apply_table(updates)
 
     def _apply_table(self, updates: np.ndarray) -> None:
+        self._await_program(TABLE)
         table = self.programs.table(self.pools.req_to_token, self._input(updates))
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
 
@@ -341,6 +377,7 @@ class Runner:
         self._apply_seed(packed)
 
     def _apply_seed(self, packed: PackedBatch) -> None:
+        self._await_program(SEED)
         words = self._input(packed.words)
         counts, in_prompt = self.programs.seed(
             self.pools.output_counts, self.pools.in_prompt, dataclasses.replace(packed, words=words)
@@ -395,6 +432,7 @@ class Runner:
             self._apply_masks(chunk_rows, chunk_masks)
 
     def _apply_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
+        self._await_program(MASK)
         place = self.sharding.replicated
         vocab_mask = self.programs.mask(
             self.pools.vocab_mask, jax.device_put(rows, place), jax.device_put(masks, place)
@@ -430,7 +468,7 @@ class Runner:
             self.read_table()
         elif kind == SEED:
             self.seed_counts(program_input(self.layout, key))
-            self.read_counts(0)
+            jax.block_until_ready((self.pools.output_counts, self.pools.in_prompt))
         elif kind == MASK:
             no_masks = np.zeros((0, *self.abstract.vocab_mask.shape[1:]), np.int32)
             self.update_vocab_masks(np.zeros(0, np.int32), no_masks)
@@ -447,14 +485,19 @@ class Runner:
         jitted function that runs it and, made as it is lowered, arguments of the shapes and
         shardings serving calls it with (a split step's finish compiles its forward first,
         for the shardings of its carry)."""
+        # the shapes and shardings of the params and pools now: a program may lower in
+        # another thread while serving replaces (donates) the pools
+        specs = jax.tree.map(_spec, (self.params, self.pools))
         return tuple(
-            Program(key, self.programs.jitted(key), functools.partial(self._program_args, key))
+            Program(
+                key, self.programs.jitted(key), functools.partial(self._program_args, key, *specs)
+            )
             for key in self.program_keys
         )
 
-    def _program_args(self, key: ProgramKey) -> tuple:
-        """The arguments ``key``'s program is called with (abstract where on the device)."""
-        params, pools = jax.tree.map(_spec, (self.params, self.pools))
+    def _program_args(self, key: ProgramKey, params: Any, pools: Pools) -> tuple:
+        """The arguments ``key``'s program is called with (``params`` and ``pools``
+        abstract, as other arrays on the device)."""
         if key.kind == TABLE:
             updates = table_updates(self.layout, None, key.tokens)
             return pools.req_to_token, self._input_spec(updates)

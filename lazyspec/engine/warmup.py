@@ -1,0 +1,326 @@
+"""Start-up compilation of the program table (``programs.py``).
+
+``TableCompiler`` compiles every entry ahead of a call (``Program.compile``) in a thread
+pool, in order of likely use (``warm_order``): an XLA compilation releases the GIL, tracing
+and lowering do not. The programs a first request needs (``first_request_keys``) come first,
+so an engine can serve once they are compiled while the rest compile on. A launch of a
+program still compiling waits for it (``TableCompiler.wait``, called by the runner) rather
+than compiling a second copy: a program compiled ahead and a later call of its jitted
+function share JAX's caches, so that call compiles nothing.
+
+``CompileCounts`` reads JAX's monitoring events while the table compiles: XLA compilations
+and their seconds, and the persistent compilation cache's hits and misses.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from lazyspec.engine.programs import (
+    DECODE,
+    EXTEND,
+    FINISH,
+    FORWARD,
+    MASK,
+    SEED,
+    TABLE,
+    Program,
+    ProgramKey,
+)
+from lazyspec.scheduler.layout import Layout
+
+if TYPE_CHECKING:
+    from lazyspec.engine.runner import Runner
+
+logger = logging.getLogger(__name__)
+
+# JAX's events: one per backend compilation, a persistent-cache read included (its seconds
+# are the read's); one per persistent-cache hit; one per miss written to the cache
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HITS = "/jax/compilation_cache/cache_hits"
+CACHE_MISSES = "/jax/compilation_cache/cache_misses"
+# threads that compile the table: tracing holds the GIL, so more than a few gain little
+MAX_COMPILE_THREADS = 8
+THREAD_NAME = "lazyspec-compile"
+# the step kinds in the order a batch of one size needs them
+_KIND_RANK = {kind: rank for rank, kind in enumerate((EXTEND, DECODE, FORWARD, FINISH))}
+
+
+def first_request_keys(layout: Layout, keys: Iterable[ProgramKey]) -> frozenset[ProgramKey]:
+    """The programs a first request needs: the table-chunk, count-seed and mask-update
+    programs, the smallest extend bucket, and every decode program of a batch of one (each
+    form and copy; a grammar row's split pair is left to compile on)."""
+    rows, lengths = layout.extend_buckets
+    num_verify = layout.decode_num_verify(1)
+    one = (layout.decode_rows(layout.decode_buckets[0], num_verify), num_verify)
+    return frozenset(
+        key
+        for key in keys
+        if key.kind in (TABLE, SEED, MASK)
+        or (key.kind == EXTEND and (key.rows, key.tokens) == (rows[0], lengths[0]))
+        or (key.kind == DECODE and (key.rows, key.tokens) == one)
+    )
+
+
+def warm_order(layout: Layout, keys: Sequence[ProgramKey]) -> tuple[ProgramKey, ...]:
+    """``keys`` in the order they are compiled: the first request's programs, then by batch
+    rows (fewer first: a lightly loaded server meets them first), then step kind, tokens,
+    form and copy. A split step's forward comes before its finish (which lowers after it)."""
+    first = first_request_keys(layout, keys)
+
+    def rank(key: ProgramKey) -> tuple:
+        kind = _KIND_RANK.get(key.kind, -1)
+        return (key not in first, key.rows, kind, key.tokens, not key.greedy, key.copy)
+
+    return tuple(sorted(keys, key=rank))
+
+
+@dataclasses.dataclass
+class CompileCounts:
+    """What JAX compiled while a table compiled. With the persistent cache on, every
+    backend compilation is a hit (read from disk) or a miss (compiled, then written)."""
+
+    num_backend_compiles: int = 0
+    compile_seconds: float = 0.0  # summed over threads
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    @property
+    def num_xla_compiles(self) -> int:
+        """Programs XLA compiled (the backend compilations not read from the cache)."""
+        return self.num_backend_compiles - self.cache_hits
+
+
+class CompileListener:
+    """Counts JAX's compile events (from any thread) between ``start`` and ``stop``."""
+
+    def __init__(self) -> None:
+        self.counts = CompileCounts()
+        self._lock = threading.Lock()
+
+    def _on_duration(self, event: str, seconds: float, **_: object) -> None:
+        if event == BACKEND_COMPILE:
+            with self._lock:
+                self.counts.num_backend_compiles += 1
+                self.counts.compile_seconds += seconds
+
+    def _on_event(self, event: str, **_: object) -> None:
+        field = {CACHE_HITS: "cache_hits", CACHE_MISSES: "cache_misses"}.get(event)
+        if field is not None:
+            with self._lock:
+                setattr(self.counts, field, getattr(self.counts, field) + 1)
+
+    def start(self) -> None:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def stop(self) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
+        jax.monitoring.unregister_event_listener(self._on_event)
+
+    def snapshot(self) -> CompileCounts:
+        with self._lock:
+            return dataclasses.replace(self.counts)
+
+
+class TableCompiler:
+    """Compiles a program table in a thread pool, in ``order``; safe from any thread."""
+
+    def __init__(
+        self,
+        programs: Sequence[Program],
+        order: Sequence[ProgramKey],
+        first: frozenset[ProgramKey],
+        num_threads: int | None = None,
+    ) -> None:
+        """``order``: the keys of ``programs`` as they are submitted; ``first``: the keys
+        that make the engine ready. ``num_threads``: default the CPU count, at most
+        ``MAX_COMPILE_THREADS``."""
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        by_key = {program.key: program for program in programs}
+        assert len(order) == len(by_key) and set(order) == set(by_key), "not the table's keys"
+        self.order, self.first = tuple(order), first
+        self._programs = by_key
+        num_cpus = len(cpus) if cpus else os.cpu_count() or 1
+        self.num_threads = num_threads or min(MAX_COMPILE_THREADS, num_cpus)
+        self._futures: dict[ProgramKey, concurrent.futures.Future] = {}
+        self._listener = CompileListener()
+        self._lock = threading.Lock()
+        self._num_done = 0
+        self._finished = threading.Event()  # set once every program is done, counts read
+        self._started = self._ready_s = self._done_s = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def start(self) -> TableCompiler:
+        """Submit every program, in order; returns at once."""
+        self._started = time.perf_counter()
+        _settle_cache_use()
+        self._listener.start()
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, THREAD_NAME)
+        for key in self.order:
+            self._futures[key] = future = self._pool.submit(self._compile, key)
+            future.add_done_callback(self._on_done)
+        self._pool.shutdown(wait=False)  # the threads end once the queue is empty
+        return self
+
+    def _compile(self, key: ProgramKey) -> None:
+        if key.kind == FINISH:  # its arguments lower the forward: compile that once
+            forward = dataclasses.replace(key, kind=FORWARD)
+            if forward in self._futures:
+                self._futures[forward].result()
+        self._programs[key].compile()
+
+    def _on_done(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("compiling a program failed", exc_info=future.exception())
+        with self._lock:
+            self._num_done += 1
+            now = time.perf_counter() - self._started
+            first = [self._futures.get(key) for key in self.first]
+            if self._ready_s is None and all(f is not None and f.done() for f in first):
+                self._ready_s = now
+            if self._num_done < len(self.order):
+                return
+            self._done_s = now
+        self._listener.stop()
+        status = self.status()
+        logger.info(
+            "program table compiled: %d programs in %.1f s (ready after %.1f s), %d XLA "
+            "compilations, %.1f s of compiling; persistent cache: %d hits, %d misses",
+            status["num_programs"],
+            status["all_seconds"],
+            status["ready_seconds"] or 0.0,
+            status["num_xla_compiles"],
+            status["compile_seconds"],
+            status["persistent_cache_hits"],
+            status["persistent_cache_misses"],
+        )
+        self._finished.set()
+
+    def wait(self, key: ProgramKey) -> None:
+        """Block until ``key``'s program is compiled; raises its compilation's error."""
+        future = self._futures.get(key)
+        if future is not None:
+            future.result()
+
+    def wait_for(
+        self, keys: Iterable[ProgramKey], progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Block until the programs of ``keys`` are compiled; ``progress(done, total)`` is
+        called with 0 first and after each (in this thread; what it raises propagates)."""
+        futures = [self._futures[key] for key in keys]
+        if progress is not None:
+            progress(0, len(futures))
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            future.result()
+            if progress is not None:
+                progress(done, len(futures))
+
+    def join(self) -> None:
+        """Block until every program is compiled (or cancelled) and ``status`` is final;
+        raises the first compilation's error."""
+        self.wait_for(self.order)
+        self._finished.wait()
+
+    def compiled(self, key: ProgramKey) -> bool:
+        """True once ``key``'s program is compiled (or failed to)."""
+        future = self._futures.get(key)
+        return future is not None and future.done()
+
+    @property
+    def done(self) -> bool:
+        """True once every program is compiled (or cancelled)."""
+        return self._done_s is not None
+
+    def cancel(self) -> None:
+        """Drop the programs not started (those compiling run to their end)."""
+        for future in self._futures.values():
+            future.cancel()
+
+    def status(self) -> dict:
+        """The table's progress and what compiling it took so far."""
+        counts = self._listener.snapshot()
+        return {
+            "num_programs": len(self.order),
+            "num_programs_first": len(self.first),
+            "num_programs_compiled": self._num_done,
+            "compile_threads": self.num_threads,
+            "ready": self._ready_s is not None,
+            "done": self.done,
+            "ready_seconds": self._ready_s,
+            "all_seconds": self._done_s,
+            "num_xla_compiles": counts.num_xla_compiles,
+            "compile_seconds": round(counts.compile_seconds, 3),
+            "persistent_cache_hits": counts.cache_hits,
+            "persistent_cache_misses": counts.cache_misses,
+        }
+
+
+def _settle_cache_use() -> None:
+    """Have JAX set up its persistent compilation cache now, in this thread. It does so at
+    its first compilation, and threads that compile first together race (jax 0.10): one may
+    find the cache not yet decided on (``is_cache_used``) or not yet built (``_get_cache``)
+    and compile without it, neither reading nor writing its entry."""
+    try:
+        import jax.extend.backend
+        from jax._src import compilation_cache
+
+        backend = jax.extend.backend.get_backend()
+        if compilation_cache.is_cache_used(backend):
+            compilation_cache._get_cache(backend)
+    except (ImportError, AttributeError):  # another jax: its first compilations decide
+        logger.debug("could not set up the compilation cache ahead", exc_info=True)
+
+
+def compile_table(
+    runner: Runner,
+    progress: Callable[[int, int], None] | None = None,
+    background: bool = False,
+    num_threads: int | None = None,
+) -> TableCompiler:
+    """Compile ``runner``'s table in a thread pool (``TableCompiler``), then run each program
+    waited for once through the calls serving makes (``Runner.warm``: no compilation). Waits
+    for every program, or with ``background`` only for the first request's: the rest
+    compile on, and a launch that needs one of them waits for it (``Runner.compiling``).
+    ``progress(done, total)`` counts the programs waited for (``TableCompiler.wait_for``);
+    what it raises cancels the programs not started and propagates."""
+    keys = runner.program_keys
+    first = first_request_keys(runner.layout, keys)
+    order = warm_order(runner.layout, keys)
+    compiler = TableCompiler(runner.program_table(), order, first, num_threads).start()
+    runner.compiling = compiler
+    waited = [key for key in order if key in first or not background]
+    try:
+        compiler.wait_for(waited, progress)
+    except BaseException:
+        compiler.cancel()
+        raise
+    if not background:
+        compiler.join()
+        runner.compiling = None
+    for key in waited:
+        runner.warm(key)
+    return compiler
+
+
+def warm_in_turn(runner: Runner, progress: Callable[[int, int], None] | None = None) -> None:
+    """Run every program of ``runner``'s table once, in turn, each compiling as it is called
+    (with several processes: the others compile as they follow each call)."""
+    keys = warm_order(runner.layout, runner.program_keys)
+    for done, key in enumerate(keys):
+        if progress is not None:
+            progress(done, len(keys))
+        runner.warm(key)
+    if progress is not None:
+        progress(len(keys), len(keys))

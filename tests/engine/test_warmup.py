@@ -1,0 +1,156 @@
+"""Start-up compilation (``engine/warmup.py``): the table compiled in a thread pool, the
+programs a first request needs first; a request that arrives while the rest compile waits
+for its programs and gets the same tokens, and no program compiles in the serving thread or
+twice; a warm restart on the persistent compilation cache compiles nothing."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import jax
+
+from lazyspec.config import EngineConfig
+from lazyspec.engine.engine import Engine
+from lazyspec.engine.programs import (
+    DECODE,
+    EXTEND,
+    FINISH,
+    FORWARD,
+    MASK,
+    SEED,
+    SPLIT,
+    TABLE,
+    program_keys,
+)
+from lazyspec.engine.warmup import (
+    BACKEND_COMPILE,
+    THREAD_NAME,
+    compile_table,
+    first_request_keys,
+    warm_order,
+)
+from lazyspec.models import nemotron_h
+from lazyspec.models.registry import parse_hf_config
+from lazyspec.scheduler.layout import plan_memory
+from lazyspec.server.lifecycle import enable_compilation_cache
+from lazyspec.testing.tiny_models import NEMOTRON_HF
+
+CACHE_SETTINGS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+SETTINGS = dict(
+    mamba_track_interval=64,
+    chunked_prefill_size=64,
+    max_running_requests=4,
+    max_total_tokens=1024,
+    context_length=128,
+)
+
+
+def _model(**overrides) -> SimpleNamespace:
+    """A tiny model of a config of its own: no program of it is compiled yet."""
+    cfg = parse_hf_config({**NEMOTRON_HF, **overrides})
+    params = nemotron_h.init_params(cfg, jax.random.PRNGKey(0))
+    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
+
+
+@contextlib.contextmanager
+def _compiles_by_thread() -> Iterator[list[tuple[str, str]]]:
+    """(thread name, function name) of every backend compilation inside the block."""
+    seen: list[tuple[str, str]] = []
+
+    def listen(event: str, seconds: float, fun_name: str = "", **_: object) -> None:
+        if event == BACKEND_COMPILE:
+            seen.append((threading.current_thread().name, fun_name))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_the_first_request_programs_come_first():
+    """The first request's programs (table chunk, count seed, mask update, the smallest
+    extend bucket, every decode program of a batch of one) lead the order; then fewer rows
+    first, and each split forward before its finish."""
+    layout = plan_memory(EngineConfig(**SETTINGS), SimpleNamespace(max_position_embeddings=4096))
+    keys = program_keys(layout, 2, SPLIT)
+    order, first = warm_order(layout, keys), first_request_keys(layout, keys)
+    assert sorted(map(repr, order)) == sorted(map(repr, keys))
+    assert set(order[: len(first)]) == first
+    rows, lengths = layout.extend_buckets
+    assert collections.Counter(key.kind for key in first) == {
+        TABLE: 1,
+        SEED: 1,
+        MASK: 1,
+        EXTEND: 1,
+        DECODE: 4,  # general and greedy, two copies
+    }
+    assert {(k.rows, k.tokens) for k in first if k.kind == EXTEND} == {(rows[0], lengths[0])}
+    assert {k.rows for k in first if k.kind == DECODE} == {layout.decode_rows(1, 1)}
+    rest = order[len(first) :]
+    assert len(rest) > 4 and [k.rows for k in rest] == sorted(k.rows for k in rest)
+    for at, key in enumerate(order):
+        if key.kind == FINISH:
+            assert order.index(key.__class__(FORWARD, key.rows, key.tokens)) < at
+
+
+def test_a_request_during_warmup_waits_for_its_programs():
+    """Ready after the first request's programs, a batch of three (an extend of 4 rows and
+    decode programs of 4 rows, compiled last) waits for them: the same tokens as an engine
+    warmed in full, no compilation in the serving thread, and each program compiled once."""
+    model = _model(layer_norm_epsilon=2e-5)
+    engine = Engine(model=model, skip_warmup=True, **SETTINGS)
+    prompts = [[5, 6, 7], list(range(3, 40)), [9, 8, 7, 6]]
+    params = {"max_new_tokens": 5, "ignore_eos": True}
+    runner = engine.runner
+    with _compiles_by_thread() as seen:
+        compiler = compile_table(runner, background=True, num_threads=1)
+        needed = max((k for k in runner.program_keys if k.kind == EXTEND), key=lambda k: k.rows)
+        assert needed not in compiler.first and not compiler.compiled(needed)  # not vacuous
+        got = engine.generate(input_ids=prompts, sampling_params=params)
+        compiler.join()
+    assert compiler.status()["num_programs_compiled"] == len(runner.program_keys)
+    serving = [name for thread, name in seen if not thread.startswith(THREAD_NAME)]
+    assert not [name for name in serving if "step" in name], serving
+    table = [name for thread, name in seen if thread.startswith(THREAD_NAME)]
+    assert len(table) == len(runner.program_keys), table  # each program once
+    warmed = Engine(model=model, **SETTINGS)  # the same programs, compiled: none compiles
+    want = warmed.generate(input_ids=prompts, sampling_params=params)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+
+
+def test_a_warm_restart_reads_every_program_from_the_cache(tmp_path):
+    """With the server's cache settings (every program kept, however small and fast to
+    compile), an engine built again after the in-memory caches are dropped reads every
+    program of its table from the persistent cache: as many hits as the first engine had
+    misses, and no XLA compilation."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    model = _model(layer_norm_epsilon=3e-5)
+    saved = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
+    compilation_cache.reset_cache()  # the cache is set up at the first compilation after
+    try:
+        enable_compilation_cache(str(tmp_path))
+        jax.clear_caches()  # programs of the same shapes that earlier tests compiled
+        cold = Engine(model=model, **SETTINGS).warmup_status()
+        jax.clear_caches()
+        warm = Engine(model=model, **SETTINGS).warmup_status()
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+    num_programs = cold["num_programs"]
+    assert cold["done"] and warm["done"] and warm["num_programs"] == num_programs > 4
+    assert cold["persistent_cache_misses"] == cold["num_xla_compiles"] == num_programs
+    assert cold["persistent_cache_hits"] == 0
+    assert warm["persistent_cache_hits"] == num_programs
+    assert warm["persistent_cache_misses"] == warm["num_xla_compiles"] == 0
