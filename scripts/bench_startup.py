@@ -1,12 +1,16 @@
 """Start-up time of the HTTP server: seconds from launching ``scripts/serve.py`` to its
-first ``/health`` 200, with a cold and then a warm JAX compilation cache.
+first ``/health`` 200 (the programs a first request needs compiled) and to its whole program
+table compiled, with a cold and then a warm JAX compilation cache; with each run, what
+``/server_info``'s ``warmup`` reports: programs, XLA compilations, compile seconds (summed
+over the compile threads) and the persistent cache's hits and misses.
 
     python scripts/bench_startup.py --runs 2                      # cold, cold, warm, warm
     python scripts/bench_startup.py --cache-dir /tmp/c --warm-only --runs 2
 
 Each run starts the server in a subprocess on a free port (the embedded default model unless
-``--model-path``; extra flags after ``--`` go to serve.py), polls /health every 0.1 s, prints
-the seconds, then stops it with SIGTERM. A cold run empties the cache directory first.
+``--model-path``; extra flags after ``--`` go to serve.py), polls /health every 0.1 s, then
+/server_info until the table is compiled, prints one line, then stops it with SIGTERM. A cold
+run empties the cache directory first.
 """
 
 from __future__ import annotations
@@ -33,9 +37,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def time_to_healthy(serve_args: list[str], cache_dir: Path, timeout: float) -> float:
-    """Seconds from launch to the first /health 200; the server is stopped afterwards."""
+def poll(process: subprocess.Popen, start: float, timeout: float, ask) -> object:
+    """``ask()``'s first answer that is not None, polled every 0.1 s while the server runs."""
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve.py exited: {process.stderr.read().decode()[-2000:]}")
+        try:
+            answer = ask()
+            if answer is not None:
+                return answer
+        except httpx.TransportError:
+            pass
+        if time.perf_counter() - start > timeout:
+            raise RuntimeError(f"the server was not ready after {timeout} s")
+        time.sleep(0.1)
+
+
+def measure_startup(serve_args: list[str], cache_dir: Path, timeout: float) -> dict:
+    """Seconds from launch to the first /health 200 (``ready_s``) and to the whole table
+    compiled (``all_s``), with ``/server_info``'s ``warmup``; the server is stopped after."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     command = [
         sys.executable,
         str(REPO / "scripts" / "serve.py"),
@@ -50,18 +72,21 @@ def time_to_healthy(serve_args: list[str], cache_dir: Path, timeout: float) -> f
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def healthy() -> bool | None:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200 or None
+
+    def compiled() -> dict | None:
+        warmup = httpx.get(f"{url}/server_info", timeout=30).json().get("warmup")
+        if warmup is None:
+            return {}  # no warm-up (--skip-warmup)
+        return warmup if warmup["done"] else None
+
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"serve.py exited: {process.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.TransportError:
-                pass
-            if time.perf_counter() - start > timeout:
-                raise RuntimeError(f"no /health 200 after {timeout} s")
-            time.sleep(0.1)
+        poll(process, start, timeout, healthy)
+        ready_s = time.perf_counter() - start
+        warmup = poll(process, start, timeout, compiled)
+        return {"ready_s": ready_s, "all_s": time.perf_counter() - start, **warmup}
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -69,6 +94,21 @@ def time_to_healthy(serve_args: list[str], cache_dir: Path, timeout: float) -> f
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def describe(state: str, run: int, got: dict) -> str:
+    line = (
+        f"{state} cache, run {run}: {got['ready_s']:.1f} s to /health 200, "
+        f"{got['all_s']:.1f} s to the whole table compiled"
+    )
+    if "num_programs" not in got:
+        return line + " (no warm-up report: --skip-warmup?)"
+    return line + (
+        f"; {got['num_programs']} programs ({got['num_programs_first']} before ready), "
+        f"{got['num_xla_compiles']} XLA compilations, {got['compile_seconds']:.1f} s of "
+        f"compiling on {got['compile_threads']} threads, persistent cache "
+        f"{got['persistent_cache_hits']} hits / {got['persistent_cache_misses']} misses"
+    )
 
 
 def main() -> None:
@@ -85,8 +125,8 @@ def main() -> None:
         for run in range(args.runs):
             if state == "cold":
                 shutil.rmtree(cache_dir, ignore_errors=True)
-            seconds = time_to_healthy(args.serve_args, cache_dir, args.timeout)
-            print(f"{state} cache, run {run + 1}: {seconds:.1f} s to /health 200", flush=True)
+            got = measure_startup(args.serve_args, cache_dir, args.timeout)
+            print(describe(state, run + 1, got), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 * ``StartingApp`` answers every path with 503 (``/health``: ``{"status": "starting"}``) until
   the real app is installed, so uvicorn can listen while the engine loads and compiles.
-* ``EngineStartup`` builds the engine in a thread once uvicorn listens, then installs the app.
+* ``EngineStartup`` builds the engine in a thread once uvicorn listens, then installs the app
+  as soon as the programs a first request needs are compiled; the rest of the program table
+  compiles on in the background (``Engine.warmup``), and ``/server_info``'s ``warmup``
+  reports it with the persistent compilation cache's hits and misses.
 * ``WarmupBar`` shows warm-up compilation as a tqdm bar and stops it when asked.
 * ``enable_compilation_cache`` turns on JAX's persistent compilation cache, so a restart
   reads the bucket programs from disk instead of compiling them again.
@@ -94,7 +97,7 @@ class WarmupBar:
             self.close()
             raise StartupCancelled()
         if self._bar is None:
-            self._bar = tqdm(total=total, desc="compiling batch shapes", unit="shape")
+            self._bar = tqdm(total=total, desc="compiling the first programs", unit="program")
         self._bar.update(done - self._bar.n)
         if done == total:
             self.close()
@@ -114,7 +117,8 @@ def default_cache_dir() -> Path:
 def enable_compilation_cache(cache_dir: str | None) -> Path | None:
     """Turn on JAX's persistent compilation cache in ``cache_dir`` (default:
     ``default_cache_dir()``; ``"none"``: off). Every program is cached, however fast it
-    compiled, so the CPU bucket programs are too. Call before the engine compiles."""
+    compiled and however small (a minimum entry size of 0 would let JAX pick its own), so the
+    CPU bucket programs are too. Call before the engine compiles."""
     if cache_dir is not None and cache_dir.lower() == "none":
         return None
     import jax
@@ -123,7 +127,7 @@ def enable_compilation_cache(cache_dir: str | None) -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
 
 
@@ -234,7 +238,7 @@ class EngineStartup:
         try:
             if self.size_pools is not None:
                 self.size_pools(self.kwargs)
-            engine = Engine(warmup_progress=self.bar, **self.kwargs)
+            engine = Engine(warmup_progress=self.bar, background_warmup=True, **self.kwargs)
             if self.bar.cancelled.is_set():
                 return
         except StartupCancelled:
@@ -251,6 +255,18 @@ class EngineStartup:
         self.worker = EngineWorker(engine).start()
         self.holder.install(create_app(self.worker, self.settings))
         print(f"ready: {self.url} (OpenAI API under /v1, SGLang API at /generate)", flush=True)
+        status = engine.warmup_status()
+        if status is not None:
+            logger.info(
+                "ready with %d of %d programs compiled (%d XLA compilations, %.1f s of "
+                "compiling; persistent cache: %d hits, %d misses); the rest compile on",
+                status["num_programs_compiled"],
+                status["num_programs"],
+                status["num_xla_compiles"],
+                status["compile_seconds"],
+                status["persistent_cache_hits"],
+                status["persistent_cache_misses"],
+            )
 
     def finish(self) -> None:
         """Wait for a build in progress (it stops at the next shape once cancelled), then
