@@ -157,7 +157,7 @@ class TableCompiler:
         self._futures: dict[ProgramKey, concurrent.futures.Future] = {}
         self._listener = CompileListener()
         self._lock = threading.Lock()
-        self._num_done = 0
+        self._num_done = self._num_cancelled = 0
         self._finished = threading.Event()  # set once every program is done, counts read
         self._started = self._ready_s = self._done_s = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -186,6 +186,7 @@ class TableCompiler:
             logger.error("compiling a program failed", exc_info=future.exception())
         with self._lock:
             self._num_done += 1
+            self._num_cancelled += future.cancelled()
             now = time.perf_counter() - self._started
             first = [self._futures.get(key) for key in self.first]
             if self._ready_s is None and all(f is not None and f.done() for f in first):
@@ -196,9 +197,11 @@ class TableCompiler:
         self._listener.stop()
         status = self.status()
         logger.info(
-            "program table compiled: %d programs in %.1f s (ready after %.1f s), %d XLA "
-            "compilations, %.1f s of compiling; persistent cache: %d hits, %d misses",
-            status["num_programs"],
+            "program table: %d programs compiled (%d cancelled) in %.1f s (ready after %.1f "
+            "s), %d XLA compilations, %.1f s of compiling; persistent cache: %d hits, %d "
+            "misses",
+            status["num_programs_compiled"],
+            status["num_programs_cancelled"],
             status["all_seconds"],
             status["ready_seconds"] or 0.0,
             status["num_xla_compiles"],
@@ -254,7 +257,8 @@ class TableCompiler:
         return {
             "num_programs": len(self.order),
             "num_programs_first": len(self.first),
-            "num_programs_compiled": self._num_done,
+            "num_programs_compiled": self._num_done - self._num_cancelled,
+            "num_programs_cancelled": self._num_cancelled,
             "compile_threads": self.num_threads,
             "ready": self._ready_s is not None,
             "done": self.done,
