@@ -93,9 +93,9 @@ def export_for_tpu(runner: Any, program: Any) -> jax.export.Exported:
     if program.key.kind != FINISH:
         return jax.export.export(program.jitted, platforms=["tpu"])(*program.arguments())
     forward_key = dataclasses.replace(program.key, kind=FORWARD)
-    forward_args = runner._program_args(forward_key)
-    forward = runner.programs.jitted(forward_key)
-    outputs = jax.export.export(forward, platforms=["tpu"])(*forward_args)
+    (forward,) = [entry for entry in runner.program_table() if entry.key == forward_key]
+    forward_args = forward.arguments()
+    outputs = jax.export.export(forward.jitted, platforms=["tpu"])(*forward_args)
     carry, _ = jax.tree.unflatten(outputs.out_tree, outputs.out_avals)
     return jax.export.export(program.jitted, platforms=["tpu"])(*forward_args, carry)
 
