@@ -46,8 +46,6 @@ logger = logging.getLogger(__name__)
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HITS = "/jax/compilation_cache/cache_hits"
 CACHE_MISSES = "/jax/compilation_cache/cache_misses"
-# threads that compile the table: tracing holds the GIL, so more than a few gain little
-MAX_COMPILE_THREADS = 8
 THREAD_NAME = "lazyspec-compile"
 # the step kinds in the order a batch of one size needs them
 _KIND_RANK = {kind: rank for rank, kind in enumerate((EXTEND, DECODE, FORWARD, FINISH))}
@@ -143,17 +141,18 @@ class TableCompiler:
         order: Sequence[ProgramKey],
         first: frozenset[ProgramKey],
         num_threads: int | None = None,
+        max_threads: int = 8,
     ) -> None:
         """``order``: the keys of ``programs`` as they are submitted; ``first``: the keys
         that make the engine ready. ``num_threads``: default the CPU count, at most
-        ``MAX_COMPILE_THREADS``."""
+        ``max_threads`` (tracing holds the GIL, so more than a few gain little)."""
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         by_key = {program.key: program for program in programs}
         assert len(order) == len(by_key) and set(order) == set(by_key), "not the table's keys"
         self.order, self.first = tuple(order), first
         self._programs = by_key
         num_cpus = len(cpus) if cpus else os.cpu_count() or 1
-        self.num_threads = num_threads or min(MAX_COMPILE_THREADS, num_cpus)
+        self.num_threads = num_threads or min(max_threads, num_cpus)
         self._futures: dict[ProgramKey, concurrent.futures.Future] = {}
         self._listener = CompileListener()
         self._lock = threading.Lock()
