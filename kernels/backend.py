@@ -39,7 +39,7 @@ from lazyspec.kernels.state.dispatch import (
 )
 from lazyspec.kernels.state.scatter import state_copy_xla, state_scatter_xla
 from lazyspec.kernels.state.update_common import StateUpdateResult
-from lazyspec.kernels.tuning import Tuning, device_kind_key, tuning_for
+from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning, device_kind_key, tuning_for
 
 # (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state.update_common``
 StateUpdateFn = Callable[..., StateUpdateResult]
@@ -101,7 +101,7 @@ class Kernels:
     residual_norm: ResidualNormFn | None = field(default=None, compare=False)
     attention_prologue: AttentionPrologueFn | None = field(default=None, compare=False)
     gated_norm: GatedNormFn | None = field(default=None, compare=False)
-    tuning: Tuning = Tuning()
+    tuning: Tuning = DEFAULT_TUNING
 
     @property
     def adds_mlp_output_in_next_norm(self) -> bool:

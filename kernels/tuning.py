@@ -68,6 +68,9 @@ class Tuning:
 
 
 _OPS = ("gdn", "mamba2", "state", "moe", "attention", "norm")
+# the dispatch functions' default where a caller passes none (the tests, direct calls);
+# ``kernels_for`` always binds the device's table
+DEFAULT_TUNING = Tuning()
 
 
 def _replace(record: Any, field: str, value: Any, name: str) -> Any:

@@ -17,9 +17,7 @@ from lazyspec.kernels.common import (
     powers_of_two,
     small_step_tile,
 )
-from lazyspec.kernels.tuning import Tuning
-
-DEFAULT_TUNING = Tuning()
+from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
 
 def attention_tiles(tuning: Tuning = DEFAULT_TUNING) -> dict[str, int]:

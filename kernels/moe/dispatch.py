@@ -19,9 +19,7 @@ from lazyspec.kernels.common import (
 from lazyspec.kernels.moe.experts import moe_experts_pallas
 from lazyspec.kernels.moe.plan import SharedExpert
 from lazyspec.kernels.moe.routing import TokenRouting
-from lazyspec.kernels.tuning import Tuning
-
-DEFAULT_TUNING = Tuning()
+from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
 
 def moe_launch(

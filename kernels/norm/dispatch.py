@@ -12,9 +12,7 @@ import jax
 from lazyspec.kernels.common import fitted_tile, pallas_options, powers_of_two
 from lazyspec.kernels.norm.gated import gated_norm_pallas
 from lazyspec.kernels.norm.residual import ResidualNorm, residual_norm_pallas
-from lazyspec.kernels.tuning import Tuning
-
-DEFAULT_TUNING = Tuning()
+from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
 
 def residual_norm_fits(

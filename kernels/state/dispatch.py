@@ -37,9 +37,8 @@ from lazyspec.kernels.state.update_common import (
     Mamba2Tokens,
     StateUpdateResult,
 )
-from lazyspec.kernels.tuning import Tuning
+from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
-DEFAULT_TUNING = Tuning()
 _XLA_UPDATES = {"gdn": gdn_state_update_xla, "mamba2": mamba2_state_update_xla}
 _PALLAS_UPDATES = {"gdn": gdn_state_update_pallas, "mamba2": mamba2_state_update_pallas}
 
