@@ -1,9 +1,45 @@
-"""Shared checks for the Pallas kernel tests."""
+"""Shared checks for the Pallas kernel tests: where the kernels run compiled, the one
+tolerance rule, and the comparisons."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lazyspec.kernels.common import TRITON_PLATFORMS
+
+# The Triton forms run compiled on a GPU and in interpret mode elsewhere; the Mosaic (TPU)
+# forms run compiled on a TPU and in TPU interpret mode elsewhere.
+INTERPRET = jax.default_backend() not in TRITON_PLATFORMS
+TPU_INTERPRET = jax.default_backend() != "tpu"
+
+# Unit roundoff: half the spacing of the numbers near 1.
+UNIT_ROUNDOFF = {
+    jnp.dtype(jnp.float32): 2.0**-24,
+    jnp.dtype(jnp.float16): 2.0**-11,
+    jnp.dtype(jnp.bfloat16): 2.0**-8,
+}
+# float32 sums of the same n terms in two orders differ by about sqrt(n) roundings of the
+# running sum (independent errors); 16 of those covers the tails at the sizes tested here and
+# the few-ulp differences of exp / log1p between Triton, XLA and numpy.
+ACCUMULATION_ULPS = 16
+
+
+def tolerance(dtype, reduction_length: int = 1, roundings: int = 1) -> float:
+    """The relative tolerance for a kernel against its reference when both read inputs of
+    ``dtype``, accumulate ``reduction_length`` terms in float32 in their own orders, and
+    round to ``dtype`` where the other does not ``roundings`` times (the result, and any
+    intermediate such as bf16 probabilities before a value product). The float32 part is
+    ``ACCUMULATION_ULPS * sqrt(reduction_length)`` float32 roundoffs; each rounding to
+    ``dtype`` adds one unit roundoff of it. Used with ``assert_close``: relative to the
+    element, and absolute at that fraction of the array's largest magnitude."""
+    accumulation = (
+        ACCUMULATION_ULPS * math.sqrt(reduction_length) * UNIT_ROUNDOFF[jnp.dtype(jnp.float32)]
+    )
+    return accumulation + roundings * UNIT_ROUNDOFF[jnp.dtype(dtype)]
 
 
 def assert_close(actual, expected, tol: float, what: str) -> None:

@@ -16,6 +16,7 @@ from lazyspec.kernels.attention import dispatch as attention_dispatch
 from lazyspec.kernels.attention.prologue import attention_prologue_pallas, pieces
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.attention import AttentionSpec, norm_rope, write_kv
+from tests.kernels.kernel_checks import INTERPRET
 
 pytestmark = pytest.mark.pallas
 
@@ -125,7 +126,7 @@ def test_prologue_equals_the_model_ops_pallas(kind, batch, tokens, block_q_heads
     program (``block_q_heads``)."""
     spec = _spec(kind)
     case, params = _case(np.random.default_rng(batch * 10 + tokens), spec, batch, tokens)
-    got = _launch(spec, case, params, interpret=True, block_q_heads=block_q_heads)
+    got = _launch(spec, case, params, interpret=INTERPRET, block_q_heads=block_q_heads)
     want = _model_ops(spec, case, params)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
@@ -144,7 +145,7 @@ def test_prologue_keeps_float32_pools_and_rounds_k_first_pallas():
     case, params = _case(np.random.default_rng(3), spec, 2, 2)
     case["k_pool"] = case["k_pool"].astype(jnp.float32)
     case["v_pool"] = case["v_pool"].astype(jnp.float32)
-    got = _launch(spec, case, params, interpret=True)
+    got = _launch(spec, case, params, interpret=INTERPRET)
     want = _model_ops(spec, case, params)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype
@@ -166,7 +167,7 @@ def test_prologue_rejects_mismatched_inputs():
     good = dict(case)
 
     def launch(**changes):
-        _launch(spec, {**good, **changes}, params, interpret=True)
+        _launch(spec, {**good, **changes}, params, interpret=INTERPRET)
 
     with pytest.raises(ValueError, match="must be \\[N, H, D\\]"):
         launch(v=case["v"][..., :8])
@@ -179,7 +180,7 @@ def test_prologue_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="num_new"):
         launch(num_new=case["num_new"][:1])
     with pytest.raises(ValueError, match="q_norm"):
-        _launch(spec, case, {**params, "q_norm": params["q_norm"][:8]}, interpret=True)
+        _launch(spec, case, {**params, "q_norm": params["q_norm"][:8]}, interpret=INTERPRET)
 
 
 def _one_product(case: dict):
@@ -207,9 +208,9 @@ def test_prologue_reads_one_products_output_in_place_pallas(kind):
     case, params = _case(np.random.default_rng(5), spec, 3, 2)
     views, heads = _one_product(case)
     assert views["q"].shape[1] > spec.num_heads  # k and v's heads follow q's
-    want = _launch(spec, case, params, interpret=True)
+    want = _launch(spec, case, params, interpret=INTERPRET)
     unflat = {name: views[name].reshape(3, 2, *views[name].shape[1:]) for name in views}
-    got = _launch(spec, {**case, **unflat}, params, interpret=True, **heads)
+    got = _launch(spec, {**case, **unflat}, params, interpret=INTERPRET, **heads)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -225,13 +226,15 @@ def test_prologue_query_head_tiles_pallas():
     case, params = _case(np.random.default_rng(7), spec, 3, 2)
     views, heads = _one_product(case)
     unflat = {name: views[name].reshape(3, 2, *views[name].shape[1:]) for name in views}
-    want = _launch(spec, case, params, interpret=True)
+    want = _launch(spec, case, params, interpret=INTERPRET)
     for tile in (2, 1):
-        got = _launch(spec, {**case, **unflat}, params, interpret=True, block_q_heads=tile, **heads)
+        got = _launch(
+            spec, {**case, **unflat}, params, interpret=INTERPRET, block_q_heads=tile, **heads
+        )
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(ValueError, match="block_q_heads=3"):
-        _launch(spec, case, params, interpret=True, block_q_heads=3)
+        _launch(spec, case, params, interpret=INTERPRET, block_q_heads=3)
     grids = {}
     for switch, rows in ((0, 1), (2, 1), (1, 1), (2, 2)):
         small, _ = _case(np.random.default_rng(8), spec, rows, 2)  # 2 or 4 tokens
@@ -257,9 +260,9 @@ def test_prologue_refuses_heads_outside_the_product():
     total = views["k"].shape[1]
     for bad in ({"v_head_at": total - 1}, {"k_head_at": -1}):
         with pytest.raises(ValueError, match="heads from"):
-            _launch(spec, {**case, **unflat}, params, interpret=True, **{**heads, **bad})
+            _launch(spec, {**case, **unflat}, params, interpret=INTERPRET, **{**heads, **bad})
     with pytest.raises(ValueError, match=">= 40 heads"):
-        _launch(spec, {**case, **unflat}, params, interpret=True, **{**heads, "num_heads": 40})
+        _launch(spec, {**case, **unflat}, params, interpret=INTERPRET, **{**heads, "num_heads": 40})
 
 
 def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():

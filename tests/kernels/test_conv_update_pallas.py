@@ -12,14 +12,14 @@ import pytest
 from lazyspec.kernels import common
 from lazyspec.kernels.state import conv as cu
 from lazyspec.kernels.state import dispatch as state_dispatch
-from tests.kernels.kernel_checks import assert_close, draw_slots
+from tests.kernels.kernel_checks import INTERPRET, assert_close, draw_slots, tolerance
 
 pytestmark = pytest.mark.pallas
 
-FP32_TOL = 1e-5
+FP32_TOL = tolerance(jnp.float32, reduction_length=4)  # the conv's window
 # bf16 x and windows are upcast exactly; a bf16 output is the float32 result rounded once:
 # half a bf16 ulp, at most 2**-8 of the value, apart.
-BF16_OUT_TOL = 2.0**-8
+BF16_OUT_TOL = tolerance(jnp.bfloat16, reduction_length=4)
 
 
 def conv_case(rng, batch, tokens, channels, kernel, num_slots, pool_dtype, x_dtype, with_bias):
@@ -81,7 +81,7 @@ def test_conv_pallas_and_xla_match_scan(case):
     expected = reference(pool, slot, x, weight, bias)
     out_tol = FP32_TOL if x_dtype == jnp.float32 else BF16_OUT_TOL
     got = cu.conv_update_pallas(
-        pool, slot, x, weight, bias, mode=mode, block_channels=block, interpret=True
+        pool, slot, x, weight, bias, mode=mode, block_channels=block, interpret=INTERPRET
     )
     check_result(got, pool, slot, mode, *expected, out_tol)
     got = jax.jit(cu.conv_update_xla, static_argnames="mode")(
@@ -128,7 +128,7 @@ def test_conv_bad_arguments_and_dispatch_pallas():
         mode="decode",
         kernel_backend="pallas",
         block_channels=6,
-        interpret=True,
+        interpret=INTERPRET,
     )
     via_xla = state_dispatch.conv_update(
         pool, slot, x, weight, bias, mode="decode", kernel_backend="xla"
@@ -179,7 +179,7 @@ def test_conv_stacked_pool_and_num_new_match_scan_pallas(mode):
     assert not np.array_equal(np.asarray(final[3]), np.asarray(stacked[layer, 5]))
     np.testing.assert_array_equal(np.asarray(final[2]), np.asarray(stacked[layer, 2]))
     forms = {
-        "pallas": functools.partial(cu.conv_update_pallas, block_channels=8, interpret=True),
+        "pallas": functools.partial(cu.conv_update_pallas, block_channels=8, interpret=INTERPRET),
         "xla": jax.jit(cu.conv_update_xla, static_argnames=("mode", "layer", "out_dtype")),
     }
     options = {"mode": mode, "num_new": num_new, "layer": layer, "out_dtype": jnp.float32}
@@ -242,14 +242,14 @@ def test_conv_reads_grouped_channels_in_place_pallas(mode):
     for block in (2, 4, None):
         got = state_dispatch.conv_update(
             *args, mode=mode, channel_groups=layout, kernel_backend="pallas",
-            block_channels=block, interpret=True,
+            block_channels=block, interpret=INTERPRET,
         )  # fmt: skip
         check_result(got, pool, slot, mode, *expected, FP32_TOL)
     got = cu.conv_update_xla(*args, mode=mode, channel_groups=layout)
     check_result(got, pool, slot, mode, *expected, FP32_TOL)
     with pytest.raises(ValueError, match="block_channels=8 must divide the parts"):
         cu.conv_update_pallas(
-            *args, mode=mode, channel_groups=layout, block_channels=8, interpret=True
+            *args, mode=mode, channel_groups=layout, block_channels=8, interpret=INTERPRET
         )
     with pytest.raises(ValueError, match="does not hold 5 groups"):
         cu.conv_update_xla(*args, mode=mode, channel_groups=cu.ChannelGroups(5, parts))

@@ -16,6 +16,7 @@ from lazyspec.kernels.norm import dispatch as norm_dispatch
 from lazyspec.kernels.norm.gated import GateLayout, gated_norm_pallas
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.norms import gated_rms_norm
+from tests.kernels.kernel_checks import INTERPRET
 
 pytestmark = pytest.mark.pallas
 
@@ -54,14 +55,16 @@ def test_gated_norm_equals_the_model_ops_pallas(kind, tokens):
     )
     np.testing.assert_array_equal(np.asarray(layout.gather(source, num_heads, head_dim)), z)
     want = gated_rms_norm(x.astype(jnp.bfloat16), jnp.asarray(z), weight, 1e-6)
-    got = gated_norm_pallas(x, source, layout, weight, eps=1e-6, dtype=jnp.bfloat16, interpret=True)
+    got = gated_norm_pallas(
+        x, source, layout, weight, eps=1e-6, dtype=jnp.bfloat16, interpret=INTERPRET
+    )
     assert got.dtype == want.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_gated_norm_rejects_mismatched_inputs():
     x, source, layout, weight = _case(np.random.default_rng(0), "qwen3_next", 2)
-    launch = functools.partial(gated_norm_pallas, eps=1e-6, dtype=jnp.bfloat16, interpret=True)
+    launch = functools.partial(gated_norm_pallas, eps=1e-6, dtype=jnp.bfloat16, interpret=INTERPRET)
     with pytest.raises(ValueError, match="must be \\[N, H, d\\]"):
         launch(x[0], source, layout, weight)
     with pytest.raises(ValueError, match="weight"):

@@ -22,16 +22,16 @@ from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
-from tests.kernels.kernel_checks import assert_close, launch_names
+from tests.kernels.kernel_checks import INTERPRET, assert_close, launch_names, tolerance
 
 pytestmark = pytest.mark.pallas
 
-FP32_TOL = 1e-5
+WIDTH, INNER = 32, 16
+FP32_TOL = tolerance(jnp.float32, reduction_length=WIDTH + INNER)
 # bf16: the XLA form rounds gate, up, their product and the expert's output to bf16 (each
 # within 2**-9 relative) where the kernel rounds only the intermediate; a few such roundings
 # of terms of either sign, relative to the output's largest element.
-BF16_TOL = 2.0**-5
-WIDTH, INNER = 32, 16
+BF16_TOL = tolerance(jnp.bfloat16, reduction_length=WIDTH + INNER, roundings=8)
 
 
 def routing(rng, num_tokens, top_k, num_experts, skewed):
@@ -93,7 +93,7 @@ def test_moe_experts_pallas_matches_grouped_experts(case):
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
     want = reference(x, weights, ids, up, down, gate)
     got = me.moe_experts_pallas(
-        x, weights, ids, up, down, gate, block_inner=8, block_out=16, block_k=8, interpret=True
+        x, weights, ids, up, down, gate, block_inner=8, block_out=16, block_k=8, interpret=INTERPRET
     )
     assert got.dtype == jnp.float32
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
@@ -172,10 +172,10 @@ def test_shared_expert_of_other_widths_is_refused_pallas():
         up=jnp.zeros((WIDTH, 2 * INNER)), down=down[0], gate=gate[0], weight=jnp.ones(2)
     )
     with pytest.raises(ValueError, match="shared up"):
-        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=wide, interpret=True)
+        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=wide, interpret=INTERPRET)
     ungated = moe_plan.SharedExpert(up=up[0], down=down[0], gate=None, weight=jnp.ones(2))
     with pytest.raises(ValueError, match="has a gate exactly when"):
-        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=ungated, interpret=True)
+        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=ungated, interpret=INTERPRET)
 
 
 def test_grouping_gives_only_routed_experts_their_tiles_pallas():
@@ -217,7 +217,7 @@ def test_pairs_outside_the_stacks_are_dropped_pallas():
     x = jnp.asarray(rng.standard_normal((5, WIDTH)), jnp.float32)
     want = reference(x, weights, ids, up, down, gate)
     per = num_experts // num_shards
-    kernel = jax.jit(lambda *a: me.moe_experts_pallas(*a, block_rows=4, interpret=True))
+    kernel = jax.jit(lambda *a: me.moe_experts_pallas(*a, block_rows=4, interpret=INTERPRET))
     total = 0.0
     for shard in range(num_shards):
         block = slice(shard * per, (shard + 1) * per)
@@ -244,7 +244,9 @@ def test_unrouted_experts_may_hold_nan_pallas():
     assert len(unrouted) >= 2
     want = reference(jnp.ones((3, WIDTH)), weights, ids, up, down, gate)
     up, down, gate = (a.at[unrouted].set(jnp.nan) for a in (up, down, gate))
-    got = me.moe_experts_pallas(jnp.ones((3, WIDTH)), weights, ids, up, down, gate, interpret=True)
+    got = me.moe_experts_pallas(
+        jnp.ones((3, WIDTH)), weights, ids, up, down, gate, interpret=INTERPRET
+    )
     assert_close(got, want, FP32_TOL, "routed experts beside NaN experts")
 
 
@@ -285,7 +287,7 @@ def test_output_tile_widens_from_sixteen_tokens_pallas(fused):
     wide = tuning.moe.wide_out_tokens
 
     def launch_of(tokens, tuning=tuning, up=up, down=down):
-        return moe_dispatch.moe_launch(tokens, up, down, interpret=True, tuning=tuning)
+        return moe_dispatch.moe_launch(tokens, up, down, interpret=INTERPRET, tuning=tuning)
 
     for tokens, block_out in ((fused + 1, 64), (wide - 1, 64), (wide, 128), (2048, 128)):
         launch = launch_of(tokens)
@@ -537,7 +539,7 @@ def test_token_rows_and_staged_rows_give_the_same_experts_pallas(gated):
     up, down, gate = expert_stacks(rng, num_experts, jnp.float32, gated)
     kernel = jax.jit(
         lambda *a, token_rows: me.moe_experts_pallas(
-            *a, block_rows=8, token_rows=token_rows, interpret=True
+            *a, block_rows=8, token_rows=token_rows, interpret=INTERPRET
         ),
         static_argnames="token_rows",
     )
@@ -567,7 +569,15 @@ def test_token_rows_read_the_tokens_as_they_are_pallas():
 
     def run(x, token_rows):
         return me.moe_experts_pallas(
-            x, weights, ids, up, down, gate, block_rows=8, token_rows=token_rows, interpret=True
+            x,
+            weights,
+            ids,
+            up,
+            down,
+            gate,
+            block_rows=8,
+            token_rows=token_rows,
+            interpret=INTERPRET,
         )
 
     jaxpr = jax.make_jaxpr(lambda x: run(x, True))(x).jaxpr
@@ -615,11 +625,11 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     shared_weight = jax.nn.sigmoid(gate_logit) if with_shared else None
     block_rows = 16
     routing = moe_routing.TokenRouting(logits, top_k, norm, real)
-    tiles = moe_routing.route_tokens(routing, shared_weight, block_rows, interpret=True)
+    tiles = moe_routing.route_tokens(routing, shared_weight, block_rows, interpret=INTERPRET)
     if with_shared:  # the gate's logit and sigmoid computed in the program: the same tables
         by_gate = dataclasses.replace(routing, shared_gate=shared_gate)
         unused = jnp.zeros(num_tokens)
-        also = moe_routing.route_tokens(by_gate, unused, block_rows, interpret=True, x=tokens)
+        also = moe_routing.route_tokens(by_gate, unused, block_rows, interpret=INTERPRET, x=tokens)
         for got, want in zip(jax.tree.leaves(also), jax.tree.leaves(tiles)):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
@@ -681,7 +691,7 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens):
     assert names == ["moe_experts_up", "moe_experts_down"], names
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(separate))
     for tokens in (2, 3):
-        launch = moe_dispatch.moe_launch(tokens, up, down, interpret=True, tuning=tuning)
+        launch = moe_dispatch.moe_launch(tokens, up, down, interpret=INTERPRET, tuning=tuning)
         assert launch["route_in_up"] is (tokens <= max_tokens)
 
 
@@ -752,18 +762,18 @@ def test_route_tokens_checks_its_inputs_pallas():
     up, down, gate = expert_stacks(np.random.default_rng(36), 8, jnp.float32, True)
     wrong = moe_routing.TokenRouting(jnp.zeros((2, 7)), 2, True)
     with pytest.raises(ValueError, match="routing logits"):
-        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
+        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=INTERPRET)
     wrong = moe_routing.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH + 1))
     with pytest.raises(ValueError, match="routing shared_gate"):
-        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=True)
+        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=INTERPRET)
     by_gate = moe_routing.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH))
     with pytest.raises(ValueError, match="for the shared gate"):
-        moe_routing.route_tokens(by_gate, jnp.zeros(2), 16, interpret=True)  # no x
+        moe_routing.route_tokens(by_gate, jnp.zeros(2), 16, interpret=INTERPRET)  # no x
     with pytest.raises(ValueError, match="top_k"):
         moe_routing.route_tokens(
-            moe_routing.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=True
+            moe_routing.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=INTERPRET
         )
     with pytest.raises(ValueError, match="at most block_rows"):
         moe_routing.route_tokens(
-            moe_routing.TokenRouting(jnp.zeros((9, 8)), 2, True), None, 8, interpret=True
+            moe_routing.TokenRouting(jnp.zeros((9, 8)), 2, True), None, 8, interpret=INTERPRET
         )

@@ -10,7 +10,7 @@ import pytest
 
 from lazyspec.kernels import backend
 from lazyspec.kernels.moe import experts_tpu as tpu
-from tests.kernels.kernel_checks import assert_close
+from tests.kernels.kernel_checks import TPU_INTERPRET, assert_close
 from tests.kernels.test_moe_experts_pallas import (
     BF16_TOL,
     FP32_TOL,
@@ -37,7 +37,7 @@ def test_moe_experts_tpu_layout_matches_grouped_experts(case):
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
     got = tpu.moe_experts_tpu(
-        x, weights, ids, up, down, gate, block_rows=block_rows, interpret=True
+        x, weights, ids, up, down, gate, block_rows=block_rows, interpret=TPU_INTERPRET
     )
     want = reference(x, weights, ids, up, down, gate)
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
@@ -59,7 +59,7 @@ def test_tpu_layout_rejects_illegal_tiles_and_dispatches():
     def no_xla():
         raise AssertionError("the kernel's shape ran the XLA form")
 
-    got = kernel(x, weights, ids, up, down, gate, xla_form=no_xla, interpret=True)
+    got = kernel(x, weights, ids, up, down, gate, xla_form=no_xla, interpret=TPU_INTERPRET)
     assert_close(got, reference(x, weights, ids, up, down, gate), FP32_TOL, "dispatched")
 
 

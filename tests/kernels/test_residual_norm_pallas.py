@@ -12,6 +12,7 @@ from lazyspec.kernels.norm import dispatch as norm_dispatch
 from lazyspec.kernels.norm.residual import residual_norm_pallas
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.norms import residual_rms_norm
+from tests.kernels.kernel_checks import INTERPRET
 
 pytestmark = pytest.mark.pallas
 
@@ -36,7 +37,9 @@ def test_residual_norm_pallas_sums_partial_sums_then_rounds(experts, parts):
     x, _, weight, router = _case(rng, 3, 64, experts)
     delta = jnp.asarray(rng.standard_normal((parts, 3, 64)) * 0.3, jnp.float32)
     options = {"eps": 1e-6, "zero_centered": True}
-    got = residual_norm_pallas(x, delta, weight, router, block_experts=4, interpret=True, **options)
+    got = residual_norm_pallas(
+        x, delta, weight, router, block_experts=4, interpret=INTERPRET, **options
+    )
     want = residual_rms_norm(x, jnp.sum(delta, 0).astype(x.dtype), weight, router, **options)
     np.testing.assert_array_equal(np.asarray(got.residual), np.asarray(want.residual))
     np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(want.normed))
@@ -46,7 +49,7 @@ def test_residual_norm_pallas_sums_partial_sums_then_rounds(experts, parts):
     np.testing.assert_array_equal(np.asarray(xla.residual), np.asarray(want.residual))
     for bad in (jnp.concatenate([delta] * 3), delta.astype(jnp.bfloat16), delta[:, :2]):
         with pytest.raises(ValueError, match="partial sums"):
-            residual_norm_pallas(x, bad, weight, router, interpret=True, **options)
+            residual_norm_pallas(x, bad, weight, router, interpret=INTERPRET, **options)
 
 
 @pytest.mark.parametrize("experts,block_experts", [(0, 4), (16, 4), (16, None), (12, 4)])
@@ -56,7 +59,7 @@ def test_residual_norm_pallas_matches_the_model_ops(tokens, zero_centered, exper
     x, delta, weight, router = _case(np.random.default_rng(tokens), tokens, 64, experts)
     options = {"eps": 1e-6, "zero_centered": zero_centered}
     got = residual_norm_pallas(
-        x, delta, weight, router, block_experts=block_experts, interpret=True, **options
+        x, delta, weight, router, block_experts=block_experts, interpret=INTERPRET, **options
     )
     want = residual_rms_norm(x, delta, weight, router, **options)  # op by op: rounded as written
     assert got.residual.dtype == got.normed.dtype == x.dtype
@@ -79,7 +82,7 @@ def test_norm_without_delta_gives_the_projection_in_its_dtype_pallas(tokens):
     ``logits_dtype``, as the model's bf16 projection gives them."""
     x, _, weight, router = _case(np.random.default_rng(tokens + 7), tokens, 64, 16)
     options = {"eps": 1e-6, "zero_centered": True, "logits_dtype": jnp.bfloat16}
-    got = residual_norm_pallas(x, None, weight, router, interpret=True, **options)
+    got = residual_norm_pallas(x, None, weight, router, interpret=INTERPRET, **options)
     want = residual_rms_norm(x, None, weight, router, **options)
     assert got.residual is x and want.residual is x
     np.testing.assert_array_equal(np.asarray(got.normed), np.asarray(want.normed))
@@ -92,7 +95,7 @@ def test_norm_without_delta_gives_the_projection_in_its_dtype_pallas(tokens):
         np.asarray(want.logits, np.float32),
         atol=scale * 2.0**-8,
     )
-    assert residual_norm_pallas(x, None, weight, interpret=True, eps=1e-6).logits is None
+    assert residual_norm_pallas(x, None, weight, interpret=INTERPRET, eps=1e-6).logits is None
 
 
 def test_residual_norm_pallas_rejects_mismatched_inputs():

@@ -13,6 +13,7 @@ from lazyspec.kernels import common
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import scatter as ss
 from lazyspec.kernels.tuning import Tuning
+from tests.kernels.kernel_checks import INTERPRET
 
 pytestmark = pytest.mark.pallas
 
@@ -76,7 +77,14 @@ def test_state_scatter_pallas_and_xla_match_numpy(case):
     pools, steps, dst, step = scatter_case(rng, *shape, conv_dtype)
     expected = expected_pools(pools, steps, dst, step)
     got = ss.state_scatter_pallas(
-        *pools, *steps, dst, step, block_heads=bh, block_rows=br, block_channels=bc, interpret=True
+        *pools,
+        *steps,
+        dst,
+        step,
+        block_heads=bh,
+        block_rows=br,
+        block_channels=bc,
+        interpret=INTERPRET,
     )
     check(got, pools, expected, dst, step)
     got = jax.jit(ss.state_scatter_xla)(*pools, *steps, dst, step)
@@ -91,7 +99,7 @@ def test_state_scatter_donated_under_jit_pallas():
     originals = [jnp.array(p, copy=True) for p in pools]
     commit = jax.jit(
         lambda s, c, *rest: state_dispatch.state_scatter(
-            s, c, *rest, kernel_backend="pallas", block_channels=4, interpret=True
+            s, c, *rest, kernel_backend="pallas", block_channels=4, interpret=INTERPRET
         ),
         donate_argnums=(0, 1),
     )
@@ -109,7 +117,7 @@ def test_state_scatter_one_layer_pallas(layer):
     expected = expected_pools(pools, steps, dst, step)
 
     def pallas(*args, **kwargs):
-        return ss.state_scatter_pallas(*args, block_channels=4, interpret=True, **kwargs)
+        return ss.state_scatter_pallas(*args, block_channels=4, interpret=INTERPRET, **kwargs)
 
     for name, fn in (("pallas", pallas), ("xla", ss.state_scatter_xla)):
         got = fn(*pools, steps[0][layer], steps[1][layer], dst, step, layer=layer)
@@ -214,7 +222,7 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
             block_rows=br,
             block_channels=bc,
             tiles_per_program=tiles_per_program,
-            interpret=True,
+            interpret=INTERPRET,
         )
 
     # tile groups of one tile, of four (the last one short) and of more than a row has

@@ -15,6 +15,7 @@ from lazyspec.kernels.mamba2 import reference as mamba2_reference
 from lazyspec.kernels.mamba2 import update_tpu as mamba2_tpu
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import update_common as su
+from tests.kernels.kernel_checks import TPU_INTERPRET
 from tests.kernels.test_state_update_pallas import (
     BF16_OUT_TOL,
     FP32_TOL,
@@ -43,7 +44,7 @@ def test_gdn_tpu_layout_matches_scan(case):
         pool, slot, gdn_reference.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
     )
     got = gdn_tpu.gdn_state_update_tpu(
-        pool, slot, inputs, mode=mode, block_heads=bh, interpret=True
+        pool, slot, inputs, mode=mode, block_heads=bh, interpret=TPU_INTERPRET
     )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
@@ -70,7 +71,7 @@ def test_mamba2_tpu_layout_matches_scan(case):
         (inputs.a, inputs.d),
     )
     got = mamba2_tpu.mamba2_state_update_tpu(
-        pool, slot, inputs, mode=mode, block_heads=bh, interpret=True
+        pool, slot, inputs, mode=mode, block_heads=bh, interpret=TPU_INTERPRET
     )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
@@ -109,7 +110,7 @@ def test_dispatch_on_tpu_takes_the_tpu_layout():
             mode="verify",
             platform="tpu",
             kernel_backend=kernel_backend,
-            interpret=True,
+            interpret=TPU_INTERPRET,
         )
         check_result(got, pool, slot, "verify", outs, None, states, FP32_TOL)
 
