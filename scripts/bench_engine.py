@@ -597,6 +597,18 @@ def main(argv=None) -> None:
     )
     p.add_argument("--copy-mib", type=int, default=1024, help="copy-bandwidth buffer size")
     p.add_argument(
+        "--prefill-lens",
+        default="",
+        help="prompt lengths of prefill rows against the compute floor (comma list; "
+        "with --peer, transformers' forward beside them); no decode rows",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="chunked_prefill_size of the prefill rows' engine (default: the engine's)",
+    )
+    p.add_argument(
         "--decode-program-copies",
         type=int,
         choices=(1, 2),
@@ -629,6 +641,8 @@ def main(argv=None) -> None:
     model = build_model(args.preset, args.dtype, args.tp_size)
     if args.memory:
         return memory_table(model, args)
+    if args.prefill_lens:
+        return prefill_table(model, args, device)
     bandwidth, bandwidth_line = copy_bandwidth(args.copy_mib * 2**20)
     print(bandwidth_line, flush=True)
     modes = [True] if args.spec_only else ([False, True] if args.spec else [False])
@@ -707,6 +721,67 @@ def main(argv=None) -> None:
                 f"| {r['undeviced_ms']:.3f} "
                 f"| {cells} |"
             )
+    emit_table(lines, args.out)
+
+
+def prefill_table(model, args, device: str) -> None:
+    """Prefill rows: one prompt of each length through ``Engine.generate`` (one new token),
+    its FLOPs (``lazyspec.bench.prefill``) over its time against the bf16 matmul rate
+    measured here; with ``--peer``, transformers' forward over the same length."""
+    from lazyspec.bench.prefill import (
+        engine_prefill_seconds,
+        matmul_peak,
+        prefill_flops,
+        transformers_prefill_seconds,
+    )
+    from lazyspec.engine.engine import Engine
+
+    peak = matmul_peak()
+    peak_line = f"bf16 matmul peak (8192^3, random data): {peak / 1e12:.0f} TFLOP/s"
+    print(peak_line, flush=True)
+    lines = [
+        device,
+        peak_line,
+        "",
+        "| preset | backend | prompt tokens | chunk | engine s | tok/s | GFLOP counted "
+        "(weights + attention + recurrent) | TFLOP/s | % of peak | transformers s | x peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for backend in args.backends.split(","):
+        for length in (int(n) for n in args.prefill_lens.split(",")):
+            chunk = args.prefill_chunk or min(length, 8192)
+            engine = Engine(
+                model=model,
+                kernel_backend=backend,
+                moe_runner_backend=args.moe_runner_backend,
+                dtype=args.dtype,
+                tp_size=args.tp_size,
+                max_running_requests=1,
+                chunked_prefill_size=chunk,
+                context_length=length + 64,
+                max_total_tokens=length + 64,
+                page_size=args.page_size,
+                skip_warmup=True,
+                kernel_tuning=getattr(args, "kernel_tuning", ""),
+            )
+            seconds = engine_prefill_seconds(engine, length)
+            del engine
+            flops = prefill_flops(model.params, model.config, length)
+            peer = float("nan")
+            if args.peer:
+                try:
+                    peer = transformers_prefill_seconds(PRESETS[args.preset], length)
+                except Exception as exc:  # the peer's failure is a result too
+                    print(f"transformers peer, {length} tokens: {type(exc).__name__}: {exc}")
+            rate = flops.total / seconds
+            lines.append(
+                f"| {args.preset} | {backend} | {length} | {chunk} | {seconds:.3f} | "
+                f"{length / seconds:.0f} | {flops.total / 1e9:.1f} ({flops.weights / 1e9:.1f} "
+                f"+ {flops.attention / 1e9:.1f} + {flops.recurrent / 1e9:.1f}) | "
+                f"{rate / 1e12:.2f} | {100 * rate / peak:.1f} % | {peer:.3f} | "
+                f"{peer / seconds:.2f} |"
+            )
+            print(lines[-1], flush=True)
     emit_table(lines, args.out)
 
 

@@ -69,6 +69,7 @@ def work_unit(nodeid: str) -> str:
     return "tests/server" if path.startswith("tests/server/") else path
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: absent under -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` hands out ``work_unit``s whole, in the collection's order. A
     scheduler of its own, not ``xdist_group`` marks: xdist applies those by renaming each

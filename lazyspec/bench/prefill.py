@@ -1,0 +1,117 @@
+"""Prefill against the compute floor: the FLOPs a prefill must do, the matmul peak measured
+in the same run, the engine's prefill time through its public API, and transformers' as the
+peer.
+
+The FLOPs counted are the products no implementation avoids: every weight matrix once per
+token (2 FLOPs a parameter; routed experts at their ``top_k / num_experts`` share; the
+embedding is a gather and the language-model head runs for the last token only), causal
+attention's two products (``4 * heads * head_dim`` per query-key pair, ``L (L + 1) / 2``
+pairs a layer), and each recurrent layer's state read-out and rank-one update
+(``4 * heads * d_a * d_b`` a token). The floor is those FLOPs over the bf16 matmul rate
+measured on random data in the same process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lazyspec.bench.floor import _moe_shape, _path
+from lazyspec.bench.kernel_timing import time_calls
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    weights: float  # weight matrices (experts by their routed share), lm_head for one token
+    attention: float  # causal QK^T and PV
+    recurrent: float  # state read-out and update
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.attention + self.recurrent
+
+
+def prefill_flops(params: Any, cfg: Any, num_tokens: int) -> PrefillFlops:
+    """The FLOPs of prefilling one prompt of ``num_tokens`` tokens (module docstring);
+    ``params`` may hold arrays or shapes. The MTP head (``mtp``) is not counted."""
+    num_experts, top_k = _moe_shape(cfg)
+    weights = 0.0
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path, size = _path(keys), float(np.prod(leaf.shape))
+        if len(leaf.shape) < 2 or "mtp" in path or "embed" in path:
+            continue
+        if "lm_head" in path:
+            weights += 2.0 * size  # the last position's logits
+        elif "experts" in path and num_experts:
+            weights += 2.0 * num_tokens * size * top_k / num_experts
+        else:
+            weights += 2.0 * num_tokens * size
+    if cfg.tie_word_embeddings:
+        weights += 2.0 * cfg.vocab_size * cfg.hidden_size
+    pairs = num_tokens * (num_tokens + 1) / 2
+    per_pair = 4.0 * cfg.num_attention_heads * cfg.head_dim
+    attention = len(cfg.attention_layer_ids) * per_pair * pairs
+    per_token = 4.0 * cfg.ssm_heads * cfg.ssm_dim_a * cfg.ssm_dim_b
+    recurrent = len(cfg.recurrent_layer_ids) * per_token * num_tokens
+    return PrefillFlops(weights=weights, attention=attention, recurrent=recurrent)
+
+
+def matmul_peak(size: int = 8192, iters: int = 20, warmup: int = 3) -> float:
+    """FLOP/s of a jitted ``size``-cubed bf16 product (float32 accumulation) on random
+    data: the compute floor's rate, measured where the prefill runs."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys)
+    product = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    seconds = time_calls(lambda: product(a, b).block_until_ready(), iters, warmup)
+    return 2.0 * size**3 / seconds
+
+
+def engine_prefill_seconds(engine: Any, prompt_len: int, repeats: int = 3) -> float:
+    """Median seconds of ``engine.generate`` with one new token over a fresh random prompt
+    of ``prompt_len`` tokens (a new prompt each time, so the radix cache holds nothing of
+    it); the first call (compiles) is not counted."""
+    rng = np.random.default_rng(prompt_len)
+    vocab = engine.model.config.vocab_size
+    params = {"max_new_tokens": 1, "ignore_eos": True}
+    samples = []
+    for attempt in range(repeats + 1):
+        prompt = [int(t) for t in rng.integers(1, vocab, size=prompt_len)]
+        start = time.perf_counter()
+        engine.generate(input_ids=prompt, sampling_params=params)
+        if attempt:
+            samples.append(time.perf_counter() - start)
+        engine.flush_cache()
+    return float(np.median(samples))
+
+
+def transformers_prefill_seconds(hf_config: dict, prompt_len: int, repeats: int = 3) -> float:
+    """Median seconds of transformers' forward over one ``prompt_len``-token prompt (random
+    bf16 weights on the GPU, the kernels transformers picks with what is installed: fla /
+    mamba_ssm when present), logits of the last position only."""
+    import torch
+    import transformers
+
+    hf = dict(hf_config)
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    rng = np.random.default_rng(prompt_len)
+    samples = []
+    for attempt in range(repeats + 1):
+        ids = torch.tensor(rng.integers(1, config.vocab_size, size=(1, prompt_len)), device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+        if attempt:
+            samples.append(time.perf_counter() - start)
+    del model
+    torch.cuda.empty_cache()
+    return float(np.median(samples))

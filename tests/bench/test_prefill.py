@@ -1,0 +1,46 @@
+"""The FLOP count of lazyspec.bench.prefill against a hand count."""
+
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from lazyspec.bench.prefill import prefill_flops
+
+
+def _config(tied: bool):
+    moe = SimpleNamespace(num_experts=8, top_k=2)
+    return SimpleNamespace(
+        arch=SimpleNamespace(moe=moe),
+        tie_word_embeddings=tied,
+        vocab_size=100,
+        hidden_size=16,
+        num_attention_heads=4,
+        head_dim=8,
+        attention_layer_ids=(1,),
+        recurrent_layer_ids=(0, 2),
+        ssm_heads=2,
+        ssm_dim_a=4,
+        ssm_dim_b=8,
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_prefill_flops_counts_each_product_once(tied):
+    leaf = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
+    params = {
+        "embed_tokens": leaf(100, 16),  # a gather: no FLOPs
+        "layers": {"proj": leaf(16, 32), "norm": leaf(16), "experts_up": leaf(8, 16, 24)},
+        "mtp": {"proj": leaf(16, 16)},  # the draft head: not the target's prefill
+    }
+    if not tied:
+        params["lm_head"] = leaf(16, 100)
+    tokens = 10
+    got = prefill_flops(params, _config(tied), tokens)
+    # proj every token, experts at 2 of 8, the head for the last token only
+    head = 2 * 16 * 100
+    assert got.weights == 2 * tokens * 16 * 32 + 2 * tokens * 8 * 16 * 24 * 2 / 8 + head
+    assert got.attention == 1 * 4 * 4 * 8 * tokens * (tokens + 1) / 2  # causal pairs
+    assert got.recurrent == 2 * 4 * 2 * 4 * 8 * tokens
+    assert got.total == got.weights + got.attention + got.recurrent
