@@ -57,7 +57,8 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = None
     # decode steps one program runs back to back (SGLang's flag): the host plans and launches
     # once per K tokens of each request; without speculation only
-    num_continuous_decode_steps: int = 1
+    # None: ``default_decode_steps`` for the engine's platform
+    num_continuous_decode_steps: int | None = None
     kernel_backend: str | None = None
     moe_runner_backend: str = "auto"
     # kernel tuning overrides over the device's table (lazyspec/kernels/tuning.py), e.g.
@@ -108,7 +109,6 @@ class EngineConfig:
             "chunked_prefill_size",
             "tp_size",
             "nnodes",
-            "num_continuous_decode_steps",
         ):
             _check_positive(name, getattr(self, name))
         self._check_nodes()
@@ -123,7 +123,12 @@ class EngineConfig:
             )
         if self.decode_program_copies not in (None, 1, 2):
             raise ValueError(f"decode_program_copies={self.decode_program_copies!r} must be 1 or 2")
-        for name in ("max_running_requests", "max_mamba_cache_size", "context_length"):
+        for name in (
+            "max_running_requests",
+            "max_mamba_cache_size",
+            "context_length",
+            "num_continuous_decode_steps",
+        ):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.mamba_track_interval % self.page_size:
@@ -177,7 +182,7 @@ class EngineConfig:
     # ------------------------------------------------------------------ resolution
 
     def _resolve_spec(self) -> None:
-        if self.speculative_algorithm is not None and self.num_continuous_decode_steps > 1:
+        if self.speculative_algorithm is not None and self.decode_steps > 1:
             raise ValueError(
                 f"num_continuous_decode_steps={self.num_continuous_decode_steps} needs "
                 "speculative_algorithm None: a speculative step already takes several "
@@ -274,7 +279,21 @@ class EngineConfig:
     def decode_positions(self) -> int:
         """Most tokens a decode step takes per request: D with speculation, else
         ``num_continuous_decode_steps``."""
-        return self.num_verify_tokens if self.spec_enabled else self.num_continuous_decode_steps
+        return self.num_verify_tokens if self.spec_enabled else self.decode_steps
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps a program runs without speculation (1 until the engine resolves
+        an unset ``num_continuous_decode_steps`` for its platform)."""
+        return self.num_continuous_decode_steps or 1
+
+    def for_platform(self, platform: str) -> EngineConfig:
+        """This config with what it leaves to the platform chosen: an unset
+        ``num_continuous_decode_steps`` is ``default_decode_steps``."""
+        if self.num_continuous_decode_steps is not None:
+            return self
+        steps = default_decode_steps(platform, self.spec_enabled)
+        return replace(self, num_continuous_decode_steps=steps)
 
     def with_overrides(self, **kwargs) -> EngineConfig:
         return replace(self, **kwargs)
@@ -282,6 +301,15 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def default_decode_steps(platform: str, spec: bool) -> int:
+    """Decode steps a program runs by default: 2 on a GPU without speculation, else 1. On
+    an H100 the two-step programs' token step reached 66 / 75 / 71 % of the bytes floor at
+    batch 1 / 16 / 64 where one-step programs reached 48 / 75 / 70 % (BENCHMARKS.md,
+    "Decode steps per program"): never slower, and the host's work per step halves where it
+    outlasts the device's. On CPU and TPU (no run) one step."""
+    return 2 if platform == "gpu" and not spec else 1
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -615,6 +615,12 @@ def main(argv=None) -> None:
         default=None,
         help="EngineConfig.decode_program_copies (default: the engine's, 2 on GPU)",
     )
+    p.add_argument(
+        "--startup",
+        action="store_true",
+        help="time the engine's construction with its warm-up (the whole program table "
+        "compiled; --batch rows, --context tokens) instead of decode rows",
+    )
     p.add_argument("--profile", default=None, help="folder for profiles: adds a breakdown")
     p.add_argument(
         "--memory",
@@ -643,6 +649,8 @@ def main(argv=None) -> None:
         return memory_table(model, args)
     if args.prefill_lens:
         return prefill_table(model, args, device)
+    if args.startup:
+        return startup_line(model, args)
     bandwidth, bandwidth_line = copy_bandwidth(args.copy_mib * 2**20)
     print(bandwidth_line, flush=True)
     modes = [True] if args.spec_only else ([False, True] if args.spec else [False])
@@ -722,6 +730,29 @@ def main(argv=None) -> None:
                 f"| {cells} |"
             )
     emit_table(lines, args.out)
+
+
+def startup_line(model, args) -> None:
+    """Seconds to build an engine of ``--batch`` rows and ``--context`` tokens with its
+    warm-up (every program compiled; the persistent cache as JAX is configured), and what
+    the warm-up reports."""
+    from lazyspec.engine.engine import Engine
+
+    start = time.perf_counter()
+    engine = Engine(
+        model=model,
+        kernel_backend=args.backends.split(",")[0],
+        moe_runner_backend=args.moe_runner_backend,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        max_running_requests=args.batch,
+        context_length=args.context,
+        max_total_tokens=args.batch * args.context,
+        page_size=args.page_size,
+    )
+    seconds = time.perf_counter() - start
+    status = engine.warmup_status() or {}
+    print(f"engine with warm-up in {seconds:.1f} s: {status}", flush=True)
 
 
 def prefill_table(model, args, device: str) -> None:

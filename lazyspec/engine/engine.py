@@ -86,6 +86,8 @@ class Engine:
         else:
             self.sharding = sharding_plan(model.config, c.tp_size, c.nnodes)
         self.model = model
+        platform = self.sharding.mesh.devices.flat[0].platform
+        self.config = c = c.for_platform(platform)
         cfg = model.config
         if self.config.spec_enabled and "mtp" not in model.params:
             raise ValueError(

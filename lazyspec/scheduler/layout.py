@@ -232,5 +232,5 @@ def plan_memory(engine_cfg, model_cfg) -> Layout:
         extend_buckets=(powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths),
         decode_buckets=powers_of_two_up_to(max_running),
         spec_max_batch=c.speculative_disable_by_batch_size,
-        decode_steps=c.num_continuous_decode_steps,
+        decode_steps=c.decode_steps,
     )

@@ -101,7 +101,8 @@ HELP = {
     "(without speculation): the host plans, launches and reads back once per this many "
     "tokens of each request, which helps where the host's work per step outlasts the "
     "device's (small batches). Outputs are the same; a request ending inside a run has its "
-    "extra tokens dropped, and a waiting request is admitted up to this many tokens later.",
+    "extra tokens dropped, and a waiting request is admitted up to this many tokens later. "
+    "Default: 2 on a GPU without speculation, else 1.",
     "kernel_tuning": "Kernel tuning overrides over the device's table, NAME=VALUE "
     "comma-separated (e.g. moe.pair_grid=false; names in kernels/<op>/tuning.py).",
     "kernel_backend": "Recurrent-state kernels: pallas or xla (default: pallas on GPU, xla "

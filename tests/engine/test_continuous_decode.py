@@ -189,6 +189,18 @@ def test_the_flag_refuses_what_it_cannot_run(kw, match):
         EngineConfig(**kw)
 
 
+def test_an_unset_flag_is_two_steps_on_a_gpu_without_speculation():
+    unset = EngineConfig()
+    assert unset.decode_steps == 1  # until a platform resolves it
+    assert unset.for_platform("gpu").num_continuous_decode_steps == 2
+    assert unset.for_platform("cpu").num_continuous_decode_steps == 1
+    assert unset.for_platform("tpu").num_continuous_decode_steps == 1
+    spec = EngineConfig(speculative_algorithm="NEXTN")
+    assert spec.for_platform("gpu").num_continuous_decode_steps == 1
+    chosen = EngineConfig(num_continuous_decode_steps=3)
+    assert chosen.for_platform("gpu").num_continuous_decode_steps == 3
+
+
 def test_serve_has_the_flag():
     args = build_parser().parse_args(["--num-continuous-decode-steps", "4"])
     assert args.num_continuous_decode_steps == 4
