@@ -307,7 +307,7 @@ def default_decode_steps(platform: str, spec: bool) -> int:
     """Decode steps a program runs by default: 2 on a GPU without speculation, else 1. On
     an H100 the two-step programs' token step reached 66 / 75 / 71 % of the bytes floor at
     batch 1 / 16 / 64 where one-step programs reached 48 / 75 / 70 % (BENCHMARKS.md,
-    "Decode steps per program"): never slower, and the host's work per step halves where it
+    "K decode steps per program"): never slower, and the host's work per step halves where it
     outlasts the device's. On CPU and TPU (no run) one step."""
     return 2 if platform == "gpu" and not spec else 1
 
