@@ -3,9 +3,9 @@
 For each model (a character tokenizer attached, so that the table holds the split decode
 programs of batches with grammar rows), an engine is built on this host and its program table
 (``Runner.program_table()``) is given the kernels of ``kernel_backend="pallas"`` on platform
-TPU (``kernels_for("pallas", "tpu")``: the Mosaic state updates and, with
-``--moe-runner pallas``, the Mosaic routed experts; the jnp attention, the XLA scatter and
-conv elsewhere) and the TPU tuning; then every program is exported for platform ``tpu``
+TPU (``kernels_for("pallas", "tpu", page_size=...)``: the Mosaic state updates, the
+ragged paged attention and, with ``--moe-runner pallas``, the Mosaic routed experts; the XLA
+scatter and conv) and the TPU tuning; then every program is exported for platform ``tpu``
 (``jax.export.export(jitted, platforms=["tpu"])`` of its abstract arguments), Mosaic kernels
 included. A program that does not lower is named with its error, and the exit status is 1.
 
@@ -33,8 +33,9 @@ from lazyspec.engine.steps import StepStatic
 from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.kernels.tuning import tuning_for
 
-# a small table: two request rows, prefill chunks of 16 and 32 tokens
-LAYOUT = dict(max_running_requests=2, chunked_prefill_size=32, mamba_chunk_size=16)
+# a small table: two request rows, prefill chunks of 16 and 32 tokens, KV pages of 16 rows
+# (the TPU attention fetches whole pages)
+LAYOUT = dict(max_running_requests=2, chunked_prefill_size=32, mamba_chunk_size=16, page_size=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class TpuStatic(StepStatic):
 
     @property
     def kernels(self) -> Kernels:
-        return kernels_for(self.backend, "tpu", self.moe_runner, self.tuning)
+        return kernels_for(self.backend, "tpu", self.moe_runner, self.tuning, self.page_size)
 
 
 def tiny(name: str) -> Any:

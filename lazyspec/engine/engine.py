@@ -136,6 +136,7 @@ class Engine:
             backend=backend,
             moe_runner=c.moe_runner_backend,
             tuning=tuning,
+            page_size=layout.page_size,
         )
         from lazyspec.engine.multihost import StepBroadcast
 
