@@ -116,13 +116,18 @@ def test_ragged_paged_attention_matches_the_reference(case):
 
 def test_kv_head_reads_one_pool_head():
     """``kv_head=i`` (a tensor-parallel shard holding part of one group): every query head
-    reads pool head i."""
+    reads pool head i; through the TPU record as ``shard_kernels`` calls it (the scale as a
+    keyword) and the kernel itself."""
     rng = np.random.default_rng(61)
     data = paged_case(rng, [12, 26], 2, (4, 2), 128, 4, jnp.float32)
+    want = reference(data, 0.1, kv_head=1)
+    attend = backend.kernels_for("pallas", "tpu", page_size=4).paged_attention
+    operands = (data["q"], *(data[a] for a in ARGS))
+    got = attend(*operands, scale=0.1, kv_head=1, gate=None, interpret=True)
+    check(data, got, want, tolerance(jnp.float32, 26, 128))
     tiles = rt.RaggedTiles(4, 2, 8)
-    args = (data["q"], *(data[a] for a in ARGS), 0.1, tiles)
-    got = rt.ragged_paged_attention_tpu(*args, kv_head=1, interpret=True)
-    check(data, got, reference(data, 0.1, kv_head=1), tolerance(jnp.float32, 26, 128))
+    got = rt.ragged_paged_attention_tpu(*operands, 0.1, tiles, kv_head=1, interpret=True)
+    check(data, got, want, tolerance(jnp.float32, 26, 128))
 
 
 def test_tpu_record_runs_the_kernel_gated_or_the_walk_past_smem():
