@@ -56,14 +56,22 @@ class RaggedTiles:
 
 @dataclass(frozen=True)
 class _Shape:
-    """What the kernel body needs to know statically."""
+    """What the kernel body and its specs need to know statically."""
 
     num_kv_heads: int  # the pool's
     first_head: int  # pool heads first_head .. first_head + num_heads - 1 are read
     num_heads: int
+    group: int  # query heads a read kv head
     pages_per_row: int
+    pages_per_block: int
+    page_size: int
+    tile_tokens: int  # tokens a query tile
     num_tiles: int
     scale: float
+
+    @property
+    def tile_rows(self) -> int:
+        return self.tile_tokens * self.group
 
 
 def page_table(token_table: jax.Array, ctx_len: jax.Array, page_size: int) -> jax.Array:
@@ -89,10 +97,9 @@ def _fetch(refs, b, j, slot, visible_len, shape: _Shape, wait: bool = False) -> 
     width); the buffer rows of pages not fetched keep stale values, which the softmax masks."""
     table_ref, k_hbm, v_hbm, k_buf, v_buf, sems = refs
     page_rows = k_hbm.shape[1]  # page_size * Hkv
-    pages_per_block = k_buf.shape[1] // page_rows
+    pages_per_block = shape.pages_per_block
     first = j * pages_per_block
-    page_size = page_rows // shape.num_kv_heads
-    needed = jax.lax.div(visible_len + page_size - 1, page_size) - first
+    needed = jax.lax.div(visible_len + shape.page_size - 1, shape.page_size) - first
     num_pages = jnp.clip(needed, 0, pages_per_block)
 
     def one_page(p, carry):
@@ -134,9 +141,10 @@ def _block_update(carry, q_ref, limit, buffers, j, shape: _Shape):
     return tuple(updated)
 
 
-def _ragged_kernel(
-    table_ref, tile_len_ref, q_ref, limit_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sems, *, shape
-):
+def _ragged_kernel(*refs, shape: _Shape):
+    """Refs: the prefetched page table and tile lengths, q rows, row limits, the pools in
+    HBM, the output, the K / V buffers and their DMA semaphores."""
+    table_ref, tile_len_ref, q_ref, limit_ref, k_hbm, v_hbm, out_ref, k_buf, v_buf, sems = refs
     b, i = pl.program_id(0), pl.program_id(1)
     visible_len = tile_len_ref[b * shape.num_tiles + i]
     block = k_buf.shape[1] // shape.num_kv_heads
@@ -169,6 +177,52 @@ def _ragged_kernel(
         out_ref[h] = (acc / jnp.where(run_sum > 0, run_sum, 1.0)).astype(out_ref.dtype)
 
 
+def _plan(q, k_pool, token_table, scale: float, tiles: RaggedTiles, kv_head) -> _Shape:
+    """The launch's static shape; ValueError where the pool or the table is not whole pages
+    or the tiles are not legal."""
+    num_tokens, num_q_heads = q.shape[1:3]
+    num_rows, num_kv_heads = k_pool.shape[:2]
+    page_size, width = tiles.page_size, token_table.shape[1]
+    if num_rows % page_size or width % page_size:
+        raise ValueError(
+            f"pool rows {num_rows} / table width {width} not whole pages of {page_size}"
+        )
+    if tiles.pages_per_block <= 0 or tiles.block_rows <= 0 or tiles.block_rows % 8:
+        raise ValueError(f"{tiles} needs pages a block > 0 and rows a tile a multiple of 8")
+    heads = num_kv_heads if kv_head is None else 1
+    group = num_q_heads // heads
+    tokens = tokens_per_tile(num_tokens, group, tiles.block_rows)
+    pages_per_row = width // page_size
+    return _Shape(
+        num_kv_heads, 0 if kv_head is None else kv_head, heads, group, pages_per_row,
+        min(tiles.pages_per_block, pages_per_row), page_size, tokens, num_tokens // tokens,
+        scale,
+    )  # fmt: skip
+
+
+def _grid_spec(shape: _Shape, batch: int, head_dim: int, dtype) -> Any:
+    """Grid (row, query tile); q / out tiles of all read kv heads; the row limits; the pools
+    left in HBM; two K and two V buffers of a block's pages (all pool heads) and their DMA
+    semaphores."""
+    q_spec = pl.BlockSpec(
+        (None, shape.num_heads, shape.tile_rows, head_dim), lambda b, i, *_: (b, 0, i, 0)
+    )
+    buffer_rows = shape.pages_per_block * shape.page_size * shape.num_kv_heads
+    buffer = pltpu.VMEM((2, buffer_rows, head_dim), dtype)
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(batch, shape.num_tiles),
+        in_specs=[
+            q_spec,
+            pl.BlockSpec((None, shape.tile_rows, 1), lambda b, i, *_: (b, i, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=q_spec,
+        scratch_shapes=[buffer, buffer, pltpu.SemaphoreType.DMA((2, 2))],
+    )
+
+
 def ragged_paged_attention_tpu(
     q: jax.Array,
     k_pool: jax.Array,
@@ -184,66 +238,34 @@ def ragged_paged_attention_tpu(
     """The module's attention, ``[B, T, Hq, D]`` in q's dtype (ungated). ``interpret``:
     as ``common.tpu_interpret``."""
     check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
+    shape = _plan(q, k_pool, token_table, scale, tiles, kv_head)
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    num_rows, num_kv_heads = k_pool.shape[:2]
-    page_size, width = tiles.page_size, token_table.shape[1]
-    if num_rows % page_size or width % page_size:
-        raise ValueError(
-            f"pool rows {num_rows} / table width {width} not whole pages of {page_size}"
-        )
-    if tiles.pages_per_block <= 0 or tiles.block_rows <= 0 or tiles.block_rows % 8:
-        raise ValueError(f"{tiles} needs pages a block > 0 and rows a tile a multiple of 8")
-    pages_per_row = width // page_size
-    pages_per_block = min(tiles.pages_per_block, pages_per_row)
-    heads = num_kv_heads if kv_head is None else 1
-    group = num_q_heads // heads
-    tokens = tokens_per_tile(num_tokens, group, tiles.block_rows)
-    shape = _Shape(
-        num_kv_heads, 0 if kv_head is None else kv_head, heads, pages_per_row,
-        num_tokens // tokens, scale,
-    )  # fmt: skip
+    width = token_table.shape[1]
     visible = jnp.clip(jnp.minimum(ctx_len[:, None], positions + 1), 0, width).astype(jnp.int32)
-    tile_len = visible.reshape(batch, shape.num_tiles, tokens).max(axis=2)
-    limit = jnp.repeat(visible, group, axis=1)[..., None]  # [B, T * G, 1], token-major
-    rows = q.reshape(batch, num_tokens, heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    rows = rows.reshape(batch, heads, num_tokens * group, head_dim)
-    tile_rows = tokens * group
-    pools = [
-        p.reshape(num_rows // page_size, page_size * num_kv_heads, head_dim)
-        for p in (k_pool, v_pool)
-    ]
-    q_spec = pl.BlockSpec((None, heads, tile_rows, head_dim), lambda b, i, *_: (b, 0, i, 0))
-    block_rows = pages_per_block * page_size * num_kv_heads
-    buffer = pltpu.VMEM((2, block_rows, head_dim), k_pool.dtype)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(batch, shape.num_tiles),
-        in_specs=[
-            q_spec,
-            pl.BlockSpec((None, tile_rows, 1), lambda b, i, *_: (b, i, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=q_spec,
-        scratch_shapes=[buffer, buffer, pltpu.SemaphoreType.DMA((2, 2))],
-    )
+    tile_len = visible.reshape(batch, shape.num_tiles, shape.tile_tokens).max(axis=2)
+    limit = jnp.repeat(visible, shape.group, axis=1)[..., None]  # [B, T * G, 1], token-major
+    split = (batch, num_tokens, shape.num_heads, shape.group, head_dim)
+    rows = q.reshape(split).transpose(0, 2, 1, 3, 4)
+    rows = rows.reshape(batch, shape.num_heads, num_tokens * shape.group, head_dim)
+    page_rows = shape.page_size * shape.num_kv_heads
+    pools = [p.reshape(-1, page_rows, head_dim) for p in (k_pool, v_pool)]
 
     def ragged_paged_attention(*refs):  # the kernel's name in profiles
         _ragged_kernel(*refs, shape=shape)
 
     out = pl.pallas_call(
         ragged_paged_attention,
-        grid_spec=grid_spec,
+        grid_spec=_grid_spec(shape, batch, head_dim, k_pool.dtype),
         out_shape=jax.ShapeDtypeStruct(rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         name="ragged_paged_attention",
         interpret=tpu_interpret(interpret),
     )(
-        page_table(token_table, ctx_len, page_size).reshape(-1),
+        page_table(token_table, ctx_len, shape.page_size).reshape(-1),
         tile_len.reshape(-1),
         rows,
         limit,
         *pools,
     )
-    out = out.reshape(batch, heads, num_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(batch, num_tokens, num_q_heads, head_dim)
+    out = out.reshape(batch, shape.num_heads, num_tokens, shape.group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_tokens, num_q_heads, head_dim)
