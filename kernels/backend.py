@@ -4,11 +4,12 @@ steps call, for a backend, a platform and a ``Tuning``.
 ``kernel_backend`` is "pallas" or "xla". The default is "pallas" on GPUs and "xla" on CPU
 (where Pallas runs only in interpret mode, which the dispatch then uses: for tests) and on
 TPU (``kernel_backend="pallas"`` opts in to the scalar-prefetch state updates of
-``gdn.update_tpu`` / ``mamba2.update_tpu``; the conv update and the scatter stay on XLA
-there). Each op's dispatch (``kernels/<op>/dispatch.py``) chooses between its Pallas launch
-and the caller's XLA form by shape, with the tiles and limits of the ``Tuning`` bound here;
-nothing reads a module global while a program is traced, and the record (tuning included)
-is part of every step's static key.
+``gdn.update_tpu`` / ``mamba2.update_tpu`` and the ragged paged attention of
+``attention.ragged_tpu``; the conv update and the scatter stay on XLA there). Each op's
+dispatch (``kernels/<op>/dispatch.py``) chooses between its Pallas launch and the caller's
+XLA form by shape, with the tiles and limits of the ``Tuning`` bound here; nothing reads a
+module global while a program is traced, and the record (tuning included) is part of every
+step's static key.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing import Any
 
 import jax
 
-from lazyspec.kernels.attention.dispatch import pallas_attention_prologue, pallas_paged_attention
+from lazyspec.kernels.attention.dispatch import (
+    pallas_attention_prologue,
+    pallas_paged_attention,
+    tpu_paged_attention,
+)
 from lazyspec.kernels.common import KernelBackend, platform_of, resolve_backend
 from lazyspec.kernels.moe.dispatch import pallas_moe_experts, tpu_moe_experts
 from lazyspec.kernels.norm.dispatch import (
@@ -77,15 +82,16 @@ class Kernels:
     ``conv_update``: the conv of a decode step that writes the pools in place; None on XLA
     and TPU. ``moe_experts``: the routed experts, kernel or the caller's XLA form by token
     count; None where the MoE layers run their sort-based dispatch. ``paged_attention``:
-    None on XLA and TPU, where the attention layers run their masked jnp form.
+    None on XLA, where the attention layers walk the table in jnp; on a TPU the ragged
+    Mosaic kernel over pages of ``page_size`` rows (the engine's pool pages).
     ``residual_norm`` (the residual add, the norm and a router's logits in one launch),
     ``attention_prologue`` (q / k norms, rotary, K / V writes) and ``gated_norm`` (a GDN
     layer's output norm): one launch at a decode step's token counts; None on XLA, TPU and
     per shard, where the layers run the ops themselves.
 
-    Compared and hashed by backend, platform, MoE runner, mesh and tuning (the functions
-    follow from them): ``mesh`` is None for whole-array calls, else the tensor-parallel mesh
-    whose shards each call runs on (``engine.shard_kernels``)."""
+    Compared and hashed by backend, platform, MoE runner, mesh, tuning and page size (the
+    functions follow from them): ``mesh`` is None for whole-array calls, else the
+    tensor-parallel mesh whose shards each call runs on (``engine.shard_kernels``)."""
 
     backend: KernelBackend
     platform: str | None  # None on XLA, which runs the same everywhere
@@ -102,6 +108,7 @@ class Kernels:
     attention_prologue: AttentionPrologueFn | None = field(default=None, compare=False)
     gated_norm: GatedNormFn | None = field(default=None, compare=False)
     tuning: Tuning = DEFAULT_TUNING
+    page_size: int = 1  # KV pool rows a page: the TPU attention's DMA unit
 
     @property
     def adds_mlp_output_in_next_norm(self) -> bool:
@@ -165,11 +172,13 @@ def kernels_for(
     platform: str | None = None,
     moe_runner: str = "auto",
     tuning: Tuning | None = None,
+    page_size: int = 1,
 ) -> Kernels:
     """The ``Kernels`` of ``resolve_backend(kernel_backend, platform)`` (``platform`` defaults
     to JAX's default) with ``tuning`` bound (None: ``default_tuning(platform)``). Pallas on a
     TPU: the scalar-prefetch state updates of ``*.update_tpu`` and ``moe.experts_tpu``,
-    the XLA scatter and the jnp attention; elsewhere the Triton-layout kernels (in interpret
+    the ragged paged attention over the pool's pages of ``page_size`` rows and the XLA
+    scatter; elsewhere the Triton-layout kernels (in interpret
     mode on CPU). ``moe_runner`` picks the routed experts' form: "pallas" the kernel, "xla"
     none (the layers' sort-based dispatch), "auto" the kernel on GPUs and in interpret mode,
     the XLA dispatch on TPUs (whose layout has run in interpret mode only)."""
@@ -177,6 +186,8 @@ def kernels_for(
     tuning = default_tuning(platform) if tuning is None else tuning
     if resolve_backend(kernel_backend, platform) == "xla":
         return Kernels("xla", None, None, None, state_scatter_xla, tuning=tuning)
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size} must be >= 1")
     tpu = platform == "tpu"
     bind = functools.partial(_bind, tuning=tuning)  # every launch is handed the tuning
     update = tpu_state_update if tpu else pallas_state_update
@@ -195,7 +206,9 @@ def kernels_for(
         bind(update, "mamba2"),
         state_scatter_xla if tpu else bind(pallas_state_scatter),
         moe,
-        None if tpu else bind(pallas_paged_attention),
+        bind(functools.partial(tpu_paged_attention, page_size=page_size))
+        if tpu
+        else bind(pallas_paged_attention),
         moe_runner,
         state_copy=state_copy_xla if tpu else bind(pallas_state_copy),
         conv_update=None if tpu else bind(pallas_conv_update),
@@ -205,4 +218,5 @@ def kernels_for(
         else bind(pallas_attention_prologue, reads_one_product=qkv_in_place),
         gated_norm=None if tpu else bind(pallas_gated_norm),
         tuning=tuning,
+        page_size=page_size if tpu else 1,
     )

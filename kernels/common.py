@@ -99,6 +99,28 @@ def check_tpu_tile(name: str, size: int, block: int | None, unit: int) -> int:
     return block
 
 
+def tpu_head_tile(num_heads: int, preferred: int, unit: int = 8) -> int | None:
+    """A head tile for a TPU layout (a minor block dim): the largest multiple of ``unit`` up
+    to ``preferred`` that divides ``num_heads``; else all heads where they are no more than
+    ``preferred``; else None (no legal tile near the tuning's: the caller's XLA form runs)."""
+    for tile in range(preferred - preferred % unit, 0, -unit):
+        if num_heads % tile == 0:
+            return tile
+    return num_heads if num_heads <= preferred else None
+
+
+def tpu_interpret(interpret: Any) -> Any:
+    """A Mosaic kernel's ``interpret`` argument: True means TPU interpret mode
+    (``pltpu.InterpretParams()``: VMEM, DMAs, scalar prefetch and semaphores simulated on
+    the CPU, reads out of bounds raise, fresh buffers hold NaN); an ``InterpretParams`` is
+    passed on; False compiles for Mosaic."""
+    if interpret is True:
+        from jax.experimental.pallas import tpu as pltpu  # Mosaic imports only where used
+
+        return pltpu.InterpretParams()
+    return interpret
+
+
 def whole() -> pl.BlockSpec:
     """A block that is the whole array (indexed inside the kernel)."""
     return pl.BlockSpec()

@@ -1,4 +1,5 @@
-"""The attention launches: the paged attention with ``tuning.attention``'s tiles, and the
+"""The attention launches: the paged attention with ``tuning.attention``'s tiles (on a TPU
+the ragged Mosaic kernel, or the jnp walk where its page table would not fit SMEM), and the
 prologue (q / k norms, rotary, K / V writes) in one launch at a decode or verify step's
 token counts, else the caller's XLA form."""
 
@@ -9,8 +10,9 @@ from typing import Any
 
 import jax
 
-from lazyspec.kernels.attention.paged import paged_attention
+from lazyspec.kernels.attention.paged import gated, paged_attention
 from lazyspec.kernels.attention.prologue import all_powers_of_two, attention_prologue_pallas
+from lazyspec.kernels.attention.walk import paged_attend
 from lazyspec.kernels.common import (
     pallas_compiler_params,
     pallas_options,
@@ -56,6 +58,42 @@ def pallas_paged_attention(
             num_warps=attention.num_warps, num_stages=attention.num_stages
         )
     return paged_attention(q, *operands, **tiles, **pallas_options(interpret, compiler_params))
+
+
+def tpu_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    *tables: Any,
+    scale: float | None = None,
+    gate: jax.Array | None = None,
+    kv_head: int | None = None,
+    page_size: int = 1,
+    interpret: Any = False,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> jax.Array:
+    """``paged_attention``'s contract on a TPU (``tables``: token_table, ctx_len, positions,
+    then the scale unless given as ``scale=``, as the per-shard form passes it):
+    ``attention.ragged_tpu`` over pages of ``page_size`` rows with ``tuning.attention``'s TPU
+    tiles, or, where its page table would pass ``tpu_table_max_bytes`` of SMEM, the jnp walk
+    (``attention.walk``); gated after either."""
+    from lazyspec.kernels.attention import ragged_tpu  # Mosaic imports only where used
+
+    if scale is None:
+        *tables, scale = tables
+    attention = tuning.attention
+    batch, width = tables[0].shape
+    if batch * (width // page_size) * 4 > attention.tpu_table_max_bytes:
+        if kv_head is not None:  # every query head reads that one pool head
+            k_pool, v_pool = k_pool[:, kv_head : kv_head + 1], v_pool[:, kv_head : kv_head + 1]
+        out = paged_attend(q, k_pool, v_pool, *tables, scale, attention.xla_block_kv)
+        return gated(out, gate)
+    pages_per_block = max(1, attention.tpu_block_kv // page_size)
+    tiles = ragged_tpu.RaggedTiles(page_size, pages_per_block, attention.tpu_block_rows)
+    out = ragged_tpu.ragged_paged_attention_tpu(
+        q, k_pool, v_pool, *tables, scale, tiles, kv_head, interpret
+    )
+    return gated(out, gate)
 
 
 def pallas_attention_prologue(

@@ -57,7 +57,7 @@ from lazyspec.kernels.common import check_tile, load_rows, powers_of_two
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
 
-def _check_inputs(
+def check_inputs(
     q: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
@@ -96,7 +96,7 @@ def paged_attention_reference(
 ) -> jax.Array:
     """The masked jnp form (module contract): gather all C table rows, mask, softmax. Its
     cost follows C, not the lengths."""
-    _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
     check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -411,7 +411,7 @@ def paged_attention(
     ``kv_head=j``: every query head of q reads pool head j (q holds some of the query
     heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
     pools are read in place, no head is sliced out of them."""
-    _check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
+    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
     check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_rows_total = k_pool.shape[0]

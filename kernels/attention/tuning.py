@@ -27,9 +27,16 @@ class AttentionTuning:
     on an H200).
 
     ``xla_block_kv``: context positions a loop step of the jnp attention
-    (``layers.attention.paged_attend``), where no paged-attention kernel runs (CPU, TPU, the
-    xla backend): its loop runs to the batch's longest context, so a step's cost follows the
-    lengths; 0 takes the whole table in one block (the cost of the configured context)."""
+    (``attention.walk.paged_attend``), where no paged-attention kernel runs (CPU, the xla
+    backend, a TPU table past ``tpu_table_max_bytes``): its loop runs to the batch's longest
+    context, so a step's cost follows the lengths; 0 takes the whole table in one block (the
+    cost of the configured context).
+
+    TPU (``attention.ragged_tpu``, the Pallas backend on a TPU): ``tpu_block_kv`` context
+    positions a block of its softmax loop (whole pages, at least one), ``tpu_block_rows``
+    query rows a tile (a multiple of 8), and ``tpu_table_max_bytes``: the largest page table
+    (4 bytes a page a row) scalar-prefetched into SMEM (1 MiB a core on v5e and v6e), past
+    which the jnp walk runs instead. Untimed: no TPU run has been made."""
 
     block_rows: int = 64
     block_kv: int = 64
@@ -43,11 +50,18 @@ class AttentionTuning:
     prologue_q_heads: int = 1
     qkv_in_place: bool = True
     xla_block_kv: int = 256
+    tpu_block_kv: int = 512
+    tpu_block_rows: int = 128
+    tpu_table_max_bytes: int = 512 * 1024
 
 
 GPU = AttentionTuning()
 # the jnp attention's blocks: CPU's measured (benchmarks/log/2026-12-06-xla-attention-
 # lengths.md: 256 and 512 alike, 128 slower); TPU's untimed, wider for the MXU
 CPU = replace(GPU, xla_block_kv=256)
-TPU = replace(GPU, xla_block_kv=512)
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": TPU, "tpu_v6e": TPU, "cpu": CPU}
+# the TPU kernel's tiles, untimed: query tiles as tall as the MXU (128 rows on v5e, 256 on
+# v6e), 512 positions a block (K and V of Qwen3-Next's 2 kv heads of 256 in bf16,
+# double-buffered: 2 MiB of VMEM)
+TPU_V5E = replace(GPU, xla_block_kv=512, tpu_block_kv=512, tpu_block_rows=128)
+TPU_V6E = replace(TPU_V5E, tpu_block_rows=256)
+TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": TPU_V5E, "tpu_v6e": TPU_V6E, "cpu": CPU}

@@ -7,7 +7,7 @@ variants tried are in ``benchmarks/log/``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,11 @@ class GdnTuning:
     columns, twice the programs, were 2.1 and 1.2 us a step shorter on an H100).
     ``norm_in_update_max_tokens``: up to this many tokens the output's gated norm runs in the
     update's launch (a whole head a program, ``norm_in_update_warps`` warps): one launch
-    fewer a layer, 1.1 and 0.8 us a batch-1 step shorter on an H100 (0: never)."""
+    fewer a layer, 1.1 and 0.8 us a batch-1 step shorter on an H100 (0: never).
+
+    ``tpu_block_heads``: the TPU layout's (``gdn.update_tpu``) head tile, chosen as
+    ``common.tpu_head_tile`` does (the XLA scan where none fits); untimed: 8 heads of
+    128 x 128 fp32 are 512 KiB a block."""
 
     block_value: int = 64
     num_warps: int = 4
@@ -26,13 +30,15 @@ class GdnTuning:
     small_block_value: int = 32
     norm_in_update_max_tokens: int = 2
     norm_in_update_warps: int = 8
+    tpu_block_heads: int = 8
 
 
 GPU = GdnTuning()
+TPU = replace(GPU, tpu_block_heads=8)
 TABLE = {
     "h100": GPU,
     "h200": GPU,  # the tiles were first timed on an H200, the small-step ones on an H100
-    "tpu_v5e": GPU,  # the TPU layout (``update_tpu``) keeps its own tiles
-    "tpu_v6e": GPU,
+    "tpu_v5e": TPU,  # the TPU layout (``update_tpu``) reads only ``tpu_block_heads``
+    "tpu_v6e": TPU,
     "cpu": GPU,  # interpret mode: the GPU's dispatch, so the suite runs the GPU's paths
 }

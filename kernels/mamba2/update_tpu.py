@@ -1,6 +1,7 @@
-"""Mamba2's TPU (Mosaic) state update: ``mamba2_tile_step`` over a head tile that lies in
-one B/C group, the row's pool block picked by its scalar-prefetched slot id (the layout,
-its block rules and slot 0's handling are ``state.update_tpu_common``'s)."""
+"""Mamba2's TPU (Mosaic) state update: ``mamba2_tile_step`` over a head tile, the row's
+pool block picked by its scalar-prefetched slot id (the layout, its block rules and slot
+0's handling are ``state.update_tpu_common``'s). A tile may lie inside one B/C group or
+span several: each head takes its group's row of the whole ``[G, N]`` block."""
 
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ from lazyspec.kernels.state.update_common import (
 from lazyspec.kernels.state.update_tpu_common import launch, pool_block, store_states
 
 
-def _group_row(bc_ref, t: int, pick: jax.Array, block_heads: int) -> jax.Array:
-    """Row ``t`` of the tile's B/C group, ``[block_heads, N]``: the ``[G, N]`` block masked by
-    the one-hot ``pick [G, 1]`` and summed (no dynamic sublane index for Mosaic)."""
-    row = jnp.sum(bc_ref[t].astype(jnp.float32) * pick, axis=0)
-    return jnp.broadcast_to(row[None, :], (block_heads, row.shape[0]))
+def _group_rows(bc_ref, t: int, head: jax.Array, heads_per_group: int) -> jax.Array:
+    """Each head's row of its B/C group at token ``t``, ``[block_heads, N]``; ``head``
+    ``[block_heads, 1]`` the tile's head indices. A select per group, by comparisons only
+    (no dynamic sublane index or vector division for Mosaic), exact in any dtype."""
+    rows = bc_ref[t].astype(jnp.float32)  # [G, N]
+    picked = jnp.zeros((head.shape[0], rows.shape[1]), jnp.float32)
+    for g in range(rows.shape[0]):
+        inside = (head >= g * heads_per_group) & (head < (g + 1) * heads_per_group)
+        picked = jnp.where(inside, rows[g : g + 1, :], picked)
+    return picked
 
 
 def _mamba2_kernel(
@@ -45,17 +51,15 @@ def _mamba2_kernel(
     slot = slot_ref[pl.program_id(0)]
     first_head = pl.program_id(1) * block_heads
     heads = pl.ds(first_head, block_heads)
-    group = jax.lax.div(first_head, heads_per_group)
-    pick = jax.lax.broadcasted_iota(jnp.int32, (b_ref.shape[1], 1), 0) == group
-    pick = pick.astype(jnp.float32)
+    head = first_head + jax.lax.broadcasted_iota(jnp.int32, (block_heads, 1), 0)
     h0 = pool_ref[...].astype(jnp.float32)
     h = h0
     a = a_ref[0, heads].astype(jnp.float32)
     d = d_ref[0, heads].astype(jnp.float32)
     num_tokens = x_ref.shape[0]
     for t in range(num_tokens):
-        b = _group_row(b_ref, t, pick, block_heads)
-        c = _group_row(c_ref, t, pick, block_heads)
+        b = _group_rows(b_ref, t, head, heads_per_group)
+        c = _group_rows(c_ref, t, head, heads_per_group)
         h, y = mamba2_tile_step(
             h, x_ref[t].astype(jnp.float32), b, c, dt_ref[t, heads].astype(jnp.float32), a, d
         )
@@ -74,7 +78,8 @@ def mamba2_state_update_tpu(
     interpret: bool = False,
 ) -> StateUpdateResult:
     """Mamba2 update with scalar-prefetched slots (module docstring); grid (row, head tile).
-    A head tile lies inside one B/C group (picked from the ``[T, G, N]`` block in-kernel)."""
+    ``block_heads``: a multiple of 8 dividing the heads, or all heads (Mosaic's block rule);
+    each head's B/C row is picked from the ``[T, G, N]`` block in-kernel."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
@@ -83,8 +88,6 @@ def mamba2_state_update_tpu(
         raise ValueError(f"num_groups={num_groups} must divide num_heads={num_heads}")
     per_group = num_heads // num_groups
     bh = check_tpu_tile("block_heads", num_heads, min(block_heads, num_heads), 8)
-    if per_group % bh:
-        raise ValueError(f"block_heads={bh} must divide the {per_group} heads per group on TPU")
     values = pl.BlockSpec((None, num_tokens, bh, head_dim), lambda b, i, s: (b, 0, i, 0))
     groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, s: (b, 0, 0, 0))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, s: (b, 0, 0))

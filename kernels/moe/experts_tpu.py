@@ -12,18 +12,20 @@ I for down), so there is no loop over it.
 
 Blocks follow Mosaic's rule for the last two dims (multiples of (8, 128) or whole):
 ``block_inner`` / ``block_out`` are the whole axis or multiples of 128, ``block_rows`` a
-multiple of 8 (16 for bf16). Checked on CPU in interpret mode and by lowering to Mosaic;
-never compiled or run on a TPU here.
+multiple of 8 (16 for bf16). Run on CPU in TPU interpret mode (``common.tpu_interpret``)
+and lowered to Mosaic; never compiled or run on a TPU here.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lazyspec.kernels.common import check_tpu_tile
+from lazyspec.kernels.common import check_tpu_tile, tpu_interpret
 from lazyspec.kernels.moe.grouping import UNUSED_TILE, combine_pairs, group_pairs
 from lazyspec.kernels.moe.plan import check_experts
 
@@ -74,11 +76,12 @@ def moe_experts_tpu(
     block_rows: int = 16,
     block_inner: int | None = None,
     block_out: int | None = None,
-    interpret: bool = False,
+    interpret: Any = False,
 ) -> jax.Array:
     """Routed experts (``experts`` module docstring has the contract); float32
-    ``[N, d_out]``. Tiles None are the whole axis."""
+    ``[N, d_out]``. Tiles None are the whole axis; ``interpret`` as ``common.tpu_interpret``."""
     check_experts(x, expert_ids, up, down, gate)
+    interpret = tpu_interpret(interpret)
     num_experts, width, inner = up.shape
     out_width = down.shape[2]
     bi = check_tpu_tile("block_inner", inner, block_inner, 128)

@@ -16,6 +16,7 @@ from lazyspec.kernels.common import (
     pallas_options,
     resolve_backend,
     small_step_tile,
+    tpu_head_tile,
 )
 from lazyspec.kernels.gdn.update import gdn_state_update_pallas, gdn_state_update_xla
 from lazyspec.kernels.mamba2.update import mamba2_state_update_pallas, mamba2_state_update_xla
@@ -59,17 +60,25 @@ def tpu_state_update(
     *,
     mode: str,
     layer: int | None = None,
-    interpret: bool = False,
+    interpret: Any = False,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> StateUpdateResult:
-    """The scalar-prefetch kernels of ``gdn.update_tpu`` / ``mamba2.update_tpu``, with their
-    own default tiles."""
+    """The scalar-prefetch kernels of ``gdn.update_tpu`` / ``mamba2.update_tpu`` with the
+    mixer's ``tpu_block_heads`` fitted to the heads (``common.tpu_head_tile``); where no
+    tile fits, the XLA scan (same contract). ``interpret``: as ``common.tpu_interpret``."""
+    record = tuning.gdn if mixer == "gdn" else tuning.mamba2
+    num_heads = (tokens.q if mixer == "gdn" else tokens.x).shape[2]
+    block_heads = tpu_head_tile(num_heads, record.tpu_block_heads)
+    if block_heads is None:
+        return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
     # Mosaic imports only where used
     if mixer == "gdn":
         from lazyspec.kernels.gdn.update_tpu import gdn_state_update_tpu as tpu_fn
     else:
         from lazyspec.kernels.mamba2.update_tpu import mamba2_state_update_tpu as tpu_fn
-    return tpu_fn(pool, slot, tokens, mode=mode, layer=layer, interpret=interpret)
+    return tpu_fn(
+        pool, slot, tokens, mode=mode, block_heads=block_heads, layer=layer, interpret=interpret
+    )
 
 
 def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[int, int, bool]:
@@ -138,8 +147,8 @@ def state_update(
     """GDN or Mamba2 T-step update (chosen by the type of ``tokens``) on the chosen backend;
     ``layer=l``: ``pool`` is the stacked pool of all layers and layer l's rows are used.
     ``tiles`` (``block_heads``, ``block_value``, ``evict_last``, ``compiler_params``) override
-    ``tuning``'s. On a TPU platform (``platform`` defaults to JAX's default) Pallas means the
-    scalar-prefetch kernels of ``*.update_tpu`` with their own tiles."""
+    ``tuning``'s. On a TPU platform (``platform`` defaults to JAX's default) Pallas means
+    ``tpu_state_update``."""
     mixer = mixer_of(tokens)
     xla, tpu = resolve_backend(kernel_backend, platform) == "xla", on_platform("tpu", platform)
     if isinstance(tokens, GdnConvTokens) and (xla or tpu):
@@ -148,7 +157,7 @@ def state_update(
         return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
     if tpu:
         return tpu_state_update(
-            mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret
+            mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret, tuning=tuning
         )
     return pallas_state_update(
         mixer, pool, slot, tokens, mode=mode, layer=layer, interpret=interpret, tuning=tuning,

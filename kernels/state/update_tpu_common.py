@@ -16,18 +16,22 @@ l's rows (no copy of the layer).
 
 Blocks follow Mosaic's rule for the last two dims (multiples of (8, 128) or whole):
 ``block_heads`` must be a multiple of 8 or all heads; GDN's value tile is all of d_v or a
-multiple of 128; Mamba2 keeps the head dim P, state N and the B/C groups whole and needs
-``block_heads`` to divide the heads of one group. Checked on CPU in interpret mode and by
-lowering to Mosaic; never compiled or run on a TPU here.
+multiple of 128; Mamba2 keeps the head dim P, state N and the B/C groups whole. The
+dispatch (``state.dispatch.tpu_state_update``) takes the tuning's head tile where one fits
+and the XLA scan where none does. Run on CPU in TPU interpret mode (``common.tpu_interpret``)
+and lowered to Mosaic; never compiled or run on a TPU here.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lazyspec.kernels.common import tpu_interpret
 from lazyspec.kernels.state.update_common import StateUpdateResult, state_output, update_result
 
 
@@ -58,11 +62,11 @@ def launch(
     args,
     out_like,
     specs: tuple,
-    interpret: bool,
+    interpret: Any,
 ) -> StateUpdateResult:
     """pallas_call with the slot ids scalar-prefetched; refs (slot, *args, out, state).
     ``specs``: the outputs' spec, then the state's: the pool block (decode) and the step
-    states' (verify)."""
+    states' (verify). ``interpret``: as ``common.tpu_interpret``."""
     out_spec, pool_spec, steps_spec = specs
     state_shape, state_spec = state_output(mode, pool, out_like, pool_spec, steps_spec)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -74,6 +78,6 @@ def launch(
         out_shape=(jax.ShapeDtypeStruct(out_like.shape, out_like.dtype), state_shape),
         # operand 0 is the prefetched slot vector, so the pool (last arg) is len(args)
         input_output_aliases={len(args): 1} if mode == "decode" else {},
-        interpret=interpret,
+        interpret=tpu_interpret(interpret),
     )(slot.astype(jnp.int32), *args)
     return update_result(mode, outputs, states)

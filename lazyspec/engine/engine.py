@@ -125,8 +125,6 @@ class Engine:
         from lazyspec.kernels.backend import default_tuning, resolve_backend
         from lazyspec.kernels.tuning import parse_overrides
 
-        # pallas on GPU, xla on CPU and TPU, at any tp_size (the kernels run per shard)
-        backend = resolve_backend(c.kernel_backend)
         tuning = default_tuning().with_overrides(parse_overrides(c.kernel_tuning))
         static = StepStatic(
             num_slots=layout.num_slots,
@@ -135,9 +133,10 @@ class Engine:
             chunk_size=layout.chunk_size,
             num_verify=layout.num_verify,
             spec=c.spec_enabled,
-            backend=backend,
+            backend=resolve_backend(c.kernel_backend),  # pallas on GPU, xla on CPU / TPU
             moe_runner=c.moe_runner_backend,
             tuning=tuning,
+            page_size=layout.page_size,
         )
         from lazyspec.engine.multihost import StepBroadcast
 

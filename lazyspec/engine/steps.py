@@ -110,6 +110,7 @@ class StepStatic:
     moe_runner: str = "auto"  # EngineConfig.moe_runner_backend
     sharding: ShardingPlan | None = None  # the runner's; the kernels run per shard of it
     tuning: Tuning | None = None  # the kernels' (None: the device's table, ``kernels_for``)
+    page_size: int = 1  # KV pool rows a page (the TPU attention fetches whole pages)
 
     @property
     def sentinel_slot(self) -> int:
@@ -127,7 +128,9 @@ class StepStatic:
     def kernels(self) -> Kernels:
         """The kernels of ``backend`` with ``tuning``, each run per shard of ``sharding``'s
         mesh (``shard_kernels.per_shard``); resolved once (both functions cache)."""
-        kernels = kernels_for(self.backend, moe_runner=self.moe_runner, tuning=self.tuning)
+        kernels = kernels_for(
+            self.backend, moe_runner=self.moe_runner, tuning=self.tuning, page_size=self.page_size
+        )
         return kernels if self.sharding is None else per_shard(kernels, self.sharding)
 
 

@@ -68,3 +68,28 @@ def draw_slots(rng, batch: int, num_slots: int) -> np.ndarray:
     padding = rng.random(batch) < 0.3
     padding[rng.integers(batch)] = True
     return np.where(padding, 0, slot).astype(np.int32)
+
+
+class TpuInterpret:
+    """A Mosaic kernel's ``interpret`` argument for the tests (``params``): off a TPU, TPU
+    interpret mode (``pltpu.InterpretParams``: VMEM, DMAs, scalar prefetch and semaphores
+    simulated on the CPU, fresh buffers NaN, reads out of bounds raise) recording the grid
+    points it runs, so a test can tell the TPU interpreter ran its kernels (the generic
+    ``interpret=True`` records none); on a TPU, False: compiled."""
+
+    def __init__(self) -> None:
+        from jax.experimental.pallas import tpu as pltpu
+
+        self.grid_points: list[tuple[int, ...]] = []
+        recorder = pltpu.InterpretParams(grid_point_recorder=self._record)
+        self.params = recorder if TPU_INTERPRET else False
+
+    def _record(self, token, grid_point, core_index):
+        del core_index
+        self.grid_points.append(tuple(int(i) for i in grid_point))
+        return token
+
+    def ran(self, num_points: int) -> bool:
+        """Whether the interpreter ran ``num_points`` grid points (compiled: nothing to
+        count, True)."""
+        return not TPU_INTERPRET or len(self.grid_points) == num_points

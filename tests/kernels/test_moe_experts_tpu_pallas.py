@@ -1,5 +1,6 @@
 """The TPU-layout routed-experts kernel (scalar-prefetched tile experts) against
-``grouped_experts``, in interpret mode on CPU, and its lowering to Mosaic at model widths."""
+``grouped_experts``, the GPU form's reference, run in TPU interpret mode on CPU (fresh
+buffers NaN: an unwritten row fails), and its lowering to Mosaic at model widths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from lazyspec.kernels import backend
 from lazyspec.kernels.moe import experts_tpu as tpu
-from tests.kernels.kernel_checks import TPU_INTERPRET, assert_close
+from tests.kernels.kernel_checks import TPU_INTERPRET, TpuInterpret, assert_close
 from tests.kernels.test_moe_experts_pallas import (
     BF16_TOL,
     FP32_TOL,
@@ -36,9 +37,14 @@ def test_moe_experts_tpu_layout_matches_grouped_experts(case):
     weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
+    interpreter = TpuInterpret()
     got = tpu.moe_experts_tpu(
-        x, weights, ids, up, down, gate, block_rows=block_rows, interpret=TPU_INTERPRET
+        x, weights, ids, up, down, gate, block_rows=block_rows, interpret=interpreter.params
     )
+    # both launches ran in the TPU interpreter: a tile per row block at least, each launch
+    # over one column block (the test widths are whole blocks)
+    min_tiles = -(-num_tokens * top_k // block_rows)
+    assert len(interpreter.grid_points) >= 2 * min_tiles or not TPU_INTERPRET
     want = reference(x, weights, ids, up, down, gate)
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
 

@@ -201,9 +201,11 @@ def test_tiles_are_validated_pallas():
 
 
 def test_kernels_record_has_attention_where_pallas_runs_pallas():
-    """The dispatch gives the kernel on GPUs and CPU (interpreted), none on XLA or TPU."""
+    """The dispatch gives the kernel on GPUs and CPU (interpreted), none on XLA; a TPU's
+    is the ragged Mosaic kernel (``test_attention_tpu_pallas.py``)."""
     assert backend.kernels_for("xla").paged_attention is None
-    assert backend.kernels_for("pallas", "tpu").paged_attention is None
+    tpu = backend.kernels_for("pallas", "tpu").paged_attention
+    assert tpu.func.__name__ == "tpu_paged_attention"
     assert backend.kernels_for("pallas", "gpu").paged_attention is not None
     rng = np.random.default_rng(6)
     case = attention_case(rng, 2, 1, 4, 2, 64, [9, 4], jnp.float32)

@@ -1,5 +1,7 @@
-"""The TPU-layout state updates (scalar-prefetched slots) against the scans, in interpret
-mode on CPU, and their lowering to Mosaic at the model shapes."""
+"""The TPU-layout state updates (scalar-prefetched slots) against the scans the GPU forms
+are checked against, run in TPU interpret mode on CPU (the interpreter's fresh buffers are
+NaN, so an output the kernel leaves unwritten fails), and their lowering to Mosaic at the
+model shapes."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from lazyspec.kernels.mamba2 import reference as mamba2_reference
 from lazyspec.kernels.mamba2 import update_tpu as mamba2_tpu
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import update_common as su
-from tests.kernels.kernel_checks import TPU_INTERPRET
+from tests.kernels.kernel_checks import TpuInterpret, launch_names
 from tests.kernels.test_state_update_pallas import (
     BF16_OUT_TOL,
     FP32_TOL,
@@ -43,9 +45,11 @@ def test_gdn_tpu_layout_matches_scan(case):
     outs, expected_pool, states = reference(
         pool, slot, gdn_reference.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
     )
+    tpu = TpuInterpret()
     got = gdn_tpu.gdn_state_update_tpu(
-        pool, slot, inputs, mode=mode, block_heads=bh, interpret=TPU_INTERPRET
+        pool, slot, inputs, mode=mode, block_heads=bh, interpret=tpu.params
     )
+    assert tpu.ran(batch * max(heads // bh, 1))
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
@@ -55,6 +59,8 @@ MAMBA2_CASES = [  # seed, batch, tokens, heads, groups, P, N, slots, bh, mode, d
     (42, 5, 4, 32, 2, 8, 16, 8, 8, "verify", jnp.float32),
     (43, 6, 3, 48, 3, 4, 8, 9, 8, "decode", jnp.float32),
     (44, 3, 2, 8, 1, 8, 16, 4, 8, "verify", jnp.bfloat16),
+    (49, 4, 1, 4, 2, 8, 16, 5, 4, "decode", jnp.float32),  # tiny Nemotron-H: 2 groups a tile
+    (48, 3, 2, 16, 4, 4, 8, 6, 8, "verify", jnp.float32),  # 8 heads a tile over 2 groups
 ]
 
 
@@ -70,9 +76,11 @@ def test_mamba2_tpu_layout_matches_scan(case):
         (inputs.x, inputs.b, inputs.c, inputs.dt),
         (inputs.a, inputs.d),
     )
+    tpu = TpuInterpret()
     got = mamba2_tpu.mamba2_state_update_tpu(
-        pool, slot, inputs, mode=mode, block_heads=bh, interpret=TPU_INTERPRET
+        pool, slot, inputs, mode=mode, block_heads=bh, interpret=tpu.params
     )
+    assert tpu.ran(batch * (heads // bh))
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
 
@@ -84,16 +92,26 @@ def test_tpu_layout_rejects_illegal_tiles():
         gdn_tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_heads=4)
     with pytest.raises(ValueError, match="multiple of 128"):
         gdn_tpu.gdn_state_update_tpu(pool, slot, inputs, mode="decode", block_value=64)
-    pool, slot, inputs = mamba2_case(rng, 2, 1, 16, 4, 4, 8, 3, jnp.float32)
-    with pytest.raises(ValueError, match="heads per group"):
-        mamba2_tpu.mamba2_state_update_tpu(pool, slot, inputs, mode="verify", block_heads=8)
+    pool, slot, inputs = mamba2_case(rng, 2, 1, 24, 4, 4, 8, 3, jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        mamba2_tpu.mamba2_state_update_tpu(pool, slot, inputs, mode="verify", block_heads=12)
 
 
-def test_dispatch_on_tpu_takes_the_tpu_layout():
-    """With platform="tpu" the default is XLA and kernel_backend="pallas" runs the TPU
-    layout (here in interpret mode); both agree with the scan."""
-    rng = np.random.default_rng(46)
-    pool, slot, inputs = mamba2_case(rng, 4, 2, 16, 2, 8, 16, 6, jnp.float32)
+def test_tpu_head_tile_fits_the_tuning_or_gives_none():
+    tile = common.tpu_head_tile
+    assert [tile(h, 8) for h in (128, 32, 24, 16, 8)] == [8] * 5
+    assert [tile(h, 16) for h in (128, 24, 40)] == [16, 8, 8]
+    assert [tile(h, 8) for h in (4, 6, 1)] == [4, 6, 1]  # all heads: fewer than the tile
+    assert tile(12, 8) is None and tile(20, 16) is None  # no legal tile: the XLA scan
+
+
+@pytest.mark.parametrize("heads, groups, kernel", [(4, 2, True), (12, 3, False)])
+def test_dispatch_on_tpu_takes_the_tuned_tile_or_the_scan(heads, groups, kernel):
+    """With platform="tpu" the default is XLA, and kernel_backend="pallas" runs the TPU
+    layout with the tuning's head tile (4 heads: all of them, over 2 groups) in TPU interpret
+    mode, or, where no tile fits (12 heads, a tile of 8), the XLA scan; all agree with it."""
+    rng = np.random.default_rng(46 + heads)
+    pool, slot, inputs = mamba2_case(rng, 4, 2, heads, groups, 8, 16, 6, jnp.float32)
     assert common.resolve_backend(None, "tpu") == "xla"
     outs, _, states = reference(
         pool,
@@ -103,16 +121,18 @@ def test_dispatch_on_tpu_takes_the_tpu_layout():
         (inputs.a, inputs.d),
     )
     for kernel_backend in (None, "pallas"):
-        got = state_dispatch.state_update(
-            pool,
-            slot,
-            inputs,
-            mode="verify",
-            platform="tpu",
-            kernel_backend=kernel_backend,
-            interpret=TPU_INTERPRET,
-        )
-        check_result(got, pool, slot, "verify", outs, None, states, FP32_TOL)
+        tpu = TpuInterpret()
+
+        def update(pool, slot, inputs, kernel_backend=kernel_backend, tpu=tpu):
+            return state_dispatch.state_update(
+                pool, slot, inputs, mode="verify", platform="tpu",
+                kernel_backend=kernel_backend, interpret=tpu.params,
+            )  # fmt: skip
+
+        launches = launch_names(jax.make_jaxpr(update)(pool, slot, inputs).eqns)
+        assert len(launches) == (1 if kernel_backend and kernel else 0)
+        check_result(update(pool, slot, inputs), pool, slot, "verify", outs, None, states, FP32_TOL)
+        assert tpu.ran(4 if launches else 0)
 
 
 def test_tpu_layout_lowers_to_mosaic_at_model_shapes():

@@ -17,6 +17,7 @@ from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.interface import PoolView
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
+from tests.kernels.kernel_checks import launch_names
 from tests.models.test_pool_rows import (
     CONTEXT,
     SLOTS,
@@ -101,33 +102,46 @@ def test_forward_uses_the_attention_prologue_it_is_given(family):
         assert np.abs(run(recorder(alter)[0]) - want).max() > 1e-3 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("mode", ["verify", "extend"])
-def test_pallas_attention_forward_matches_jnp_form_pallas(mode):
-    """Qwen3-Next's forward with the Pallas kernels equals the XLA forward on every real
-    token (row 1 is padding: no new tokens), and writes the same KV pools (up to the float
-    error that the hidden stream carries into later layers' K/V)."""
-    model = tiny_model("qwen3_next")
+def _forward_runner(family: str, seed: int, mode: str, **options):
+    """(the tiny ``family``'s jitted forward of three verify rows (row 1 padding) over random
+    caches, as a function of the ``Kernels``; the inputs; the KV pools)."""
+    model = tiny_model(family)
     cfg = model.config
-    rng = np.random.default_rng(14)
+    rng = np.random.default_rng(seed)
     kv, rec = _random_caches(rng, cfg, 3)
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 0, 3])
 
     def run(kernels):
         return jax.jit(
             lambda: model.family.forward(
-                model.params, cfg, inputs, kv, rec, mode=mode, chunk_size=4, kernels=kernels
+                model.params, cfg, inputs, kv, rec, mode=mode, kernels=kernels, **options
             )
         )()
 
-    hidden, kv_out, _ = run(kernels_for("pallas"))
+    return run, inputs, kv
+
+
+def _check_against_xla(run, inputs, got) -> None:
+    """``got`` (a forward's outputs) equals the XLA forward on every real token, finite
+    everywhere, and wrote the same KV pools (up to the float error that the hidden stream
+    carries into later layers' K/V)."""
+    hidden, kv_out, _ = got
     want_hidden, want_kv, _ = run(XLA_KERNELS)
     real = np.arange(WIDTH)[None, :] < np.asarray(inputs.num_new)[:, None]
     assert real.sum() == WIDTH + 3
     got, want = np.asarray(hidden)[real], np.asarray(want_hidden)[real]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.isfinite(np.asarray(hidden)).all()
-    for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):  # later layers' K/V
+    for a, b in zip(jax.tree.leaves(kv_out), jax.tree.leaves(want_kv)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["verify", "extend"])
+def test_pallas_attention_forward_matches_jnp_form_pallas(mode):
+    """Qwen3-Next's forward with the Pallas kernels equals the XLA forward on every real
+    token (row 1 is padding: no new tokens), and writes the same KV pools."""
+    run, inputs, _ = _forward_runner("qwen3_next", 14, mode, chunk_size=4)
+    _check_against_xla(run, inputs, run(kernels_for("pallas")))
 
 
 @pytest.mark.parametrize(
@@ -191,3 +205,19 @@ def test_qkv_read_in_place_gives_the_same_forward_pallas(family, mode):
     assert gates[False] == {(*lead, spec.num_heads, spec.head_dim)}
     product_heads = spec.num_heads + spec.num_kv_heads  # k and v's heads after q's, as wide
     assert gates[True] == {(*lead, product_heads, 2 * spec.head_dim)}
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_tpu_kernels_forward_matches_jnp_form_pallas(family):
+    """The forward with the Pallas record of a TPU (the ragged paged attention, the Mosaic
+    state updates and routed experts), run in TPU interpret mode, equals the XLA forward on
+    every real token (row 1 is padding), and writes the same KV pools."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    run, inputs, kv = _forward_runner(family, 16, "verify")
+    tpu = kernels_for("pallas", "tpu", "pallas")
+    calls = launch_names(step_eqns(jax.make_jaxpr(lambda: run(tpu))().jaxpr))
+    assert calls.count("ragged_paged_attention") == len(kv.k) > 0  # one an attention layer
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        got = run(tpu)
+    _check_against_xla(run, inputs, got)
