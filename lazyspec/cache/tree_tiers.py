@@ -31,7 +31,8 @@ class HostTierOps:
         """Mutates: bring the host-only part of ``match`` (from ``match_prefix``, its node
         locked) to the device: fresh device pages for each node of its path that is only on
         the host, a fresh device slot for its state if only the host has it, each queued as
-        a ``LOAD`` copy; counts the hit (the write policy may copy the node to the host).
+        a ``LOAD`` copy; counts a hit on each node of the path (the write policy may copy
+        them to the host).
         The free slots and pages must be there (``match.load_tokens`` / ``load_state`` said
         how many). Returns the match as it is now on the device."""
         node = match.node
@@ -43,7 +44,8 @@ class HostTierOps:
         for walk in path:
             if not walk.on_device or (walk is node and walk.state_slot is None):
                 self._load_node(walk, with_state=walk is node)
-        self._note_hit(node)
+        for walk in path:  # a prefix every turn of a conversation passes is hit each time
+            self._note_hit(walk)
         kv_indices = np.concatenate([self.root.value] + [n.value for n in path])
         return MatchResult(kv_indices, node, node.state_slot, len(kv_indices), match.kv_match_len)
 
@@ -83,8 +85,8 @@ class HostTierOps:
         return path[::-1]
 
     def _note_hit(self, node: TreeNode) -> None:
-        """A request was admitted through ``node`` (or it was inserted): copy it to the host
-        once it was hit as often as the write policy asks."""
+        """A request was admitted through ``node`` (or ``node`` was inserted): copy it to the
+        host once it was hit as often as the write policy asks."""
         node.hit_count += 1
         self._write_if_due(node)
 
