@@ -89,3 +89,34 @@ def test_multi_turn_with_the_host_tier_equals_the_cache_free_run(strategy, famil
     assert engine.kv_allocator.num_free_pages == engine.layout.num_pages
     assert host.slots.num_free == host.slots.num_slots
     assert host.kv.num_free_pages == host.kv.num_pages
+
+
+def test_a_request_aborted_with_its_load_in_flight_leaves_the_loaded_node_cached():
+    """A load writes only fresh ids of the tree node it restores, and the program is
+    dispatched before any step that follows: a request aborted right after its admission
+    (its load and first extend launched, nothing processed) frees its own ids, and the node
+    stays cached on both tiers for the next request, whose output is exact."""
+    model = tiny_model("qwen3_next")
+    engine = small_engine(
+        model, "extra_buffer", enable_hierarchical_cache=True, hicache_ratio=1.5, **POOLS
+    )
+    copies = TierCopyOracle(engine)
+    first, *others = _conversations(3, seed=9)
+    served = _serve_turns(engine, [first, *others], 1, type(engine).check_integrity)
+    returning = first + served[0][1] + [5, 6, 7]
+    params = {"max_new_tokens": NUM_NEW, "ignore_eos": True}
+    req = engine.add_request(input_ids=returning, sampling_params=params)
+    engine.step()  # admitted: the match loaded from the host, the first extend launched
+    assert engine.get_server_info()["hicache_num_host_hits"] == 1 and req.cached_tokens
+    assert engine.abort(req.rid)
+    engine.check_integrity()
+    again = engine.add_request(input_ids=returning, sampling_params=params)
+    engine.run_until_done([again], check=type(engine).check_integrity)
+    assert again.cached_tokens == req.cached_tokens  # the loaded node, now on the device
+    assert engine.get_server_info()["hicache_num_host_hits"] == 1
+    assert again.output_ids == reference_greedy(model, returning, NUM_NEW, pad_len=256)[0]
+    assert copies.num_states_checked == 1
+    assert engine.flush_cache()
+    host = engine.tree.host
+    assert engine.slot_allocator.num_free == engine.layout.num_slots
+    assert host.slots.num_free == host.slots.num_slots
