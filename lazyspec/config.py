@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields, replace
 
+from lazyspec.cache.host_tier import WRITE_POLICIES, WRITE_THROUGH
 from lazyspec.cache.radix_cache import EVICTION_POLICIES
 from lazyspec.kernels.tuning import parse_overrides
 from lazyspec.scheduler.grammar import GRAMMAR_BACKENDS
@@ -41,6 +42,12 @@ class EngineConfig:
     # tokens saved x likelihood of a hit; superseded checkpoints first; a running request's
     # checkpoint is declined rather than evicting one worth more) or "sglang" (LRU; SGLang's)
     mamba_cache_policy: str = "value"
+    # the radix cache's host tier (SGLang's HiCache flags; cache/host_tier.py): checkpoints
+    # and KV pages the device evicts stay on the host and are loaded back on a match
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pools as a multiple of the device pools
+    hicache_size: float = 0.0  # GB of host memory for the host pools; > 0 overrides the ratio
+    hicache_write_policy: str = WRITE_THROUGH  # or write_back, write_through_selective
     chunked_prefill_size: int = 512
     context_length: int | None = None
     disable_overlap_schedule: bool = False
@@ -100,6 +107,8 @@ class EngineConfig:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         parse_overrides(self.kernel_tuning)  # ValueError names a bad item
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES)
+        self._check_host_tier()
         _check_choice("grammar_backend", self.grammar_backend, GRAMMAR_BACKENDS)
         for name in (
             "page_size",
@@ -172,6 +181,25 @@ class EngineConfig:
             raise ValueError(
                 f"dist_init_addr={address!r}: nnodes={self.nnodes} needs the coordinator's "
                 "host:port (process 0 listens there)"
+            )
+
+    def _check_host_tier(self) -> None:
+        ratio, gigabytes = self.hicache_ratio, self.hicache_size
+        if not _is_number(ratio) or not 0 < ratio < float("inf"):
+            raise ValueError(f"hicache_ratio={ratio!r} must be a positive number")
+        if not _is_number(gigabytes) or not 0 <= gigabytes < float("inf"):
+            raise ValueError(f"hicache_size={gigabytes!r} must be 0 (use the ratio) or positive")
+        if not self.enable_hierarchical_cache:
+            return
+        if self.disable_radix_cache:
+            raise ValueError(
+                "enable_hierarchical_cache is set with disable_radix_cache: the host tier "
+                "keeps the radix cache's entries"
+            )
+        if self.nnodes > 1:
+            raise ValueError(
+                f"enable_hierarchical_cache with nnodes={self.nnodes}: the host tier is kept "
+                "by process 0 alone; run it on one process"
             )
 
     @property
@@ -315,6 +343,10 @@ def default_decode_steps(platform: str, spec: bool) -> int:
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_positive(name: str, value) -> None:

@@ -11,7 +11,7 @@ KV rows are addressed at token level: row ``page * page_size + offset`` of the f
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -216,6 +216,14 @@ class CacheHolder(Protocol):
 
     def check_integrity(self) -> None: ...
 
+    # with a host tier (``host`` not None): the host ids the tree holds, and ``host``'s
+    # allocators (``kv``, ``slots``) and ids held for copies in flight (``orphaned_*``)
+    host: Any
+
+    def cached_host_slot_ids(self) -> list[int]: ...
+
+    def cached_host_pages(self) -> np.ndarray: ...
+
 
 def check_all(
     kv_allocator: KVAllocator,
@@ -227,7 +235,9 @@ def check_all(
     """AssertionError unless every slot and page is exactly one of free / cached / in use.
 
     ``in_use_*`` are the ids owned by running requests and *not* by the tree (pages a request
-    shares with the tree through a match are the tree's). Also runs every integrity check.
+    shares with the tree through a match are the tree's). With a host tier, every host slot
+    and page is exactly one of free / cached / held for a copy in flight. Also runs every
+    integrity check.
     """
     kv_allocator.check_integrity()
     slot_allocator.check_integrity()
@@ -247,6 +257,25 @@ def check_all(
         kv_allocator.num_pages,
         tree.cached_pages(),
         in_use_pages,
+    )
+    host = getattr(tree, "host", None)
+    if host is None:
+        return
+    host.kv.check_integrity()
+    host.slots.check_integrity()
+    slots, kv = host.slots, host.kv
+    cached, orphaned = tree.cached_host_slot_ids(), host.orphaned_slot_ids()
+    _check_partition(
+        "host slot", slots.allocated_ids(), slots.num_free, slots.num_slots, cached, orphaned
+    )
+    cached_pages, orphaned_pages = tree.cached_host_pages(), host.orphaned_pages()
+    _check_partition(
+        "host page",
+        kv.allocated_pages(),
+        kv.num_free_pages,
+        kv.num_pages,
+        cached_pages,
+        orphaned_pages,
     )
 
 

@@ -48,15 +48,16 @@ class Worth:
 
 
 def rank_states(root: TreeNode, state_lru: Mapping[int, TreeNode]) -> list[tuple[Worth, TreeNode]]:
-    """Every unlocked state node below ``root`` with its worth, the least worth first
-    (``state_lru``: node id -> node, least recent first). Reads only."""
+    """Every unlocked node below ``root`` with a device state, with its worth, the least
+    worth first (``state_lru``: node id -> node, least recent first). A state only on the
+    host still saves its tokens to the nodes below it. Reads only."""
     recency = {node_id: (i + 1) / len(state_lru) for i, node_id in enumerate(state_lru)}
     ranked = []
     stack = [(child, 0, 0) for child in root.children.values()]
     while stack:
         node, start, state_len = stack.pop()  # start: the prefix length above the edge
         end = start + len(node.key)
-        if node.has_state and node.state_lock == 0:
+        if node.state_slot is not None and node.state_lock == 0:
             worth = Worth.of(end - state_len, recency[node.node_id], _superseded(node))
             ranked.append((worth, node.node_id, node))
         below = end if node.has_state else state_len

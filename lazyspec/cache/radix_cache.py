@@ -14,6 +14,16 @@ Which state ``evict_state`` gives up is the tree's eviction policy (``EVICTION_P
 ``"value"`` takes the one worth least (``checkpoint_value.py``: prefill tokens saved per slot
 times the likelihood of a hit, checkpoints superseded on their own chain first), and a caller
 may ask it to evict only states worth less than the one it wants to insert.
+
+With a host tier (``host=HostTier(...)``, ``host_tier.py``) a node's KV and state are on the
+device, the host or both, and the device's evictions keep on the host what the write policy
+copied there; ``match_prefix`` may end on the host, and ``load`` brings that part back
+(the rules, checked by ``tree_check.check_tree``):
+
+* device KV is prefix-closed (a node on the device has its parent there), so ``evict_kv``
+  takes *device leaves* (no child on the device) and a match's device part is its head;
+* a host copy is a whole node (its KV, and its state if it had one on the device);
+* a node on neither tier is deleted; no leaf is a tombstone on both tiers.
 """
 
 from __future__ import annotations
@@ -21,12 +31,15 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
 from lazyspec.cache.checkpoint_value import Worth, rank_states
+from lazyspec.cache.host_tier import HostTier
+from lazyspec.cache.tree_check import check_tree
+from lazyspec.cache.tree_node import CacheStats, InsertResult, MatchResult, TreeNode
+from lazyspec.cache.tree_tiers import HostTierOps
 
 EVICTION_POLICIES = ("value", "sglang")
 
@@ -42,62 +55,7 @@ __all__ = [
 ]
 
 
-@dataclass(eq=False)
-class TreeNode:
-    """One edge of the tree: ``key`` tokens, their KV rows ``value``, an optional state slot."""
-
-    node_id: int
-    key: np.ndarray  # int64 token ids of this edge (a whole number of pages)
-    value: np.ndarray  # int32 token-level KV rows, same length as key
-    parent: TreeNode | None
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
-    state_slot: int | None = None  # None = tombstone (or the root)
-    kv_lock: int = 0
-    state_lock: int = 0
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    @property
-    def has_state(self) -> bool:
-        return self.state_slot is not None
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    kv_indices: np.ndarray  # int32 KV rows of the matched prefix (len == prefix_len)
-    node: TreeNode  # deepest node on the path holding a state (root if none)
-    state_slot: int  # that node's slot, 0 for the root
-    prefix_len: int  # tokens covered by kv_indices and by the state
-    kv_match_len: int = 0  # whole-page tokens whose KV is cached (>= prefix_len): branch point
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    node: TreeNode  # the node ending exactly at the inserted key (root for an empty key)
-    state_taken: bool  # False: the caller still owns (and must free) the slot it passed
-    num_new_tokens: int  # tokens newly added to the tree
-
-
-@dataclass
-class CacheStats:
-    """Cumulative match counters for server info; they survive ``flush``."""
-
-    num_queries: int = 0
-    num_queried_tokens: int = 0
-    num_matched_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_matched_tokens / max(self.num_queried_tokens, 1)
-
-
-class RadixCache:
+class RadixCache(HostTierOps):
     """Radix tree over token ids whose nodes hold KV pages and recurrent-state checkpoints."""
 
     def __init__(
@@ -107,18 +65,21 @@ class RadixCache:
         slot_allocator: SlotAllocator,
         disable: bool = False,
         eviction: str = "sglang",
+        host: HostTier | None = None,
     ) -> None:
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction={eviction!r} must be one of {EVICTION_POLICIES}")
-        if page_size != kv_allocator.page_size:
-            raise ValueError(
-                f"page_size {page_size!r} differs from the KV allocator's {kv_allocator.page_size}"
-            )
+        for allocator in (kv_allocator, host.kv if host else kv_allocator):
+            if page_size != allocator.page_size:
+                raise ValueError(
+                    f"page_size {page_size!r} differs from a KV allocator's {allocator.page_size}"
+                )
         self.page_size = int(page_size)
         self.kv_allocator = kv_allocator
         self.slot_allocator = slot_allocator
         self.disable = disable
         self.eviction = eviction
+        self.host = None if disable else host
         self.stats = CacheStats()
         self._reset()
 
@@ -126,11 +87,12 @@ class RadixCache:
         self._next_node_id = 1
         empty_key, empty_value = np.zeros(0, np.int64), np.zeros(0, np.int32)
         self.root = TreeNode(0, empty_key, empty_value, parent=None)
-        self._kv_lru: OrderedDict[int, TreeNode] = OrderedDict()  # every non-root node
-        self._state_lru: OrderedDict[int, TreeNode] = OrderedDict()  # every node with a state
+        self._kv_lru: OrderedDict[int, TreeNode] = OrderedDict()  # every node on the device
+        self._state_lru: OrderedDict[int, TreeNode] = OrderedDict()  # every device state
+        # device counts only: the host's are its allocators'
         self._num_cached_tokens = 0
-        self._num_locked_tokens = 0  # edge tokens of nodes with kv_lock > 0
-        self._num_locked_slots = 0  # states of nodes with state_lock > 0
+        self._num_locked_tokens = 0  # edge tokens of device nodes with kv_lock > 0
+        self._num_locked_slots = 0  # device states of nodes with state_lock > 0
 
     @property
     def num_cached_tokens(self) -> int:
@@ -157,6 +119,7 @@ class RadixCache:
         Never changes the tree's shape: a state lives at a node's end, so the returned prefix
         ends at a node boundary and no split is needed. Mutates only the LRU orders (the whole
         matched path in the KV LRU, the returned node alone in the state LRU) and ``stats``.
+        A prefix partly on the host only is returned with what ``load`` must bring back.
         """
         key = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         self.stats.num_queries += 1
@@ -169,14 +132,30 @@ class RadixCache:
             depth_len += len(node.key)
             if node.has_state:
                 best_depth, best_len = depth, depth_len
-        for node in path + ([partial[0]] if partial else []):
-            self._kv_lru.move_to_end(node.node_id)
+        self._touch(path + ([partial[0]] if partial else []))
         best = path[best_depth - 1] if best_depth else self.root
-        if best_depth:
+        if best.state_slot is not None and best_depth:
             self._state_lru.move_to_end(best.node_id)
-        kv_indices = np.concatenate([self.root.value] + [n.value for n in path[:best_depth]])
+        device = [node.value for node in path[:best_depth] if node.on_device]
+        kv_indices = np.concatenate([self.root.value] + device)
         self.stats.num_matched_tokens += best_len
-        return MatchResult(kv_indices, best, best.state_slot or 0, best_len, kv_match_len)
+        return MatchResult(
+            kv_indices,
+            best,
+            best.state_slot or 0,
+            best_len,
+            kv_match_len,
+            load_tokens=best_len - len(kv_indices),
+            load_state=best_depth > 0 and best.state_slot is None,
+        )
+
+    def _touch(self, nodes: list[TreeNode]) -> None:
+        """Mutates: ``nodes`` become the most recent in the KV LRU (and the host LRU)."""
+        for node in nodes:
+            if node.on_device:
+                self._kv_lru.move_to_end(node.node_id)
+            if node.on_host:
+                self.host.touch(node)
 
     def _walk(self, key: np.ndarray) -> tuple[list[TreeNode], int, tuple[TreeNode, int] | None]:
         """Read-only walk: the fully matched nodes, the tokens matched, and (node, tokens) for
@@ -201,8 +180,9 @@ class RadixCache:
         """Add ``token_ids`` with their KV rows and the state after the whole key.
 
         Takes ownership of every KV index: rows for tokens already in the tree that differ
-        from the tree's are freed. ``state_slot`` is attached only if the key ends at a new
-        node or a tombstone (``state_taken``); existing states keep their LRU place.
+        from the tree's are freed (a node only on the host takes them as its device copy).
+        ``state_slot`` is attached only if the key ends at a new node or one without a device
+        state (``state_taken``); existing states keep their LRU place.
         ``state_slot=None`` is allowed only when the key adds no tokens (a new leaf must hold a
         state). A key ending inside an edge splits it; the new parent is a tombstone until
         revived by this very insert. ValueError, with nothing changed, on bad input.
@@ -218,16 +198,18 @@ class RadixCache:
             )
         if partial is not None:
             path.append(self._split(*partial))
-        self._free_duplicates(path, value[:matched])
-        for node in path:
-            self._kv_lru.move_to_end(node.node_id)
+        self._adopt_or_free(path, value[:matched])
+        self._touch(path)
         end = path[-1] if path else self.root
         if matched < len(key):
             leaf = self._add_leaf(end, key[matched:], value[matched:], state_slot)
+            self._note_hit(leaf)
             return InsertResult(leaf, True, len(key) - matched)
-        if end.is_root or end.has_state or state_slot is None:
+        if end.is_root or end.state_slot is not None or state_slot is None:
             return InsertResult(end, False, 0)
-        self._set_state(end, state_slot)  # revive a tombstone
+        self._set_state(end, state_slot)  # revive a tombstone, or a state only on the host
+        self._num_locked_slots += end.state_lock > 0
+        self._write_if_due(end)
         return InsertResult(end, True, 0)
 
     def _validate_insert(
@@ -249,13 +231,21 @@ class RadixCache:
             raise ValueError(f"state_slot {state_slot!r} is out of range 1..{num_slots}")
         return key, value.astype(np.int32)
 
-    def _free_duplicates(self, path: list[TreeNode], given: np.ndarray) -> None:
-        """Free the given pages that duplicate (differ from) the tree's pages on ``path``.
-        Rows are whole aligned pages, so a page either equals the tree's or shares no row."""
-        ours = np.concatenate([self.root.value] + [n.value for n in path])
-        differs = (ours != given).reshape(-1, self.page_size).any(axis=1)
-        if differs.any():
-            self.kv_allocator.free_token_indices(given.reshape(-1, self.page_size)[differs])
+    def _adopt_or_free(self, path: list[TreeNode], given: np.ndarray) -> None:
+        """Free the given pages that duplicate (differ from) the tree's pages on ``path``; a
+        node of ``path`` only on the host takes its given rows as its device copy. Rows are
+        whole aligned pages, so a page either equals the tree's or shares no row."""
+        start, duplicates = 0, []
+        for node in path:
+            rows = given[start : start + len(node.key)]
+            start += len(node.key)
+            if not node.on_device:
+                self._set_device_kv(node, rows)
+                continue
+            differs = (node.value != rows).reshape(-1, self.page_size).any(axis=1)
+            duplicates.append(rows.reshape(-1, self.page_size)[differs])
+        if duplicates and sum(len(d) for d in duplicates):
+            self.kv_allocator.free_token_indices(np.concatenate(duplicates))
 
     def _add_leaf(
         self, parent: TreeNode, key: np.ndarray, value: np.ndarray, slot: int
@@ -269,14 +259,23 @@ class RadixCache:
 
     def _split(self, child: TreeNode, length: int) -> TreeNode:
         """Cut ``child``'s edge after ``length`` tokens; return the new tombstone parent, which
-        inherits the child's kv_lock (every lock below covers it) and has no state_lock."""
+        inherits the child's kv_lock (every lock below covers it), tiers and hits and has no
+        state_lock."""
         parent = child.parent
-        upper = TreeNode(self._new_id(), child.key[:length], child.value[:length], parent)
-        upper.kv_lock = child.kv_lock
+        upper = TreeNode(self._new_id(), child.key[:length], None, parent)
+        upper.kv_lock, upper.hit_count = child.kv_lock, child.hit_count
+        if child.on_device:
+            upper.value, child.value = child.value[:length], child.value[length:]
+            self._kv_lru[upper.node_id] = upper
+        if child.on_host:
+            upper.host_value, child.host_value = (
+                child.host_value[:length],
+                child.host_value[length:],
+            )
+            self.host.touch(upper)
         parent.children[self._page_at(child.key, 0)] = upper
-        child.key, child.value, child.parent = child.key[length:], child.value[length:], upper
+        child.key, child.parent = child.key[length:], upper
         upper.children[self._page_at(child.key, 0)] = child
-        self._kv_lru[upper.node_id] = upper
         return upper
 
     # ---- locks ---------------------------------------------------------------------------
@@ -288,9 +287,9 @@ class RadixCache:
             return 0, 0
         tokens, walk = 0, node
         while not walk.is_root:
-            tokens += len(walk.key) if walk.kv_lock == 0 else 0
+            tokens += len(walk.key) if walk.kv_lock == 0 and walk.on_device else 0
             walk = walk.parent
-        return int(node.state_lock == 0), tokens
+        return int(node.state_lock == 0 and node.state_slot is not None), tokens
 
     def inc_lock(self, node: TreeNode) -> None:
         """Protect ``node``'s state and its path's KV from eviction (no-op on the root).
@@ -299,7 +298,7 @@ class RadixCache:
             return
         if not node.has_state:
             raise ValueError(f"node {node.node_id} is a tombstone; only state nodes are locked")
-        self._num_locked_slots += node.state_lock == 0
+        self._num_locked_slots += node.state_lock == 0 and node.state_slot is not None
         node.state_lock += 1
         self._add_kv_lock(node, +1)
 
@@ -310,12 +309,12 @@ class RadixCache:
         if node.state_lock < 1:
             raise ValueError(f"node {node.node_id} is not locked (state_lock {node.state_lock})")
         node.state_lock -= 1
-        self._num_locked_slots -= node.state_lock == 0
+        self._num_locked_slots -= node.state_lock == 0 and node.state_slot is not None
         self._add_kv_lock(node, -1)
 
     def _add_kv_lock(self, node: TreeNode, delta: int) -> None:
         while not node.is_root:
-            if (node.kv_lock == 0) != (node.kv_lock + delta == 0):
+            if node.on_device and (node.kv_lock == 0) != (node.kv_lock + delta == 0):
                 self._num_locked_tokens += len(node.key) * delta
             node.kv_lock += delta
             node = node.parent
@@ -323,28 +322,43 @@ class RadixCache:
     # ---- eviction ------------------------------------------------------------------------
 
     def evict_kv(self, num_tokens: int) -> int:
-        """Delete unlocked leaves in KV-LRU order, and tombstone parents left as leaves,
-        until ``num_tokens`` KV tokens are freed or nothing is evictable; returns tokens freed
-        (whole leaves, so possibly more than asked)."""
+        """Free the device KV of unlocked device leaves (nodes with no child on the device)
+        in KV-LRU order, and of tombstone parents left as leaves, until ``num_tokens`` KV
+        tokens are freed or nothing is evictable; returns tokens freed (whole nodes, so
+        possibly more than asked). A node the host tier keeps (``_keeps``) stays in the tree
+        on the host; any other is deleted, with its descendants (on the host only)."""
         if num_tokens < 0:
             raise ValueError(f"cannot evict {num_tokens!r} tokens")
         rank = {node_id: i for i, node_id in enumerate(self._kv_lru)}
-        heap = [(rank[n.node_id], n) for n in self._kv_lru.values() if n.is_leaf and n.kv_lock == 0]
+        heap = [(rank[n.node_id], n) for n in self._kv_lru.values() if self._kv_evictable(n)]
         heapq.heapify(heap)  # ranks are unique, so nodes themselves are never compared
         freed = 0
         while freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)[1]
-            parent = leaf.parent
-            freed += self._delete_leaf(leaf)
+            node = heapq.heappop(heap)[1]
+            if not self._kv_evictable(node):  # a host eviction took it meanwhile
+                continue
+            parent = node.parent
+            if self._keeps(node):
+                freed += self._drop_device(node)
+                freed += self._prune_tombstones(node)[0]
+            else:
+                freed += self._delete_subtree(node)
             pruned, survivor = self._prune_tombstones(parent)
             freed += pruned
-            if not survivor.is_root and survivor.is_leaf and survivor.kv_lock == 0:
+            if survivor.node_id in rank and self._kv_evictable(survivor):
                 heapq.heappush(heap, (rank[survivor.node_id], survivor))
         return freed
 
+    def _kv_evictable(self, node: TreeNode) -> bool:
+        """An unlocked node on the device with no child there (``evict_kv``'s candidates)."""
+        if node.kv_lock or not node.on_device or node.is_root:
+            return False
+        return not any(child.on_device for child in node.children.values())
+
     def evict_state(self, num_slots: int, below: Worth | None = None) -> int:
-        """Free up to ``num_slots`` unlocked states: an internal node becomes a tombstone (KV
-        kept); a leaf is deleted with its KV, then any tombstone parents left as leaves.
+        """Free up to ``num_slots`` unlocked device states: a state the host tier keeps
+        stays there; otherwise an internal node becomes a tombstone (KV kept) and a leaf is
+        deleted with its KV, then any tombstone parents left as leaves.
         Returns slots freed. Which states go is the eviction policy's choice: ``"sglang"``
         takes them in state-LRU order (``below`` is ignored); ``"value"`` takes the state
         worth least, one at a time (each eviction changes what the others are worth), and
@@ -354,11 +368,11 @@ class RadixCache:
         if self.eviction == "value":
             return self._evict_by_value(num_slots, below)
         freed = 0
-        # Deletions below only remove tombstones besides `node`, so the snapshot stays valid.
         for node in list(self._state_lru.values()):
             if freed >= num_slots:
                 break
-            if node.state_lock > 0:
+            # a host eviction for an earlier one may have deleted it
+            if node.state_lock > 0 or node.node_id not in self._state_lru:
                 continue
             self._evict_one_state(node)
             freed += 1
@@ -384,34 +398,51 @@ class RadixCache:
         return Worth.of(saved_tokens, recency=1.0, superseded=True)
 
     def _evict_one_state(self, node: TreeNode) -> None:
-        assert node.state_lock == 0 and node.has_state, node.node_id
-        if node.is_leaf:
-            parent = node.parent
-            self._delete_leaf(node)
-            self._prune_tombstones(parent)
-        else:
+        assert node.state_lock == 0 and node.state_slot is not None, node.node_id
+        if self._keeps(node) or not node.is_leaf:
             self.slot_allocator.free([node.state_slot])
             self._drop_state(node)
+            self._prune_tombstones(node)
+            return
+        parent = node.parent
+        self._delete_node(node)
+        self._prune_tombstones(parent)
 
-    def _delete_leaf(self, leaf: TreeNode) -> int:
-        """Free an unlocked leaf's KV and state and unlink it; returns its token count."""
-        assert leaf.is_leaf and not leaf.is_root and leaf.kv_lock == 0, leaf.node_id
-        self.kv_allocator.free_token_indices(leaf.value)
-        if leaf.has_state:
-            self.slot_allocator.free([leaf.state_slot])
-            self._drop_state(leaf)
-        del leaf.parent.children[self._page_at(leaf.key, 0)]
-        del self._kv_lru[leaf.node_id]
-        self._num_cached_tokens -= len(leaf.key)
-        return len(leaf.key)
-
-    def _prune_tombstones(self, node: TreeNode) -> tuple[int, TreeNode]:
-        """Delete ``node`` and its ancestors while they are tombstone leaves; returns (tokens
-        freed, first surviving node)."""
+    def _delete_subtree(self, node: TreeNode) -> int:
+        """Delete unlocked ``node`` and every node below it; returns device tokens freed."""
         freed = 0
-        while not node.is_root and node.is_leaf and not node.has_state:
+        for child in list(node.children.values()):
+            freed += self._delete_subtree(child)
+        return freed + self._delete_node(node)
+
+    def _delete_node(self, node: TreeNode) -> int:
+        """Free an unlocked leaf's device and host copies and unlink it; returns its device
+        tokens."""
+        assert node.is_leaf and not node.is_root and node.kv_lock == 0, node.node_id
+        freed = 0
+        if node.on_device:
+            self.kv_allocator.free_token_indices(node.value)
+            del self._kv_lru[node.node_id]
+            self._num_cached_tokens -= len(node.key)
+            freed = len(node.key)
+            node.value = None  # a deleted node is on no tier (a stale reference sees it)
+        if node.state_slot is not None:
+            self.slot_allocator.free([node.state_slot])
+            self._drop_state(node)
+        if node.on_host or node.host_slot is not None:
+            self.host.release(node)
+        del node.parent.children[self._page_at(node.key, 0)]
+        return freed
+
+    def _prune_tombstones(
+        self, node: TreeNode, keep: TreeNode | None = None
+    ) -> tuple[int, TreeNode]:
+        """Delete ``node`` and its ancestors while they are tombstone leaves (but ``keep``);
+        returns (device tokens freed, first surviving node)."""
+        freed = 0
+        while not node.is_root and node.is_leaf and not node.has_state and node is not keep:
             parent = node.parent
-            freed += self._delete_leaf(node)
+            freed += self._delete_node(node)
             node = parent
         return freed, node
 
@@ -425,12 +456,17 @@ class RadixCache:
         del self._state_lru[node.node_id]
 
     def flush(self) -> None:
-        """Free every cached page and slot and empty the tree; ValueError if a lock is held."""
+        """Free every cached page and slot (on both tiers) and empty the tree; ValueError if
+        a lock is held. Host ids with a copy in flight are freed when it completes."""
         locked = [c.node_id for c in self.root.children.values() if c.kv_lock > 0]
         if locked:
             raise ValueError(f"cannot flush: nodes {locked} are locked")
         self.kv_allocator.free_pages(self.cached_pages())
         self.slot_allocator.free(self.cached_slot_ids())
+        if self.host is not None:
+            for node in list(self.iter_nodes()):
+                if node.on_host or node.host_slot is not None:
+                    self.host.release(node)
         self._reset()
 
     # ---- inspection ----------------------------------------------------------------------
@@ -444,45 +480,24 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def cached_slot_ids(self) -> list[int]:
-        return [node.state_slot for node in self.iter_nodes() if node.has_state]
+        """The device slots the tree holds."""
+        return [node.state_slot for node in self.iter_nodes() if node.state_slot is not None]
 
     def cached_pages(self) -> np.ndarray:
-        rows = np.concatenate([self.root.value] + [n.value for n in self.iter_nodes()])
-        return self.kv_allocator.token_indices_to_pages(rows)
+        """The device pages the tree holds."""
+        rows = [self.root.value] + [n.value for n in self.iter_nodes() if n.on_device]
+        return self.kv_allocator.token_indices_to_pages(np.concatenate(rows))
+
+    def cached_host_slot_ids(self) -> list[int]:
+        return [node.host_slot for node in self.iter_nodes() if node.host_slot is not None]
+
+    def cached_host_pages(self) -> np.ndarray:
+        rows = [self.root.value] + [n.host_value for n in self.iter_nodes() if n.on_host]
+        return self.host.kv.token_indices_to_pages(np.concatenate(rows))
 
     def check_integrity(self) -> None:
-        """AssertionError with detail if a rule is broken: node shapes, no tombstone leaves,
-        ``kv_lock == state_lock + sum(children's kv_lock)``, LRUs hold exactly the right
-        nodes, counters match a full walk, cached pages / slots are allocated and unique."""
-        nodes = list(self.iter_nodes())
-        root = self.root
-        assert root.kv_lock == root.state_lock == 0 and not root.has_state, "root holds locks"
-        for node in [root] + nodes:
-            _check_node(self, node)
-        assert self._kv_lru == {n.node_id: n for n in nodes}, "KV LRU != the non-root nodes"
-        assert self._state_lru == {n.node_id: n for n in nodes if n.has_state}, (
-            "state LRU != the nodes holding a state"
-        )
-        counted = (
-            sum(len(n.key) for n in nodes),
-            sum(len(n.key) for n in nodes if n.kv_lock),
-            sum(1 for n in nodes if n.has_state and n.state_lock),
-        )
-        kept = (self._num_cached_tokens, self._num_locked_tokens, self._num_locked_slots)
-        assert kept == counted, f"(cached, locked) tokens / locked slots: {kept} != {counted}"
-        try:
-            pages = self.cached_pages()
-        except ValueError as error:
-            raise AssertionError(f"cached KV rows are not whole pages: {error}") from error
-        slots = np.asarray(self.cached_slot_ids(), dtype=np.int64)
-        for what, ids, allocator in (
-            ("slot", slots, self.slot_allocator),
-            ("page", pages, self.kv_allocator),
-        ):
-            unique, counts = np.unique(ids, return_counts=True)
-            assert (counts == 1).all(), f"{what}s {unique[counts > 1].tolist()} cached twice"
-            loose = ids[~allocator.is_allocated(ids)]
-            assert loose.size == 0, f"cached {what}s {loose.tolist()} are free in the allocator"
+        """AssertionError with detail if a rule is broken (``tree_check.check_tree``)."""
+        check_tree(self)
 
     # ---- keys and ids --------------------------------------------------------------------
 
@@ -499,25 +514,3 @@ class RadixCache:
         mismatch = np.flatnonzero(edge[:n] != key[:n])
         common = int(mismatch[0]) if mismatch.size else n
         return common // self.page_size * self.page_size
-
-
-def _check_node(tree: RadixCache, node: TreeNode) -> None:
-    """Shape and lock rules of one node and its child links."""
-    name = f"node {node.node_id}"
-    child_locks = 0
-    for first_page, child in node.children.items():
-        assert child.parent is node, f"node {child.node_id} does not point back to {name}"
-        assert first_page == tree._page_at(child.key, 0), (
-            f"node {child.node_id} filed under {first_page}"
-        )
-        child_locks += child.kv_lock
-    if node.is_root:
-        return
-    assert len(node.key) > 0 and len(node.key) % tree.page_size == 0, f"{name}: key {node.key}"
-    assert len(node.value) == len(node.key), f"{name}: {len(node.value)} rows, {len(node.key)} keys"
-    assert node.has_state or not node.is_leaf, f"{name} is a tombstone leaf"
-    assert node.has_state or node.state_lock == 0, f"{name}: state_lock on a tombstone"
-    assert node.kv_lock >= node.state_lock >= 0, f"{name}: locks {node.kv_lock}, {node.state_lock}"
-    assert node.kv_lock == node.state_lock + child_locks, (
-        f"{name}: kv_lock {node.kv_lock} != state_lock {node.state_lock} + children {child_locks}"
-    )

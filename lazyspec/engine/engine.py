@@ -19,34 +19,21 @@ import numpy as np
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
 from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
+from lazyspec.engine.host_cache import HostCache, build_host_tier
 from lazyspec.engine.programs import FUSED, SPLIT
+from lazyspec.engine.results import EngineStats, request_result
 from lazyspec.engine.runner import PackedOutputs, Runner
 from lazyspec.engine.steps import StepStatic
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.grammar import GrammarBackend, grammar_of, make_backend
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
-from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams, input_token_logprobs
+from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
 from lazyspec.scheduler.scheduler import Scheduler, mean_accept_length
 from lazyspec.scheduler.token_ratio import NewTokenRatio
 from lazyspec.token_map import draft_token_ids, read_token_map
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """Request and pool counts at one moment, named as ``get_server_info`` reports them."""
-
-    num_running_requests: int
-    num_waiting_requests: int
-    free_state_slots: int
-    cached_state_slots: int
-    free_kv_tokens: int
-    cached_kv_tokens: int
-    state_slots: int  # total, the sink slot excluded
-    kv_tokens: int  # total KV token rows, the sink page excluded
-    num_retractions: int  # requests retracted so far to free KV for a decode step
 
 
 class Engine:
@@ -162,7 +149,9 @@ class Engine:
             self.slot_allocator,
             disable=c.disable_radix_cache,
             eviction=c.mamba_cache_policy,
+            host=build_host_tier(c, layout, self.runner),
         )
+        self.host_cache = HostCache(self.runner, self.tree.host) if self.tree.host else None
         self.policy = SlotPolicy(
             layout.strategy,
             layout.track_interval,
@@ -187,6 +176,7 @@ class Engine:
             self.runner.slot_bytes(), self.runner.kv_bytes_per_token()
         )
         self._memory_plan.update(self.runner.bytes_per_device())
+        self._memory_plan.update(self.host_cache.memory_plan() if self.host_cache else {})
         logger.info("memory plan: %s", self._memory_plan)
 
     def _draft_token_ids(self, cfg: Any) -> np.ndarray | None:
@@ -332,6 +322,7 @@ class Engine:
         sched, runner = self.scheduler, self.runner
         sync = self.config.disable_overlap_schedule
         plan = sched.schedule(self._inflight_records())
+        self._issue_copies()  # the host tier's, before any program that follows them
         if plan and plan.kind == "decode" and plan.grammar_reqs and not sync:
             self._step_split(plan)
             return
@@ -343,11 +334,13 @@ class Engine:
         if sync:
             if plan:
                 sched.process(plan, runner.fetch(self._wanted(plan, outputs)), inflight=())
+            self._complete_copies()
             return
         previous = self._inflight
         self._inflight = (plan, self._copy_back(self._wanted(plan, outputs))) if plan else None
         if previous:
             sched.process(previous[0], runner.fetch(previous[1]), self._inflight_records())
+        self._complete_copies()
 
     def _step_split(self, plan) -> None:
         """The overlapped loop for a decode step with grammar rows, whose masks follow the
@@ -359,6 +352,7 @@ class Engine:
         previous, self._inflight = self._inflight, (plan, None)
         if previous:
             sched.process(previous[0], runner.fetch(previous[1]), plan.records)
+        self._complete_copies()
         runner.update_vocab_masks(*sched.grammar_masks(plan))
         outputs = runner.launch_finish(pending)
         self._inflight = (plan, self._copy_back(self._wanted(plan, outputs)))
@@ -383,6 +377,17 @@ class Engine:
         for value in [outputs] if isinstance(outputs, PackedOutputs) else outputs.values():
             value.copy_to_host_async()
         return outputs
+
+    def _issue_copies(self) -> None:
+        """Run the host tier's queued copies (``HostCache.issue``)."""
+        if self.host_cache is not None:
+            self.host_cache.issue()
+
+    def _complete_copies(self) -> None:
+        """Land the issued copies once the step launched after them was read back: their
+        programs ran before it (``HostCache.complete``)."""
+        if self.host_cache is not None:
+            self.host_cache.complete()
 
     def _inflight_records(self) -> list[RowRecord]:
         """The records of the launched step whose results are not processed yet."""
@@ -433,36 +438,18 @@ class Engine:
         return results if batched else results[0]
 
     def result(self, req: Req, top_logprobs_num: int = 0) -> dict:
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finish_reason,
-            "spec_verify_ct": req.spec_verify_ct,
-        }
-        if req.logprob_start_len is not None:
-            meta["input_token_logprobs"] = input_token_logprobs(req)
-            if top_logprobs_num:
-                meta["input_top_logprobs"] = [None] * (req.logprob_start_len == 0) + [
-                    top[:top_logprobs_num] for top in req.input_top_logprobs
-                ]
-        if req.return_logprob:
-            meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
-            if top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    top[:top_logprobs_num] for top in req.output_top_logprobs
-                ]
-        text = ""
-        if self.model.tokenizer is not None:
-            text = self.model.tokenizer.decode(req.output_ids)
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        """``req``'s outputs and meta info as ``generate`` returns them; reads only."""
+        return request_result(req, self.model.tokenizer, top_logprobs_num)
 
     # ------------------------------------------------------------------ admin
 
     def flush_cache(self) -> bool:
+        """Empty the radix cache (both tiers, the host's copies in flight landed first);
+        False, with nothing changed, while a request or step is in flight."""
         if self.busy:
             return False
+        self._issue_copies()
+        self._complete_copies()
         self.tree.flush()
         return True
 
@@ -517,6 +504,7 @@ class Engine:
                 "new_token_ratio": sched.token_ratio.value,
             }
         )
+        info.update(self.host_cache_info())
         if steps and self.config.spec_enabled:
             # fraction of verify steps that accepted the draft at position i (1-based)
             info["per_position_acceptance"] = [
@@ -575,6 +563,11 @@ class Engine:
             kv_tokens=self.layout.kv_tokens,
             num_retractions=self.scheduler.num_retractions,
         )
+
+    def host_cache_info(self) -> dict[str, Any]:
+        """The host tier's counts (``hicache_*``: host hits, tokens and states loaded and
+        stored, bytes and host seconds); empty when it is off. Reads only."""
+        return self.host_cache.info() if self.host_cache is not None else {}
 
     def num_compiled(self) -> int:
         """Device programs compiled so far (every bucket after warm-up); reads only."""

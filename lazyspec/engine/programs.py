@@ -43,6 +43,12 @@ from lazyspec.engine.steps import (
     extend_step,
     seed_counts,
 )
+from lazyspec.engine.tier_programs import (
+    block_shardings,
+    gather_tier,
+    host_memory_kind,
+    scatter_tier,
+)
 from lazyspec.scheduler.batch import (
     CountSeed,
     DecodeBatch,
@@ -51,12 +57,13 @@ from lazyspec.scheduler.batch import (
     build_extend,
     empty_count_seed,
 )
-from lazyspec.scheduler.layout import Layout
+from lazyspec.scheduler.layout import TRANSFER_SLOTS, Layout
 
 # the step kinds: a prefill chunk; a fused decode step; a decode step split in two programs
 # around its grammar masks (``steps.decode_forward``, ``steps.decode_finish``); a request-
-# table chunk, a token-count seed and a grammar-mask update
-EXTEND, DECODE, FORWARD, FINISH, TABLE, SEED, MASK = (
+# table chunk, a token-count seed and a grammar-mask update; the host tier's gather of a
+# store and scatter of a load (``tier_programs``)
+EXTEND, DECODE, FORWARD, FINISH, TABLE, SEED, MASK, STORE, LOAD = (
     "extend",
     "decode",
     "forward",
@@ -64,6 +71,8 @@ EXTEND, DECODE, FORWARD, FINISH, TABLE, SEED, MASK = (
     "table",
     "seed",
     "mask",
+    "store",
+    "load",
 )
 # how an engine serves grammar rows: not at all (no tokenizer), with the decode step split
 # around their masks (the overlapped loop), or in the fused step (without overlap)
@@ -90,7 +99,8 @@ def program_keys(
     """Every program an engine of ``layout`` serves with, each once: every extend bucket;
     every decode shape (``Layout.decode_shapes``) in the general and the greedy form, once
     per copy of the decode program; the programs of batches with grammar rows (``grammar``:
-    None, ``SPLIT`` or ``FUSED``); the table-chunk, count-seed and mask-update programs."""
+    None, ``SPLIT`` or ``FUSED``); the table-chunk, count-seed and mask-update programs;
+    with a host tier, its store and load programs."""
     rows_buckets, lengths = layout.extend_buckets
     keys = [ProgramKey(EXTEND, rows, length) for rows in rows_buckets for length in lengths]
     keys += [
@@ -105,6 +115,8 @@ def program_keys(
         ProgramKey(SEED, 1),
         ProgramKey(MASK, MASK_ROWS_PER_UPDATE, layout.num_verify),
     ]
+    if layout.host_tier:
+        keys += [ProgramKey(kind, TRANSFER_SLOTS, layout.transfer_rows) for kind in (STORE, LOAD)]
     return tuple(dict.fromkeys(keys))
 
 
@@ -195,6 +207,8 @@ class Programs:
     table: Any  # (req_to_token, updates) -> req_to_token
     mask: Any  # (vocab_mask, rows, masks) -> vocab_mask
     seed: Any  # (output_counts, in_prompt, packed) -> (output_counts, in_prompt)
+    store: Any  # (pools, slots, rows) -> TierBlock (in host memory where there is one)
+    load: Any  # (pools, slots, rows, block) -> pools
 
     def all(self) -> tuple[Any, ...]:
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
@@ -247,6 +261,11 @@ def programs_for(sharding: ShardingPlan, pool_shardings: Pools) -> Programs:
                 donate_argnums=(0, 1),
                 out_shardings=(pool_shardings.output_counts, pool_shardings.in_prompt),
             ),
+            store=jax.jit(
+                gather_tier,
+                out_shardings=block_shardings(pool_shardings, host_memory_kind(sharding)),
+            ),
+            load=jax.jit(scatter_tier, donate_argnums=(0,), out_shardings=pool_shardings),
         )
     return _PROGRAMS[key]
 

@@ -32,9 +32,11 @@ from lazyspec.engine.programs import (
     EXTEND,
     FINISH,
     FORWARD,
+    LOAD,
     MASK,
     MASK_ROWS_PER_UPDATE,
     SEED,
+    STORE,
     TABLE,
     Program,
     ProgramKey,
@@ -45,6 +47,7 @@ from lazyspec.engine.programs import (
 )
 from lazyspec.engine.sharding import ShardingPlan, device_bytes
 from lazyspec.engine.steps import DecodeCarry, ExtendBatch, Pools, StepStatic
+from lazyspec.engine.tier_programs import TierBlock, block_shardings, block_spec, padded_ids
 from lazyspec.models.interface import KVPools
 from lazyspec.scheduler.batch import CountSeed, DecodeBatch, table_updates
 from lazyspec.scheduler.grammar import mask_width
@@ -53,8 +56,9 @@ from lazyspec.scheduler.layout import Layout
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# the programs of one shape each: a request-table chunk, a count seed, a mask update
-FIXED = (TABLE, SEED, MASK)
+# the programs of one shape each: a request-table chunk, a count seed, a mask update, the
+# host tier's store and load
+FIXED = (TABLE, SEED, MASK, STORE, LOAD)
 
 
 class InTurn:
@@ -439,6 +443,20 @@ class Runner:
         )
         self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
 
+    def store_block(self, slots: np.ndarray, rows: np.ndarray) -> TierBlock:
+        """Dispatch the gather of state ``slots`` and KV ``rows`` (padded to the store
+        program's key with slot 0 / row 0, which read zeros); returns the block without
+        waiting (in host memory where the device has one: ``tier_programs``)."""
+        self._await_program(STORE)
+        return self.programs.store(self.pools, self._input(slots), self._input(rows))
+
+    def load_block(self, slots: np.ndarray, rows: np.ndarray, block: TierBlock) -> None:
+        """Dispatch the scatter of ``block`` (host arrays) into state ``slots`` and KV
+        ``rows`` (padded with the drop sentinels, which write nothing)."""
+        self._await_program(LOAD)
+        placed = jax.device_put(block, block_shardings(self.pool_shardings))
+        self.pools = self.programs.load(self.pools, self._input(slots), self._input(rows), placed)
+
     def read_table(self) -> np.ndarray:
         """A writable host copy of the device request table (waits for the launched steps)."""
         return np.array(self.pools.req_to_token)
@@ -475,6 +493,12 @@ class Runner:
         elif kind in (FORWARD, FINISH):
             pending = self.launch_forward(program_input(self.layout, key))
             self.fetch(self.launch_finish(pending))
+        elif kind in (STORE, LOAD):
+            slots, rows = self._tier_padding(key)
+            block = jax.tree.map(np.asarray, self.store_block(slots * 0, rows * 0))
+            if kind == LOAD:
+                self.load_block(slots, rows, block)
+            jax.block_until_ready(self.pools.conv)
         else:
             assert kind in (EXTEND, DECODE), key
             self._decode.turn = key.copy
@@ -506,6 +530,18 @@ class Runner:
             rows = jax.ShapeDtypeStruct((key.rows,), jnp.int32, sharding=self.sharding.replicated)
             masks = jax.ShapeDtypeStruct((key.rows, *width), jnp.int32, sharding=rows.sharding)
             return pools.vocab_mask, rows, masks
+        if key.kind in (STORE, LOAD):
+            slots, rows = (self._input_spec(ids) for ids in self._tier_padding(key))
+            if key.kind == STORE:
+                return pools, slots, rows
+            shardings = block_shardings(self.pool_shardings)
+            spec = block_spec(self.abstract, key.rows, key.tokens)
+            block = jax.tree.map(
+                lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+                spec,
+                shardings,
+            )
+            return pools, slots, rows, block
         packed = pack_batch(program_input(self.layout, key))
         packed = dataclasses.replace(packed, words=self._input_spec(packed.words))
         if key.kind == SEED:
@@ -515,6 +551,13 @@ class Runner:
             carry, _ = self.programs.decode_forward.lower(*args).compile().out_info
             args += (carry,)
         return args
+
+    def _tier_padding(self, key: ProgramKey) -> tuple[np.ndarray, np.ndarray]:
+        """A copy program's all-padding ids: the drop sentinels (a scatter writes nothing)."""
+        return (
+            padded_ids([], key.rows, self.layout.sentinel_slot),
+            padded_ids([], key.tokens, self.layout.sentinel_kv_row),
+        )
 
     def _input_spec(self, array: np.ndarray) -> np.ndarray | jax.ShapeDtypeStruct:
         """A step's host array as its call takes it (``_input``), abstract where placed."""

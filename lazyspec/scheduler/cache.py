@@ -98,15 +98,23 @@ class RequestCache:
 
     # ------------------------------------------------------------------ admission
 
-    def reserve(self, match: MatchResult, num_slots: int, num_pages: int) -> None:
-        """Lock the matched node and evict until the slots and pages are free (``fits`` said
-        they can be)."""
+    def load_cost(self, match: MatchResult) -> tuple[int, int]:
+        """(slots, pages) that loading ``match``'s host-only part takes on the device
+        (``RadixCache.load``); a query."""
+        return int(match.load_state), match.load_tokens // self.page_size
+
+    def reserve(self, match: MatchResult, num_slots: int, num_pages: int) -> MatchResult:
+        """Lock the matched node, evict until the slots and pages are free (``fits`` said
+        they can be), then bring the match's host-only part to the device (its load takes
+        ``load_cost(match)`` of them, counted in ``num_slots`` / ``num_pages``). Returns the
+        match as it is now on the device."""
         self.tree.inc_lock(match.node)
         if self.slots.num_free < num_slots:
             self.tree.evict_state(num_slots - self.slots.num_free)
         if self.kv.num_free_pages < num_pages:
             self.tree.evict_kv((num_pages - self.kv.num_free_pages) * self.page_size)
         assert self.slots.num_free >= num_slots and self.kv.num_free_pages >= num_pages
+        return self.tree.load(match) if self.tree.host is not None else match
 
     def admit(self, req: Req, match: MatchResult, num_pages: int) -> None:
         """Give ``req`` a row, its pages after the matched prefix, and the prefix fields."""

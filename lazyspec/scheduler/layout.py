@@ -47,6 +47,9 @@ TABLE_UPDATES_PER_STEP = 256
 # matmuls; the padding row is routed to row 0's experts (``moe.padding_follows_token_zero``),
 # so it reads no other weight.
 MIN_DECODE_TOKENS = 2
+# state slots one host-tier copy program moves per call (its KV rows: a prefill chunk's);
+# a longer copy takes several calls
+TRANSFER_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Layout:
     # K: decode steps one program runs back to back without speculation
     # (``num_continuous_decode_steps``); each row then writes K positions a step
     decode_steps: int = 1
+    host_tier: bool = False  # the radix cache keeps a host tier (copy programs in the table)
 
     # ---- sentinels -------------------------------------------------------------------
 
@@ -170,6 +174,20 @@ class Layout:
     def kv_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def transfer_rows(self) -> int:
+        """KV rows one host-tier copy program moves per call (whole pages)."""
+        return self.chunked_prefill
+
+    def host_pools(self, ratio: float, gigabytes: float, slot_bytes: int, token_bytes: int):
+        """(host slots, host pages) of the host tier: ``ratio`` times the device pools, or
+        with ``gigabytes`` > 0 that many GB (10**9 bytes, as SGLang's ``--hicache-size``)
+        split between slots and pages as the device's bytes are (``token_bytes``: KV bytes
+        of a token, the draft head's included)."""
+        if gigabytes > 0:
+            ratio = gigabytes * 1e9 / (self.num_slots * slot_bytes + self.kv_tokens * token_bytes)
+        return max(int(self.num_slots * ratio), 1), max(int(self.num_pages * ratio), 1)
+
     def memory_plan(self, slot_bytes: int, kv_bytes_per_token: int) -> dict:
         """The start-up report (bytes come from the runner's abstract pools)."""
         pinned = self.strategy.pinned_slots
@@ -233,4 +251,5 @@ def plan_memory(engine_cfg, model_cfg) -> Layout:
         decode_buckets=powers_of_two_up_to(max_running),
         spec_max_batch=c.speculative_disable_by_batch_size,
         decode_steps=c.decode_steps,
+        host_tier=c.enable_hierarchical_cache and not c.disable_radix_cache,
     )

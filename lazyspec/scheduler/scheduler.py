@@ -85,7 +85,7 @@ class Admission:
 
     fill_ids: list[int]
     match: MatchResult
-    num_slots: int
+    num_slots: int  # the request's and its match's load (``RequestCache.load_cost``)
     num_pages: int
 
 
@@ -146,8 +146,9 @@ class Scheduler:
         if req.next_prompt_logprob is not None:  # its logits come from the position before
             key = key[: req.next_prompt_logprob - 1]
         match = self.tree.match_prefix(key)
-        num_slots = self.policy.slots_needed()
-        num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len)
+        load_slots, load_pages = self.cache.load_cost(match)  # a match ending on the host
+        num_slots = self.policy.slots_needed() + load_slots
+        num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len) + load_pages
         reserved = 0
         if self.running:
             reserved = sum(self._estimated_new_tokens(r) for r in (*self.running, req))
@@ -183,10 +184,9 @@ class Scheduler:
     def admit(self, req: Req, admission: Admission) -> None:
         """Admit ``req`` with what ``can_admit`` found: evict what must go, allocate its
         slots, row and pages, and start its prefill."""
-        match = admission.match
-        self.cache.reserve(match, admission.num_slots, admission.num_pages)
+        match = self.cache.reserve(admission.match, admission.num_slots, admission.num_pages)
         self.policy.admit(req, match.state_slot)
-        self.cache.admit(req, match, admission.num_pages)
+        self.cache.admit(req, match, admission.num_pages - self.cache.load_cost(admission.match)[1])
         req.fill_ids = admission.fill_ids
         req.fill_len = req.seq_len = match.prefix_len
         req.phase = Phase.PREFILL

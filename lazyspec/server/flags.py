@@ -60,6 +60,9 @@ IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--enable-p2p-check": (False, "devices communicate through XLA collectives"),
     "--allow-auto-truncate": (False, "over-long prompts are refused with a 400"),
     "--enable-mixed-precision": (False, "weights and activations share --dtype"),
+    "--hicache-io-backend": (True, "the host tier copies with JAX's own transfers"),
+    "--hicache-mem-layout": (True, "the host pools keep the device pools' layout"),
+    "--hicache-storage-backend": (True, "there is no storage tier below the host tier"),
 }
 
 

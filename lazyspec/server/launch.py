@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lazyspec.cache.host_tier import WRITE_POLICIES
 from lazyspec.config import (
     DTYPES,
     KERNEL_BACKENDS,
@@ -56,6 +57,7 @@ CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "grammar_backend": GRAMMAR_BACKENDS,
     "decode_program_copies": (1, 2),
+    "hicache_write_policy": WRITE_POLICIES,
 }
 HELP = {
     "model_path": "Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
@@ -76,6 +78,15 @@ HELP = {
     "first, then prefill tokens saved x recency; a running request's is declined) or sglang (LRU).",
     "mamba_ssm_dtype": "dtype of the recurrent (ssm) state pool.",
     "mamba_chunk_size": "Chunk length of the chunked prefill scan.",
+    "enable_hierarchical_cache": "Keep a host tier under the radix cache (SGLang's HiCache): "
+    "recurrent checkpoints and KV pages the device evicts are copied to host memory and "
+    "loaded back into fresh device slots and pages when a request matches them.",
+    "hicache_ratio": "Host pools (state slots and KV pages) as a multiple of the device pools.",
+    "hicache_size": "GB (10^9 bytes) of host memory for the host tier, split between "
+    "slots and pages as on the device; > 0 overrides --hicache-ratio.",
+    "hicache_write_policy": "When the host tier gets a copy: write_through (when the radix "
+    "cache receives it), write_through_selective (once hit twice) or write_back (when the "
+    "device evicts it).",
     "chunked_prefill_size": "Most prompt tokens one request prefills per step.",
     "context_length": "KV rows per request; the longest request (prompt + max new tokens, "
     "max_request_len in the memory plan) is this less a few tokens of headroom; default: "

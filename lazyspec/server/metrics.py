@@ -98,6 +98,13 @@ class ServerMetrics:
             "Mean tokens committed per decode/verify step since start",
             registry=r,
         )
+        self.host_cache = Gauge(
+            f"{PREFIX}_hicache",
+            "The radix cache's host tier: host hits, tokens and states loaded and stored, "
+            "bytes and host seconds (since start), free host slots and KV tokens",
+            ["what"],
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "Arrival to first output token",
@@ -138,6 +145,9 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting_requests)
         if accept_length is not None:
             self.accept_length.set(accept_length)
+        for name, value in engine.host_cache_info().items():
+            if isinstance(value, (int, float)):  # the write policy is in server info
+                self.host_cache.labels(name.removeprefix("hicache_")).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

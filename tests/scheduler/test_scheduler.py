@@ -422,3 +422,16 @@ def test_scheduler_tests_pass_without_jax():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "jax modules loaded: []" in result.stdout
+
+
+def test_the_host_pools_follow_the_ratio_or_the_gigabytes():
+    config = EngineConfig(
+        max_mamba_cache_size=10, max_total_tokens=1000, enable_hierarchical_cache=True
+    )
+    layout = plan_memory(config, MODEL)
+    assert layout.host_tier and not plan_memory(EngineConfig(), MODEL).host_tier
+    assert layout.host_pools(2.0, 0.0, slot_bytes=100, token_bytes=10) == (20, 2000)
+    # 1.1e-5 GB = 11,000 bytes: once the device pools (10 x 100 + 1000 x 10 bytes)
+    slots, pages = layout.host_pools(2.0, 1.1e-5, slot_bytes=100, token_bytes=10)
+    assert (slots, pages) == (10, 1000)
+    assert layout.host_pools(0.001, 0.0, 100, 10) == (1, 1)  # never an empty pool

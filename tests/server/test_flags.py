@@ -85,6 +85,21 @@ def test_an_sglang_command_line_parses_and_ignored_flags_log_once(caplog):
     assert not any("--skip-server-warmup" in line for line in lines)  # an alias, not ignored
 
 
+def test_the_host_tier_flags_reach_the_config(caplog):
+    line = ["--model-path", "/m", "--enable-hierarchical-cache", "--hicache-ratio", "3"]
+    line += ["--hicache-size", "1.5", "--hicache-write-policy", "write_back"]
+    with caplog.at_level(logging.WARNING, logger="lazyspec.server.flags"):
+        _, kwargs, _ = _parse([*line, "--hicache-io-backend", "kernel"])
+    config = EngineConfig(**kwargs)
+    assert config.enable_hierarchical_cache and config.hicache_ratio == 3.0
+    assert (config.hicache_size, config.hicache_write_policy) == (1.5, "write_back")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "--hicache-io-backend is ignored"
+    ]
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        _parse([*line[:2], "--hicache-write-policy", "write_around"])
+
+
 def test_sizes_take_vllm_suffixes():
     from lazyspec.server.flags import size
 

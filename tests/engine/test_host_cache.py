@@ -1,0 +1,122 @@
+"""The radix cache's host tier in the engine (engine/host_cache.py): multi-turn
+conversations on device pools too small to keep them between turns and a host pool too
+small to keep them all, for every checkpoint strategy and with speculation on and off, under
+each write policy once. Greedy outputs equal the cache-free recompute token for token; a
+loaded checkpoint and KV row equal the stored ones bit for bit (``TierCopyOracle``); the
+integrity checks hold after every step; the host evicts; after warm-up (once) serving
+compiles nothing, the copy programs included; after a flush every slot and page of both
+tiers is free."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lazyspec.testing.compiles import backend_compiles
+from lazyspec.testing.tier_oracle import TierCopyOracle
+from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
+
+NUM_NEW, TOOL = 5, 12  # tokens a turn generates; a tool output's tokens added after it
+# device pools that cannot keep four conversations between their turns, a host pool
+# (``hicache_ratio`` of the device's) that holds about three of the first turns' and fewer
+# of the later ones
+POOLS = dict(max_total_tokens=192, max_mamba_cache_size=6, max_running_requests=1)
+
+
+def _conversations(num: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 128, size=int(n))] for n in rng.integers(60, 90, num)]
+
+
+def _serve_turns(engine, prompts: list[list[int]], turns: int, check) -> list[tuple]:
+    """Every conversation's turns, one request at a time, the conversations in turn in order
+    and in reverse order (the last one served comes back first: some turns hit the device,
+    some the host, some neither); each turn's (prompt, outputs)."""
+    rng = np.random.default_rng(1)
+    served = []
+    for turn in range(turns):
+        for i in range(len(prompts))[:: 1 if turn % 2 == 0 else -1]:
+            prompt = prompts[i]
+            req = engine.add_request(
+                input_ids=prompt, sampling_params={"max_new_tokens": NUM_NEW, "ignore_eos": True}
+            )
+            engine.run_until_done([req], check=check)
+            served.append((prompt, req.output_ids))
+            prompts[i] = prompt + req.output_ids + [int(t) for t in rng.integers(3, 128, TOOL)]
+    return served
+
+
+CASES = [
+    # strategy, family (qwen3_next has an MTP head), speculation, write policy
+    ("no_buffer", "qwen3_next", False, "write_back"),
+    ("extra_buffer", "qwen3_next", False, "write_through"),
+    ("extra_buffer_lazy", "qwen3_next", False, "write_through_selective"),
+    ("extra_buffer", "qwen3_next", True, "write_back"),
+    ("extra_buffer_lazy", "qwen3_next", True, "write_through"),
+]
+
+
+@pytest.mark.parametrize("strategy,family,spec,policy", CASES)
+def test_multi_turn_with_the_host_tier_equals_the_cache_free_run(strategy, family, spec, policy):
+    model = tiny_model(family)
+    warmed = policy == "write_through" and not spec  # and serving then compiles nothing
+    engine = small_engine(
+        model,
+        strategy,
+        spec=spec,
+        enable_hierarchical_cache=True,
+        hicache_ratio=1.5,
+        hicache_write_policy=policy,
+        skip_warmup=not warmed,
+        **POOLS,
+    )
+    copies = TierCopyOracle(engine)
+    prompts = _conversations(4, seed=CASES.index((strategy, family, spec, policy)))
+    with backend_compiles() as compiled:
+        served = _serve_turns(engine, prompts, 3, check=type(engine).check_integrity)
+    assert not warmed or not compiled, f"{len(compiled)} programs compiled while serving"
+    for i, (prompt, out) in enumerate(served):
+        assert out == reference_greedy(model, prompt, NUM_NEW, pad_len=256)[0], f"request {i}"
+    info = engine.get_server_info()
+    assert info["hicache_num_host_hits"] > 0 and info["hicache_loaded_bytes"] > 0
+    if policy != "write_through_selective":  # selective copies only twice-hit nodes
+        assert info["hicache_num_host_evictions"] > 0
+    assert copies.num_states_checked > 0 and copies.num_rows_checked > 0
+    assert engine.flush_cache()
+    engine.check_integrity()
+    host = engine.tree.host
+    assert engine.slot_allocator.num_free == engine.layout.num_slots
+    assert engine.kv_allocator.num_free_pages == engine.layout.num_pages
+    assert host.slots.num_free == host.slots.num_slots
+    assert host.kv.num_free_pages == host.kv.num_pages
+
+
+def test_a_request_aborted_with_its_load_in_flight_leaves_the_loaded_node_cached():
+    """A load writes only fresh ids of the tree node it restores, and the program is
+    dispatched before any step that follows: a request aborted right after its admission
+    (its load and first extend launched, nothing processed) frees its own ids, and the node
+    stays cached on both tiers for the next request, whose output is exact."""
+    model = tiny_model("qwen3_next")
+    engine = small_engine(
+        model, "extra_buffer", enable_hierarchical_cache=True, hicache_ratio=1.5, **POOLS
+    )
+    copies = TierCopyOracle(engine)
+    first, *others = _conversations(3, seed=9)
+    served = _serve_turns(engine, [first, *others], 1, type(engine).check_integrity)
+    returning = first + served[0][1] + [5, 6, 7]
+    params = {"max_new_tokens": NUM_NEW, "ignore_eos": True}
+    req = engine.add_request(input_ids=returning, sampling_params=params)
+    engine.step()  # admitted: the match loaded from the host, the first extend launched
+    assert engine.get_server_info()["hicache_num_host_hits"] == 1 and req.cached_tokens
+    assert engine.abort(req.rid)
+    engine.check_integrity()
+    again = engine.add_request(input_ids=returning, sampling_params=params)
+    engine.run_until_done([again], check=type(engine).check_integrity)
+    assert again.cached_tokens == req.cached_tokens  # the loaded node, now on the device
+    assert engine.get_server_info()["hicache_num_host_hits"] == 1
+    assert again.output_ids == reference_greedy(model, returning, NUM_NEW, pad_len=256)[0]
+    assert copies.num_states_checked == 1
+    assert engine.flush_cache()
+    host = engine.tree.host
+    assert engine.slot_allocator.num_free == engine.layout.num_slots
+    assert host.slots.num_free == host.slots.num_slots
