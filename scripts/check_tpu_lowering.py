@@ -56,18 +56,16 @@ def tiny(name: str) -> Any:
     those integer fields replaced, e.g. ``nemotron_h:mamba_num_heads=16``)."""
     from types import SimpleNamespace
 
-    from lazyspec.models.registry import parse_hf_config
     from lazyspec.testing import tiny_models
     from lazyspec.testing.char_tokenizer import char_tokenizer
 
     family, _, fields = name.partition(":")
-    model = SimpleNamespace(**vars(tiny_models.tiny_model(family)))
-    model.tokenizer = char_tokenizer()  # grammar rows: the split decode programs too
     if fields:
-        hf = {"nemotron_h": tiny_models.NEMOTRON_HF, "qwen3_next": tiny_models.QWEN_HF}[family]
         over = {key: int(value) for key, value in (f.split("=") for f in fields.split(","))}
-        model.config = parse_hf_config(dict(hf, **over))
-        model.params = model.family.init_params(model.config, jax.random.PRNGKey(0))
+        model = tiny_models.build_tiny_model(dict(tiny_models.TINY_HF[family], **over))
+    else:
+        model = SimpleNamespace(**vars(tiny_models.tiny_model(family)))
+    model.tokenizer = char_tokenizer()  # grammar rows: the split decode programs too
     return model
 
 

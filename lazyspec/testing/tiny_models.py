@@ -9,15 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.models.registry import parse_hf_config
+from lazyspec.models.registry import family_module, parse_hf_config
 from lazyspec.scheduler.request import SamplingParams
 
-NEMOTRON_HF = dict(
-    model_type="nemotron_h",
+# the widths every tiny config shares
+TINY_WIDTHS = dict(
     vocab_size=128,
     hidden_size=32,
     num_attention_heads=4,
     num_key_value_heads=2,
+    eos_token_id=2,
+    max_position_embeddings=4096,
+)
+
+NEMOTRON_HF = dict(
+    TINY_WIDTHS,
+    model_type="nemotron_h",
     head_dim=8,
     intermediate_size=48,
     mamba_num_heads=4,
@@ -27,21 +34,16 @@ NEMOTRON_HF = dict(
     conv_kernel=4,
     chunk_size=64,
     layer_norm_epsilon=1e-5,
-    eos_token_id=2,
-    max_position_embeddings=4096,
     layers_block_type=["mamba", "attention", "mamba", "mlp"],
 )
 
 
 QWEN_HF = dict(
+    TINY_WIDTHS,
     model_type="qwen3_next",
-    vocab_size=128,
-    hidden_size=32,
     intermediate_size=48,
     num_hidden_layers=4,
     layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
     linear_conv_kernel_dim=4,
     linear_key_head_dim=8,
@@ -53,8 +55,6 @@ QWEN_HF = dict(
     moe_intermediate_size=24,
     shared_expert_intermediate_size=32,
     rms_norm_eps=1e-6,
-    eos_token_id=2,
-    max_position_embeddings=4096,
     num_nextn_predict_layers=1,
     partial_rotary_factor=0.25,
     rope_theta=10000.0,
@@ -65,15 +65,12 @@ QWEN_HF = dict(
 # than the embedding and greedy output would not depend on the context (nor on the cache).
 GRANITE_INIT_SCALE = 0.2
 GRANITE_HF = dict(
+    TINY_WIDTHS,
     model_type="granitemoehybrid",
-    vocab_size=128,
-    hidden_size=32,
     intermediate_size=24,
     shared_intermediate_size=40,
     num_hidden_layers=3,
     layer_types=["mamba", "attention", "mamba"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
     mamba_n_heads=4,
     mamba_d_head=16,
     mamba_d_state=16,
@@ -89,8 +86,6 @@ GRANITE_HF = dict(
     logits_scaling=4.0,
     position_embedding_type="nope",
     tie_word_embeddings=False,
-    eos_token_id=2,
-    max_position_embeddings=4096,
 )
 
 
@@ -103,32 +98,32 @@ QWEN35_HF = dict(
 )
 
 
-@functools.cache
-def tiny_model(family: str = "nemotron_h", seed: int = 0):
-    """A random-weight tiny model of ``family`` (the Qwen3-Next and Qwen3.5 ones, MoE, have
-    an MTP head)."""
-    if family == "nemotron_h":
-        from lazyspec.models import nemotron_h as module
+# family -> its tiny config
+TINY_HF = {
+    "nemotron_h": NEMOTRON_HF,
+    "qwen3_next": QWEN_HF,
+    "granitemoehybrid": GRANITE_HF,
+    "qwen3_5": QWEN35_HF,
+}
 
-        hf = NEMOTRON_HF
-    elif family == "qwen3_next":
-        from lazyspec.models import qwen3_next as module
 
-        hf = QWEN_HF
-    elif family == "granitemoehybrid":
-        from lazyspec.models import granite as module
-
-        hf = GRANITE_HF
-    elif family == "qwen3_5":
-        from lazyspec.models import qwen3_5 as module
-
-        hf = QWEN35_HF
-    else:
-        raise ValueError(family)
+def build_tiny_model(hf: dict, seed: int = 0) -> SimpleNamespace:
+    """A random-weight model of the HF config ``hf`` (Granite's at ``GRANITE_INIT_SCALE``),
+    built anew on every call: a config of its own has programs of its own to compile."""
     cfg = parse_hf_config(dict(hf))
-    kw = {"scale": GRANITE_INIT_SCALE} if family == "granitemoehybrid" else {}
+    module = family_module(cfg.family)
+    kw = {"scale": GRANITE_INIT_SCALE} if cfg.family == "granitemoehybrid" else {}
     params = module.init_params(cfg, jax.random.PRNGKey(seed), **kw)
     return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
+
+
+@functools.cache
+def tiny_model(family: str = "nemotron_h", seed: int = 0):
+    """A random-weight tiny model of ``family`` (``TINY_HF``; the Qwen3-Next and Qwen3.5
+    ones, MoE, have an MTP head), one per (family, seed)."""
+    if family not in TINY_HF:
+        raise ValueError(family)
+    return build_tiny_model(TINY_HF[family], seed)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

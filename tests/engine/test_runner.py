@@ -21,17 +21,13 @@ from lazyspec.engine.packing import (
     unpack_outputs,
 )
 from lazyspec.engine.runner import Runner
-from lazyspec.models import nemotron_h
-from lazyspec.models.registry import parse_hf_config
 from lazyspec.scheduler.batch import build_decode, build_extend
 from lazyspec.scheduler.layout import plan_memory
-from lazyspec.testing.tiny_models import NEMOTRON_HF, tiny_model
+from lazyspec.testing.tiny_models import NEMOTRON_HF, build_tiny_model, tiny_model
 
 
 def _model(**overrides) -> SimpleNamespace:
-    cfg = parse_hf_config({**NEMOTRON_HF, **overrides})
-    params = nemotron_h.init_params(cfg, jax.random.PRNGKey(0))
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
+    return build_tiny_model({**NEMOTRON_HF, **overrides})
 
 
 def _tiny_engine(model: SimpleNamespace, **kw) -> Engine:

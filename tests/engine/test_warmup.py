@@ -33,11 +33,9 @@ from lazyspec.engine.warmup import (
     first_request_keys,
     warm_order,
 )
-from lazyspec.models import nemotron_h
-from lazyspec.models.registry import parse_hf_config
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.server.lifecycle import enable_compilation_cache
-from lazyspec.testing.tiny_models import NEMOTRON_HF
+from lazyspec.testing.tiny_models import NEMOTRON_HF, build_tiny_model
 
 CACHE_SETTINGS = (
     "jax_compilation_cache_dir",
@@ -56,9 +54,7 @@ SETTINGS = dict(
 
 def _model(**overrides) -> SimpleNamespace:
     """A tiny model of a config of its own: no program of it is compiled yet."""
-    cfg = parse_hf_config({**NEMOTRON_HF, **overrides})
-    params = nemotron_h.init_params(cfg, jax.random.PRNGKey(0))
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=nemotron_h)
+    return build_tiny_model({**NEMOTRON_HF, **overrides})
 
 
 @contextlib.contextmanager

@@ -31,14 +31,13 @@ from lazyspec.engine.sharding import (
     sharding_plan,
 )
 from lazyspec.models.plan import leaf_axes
-from lazyspec.models.registry import family_module, parse_hf_config
 from lazyspec.testing.collector import quiet_collector
 from lazyspec.testing.tiny_models import (
     GRANITE_HF,
-    GRANITE_INIT_SCALE,
     NEMOTRON_HF,
     QWEN35_HF,
     QWEN_HF,
+    build_tiny_model,
 )
 
 # tp = 4 (the test's one size above 1) holds two or more query, GDN and Mamba2 heads per
@@ -72,12 +71,7 @@ SETTINGS = dict(
 
 
 def tiny(family: str) -> SimpleNamespace:
-    hf, _ = FAMILIES[family]
-    cfg = parse_hf_config(dict(hf))
-    module = family_module(cfg.family)
-    kw = {"scale": GRANITE_INIT_SCALE} if family == "granitemoehybrid" else {}
-    params = module.init_params(cfg, jax.random.PRNGKey(0), **kw)
-    return SimpleNamespace(config=cfg, params=params, tokenizer=None, family=module)
+    return build_tiny_model(FAMILIES[family][0])
 
 
 def workload(
