@@ -43,10 +43,15 @@ from typing import Any
 
 import numpy as np
 
+from lazyspec.testing.tiny_models import QWEN_HF
+
 # Qwen3-Next-80B's attention and GDN widths (16 q / 2 kv heads of 256; 16 key / 32 value GDN
-# heads of 128), three GDN layers per attention layer
+# heads of 128), three GDN layers per attention layer, on 8 layers
+_QWEN_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 _QWEN_WIDTHS = dict(
     hidden_size=2048,
+    num_hidden_layers=8,
+    layer_types=_QWEN_LAYERS * 2,
     num_attention_heads=16,
     num_key_value_heads=2,
     head_dim=256,
@@ -60,16 +65,15 @@ _QWEN_WIDTHS = dict(
     eos_token_id=0,
     max_position_embeddings=262144,
 )
-_QWEN_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+# a routed-expert MLP of intermediate 512 beside a shared expert of 512
+_MOE_512 = dict(moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 PRESETS = {
-    # the widths above on 8 layers, dense MLP
+    # the widths above, dense MLP
     "medium": dict(
         _QWEN_WIDTHS,
         model_type="qwen3_next",
         intermediate_size=5632,
-        num_hidden_layers=8,
-        layer_types=_QWEN_LAYERS * 2,
         num_experts=0,
         vocab_size=32000,
         rope_theta=10000.0,
@@ -79,14 +83,11 @@ PRESETS = {
     # shared-expert intermediate 512) on 8 layers, with its MTP head: ~2.5 B params
     "qwen3_next_moe": dict(
         _QWEN_WIDTHS,
+        **_MOE_512,
         model_type="qwen3_next",
         intermediate_size=5120,
-        num_hidden_layers=8,
-        layer_types=_QWEN_LAYERS * 2,
         num_experts=64,
         num_experts_per_tok=10,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
         norm_topk_prob=True,
         vocab_size=151936,
         rope_theta=10000000.0,
@@ -96,13 +97,10 @@ PRESETS = {
     # layers, with an MTP layer
     "qwen35_moe": dict(
         {k: v for k, v in _QWEN_WIDTHS.items() if k != "partial_rotary_factor"},
+        **_MOE_512,
         model_type="qwen3_5_moe_text",
-        num_hidden_layers=8,
-        layer_types=_QWEN_LAYERS * 2,
         num_experts=256,
         num_experts_per_tok=8,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
         vocab_size=248320,
         rope_parameters={
             "rope_type": "default",
@@ -143,32 +141,19 @@ PRESETS = {
         eos_token_id=0,
         max_position_embeddings=131072,
     ),
-    # a CPU smoke preset: Qwen3-Next's structure (MoE, MTP) at toy widths
+    # a CPU smoke preset: the tests' tiny Qwen3-Next (MoE, MTP) at twice their widths
     "tiny": dict(
-        model_type="qwen3_next",
+        QWEN_HF,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
         layer_types=_QWEN_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
         num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
         vocab_size=512,
-        partial_rotary_factor=0.25,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
         eos_token_id=0,
         max_position_embeddings=8192,
-        num_nextn_predict_layers=1,
     ),
 }
 

@@ -132,6 +132,10 @@ def _logits_at(family, cfg, params, tokens, index):
     return family.compute_logits(params, cfg, hidden[:, index])
 
 
+# the prefill chunk and checkpoint interval of the tiny engines that tests size themselves
+TINY_CHUNKS = dict(mamba_track_interval=64, chunked_prefill_size=64)
+
+
 # ``small_engine``'s settings: room for a few requests of a tiny model
 SMALL_ENGINE = dict(
     mamba_track_interval=16,

@@ -29,15 +29,9 @@ from lazyspec.kernels.backend import default_tuning
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.testing.char_tokenizer import char_tokenizer
 from lazyspec.testing.compiles import backend_compiles
-from lazyspec.testing.tiny_models import tiny_model
+from lazyspec.testing.tiny_models import TINY_CHUNKS, tiny_model
 
-SETTINGS = dict(
-    mamba_track_interval=64,
-    chunked_prefill_size=64,
-    max_running_requests=2,
-    max_total_tokens=512,
-    context_length=128,
-)
+SETTINGS = dict(TINY_CHUNKS, max_running_requests=2, max_total_tokens=512, context_length=128)
 
 
 def _kinds(keys) -> collections.Counter:

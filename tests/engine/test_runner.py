@@ -23,7 +23,7 @@ from lazyspec.engine.packing import (
 from lazyspec.engine.runner import Runner
 from lazyspec.scheduler.batch import build_decode, build_extend
 from lazyspec.scheduler.layout import plan_memory
-from lazyspec.testing.tiny_models import NEMOTRON_HF, build_tiny_model, tiny_model
+from lazyspec.testing.tiny_models import NEMOTRON_HF, TINY_CHUNKS, build_tiny_model, tiny_model
 
 
 def _model(**overrides) -> SimpleNamespace:
@@ -31,15 +31,8 @@ def _model(**overrides) -> SimpleNamespace:
 
 
 def _tiny_engine(model: SimpleNamespace, **kw) -> Engine:
-    settings = dict(
-        mamba_track_interval=64,
-        chunked_prefill_size=64,
-        max_running_requests=1,
-        max_total_tokens=256,
-        context_length=64,
-        skip_warmup=True,
-    )
-    return Engine(model=model, **{**settings, **kw})
+    sizes = dict(max_running_requests=1, max_total_tokens=256, context_length=64)
+    return Engine(model=model, **{**TINY_CHUNKS, **sizes, "skip_warmup": True, **kw})
 
 
 def _serve(model: SimpleNamespace, num_new: int = 2) -> tuple[Engine, list[int]]:

@@ -35,7 +35,7 @@ from lazyspec.engine.warmup import (
 )
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.server.lifecycle import enable_compilation_cache
-from lazyspec.testing.tiny_models import NEMOTRON_HF, build_tiny_model
+from lazyspec.testing.tiny_models import NEMOTRON_HF, TINY_CHUNKS, build_tiny_model
 
 CACHE_SETTINGS = (
     "jax_compilation_cache_dir",
@@ -43,13 +43,7 @@ CACHE_SETTINGS = (
     "jax_persistent_cache_min_entry_size_bytes",
 )
 
-SETTINGS = dict(
-    mamba_track_interval=64,
-    chunked_prefill_size=64,
-    max_running_requests=4,
-    max_total_tokens=1024,
-    context_length=128,
-)
+SETTINGS = dict(TINY_CHUNKS, max_running_requests=4, max_total_tokens=1024, context_length=128)
 
 
 def _model(**overrides) -> SimpleNamespace:
