@@ -26,6 +26,15 @@ LOAD_FORMATS = ("auto", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
+# (setting, the setting it must be a multiple of, why) checked by EngineConfig
+_MULTIPLES = (
+    ("mamba_track_interval", "page_size", ""),
+    ("mamba_track_interval", "mamba_chunk_size", " (prefill checkpoints are chunk states)"),
+    ("chunked_prefill_size", "page_size", " (prefill checkpoints are whole pages)"),
+    ("chunked_prefill_size", "mamba_chunk_size", ""),
+)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None
@@ -140,26 +149,10 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        if self.mamba_track_interval % self.page_size:
-            raise ValueError(
-                f"mamba_track_interval={self.mamba_track_interval} must be a multiple of "
-                f"page_size={self.page_size}"
-            )
-        if self.mamba_track_interval % self.mamba_chunk_size:
-            raise ValueError(
-                f"mamba_track_interval={self.mamba_track_interval} must be a multiple of "
-                f"mamba_chunk_size={self.mamba_chunk_size} (prefill checkpoints are chunk states)"
-            )
-        if self.chunked_prefill_size % self.page_size:
-            raise ValueError(
-                f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
-                f"page_size={self.page_size} (prefill checkpoints are whole pages)"
-            )
-        if self.chunked_prefill_size % self.mamba_chunk_size:
-            raise ValueError(
-                f"chunked_prefill_size={self.chunked_prefill_size} must be a multiple of "
-                f"mamba_chunk_size={self.mamba_chunk_size}"
-            )
+        for name, unit, why in _MULTIPLES:
+            value, of = getattr(self, name), getattr(self, unit)
+            if value % of:
+                raise ValueError(f"{name}={value} must be a multiple of {unit}={of}{why}")
         self._resolve_spec()
         self._resolve_strategy()
 
