@@ -9,6 +9,7 @@ separately share one compilation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,19 @@ def require(hf: dict[str, Any], key: str, family: str) -> Any:
     if key not in hf or hf[key] is None:
         raise ValueError(f"{family} config.json is missing the required field {key!r}")
     return hf[key]
+
+
+def layer_roles(
+    types: Sequence[str], num_layers: int, roles: dict[str, str], what: str = "layer_types"
+) -> tuple[str, ...]:
+    """Each layer's role (``roles`` of its type); ValueError when there are not
+    ``num_layers`` types or a type is not in ``roles`` (``what`` names the field there)."""
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
+    unknown = sorted(set(types) - set(roles))
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; expected {sorted(roles)}")
+    return tuple(roles[t] for t in types)
 
 
 def time_step_limit(value: Any) -> tuple[float, float]:

@@ -33,6 +33,7 @@ from lazyspec.models.config import (
     RECURRENT,
     ModelConfig,
     eos_ids,
+    layer_roles,
     require,
     time_step_limit,
 )
@@ -91,12 +92,7 @@ def _layer_roles(hf: dict[str, Any]) -> tuple[str, ...]:
     """Roles from ``layer_types`` (or ``layers_block_type``); all Mamba2 when absent."""
     num_layers = int(require(hf, "num_hidden_layers", FAMILY))
     types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * num_layers
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
-    unknown = sorted(set(types) - set(_ROLES))
-    if unknown:
-        raise ValueError(f"unknown Granite layer_types {unknown}; expected {sorted(_ROLES)}")
-    return tuple(_ROLES[t] for t in types)
+    return layer_roles(types, num_layers, _ROLES, "Granite layer_types")
 
 
 def _mamba_dims(hf: dict[str, Any], hidden: int, eps: float) -> Mamba2Dims:

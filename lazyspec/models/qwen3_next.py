@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
-from lazyspec.models.config import ATTENTION, RECURRENT, ModelConfig, eos_ids, require
+from lazyspec.models.config import (
+    ATTENTION,
+    RECURRENT,
+    ModelConfig,
+    eos_ids,
+    layer_roles,
+    require,
+)
 from lazyspec.models.decoder import (
     Decoder,
     Mixer,
@@ -80,12 +87,7 @@ def _layer_roles(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(num_layers)
         ]
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
-    unknown = sorted(set(types) - set(_ROLES))
-    if unknown:
-        raise ValueError(f"unknown layer_types {unknown}; expected {sorted(_ROLES)}")
-    return tuple(_ROLES[t] for t in types)
+    return layer_roles(types, num_layers, _ROLES)
 
 
 def _mlp_kinds(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
