@@ -27,7 +27,7 @@ from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
 from lazyspec.kernels.norm.gated import GateLayout
 from lazyspec.kernels.state.conv import ChannelGroups, conv_scan
 from lazyspec.kernels.state.update_common import GdnConvTokens, OutputNorm
-from lazyspec.models.interface import PoolRows, gathered
+from lazyspec.models.interface import PoolRows
 from lazyspec.models.layers.linear import linear, project_out
 from lazyspec.models.layers.norms import gated_rms_norm
 from lazyspec.models.layers.state_kernels import (
@@ -35,7 +35,7 @@ from lazyspec.models.layers.state_kernels import (
     gdn_tokens,
     kernel_steps,
     kernel_write,
-    writes_conv_in_place,
+    states_for_form,
     writes_in_place,
 )
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -360,11 +360,7 @@ def gdn_mixer(
     """
     if form not in FORMS:
         raise ValueError(f"unknown GDN form {form!r}; expected one of {FORMS}")
-    use_kernel = form == "steps" and state_update is not None
-    if not use_kernel:
-        ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
-    if not writes_conv_in_place(conv0, ssm0, state_update, conv_update):
-        conv0 = gathered(conv0)
+    use_kernel, conv0, ssm0 = states_for_form(form, conv0, ssm0, state_update, conv_update)
     projected = _project(params, spec, x, ba)
     mixed, z, b, a = projected[:4]
     normed = False

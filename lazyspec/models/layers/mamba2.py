@@ -32,7 +32,7 @@ from lazyspec.kernels.backend import ConvUpdateFn, StateUpdateFn
 from lazyspec.kernels.mamba2.chunked import DEFAULT_CHUNK, conv_windowed, mamba2_chunked
 from lazyspec.kernels.mamba2.reference import mamba2_scan, mamba2_step
 from lazyspec.kernels.state.conv import conv_scan, conv_step
-from lazyspec.models.interface import PoolRows, gathered
+from lazyspec.models.interface import PoolRows
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.layers.norms import gated_rms_norm
 from lazyspec.models.layers.state_kernels import (
@@ -40,7 +40,7 @@ from lazyspec.models.layers.state_kernels import (
     kernel_steps,
     kernel_write,
     mamba2_tokens,
-    writes_conv_in_place,
+    states_for_form,
     writes_in_place,
 )
 from lazyspec.models.plan import Params, TensorSpec, linear_spec
@@ -128,59 +128,46 @@ class _Recurrence(NamedTuple):
     d: jax.Array  # [H]
 
 
+class _Row(NamedTuple):
+    """One row's states before its tokens and its tokens' inputs."""
+
+    conv0: jax.Array  # [conv_dim, K-1]
+    ssm0: jax.Array  # [H, P, N]
+    xbc: jax.Array  # [T, conv_dim]
+    dt: jax.Array  # [T, H]
+    num_valid: jax.Array  # the real tokens; the rest are padding
+
+
 # (y [T, H, P], final conv window, final ssm state, conv trace, ssm trace) of one row.
 RowResult = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
 
 
-def _row_reference(
-    dims: Mamba2Dims,
-    rec: _Recurrence,
-    conv0: jax.Array,
-    ssm0: jax.Array,
-    xbc: jax.Array,
-    dt: jax.Array,
-    num_valid: jax.Array,
-    chunk_size: int,
-) -> RowResult:
+def _row_reference(dims: Mamba2Dims, rec: _Recurrence, row: _Row, chunk_size: int) -> RowResult:
     """Token-by-token scans over one row; the trace is the state after every token."""
-    valid = jnp.arange(xbc.shape[0]) < num_valid
-    conv_out, conv_final, conv_trace = conv_scan(conv0, xbc, rec.conv_weight, rec.conv_bias, valid)
+    valid = jnp.arange(row.xbc.shape[0]) < row.num_valid
+    conv_out, conv_final, conv_trace = conv_scan(
+        row.conv0, row.xbc, rec.conv_weight, rec.conv_bias, valid
+    )
     x, b, c = split_xbc(dims, conv_out)
     y, ssm_final, ssm_trace = mamba2_scan(
-        ssm0.astype(jnp.float32), x, b, c, dt, rec.a, rec.d, valid
+        row.ssm0.astype(jnp.float32), x, b, c, row.dt, rec.a, rec.d, valid
     )
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
-def _row_chunked(
-    dims: Mamba2Dims,
-    rec: _Recurrence,
-    conv0: jax.Array,
-    ssm0: jax.Array,
-    xbc: jax.Array,
-    dt: jax.Array,
-    num_valid: jax.Array,
-    chunk_size: int,
-) -> RowResult:
+def _row_chunked(dims: Mamba2Dims, rec: _Recurrence, row: _Row, chunk_size: int) -> RowResult:
     """Chunked SSD over one row; the trace is the state after every full chunk."""
     conv_out, conv_final, conv_trace = conv_windowed(
-        conv0, xbc, rec.conv_weight, rec.conv_bias, num_valid, chunk_size
+        row.conv0, row.xbc, rec.conv_weight, rec.conv_bias, row.num_valid, chunk_size
     )
     x, b, c = split_xbc(dims, conv_out)
-    y, ssm_final, ssm_trace = mamba2_chunked(ssm0, x, b, c, dt, rec.a, rec.d, num_valid, chunk_size)
+    y, ssm_final, ssm_trace = mamba2_chunked(
+        row.ssm0, x, b, c, row.dt, rec.a, rec.d, row.num_valid, chunk_size
+    )
     return y, conv_final, ssm_final, conv_trace, ssm_trace
 
 
-def _row_steps(
-    dims: Mamba2Dims,
-    rec: _Recurrence,
-    conv0: jax.Array,
-    ssm0: jax.Array,
-    xbc: jax.Array,
-    dt: jax.Array,
-    num_valid: jax.Array,
-    chunk_size: int,
-) -> RowResult:
+def _row_steps(dims: Mamba2Dims, rec: _Recurrence, row: _Row, chunk_size: int) -> RowResult:
     """T fused single-token updates (conv then SSM) over one row; the trace is the state
     after each step. Short T (decode, verify) is fully unrolled."""
 
@@ -194,11 +181,11 @@ def _row_steps(
         h = jnp.where(ok, new_h, h)
         return (window, h), (y, window, h)
 
-    num_tokens = xbc.shape[0]
-    valid = jnp.arange(num_tokens) < num_valid
+    num_tokens = row.xbc.shape[0]
+    valid = jnp.arange(num_tokens) < row.num_valid
     unroll = num_tokens if num_tokens <= MAX_UNROLL else 1
     (window, h), (ys, windows, states) = jax.lax.scan(
-        step, (conv0, ssm0.astype(jnp.float32)), (xbc, dt, valid), unroll=unroll
+        step, (row.conv0, row.ssm0.astype(jnp.float32)), (row.xbc, row.dt, valid), unroll=unroll
     )
     return ys, window, h, windows, states
 
@@ -261,11 +248,7 @@ def mamba2_mixer(
     """
     if form not in _ROW_FORMS:
         raise ValueError(f"unknown Mamba2 form {form!r}; expected one of {FORMS}")
-    use_kernel = form == "steps" and state_update is not None
-    if not use_kernel:
-        ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
-    if not writes_conv_in_place(conv0, ssm0, state_update, conv_update):
-        conv0 = gathered(conv0)
+    use_kernel, conv0, ssm0 = states_for_form(form, conv0, ssm0, state_update, conv_update)
     projected = linear(params["in_proj"], hidden)
     gate, xbc, dt_raw = split_projection(dims, projected)
     dt = time_steps(dims, dt_raw, params["dt_bias"])
@@ -278,18 +261,15 @@ def mamba2_mixer(
     )
     row_fn = _ROW_FORMS[form]
 
-    def row(conv_row, ssm_row, xbc_row, dt_row, count):
-        return row_fn(dims, rec, conv_row, ssm_row, xbc_row, dt_row, count, chunk_size)
-
     ssm_pool = conv_pool = None
     if use_kernel:
         y, conv_final, ssm_final, conv_trace, ssm_trace, ssm_pool, conv_pool = _steps_kernel(
             state_update, conv_update, dims, rec, conv0, ssm0, xbc, dt, num_new
         )
     else:
-        y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(row)(
-            conv0, ssm0, xbc, dt, num_new
-        )
+        y, conv_final, ssm_final, conv_trace, ssm_trace = jax.vmap(
+            lambda row: row_fn(dims, rec, row, chunk_size)
+        )(_Row(conv0, ssm0, xbc, dt, num_new))
     y = y.reshape(y.shape[:2] + (dims.intermediate_size,))
     group_size = dims.intermediate_size // dims.n_groups
     normed = gated_rms_norm(

@@ -102,6 +102,24 @@ def writes_conv_in_place(
     )
 
 
+def states_for_form(
+    form: str,
+    conv0: jax.Array | PoolRows,
+    ssm0: jax.Array | PoolRows,
+    state_update: StateUpdateFn | None,
+    conv_update: ConvUpdateFn | None,
+) -> tuple[bool, jax.Array | PoolRows, jax.Array | PoolRows]:
+    """(whether a mixer's ``form`` runs ``state_update``, conv0, ssm0) with each state
+    gathered unless a kernel reads it in place: ``ssm0`` the state-update kernel of the
+    steps form, ``conv0`` ``conv_write`` (``writes_conv_in_place``)."""
+    use_kernel = form == "steps" and state_update is not None
+    if not use_kernel:
+        ssm0 = gathered(ssm0)  # only a state-update kernel reads PoolRows in place
+    if not writes_conv_in_place(conv0, ssm0, state_update, conv_update):
+        conv0 = gathered(conv0)
+    return use_kernel, conv0, ssm0
+
+
 def conv_write(
     conv_update: ConvUpdateFn,
     conv0: PoolRows,
