@@ -4,8 +4,41 @@ math is trivially 1 or 0. Needs torch + transformers."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class PatternCheckpoints:
+    """A family's tiny checkpoints named by a layer pattern (one char per layer): transformers'
+    ``config_class`` of ``base`` with a config's overrides and the layers of the pattern
+    (``pattern_names``) under ``layers_field`` (and their count under ``num_layers_field``
+    where the family wants it), saved as ``model_class`` with its constants re-drawn
+    (``redraw_constants`` options ``redraw``)."""
+
+    config_class: str
+    model_class: str
+    base: dict[str, Any]
+    pattern_names: dict[str, str]
+    layers_field: str
+    num_layers_field: str | None = None
+    redraw: dict[str, Any] = field(default_factory=dict)
+
+    def hf_config_dict(self, pattern: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of ``config_class`` for ``pattern``."""
+        config = dict(self.base)
+        config.update(overrides)
+        if self.num_layers_field is not None:
+            config[self.num_layers_field] = len(pattern)
+        config[self.layers_field] = [self.pattern_names[ch] for ch in pattern]
+        return config
+
+    def save(self, folder: str | Path, pattern: str, overrides: dict[str, Any], seed: int = 0):
+        """Build, randomise and save the model of ``pattern``; returns the torch model (eval)."""
+        config = self.hf_config_dict(pattern, overrides)
+        classes = self.config_class, self.model_class
+        return save_redrawn(folder, *classes, config, seed, **self.redraw)
 
 
 def save_redrawn(

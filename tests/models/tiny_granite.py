@@ -9,11 +9,10 @@ error), and saves it with save_pretrained. Needs torch + transformers.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lazyspec.testing.tiny_models import GRANITE_HF
-from tests.models.redraw import save_redrawn
+from tests.models.redraw import PatternCheckpoints
 
 # The engine tests' tiny widths (Mamba2 H=4 heads of P=16, expand 2, N=16, K=4) with the
 # Granite multipliers far from 1, as in the released configs; each tiny config names its
@@ -64,30 +63,21 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
-PATTERN_NAMES = {"M": "mamba", "*": "attention"}
-
-
-def hf_config_dict(pattern: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of GraniteMoeHybridConfig for ``pattern`` (one char per layer)."""
-    config = dict(BASE)
-    config.update(overrides)
-    config["num_hidden_layers"] = len(pattern)
-    config["layer_types"] = [PATTERN_NAMES[ch] for ch in pattern]
-    return config
-
-
-def save_tiny_granite(folder: str | Path, pattern: str, overrides: dict[str, Any], seed: int = 0):
-    """Build, randomise and save a tiny GraniteMoeHybridForCausalLM; returns the torch model
-    (eval)."""
-    return save_redrawn(
-        folder,
-        "GraniteMoeHybridConfig",
-        "GraniteMoeHybridForCausalLM",
-        hf_config_dict(pattern, overrides),
-        seed,
+# "M" Mamba2, "*" attention (legacy names in the config)
+CHECKPOINTS = PatternCheckpoints(
+    "GraniteMoeHybridConfig",
+    "GraniteMoeHybridForCausalLM",
+    BASE,
+    pattern_names={"M": "mamba", "*": "attention"},
+    layers_field="layer_types",
+    num_layers_field="num_hidden_layers",
+    redraw=dict(
         d_suffix="mamba.D",
         norm_suffixes=("norm.weight", "layernorm.weight"),
         embedding_suffixes=("lm_head.weight", "embed_tokens.weight"),
         embedding_scale=0.1,
         unit_gain=True,
-    )
+    ),
+)
+hf_config_dict = CHECKPOINTS.hf_config_dict
+save_tiny_granite = CHECKPOINTS.save

@@ -8,11 +8,10 @@ save_pretrained. Needs torch + transformers.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lazyspec.testing.tiny_models import NEMOTRON_HF
-from tests.models.redraw import save_redrawn
+from tests.models.redraw import PatternCheckpoints
 
 _PER_CONFIG = ("model_type", "n_groups", "max_position_embeddings", "layers_block_type")
 
@@ -39,28 +38,19 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "ME*M-": ("ME*M-", dict(n_groups=4, use_bias=True, mlp_bias=True, tie_word_embeddings=True)),
 }
 
-PATTERN_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-
-
-def hf_config_dict(pattern: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of NemotronHConfig for ``pattern`` (one char per layer)."""
-    config = dict(BASE)
-    config.update(overrides)
-    config["layers_block_type"] = [PATTERN_NAMES[ch] for ch in pattern]
-    return config
-
-
-def save_tiny_nemotron(folder: str | Path, pattern: str, overrides: dict[str, Any], seed: int = 0):
-    """Build, randomise and save a tiny NemotronHForCausalLM; returns the torch model (eval)."""
-    return save_redrawn(
-        folder,
-        "NemotronHConfig",
-        "NemotronHForCausalLM",
-        hf_config_dict(pattern, overrides),
-        seed,
+CHECKPOINTS = PatternCheckpoints(
+    "NemotronHConfig",
+    "NemotronHForCausalLM",
+    BASE,
+    pattern_names={"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"},
+    layers_field="layers_block_type",
+    redraw=dict(
         d_suffix="mixer.D",
         norm_suffixes=("norm.weight", "norm_f.weight"),
         embedding_suffixes=("lm_head.weight", "embeddings.weight"),
         embedding_scale=1.0,
         buffer_suffixes=("e_score_correction_bias",),
-    )
+    ),
+)
+hf_config_dict = CHECKPOINTS.hf_config_dict
+save_tiny_nemotron = CHECKPOINTS.save
