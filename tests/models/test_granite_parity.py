@@ -21,9 +21,9 @@ import pytest
 
 from lazyspec.models import granite, load_model, reference_logits
 from lazyspec.models.config import ATTENTION, RECURRENT
-from lazyspec.models.interface import ForwardInputs
 from lazyspec.models.model import empty_caches, single_row_inputs
 from lazyspec.models.registry import parse_hf_config
+from tests.models.ragged import ragged_inputs
 from tests.models.tiny_granite import TINY_CONFIGS, hf_config_dict, save_tiny_granite
 
 TOL = 1e-4
@@ -64,30 +64,11 @@ def test_reference_logits_match_transformers(case):
         assert _rel_err(reference_logits(model, tokens[row]), want[row]) <= TOL
 
 
-def _ragged_inputs(tokens: np.ndarray, vocab: int) -> ForwardInputs:
-    """Row r holds the first ROW_LENGTHS[r] tokens of sequence r % 2 in its own KV block."""
-    num_rows = len(ROW_LENGTHS)
-    batch = np.random.default_rng(23).integers(0, vocab, (num_rows, SEQ_LEN)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(SEQ_LEN, dtype=np.int32), (num_rows, SEQ_LEN))
-    read_idx = 1 + np.arange(num_rows, dtype=np.int32)[:, None] * SEQ_LEN + positions
-    write_idx = np.where(positions < np.array(ROW_LENGTHS)[:, None], read_idx, 2**30)
-    for r, n in enumerate(ROW_LENGTHS):
-        batch[r, :n] = tokens[r % 2, :n]
-    lengths = jnp.asarray(ROW_LENGTHS, jnp.int32)
-    return ForwardInputs(
-        *(jnp.asarray(a) for a in (batch, positions)),
-        lengths,
-        jnp.asarray(write_idx, jnp.int32),
-        jnp.asarray(read_idx),
-        lengths,
-    )
-
-
 @pytest.mark.parity
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
     cfg = model.config
-    inputs = _ragged_inputs(tokens, cfg.vocab_size)
+    inputs = ragged_inputs(tokens, cfg.vocab_size, ROW_LENGTHS, SEQ_LEN)
     kv, rec = empty_caches(cfg, len(ROW_LENGTHS) * SEQ_LEN + 1, len(ROW_LENGTHS), jnp.float32)
     rng = np.random.default_rng(29)  # the padding row keeps its random state bit for bit
     rec.ssm = rec.ssm.at[:, -1].set(rng.standard_normal(rec.ssm[:, -1].shape))

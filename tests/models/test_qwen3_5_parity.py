@@ -19,7 +19,8 @@ import pytest
 
 from lazyspec.models import load_model, reference_logits
 from lazyspec.models.model import empty_caches, incremental_logits
-from tests.models.test_qwen3_next_parity import ROW_LENGTHS, SEQ_LEN, _ragged_inputs, _rel_err
+from tests.models.ragged import ragged_inputs
+from tests.models.test_qwen3_next_parity import ROW_LENGTHS, SEQ_LEN, _rel_err
 from tests.models.tiny_qwen35 import TINY_CONFIGS, save_tiny_qwen35
 
 torch = pytest.importorskip("torch")
@@ -52,7 +53,7 @@ def test_reference_logits_match_transformers(case):
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
     cfg, family = model.config, model.family
-    inputs = _ragged_inputs(tokens, cfg.vocab_size)
+    inputs = ragged_inputs(tokens, cfg.vocab_size, ROW_LENGTHS, SEQ_LEN)
     kv, rec = empty_caches(cfg, len(ROW_LENGTHS) * SEQ_LEN + 1, len(ROW_LENGTHS), jnp.float32)
 
     @jax.jit

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from lazyspec.models import load_model, reference_logits
-from lazyspec.models.interface import ForwardInputs
 from lazyspec.models.model import empty_caches
+from tests.models.ragged import ragged_inputs
 from tests.models.tiny_qwen import TINY_CONFIGS, save_tiny_qwen
 
 torch = pytest.importorskip("torch")
@@ -52,32 +52,10 @@ def test_reference_logits_match_transformers(case):
         assert _rel_err(got, want[row]) <= TOL
 
 
-def _ragged_inputs(tokens: np.ndarray, vocab: int) -> ForwardInputs:
-    """One extend batch: row r holds the first ROW_LENGTHS[r] tokens of sequence r % 2;
-    each row owns a disjoint block of KV rows; padding slots carry random token ids."""
-    rng = np.random.default_rng(23)
-    num_rows = len(ROW_LENGTHS)
-    batch = rng.integers(0, vocab, (num_rows, SEQ_LEN)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(SEQ_LEN, dtype=np.int32), (num_rows, SEQ_LEN))
-    read_idx = 1 + np.arange(num_rows, dtype=np.int32)[:, None] * SEQ_LEN + positions
-    write_idx = np.where(positions < np.array(ROW_LENGTHS)[:, None], read_idx, 2**30)
-    for r, n in enumerate(ROW_LENGTHS):
-        batch[r, :n] = tokens[r % 2, :n]
-    lengths = np.array(ROW_LENGTHS, np.int32)
-    return ForwardInputs(
-        tokens=jnp.asarray(batch),
-        positions=jnp.asarray(positions),
-        num_new=jnp.asarray(lengths),
-        kv_write_idx=jnp.asarray(write_idx.astype(np.int32)),
-        kv_read_idx=jnp.asarray(read_idx),
-        ctx_len=jnp.asarray(lengths),
-    )
-
-
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
     cfg, family = model.config, model.family
-    inputs = _ragged_inputs(tokens, cfg.vocab_size)
+    inputs = ragged_inputs(tokens, cfg.vocab_size, ROW_LENGTHS, SEQ_LEN)
     kv, rec = empty_caches(cfg, len(ROW_LENGTHS) * SEQ_LEN + 1, len(ROW_LENGTHS), jnp.float32)
     # the padding row starts from a random state, which it must keep bit for bit
     rng = np.random.default_rng(29)
