@@ -88,20 +88,29 @@ def row():
     return dims, params, hidden, oracle(params, dims, hidden)
 
 
-@settings(max_examples=10, deadline=None)
-@given(data=st.data())
-def test_chunked_matches_reference_at_any_offset(row, data):
+def check_window(row, data, sizes: list[int], form: str):
+    """A window of T tokens (T drawn from ``sizes``) at a drawn offset, the first num_new of
+    them real, run in ``form`` from the oracle's state before it: its outputs and final ssm
+    state checked against the oracle's; (its states, offset, T, num_new)."""
     dims, params, hidden, (ref_out, ref_conv, ref_ssm) = row
-    num_tokens = data.draw(st.sampled_from([1, 64, 130]), label="T")
+    num_tokens = data.draw(st.sampled_from(sizes), label="T")
     offset = data.draw(st.integers(0, SEQ_LEN - num_tokens), label="offset")
     num_new = data.draw(st.integers(1, num_tokens), label="num_new")
     conv0, ssm0 = state_before(ref_conv, ref_ssm, offset)
     window = hidden[:, offset : offset + num_tokens]
-    out, states = run_mixer(params, dims, window, conv0, ssm0, jnp.array([num_new]), "chunked")
+    out, states = run_mixer(params, dims, window, conv0, ssm0, jnp.array([num_new]), form)
     last = offset + num_new - 1
     assert rel_err(out[0, :num_new], ref_out[offset : last + 1]) <= TOL
     assert rel_err(states.ssm[0], ref_ssm[last]) <= TOL
-    assert rel_err(states.conv[0], ref_conv[last]) <= TOL
+    return states, offset, num_tokens, num_new
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_chunked_matches_reference_at_any_offset(row, data):
+    ref_conv, ref_ssm = row[3][1:]
+    states, offset, num_tokens, num_new = check_window(row, data, [1, 64, 130], "chunked")
+    assert rel_err(states.conv[0], ref_conv[offset + num_new - 1]) <= TOL
     assert states.trace_ssm.shape[1] == num_tokens // CHUNK
     for j in range(num_tokens // CHUNK):
         end = offset + min((j + 1) * CHUNK, num_new) - 1
@@ -112,16 +121,8 @@ def test_chunked_matches_reference_at_any_offset(row, data):
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_steps_match_reference_at_any_offset(row, data):
-    dims, params, hidden, (ref_out, ref_conv, ref_ssm) = row
-    num_tokens = data.draw(st.sampled_from([1, 4]), label="T")
-    offset = data.draw(st.integers(0, SEQ_LEN - num_tokens), label="offset")
-    num_new = data.draw(st.integers(1, num_tokens), label="num_new")
-    conv0, ssm0 = state_before(ref_conv, ref_ssm, offset)
-    window = hidden[:, offset : offset + num_tokens]
-    out, states = run_mixer(params, dims, window, conv0, ssm0, jnp.array([num_new]), "steps")
-    last = offset + num_new - 1
-    assert rel_err(out[0, :num_new], ref_out[offset : last + 1]) <= TOL
-    assert rel_err(states.ssm[0], ref_ssm[last]) <= TOL
+    ref_conv, ref_ssm = row[3][1:]
+    states, offset, num_tokens, num_new = check_window(row, data, [1, 4], "steps")
     for t in range(num_tokens):
         at = offset + min(t, num_new - 1)  # padding steps repeat the last real state
         assert rel_err(states.trace_ssm[0, t], ref_ssm[at]) <= TOL
