@@ -54,18 +54,9 @@ def corpus(seed: int = 0, num_lines: int = 160) -> list[str]:
 
 
 def train_tokenizer(folder: Path) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from lazyspec.testing.bpe import byte_level_bpe
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TARGET_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus(), trainer)
+    tokenizer = byte_level_bpe(corpus(), TARGET_VOCAB, SPECIAL_TOKENS)
     tokenizer.save(str(folder / "tokenizer.json"))
     return tokenizer
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from lazyspec.models import load_model, qwen3_next, reference_logits
+from lazyspec.testing.bpe import byte_level_bpe
 from lazyspec.training.export import export_hf_folder
 from tests.models.tiny_qwen import config_dict
 
@@ -27,18 +28,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIALS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20 + ["import os\n"] * 20, trainer)
+    texts = ["def f(x):\n    return x + 1\n"] * 20 + ["import os\n"] * 20
+    tok = byte_level_bpe(texts, VOCAB, SPECIALS)
     assert tok.get_vocab_size() <= VOCAB
     return tok
 
