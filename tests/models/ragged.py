@@ -4,11 +4,14 @@ sequences, each row in a KV block of its own, padding slots and a padding row.""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.models.interface import ForwardInputs
+from lazyspec.models.model import empty_caches
 
 
 def ragged_inputs(
@@ -34,3 +37,30 @@ def ragged_inputs(
         kv_read_idx=jnp.asarray(read_idx),
         ctx_len=jnp.asarray(lengths),
     )
+
+
+def ragged_extend(
+    model: Any,
+    tokens: np.ndarray,
+    row_lengths: Sequence[int],
+    seq_len: int,
+    padding_state_seed: int | None = None,
+) -> tuple[np.ndarray, Any, Any]:
+    """``model``'s extend forward over ``ragged_inputs`` from empty caches (with
+    ``padding_state_seed``, the padding row, the last, from a random state drawn with it):
+    (logits [rows, seq_len, vocab], the forward's states, the recurrent rows it started from)."""
+    cfg, family = model.config, model.family
+    inputs = ragged_inputs(tokens, cfg.vocab_size, row_lengths, seq_len)
+    kv, rec = empty_caches(cfg, len(row_lengths) * seq_len + 1, len(row_lengths), jnp.float32)
+    if padding_state_seed is not None:
+        rng = np.random.default_rng(padding_state_seed)
+        rec.ssm = rec.ssm.at[:, -1].set(rng.standard_normal(rec.ssm[:, -1].shape))
+        rec.conv = rec.conv.at[:, -1].set(rng.standard_normal(rec.conv[:, -1].shape))
+
+    @jax.jit
+    def run(params, inputs, kv, rec):
+        hidden, kv, out = family.forward(params, cfg, inputs, kv, rec, mode="extend")
+        return family.compute_logits(params, cfg, hidden), out
+
+    logits, out = jax.tree.map(np.asarray, run(model.params, inputs, kv, rec))
+    return logits, out, rec

@@ -23,7 +23,7 @@ from lazyspec.models import granite, load_model, reference_logits
 from lazyspec.models.config import ATTENTION, RECURRENT
 from lazyspec.models.model import empty_caches, single_row_inputs
 from lazyspec.models.registry import parse_hf_config
-from tests.models.ragged import ragged_inputs
+from tests.models.ragged import ragged_extend
 from tests.models.tiny_granite import TINY_CONFIGS, hf_config_dict, save_tiny_granite
 
 TOL = 1e-4
@@ -68,12 +68,8 @@ def test_reference_logits_match_transformers(case):
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
     cfg = model.config
-    inputs = ragged_inputs(tokens, cfg.vocab_size, ROW_LENGTHS, SEQ_LEN)
-    kv, rec = empty_caches(cfg, len(ROW_LENGTHS) * SEQ_LEN + 1, len(ROW_LENGTHS), jnp.float32)
-    rng = np.random.default_rng(29)  # the padding row keeps its random state bit for bit
-    rec.ssm = rec.ssm.at[:, -1].set(rng.standard_normal(rec.ssm[:, -1].shape))
-    rec.conv = rec.conv.at[:, -1].set(rng.standard_normal(rec.conv[:, -1].shape))
-    logits, _, out = _forward_logits(model.params, cfg, inputs, kv, rec, "extend")
+    # the padding row keeps its random state bit for bit
+    logits, out, rec = ragged_extend(model, tokens, ROW_LENGTHS, SEQ_LEN, padding_state_seed=29)
     for r, n in enumerate(ROW_LENGTHS[:-1]):
         assert _rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
     np.testing.assert_array_equal(out.final.ssm[:, -1], rec.ssm[:, -1])

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import logging
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lazyspec.models import load_model, reference_logits
-from lazyspec.models.model import empty_caches, incremental_logits
-from tests.models.ragged import ragged_inputs
+from lazyspec.models.model import incremental_logits
+from tests.models.ragged import ragged_extend
 from tests.models.test_qwen3_next_parity import ROW_LENGTHS, SEQ_LEN, _rel_err
 from tests.models.tiny_qwen35 import TINY_CONFIGS, save_tiny_qwen35
 
@@ -52,16 +50,7 @@ def test_reference_logits_match_transformers(case):
 
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
-    cfg, family = model.config, model.family
-    inputs = ragged_inputs(tokens, cfg.vocab_size, ROW_LENGTHS, SEQ_LEN)
-    kv, rec = empty_caches(cfg, len(ROW_LENGTHS) * SEQ_LEN + 1, len(ROW_LENGTHS), jnp.float32)
-
-    @jax.jit
-    def run(params, inputs, kv, rec):
-        hidden, kv, out = family.forward(params, cfg, inputs, kv, rec, mode="extend")
-        return family.compute_logits(params, cfg, hidden)
-
-    logits = np.asarray(run(model.params, inputs, kv, rec))
+    logits, _, _ = ragged_extend(model, tokens, ROW_LENGTHS, SEQ_LEN)
     for r, n in enumerate(ROW_LENGTHS[:-1]):
         assert _rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
 

@@ -10,14 +10,11 @@ attention, no cache) and (2) one ragged extend-mode ``forward`` batch whose rows
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lazyspec.models import load_model, reference_logits
-from lazyspec.models.model import empty_caches
-from tests.models.ragged import ragged_inputs
+from tests.models.ragged import ragged_extend
 from tests.models.tiny_qwen import TINY_CONFIGS, save_tiny_qwen
 
 torch = pytest.importorskip("torch")
@@ -54,20 +51,8 @@ def test_reference_logits_match_transformers(case):
 
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
-    cfg, family = model.config, model.family
-    inputs = ragged_inputs(tokens, cfg.vocab_size, ROW_LENGTHS, SEQ_LEN)
-    kv, rec = empty_caches(cfg, len(ROW_LENGTHS) * SEQ_LEN + 1, len(ROW_LENGTHS), jnp.float32)
     # the padding row starts from a random state, which it must keep bit for bit
-    rng = np.random.default_rng(29)
-    rec.ssm = rec.ssm.at[:, -1].set(rng.standard_normal(rec.ssm[:, -1].shape))
-    rec.conv = rec.conv.at[:, -1].set(rng.standard_normal(rec.conv[:, -1].shape))
-
-    @jax.jit
-    def run(params, inputs, kv, rec):
-        hidden, kv, out = family.forward(params, cfg, inputs, kv, rec, mode="extend")
-        return family.compute_logits(params, cfg, hidden), out
-
-    logits, out = jax.tree.map(np.asarray, run(model.params, inputs, kv, rec))
+    logits, out, rec = ragged_extend(model, tokens, ROW_LENGTHS, SEQ_LEN, padding_state_seed=29)
     for r, n in enumerate(ROW_LENGTHS[:-1]):
         assert _rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
     assert np.array_equal(out.final.ssm[:, -1], np.asarray(rec.ssm[:, -1]))
