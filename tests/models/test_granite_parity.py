@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.models import granite, load_model, reference_logits
+from lazyspec.models import granite
 from lazyspec.models.config import ATTENTION, RECURRENT
 from lazyspec.models.model import empty_caches, single_row_inputs
 from lazyspec.models.registry import parse_hf_config
-from tests.models.ragged import ragged_extend
+from tests.models.parity import check_reference_logits, ragged_extend, rel_err, transformers_case
 from tests.models.tiny_granite import TINY_CONFIGS, hf_config_dict, save_tiny_granite
 
 TOL = 1e-4
@@ -32,22 +32,14 @@ ROW_LENGTHS = (150, 97, 64, 1, 0)  # row r uses sequence r % 2; 0 = padding row
 CONTEXT = 160
 
 
-def _rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-
-
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def case(request, tmp_path_factory):
     """(our model, two token sequences, transformers' logits [2, SEQ_LEN, vocab])."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pattern, overrides = TINY_CONFIGS[request.param]
     folder = tmp_path_factory.mktemp(f"granite_{request.param}")
     hf_model = save_tiny_granite(folder, pattern, overrides, seed=len(pattern))
-    tokens = np.random.default_rng(17).integers(0, hf_model.config.vocab_size, (2, SEQ_LEN))
-    with torch.no_grad():
-        want = hf_model(torch.tensor(tokens)).logits.numpy()
-    return load_model(folder), tokens, want
+    return transformers_case(folder, hf_model, hf_model.config.vocab_size, SEQ_LEN)
 
 
 @partial(jax.jit, static_argnames=("cfg", "mode"))
@@ -58,10 +50,8 @@ def _forward_logits(params, cfg, inputs, kv, rec, mode):
 
 @pytest.mark.parity
 def test_reference_logits_match_transformers(case):
-    model, tokens, want = case
-    assert np.std(want) > 0.1  # logits are not trivially flat
-    for row in range(2):
-        assert _rel_err(reference_logits(model, tokens[row]), want[row]) <= TOL
+    assert np.std(case[2]) > 0.1  # logits are not trivially flat
+    check_reference_logits(*case, TOL)
 
 
 @pytest.mark.parity
@@ -71,7 +61,7 @@ def test_ragged_extend_forward_matches_transformers(case):
     # the padding row keeps its random state bit for bit
     logits, out, rec = ragged_extend(model, tokens, ROW_LENGTHS, SEQ_LEN, padding_state_seed=29)
     for r, n in enumerate(ROW_LENGTHS[:-1]):
-        assert _rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
+        assert rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
     np.testing.assert_array_equal(out.final.ssm[:, -1], rec.ssm[:, -1])
     np.testing.assert_array_equal(out.final.conv[:, -1], rec.conv[:, -1])
     assert out.chunks.ssm.shape[:3] == (len(cfg.recurrent_layer_ids), len(ROW_LENGTHS), 2)
@@ -95,7 +85,7 @@ def test_extend_decode_verify_with_carried_state_match_transformers(case):
         logits, kv, out = _forward_logits(model.params, cfg, inputs, kv, rec, mode)
         rec = out.final
         got.append(np.asarray(logits[0, : end - start]))
-    assert _rel_err(np.concatenate(got), want[1, :86]) <= TOL
+    assert rel_err(np.concatenate(got), want[1, :86]) <= TOL
     steps = np.stack(out.steps.ssm)  # the verify's state after its last token is the final
     np.testing.assert_allclose(steps[:, 0, -1], np.asarray(out.final.ssm[:, 0]), atol=1e-7)
 

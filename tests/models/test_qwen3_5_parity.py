@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
-from lazyspec.models import load_model, reference_logits
+from lazyspec.models import load_model
 from lazyspec.models.model import incremental_logits
-from tests.models.ragged import ragged_extend
-from tests.models.test_qwen3_next_parity import ROW_LENGTHS, SEQ_LEN, _rel_err
+from tests.models.parity import check_reference_logits, ragged_extend, rel_err, transformers_case
+from tests.models.test_qwen3_next_parity import ROW_LENGTHS, SEQ_LEN
 from tests.models.tiny_qwen35 import TINY_CONFIGS, save_tiny_qwen35
 
 torch = pytest.importorskip("torch")
@@ -33,26 +32,19 @@ def case(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"qwen35_{request.param}")
     hf_model, _ = save_tiny_qwen35(folder, request.param, seed=len(request.param))
     vocab = hf_model.config.get_text_config().vocab_size
-    tokens = np.random.default_rng(17).integers(0, vocab, (2, SEQ_LEN))
-    with torch.no_grad():
-        want = hf_model(input_ids=torch.tensor(tokens)).logits.numpy()
-    return load_model(folder), tokens, want
+    return transformers_case(folder, hf_model, vocab, SEQ_LEN)
 
 
 def test_reference_logits_match_transformers(case):
-    model, tokens, want = case
-    assert model.config.family == "qwen3_5"
-    for row in range(2):
-        got = reference_logits(model, tokens[row])
-        assert got.shape == want[row].shape
-        assert _rel_err(got, want[row]) <= TOL
+    assert case[0].config.family == "qwen3_5"
+    check_reference_logits(*case, TOL)
 
 
 def test_ragged_extend_forward_matches_transformers(case):
     model, tokens, want = case
     logits, _, _ = ragged_extend(model, tokens, ROW_LENGTHS, SEQ_LEN)
     for r, n in enumerate(ROW_LENGTHS[:-1]):
-        assert _rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
+        assert rel_err(logits[r, :n], want[r % 2, :n]) <= TOL, f"row {r} ({n} tokens)"
 
 
 def test_prefill_then_decode_matches_transformers(case):
@@ -67,7 +59,7 @@ def test_prefill_then_decode_matches_transformers(case):
         bucket=128,
         context_len=128,
     )
-    assert _rel_err(got, want[0, : prompt_len + num_decode]) <= TOL
+    assert rel_err(got, want[0, : prompt_len + num_decode]) <= TOL
 
 
 def test_vision_language_checkpoint_skips_the_vision_tower(tmp_path, caplog):

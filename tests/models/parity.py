@@ -1,17 +1,46 @@
-"""The ragged extend batch of the parity tests: rows of different lengths over two token
-sequences, each row in a KV block of its own, padding slots and a padding row."""
+"""What the parity tests against transformers share: the two random sequences and
+transformers' logits of them, the reference check, and the ragged extend batch (rows of
+different lengths over the two sequences, each row in a KV block of its own, padding slots
+and a padding row)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazyspec.models import load_model, reference_logits
 from lazyspec.models.interface import ForwardInputs
 from lazyspec.models.model import empty_caches
+
+
+def rel_err(got, want) -> float:
+    """max |got - want| / max |want|, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def transformers_case(folder: Path, hf_model: Any, vocab: int, seq_len: int) -> tuple:
+    """(our model loaded from ``folder``, two random token sequences [2, seq_len],
+    ``hf_model``'s logits of them [2, seq_len, vocab])."""
+    import torch
+
+    tokens = np.random.default_rng(17).integers(0, vocab, (2, seq_len))
+    with torch.no_grad():
+        want = hf_model(input_ids=torch.tensor(tokens)).logits.numpy()
+    return load_model(folder), tokens, want
+
+
+def check_reference_logits(model: Any, tokens: np.ndarray, want: np.ndarray, tol: float) -> None:
+    """``reference_logits`` of each sequence matches ``want``'s within ``tol``."""
+    for row in range(2):
+        got = reference_logits(model, tokens[row])
+        assert got.shape == want[row].shape
+        assert rel_err(got, want[row]) <= tol
 
 
 def ragged_inputs(
