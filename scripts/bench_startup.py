@@ -16,25 +16,16 @@ run empties the cache directory first.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from lazyspec.testing.serve_process import launch_serve
 
 
 def poll(process: subprocess.Popen, start: float, timeout: float, ask) -> object:
@@ -56,22 +47,12 @@ def poll(process: subprocess.Popen, start: float, timeout: float, ask) -> object
 def measure_startup(serve_args: list[str], cache_dir: Path, timeout: float) -> dict:
     """Seconds from launch to the first /health 200 (``ready_s``) and to the whole table
     compiled (``all_s``), with ``/server_info``'s ``warmup``; the server is stopped after."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable,
-        str(REPO / "scripts" / "serve.py"),
-        "--port",
-        str(port),
-        "--compilation-cache-dir",
-        str(cache_dir),
-        "--log-level",
-        "warning",
-        *serve_args,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process, url = launch_serve(
+        ["--compilation-cache-dir", str(cache_dir), "--log-level", "warning", *serve_args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
     def healthy() -> bool | None:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200 or None

@@ -16,7 +16,6 @@ compilation is most of their time.
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 
@@ -24,20 +23,15 @@ import pytest
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.sharding import make_mesh
+from lazyspec.testing.serve_process import free_port
 from tests.engine.device_runs import ROOT, cpu_devices_env, last_json_line, run_on_cpu_devices
 
 TIMEOUT_S = 400
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_processes() -> list[dict]:
     """Both processes' reports; a failure or a hang (past ``TIMEOUT_S``) fails the test."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.engine.multihost_worker", port, str(rank)],

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
+from lazyspec.testing.serve_process import launch_serve
 from tests.server.conftest import (
     SERVED_NAME,
     assert_all_free,
@@ -23,7 +20,6 @@ from tests.server.conftest import (
     wait_idle,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 480  # new tokens: a stream that outlives every drain timeout below
 
 
@@ -194,24 +190,12 @@ def test_models_max_len_is_the_plans_longest_request(server):
     assert model["max_model_len"] == info["max_request_len"] < info["context_length"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_served_process_drains_on_sigterm_and_aborts_on_a_second_signal(model_dir):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [
-        sys.executable,
-        str(REPO / "scripts" / "serve.py"),
+    args = [
         "--model-path",
         str(model_dir),
         "--served-model-name",
         SERVED_NAME,
-        "--port",
-        str(port),
         "--skip-warmup",
         "--context-length",
         "4096",
@@ -222,9 +206,8 @@ def test_served_process_drains_on_sigterm_and_aborts_on_a_second_signal(model_di
         "--graceful-shutdown-timeout",
         "120",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    process, url = launch_serve(
+        args, {"JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         deadline = time.monotonic() + 120
