@@ -659,61 +659,60 @@ def main(argv=None) -> None:
                 continue
             print(row, flush=True)
             rows.append(row)
-    lines = [
-        device,
-        bandwidth_line,
-        "",
-        "| preset | tp | backend | batch | spec | ms/step (engine loop) | step alone (ms) "
-        "| floor (ms) | % of floor (loop / alone) | floor GB per device: weights + state + KV "
-        "| decode tok/s | accept len |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['preset']} | {r['tp']} | {r['backend']} | {r['batch']} | {r['spec']} | "
-            f"{r['loop_ms']:.2f} | {r['alone_ms']:.2f} | {r['floor_ms']:.3f} | "
-            f"{r['pct_loop']:.0f} % / {r['pct_alone']:.0f} % | "
-            + (
-                f"{r['weights_gb']:.3f} + {r['state_gb']:.3f} + {r['kv_gb']:.3f} | "
+    lines = [device, bandwidth_line, ""]
+    lines += markdown_table(
+        [
+            "preset", "tp", "backend", "batch", "spec", "ms/step (engine loop)", "step alone (ms)",
+            "floor (ms)", "% of floor (loop / alone)",
+            "floor GB per device: weights + state + KV", "decode tok/s", "accept len",
+        ],
+        [
+            [
+                r["preset"], r["tp"], r["backend"], r["batch"], r["spec"], f"{r['loop_ms']:.2f}",
+                f"{r['alone_ms']:.2f}", f"{r['floor_ms']:.3f}",
+                f"{r['pct_loop']:.0f} % / {r['pct_alone']:.0f} %",
+                f"{r['weights_gb']:.3f} + {r['state_gb']:.3f} + {r['kv_gb']:.3f}"
                 if "weights_gb" in r
-                else "as above | "
-            )
-            + f"{r['decode_tok_s']:.0f} | {r['accept_len']:.2f} |"
-        )
-    engine_rows = [r for r in rows if "host_ms" in r]
+                else "as above",
+                f"{r['decode_tok_s']:.0f}", f"{r['accept_len']:.2f}",
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
     lines += [
         "",
         "Host calls per decode loop step (median ms; dispatch, the jitted step's call, is "
         "inside launch; fetch waits for the step's outputs):",
         "",
-        "| preset | backend | batch | spec | decode programs | loop | "
-        + " | ".join(HOST_CALLS)
-        + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(HOST_CALLS),
     ]
-    for r in engine_rows:
-        cells = " | ".join(f"{r['host_ms'][name]:.2f}" for name in HOST_CALLS)
-        lines.append(
-            f"| {r['preset']} | {r['backend']} | {r['batch']} | {r['spec']} | {r['copies']} | "
-            f"{r['loop_ms']:.2f} | {cells} |"
-        )
+    lines += markdown_table(
+        ["preset", "backend", "batch", "spec", "decode programs", "loop", *HOST_CALLS],
+        [
+            [r["preset"], r["backend"], r["batch"], r["spec"], r["copies"], f"{r['loop_ms']:.2f}"]
+            + [f"{r['host_ms'][name]:.2f}" for name in HOST_CALLS]
+            for r in rows
+            if "host_ms" in r
+        ],
+    )
     if args.profile:
         rows = [r for r in rows if "breakdown_ms" in r]
         cats = sorted({c for r in rows for c in r["breakdown_ms"]})
-        lines += [
-            "",
-            "| preset | batch | spec | kernels | device step ms (first kernel to last) "
-            "| kernels busy ms | % of floor (device step) | host | " + " | ".join(cats) + " |",
-            "|---|---|---|---|---|---|---|---|" + "---|" * len(cats),
-        ]
-        for r in rows:
-            cells = " | ".join(f"{r['breakdown_ms'].get(c, 0.0):.3f}" for c in cats)
-            lines.append(
-                f"| {r['preset']} | {r['batch']} | {r['spec']} | {r['kernels']:.0f} "
-                f"| {r['device_ms']:.3f} | {r['busy_ms']:.3f} | {r['pct_device']:.0f} % "
-                f"| {r['undeviced_ms']:.3f} "
-                f"| {cells} |"
-            )
+        lines.append("")
+        lines += markdown_table(
+            [
+                "preset", "batch", "spec", "kernels", "device step ms (first kernel to last)",
+                "kernels busy ms", "% of floor (device step)", "host", *cats,
+            ],
+            [
+                [
+                    r["preset"], r["batch"], r["spec"], f"{r['kernels']:.0f}",
+                    f"{r['device_ms']:.3f}", f"{r['busy_ms']:.3f}", f"{r['pct_device']:.0f} %",
+                    f"{r['undeviced_ms']:.3f}",
+                ]
+                + [f"{r['breakdown_ms'].get(c, 0.0):.3f}" for c in cats]
+                for r in rows
+            ],
+        )  # fmt: skip
     emit_table(lines, args.out)
 
 
@@ -799,6 +798,15 @@ def prefill_table(model, args, device: str) -> None:
             )
             print(lines[-1], flush=True)
     emit_table(lines, args.out)
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table's lines: the ``header`` cells, the rule, then each row's cells."""
+
+    def line(cells: list[Any]) -> str:
+        return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]
 
 
 def emit_table(lines: list[str], out: str | None) -> None:
