@@ -264,13 +264,7 @@ def attention_mixer(spec: AttentionSpec, key: str = "self_attn") -> Mixer:
     def run(lp, h, k_pool, v_pool, step: Step, parts: int):
         if step.mode == "reference":
             return attention_reference(lp[key], spec, h, step.inputs.positions), k_pool, v_pool
-        i, kernels = step.inputs, step.kernels
-        tokens = (i.positions, i.num_new, i.kv_write_idx, i.kv_read_idx, i.ctx_len)
-        kernel_fns = (kernels.paged_attention, kernels.attention_prologue)
-        block_kv = kernels.tuning.attention.xla_block_kv  # the jnp form's, without a kernel
-        return attention_forward(
-            lp[key], spec, h, *tokens, k_pool, v_pool, *kernel_fns, parts, block_kv
-        )
+        return attention_forward(lp[key], spec, h, step.inputs, k_pool, v_pool, step.kernels, parts)
 
     return Mixer(run, ATTENTION)
 

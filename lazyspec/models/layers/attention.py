@@ -19,9 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from lazyspec.kernels.attention.paged import gated
-from lazyspec.kernels.attention.tuning import AttentionTuning
 from lazyspec.kernels.attention.walk import paged_attend
-from lazyspec.kernels.backend import AttentionPrologueFn, PagedAttentionFn, reads_qkv_in_place
+from lazyspec.kernels.backend import (
+    XLA_KERNELS,
+    AttentionPrologueFn,
+    Kernels,
+    reads_qkv_in_place,
+)
+from lazyspec.models.interface import ForwardInputs
 from lazyspec.models.layers.linear import linear, project_out
 from lazyspec.models.layers.norms import rms_norm
 from lazyspec.models.layers.rope import apply_rope, rope_cos_sin
@@ -181,9 +186,7 @@ def _prologue(
     params: Params,
     spec: AttentionSpec,
     x: jax.Array,
-    positions: jax.Array,
-    num_new: jax.Array,
-    kv_write_idx: jax.Array,
+    inputs: ForwardInputs,
     k_pool: jax.Array,
     v_pool: jax.Array,
     prologue: AttentionPrologueFn,
@@ -224,16 +227,16 @@ def _prologue(
 
     def xla_form():
         q_out, k, v = parts()
-        q, k_new = norm_rope(params, spec, q_out[..., : spec.head_dim], k, positions)
-        pools = write_kv(k_pool, v_pool, k_new, v, kv_write_idx, num_new)
+        q, k_new = norm_rope(params, spec, q_out[..., : spec.head_dim], k, inputs.positions)
+        pools = write_kv(k_pool, v_pool, k_new, v, inputs.kv_write_idx, inputs.num_new)
         return (q.reshape(-1, *q.shape[-2:]), *pools)
 
     norms = [params["q_norm"], params["k_norm"]] if spec.qk_norm else [None, None]
     q, k_pool, v_pool = prologue(
         *views,
-        positions,
-        kv_write_idx,
-        num_new,
+        inputs.positions,
+        inputs.kv_write_idx,
+        inputs.num_new,
         k_pool,
         v_pool,
         *norms,
@@ -252,47 +255,39 @@ def attention_forward(
     params: Params,
     spec: AttentionSpec,
     x: jax.Array,
-    positions: jax.Array,
-    num_new: jax.Array,
-    kv_write_idx: jax.Array,
-    kv_read_idx: jax.Array,
-    ctx_len: jax.Array,
+    inputs: ForwardInputs,
     k_pool: jax.Array,
     v_pool: jax.Array,
-    paged_attention: PagedAttentionFn | None = None,
-    prologue: AttentionPrologueFn | None = None,
+    kernels: Kernels = XLA_KERNELS,
     out_parts: int = 0,
-    xla_block_kv: int = AttentionTuning().xla_block_kv,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One attention layer over the pools: write the new K/V, then attend to the context.
 
-    x ``[B, T, hidden]``; query t of row b sees context positions ``c < ctx_len[b]`` with
-    ``c <= positions[b, t]``. With ``paged_attention`` (a ``Kernels`` entry) the attention
-    runs in that kernel, which reads only the table entries below ``ctx_len`` and applies
-    the output gate; with ``prologue`` too (another entry), the norms, the rotation and the
-    K/V write run in that one. Without, ``paged_attend`` walks the ``kv_read_idx`` table in
-    blocks of ``xla_block_kv`` positions (``AttentionTuning.xla_block_kv``) up to the
-    batch's longest context, so the cost follows the lengths, not C. Returns (output
-    ``[B, T, hidden]``, k_pool, v_pool); with ``out_parts`` the output is ``o_proj``'s
-    float32 partial sums ``[out_parts, B, T, hidden]`` (``linear.linear_parts``), for a
-    residual norm that sums them.
+    x ``[B, T, hidden]`` (the step's new tokens, ``inputs``); query t of row b sees context
+    positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``. With the ``kernels``'
+    ``paged_attention`` the attention runs in that kernel, which reads only the table
+    entries below ``ctx_len`` and applies the output gate; with their
+    ``attention_prologue`` too, the norms, the rotation and the K/V write run in that one.
+    Without, ``paged_attend`` walks the ``kv_read_idx`` table in blocks of the tuning's
+    ``xla_block_kv`` positions up to the batch's longest context, so the cost follows the
+    lengths, not C. Returns (output ``[B, T, hidden]``, k_pool, v_pool); with ``out_parts``
+    the output is ``o_proj``'s float32 partial sums ``[out_parts, B, T, hidden]``
+    (``linear.linear_parts``), for a residual norm that sums them.
     """
+    paged_attention, prologue = kernels.paged_attention, kernels.attention_prologue
     if paged_attention is not None and prologue is not None:
-        q, gate, k_pool, v_pool = _prologue(
-            params, spec, x, positions, num_new, kv_write_idx, k_pool, v_pool, prologue
-        )
+        q, gate, k_pool, v_pool = _prologue(params, spec, x, inputs, k_pool, v_pool, prologue)
     else:
-        q, k, v, gate = project_qkv(params, spec, x, positions)
-        k_pool, v_pool = write_kv(k_pool, v_pool, k, v, kv_write_idx, num_new)
+        q, k, v, gate = project_qkv(params, spec, x, inputs.positions)
+        k_pool, v_pool = write_kv(k_pool, v_pool, k, v, inputs.kv_write_idx, inputs.num_new)
         if paged_attention is not None and gate is not None:
             gate = gate.reshape(q.shape)
+    tables = (inputs.kv_read_idx, inputs.ctx_len, inputs.positions)
     if paged_attention is not None:  # the kernel applies the gate as it writes its output
-        out = paged_attention(
-            q, k_pool, v_pool, kv_read_idx, ctx_len, positions, spec.scale, gate=gate
-        )
+        out = paged_attention(q, k_pool, v_pool, *tables, spec.scale, gate=gate)
         return _output(params, out, None, out_parts), k_pool, v_pool
-    tables = (kv_read_idx, ctx_len, positions)
-    out = paged_attend(q, k_pool, v_pool, *tables, spec.scale, xla_block_kv)
+    block_kv = kernels.tuning.attention.xla_block_kv
+    out = paged_attend(q, k_pool, v_pool, *tables, spec.scale, block_kv)
     return _output(params, out, gate, out_parts), k_pool, v_pool
 
 
