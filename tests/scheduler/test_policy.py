@@ -30,6 +30,21 @@ def _lazy(slots: SlotAllocator, fail: bool = False) -> SlotPolicy:
     return SlotPolicy(EXTRA_BUFFER_LAZY, INTERVAL, D, slots, fail_spare_alloc=fail)
 
 
+def _lazy_keeping(num_slots: int = 8) -> tuple[SlotAllocator, int, SlotPolicy]:
+    """(slots, a keep slot taken from them, a lazy policy over them)."""
+    slots = SlotAllocator(num_slots)
+    keep = slots.alloc(1)[0]
+    return slots, keep, _lazy(slots)
+
+
+def _settled(policy: SlotPolicy, req: Req, **settle: bool | int):
+    """``req``'s decode planned, then settled (``settle``: ``settle_decode``'s crossed,
+    boundary and finishing); its record."""
+    record = policy.plan_decode(req)
+    policy.settle_decode(record, **settle)
+    return record
+
+
 def _donatable(policy: SlotPolicy, req: Req, inflight) -> bool:
     return policy.donation(req, inflight, finished=True) is not None
 
@@ -56,9 +71,7 @@ def test_existing_spare_is_reused():
 
 
 def test_allocation_failure_targets_keep_in_place_without_eviction():
-    slots = SlotAllocator(1)
-    keep = slots.alloc(1)[0]
-    tracker = _lazy(slots)
+    slots, keep, tracker = _lazy_keeping(1)
     record = tracker.plan_decode(_req(12, keep))
     assert record.in_place and record.target_slot == keep
     assert tracker.num_spare_failures == 1
@@ -67,9 +80,7 @@ def test_allocation_failure_targets_keep_in_place_without_eviction():
 
 
 def test_promote_frees_old_keep():
-    slots = SlotAllocator(8)
-    keep = slots.alloc(1)[0]
-    tracker = _lazy(slots)
+    slots, keep, tracker = _lazy_keeping()
     req = _req(14, keep, last=0)
     record = tracker.plan_decode(req)
     spare = record.target_slot
@@ -79,12 +90,9 @@ def test_promote_frees_old_keep():
 
 
 def test_no_crossing_keeps_the_spare():
-    slots = SlotAllocator(8)
-    keep = slots.alloc(1)[0]
-    tracker = _lazy(slots)
+    slots, keep, tracker = _lazy_keeping()
     req = _req(10, keep, last=0)
-    record = tracker.plan_decode(req)
-    tracker.settle_decode(record, crossed=False, boundary=0, finishing=False)
+    record = _settled(tracker, req, crossed=False, boundary=0, finishing=False)
     assert (
         req.slots.spare == record.target_slot
         and req.slots.keep == keep
@@ -93,26 +101,19 @@ def test_no_crossing_keeps_the_spare():
 
 
 def test_in_place_crossing_relabels_while_running_and_blocks_donation_when_finishing():
-    slots = SlotAllocator(1)
-    keep = slots.alloc(1)[0]
-    tracker = _lazy(slots)
+    slots, keep, tracker = _lazy_keeping(1)
     running = _req(14, keep, last=0)
-    record = tracker.plan_decode(running)
-    tracker.settle_decode(record, crossed=True, boundary=16, finishing=False)
+    _settled(tracker, running, crossed=True, boundary=16, finishing=False)
     assert running.slots.last_track_len == 16 and _donatable(tracker, running, [])
     finishing = _req(14, keep, last=0)
-    record = tracker.plan_decode(finishing)
-    tracker.settle_decode(record, crossed=True, boundary=16, finishing=True)
+    _settled(tracker, finishing, crossed=True, boundary=16, finishing=True)
     assert finishing.slots.last_track_len == 0 and not _donatable(tracker, finishing, [])
 
 
 def test_finishing_never_promotes_and_inflight_in_place_blocks_insert():
-    slots = SlotAllocator(8)
-    keep = slots.alloc(1)[0]
-    tracker = _lazy(slots)
+    slots, keep, tracker = _lazy_keeping()
     req = _req(14, keep, last=0)
-    record = tracker.plan_decode(req)
-    tracker.settle_decode(record, crossed=True, boundary=16, finishing=True)
+    _settled(tracker, req, crossed=True, boundary=16, finishing=True)
     assert req.slots.keep == keep and req.slots.last_track_len == 0
     assert _donatable(tracker, req, [])
     # finishing inside the window while the in-flight step may write keep in place
