@@ -8,13 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
-from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import plan_memory
-from lazyspec.scheduler.policy import SlotPolicy
 from lazyspec.scheduler.request import Phase, Req, SamplingParams
 from lazyspec.scheduler.scheduler import Scheduler
+from tests.scheduler.wiring import wired_scheduler
 
 MODEL = SimpleNamespace(max_position_embeddings=4096)
 
@@ -32,9 +30,7 @@ def _scheduler(**overrides) -> Scheduler:
     )
     layout = plan_memory(EngineConfig(**(config | overrides)), MODEL)
     kv, slots = KVAllocator(layout.num_pages, layout.page_size), SlotAllocator(layout.num_slots)
-    tree = RadixCache(layout.page_size, kv, slots)
-    policy = SlotPolicy(layout.strategy, layout.track_interval, layout.num_verify, slots, tree)
-    return Scheduler(layout, policy, RequestCache(layout, tree, kv, slots), eos_ids=())
+    return wired_scheduler(layout, kv, slots, eos_ids=())[1]
 
 
 def _req(rid: str, prompt: list[int], max_new: int) -> Req:

@@ -8,17 +8,13 @@ exactly where it stopped. The loop is driven with and without the overlapped loo
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
-from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import plan_memory
-from lazyspec.scheduler.policy import SlotPolicy
 from lazyspec.scheduler.request import Phase, Req, SamplingParams
 from lazyspec.scheduler.scheduler import Scheduler
 from lazyspec.scheduler.token_ratio import (
@@ -27,9 +23,9 @@ from lazyspec.scheduler.token_ratio import (
     NEW_TOKEN_RATIO_DECAY_STEPS,
     NewTokenRatio,
 )
+from tests.scheduler.wiring import INTERVAL, MODEL, PAGE, small_config, wired_scheduler
 
-TOP, CHUNK, INTERVAL, PAGE = 5, 16, 32, 2
-MODEL = SimpleNamespace(max_position_embeddings=4096)
+TOP = 5
 
 
 def _token(position: int) -> int:
@@ -43,29 +39,20 @@ def _scheduler(
     conservativeness: float = 1.0,
     max_running: int = 4,
 ) -> Scheduler:
-    spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": num_verify - 1}
-    config = EngineConfig(
-        page_size=PAGE,
-        max_running_requests=max_running,
-        max_total_tokens=num_pages * PAGE,
-        max_mamba_cache_size=24,
-        context_length=256,
-        mamba_scheduler_strategy=strategy,
-        mamba_track_interval=INTERVAL,
-        mamba_chunk_size=CHUNK,
-        chunked_prefill_size=64,
+    config = small_config(
+        num_pages,
+        24,
+        max_running,
+        strategy,
+        num_verify,
         schedule_conservativeness=conservativeness,
-        **(spec if num_verify > 1 else {}),
     )
     layout = dataclasses.replace(
         plan_memory(config, MODEL), extend_buckets=((1, 2, 4), (16, 32, 64))
     )
     kv, slots = KVAllocator(num_pages, PAGE), SlotAllocator(layout.num_slots)
-    tree = RadixCache(PAGE, kv, slots)
-    policy = SlotPolicy(layout.strategy, INTERVAL, num_verify, slots, tree)
-    cache = RequestCache(layout, tree, kv, slots)
     ratio = NewTokenRatio(conservativeness)
-    return Scheduler(layout, policy, cache, eos_ids=(2,), token_ratio=ratio)
+    return wired_scheduler(layout, kv, slots, token_ratio=ratio)[1]
 
 
 class Device:

@@ -13,24 +13,26 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator, check_all
-from lazyspec.cache.radix_cache import RadixCache
 from lazyspec.config import EngineConfig
-from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.layout import plan_memory
-from lazyspec.scheduler.policy import SlotPolicy
 from lazyspec.scheduler.request import Req, SamplingParams
-from lazyspec.scheduler.scheduler import Scheduler
 from lazyspec.testing.no_jax import BLOCK_JAX
+from tests.scheduler.wiring import (
+    CHUNK,
+    CHUNKED_PREFILL,
+    INTERVAL,
+    MODEL,
+    PAGE,
+    small_config,
+    wired_scheduler,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP = 5  # top logprobs per position in the step outputs
-CHUNK, INTERVAL, CHUNKED_PREFILL, PAGE = 16, 32, 64, 2
-MODEL = SimpleNamespace(max_position_embeddings=4096)
 
 
 class Pools:
@@ -47,19 +49,7 @@ class Pools:
         max_running: int = 2,
         num_verify: int = 1,
     ) -> None:
-        spec = {"speculative_algorithm": "NEXTN", "speculative_num_steps": num_verify - 1}
-        config = EngineConfig(
-            page_size=PAGE,
-            max_running_requests=max_running,
-            max_total_tokens=num_pages * PAGE,
-            max_mamba_cache_size=num_slots,
-            context_length=256,
-            mamba_scheduler_strategy=strategy,
-            mamba_track_interval=INTERVAL,
-            mamba_chunk_size=CHUNK,
-            chunked_prefill_size=CHUNKED_PREFILL,
-            **(spec if num_verify > 1 else {}),
-        )
+        config = small_config(num_pages, num_slots, max_running, strategy, num_verify)
         rows = tuple(n for n in (1, 2, 4) if n <= max(max_running, 1))
         layout = dataclasses.replace(
             plan_memory(config, MODEL),
@@ -69,18 +59,10 @@ class Pools:
         )
         self.kv = KVAllocator(num_pages, PAGE)
         self.slots = SlotAllocator(num_slots)
-        self.tree = RadixCache(PAGE, self.kv, self.slots)
-        policy = SlotPolicy(
-            layout.strategy,
-            INTERVAL,
-            num_verify,
-            self.slots,
-            self.tree,
-            grid=layout.prefill_track_grid,
-        )
-        cache = RequestCache(layout, self.tree, self.kv, self.slots)
         self.num_verify = num_verify
-        self.sched = Scheduler(layout, policy, cache, eos_ids=(2,))
+        self.tree, self.sched = wired_scheduler(
+            layout, self.kv, self.slots, grid=layout.prefill_track_grid
+        )
 
     def step(self, token: int = 5, accept_len: int = 1):
         """schedule(), then process() the plan with fake results (no overlap)."""
