@@ -119,14 +119,31 @@ def _run_until_finished(pools: Pools, reqs: list[Req], limit: int = 200) -> None
     raise AssertionError("requests did not finish")
 
 
-def test_admission_limited_by_running_rows():
-    pools = Pools(max_running=1)
+def _one_of_two_admitted(pools: Pools):
+    """Two 20-token requests queued and one step run: only the first is admitted. (first,
+    second, the step's plan)."""
     first, second = _req("a", 20), _req("b", 20, seed=1)
     pools.sched.add(first)
     pools.sched.add(second)
     plan = pools.step()
-    assert plan.kind == "extend" and [r.req for r in plan.records] == [first]
     assert pools.sched.running == [first] and list(pools.sched.waiting) == [second]
+    return first, second, plan
+
+
+def _served_in_turn(pools: Pools, first: Req, second: Req) -> None:
+    """``first`` served to its end, then ``second`` admitted alone and served to its end;
+    the pools idle after."""
+    _run_until_finished(pools, [first])
+    pools.step()
+    assert pools.sched.running == [second] and not pools.sched.waiting
+    _run_until_finished(pools, [second])
+    pools.check_idle()
+
+
+def test_admission_limited_by_running_rows():
+    pools = Pools(max_running=1)
+    first, second, plan = _one_of_two_admitted(pools)
+    assert plan.kind == "extend" and [r.req for r in plan.records] == [first]
     _run_until_finished(pools, [first])
     assert first.output_ids == [5] * 4 and first.finish_reason["type"] == "length"
     plan = pools.step()
@@ -138,36 +155,20 @@ def test_admission_limited_by_running_rows():
 def test_admission_limited_by_state_slots():
     # extra_buffer pins 3 slots per running request: 5 slots admit one request
     pools = Pools(num_slots=5, max_running=2)
-    first, second = _req("a", 20), _req("b", 20, seed=1)
-    pools.sched.add(first)
-    pools.sched.add(second)
-    pools.step()
-    assert pools.sched.running == [first] and list(pools.sched.waiting) == [second]
+    first, second, _ = _one_of_two_admitted(pools)
     # 3 pinned, and the prompt's checkpoint at 16 (G = 16) went to the tree with the keep
     # slot, the request continuing on a fresh one
     assert pools.slots.num_free == 1 and pools.tree.num_cached_slots == 1
-    _run_until_finished(pools, [first])
-    pools.step()
-    assert pools.sched.running == [second]
-    _run_until_finished(pools, [second])
-    pools.check_idle()
+    _served_in_turn(pools, first, second)
 
 
 def test_admission_limited_by_kv_pages():
     # 20 prompt + 3 headroom rows take 12 pages; the second then finds 8 pages, short of
     # its own 12
     pools = Pools(num_pages=20)
-    first, second = _req("a", 20), _req("b", 20, seed=1)
-    pools.sched.add(first)
-    pools.sched.add(second)
-    pools.step()
-    assert pools.sched.running == [first] and list(pools.sched.waiting) == [second]
+    first, second, _ = _one_of_two_admitted(pools)
     assert pools.kv.num_free_pages == 20 - 12
-    _run_until_finished(pools, [first])
-    pools.step()
-    assert pools.sched.running == [second] and not pools.sched.waiting
-    _run_until_finished(pools, [second])
-    pools.check_idle()
+    _served_in_turn(pools, first, second)
 
 
 def test_request_that_can_never_fit_is_aborted():
@@ -187,10 +188,7 @@ def test_request_that_can_never_fit_is_aborted():
 
 def test_abort_waiting_request():
     pools = Pools(max_running=1)
-    first, second = _req("a", 20), _req("b", 20, seed=1)
-    pools.sched.add(first)
-    pools.sched.add(second)
-    pools.step()
+    first, second, _ = _one_of_two_admitted(pools)
     free = (pools.slots.num_free, pools.kv.num_free_pages)
     assert pools.sched.abort("b") and not pools.sched.abort("nobody")
     assert second.finished and second.finish_reason == {"type": "abort"}
