@@ -21,6 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
+from lazyspec.testing.tiny_models import TINY_CHUNKS
+
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|endoftext|>", "<|im_end|>"]
 EOS_ID = 2
 TARGET_VOCAB = 384
@@ -37,9 +39,8 @@ WORDS = (
     "else for while import from class self"
 ).split()
 ENGINE_SETTINGS = dict(
-    mamba_track_interval=64,
+    TINY_CHUNKS,
     mamba_chunk_size=64,
-    chunked_prefill_size=64,
     max_running_requests=8,
     max_total_tokens=8192,
     context_length=512,
