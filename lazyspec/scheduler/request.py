@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 NO_SLOT = 0  # the null slot: "none" for every slot field
@@ -46,26 +46,14 @@ class SamplingParams:
     ebnf: str | None = None
 
     @classmethod
+    def names(cls) -> set[str]:
+        """The parameter names ``from_dict`` takes: the fields."""
+        return {f.name for f in fields(cls)}
+
+    @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> SamplingParams:
         params = dict(params or {})
-        known = {
-            "max_new_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "ignore_eos",
-            "stop_token_ids",
-            "seed",
-            "min_new_tokens",
-            "logit_bias",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-            "json_schema",
-            "regex",
-            "ebnf",
-        }
+        known = cls.names()
         unknown = set(params) - known
         if unknown:
             raise ValueError(

@@ -31,6 +31,12 @@ from lazyspec.server.readers import (
     v1_grammar,
 )
 
+# the sampling parameters the server takes besides the engine's (``SamplingParams``): stop
+# strings, detokenizing, choices
+SERVER_SAMPLING_PARAMS = frozenset(
+    {"stop", "stop_regex", "skip_special_tokens", "no_stop_trim", "n"}
+)
+
 
 @dataclass(frozen=True)
 class GenerationSpec:
@@ -178,29 +184,7 @@ def parse_generate(body: dict, tokenizer: Any, limits: Limits) -> GenerationSpec
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ApiError(f"sampling_params={params!r} must be an object", param="sampling_params")
-    known = {
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "ignore_eos",
-        "stop",
-        "stop_regex",
-        "stop_token_ids",
-        "seed",
-        "min_new_tokens",
-        "logit_bias",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "skip_special_tokens",
-        "no_stop_trim",
-        "n",
-    }
+    known = SamplingParams.names() | SERVER_SAMPLING_PARAMS
     unknown = sorted(set(params) - known)
     if unknown:
         raise ApiError(f"unknown sampling parameter(s) {unknown}", param="sampling_params")
