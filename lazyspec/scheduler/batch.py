@@ -224,10 +224,10 @@ class SamplingMemo:
         return self._arrays
 
 
-def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
-    """The batch's sampling arrays: each request's ``sampling_row`` values in its row, the
-    neutral values (greedy, no filter, no bias, no penalty) in the padding rows."""
-    rows = SamplingRows(
+def neutral_sampling(num_rows: int) -> SamplingRows:
+    """Sampling arrays of ``num_rows`` rows of the neutral values: greedy, no filter, no
+    bias, no penalty, no grammar."""
+    return SamplingRows(
         temperature=np.zeros(num_rows, np.float32),
         top_p=np.ones(num_rows, np.float32),
         top_k=np.full(num_rows, -1, np.int32),
@@ -242,6 +242,12 @@ def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
         repetition_penalty=np.ones(num_rows, np.float32),
         constrained=np.zeros(num_rows, bool),
     )
+
+
+def _sampling(num_rows: int, reqs: list[Req]) -> SamplingRows:
+    """The batch's sampling arrays: each request's ``sampling_row`` values in its row, the
+    neutral values in the padding rows (``neutral_sampling``)."""
+    rows = neutral_sampling(num_rows)
     if reqs:
         values = [req.sampling_row for req in reqs]
         for name in _SAMPLING_FIELDS:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazyspec.engine.sampling import SamplingArrays, verify_and_sample
-from lazyspec.scheduler.batch import MASK_IDS
+from lazyspec.scheduler.batch import MASK_IDS, neutral_sampling
 from lazyspec.scheduler.request import MAX_LOGIT_BIAS
 
 VOCAB = 6
@@ -49,21 +49,9 @@ def _chi2(tokens: np.ndarray, probs: np.ndarray) -> float:
 
 def sampling_arrays(num_rows: int, temperature: float, **rows) -> SamplingArrays:
     """Rows with no bias and no min_new_tokens unless ``rows`` gives other arrays."""
-    fields = dict(
-        temperature=np.full(num_rows, temperature, np.float32),
-        top_p=np.ones(num_rows, np.float32),
-        top_k=np.full(num_rows, -1, np.int32),
-        min_p=np.zeros(num_rows, np.float32),
-        seed=np.arange(num_rows, dtype=np.uint32),
-        min_len=np.zeros(num_rows, np.int32),
-        mask_ids=np.full((num_rows, MASK_IDS), -1, np.int32),
-        bias_ids=np.full((num_rows, MAX_LOGIT_BIAS), -1, np.int32),
-        bias_values=np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32),
-        frequency_penalty=np.zeros(num_rows, np.float32),
-        presence_penalty=np.zeros(num_rows, np.float32),
-        repetition_penalty=np.ones(num_rows, np.float32),
-        constrained=np.zeros(num_rows, bool),
-    )
+    fields = vars(neutral_sampling(num_rows))
+    fields["temperature"] = np.full(num_rows, temperature, np.float32)
+    fields["seed"] = np.arange(num_rows, dtype=np.uint32)
     fields.update(rows)
     return SamplingArrays(**{k: jnp.asarray(v) for k, v in fields.items()})
 
