@@ -15,9 +15,11 @@ from lazyspec.kernels.common import check_tile, whole
 from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
 from lazyspec.kernels.norm.gated import gated_rows
 from lazyspec.kernels.state.update_common import (
+    DEFAULT_UPDATE_TILES,
     GdnConvTokens,
     GdnTokens,
     StateUpdateResult,
+    UpdateTiles,
     check_mode,
     check_pool,
     load_state,
@@ -76,28 +78,18 @@ def _conv_token_loader(refs, heads, block_heads, per_key):
     return token
 
 
-def _gdn_kernel(
-    slot_ref,
-    *refs,
-    mode,
-    block_heads,
-    block_value,
-    evict_last,
-    layer,
-    per_key,
-    norm=None,
-    skip_padding=False,
-):
+def _gdn_kernel(slot_ref, *refs, mode, tiles: UpdateTiles, layer, per_key, norm=None):
     """refs: q, k, v, g, beta (``GdnTokens``) or ``_conv_token_loader``'s eight (then, with
     ``norm`` = (eps, dtype) of an ``OutputNorm``, the head's gate block and the norm's
     weight), then the pool, the outputs and the state output."""
     pool_ref, out_ref, state_ref = refs[-3:]
     slot = slot_ref[pl.program_id(0)]
+    block_heads = tiles.block_heads
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
-    cols = pl.ds(pl.program_id(2) * block_value, block_value)
+    cols = pl.ds(pl.program_id(2) * tiles.block_value, tiles.block_value)
     tile = pool_index(layer, slot, heads, slice(None), cols)
-    live = slot != 0 if skip_padding else None
-    h = load_state(pool_ref, tile, evict_last, live).astype(jnp.float32)
+    live = slot != 0 if tiles.skip_padding else None
+    h = load_state(pool_ref, tile, tiles.evict_last, live).astype(jnp.float32)
     if len(refs) == 8:
         q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
 
@@ -200,18 +192,13 @@ def gdn_state_update_pallas(
     tokens: GdnTokens | GdnConvTokens,
     *,
     mode: str,
-    block_heads: int = 1,
-    block_value: int | None = None,
-    evict_last: bool = False,
     layer: int | None = None,
-    skip_padding: bool = False,
+    tiles: UpdateTiles = DEFAULT_UPDATE_TILES,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> StateUpdateResult:
-    """Pallas GDN update (module docstring has the contract). Decode mutates ``pool`` only
-    through the returned (aliased) array; ``evict_last`` (decode only) is ``load_state``'s;
-    ``skip_padding`` (decode only): a padding row (slot 0) reads a zero state instead of
-    slot 0's, not reading its bytes (its outputs, discarded, follow from zeros)."""
+    """Pallas GDN update (module docstring has the contract), split and loaded as
+    ``tiles`` say. Decode mutates ``pool`` only through the returned (aliased) array."""
     check_mode(mode)
     if isinstance(tokens, GdnConvTokens):
         batch, num_tokens, _ = tokens.conv_out.shape
@@ -221,8 +208,9 @@ def gdn_state_update_pallas(
         batch, num_tokens, num_heads, key_dim = tokens.q.shape
         value_dim = tokens.v.shape[-1]
     check_pool(pool, slot, (num_heads, key_dim, value_dim), layer)
-    bh = check_tile("block_heads", num_heads, block_heads)
-    bv = check_tile("block_value", value_dim, block_value)
+    bh = check_tile("block_heads", num_heads, tiles.block_heads)
+    bv = check_tile("block_value", value_dim, tiles.block_value)
+    launched = tiles.for_launch(mode, bh, bv)
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
     per_key = norm = None
     if isinstance(tokens, GdnConvTokens):
@@ -242,17 +230,7 @@ def gdn_state_update_pallas(
         out_like = tokens.v
 
     def gdn_update(*refs):  # the kernel's name in profiles
-        _gdn_kernel(
-            *refs,
-            mode=mode,
-            block_heads=bh,
-            block_value=bv,
-            evict_last=evict_last and mode == "decode",
-            layer=layer,
-            per_key=per_key,
-            norm=norm,
-            skip_padding=skip_padding and mode == "decode",
-        )
+        _gdn_kernel(*refs, mode=mode, tiles=launched, layer=layer, per_key=per_key, norm=norm)
 
     return run_update(
         gdn_update,

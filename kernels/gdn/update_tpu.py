@@ -19,20 +19,10 @@ from lazyspec.kernels.state.update_common import (
 from lazyspec.kernels.state.update_tpu_common import launch, pool_block, store_states
 
 
-def _gdn_kernel(
-    slot_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    g_ref,
-    beta_ref,
-    pool_ref,
-    out_ref,
-    state_ref,
-    *,
-    mode,
-    block_heads,
-):
+def _gdn_kernel(slot_ref, *refs, mode, block_heads):
+    """refs: q, k, v, g, beta (``GdnTokens``), the row's pool block, the outputs, the state
+    block."""
+    q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, out_ref, state_ref = refs
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     h0 = pool_ref[...].astype(jnp.float32)

@@ -14,8 +14,10 @@ from jax.experimental import pallas as pl
 from lazyspec.kernels.common import check_tile, whole
 from lazyspec.kernels.mamba2.reference import mamba2_scan
 from lazyspec.kernels.state.update_common import (
+    DEFAULT_UPDATE_TILES,
     Mamba2Tokens,
     StateUpdateResult,
+    UpdateTiles,
     check_mode,
     check_pool,
     load_state,
@@ -58,33 +60,18 @@ def _heads_from_groups(
     return jnp.repeat(groups.astype(jnp.float32), heads_per_group, axis=0)
 
 
-def _mamba2_kernel(
-    slot_ref,
-    x_ref,
-    b_ref,
-    c_ref,
-    dt_ref,
-    a_ref,
-    d_ref,
-    pool_ref,
-    out_ref,
-    state_ref,
-    *,
-    mode,
-    block_heads,
-    block_value,
-    heads_per_group,
-    evict_last,
-    layer,
-    skip_padding=False,
-):
+def _mamba2_kernel(slot_ref, *refs, mode, tiles: UpdateTiles, heads_per_group, layer):
+    """refs: x, b, c, dt, a, d (``Mamba2Tokens``), then the pool, the outputs and the state
+    output."""
+    x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref, state_ref = refs
     slot = slot_ref[pl.program_id(0)]
+    block_heads = tiles.block_heads
     head_start = pl.program_id(1) * block_heads
     heads = pl.ds(head_start, block_heads)
-    rows = pl.ds(pl.program_id(2) * block_value, block_value)
+    rows = pl.ds(pl.program_id(2) * tiles.block_value, tiles.block_value)
     tile = pool_index(layer, slot, heads, rows, slice(None))
-    live = slot != 0 if skip_padding else None
-    h = load_state(pool_ref, tile, evict_last, live).astype(jnp.float32)
+    live = slot != 0 if tiles.skip_padding else None
+    h = load_state(pool_ref, tile, tiles.evict_last, live).astype(jnp.float32)
     a = a_ref[heads].astype(jnp.float32)
     d = d_ref[heads].astype(jnp.float32)
     for t in range(x_ref.shape[0]):
@@ -121,38 +108,27 @@ def mamba2_state_update_pallas(
     tokens: Mamba2Tokens,
     *,
     mode: str,
-    block_heads: int = 1,
-    block_value: int | None = None,
-    evict_last: bool = False,
     layer: int | None = None,
-    skip_padding: bool = False,
+    tiles: UpdateTiles = DEFAULT_UPDATE_TILES,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """Pallas Mamba2 update (module docstring has the contract); value tiles split P;
-    ``evict_last`` and ``skip_padding`` (decode only) as in ``gdn_state_update_pallas``."""
+    ``tiles`` as ``gdn_state_update_pallas``'s."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
     check_pool(pool, slot, (num_heads, head_dim, state_dim), layer)
-    bh = check_tile("block_heads", num_heads, block_heads)
-    bp = check_tile("block_value", head_dim, block_value)
+    bh = check_tile("block_heads", num_heads, tiles.block_heads)
+    bp = check_tile("block_value", head_dim, tiles.block_value)
+    launched = tiles.for_launch(mode, bh, bp)
     per_group = check_groups(num_heads, num_groups, bh)
     values = pl.BlockSpec((None, num_tokens, bh, bp), lambda b, i, j: (b, 0, i, j))
     groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, j: (b, 0, 0, 0))
     per_head = pl.BlockSpec((None, num_tokens, num_heads), lambda b, i, j: (b, 0, 0))
 
     def mamba2_update(*refs):  # the kernel's name in profiles
-        _mamba2_kernel(
-            *refs,
-            mode=mode,
-            block_heads=bh,
-            block_value=bp,
-            heads_per_group=per_group,
-            evict_last=evict_last and mode == "decode",
-            layer=layer,
-            skip_padding=skip_padding and mode == "decode",
-        )
+        _mamba2_kernel(*refs, mode=mode, tiles=launched, heads_per_group=per_group, layer=layer)
 
     return run_update(
         mamba2_update,

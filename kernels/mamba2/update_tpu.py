@@ -32,22 +32,10 @@ def _group_rows(bc_ref, t: int, head: jax.Array, heads_per_group: int) -> jax.Ar
     return picked
 
 
-def _mamba2_kernel(
-    slot_ref,
-    x_ref,
-    b_ref,
-    c_ref,
-    dt_ref,
-    a_ref,
-    d_ref,
-    pool_ref,
-    out_ref,
-    state_ref,
-    *,
-    mode,
-    block_heads,
-    heads_per_group,
-):
+def _mamba2_kernel(slot_ref, *refs, mode, block_heads, heads_per_group):
+    """refs: x, b, c, dt, a [1, H], d [1, H], the row's pool block, the outputs, the state
+    block."""
+    x_ref, b_ref, c_ref, dt_ref, a_ref, d_ref, pool_ref, out_ref, state_ref = refs
     slot = slot_ref[pl.program_id(0)]
     first_head = pl.program_id(1) * block_heads
     heads = pl.ds(first_head, block_heads)

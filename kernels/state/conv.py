@@ -130,6 +130,20 @@ class ChannelGroups:
         return column
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvOptions:
+    """What a conv update does besides its operands (module contract): ``mode``, SiLU on
+    the outputs or not, the stacked pool's ``layer``, the outputs' dtype (None: x's) and
+    ``channel_groups`` (x grouped so: the Pallas form reads each channel tile where it sits,
+    the XLA form gathers the channels into conv order first)."""
+
+    mode: str
+    silu: bool = True
+    layer: int | None = None
+    out_dtype: Any = None
+    channel_groups: ChannelGroups | None = None
+
+
 def conv_tile_step(
     columns: list[jax.Array],
     x: jax.Array,
@@ -162,11 +176,12 @@ def _check_inputs(
     x: jax.Array,
     weight: jax.Array,
     bias: jax.Array | None,
-    num_new: jax.Array | None = None,
-    layer: int | None = None,
-    channel_groups: ChannelGroups | None = None,
+    num_new: jax.Array | None,
+    options: ConvOptions,
 ) -> tuple[int, int]:
-    """ValueError unless the shapes fit the contract; returns (C, K-1)."""
+    """ValueError unless the mode and the shapes fit the contract; returns (C, K-1)."""
+    check_mode(options.mode)
+    layer, channel_groups = options.layer, options.channel_groups
     lead = 0 if layer is None else 1
     x_channels = x.shape[-1] if channel_groups is None else channel_groups.channels
     if channel_groups is not None:
@@ -193,21 +208,9 @@ def every_token_new(x: jax.Array) -> jax.Array:
     return jnp.full((x.shape[0],), x.shape[1], jnp.int32)
 
 
-def _conv_kernel(
-    slot_ref,
-    num_new_ref,
-    x_ref,
-    weight_ref,
-    bias_ref,
-    pool_ref,
-    out_ref,
-    window_ref,
-    *,
-    mode,
-    block_channels,
-    silu,
-    layer,
-):
+def _conv_kernel(*refs, mode, block_channels, silu, layer):
+    """refs: slot, num_new, x, weight, bias, the pool, the outputs, the windows' output."""
+    slot_ref, num_new_ref, x_ref, weight_ref, bias_ref, pool_ref, out_ref, window_ref = refs
     row = pl.program_id(0)
     slot, num_new = slot_ref[row], num_new_ref[row]
     chans = pl.ds(pl.program_id(1) * block_channels, block_channels)
@@ -236,23 +239,19 @@ def conv_update_pallas(
     x: jax.Array,
     weight: jax.Array,
     bias: jax.Array | None = None,
-    *,
-    mode: str,
-    silu: bool = True,
     num_new: jax.Array | None = None,
-    layer: int | None = None,
-    out_dtype: Any = None,
-    channel_groups: ChannelGroups | None = None,
+    *,
+    options: ConvOptions,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> ConvUpdateResult:
     """Pallas conv update (module docstring has the contract). Decode mutates ``pool`` only
-    through the returned (aliased) array. ``channel_groups``: x is grouped so
-    (``ChannelGroups``) and each channel tile is read where it sits (``block_channels``
-    must divide every part and the group stride); outputs and windows are in conv order."""
-    check_mode(mode)
-    channels, width = _check_inputs(pool, slot, x, weight, bias, num_new, layer, channel_groups)
+    through the returned (aliased) array. With ``options.channel_groups`` each channel tile
+    is read where it sits in x (``block_channels`` must divide every part and the group
+    stride); outputs and windows are in conv order."""
+    channels, width = _check_inputs(pool, slot, x, weight, bias, num_new, options)
+    mode, channel_groups = options.mode, options.channel_groups
     batch, num_tokens, _ = x.shape
     bc = check_tile("block_channels", channels, block_channels)
     if bias is None:
@@ -279,7 +278,7 @@ def conv_update_pallas(
         window_spec = pl.BlockSpec((None, num_tokens, bc, width), lambda b, j: (b, 0, j, 0))
 
     def kernel(*refs):
-        _conv_kernel(*refs, mode=mode, block_channels=bc, silu=silu, layer=layer)
+        _conv_kernel(*refs, mode=mode, block_channels=bc, silu=options.silu, layer=options.layer)
 
     outputs, windows = pl.pallas_call(
         kernel,
@@ -294,7 +293,7 @@ def conv_update_pallas(
         ],
         out_specs=(tokens, window_spec),
         out_shape=(
-            jax.ShapeDtypeStruct((batch, num_tokens, channels), out_dtype or x.dtype),
+            jax.ShapeDtypeStruct((batch, num_tokens, channels), options.out_dtype or x.dtype),
             window_shape,
         ),
         input_output_aliases={5: 1} if mode == "decode" else {},
@@ -312,20 +311,16 @@ def conv_update_xla(
     x: jax.Array,
     weight: jax.Array,
     bias: jax.Array | None = None,
-    *,
-    mode: str,
-    silu: bool = True,
     num_new: jax.Array | None = None,
-    layer: int | None = None,
-    out_dtype: Any = None,
-    channel_groups: ChannelGroups | None = None,
+    *,
+    options: ConvOptions,
 ) -> ConvUpdateResult:
     """Same contract as ``conv_update_pallas``: gather, vmapped ``conv_scan``, masked scatter
-    (``channel_groups``: the channels gathered into conv order first)."""
-    check_mode(mode)
-    _check_inputs(pool, slot, x, weight, bias, num_new, layer, channel_groups)
-    if channel_groups is not None:
-        x = channel_groups.gather(x)
+    (``options.channel_groups``: the channels gathered into conv order first)."""
+    _check_inputs(pool, slot, x, weight, bias, num_new, options)
+    mode, layer, silu = options.mode, options.layer, options.silu
+    if options.channel_groups is not None:
+        x = options.channel_groups.gather(x)
     if num_new is None:
         num_new = every_token_new(x)
     valid = jnp.arange(x.shape[1])[None, :] < num_new[:, None]
@@ -335,7 +330,7 @@ def conv_update_xla(
 
     layer_pool = pool if layer is None else pool[layer]
     outputs, final, windows = jax.vmap(one_row)(layer_pool[slot], x, valid)
-    outputs = outputs.astype(out_dtype or x.dtype)
+    outputs = outputs.astype(options.out_dtype or x.dtype)
     if mode == "decode":
         target = jnp.where(slot != 0, slot, layer_pool.shape[0])  # out of range: dropped
         index = target if layer is None else (layer, target)

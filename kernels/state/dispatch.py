@@ -5,6 +5,7 @@ functions called (``state.update_common``, ``state.conv``, ``state.scatter``).""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -21,12 +22,13 @@ from lazyspec.kernels.common import (
 from lazyspec.kernels.gdn.update import gdn_state_update_pallas, gdn_state_update_xla
 from lazyspec.kernels.mamba2.update import mamba2_state_update_pallas, mamba2_state_update_xla
 from lazyspec.kernels.state.conv import (
-    ChannelGroups,
+    ConvOptions,
     ConvUpdateResult,
     conv_update_pallas,
     conv_update_xla,
 )
 from lazyspec.kernels.state.scatter import (
+    PoolBlocks,
     state_copy_pallas,
     state_copy_xla,
     state_scatter_pallas,
@@ -37,6 +39,7 @@ from lazyspec.kernels.state.update_common import (
     GdnTokens,
     Mamba2Tokens,
     StateUpdateResult,
+    UpdateTiles,
 )
 from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
@@ -81,10 +84,10 @@ def tpu_state_update(
     )
 
 
-def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[int, int, bool]:
-    """(value columns a program, warps, evict_last) of ``mixer``'s update for ``tokens``: the
-    mixer's tuning; GDN's small-step tile up to ``small_step_max_tokens`` tokens; GDN conv
-    tokens with an ``OutputNorm``: a whole head a program with the norm's warps."""
+def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[UpdateTiles, int]:
+    """(tiles, warps) of ``mixer``'s update for ``tokens``: the mixer's tuning; GDN's
+    small-step tile up to ``small_step_max_tokens`` tokens; GDN conv tokens with an
+    ``OutputNorm``: a whole head a program with the norm's warps."""
     record = tuning.gdn if mixer == "gdn" else tuning.mamba2
     block_value, num_warps = record.block_value, record.num_warps
     conv = isinstance(tokens, GdnConvTokens)
@@ -97,7 +100,12 @@ def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[int, int, bo
         block_value = block_value if small is None else small
     if conv and tokens.norm is not None:
         block_value, num_warps = tokens.head_dim, tuning.gdn.norm_in_update_warps
-    return fitted_tile(value_dim, block_value), num_warps, record.evict_last
+    tiles = UpdateTiles(
+        block_value=fitted_tile(value_dim, block_value),
+        evict_last=record.evict_last,
+        skip_padding=tuning.state.skip_padding_state,
+    )
+    return tiles, num_warps
 
 
 def pallas_state_update(
@@ -107,26 +115,22 @@ def pallas_state_update(
     tokens: GdnTokens | Mamba2Tokens,
     *,
     mode: str,
-    block_heads: int = 1,
-    block_value: int | None = None,
-    evict_last: bool | None = None,
     layer: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
     tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
 ) -> StateUpdateResult:
-    """The Triton-layout kernel of ``mixer``; tiles left as None take ``tuning``'s."""
-    tuned_value, num_warps, tuned_evict = _update_tiles(mixer, tokens, tuning)
+    """The Triton-layout kernel of ``mixer`` with ``tuning``'s tiles; ``tiles``
+    (``UpdateTiles`` fields) override them."""
+    tuned, num_warps = _update_tiles(mixer, tokens, tuning)
     return _PALLAS_UPDATES[mixer](
         pool,
         slot,
         tokens,
         mode=mode,
-        block_heads=block_heads,
-        block_value=tuned_value if block_value is None else block_value,
-        evict_last=tuned_evict if evict_last is None else evict_last,
         layer=layer,
-        skip_padding=tuning.state.skip_padding_state,
+        tiles=dataclasses.replace(tuned, **tiles),
         **pallas_options(interpret, compiler_params, num_warps),
     )
 
@@ -165,9 +169,14 @@ def state_update(
     )  # fmt: skip
 
 
+def _conv_options(options: dict[str, Any]) -> tuple[jax.Array | None, ConvOptions]:
+    """(num_new, the rest as ``ConvOptions``) of a conv update's keyword options."""
+    options = dict(options)
+    return options.pop("num_new", None), ConvOptions(**options)
+
+
 def pallas_conv_update(
     *operands: jax.Array | None,
-    channel_groups: ChannelGroups | None = None,
     block_channels: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
@@ -175,9 +184,11 @@ def pallas_conv_update(
     **options: Any,
 ) -> ConvUpdateResult:
     """The Triton-layout conv update of ``operands`` (pool, slot, x, weight[, bias];
-    ``options``: ``mode``, ``silu``, ``num_new``, ``layer``, ``out_dtype``);
-    ``block_channels`` left as None takes ``tuning``'s, fitted to the channels (with
-    ``channel_groups``, to its parts and group stride)."""
+    ``options``: ``mode``, ``silu``, ``num_new``, ``layer``, ``out_dtype``,
+    ``channel_groups``); ``block_channels`` left as None takes ``tuning``'s, fitted to the
+    channels (with ``channel_groups``, to its parts and group stride)."""
+    num_new, conv_options = _conv_options(options)
+    channel_groups = conv_options.channel_groups
     if block_channels is None:
         fit = operands[2].shape[2]
         if channel_groups is not None:
@@ -185,7 +196,7 @@ def pallas_conv_update(
         block_channels = fitted_tile(fit, tuning.state.conv_block_channels)
     launch = pallas_options(interpret, compiler_params)
     return conv_update_pallas(
-        *operands, channel_groups=channel_groups, block_channels=block_channels, **options, **launch
+        *operands, num_new=num_new, options=conv_options, block_channels=block_channels, **launch
     )
 
 
@@ -202,17 +213,19 @@ def conv_update(
     if resolve_backend(kernel_backend) == "xla" or on_platform("tpu"):
         for pallas_only in ("block_channels", "interpret", "compiler_params", "tuning"):
             options.pop(pallas_only, None)
-        return conv_update_xla(*operands, **options)
+        num_new, conv_options = _conv_options(options)
+        return conv_update_xla(*operands, num_new=num_new, options=conv_options)
     return pallas_conv_update(*operands, **options)
 
 
-def _scatter_tiles(
+def _scatter_blocks(
     ssm_pool: jax.Array, conv_pool: jax.Array, tiles: dict[str, Any], tuning: Tuning
-) -> dict[str, Any]:
-    """The scatter's and the copy's tiles: those given, else ``tuning``'s fitted to the pools."""
+) -> PoolBlocks:
+    """The scatter's and the copy's tiles: those given (``PoolBlocks`` fields), else
+    ``tuning``'s fitted to the pools."""
     rows = fitted_tile(ssm_pool.shape[3], tuning.state.scatter_block_rows)
     channels = fitted_tile(conv_pool.shape[2], tuning.state.scatter_block_channels)
-    return {"block_rows": rows, "block_channels": channels, "block_heads": 1, **tiles}
+    return dataclasses.replace(PoolBlocks(1, rows, channels), **tiles)
 
 
 def pallas_state_scatter(
@@ -225,9 +238,9 @@ def pallas_state_scatter(
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas scatter of ``operands`` (ssm_pool, conv_pool, ssm_steps, conv_steps,
     dst_slot, step); tiles not given take ``tuning``'s."""
-    tiles = _scatter_tiles(operands[0], operands[1], tiles, tuning)
+    blocks = _scatter_blocks(operands[0], operands[1], tiles, tuning)
     launch = pallas_options(interpret, compiler_params)
-    return state_scatter_pallas(*operands, layer=layer, **tiles, **launch)
+    return state_scatter_pallas(*operands, layer=layer, blocks=blocks, **launch)
 
 
 def state_scatter(
@@ -250,9 +263,12 @@ def pallas_state_copy(
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas pool-to-pool copy of ``operands`` (ssm_pool, conv_pool, src_slot,
     dst_slot); tiles not given take ``tuning``'s."""
-    tiles = _scatter_tiles(operands[0], operands[1], tiles, tuning)
-    tiles["tiles_per_program"] = tuning.state.copy_tiles_per_program
-    return state_copy_pallas(*operands, **tiles, **pallas_options(interpret, compiler_params))
+    return state_copy_pallas(
+        *operands,
+        blocks=_scatter_blocks(operands[0], operands[1], tiles, tuning),
+        tiles_per_program=tuning.state.copy_tiles_per_program,
+        **pallas_options(interpret, compiler_params),
+    )
 
 
 def state_copy(

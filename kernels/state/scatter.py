@@ -101,6 +101,19 @@ def _checked_view(
 
 
 @dataclasses.dataclass(frozen=True)
+class PoolBlocks:
+    """The tile sizes asked of a pool copy: ``block_heads`` heads and ``block_rows`` rows of
+    the state, ``block_channels`` conv channels a tile (None: the whole axis)."""
+
+    block_heads: int = 1
+    block_rows: int | None = None
+    block_channels: int | None = None
+
+
+DEFAULT_POOL_BLOCKS = PoolBlocks()  # a head of whole states, the whole conv window a tile
+
+
+@dataclasses.dataclass(frozen=True)
 class PoolTiles:
     """The tiles a row's copy is cut into: ``block_heads`` x ``block_rows`` tiles of the
     state (``num_state_tiles``, ``row_tiles`` of them a head tile), then ``block_channels``
@@ -114,16 +127,16 @@ class PoolTiles:
     num_tiles: int
 
     @classmethod
-    def of(cls, ssm_pool, conv_pool, block_heads, block_rows, block_channels) -> PoolTiles:
-        """The tiles of these pools, each size checked (None: the whole axis)."""
+    def of(cls, ssm_pool, conv_pool, blocks: PoolBlocks) -> PoolTiles:
+        """The tiles of these pools cut as ``blocks`` asks, each size checked."""
         num_heads, state_rows, num_channels = (
             ssm_pool.shape[2],
             ssm_pool.shape[3],
             conv_pool.shape[2],
         )
-        bh = check_tile("block_heads", num_heads, block_heads)
-        br = check_tile("block_rows", state_rows, block_rows)
-        bc = check_tile("block_channels", num_channels, block_channels)
+        bh = check_tile("block_heads", num_heads, blocks.block_heads)
+        br = check_tile("block_rows", state_rows, blocks.block_rows)
+        bc = check_tile("block_channels", num_channels, blocks.block_channels)
         num_state_tiles = (num_heads // bh) * (state_rows // br)
         return cls(
             bh, br, bc, state_rows // br, num_state_tiles, num_state_tiles + num_channels // bc
@@ -203,19 +216,18 @@ def state_scatter_pallas(
     dst_slot: jax.Array,
     step: jax.Array,
     *,
-    block_heads: int = 1,
-    block_rows: int | None = None,
-    block_channels: int | None = None,
     layer: int | None = None,
+    blocks: PoolBlocks = DEFAULT_POOL_BLOCKS,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pallas masked copy (module docstring has the contract). Returns the updated
-    (ssm_pool, conv_pool), aliased to the inputs; donate them under jit."""
+    """Pallas masked copy (module docstring has the contract), in tiles of ``blocks``.
+    Returns the updated (ssm_pool, conv_pool), aliased to the inputs; donate them under
+    jit."""
     first_layer, ssm_steps, conv_steps = _checked_view(
         ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer
     )
-    tiles = PoolTiles.of(ssm_pool, conv_pool, block_heads, block_rows, block_channels)
+    tiles = PoolTiles.of(ssm_pool, conv_pool, blocks)
     grid = (ssm_steps.shape[0], dst_slot.shape[0], tiles.num_tiles)
 
     def kernel(*refs):
@@ -277,21 +289,20 @@ def state_copy_pallas(
     src_slot: jax.Array,
     dst_slot: jax.Array,
     *,
-    block_heads: int = 1,
-    block_rows: int | None = None,
-    block_channels: int | None = None,
+    blocks: PoolBlocks = DEFAULT_POOL_BLOCKS,
     tiles_per_program: int = 1,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pallas pool-to-pool copy (``state_copy`` in the module docstring). Returns the updated
+    """Pallas pool-to-pool copy (``state_copy`` in the module docstring), in tiles of
+    ``blocks``. Returns the updated
     (ssm_pool, conv_pool), aliased to the inputs; donate them under jit.
     ``tiles_per_program``: each program copies that many consecutive tiles of its row (the
     grid's last axis shrinks as much): a step where no row copies still launches one
     program per (layer, row, tile group), each returning at once, and those launches grow
     with the batch."""
     _check_copy(ssm_pool, conv_pool, src_slot, dst_slot)
-    tiles = PoolTiles.of(ssm_pool, conv_pool, block_heads, block_rows, block_channels)
+    tiles = PoolTiles.of(ssm_pool, conv_pool, blocks)
     if tiles_per_program <= 0:
         raise ValueError(f"tiles_per_program={tiles_per_program} must be positive")
     groups = -(-tiles.num_tiles // tiles_per_program)

@@ -151,6 +151,32 @@ class Mamba2Tokens:
     d: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdateTiles:
+    """How a Triton-layout update splits and loads its work: ``block_heads`` heads and
+    ``block_value`` value columns a program (None: the whole value axis); in decode,
+    ``evict_last`` (the state load keeps its lines in L2, ``load_state``) and
+    ``skip_padding`` (a padding row, slot 0, reads a zero state instead of slot 0's, not
+    reading its bytes; its outputs, discarded, follow from zeros). Both apply to decode
+    only."""
+
+    block_heads: int = 1
+    block_value: int | None = None
+    evict_last: bool = False
+    skip_padding: bool = False
+
+    def for_launch(self, mode: str, block_heads: int, block_value: int) -> UpdateTiles:
+        """These tiles as a launch in ``mode`` runs them: the checked tile sizes, the
+        decode-only loads off in verify."""
+        decode = mode == "decode"
+        return UpdateTiles(
+            block_heads, block_value, self.evict_last and decode, self.skip_padding and decode
+        )
+
+
+DEFAULT_UPDATE_TILES = UpdateTiles()  # a head and the whole value axis a program, plain loads
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StateUpdateResult:

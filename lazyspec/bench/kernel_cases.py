@@ -143,13 +143,15 @@ def slots_for(key, batch: int, slot_bytes: int, smoke: bool = False) -> tuple[in
     return num_slots, jnp.stack(sets).astype(jnp.int32)
 
 
-def pallas_options(interpret: bool, tiles: dict) -> dict:
+def pallas_options(interpret: bool, tiles: dict) -> tuple[dict, dict]:
+    """(the kernel's tile arguments, its launch options) of a ``--tiles`` entry: its warps
+    and stages go to the Triton compiler params."""
     tiles = dict(tiles)
     warps, stages = tiles.pop("num_warps", 4), tiles.pop("num_stages", 1)
     params = (
         None if interpret else common.pallas_compiler_params(num_warps=warps, num_stages=stages)
     )
-    return {**tiles, "interpret": interpret, "compiler_params": params}
+    return tiles, {"interpret": interpret, "compiler_params": params}
 
 
 def token_inputs(model: Model, keys, batch: int, tokens: int):
@@ -203,7 +205,9 @@ def state_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
             if impl == "xla":
                 r = xla(pool, slot, tokens_in, mode=mode)
             else:
-                r = pallas(pool, slot, tokens_in, mode=mode, **pallas_options(interpret, tiles))
+                kernel_tiles, launch = pallas_options(interpret, tiles)
+                update_tiles = state_update.UpdateTiles(**kernel_tiles)
+                r = pallas(pool, slot, tokens_in, mode=mode, tiles=update_tiles, **launch)
             return (r.outputs, r.pool) if mode == "decode" else (r.outputs, r.step_states)
 
         return run
@@ -217,24 +221,24 @@ def pattern_copy(
     slot: jax.Array,
     *,
     along_last: bool,
-    block_value: int,
-    block_heads: int = 1,
-    evict_last: bool = False,
+    tiles: state_update.UpdateTiles,
     interpret: bool = False,
     compiler_params=None,
 ) -> jax.Array:
     """``pool[slot[b], heads, tile] += 1`` in place (rows on slot 0 write nothing) over the
     decode kernels' grid (row, head tile, value tile) and tile: [d_a, block_value] (GDN,
-    ``along_last``) or [block_value, d_b] (Mamba2), loaded with the same ``load_state``."""
+    ``along_last``) or [block_value, d_b] (Mamba2), loaded with the same ``load_state``
+    (``tiles`` as the update's; ``block_value`` set)."""
     heads, rows, cols = pool.shape[1:]
-    tiles = (cols if along_last else rows) // block_value
+    block_heads, block_value = tiles.block_heads, tiles.block_value
+    num_tiles = (cols if along_last else rows) // block_value
 
     def pattern_copy_kernel(slot_ref, _pool, pool_ref):
         slot = slot_ref[pl.program_id(0)]
         head = pl.ds(pl.program_id(1) * block_heads, block_heads)
         part = pl.ds(pl.program_id(2) * block_value, block_value)
         idx = (slot, head, slice(None), part) if along_last else (slot, head, part, slice(None))
-        tile = state_update.load_state(pool_ref, idx, evict_last)
+        tile = state_update.load_state(pool_ref, idx, tiles.evict_last)
 
         @pl.when(slot != 0)
         def _write():
@@ -242,7 +246,7 @@ def pattern_copy(
 
     return pl.pallas_call(
         pattern_copy_kernel,
-        grid=(slot.shape[0], heads // block_heads, tiles),
+        grid=(slot.shape[0], heads // block_heads, num_tiles),
         in_specs=[pl.BlockSpec(), pl.BlockSpec()],
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
@@ -265,10 +269,11 @@ def ceiling_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
             return lambda pool, slot: (
                 pool.at[jnp.where(slot != 0, slot, pool.shape[0])].add(1.0, mode="drop"),
             )
+        kernel_tiles, launch = pallas_options(opts.interpret, tiles)
+        update_tiles = state_update.UpdateTiles(**kernel_tiles)
+        along_last = model.mixer == "gdn"
         return lambda pool, slot: (
-            pattern_copy(
-                pool, slot, along_last=model.mixer == "gdn", **pallas_options(opts.interpret, tiles)
-            ),
+            pattern_copy(pool, slot, along_last=along_last, tiles=update_tiles, **launch),
         )
 
     make = lambda: (normal(keys[1], pool_shape, scale=0.1), slot_sets[0])  # noqa: E731
@@ -364,11 +369,13 @@ def conv_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
 
     def fn(impl, tiles):
         def run(pool, slot, x, weight, bias):
+            options = conv_update.ConvOptions(mode)
             if impl == "xla":
-                r = conv_update.conv_update_xla(pool, slot, x, weight, bias, mode=mode)
+                r = conv_update.conv_update_xla(pool, slot, x, weight, bias, options=options)
             else:
+                kernel_tiles, launch = pallas_options(interpret, tiles)
                 r = conv_update.conv_update_pallas(
-                    pool, slot, x, weight, bias, mode=mode, **pallas_options(interpret, tiles)
+                    pool, slot, x, weight, bias, options=options, **kernel_tiles, **launch
                 )
             return (r.outputs, r.pool) if mode == "decode" else (r.outputs, r.step_windows)
 
@@ -402,8 +409,8 @@ def scatter_bench(model: Model, batch: int, tokens: int, opts) -> Bench:
     def fn(impl, tiles):
         if impl == "xla":
             return state_scatter.state_scatter_xla
-        return lambda *args: state_scatter.state_scatter_pallas(
-            *args, **pallas_options(interpret, tiles)
-        )
+        kernel_tiles, launch = pallas_options(interpret, tiles)
+        blocks = state_scatter.PoolBlocks(**kernel_tiles)
+        return lambda *args: state_scatter.state_scatter_pallas(*args, blocks=blocks, **launch)
 
     return Bench("scatter", int(moved), make, fn, {0: 0, 1: 1}, 4, dst_sets)

@@ -22,8 +22,9 @@ from lazyspec.engine.steps import decode_step
 from lazyspec.kernels.backend import XLA_KERNELS, Kernels
 from lazyspec.kernels.common import pallas_compiler_params
 from lazyspec.kernels.gdn.update import gdn_state_update_pallas
-from lazyspec.kernels.state.conv import conv_update_pallas
-from lazyspec.kernels.state.scatter import state_copy_pallas
+from lazyspec.kernels.state.conv import ConvOptions, conv_update_pallas
+from lazyspec.kernels.state.scatter import PoolBlocks, state_copy_pallas
+from lazyspec.kernels.state.update_common import UpdateTiles
 from lazyspec.models.interface import ForwardInputs, StateRows
 from lazyspec.scheduler.batch import build_decode
 from lazyspec.testing.tiny_models import small_engine, tiny_model
@@ -169,13 +170,23 @@ def _triton_kernels() -> Kernels:
     (Triton), the other functions in their XLA forms: what the step calls on a GPU,
     lowerable on CPU."""
     options = {"compiler_params": pallas_compiler_params("gpu")}
+
+    def conv_update(*operands, num_new=None, **conv):  # ``ConvUpdateFn``'s keywords
+        return conv_update_pallas(
+            *operands, num_new=num_new, options=ConvOptions(**conv), block_channels=16, **options
+        )
+
     return dataclasses.replace(
         XLA_KERNELS,
         backend="pallas",
         platform="gpu",
-        gdn_state_update=functools.partial(gdn_state_update_pallas, block_value=8, **options),
-        state_copy=functools.partial(state_copy_pallas, block_rows=8, block_channels=16, **options),
-        conv_update=functools.partial(conv_update_pallas, block_channels=16, **options),
+        gdn_state_update=functools.partial(
+            gdn_state_update_pallas, tiles=UpdateTiles(block_value=8), **options
+        ),
+        state_copy=functools.partial(
+            state_copy_pallas, blocks=PoolBlocks(block_rows=8, block_channels=16), **options
+        ),
+        conv_update=conv_update,
     )
 
 

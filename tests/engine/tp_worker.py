@@ -291,7 +291,9 @@ def triton_calls(tp: int) -> dict[str, int]:
     rows, steps, heads, channels = 4, 4, 8, 10240
     update = sk._state_update(
         functools.partial(
-            mamba2_update.mamba2_state_update_pallas, block_value=32, compiler_params=params
+            mamba2_update.mamba2_state_update_pallas,
+            tiles=su.UpdateTiles(block_value=32),
+            compiler_params=params,
         ),
         plan,
     )
@@ -301,16 +303,13 @@ def triton_calls(tp: int) -> dict[str, int]:
         spec((rows, steps, heads), f32),
         *(spec((heads,), f32),) * 2,
     )
+    blocks = ss.PoolBlocks(block_rows=32, block_channels=512)
     scatter = sk._state_scatter(
-        functools.partial(
-            ss.state_scatter_pallas, block_rows=32, block_channels=512, compiler_params=params
-        ),
+        functools.partial(ss.state_scatter_pallas, blocks=blocks, compiler_params=params),
         plan,
     )
     copy = sk._state_copy(
-        functools.partial(
-            ss.state_copy_pallas, block_rows=32, block_channels=512, compiler_params=params
-        ),
+        functools.partial(ss.state_copy_pallas, blocks=blocks, compiler_params=params),
         plan,
     )
     attention = sk._paged_attention(

@@ -81,11 +81,18 @@ def test_conv_pallas_and_xla_match_scan(case):
     expected = reference(pool, slot, x, weight, bias)
     out_tol = FP32_TOL if x_dtype == jnp.float32 else BF16_OUT_TOL
     got = cu.conv_update_pallas(
-        pool, slot, x, weight, bias, mode=mode, block_channels=block, interpret=INTERPRET
+        pool,
+        slot,
+        x,
+        weight,
+        bias,
+        options=cu.ConvOptions(mode=mode),
+        block_channels=block,
+        interpret=INTERPRET,
     )
     check_result(got, pool, slot, mode, *expected, out_tol)
-    got = jax.jit(cu.conv_update_xla, static_argnames="mode")(
-        pool, slot, x, weight, bias, mode=mode
+    got = jax.jit(cu.conv_update_xla, static_argnames="options")(
+        pool, slot, x, weight, bias, options=cu.ConvOptions(mode)
     )
     check_result(got, pool, slot, mode, *expected, out_tol)
 
@@ -114,11 +121,15 @@ def test_conv_bad_arguments_and_dispatch_pallas():
     rng = np.random.default_rng(6)
     pool, slot, x, weight, bias = conv_case(rng, 3, 2, 12, 4, 5, jnp.float32, jnp.float32, True)
     with pytest.raises(ValueError, match="block_channels=5"):
-        cu.conv_update_pallas(pool, slot, x, weight, bias, mode="decode", block_channels=5)
+        cu.conv_update_pallas(
+            pool, slot, x, weight, bias, options=cu.ConvOptions(mode="decode"), block_channels=5
+        )
     with pytest.raises(ValueError, match="weight shape"):
-        cu.conv_update_xla(pool, slot, x, weight[:, :3], bias, mode="decode")
+        cu.conv_update_xla(
+            pool, slot, x, weight[:, :3], bias, options=cu.ConvOptions(mode="decode")
+        )
     with pytest.raises(ValueError, match="mode"):
-        cu.conv_update_xla(pool, slot, x, weight, bias, mode="draft")
+        cu.conv_update_xla(pool, slot, x, weight, bias, options=cu.ConvOptions(mode="draft"))
     via_pallas = state_dispatch.conv_update(
         pool,
         slot,
@@ -153,7 +164,7 @@ def test_conv_update_lowers_to_triton_at_model_shapes_pallas():
     for mode in ("decode", "verify"):
         lowered = jax.jit(
             lambda *a: cu.conv_update_pallas(
-                *a, mode=mode, block_channels=1024, compiler_params=params
+                *a, options=cu.ConvOptions(mode=mode), block_channels=1024, compiler_params=params
             )
         ).trace(*args)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text().lower()
@@ -180,11 +191,11 @@ def test_conv_stacked_pool_and_num_new_match_scan_pallas(mode):
     np.testing.assert_array_equal(np.asarray(final[2]), np.asarray(stacked[layer, 2]))
     forms = {
         "pallas": functools.partial(cu.conv_update_pallas, block_channels=8, interpret=INTERPRET),
-        "xla": jax.jit(cu.conv_update_xla, static_argnames=("mode", "layer", "out_dtype")),
+        "xla": jax.jit(cu.conv_update_xla, static_argnames="options"),
     }
-    options = {"mode": mode, "num_new": num_new, "layer": layer, "out_dtype": jnp.float32}
+    options = cu.ConvOptions(mode, layer=layer, out_dtype=jnp.float32)
     for name, form in forms.items():
-        got = form(stacked, slot, x, weight, bias, **options)
+        got = form(stacked, slot, x, weight, bias, num_new, options=options)
         assert got.outputs.dtype == jnp.float32
         assert_close(got.outputs, outs, FP32_TOL, f"{name} outputs")
         if mode == "verify":
@@ -205,11 +216,20 @@ def test_conv_stacked_pool_bad_layer_pallas():
     rng = np.random.default_rng(8)
     pool, slot, x, weight, bias = conv_case(rng, 2, 1, 8, 4, 3, jnp.float32, jnp.float32, False)
     with pytest.raises(ValueError, match="layer=2"):
-        cu.conv_update_xla(pool[None].repeat(2, 0), slot, x, weight, mode="decode", layer=2)
+        cu.conv_update_xla(
+            pool[None].repeat(2, 0), slot, x, weight, options=cu.ConvOptions(mode="decode", layer=2)
+        )
     with pytest.raises(ValueError, match=r"\[L, S\+1, C, K-1\]"):
-        cu.conv_update_pallas(pool, slot, x, weight, mode="decode", layer=0)
+        cu.conv_update_pallas(pool, slot, x, weight, options=cu.ConvOptions(mode="decode", layer=0))
     with pytest.raises(ValueError, match="num_new shape"):
-        cu.conv_update_pallas(pool, slot, x, weight, mode="decode", num_new=jnp.ones(3, jnp.int32))
+        cu.conv_update_pallas(
+            pool,
+            slot,
+            x,
+            weight,
+            options=cu.ConvOptions(mode="decode"),
+            num_new=jnp.ones(3, jnp.int32),
+        )
 
 
 def _conv_order(x: np.ndarray, groups: int, parts: tuple[int, ...]) -> np.ndarray:
@@ -245,14 +265,19 @@ def test_conv_reads_grouped_channels_in_place_pallas(mode):
             block_channels=block, interpret=INTERPRET,
         )  # fmt: skip
         check_result(got, pool, slot, mode, *expected, FP32_TOL)
-    got = cu.conv_update_xla(*args, mode=mode, channel_groups=layout)
+    got = cu.conv_update_xla(*args, options=cu.ConvOptions(mode=mode, channel_groups=layout))
     check_result(got, pool, slot, mode, *expected, FP32_TOL)
     with pytest.raises(ValueError, match="block_channels=8 must divide the parts"):
         cu.conv_update_pallas(
-            *args, mode=mode, channel_groups=layout, block_channels=8, interpret=INTERPRET
+            *args,
+            options=cu.ConvOptions(mode=mode, channel_groups=layout),
+            block_channels=8,
+            interpret=INTERPRET,
         )
     with pytest.raises(ValueError, match="does not hold 5 groups"):
-        cu.conv_update_xla(*args, mode=mode, channel_groups=cu.ChannelGroups(5, parts))
+        cu.conv_update_xla(
+            *args, options=cu.ConvOptions(mode=mode, channel_groups=cu.ChannelGroups(5, parts))
+        )
 
 
 def test_grouped_conv_lowers_to_triton_at_qwen3_next_shapes_pallas():
@@ -273,9 +298,7 @@ def test_grouped_conv_lowers_to_triton_at_qwen3_next_shapes_pallas():
             slot,
             x,
             w,
-            mode=mode,
-            layer=1,
-            channel_groups=layout,
+            options=cu.ConvOptions(mode=mode, layer=1, channel_groups=layout),
             block_channels=128,
             compiler_params=params,
         )

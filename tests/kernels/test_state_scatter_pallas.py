@@ -81,9 +81,7 @@ def test_state_scatter_pallas_and_xla_match_numpy(case):
         *steps,
         dst,
         step,
-        block_heads=bh,
-        block_rows=br,
-        block_channels=bc,
+        blocks=ss.PoolBlocks(block_heads=bh, block_rows=br, block_channels=bc),
         interpret=INTERPRET,
     )
     check(got, pools, expected, dst, step)
@@ -117,7 +115,9 @@ def test_state_scatter_one_layer_pallas(layer):
     expected = expected_pools(pools, steps, dst, step)
 
     def pallas(*args, **kwargs):
-        return ss.state_scatter_pallas(*args, block_channels=4, interpret=INTERPRET, **kwargs)
+        return ss.state_scatter_pallas(
+            *args, blocks=ss.PoolBlocks(block_channels=4), interpret=INTERPRET, **kwargs
+        )
 
     for name, fn in (("pallas", pallas), ("xla", ss.state_scatter_xla)):
         got = fn(*pools, steps[0][layer], steps[1][layer], dst, step, layer=layer)
@@ -140,7 +140,7 @@ def test_state_scatter_bad_arguments_pallas():
     rng = np.random.default_rng(5)
     pools, steps, dst, step = scatter_case(rng, 2, 6, 4, 4, 2, 2, 4, 4, 8, 4, jnp.float32)
     with pytest.raises(ValueError, match="block_rows=3"):
-        ss.state_scatter_pallas(*pools, *steps, dst, step, block_rows=3)
+        ss.state_scatter_pallas(*pools, *steps, dst, step, blocks=ss.PoolBlocks(block_rows=3))
     with pytest.raises(ValueError, match="ssm_steps"):
         ss.state_scatter_xla(pools[0], pools[1], steps[0][:, :, :, :1], steps[1], dst, step)
     with pytest.raises(ValueError, match="B <= 4"):
@@ -165,8 +165,7 @@ def test_state_scatter_lowers_to_triton_at_model_shapes_pallas():
     lowered = jax.jit(
         lambda *a: ss.state_scatter_pallas(
             *a,
-            block_rows=32,
-            block_channels=1024,
+            blocks=ss.PoolBlocks(block_rows=32, block_channels=1024),
             compiler_params=common.pallas_compiler_params("gpu"),
         )
     ).trace(*args)
@@ -218,9 +217,7 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
             c,
             src,
             dst,
-            block_heads=bh,
-            block_rows=br,
-            block_channels=bc,
+            blocks=ss.PoolBlocks(block_heads=bh, block_rows=br, block_channels=bc),
             tiles_per_program=tiles_per_program,
             interpret=INTERPRET,
         )
@@ -261,8 +258,10 @@ def test_state_copy_lowers_to_triton_at_model_shapes_pallas():
     lowered = jax.jit(
         lambda *a: ss.state_copy_pallas(
             *a,
-            block_rows=Tuning().state.scatter_block_rows,
-            block_channels=Tuning().state.scatter_block_channels,
+            blocks=ss.PoolBlocks(
+                block_rows=Tuning().state.scatter_block_rows,
+                block_channels=Tuning().state.scatter_block_channels,
+            ),
             tiles_per_program=Tuning().state.copy_tiles_per_program,
             compiler_params=common.pallas_compiler_params("gpu"),
         )

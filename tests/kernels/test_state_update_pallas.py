@@ -127,7 +127,12 @@ def test_gdn_pallas_and_xla_match_scan(case):
     )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     got = gdn_update.gdn_state_update_pallas(
-        pool, slot, inputs, mode=mode, block_heads=bh, block_value=bv, interpret=INTERPRET
+        pool,
+        slot,
+        inputs,
+        mode=mode,
+        tiles=su.UpdateTiles(block_heads=bh, block_value=bv),
+        interpret=INTERPRET,
     )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
     got = jax.jit(gdn_update.gdn_state_update_xla, static_argnames="mode")(
@@ -158,7 +163,12 @@ def test_mamba2_pallas_and_xla_match_scan(case):
     )
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     got = mamba2_update.mamba2_state_update_pallas(
-        pool, slot, inputs, mode=mode, block_heads=bh, block_value=bp, interpret=INTERPRET
+        pool,
+        slot,
+        inputs,
+        mode=mode,
+        tiles=su.UpdateTiles(block_heads=bh, block_value=bp),
+        interpret=INTERPRET,
     )
     check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
     got = jax.jit(mamba2_update.mamba2_state_update_xla, static_argnames="mode")(
@@ -222,12 +232,16 @@ def test_bad_arguments_raise_value_error_pallas():
     with pytest.raises(ValueError, match="prefill"):
         gdn_update.gdn_state_update_pallas(pool, slot, inputs, mode="prefill", interpret=INTERPRET)
     with pytest.raises(ValueError, match="block_heads=4"):
-        gdn_update.gdn_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=4)
+        gdn_update.gdn_state_update_pallas(
+            pool, slot, inputs, mode="decode", tiles=su.UpdateTiles(block_heads=4)
+        )
     with pytest.raises(ValueError, match="pool shape"):
         gdn_update.gdn_state_update_xla(pool[:, :, :4], slot, inputs, mode="decode")
     pool, slot, inputs = mamba2_case(rng, 2, 1, 6, 2, 4, 8, 3, jnp.float32)
     with pytest.raises(ValueError, match="heads per group"):
-        mamba2_update.mamba2_state_update_pallas(pool, slot, inputs, mode="decode", block_heads=2)
+        mamba2_update.mamba2_state_update_pallas(
+            pool, slot, inputs, mode="decode", tiles=su.UpdateTiles(block_heads=2)
+        )
 
 
 def test_backend_resolution_and_dispatch_pallas():
@@ -481,7 +495,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
         for inputs in (gdn, conv, grouped):
             text = lower_for_cuda(
                 lambda p, s, t: gdn_update.gdn_state_update_pallas(
-                    p, s, t, mode=mode, block_value=32, compiler_params=params
+                    p, s, t, mode=mode, tiles=su.UpdateTiles(block_value=32), compiler_params=params
                 ),
                 spec((9, 32, 128, 128), jnp.float32),
                 slot,
@@ -490,7 +504,12 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
             assert "triton" in text.lower()
         text = lower_for_cuda(
             lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
-                p, s, t, mode=mode, block_value=32, evict_last=True, compiler_params=params
+                p,
+                s,
+                t,
+                mode=mode,
+                tiles=su.UpdateTiles(block_value=32, evict_last=True),
+                compiler_params=params,
             ),
             spec((9, 128, 64, 128), jnp.float32),
             slot,
@@ -505,10 +524,9 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
                     s,
                     t,
                     mode=mode,
-                    block_value=64,
+                    tiles=su.UpdateTiles(block_value=64, skip_padding=True),
                     layer=2,
                     compiler_params=params,
-                    skip_padding=True,
                 ),
                 spec((3, 9, 32, 128, 128), jnp.float32),
                 slot,
@@ -521,11 +539,9 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
                 s,
                 t,
                 mode=mode,
-                block_value=32,
-                evict_last=True,
+                tiles=su.UpdateTiles(block_value=32, evict_last=True, skip_padding=True),
                 layer=1,
                 compiler_params=params,
-                skip_padding=True,
             ),
             spec((3, 9, 128, 64, 128), jnp.float32),
             slot,
@@ -535,7 +551,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
     with pytest.raises(ValueError, match="power of 2"):
         lower_for_cuda(
             lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
-                p, s, t, mode="decode", block_value=48, compiler_params=params
+                p, s, t, mode="decode", tiles=su.UpdateTiles(block_value=48), compiler_params=params
             ),
             spec((9, 128, 96, 128), jnp.float32),
             slot,
@@ -565,8 +581,10 @@ def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
                 s,
                 t,
                 mode=mode,
-                block_value=common.fitted_tile(head_dim, tiles["block_value"]),
-                evict_last=tiles["evict_last"],
+                tiles=su.UpdateTiles(
+                    block_value=common.fitted_tile(head_dim, tiles["block_value"]),
+                    evict_last=tiles["evict_last"],
+                ),
                 layer=1,
                 compiler_params=params,
             ),
@@ -612,7 +630,12 @@ def test_gdn_conv_tokens_match_the_layers_tokens_pallas(case):
     slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
     for mode in su.MODES:
         run = lambda t: gdn_update.gdn_state_update_pallas(  # noqa: E731
-            pool, slot, t, mode=mode, block_heads=block_heads, interpret=INTERPRET
+            pool,
+            slot,
+            t,
+            mode=mode,
+            tiles=su.UpdateTiles(block_heads=block_heads),
+            interpret=INTERPRET,
         )
         want = run(want_tokens)
         for form, got in (("split gates", run(conv)), ("grouped gates", run(grouped))):
@@ -633,7 +656,12 @@ def test_gdn_conv_tokens_check_their_shapes_pallas():
     tokens = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8)), *gates, num_k_heads=2)
     with pytest.raises(ValueError, match="block_heads=4 must divide 2"):
         gdn_update.gdn_state_update_pallas(
-            pool, slot, tokens, mode="decode", block_heads=4, interpret=INTERPRET
+            pool,
+            slot,
+            tokens,
+            mode="decode",
+            tiles=su.UpdateTiles(block_heads=4),
+            interpret=INTERPRET,
         )
     with pytest.raises(ValueError, match="only in the Triton-layout"):
         state_dispatch.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")
@@ -670,7 +698,12 @@ def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dty
 
         def run(tokens, mode=mode):
             return gdn_update.gdn_state_update_pallas(
-                pool, slot, tokens, mode=mode, block_value=width, interpret=INTERPRET
+                pool,
+                slot,
+                tokens,
+                mode=mode,
+                tiles=su.UpdateTiles(block_value=width),
+                interpret=INTERPRET,
             )
 
         plain, normed = run(conv), run(dataclasses.replace(conv, norm=norm))
@@ -711,10 +744,10 @@ def test_output_norm_needs_a_program_a_head_pallas():
     norm = su.OutputNorm(jnp.zeros((2, 1, 16 * width)), jnp.ones(width), layout, 1e-6, jnp.float32)
     pool, slot = jnp.zeros((3, num_v, width, width)), jnp.asarray([1, 2], jnp.int32)
     tokens = dataclasses.replace(conv, norm=norm)
-    for tiles in ({"block_value": 4}, {"block_value": 8, "block_heads": 2}):
+    for tiles in (su.UpdateTiles(block_value=4), su.UpdateTiles(block_heads=2, block_value=8)):
         with pytest.raises(ValueError, match="a program a head"):
             gdn_update.gdn_state_update_pallas(
-                pool, slot, tokens, mode="decode", interpret=INTERPRET, **tiles
+                pool, slot, tokens, mode="decode", tiles=tiles, interpret=INTERPRET
             )
     short = dataclasses.replace(norm, z_source=jnp.zeros((2, 1, 15 * width)))
     with pytest.raises(ValueError, match="does not place 4 gates"):
@@ -757,7 +790,12 @@ def test_output_norm_lowers_to_triton_at_model_shapes_pallas():
         text = lower_for_cuda(
             lambda p, s, t, mode=mode: (
                 gdn_update.gdn_state_update_pallas(
-                    p, s, t, mode=mode, block_value=128, compiler_params=params
+                    p,
+                    s,
+                    t,
+                    mode=mode,
+                    tiles=su.UpdateTiles(block_value=128),
+                    compiler_params=params,
                 ).outputs
             ),
             spec((9, 32, 128, 128), jnp.float32),
