@@ -5,13 +5,19 @@ token counts, else the caller's XLA form."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from lazyspec.kernels.attention.paged import gated, paged_attention
-from lazyspec.kernels.attention.prologue import all_powers_of_two, attention_prologue_pallas
+from lazyspec.kernels.attention.paged import PagedPlan, gated, paged_attention
+from lazyspec.kernels.attention.prologue import (
+    HeadPrep,
+    QKVHeads,
+    all_powers_of_two,
+    attention_prologue_pallas,
+)
 from lazyspec.kernels.attention.walk import paged_attend
 from lazyspec.kernels.common import (
     pallas_compiler_params,
@@ -22,42 +28,46 @@ from lazyspec.kernels.common import (
 from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
 
-def attention_tiles(tuning: Tuning = DEFAULT_TUNING) -> dict[str, int]:
-    """``paged_attention``'s tile arguments from ``tuning.attention``."""
+def attention_plan(tuning: Tuning = DEFAULT_TUNING) -> PagedPlan:
+    """``paged_attention``'s plan from ``tuning.attention``'s tiles (active splits as it says)."""
     tiles = tuning.attention
-    return {
-        "max_block_rows": tiles.block_rows,
-        "block_kv": tiles.block_kv,
-        "target_programs": tiles.target_programs,
-        "query_tile_bytes": tiles.query_tile_bytes,
-    }
+    return PagedPlan(
+        max_block_rows=tiles.block_rows,
+        block_kv=tiles.block_kv,
+        target_programs=tiles.target_programs,
+        query_tile_bytes=tiles.query_tile_bytes,
+        active_splits=tiles.active_splits,
+    )
 
 
 def pallas_paged_attention(
     q: jax.Array,
     *operands: Any,
+    scale: float | None = None,
+    gate: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
     tuning: Tuning = DEFAULT_TUNING,
-    **tiles: Any,
+    **plan: Any,
 ) -> jax.Array:
     """``paged_attention`` of q and ``operands`` (k_pool, v_pool, token_table, ctx_len,
-    positions, scale; ``gate=`` among ``tiles``) with ``tuning.attention``'s tiles
-    (``tiles`` overrides them): active splits, and the combine's columns a program up to
-    ``small_step_max_tokens`` tokens; compiler params left as None take the tuning's warps
-    and stages."""
+    positions, then the scale unless given as ``scale=``, as the per-shard form passes it)
+    with ``attention_plan(tuning)`` (``plan``, ``PagedPlan`` fields, overrides it), the
+    combine's columns a program set up to ``small_step_max_tokens`` tokens; compiler
+    params left as None take the tuning's warps and stages."""
     attention = tuning.attention
-    tiles = {**attention_tiles(tuning), "active_splits": attention.active_splits, **tiles}
     num_tokens = q.shape[0] * q.shape[1]
     combine = small_step_tile(
         num_tokens, tuning.small_step_max_tokens, q.shape[-1], attention.combine_block
     )
-    tiles.setdefault("combine_block", combine)
+    plan = dataclasses.replace(attention_plan(tuning), **{"combine_block": combine, **plan})
     if compiler_params is None:
         compiler_params = pallas_compiler_params(
             num_warps=attention.num_warps, num_stages=attention.num_stages
         )
-    return paged_attention(q, *operands, **tiles, **pallas_options(interpret, compiler_params))
+    launch = pallas_options(interpret, compiler_params)
+    operands = operands if scale is None else (*operands, scale)
+    return paged_attention(q, *operands, gate=gate, plan=plan, **launch)
 
 
 def tpu_paged_attention(
@@ -125,10 +135,15 @@ def pallas_attention_prologue(
     block_q_heads = small_step_tile(
         q.shape[0], tuning.small_step_max_tokens, groups, attention.prologue_q_heads
     )
+    tokens_and_pools, norms = pools_and_norms[:5], pools_and_norms[5:]
+    heads = {name: options.pop(name) for name in ("k_head_at", "v_head_at") if name in options}
     return attention_prologue_pallas(
-        q, k, v, *pools_and_norms, num_heads=num_heads, block_q_heads=block_q_heads,
-        **options, **launch,
-    )  # fmt: skip
+        QKVHeads(q, k, v, num_heads, **heads),
+        *tokens_and_pools,
+        prep=HeadPrep(*norms, **options),
+        block_q_heads=block_q_heads,
+        **launch,
+    )
 
 
 # reads q, k and v out of one product's output (``num_heads``, ``k_head_at``, ``v_head_at``)

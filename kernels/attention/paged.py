@@ -2,9 +2,9 @@
 kernel whose cost follows each row's context length, and the masked jnp form it replaces.
 
 Contract (both forms). q ``[B, T, Hq, D]``; pools ``[R, Hkv, D]`` (``Hq % Hkv == 0``: GQA,
-query head j reads kv head ``j // (Hq // Hkv)``; the kernel's ``kv_head=i`` instead has
-every query head read kv head i, for a shard holding part of one group of query heads
-next to the whole pools); ``token_table [B, C]`` names the pool row
+query head j reads kv head ``j // (Hq // Hkv)``; the kernel's plan with ``kv_head=i``
+instead has every query head read kv head i, for a shard holding part of one group of
+query heads next to the whole pools); ``token_table [B, C]`` names the pool row
 of each context position; ``ctx_len [B]``; ``positions [B, T]``. Query t of row b attends
 to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``, scores ``q . k * scale``
 and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype, with ``gate`` (pre-sigmoid:
@@ -45,6 +45,7 @@ size > 1) and the page table scalar-prefetched into the index maps, which this p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -147,23 +148,10 @@ def check_gate(q: jax.Array, gate: jax.Array | None) -> None:
 # ---------------------------------------------------------------- Pallas
 
 
-def _attention_kernel(
-    ctx_len_ref,
-    table_ref,
-    pos_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    max_ref,
-    sum_ref,
-    *,
-    scale,
-    block_rows,
-    block_kv,
-    num_splits,
-    groups,
-):
+def _attention_kernel(*refs, scale, block_rows, block_kv, num_splits, groups):
+    """refs: ctx_len, the token table, the positions, q's rows, the two pools' head views,
+    then the split's output, running max and running sum."""
+    ctx_len_ref, table_ref, pos_ref, q_ref, k_ref, v_ref, out_ref, max_ref, sum_ref = refs
     row = pl.program_id(0)
     ctx_len = ctx_len_ref[row]
     pos, q = _tile_queries(pos_ref, q_ref, block_rows, groups)
@@ -378,6 +366,34 @@ def _combine_pallas(
     )(*args)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedPlan:
+    """How ``paged_attention`` lays out its launches (``AttentionTuning`` holds the tuned
+    values). ``block_rows``: query rows a tile (None: ``default_row_tile``, up to
+    ``max_block_rows`` rows and ``query_tile_bytes`` of q); ``block_kv``: context positions
+    a loop step; ``num_splits``: splits of a tile's context (None: ``default_splits``
+    towards ``target_programs``). ``active_splits``: the combine launch merges only the
+    splits that read a block of each token's tile (the same output; its loops then follow
+    the lengths, where the split count follows the table's width). ``combine_block``: the
+    combine launch's columns a program (None: a head's D; fewer spread a few rows' merge
+    over more programs). ``kv_head=j``: every query head of q reads pool head j (q holds
+    some of the query heads of one kv head: a tensor-parallel shard whose pools hold every
+    kv head); the pools are read in place, no head is sliced out of them."""
+
+    block_rows: int | None = None
+    block_kv: int = 64
+    num_splits: int | None = None
+    max_block_rows: int = 64
+    target_programs: int = 256
+    query_tile_bytes: int = 32 * 1024
+    active_splits: bool = False
+    combine_block: int | None = None
+    kv_head: int | None = None
+
+
+DEFAULT_PAGED_PLAN = PagedPlan()
+
+
 def paged_attention(
     q: jax.Array,
     k_pool: jax.Array,
@@ -387,40 +403,25 @@ def paged_attention(
     positions: jax.Array,
     scale: float,
     *,
-    block_rows: int | None = None,
-    block_kv: int = 64,
-    num_splits: int | None = None,
-    max_block_rows: int = 64,
-    target_programs: int = 256,
-    query_tile_bytes: int = 32 * 1024,
-    kv_head: int | None = None,
     gate: jax.Array | None = None,
-    active_splits: bool = False,
-    combine_block: int | None = None,
+    plan: PagedPlan = DEFAULT_PAGED_PLAN,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
-    """The Pallas form (module docstring has the contract and layout); pure. ``block_rows``
-    None takes ``default_row_tile`` (up to ``max_block_rows`` rows and ``query_tile_bytes``
-    of q); ``num_splits`` None takes ``default_splits`` towards ``target_programs``
-    (``AttentionTuning`` holds the tuned values).
-    ``active_splits``: the combine launch merges only the splits that read a block of each
-    token's tile (the same output; its loops then follow the lengths, where the split count
-    follows the table's width). ``combine_block``: the combine launch's columns a program
-    (None: a head's D; fewer spread a few rows' merge over more programs).
-    ``kv_head=j``: every query head of q reads pool head j (q holds some of the query
-    heads of one kv head: a tensor-parallel shard whose pools hold every kv head); the
-    pools are read in place, no head is sliced out of them."""
+    """The Pallas form (module docstring has the contract and layout), laid out as ``plan``
+    says; pure."""
+    kv_head = plan.kv_head
     check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
     check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_rows_total = k_pool.shape[0]
     num_kv_heads = k_pool.shape[1] if kv_head is None else 1  # kv heads q's heads read
     head_base = 0 if kv_head is None else kv_head
+    block_rows, block_kv = plan.block_rows, plan.block_kv
     if block_rows is None:
         num_query_rows = num_tokens * num_heads // num_kv_heads
         block_rows = default_row_tile(
-            num_query_rows, head_dim, q.dtype.itemsize, max_block_rows, query_tile_bytes
+            num_query_rows, head_dim, q.dtype.itemsize, plan.max_block_rows, plan.query_tile_bytes
         )
     _check_pow2("block_rows", block_rows)
     _check_pow2("block_kv", block_kv)
@@ -429,9 +430,11 @@ def paged_attention(
     groups = num_heads // num_kv_heads
     table = token_table.astype(jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block_kv)))  # whole blocks
-    max_blocks = table.shape[1] // block_kv
+    num_splits = plan.num_splits
     if num_splits is None:
-        num_splits = default_splits(batch * num_kv_heads * num_tiles, max_blocks, target_programs)
+        max_blocks = table.shape[1] // block_kv
+        programs = batch * num_kv_heads * num_tiles
+        num_splits = default_splits(programs, max_blocks, plan.target_programs)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be positive")
     kernel = functools.partial(
@@ -457,8 +460,8 @@ def paged_attention(
         name="paged_attention",
         **options,
     )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, v_pool)
-    lengths = (ctx_len, positions, block_rows, block_kv) if active_splits else None
-    return _merge_splits(partials, q, gate, combine_block, lengths, options)
+    lengths = (ctx_len, positions, block_rows, block_kv) if plan.active_splits else None
+    return _merge_splits(partials, q, gate, plan.combine_block, lengths, options)
 
 
 def _partial_outputs(grid: tuple[int, ...], block_rows: int, head_dim: int):

@@ -37,6 +37,7 @@ pool refs would be staged into VMEM).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -79,6 +80,53 @@ def inverse_frequencies(rotary_dim: int, theta: float) -> np.ndarray:
     return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q", "k", "v"],
+    meta_fields=["num_heads", "k_head_at", "v_head_at"],
+)
+@dataclasses.dataclass(frozen=True)
+class QKVHeads:
+    """The q, k and v a launch reads (module contract): q's first ``num_heads`` heads
+    (None: all of them), k's heads from ``k_head_at`` and v's from ``v_head_at`` (one
+    product's output read in place: the same array viewed by heads, the three offsets
+    apart)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    num_heads: int | None = None
+    k_head_at: int = 0
+    v_head_at: int = 0
+
+    @property
+    def query_heads(self) -> int:
+        return self.q.shape[1] if self.num_heads is None else self.num_heads
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q_norm", "k_norm"],
+    meta_fields=["eps", "zero_centered", "rotary_dim", "rope_theta"],
+)
+@dataclasses.dataclass(frozen=True)
+class HeadPrep:
+    """What the launch does to each head before the write (module contract): the RMSNorm
+    of the ``q_norm`` / ``k_norm`` weights ``[D]`` (None: none; ``eps``, scale ``1 + w``
+    with ``zero_centered``), then the rotary embedding of the first ``rotary_dim`` channels
+    (0: none) with base ``rope_theta``."""
+
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    eps: float = 1e-6
+    zero_centered: bool = False
+    rotary_dim: int = 0
+    rope_theta: float = 10000.0
+
+
+NO_HEAD_PREP = HeadPrep()
+
+
 def _prepare(load, weight_ref, parts, *, eps, zero_centered, dtype):
     """The pieces of one head (or heads, on the leading axis) as float32, normed (rounded
     to ``dtype`` as ``rms_norm`` rounds) where a norm weight is given."""
@@ -111,22 +159,11 @@ def _rotate(values, cos, sin, rotated: bool, dtype):
     return [p.astype(dtype) for p in (first, second, *values[2:])]
 
 
-def _kernel(
-    pos_ref,
-    idx_ref,
-    num_new_ref,
-    *refs,
-    parts,
-    num_tokens,
-    eps,
-    zero_centered,
-    has_q_norm,
-    has_k_norm,
-    rotated,
-):
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs[:3]
-    rest = refs[3:]
+def _kernel(*refs, parts, num_tokens, eps, zero_centered, has_q_norm, has_k_norm, rotated):
+    """refs: positions, write rows, num_new, q, k, v, the norms' weights given and the
+    inverse frequencies where there is a rotation, the pools (aliased), then q's output and
+    the pools' outputs."""
+    pos_ref, idx_ref, num_new_ref, q_ref, k_ref, v_ref, *rest = refs
     q_norm_ref = rest.pop(0) if has_q_norm else None
     k_norm_ref = rest.pop(0) if has_k_norm else None
     inv_freq_ref = rest.pop(0) if rotated else None
@@ -156,14 +193,15 @@ def _kernel(
             v_pool_ref[row, h, pl.ds(start, width)] = values.astype(v_pool_ref.dtype)
 
 
-def _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm, heads) -> None:
-    """``heads``: ``(num_heads, k_head_at, v_head_at)`` (``attention_prologue_pallas``)."""
+def _check(qkv: QKVHeads, positions, write_idx, num_new, k_pool, v_pool, prep: HeadPrep) -> None:
+    """ValueError unless the arrays fit the module contract."""
+    q, k, v = qkv.q, qkv.k, qkv.v
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [N, H, D] with k == v")
     if k_pool.ndim != 3 or k_pool.shape != v_pool.shape:
         raise ValueError(f"pools {k_pool.shape} / {v_pool.shape} must both be [R, Hkv, D]")
     num_kv_heads, head_dim = k_pool.shape[1:]
-    num_heads, k_at, v_at = heads
+    num_heads, k_at, v_at = qkv.query_heads, qkv.k_head_at, qkv.v_head_at
     num = k.shape[0]
     if k.shape[2] != head_dim or min(k_at, v_at) < 0 or max(k_at, v_at) + num_kv_heads > k.shape[1]:
         raise ValueError(
@@ -187,78 +225,65 @@ def _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_nor
         )
     if num_new.shape != positions.shape[:1]:
         raise ValueError(f"num_new {num_new.shape} must be [{positions.shape[0]}]")
-    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+    for name, weight in (("q_norm", prep.q_norm), ("k_norm", prep.k_norm)):
         if weight is not None and weight.shape != (head_dim,):
             raise ValueError(f"{name} {weight.shape} must be [{head_dim}]")
 
 
-def _weight_operands(q_norm, k_norm, rotary_dim: int, rope_theta: float) -> list[jax.Array]:
+def _weight_operands(prep: HeadPrep) -> list[jax.Array]:
     """The launch's operands after q, k and v: the norms' weights given, then the rotary
     inverse frequencies where there is a rotation (each read whole)."""
-    operands = [weight for weight in (q_norm, k_norm) if weight is not None]
-    if rotary_dim:
-        operands.append(jnp.asarray(inverse_frequencies(rotary_dim, rope_theta)))
+    operands = [weight for weight in (prep.q_norm, prep.k_norm) if weight is not None]
+    if prep.rotary_dim:
+        operands.append(jnp.asarray(inverse_frequencies(prep.rotary_dim, prep.rope_theta)))
     return operands
 
 
 def attention_prologue_pallas(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    qkv: QKVHeads,
     positions: jax.Array,
     write_idx: jax.Array,
     num_new: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
-    q_norm: jax.Array | None = None,
-    k_norm: jax.Array | None = None,
     *,
-    eps: float = 1e-6,
-    zero_centered: bool = False,
-    rotary_dim: int = 0,
-    rope_theta: float = 10000.0,
-    num_heads: int | None = None,
-    k_head_at: int = 0,
-    v_head_at: int = 0,
+    prep: HeadPrep = NO_HEAD_PREP,
     block_q_heads: int | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The launch (module docstring); pure, the pools returned (aliased in place).
-    ``num_heads`` None: all of q's heads; ``k_head_at`` / ``v_head_at``: where k's and v's
-    heads start in their arrays (one product's output read in place). ``block_q_heads``: a
-    program's query heads (None: all of its kv head's); the kv head's programs then split
-    its query heads, the first of them writing its k and v rows."""
-    num_heads = q.shape[1] if num_heads is None else num_heads
-    heads = (num_heads, k_head_at, v_head_at)
-    _check(q, k, v, positions, write_idx, num_new, k_pool, v_pool, q_norm, k_norm, heads)
-    num = k.shape[0]
+    """The launch (module docstring) of ``qkv``'s heads, prepared as ``prep`` says; pure,
+    the pools returned (aliased in place). ``block_q_heads``: a program's query heads
+    (None: all of its kv head's); the kv head's programs then split its query heads, the
+    first of them writing its k and v rows."""
+    _check(qkv, positions, write_idx, num_new, k_pool, v_pool, prep)
+    q, num_heads = qkv.q, qkv.query_heads
+    num = qkv.k.shape[0]
     num_kv_heads, head_dim = k_pool.shape[1:]
     groups = num_heads // num_kv_heads
     block_q = check_tile("block_q_heads", groups, block_q_heads)  # of a kv head's query heads
     tiles = groups // block_q
-    parts = pieces(head_dim, rotary_dim)
     ints = [a.astype(jnp.int32) for a in (positions, write_idx, num_new)]
-    args = [*ints, q, k, v]
+    args = [*ints, q, qkv.k, qkv.v]
     in_specs = [whole()] * 3 + [
         pl.BlockSpec((None, block_q, q.shape[2]), lambda n, h, j: (n, h * tiles + j, 0)),
-        pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + k_head_at, 0)),
-        pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + v_head_at, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + qkv.k_head_at, 0)),
+        pl.BlockSpec((None, None, head_dim), lambda n, h, j: (n, h + qkv.v_head_at, 0)),
     ]
-    args += _weight_operands(q_norm, k_norm, rotary_dim, rope_theta)
+    args += _weight_operands(prep)
     in_specs += [whole()] * (len(args) - len(in_specs))
     first_pool = len(args)
     args += [k_pool, v_pool]
     in_specs += [whole(), whole()]
     kernel = functools.partial(
         _kernel,
-        parts=parts,
+        parts=pieces(head_dim, prep.rotary_dim),
         num_tokens=positions.shape[1],
-        eps=eps,
-        zero_centered=zero_centered,
-        has_q_norm=q_norm is not None,
-        has_k_norm=k_norm is not None,
-        rotated=bool(rotary_dim),
+        eps=prep.eps,
+        zero_centered=prep.zero_centered,
+        has_q_norm=prep.q_norm is not None,
+        has_k_norm=prep.k_norm is not None,
+        rotated=bool(prep.rotary_dim),
     )
     return pl.pallas_call(
         kernel,

@@ -312,9 +312,12 @@ def triton_calls(tp: int) -> dict[str, int]:
         functools.partial(ss.state_copy_pallas, blocks=blocks, compiler_params=params),
         plan,
     )
-    attention = sk._paged_attention(
-        functools.partial(pa.paged_attention, compiler_params=params), plan
-    )
+
+    def kernel_attention(*args, kv_head=None, **options):  # the kernel's default plan
+        layout = pa.PagedPlan(kv_head=kv_head)
+        return pa.paged_attention(*args, plan=layout, compiler_params=params, **options)
+
+    attention = sk._paged_attention(kernel_attention, plan)
     cases = {
         "mamba2_state_update": (
             lambda p, s, t: update(p, s, t, mode="verify", layer=1),

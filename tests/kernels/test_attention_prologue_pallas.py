@@ -13,7 +13,12 @@ import pytest
 
 from lazyspec.kernels import backend
 from lazyspec.kernels.attention import dispatch as attention_dispatch
-from lazyspec.kernels.attention.prologue import attention_prologue_pallas, pieces
+from lazyspec.kernels.attention.prologue import (
+    HeadPrep,
+    QKVHeads,
+    attention_prologue_pallas,
+    pieces,
+)
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.layers.attention import AttentionSpec, norm_rope, write_kv
 from tests.kernels.kernel_checks import INTERPRET
@@ -78,25 +83,30 @@ def _model_ops(spec: AttentionSpec, case: dict, params: dict):
     return (q.reshape(-1, *q.shape[2:]), *pools)
 
 
-def _launch(spec: AttentionSpec, case: dict, params: dict, **options):
+def _launch(
+    spec: AttentionSpec,
+    case: dict,
+    params: dict,
+    *,
+    num_heads=None,
+    k_head_at=0,
+    v_head_at=0,
+    **options,
+):
+    """The launch on a case, its heads where ``num_heads`` / ``k_head_at`` / ``v_head_at``
+    say, prepared as ``spec`` and ``params`` say; ``options`` the launch's."""
     flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
-    return attention_prologue_pallas(
-        flat(case["q"]),
-        flat(case["k"]),
-        flat(case["v"]),
-        case["positions"],
-        case["write_idx"],
-        case["num_new"],
-        case["k_pool"],
-        case["v_pool"],
+    qkv = QKVHeads(*(flat(case[n]) for n in ("q", "k", "v")), num_heads, k_head_at, v_head_at)
+    prep = HeadPrep(
         params.get("q_norm"),
         params.get("k_norm"),
         eps=spec.norm_eps,
         zero_centered=spec.zero_centered_qk_norm,
         rotary_dim=spec.rotary_dim,
         rope_theta=spec.rope_theta,
-        **options,
     )
+    names = ("positions", "write_idx", "num_new", "k_pool", "v_pool")
+    return attention_prologue_pallas(qkv, *(case[n] for n in names), prep=prep, **options)
 
 
 def _dispatch(spec: AttentionSpec, case: dict, params: dict, xla_form, tuning=None):
@@ -274,14 +284,16 @@ def test_prologue_lowers_to_one_triton_call_at_qwen3_next_widths():
 
     spec = jax.ShapeDtypeStruct
     bf16, i32 = jnp.bfloat16, jnp.int32
-    launch = functools.partial(
-        attention_prologue_pallas,
-        eps=1e-6,
-        zero_centered=True,
-        rotary_dim=64,
-        rope_theta=10_000_000.0,
-        compiler_params=pallas_compiler_params("gpu"),
-    )
+
+    def launch(q, k, v, *operands, block_q_heads=None, **heads):  # then the norms' weights
+        return attention_prologue_pallas(
+            QKVHeads(q, k, v, **heads),
+            *operands[:5],
+            prep=HeadPrep(*operands[5:], 1e-6, True, 64, 10_000_000.0),
+            block_q_heads=block_q_heads,
+            compiler_params=pallas_compiler_params("gpu"),
+        )
+
     args = (
         spec((4, 16, 512), bf16),
         spec((4, 2, 256), bf16),

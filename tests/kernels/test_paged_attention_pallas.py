@@ -50,8 +50,9 @@ def run_both(case, **tiles):
     """(kernel on the poisoned table, jnp form on the clean one, mask of real queries)."""
     scale = case["q"].shape[-1] ** -0.5
     args = ("k_pool", "v_pool", "token_table", "ctx_len", "positions")
+    plan = pa.PagedPlan(**tiles)
     got = pa.paged_attention(
-        case["q"], *(case[a] for a in args), scale, interpret=INTERPRET, **tiles
+        case["q"], *(case[a] for a in args), scale, plan=plan, interpret=INTERPRET
     )
     want = pa.paged_attention_reference(
         case["q"],
@@ -108,7 +109,9 @@ def test_query_rows_are_read_unpadded_pallas():
     case = attention_case(rng, 3, 1, 16, 2, 64, [30, 0, 9], jnp.float32)  # one row empty
     args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
     jaxpr = jax.make_jaxpr(
-        lambda q, *rest: pa.paged_attention(q, *rest, 0.125, num_splits=2, interpret=INTERPRET)
+        lambda q, *rest: pa.paged_attention(
+            q, *rest, 0.125, plan=pa.PagedPlan(num_splits=2), interpret=INTERPRET
+        )
     )(case["q"], *args).jaxpr
     launch = next(e for e in jaxpr.eqns if e.primitive.name == "pallas_call")
     assert launch.invars[2] is jaxpr.invars[5]  # the positions themselves
@@ -178,12 +181,18 @@ def test_kv_head_reads_one_pool_head_for_part_of_its_group_pallas():
     real = np.asarray(case["positions"] >= 0)
     for kv_head, heads in ((0, slice(1, 2)), (1, slice(6, 8))):
         got = pa.paged_attention(
-            case["q"][:, :, heads], *args, scale, kv_head=kv_head, block_kv=16, interpret=INTERPRET
+            case["q"][:, :, heads],
+            *args,
+            scale,
+            plan=pa.PagedPlan(kv_head=kv_head, block_kv=16),
+            interpret=INTERPRET,
         )
         assert got.shape == case["q"][:, :, heads].shape
         assert_close(np.asarray(got)[real], want[:, :, heads][real], FP32_TOL, f"kv {kv_head}")
     with pytest.raises(ValueError, match="kv_head=2"):
-        pa.paged_attention(case["q"][:, :, :1], *args, scale, kv_head=2, interpret=INTERPRET)
+        pa.paged_attention(
+            case["q"][:, :, :1], *args, scale, plan=pa.PagedPlan(kv_head=2), interpret=INTERPRET
+        )
 
 
 def test_tiles_are_validated_pallas():
@@ -285,7 +294,12 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
 
     def attend(active):
         return pa.paged_attention(
-            case["q"], *args, 0.1, gate=gate, active_splits=active, interpret=INTERPRET, **tiles
+            case["q"],
+            *args,
+            0.1,
+            gate=gate,
+            plan=pa.PagedPlan(active_splits=active, **tiles),
+            interpret=INTERPRET,
         )
 
     got, every = np.asarray(attend(True)), np.asarray(attend(False))
@@ -399,8 +413,7 @@ def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active, combine_block
             *args,
             scale,
             gate=g,
-            active_splits=active,
-            combine_block=combine_block,
+            plan=pa.PagedPlan(active_splits=active, combine_block=combine_block),
             interpret=INTERPRET,
         ),
         lambda g: pa.paged_attention_reference(case["q"], *args, scale, g),
@@ -441,8 +454,7 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
                         *a[:6],
                         0.0625,
                         gate=a[6],
-                        active_splits=active,
-                        combine_block=block,
+                        plan=pa.PagedPlan(active_splits=active, combine_block=block),
                         compiler_params=params,
                     )
                 )
