@@ -108,6 +108,31 @@ def check_result(result, pool, slot, mode, outs, expected_pool, states, out_tol)
     assert_close(new_pool[written], expected_pool[written], FP32_TOL, "written slots")
 
 
+def gdn_reference_run(pool, slot, inputs: su.GdnTokens):
+    """``reference`` of the GDN token scan: (outputs, pool, step states)."""
+    tokens = (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
+    return reference(pool, slot, gdn_reference.gdn_scan, tokens)
+
+
+def mamba2_reference_run(pool, slot, inputs: su.Mamba2Tokens):
+    """``reference`` of the Mamba2 token scan: (outputs, pool, step states)."""
+    tokens = (inputs.x, inputs.b, inputs.c, inputs.dt)
+    return reference(pool, slot, mamba2_reference.mamba2_scan, tokens, (inputs.a, inputs.d))
+
+
+def check_both_forms(forms, case: tuple, mode: str, tiles, expected: tuple, dtype) -> None:
+    """The Pallas update of ``forms`` (pallas, xla) in ``tiles`` and its jitted XLA form on
+    ``case`` (pool, slot, inputs) both give ``expected`` (outputs, pool, step states), the
+    outputs within ``dtype``'s tolerance."""
+    pallas, xla = forms
+    pool, slot, inputs = case
+    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    got = pallas(pool, slot, inputs, mode=mode, tiles=tiles, interpret=INTERPRET)
+    check_result(got, pool, slot, mode, *expected, out_tol)
+    got = jax.jit(xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
+    check_result(got, pool, slot, mode, *expected, out_tol)
+
+
 GDN_CASES = [  # seed, batch, tokens, heads, key_dim, value_dim, slots, bh, bv, mode, dtype
     (1, 3, 1, 3, 8, 16, 6, 1, 8, "decode", jnp.float32),
     (2, 5, 4, 6, 16, 8, 9, 2, None, "verify", jnp.float32),
@@ -122,23 +147,10 @@ def test_gdn_pallas_and_xla_match_scan(case):
     seed, batch, tokens, heads, dk, dv, slots, bh, bv, mode, dtype = case
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
-    outs, expected_pool, states = reference(
-        pool, slot, gdn_reference.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-    )
-    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
-    got = gdn_update.gdn_state_update_pallas(
-        pool,
-        slot,
-        inputs,
-        mode=mode,
-        tiles=su.UpdateTiles(block_heads=bh, block_value=bv),
-        interpret=INTERPRET,
-    )
-    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
-    got = jax.jit(gdn_update.gdn_state_update_xla, static_argnames="mode")(
-        pool, slot, inputs, mode=mode
-    )
-    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+    outs, expected_pool, states = gdn_reference_run(pool, slot, inputs)
+    forms = gdn_update.gdn_state_update_pallas, gdn_update.gdn_state_update_xla
+    tiles = su.UpdateTiles(block_heads=bh, block_value=bv)
+    check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
 
 
 MAMBA2_CASES = [  # seed, batch, tokens, heads, groups, P, N, slots, bh, bp, mode, dtype
@@ -154,27 +166,10 @@ def test_mamba2_pallas_and_xla_match_scan(case):
     seed, batch, tokens, heads, groups, p, n, slots, bh, bp, mode, dtype = case
     rng = np.random.default_rng(seed)
     pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
-    outs, expected_pool, states = reference(
-        pool,
-        slot,
-        mamba2_reference.mamba2_scan,
-        (inputs.x, inputs.b, inputs.c, inputs.dt),
-        shared=(inputs.a, inputs.d),
-    )
-    out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
-    got = mamba2_update.mamba2_state_update_pallas(
-        pool,
-        slot,
-        inputs,
-        mode=mode,
-        tiles=su.UpdateTiles(block_heads=bh, block_value=bp),
-        interpret=INTERPRET,
-    )
-    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
-    got = jax.jit(mamba2_update.mamba2_state_update_xla, static_argnames="mode")(
-        pool, slot, inputs, mode=mode
-    )
-    check_result(got, pool, slot, mode, outs, expected_pool, states, out_tol)
+    outs, expected_pool, states = mamba2_reference_run(pool, slot, inputs)
+    forms = mamba2_update.mamba2_state_update_pallas, mamba2_update.mamba2_state_update_xla
+    tiles = su.UpdateTiles(block_heads=bh, block_value=bp)
+    check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
 
 
 def test_tile_steps_match_recurrence_steps_pallas():
@@ -491,63 +486,30 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
     grouped = su.GdnConvTokens.grouped(  # Qwen3-Next's in_proj_ba read in place
         conv.conv_out, spec((batch, tokens, 64), jnp.bfloat16), conv.a_log, conv.dt_bias, slot, 16
     )
+    gdn_update_fn = gdn_update.gdn_state_update_pallas
+    mamba2_update_fn = mamba2_update.mamba2_state_update_pallas
+
+    def lowers(update, pool_shape, inputs, **options) -> None:
+        text = lower_for_cuda(
+            lambda p, s, t: update(p, s, t, compiler_params=params, **options),
+            spec(pool_shape, jnp.float32),
+            slot,
+            inputs,
+        )
+        assert "triton" in text.lower()
+
     for mode in su.MODES:
         for inputs in (gdn, conv, grouped):
-            text = lower_for_cuda(
-                lambda p, s, t: gdn_update.gdn_state_update_pallas(
-                    p, s, t, mode=mode, tiles=su.UpdateTiles(block_value=32), compiler_params=params
-                ),
-                spec((9, 32, 128, 128), jnp.float32),
-                slot,
-                inputs,
-            )
-            assert "triton" in text.lower()
-        text = lower_for_cuda(
-            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
-                p,
-                s,
-                t,
-                mode=mode,
-                tiles=su.UpdateTiles(block_value=32, evict_last=True),
-                compiler_params=params,
-            ),
-            spec((9, 128, 64, 128), jnp.float32),
-            slot,
-            mamba,
-        )
-        assert "triton" in text.lower()
+            tiles = su.UpdateTiles(block_value=32)
+            lowers(gdn_update_fn, (9, 32, 128, 128), inputs, mode=mode, tiles=tiles)
+        tiles = su.UpdateTiles(block_value=32, evict_last=True)
+        lowers(mamba2_update_fn, (9, 128, 64, 128), mamba, mode=mode, tiles=tiles)
     for mode in su.MODES:  # a layer of the stacked pool, as the engine's decode step passes it
         for inputs in (gdn, grouped):  # (and padding rows skipping their state)
-            text = lower_for_cuda(
-                lambda p, s, t: gdn_update.gdn_state_update_pallas(
-                    p,
-                    s,
-                    t,
-                    mode=mode,
-                    tiles=su.UpdateTiles(block_value=64, skip_padding=True),
-                    layer=2,
-                    compiler_params=params,
-                ),
-                spec((3, 9, 32, 128, 128), jnp.float32),
-                slot,
-                inputs,
-            )
-            assert "triton" in text.lower()
-        text = lower_for_cuda(
-            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
-                p,
-                s,
-                t,
-                mode=mode,
-                tiles=su.UpdateTiles(block_value=32, evict_last=True, skip_padding=True),
-                layer=1,
-                compiler_params=params,
-            ),
-            spec((3, 9, 128, 64, 128), jnp.float32),
-            slot,
-            mamba,
-        )
-        assert "triton" in text.lower()
+            tiles = su.UpdateTiles(block_value=64, skip_padding=True)
+            lowers(gdn_update_fn, (3, 9, 32, 128, 128), inputs, mode=mode, tiles=tiles, layer=2)
+        tiles = su.UpdateTiles(block_value=32, evict_last=True, skip_padding=True)
+        lowers(mamba2_update_fn, (3, 9, 128, 64, 128), mamba, mode=mode, tiles=tiles, layer=1)
     with pytest.raises(ValueError, match="power of 2"):
         lower_for_cuda(
             lambda p, s, t: mamba2_update.mamba2_state_update_pallas(

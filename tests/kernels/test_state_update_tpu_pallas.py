@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 from lazyspec.kernels import common
-from lazyspec.kernels.gdn import reference as gdn_reference
 from lazyspec.kernels.gdn import update_tpu as gdn_tpu
-from lazyspec.kernels.mamba2 import reference as mamba2_reference
 from lazyspec.kernels.mamba2 import update_tpu as mamba2_tpu
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import update_common as su
@@ -23,8 +21,9 @@ from tests.kernels.test_state_update_pallas import (
     FP32_TOL,
     check_result,
     gdn_case,
+    gdn_reference_run,
     mamba2_case,
-    reference,
+    mamba2_reference_run,
 )
 
 pytestmark = pytest.mark.pallas
@@ -42,9 +41,7 @@ def test_gdn_tpu_layout_matches_scan(case):
     seed, batch, tokens, heads, dk, dv, slots, bh, mode, dtype = case
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
-    outs, expected_pool, states = reference(
-        pool, slot, gdn_reference.gdn_scan, (inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta)
-    )
+    outs, expected_pool, states = gdn_reference_run(pool, slot, inputs)
     tpu = TpuInterpret()
     got = gdn_tpu.gdn_state_update_tpu(
         pool, slot, inputs, mode=mode, block_heads=bh, interpret=tpu.params
@@ -69,13 +66,7 @@ def test_mamba2_tpu_layout_matches_scan(case):
     seed, batch, tokens, heads, groups, p, n, slots, bh, mode, dtype = case
     rng = np.random.default_rng(seed)
     pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
-    outs, expected_pool, states = reference(
-        pool,
-        slot,
-        mamba2_reference.mamba2_scan,
-        (inputs.x, inputs.b, inputs.c, inputs.dt),
-        (inputs.a, inputs.d),
-    )
+    outs, expected_pool, states = mamba2_reference_run(pool, slot, inputs)
     tpu = TpuInterpret()
     got = mamba2_tpu.mamba2_state_update_tpu(
         pool, slot, inputs, mode=mode, block_heads=bh, interpret=tpu.params
@@ -113,13 +104,7 @@ def test_dispatch_on_tpu_takes_the_tuned_tile_or_the_scan(heads, groups, kernel)
     rng = np.random.default_rng(46 + heads)
     pool, slot, inputs = mamba2_case(rng, 4, 2, heads, groups, 8, 16, 6, jnp.float32)
     assert common.resolve_backend(None, "tpu") == "xla"
-    outs, _, states = reference(
-        pool,
-        slot,
-        mamba2_reference.mamba2_scan,
-        (inputs.x, inputs.b, inputs.c, inputs.dt),
-        (inputs.a, inputs.d),
-    )
+    outs, _, states = mamba2_reference_run(pool, slot, inputs)
     for kernel_backend in (None, "pallas"):
         tpu = TpuInterpret()
 
