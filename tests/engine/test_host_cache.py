@@ -5,7 +5,7 @@ each write policy once. Greedy outputs equal the cache-free recompute token for 
 loaded checkpoint and KV row equal the stored ones bit for bit (``TierCopyOracle``); the
 integrity checks hold after every step; the host evicts; after warm-up (once) serving
 compiles nothing, the copy programs included; after a flush every slot and page of both
-tiers is free."""
+tiers is free. At tp = 2 the host pools are kept per shard and all of this holds."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from lazyspec.testing.compiles import backend_compiles
 from lazyspec.testing.tier_oracle import TierCopyOracle
 from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
+from tests.engine.device_runs import run_on_cpu_devices
 
 NUM_NEW, TOOL = 5, 12  # tokens a turn generates; a tool output's tokens added after it
 # device pools that cannot keep four conversations between their turns, a host pool
@@ -120,3 +121,26 @@ def test_a_request_aborted_with_its_load_in_flight_leaves_the_loaded_node_cached
     host = engine.tree.host
     assert engine.slot_allocator.num_free == engine.layout.num_slots
     assert host.slots.num_free == host.slots.num_slots
+
+
+TP = 2
+
+
+@pytest.mark.slow
+def test_host_tier_at_tp_2_keeps_shards_and_equals_the_cache_free_run():
+    """At tp = 2 on fake CPU devices (``host_tier_worker``: the device count is fixed when
+    jax is first imported) the host pools are kept per shard: a state pool's shards split
+    its heads, a KV pool's its KV heads, a replicated pool is held once; with host
+    evictions and hits, every turn equals the cache-free recompute, the copy oracle holds
+    per device, and after a flush every slot and page of both tiers is free."""
+    report = run_on_cpu_devices(["-m", "tests.engine.host_tier_worker", str(TP)], TP, 300)
+    served = report["serve"]
+    assert served["wrong_turns"] == [] and served["num_turns"] == 8
+    assert served["counts"]["num_host_hits"] > 0 and served["counts"]["num_host_evictions"] > 0
+    assert min(served["checked"]) > 0
+    assert served["flushed"] and all(served["free"])
+    for pool, heads_axis in (("ssm", 2), ("kv", 1)):
+        shape, shards = served[f"{pool}_shape"], served[f"{pool}_shards"]
+        split = shape[:heads_axis] + [shape[heads_axis] // TP] + shape[heads_axis + 1 :]
+        assert shards == [split] * TP, pool
+    assert report["round_trips"] == {"split": [TP, True], "replicated": [1, True]}
