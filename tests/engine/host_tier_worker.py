@@ -4,9 +4,10 @@
 serves multi-turn conversations through device pools that cannot keep them and a host pool
 that cannot keep them all (``test_host_cache``'s workload, prefill in one chunk size so that
 few programs compile), with the integrity checks after every step and the copy oracle on,
-then prints one JSON line: the turns whose output differs from the cache-free recompute,
-the tier's counts, the slots and pages free after a flush, the host pools' shard shapes,
-and ``HostShards`` round trips over a split and a replicated sharding.
+flushes (every slot and page of both tiers must then be free, or the process fails), and
+prints one JSON line: the turns whose output differs from the cache-free recompute, the
+tier's counts, the host pools' shard shapes, and ``HostShards`` round trips over a split
+and a replicated sharding.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from lazyspec.engine.sharding import TP_AXIS, make_mesh
 from lazyspec.testing.collector import quiet_collector
 from lazyspec.testing.tier_oracle import TierCopyOracle
 from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
-from tests.engine.test_host_cache import NUM_NEW, POOLS, _conversations, _serve_turns
+from tests.engine.test_host_cache import (
+    NUM_NEW,
+    POOLS,
+    _conversations,
+    _serve_turns,
+    flush_and_check_free,
+)
 
 # one extend program (16 tokens, one row); a host pool of 3x the device's still evicts
 SETTINGS = dict(
@@ -46,21 +53,13 @@ def serve(tp: int) -> dict:
         if out != reference_greedy(model, prompt, NUM_NEW, pad_len=256)[0]
     ]
     info = engine.get_server_info()
-    flushed = engine.flush_cache()
-    engine.check_integrity()
-    host, pools = engine.tree.host, engine.host_cache.pools
+    flush_and_check_free(engine)  # a failed check fails the process
+    pools = engine.host_cache.pools
     return {
         "wrong_turns": wrong,
         "num_turns": len(served),
         "counts": {k: info[f"hicache_{k}"] for k in ("num_host_hits", "num_host_evictions")},
         "checked": [copies.num_states_checked, copies.num_rows_checked],
-        "flushed": flushed,
-        "free": [
-            engine.slot_allocator.num_free == engine.layout.num_slots,
-            engine.kv_allocator.num_free_pages == engine.layout.num_pages,
-            host.slots.num_free == host.slots.num_slots,
-            host.kv.num_free_pages == host.kv.num_pages,
-        ],
         "ssm_shards": [list(shard.shape) for shard in pools.ssm.shards.values()],
         "ssm_shape": list(pools.ssm.shape),
         "kv_shards": [list(shard.shape) for shard in pools.kv.k[0].shards.values()],
