@@ -49,7 +49,8 @@ class EngineConfig:
     mamba_chunk_size: int = 64
     # which cached checkpoint gives up its slot (cache/checkpoint_value.py): "value" (prefill
     # tokens saved x likelihood of a hit; superseded checkpoints first; a running request's
-    # checkpoint is declined rather than evicting one worth more) or "sglang" (LRU; SGLang's)
+    # checkpoint is declined rather than evicting one worth more) or "sglang" (LRU; SGLang's);
+    # the host tier evicts its copies in the same order
     mamba_cache_policy: str = "value"
     # the radix cache's host tier (SGLang's HiCache flags; cache/host_tier.py): checkpoints
     # and KV pages the device evicts stay on the host and are loaded back on a match

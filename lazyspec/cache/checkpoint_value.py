@@ -47,23 +47,33 @@ class Worth:
         return cls(0 if superseded else 1, float(saved_tokens) * recency)
 
 
-def rank_states(root: TreeNode, state_lru: Mapping[int, TreeNode]) -> list[tuple[Worth, TreeNode]]:
+def rank_states(
+    root: TreeNode, state_lru: Mapping[int, TreeNode], host: bool = False
+) -> list[tuple[Worth, TreeNode]]:
     """Every unlocked node below ``root`` with a device state, with its worth, the least
     worth first (``state_lru``: node id -> node, least recent first). A state only on the
-    host still saves its tokens to the nodes below it. Reads only."""
+    host still saves its tokens to the nodes below it. With ``host``, every node with a
+    host state instead, locked or not, and ``state_lru`` the host LRU (the host tier's
+    eviction order; ``evict_host`` decides what may go). Reads only."""
     recency = {node_id: (i + 1) / len(state_lru) for i, node_id in enumerate(state_lru)}
     ranked = []
     stack = [(child, 0, 0) for child in root.children.values()]
     while stack:
         node, start, state_len = stack.pop()  # start: the prefix length above the edge
         end = start + len(node.key)
-        if node.state_slot is not None and node.state_lock == 0:
+        if _ranked(node, host):
             worth = Worth.of(end - state_len, recency[node.node_id], _superseded(node))
             ranked.append((worth, node.node_id, node))
         below = end if node.has_state else state_len
         stack.extend((child, end, below) for child in node.children.values())
     ranked.sort(key=lambda entry: entry[:2])  # node ids break ties: nodes never compare
     return [(worth, node) for worth, _, node in ranked]
+
+
+def _ranked(node: TreeNode, host: bool) -> bool:
+    if host:
+        return node.host_slot is not None
+    return node.state_slot is not None and node.state_lock == 0
 
 
 def _superseded(node: TreeNode) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lazyspec.cache.checkpoint_value import rank_states
 from lazyspec.cache.host_tier import LOAD, STORE, Transfer
 from lazyspec.cache.tree_node import MatchResult, TreeNode
 
@@ -24,6 +25,7 @@ class HostTierOps:
     """What ``RadixCache`` does with its ``host`` tier (None: the tier is off)."""
 
     host: HostTier | None
+    eviction: str  # the checkpoint eviction policy; the host follows it (``_host_order``)
 
     # ---- load ---------------------------------------------------------------------------
 
@@ -145,7 +147,7 @@ class HostTierOps:
         return True
 
     def evict_host(self, num_slots: int, num_pages: int, keep: TreeNode | None = None) -> bool:
-        """Mutates: drop host copies in host-LRU order until ``num_slots`` host slots and
+        """Mutates: drop host copies in ``_host_order`` until ``num_slots`` host slots and
         ``num_pages`` host pages are free; returns whether they are. Never takes ``keep``,
         a busy node (a copy in flight), or the only copy of what a locked node needs; a
         node only on the host goes with its copy once it is a leaf (then tombstone parents
@@ -154,7 +156,7 @@ class HostTierOps:
         progress = True
         while progress and (host.slots.num_free < num_slots or host.kv.num_free_pages < num_pages):
             progress = False
-            for node in list(host.lru.values()):
+            for node in self._host_order():
                 if host.slots.num_free >= num_slots and host.kv.num_free_pages >= num_pages:
                     break
                 if node.node_id not in host.lru or node is keep or host.is_busy(node):
@@ -169,7 +171,21 @@ class HostTierOps:
                     self._delete_node(node)
                     node = parent
                 self._prune_tombstones(node, keep=keep)
+                if self.eviction == "value":
+                    break  # each eviction changes what the others are worth: rank again
         return host.slots.num_free >= num_slots and host.kv.num_free_pages >= num_pages
+
+    def _host_order(self) -> list[TreeNode]:
+        """The host copies in the order the host evicts them (reads only): host-LRU order
+        under ``"sglang"``; under ``"value"`` the copies holding a state by that state's
+        worth as the device ranks its own (``rank_states``, recency in the host LRU), then
+        the copies of KV alone in host-LRU order (a host path's KV carries every host state
+        below it)."""
+        lru = self.host.lru
+        if self.eviction != "value":
+            return list(lru.values())
+        ranked = [node for _, node in rank_states(self.root, lru, host=True)]
+        return ranked + [node for node in lru.values() if node.host_slot is None]
 
     @staticmethod
     def _host_evictable(node: TreeNode) -> bool:

@@ -1,16 +1,17 @@
 """The host tier on the engine's side: the host pools and the copies the tree queues.
 
-``HostCache`` holds the host pools (numpy arrays laid out as a ``TierBlock`` whose slot and
-row axes are the host ids; slot 0 and page 0 stay zeros) and runs the tree's ``Transfer``
-records (``HostTier.take``) in their order, before the next step's launch:
+``HostCache`` holds the host pools (a ``TierBlock`` of ``HostShards``: numpy arrays per shard
+of the device pools' sharding, whose slot and row axes are the host ids; slot 0 and page 0
+stay zeros) and runs the tree's ``Transfer`` records (``HostTier.take``) in their order,
+before the next step's launch:
 
 * a store dispatches the gather of its device slots and rows (``Runner.store_block``) and
   keeps the block; its host write *lands* at ``complete``, after the next step's results are
   read back (by then the gather has run), so a store never waits for the device;
-* a load reads its host ids (a copy, at once) and dispatches the scatter into its fresh
-  device ids (``Runner.load_block``); a load of host ids whose store has not landed lands
-  every pending store first (it waits for the device, rarely: a node evicted and matched
-  again between two steps).
+* a load puts its host ids on the devices, each device its shard (a copy, at once), and
+  dispatches the scatter into its fresh device ids (``Runner.load_block``); a load of host
+  ids whose store has not landed lands every pending store first (it waits for the device,
+  rarely: a node evicted and matched again between two steps).
 
 Both are ordered by JAX's dispatch order against the steps: a store reads the pools every
 launched step wrote, a load writes before every later step reads. The bytes moved and the
@@ -27,7 +28,8 @@ import numpy as np
 
 from lazyspec.cache.allocators import KVAllocator, SlotAllocator
 from lazyspec.cache.host_tier import STORE, HostTier, Transfer
-from lazyspec.engine.tier_programs import TierBlock, block_spec, padded_ids
+from lazyspec.engine.host_shards import HostShards
+from lazyspec.engine.tier_programs import TierBlock, block_shardings, block_spec, padded_ids
 from lazyspec.models.interface import KVPools
 from lazyspec.scheduler.layout import TRANSFER_SLOTS
 
@@ -59,17 +61,20 @@ class HostCache:
         self.page_size = tier.kv.page_size
         self.num_slots, self.num_rows = TRANSFER_SLOTS, runner.layout.transfer_rows
         host_rows = (tier.kv.num_pages + 1) * self.page_size
-        spec = block_spec(runner.abstract, tier.slots.num_slots + 1, host_rows)
-        self.pools: TierBlock = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), spec)
-        self.slot_bytes = sum(a[:, 0].nbytes for a in (self.pools.conv, self.pools.ssm))
-        self.row_bytes = sum(a[0].nbytes for a in kv_leaves(self.pools))
+        self.pools = host_pools(
+            block_spec(runner.abstract, tier.slots.num_slots + 1, host_rows),
+            block_shardings(runner.pool_shardings),
+        )
+        self.slot_bytes = sum(pool.bytes_per_id for pool in (self.pools.conv, self.pools.ssm))
+        self.row_bytes = sum(pool.bytes_per_id for pool in kv_leaves(self.pools))
         self.stats = CopyStats()
         self._issued: list[Transfer] = []
         self._pending: list[_PendingStore] = []
 
     @property
     def host_bytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.pools))
+        pools = self.pools
+        return sum(pool.nbytes for pool in (pools.conv, pools.ssm, *kv_leaves(pools)))
 
     # ------------------------------------------------------------------ copies
 
@@ -140,13 +145,11 @@ class HostCache:
         pools = self.pools
 
         def rows_of(kv: KVPools | None) -> KVPools | None:
-            return (
-                None
-                if kv is None
-                else KVPools([k[at_rows] for k in kv.k], [v[at_rows] for v in kv.v])
-            )
+            if kv is None:
+                return None
+            return KVPools([k.read(at_rows) for k in kv.k], [v.read(at_rows) for v in kv.v])
 
-        conv, ssm = pools.conv[:, at_slots], pools.ssm[:, at_slots]
+        conv, ssm = pools.conv.read(at_slots), pools.ssm.read(at_slots)
         block = TierBlock(conv, ssm, rows_of(pools.kv), rows_of(pools.mtp_kv))
         layout = self.runner.layout
         self.runner.load_block(
@@ -158,13 +161,10 @@ class HostCache:
     def _land(self) -> None:
         began = time.perf_counter()
         for pending in self._pending:
-            got = jax.tree.map(np.asarray, pending.block)
-            num = len(pending.host_slots)
-            self.pools.conv[:, pending.host_slots] = got.conv[:, :num]
-            self.pools.ssm[:, pending.host_slots] = got.ssm[:, :num]
-            num = len(pending.host_rows)
-            for pool, new in zip(kv_leaves(self.pools), kv_leaves(got)):
-                pool[pending.host_rows] = new[:num]
+            self.pools.conv.write(pending.host_slots, pending.block.conv)
+            self.pools.ssm.write(pending.host_slots, pending.block.ssm)
+            for pool, new in zip(kv_leaves(self.pools), kv_leaves(pending.block)):
+                pool.write(pending.host_rows, new)
         self._pending = []
         self.stats.store_seconds += time.perf_counter() - began
 
@@ -188,6 +188,21 @@ class HostCache:
             "host_kv_tokens": tier.kv.num_pages * self.page_size,
             "host_bytes": self.host_bytes,
         }
+
+
+def host_pools(spec: TierBlock, shardings: TierBlock) -> TierBlock:
+    """Host pools of ``spec``'s shapes (the host's ids), one ``HostShards`` a pool, kept
+    per shard of ``shardings`` (the device pools')."""
+
+    def rows_of(kv_spec: KVPools | None, kv_shardings: KVPools | None) -> KVPools | None:
+        return jax.tree.map(lambda leaf, where: HostShards(leaf, where, 0), kv_spec, kv_shardings)
+
+    return TierBlock(
+        HostShards(spec.conv, shardings.conv, 1),
+        HostShards(spec.ssm, shardings.ssm, 1),
+        rows_of(spec.kv, shardings.kv),
+        rows_of(spec.mtp_kv, shardings.mtp_kv),
+    )
 
 
 def build_host_tier(config, layout, runner) -> HostTier | None:

@@ -55,11 +55,12 @@ class TierCopyOracle:
         return states, [_bytes(np.asarray(leaf)[rows]) for leaf in kv_leaves(block)]
 
     def _check_host(self) -> None:
-        pools = self.cache.pools
+        pools = self.cache.pools  # per shard: compared put together
         for slot, (conv, ssm) in self.stored_slots.items():
             if self._host_holds_slot(slot):
-                assert np.array_equal(_bytes(pools.conv[:, slot]), conv), f"host slot {slot}"
-                assert np.array_equal(_bytes(pools.ssm[:, slot]), ssm), f"host slot {slot}"
+                at = np.array([slot])
+                assert np.array_equal(_bytes(pools.conv.gather(at)[:, 0]), conv), f"host {slot}"
+                assert np.array_equal(_bytes(pools.ssm.gather(at)[:, 0]), ssm), f"host {slot}"
 
     def _host_holds_slot(self, slot: int) -> bool:
         """Whether ``slot`` is still the copy recorded (not freed and stored again since)."""

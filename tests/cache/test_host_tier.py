@@ -343,3 +343,22 @@ def test_random_operations_keep_both_tiers_exact(policy, page_size, eviction):
     if policy != WRITE_THROUGH_SELECTIVE:
         assert stats.num_host_evictions
     s.flush_and_check_empty()
+
+
+@pytest.mark.parametrize("eviction", ["sglang", "value"])
+def test_the_host_evicts_by_the_checkpoint_eviction_policy(eviction):
+    """The host's two states: the older one saves eight tokens (worth 8 x 1/2), the newer
+    two (worth 2 x 1): "sglang" drops the least recent host copy, "value" the one worth
+    least, as the device ranks its states."""
+    s = Setup(WRITE_THROUGH, pages=16, slots=4, host_slots=2, eviction=eviction)
+    assert s.insert([1, 2, 3, 4, 5, 6, 7, 8]) and s.insert([20, 21])
+    s.complete()
+    older, newer = sorted(s.tree.iter_nodes(), key=lambda node: node.node_id)
+    assert older.host_slot is not None and newer.host_slot is not None
+    assert s.tree.evict_host(1, 0)
+    dropped, kept = (older, newer) if eviction == "sglang" else (newer, older)
+    assert dropped.host_slot is None and not dropped.on_host and dropped.on_device
+    assert kept.host_slot is not None and kept.on_host
+    assert s.host.stats.num_host_evictions == 1
+    s.check()
+    s.flush_and_check_empty()
