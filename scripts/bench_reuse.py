@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lazyspec.bench.closed_loop import ClosedLoop
 from lazyspec.bench.reuse_workloads import DEFAULT_SHAPES, WORKLOADS, Workload
 
 STRATEGIES = {
@@ -96,36 +97,20 @@ def run_once(model, workload: str, strategy: str, policy: str, pool: int, seed: 
         **spec,
     )
     work = Workload(workload, shape_of(workload, args), model.config.vocab_size, seed)
-    live, outputs, ttfts = {}, [], []
+    loop, outputs = ClosedLoop(engine), []
 
     def submit(request) -> None:
-        params = {"max_new_tokens": request.max_new_tokens, "ignore_eos": True}
-        req = engine.add_request(input_ids=request.prompt, sampling_params=params)
-        live[req.rid] = (req, request, time.perf_counter(), len(outputs))
+        loop.submit(request.prompt, request.max_new_tokens, (request, len(outputs)))
         outputs.append(None)
 
     for request in work.first():
         submit(request)
-    cached = prompt_tokens = hits = count = num_out = 0
     start = time.perf_counter()
-    first_token = {}
-    while live:
-        engine.step()
-        now = time.perf_counter()
-        for rid, (req, request, sent, index) in list(live.items()):
-            if req.output_ids and rid not in first_token:
-                first_token[rid] = now - sent
-            if not req.finished:
-                continue
-            del live[rid]
-            ttfts.append(first_token.get(rid, now - sent))
+    while len(loop):
+        for req, (request, index) in loop.step():
             outputs[index] = list(req.output_ids)
-            num_out += len(req.output_ids)
             if request.counted:
-                cached += req.cached_tokens
-                prompt_tokens += len(request.prompt)
-                hits += req.cached_tokens > 0
-                count += 1
+                loop.count_reuse(req)
             nxt = work.follow(request, list(req.output_ids))
             if nxt is not None:
                 submit(nxt)
@@ -139,11 +124,11 @@ def run_once(model, workload: str, strategy: str, policy: str, pool: int, seed: 
         policy,
         pool,
         seed,
-        cached / max(prompt_tokens, 1),
-        hits,
-        count,
-        float(np.mean(ttfts)),
-        num_out / elapsed,
+        loop.reuse,
+        loop.hits,
+        loop.counted,
+        float(np.mean(loop.ttfts)),
+        loop.num_out / elapsed,
         accept,
         outputs,
     )
