@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lazyspec.bench.closed_loop import ClosedLoop
+from lazyspec.bench.closed_loop import ClosedLoop, add_engine_arguments, engine_options
 
 ORDERS = ("round-robin", "random", "bursty")
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "lazyspec" / "assets" / "default_model"
@@ -92,23 +92,16 @@ class Result:
 def build_engine(model, args, tier: bool):
     from lazyspec.engine.engine import Engine
 
-    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
     pinned = {"extra_buffer": 3, "extra_buffer_lazy": 2, "no_buffer": 1}[args.strategy]
     return Engine(
         model=model,
         mamba_scheduler_strategy=args.strategy,
         max_running_requests=args.concurrency,
         max_mamba_cache_size=pinned * args.concurrency + args.spare_slots,
-        max_total_tokens=args.kv_tokens,
-        context_length=args.context,
-        mamba_track_interval=args.interval,
-        mamba_chunk_size=args.chunk,
-        chunked_prefill_size=args.chunked_prefill,
         enable_hierarchical_cache=tier,
         hicache_ratio=args.hicache_ratio,
         hicache_write_policy=args.write_policy,
-        skip_warmup=False,  # compile before the clock starts
-        **spec,
+        **engine_options(args),
     )
 
 
@@ -191,16 +184,11 @@ def parse_args(argv=None):
     p.add_argument("--order", choices=ORDERS, default="round-robin")
     p.add_argument("--burst", type=int, default=4, help="conversations per group (bursty)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
-    p.add_argument("--kv-tokens", type=int, default=4096, help="device KV pool")
     p.add_argument("--spare-slots", type=int, default=16, help="state slots past the pinned")
     p.add_argument("--hicache-ratio", type=float, default=6.0)
     p.add_argument("--write-policy", default="write_through")
     p.add_argument("--strategy", default="extra_buffer")
-    p.add_argument("--interval", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--chunked-prefill", type=int, default=256)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--spec", action="store_true", help="NEXTN speculation (3 steps, D=4)")
+    add_engine_arguments(p, kv_tokens=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)

@@ -1,13 +1,44 @@
 """Requests in flight on an in-process ``Engine``, stepped until they finish, with the
 figures the reuse benchmarks report (``scripts/bench_reuse.py``,
 ``scripts/bench_multiturn.py``): each request's time to first token, the output tokens, and
-over the requests that count toward reuse the prompt tokens served from the cache."""
+over the requests that count toward reuse the prompt tokens served from the cache; and the
+engine options both benchmarks take."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+# ``--spec``: the MTP head drafting three tokens (D = 4)
+NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, kv_tokens: int) -> None:
+    """The engine options of the closed-loop benchmarks (``engine_options`` reads them);
+    ``kv_tokens`` the default device KV pool. Mutates ``parser``."""
+    parser.add_argument("--interval", type=int, default=64, help="mamba_track_interval")
+    parser.add_argument("--chunk", type=int, default=64, help="mamba_chunk_size")
+    parser.add_argument("--chunked-prefill", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--kv-tokens", type=int, default=kv_tokens, help="device KV pool")
+    parser.add_argument("--spec", action="store_true", help="NEXTN speculation (3 steps, D=4)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``Engine`` settings of ``add_engine_arguments``' options, every program compiled
+    before the clock starts (later engines of the process find them compiled), so that TTFT
+    and throughput measure serving, not compilation."""
+    return dict(
+        mamba_track_interval=args.interval,
+        mamba_chunk_size=args.chunk,
+        chunked_prefill_size=args.chunked_prefill,
+        max_total_tokens=args.kv_tokens,
+        context_length=args.context,
+        skip_warmup=False,
+        **(NEXTN if args.spec else {}),
+    )
 
 
 @dataclass
