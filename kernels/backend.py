@@ -27,6 +27,7 @@ from lazyspec.kernels.attention.dispatch import (
     tpu_paged_attention,
 )
 from lazyspec.kernels.common import KernelBackend, platform_of, resolve_backend
+from lazyspec.kernels.device_kinds import device_kind_key
 from lazyspec.kernels.moe.dispatch import pallas_moe_experts, tpu_moe_experts
 from lazyspec.kernels.norm.dispatch import (
     pallas_gated_norm,
@@ -44,7 +45,7 @@ from lazyspec.kernels.state.dispatch import (
 )
 from lazyspec.kernels.state.scatter import state_copy_xla, state_scatter_xla
 from lazyspec.kernels.state.update_common import StateUpdateResult
-from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning, device_kind_key, tuning_for
+from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning, tuning_for
 
 # (pool, slot, tokens, *, mode, layer=None) -> StateUpdateResult, as ``state.update_common``
 StateUpdateFn = Callable[..., StateUpdateResult]
@@ -157,7 +158,7 @@ def _bind(fn: Callable, *args: Any, tuning: Tuning, **attributes: Any) -> Callab
 
 
 def default_tuning(platform: str | None = None) -> Tuning:
-    """The table's ``Tuning`` for ``platform``'s first device (``tuning.device_kind_key``)."""
+    """The table's ``Tuning`` for ``platform``'s first device (``device_kinds.device_kind_key``)."""
     platform = platform_of(platform)
     try:
         kind = jax.devices(platform)[0].device_kind

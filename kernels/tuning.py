@@ -17,6 +17,7 @@ from typing import Any
 
 from lazyspec.kernels.attention.tuning import TABLE as ATTENTION_TABLE
 from lazyspec.kernels.attention.tuning import AttentionTuning
+from lazyspec.kernels.device_kinds import DEVICE_KINDS
 from lazyspec.kernels.gdn.tuning import TABLE as GDN_TABLE
 from lazyspec.kernels.gdn.tuning import GdnTuning
 from lazyspec.kernels.mamba2.tuning import TABLE as MAMBA2_TABLE
@@ -27,8 +28,6 @@ from lazyspec.kernels.norm.tuning import TABLE as NORM_TABLE
 from lazyspec.kernels.norm.tuning import NormTuning
 from lazyspec.kernels.state.tuning import TABLE as STATE_TABLE
 from lazyspec.kernels.state.tuning import StateTuning
-
-DEVICE_KINDS = ("h100", "h200", "tpu_v5e", "tpu_v6e", "cpu")
 
 
 @dataclass(frozen=True)
@@ -104,18 +103,6 @@ def parse_overrides(text: str) -> dict[str, Any]:
                 raise ValueError(f"kernel tuning {name.strip()!r}: {raw!r} is no integer") from None
     Tuning().with_overrides(overrides)  # names and types checked here
     return overrides
-
-
-def device_kind_key(platform: str, device_kind: str = "") -> str:
-    """The table key of a device: ``platform`` is JAX's ("cpu", "gpu"/"cuda"/"rocm", "tpu"),
-    ``device_kind`` its ``Device.device_kind`` string. A GPU other than an H200 takes the
-    H100's tuning (the tiles were measured on those two), a TPU other than v6e the v5e's."""
-    kind = device_kind.lower()
-    if platform == "tpu":
-        return "tpu_v6e" if "v6" in kind else "tpu_v5e"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "h200" if "h200" in kind else "h100"
-    return "cpu"
 
 
 def tuning_for(key: str) -> Tuning:

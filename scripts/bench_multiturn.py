@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lazyspec.bench.closed_loop import ClosedLoop, add_engine_arguments, engine_options
+
 ORDERS = ("round-robin", "random", "bursty")
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "lazyspec" / "assets" / "default_model"
 
@@ -90,23 +92,16 @@ class Result:
 def build_engine(model, args, tier: bool):
     from lazyspec.engine.engine import Engine
 
-    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
     pinned = {"extra_buffer": 3, "extra_buffer_lazy": 2, "no_buffer": 1}[args.strategy]
     return Engine(
         model=model,
         mamba_scheduler_strategy=args.strategy,
         max_running_requests=args.concurrency,
         max_mamba_cache_size=pinned * args.concurrency + args.spare_slots,
-        max_total_tokens=args.kv_tokens,
-        context_length=args.context,
-        mamba_track_interval=args.interval,
-        mamba_chunk_size=args.chunk,
-        chunked_prefill_size=args.chunked_prefill,
         enable_hierarchical_cache=tier,
         hicache_ratio=args.hicache_ratio,
         hicache_write_policy=args.write_policy,
-        skip_warmup=False,  # compile before the clock starts
-        **spec,
+        **engine_options(args),
     )
 
 
@@ -115,32 +110,17 @@ def run(model, args, tier: bool) -> Result:
     conv = Conversations(args, model.config.vocab_size)
     order = deque(arrival_order(args.order, args.conversations, args.turns, args.burst, args.seed))
     done_turns = [0] * args.conversations
-    live, outputs, ttfts, first = {}, {}, [], {}
-    cached = prompt_tokens = hits = later = num_out = 0
+    loop, outputs = ClosedLoop(engine), {}
     start = time.perf_counter()
-    while order or live:
-        while order and len(live) < args.concurrency and done_turns[order[0][0]] == order[0][1]:
+    while order or len(loop):
+        while order and len(loop) < args.concurrency and done_turns[order[0][0]] == order[0][1]:
             c, t = order.popleft()
-            params = {"max_new_tokens": args.output_len, "ignore_eos": True}
-            req = engine.add_request(input_ids=conv.prompts[c], sampling_params=params)
-            live[req.rid] = (req, c, t, time.perf_counter())
+            loop.submit(conv.prompts[c], args.output_len, (c, t))
             done_turns[c] = -1  # in flight
-        engine.step()
-        now = time.perf_counter()
-        for rid, (req, c, t, sent) in list(live.items()):
-            if req.output_ids and rid not in first:
-                first[rid] = now - sent
-            if not req.finished:
-                continue
-            del live[rid]
-            ttfts.append(first.get(rid, now - sent))
+        for req, (c, t) in loop.step():
             outputs[(c, t)] = list(req.output_ids)
-            num_out += len(req.output_ids)
-            if t > 0:
-                cached += req.cached_tokens
-                prompt_tokens += len(req.input_ids)
-                hits += req.cached_tokens > 0
-                later += 1
+            if t > 0:  # a later turn: it could hit
+                loop.count_reuse(req)
             conv.next_prompt(c, list(req.output_ids))
             done_turns[c] = t + 1
     seconds = time.perf_counter() - start
@@ -150,12 +130,12 @@ def run(model, args, tier: bool) -> Result:
     engine.check_integrity()
     return Result(
         tier=tier,
-        reuse=cached / max(prompt_tokens, 1),
-        hit_turns=hits,
-        later_turns=later,
-        ttft_p50_s=float(np.median(ttfts)),
-        ttft_mean_s=float(np.mean(ttfts)),
-        output_tok_s=num_out / seconds,
+        reuse=loop.reuse,
+        hit_turns=loop.hits,
+        later_turns=loop.counted,
+        ttft_p50_s=float(np.median(loop.ttfts)),
+        ttft_mean_s=float(np.mean(loop.ttfts)),
+        output_tok_s=loop.num_out / seconds,
         seconds=seconds,
         host_hits=info.get("hicache_num_host_hits", 0),
         loaded_tokens=info.get("hicache_num_loaded_tokens", 0),
@@ -204,16 +184,11 @@ def parse_args(argv=None):
     p.add_argument("--order", choices=ORDERS, default="round-robin")
     p.add_argument("--burst", type=int, default=4, help="conversations per group (bursty)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
-    p.add_argument("--kv-tokens", type=int, default=4096, help="device KV pool")
     p.add_argument("--spare-slots", type=int, default=16, help="state slots past the pinned")
     p.add_argument("--hicache-ratio", type=float, default=6.0)
     p.add_argument("--write-policy", default="write_through")
     p.add_argument("--strategy", default="extra_buffer")
-    p.add_argument("--interval", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--chunked-prefill", type=int, default=256)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--spec", action="store_true", help="NEXTN speculation (3 steps, D=4)")
+    add_engine_arguments(p, kv_tokens=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)

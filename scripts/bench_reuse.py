@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lazyspec.bench.closed_loop import ClosedLoop, add_engine_arguments, engine_options
 from lazyspec.bench.reuse_workloads import DEFAULT_SHAPES, WORKLOADS, Workload
 
 STRATEGIES = {
@@ -77,55 +78,30 @@ def shape_of(workload: str, args) -> object:
 def run_once(model, workload: str, strategy: str, policy: str, pool: int, seed: int, args):
     from lazyspec.engine.engine import Engine
 
-    spec = dict(speculative_algorithm="NEXTN", speculative_num_steps=3) if args.spec else {}
     engine = Engine(
         model=model,
         max_running_requests=args.max_running,
         max_mamba_cache_size=pool,
-        mamba_track_interval=args.interval,
-        mamba_chunk_size=args.chunk,
-        chunked_prefill_size=args.chunked_prefill,
-        max_total_tokens=args.kv_tokens,
-        context_length=args.context,
         random_seed=seed,
-        # compile every program before the clock starts (later engines of the process find
-        # them compiled), so that TTFT and throughput measure serving, not compilation
-        skip_warmup=False,
         mamba_cache_policy=policy,
         **STRATEGIES[strategy],
-        **spec,
+        **engine_options(args),
     )
     work = Workload(workload, shape_of(workload, args), model.config.vocab_size, seed)
-    live, outputs, ttfts = {}, [], []
+    loop, outputs = ClosedLoop(engine), []
 
     def submit(request) -> None:
-        params = {"max_new_tokens": request.max_new_tokens, "ignore_eos": True}
-        req = engine.add_request(input_ids=request.prompt, sampling_params=params)
-        live[req.rid] = (req, request, time.perf_counter(), len(outputs))
+        loop.submit(request.prompt, request.max_new_tokens, (request, len(outputs)))
         outputs.append(None)
 
     for request in work.first():
         submit(request)
-    cached = prompt_tokens = hits = count = num_out = 0
     start = time.perf_counter()
-    first_token = {}
-    while live:
-        engine.step()
-        now = time.perf_counter()
-        for rid, (req, request, sent, index) in list(live.items()):
-            if req.output_ids and rid not in first_token:
-                first_token[rid] = now - sent
-            if not req.finished:
-                continue
-            del live[rid]
-            ttfts.append(first_token.get(rid, now - sent))
+    while len(loop):
+        for req, (request, index) in loop.step():
             outputs[index] = list(req.output_ids)
-            num_out += len(req.output_ids)
             if request.counted:
-                cached += req.cached_tokens
-                prompt_tokens += len(request.prompt)
-                hits += req.cached_tokens > 0
-                count += 1
+                loop.count_reuse(req)
             nxt = work.follow(request, list(req.output_ids))
             if nxt is not None:
                 submit(nxt)
@@ -139,11 +115,11 @@ def run_once(model, workload: str, strategy: str, policy: str, pool: int, seed: 
         policy,
         pool,
         seed,
-        cached / max(prompt_tokens, 1),
-        hits,
-        count,
-        float(np.mean(ttfts)),
-        num_out / elapsed,
+        loop.reuse,
+        loop.hits,
+        loop.counted,
+        float(np.mean(loop.ttfts)),
+        loop.num_out / elapsed,
         accept,
         outputs,
     )
@@ -242,12 +218,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--suite-output-len", type=int, default=32, help="output tokens, other workloads"
     )
-    p.add_argument("--interval", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--chunked-prefill", type=int, default=256)
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--kv-tokens", type=int, default=262144)
-    p.add_argument("--spec", action="store_true", help="NEXTN speculation (3 steps, D=4)")
+    add_engine_arguments(p, kv_tokens=262144)
     p.add_argument("--out-dir", default=None, help="write results.json, table.md, reuse.png here")
     return p.parse_args(argv)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lazyspec.kernels.device_kinds import device_table
+
 
 @dataclass(frozen=True)
 class AttentionTuning:
@@ -64,4 +66,4 @@ CPU = replace(GPU, xla_block_kv=256)
 # double-buffered: 2 MiB of VMEM)
 TPU_V5E = replace(GPU, xla_block_kv=512, tpu_block_kv=512, tpu_block_rows=128)
 TPU_V6E = replace(TPU_V5E, tpu_block_rows=256)
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": TPU_V5E, "tpu_v6e": TPU_V6E, "cpu": CPU}
+TABLE = device_table(GPU, tpu=TPU_V5E, tpu_v6e=TPU_V6E, cpu=CPU)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.attention.paged import MASK_VALUE
+from lazyspec.kernels.attention.paged import MASK_VALUE, check_inputs
 
 
 def paged_attend(
@@ -36,6 +36,7 @@ def paged_attend(
     kernel rounds them). Returns ``[B, T, Hq, D]`` in q's dtype; a query that sees no
     position (padding) gets zeros (the kernel's; ``attend`` gives the mean of the values).
     """
+    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
     if block_kv < 0:
         raise ValueError(f"block_kv={block_kv} must be >= 0 (0: the whole table)")
     batch, num_tokens, num_heads, head_dim = q.shape

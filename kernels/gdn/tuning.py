@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lazyspec.kernels.device_kinds import device_table
+
 
 @dataclass(frozen=True)
 class GdnTuning:
@@ -35,10 +37,6 @@ class GdnTuning:
 
 GPU = GdnTuning()
 TPU = replace(GPU, tpu_block_heads=8)
-TABLE = {
-    "h100": GPU,
-    "h200": GPU,  # the tiles were first timed on an H200, the small-step ones on an H100
-    "tpu_v5e": TPU,  # the TPU layout (``update_tpu``) reads only ``tpu_block_heads``
-    "tpu_v6e": TPU,
-    "cpu": GPU,  # interpret mode: the GPU's dispatch, so the suite runs the GPU's paths
-}
+# the GPU's tiles were first timed on an H200, the small-step ones on an H100; the TPU
+# layout (``update_tpu``) reads only ``tpu_block_heads``
+TABLE = device_table(GPU, tpu=TPU)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lazyspec.kernels.device_kinds import device_table
+
 
 @dataclass(frozen=True)
 class Mamba2Tuning:
@@ -23,4 +25,4 @@ class Mamba2Tuning:
 
 GPU = Mamba2Tuning()
 TPU = replace(GPU, tpu_block_heads=8)
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": TPU, "tpu_v6e": TPU, "cpu": GPU}
+TABLE = device_table(GPU, tpu=TPU)

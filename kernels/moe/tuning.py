@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazyspec.kernels.device_kinds import device_table
+
 
 @dataclass(frozen=True)
 class MoETuning:
@@ -51,4 +53,4 @@ GPU = MoETuning()
 # The TPU layout has been run in interpret mode only: it keeps the decode-size limit it was
 # written for, beyond which the XLA dispatch runs.
 TPU = MoETuning(kernel_max_tokens=64)
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": TPU, "tpu_v6e": TPU, "cpu": GPU}
+TABLE = device_table(GPU, tpu=TPU)

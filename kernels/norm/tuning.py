@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazyspec.kernels.device_kinds import device_table
+
 
 @dataclass(frozen=True)
 class NormTuning:
@@ -37,4 +39,4 @@ class NormTuning:
 
 
 GPU = NormTuning()
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": GPU, "tpu_v6e": GPU, "cpu": GPU}
+TABLE = device_table(GPU)

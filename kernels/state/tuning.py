@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lazyspec.kernels.device_kinds import device_table
+
 
 @dataclass(frozen=True)
 class StateTuning:
@@ -23,4 +25,4 @@ class StateTuning:
 
 
 GPU = StateTuning()
-TABLE = {"h100": GPU, "h200": GPU, "tpu_v5e": GPU, "tpu_v6e": GPU, "cpu": GPU}
+TABLE = device_table(GPU)

@@ -18,6 +18,10 @@ RECURRENT = "recurrent"  # holds conv + ssm state in the slot pools
 ATTENTION = "attention"  # holds KV in the page pool
 STATELESS = "stateless"  # MLP / MoE-only layer (Nemotron-H), no cache at all
 
+# ModelConfig's pool sizes of a model without attention layers / without recurrent layers
+_NO_ATTENTION = {"num_attention_heads": 0, "num_kv_heads": 0, "head_dim": 0}
+_NO_RECURRENT = {"conv_dim": 0, "conv_kernel": 1, "ssm_heads": 0, "ssm_dim_a": 0, "ssm_dim_b": 0}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -110,3 +114,19 @@ def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def pool_sizes(attention: Any, recurrent: Any) -> dict[str, int]:
+    """``ModelConfig``'s pool-size fields of a family's mixer specs, each None where the
+    model has no such layers: ``attention`` an ``AttentionSpec`` (heads, KV heads, head
+    dim), ``recurrent`` a ``Mamba2Dims`` or ``GDNSpec`` (conv channels and kernel, the
+    state's ``state_shape``)."""
+    sizes = {**_NO_ATTENTION, **_NO_RECURRENT}
+    if attention is not None:
+        sizes["num_attention_heads"] = attention.num_heads
+        sizes["num_kv_heads"] = attention.num_kv_heads
+        sizes["head_dim"] = attention.head_dim
+    if recurrent is not None:
+        sizes["conv_dim"], sizes["conv_kernel"] = recurrent.conv_dim, recurrent.conv_kernel
+        sizes["ssm_heads"], sizes["ssm_dim_a"], sizes["ssm_dim_b"] = recurrent.state_shape
+    return sizes

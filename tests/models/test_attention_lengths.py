@@ -71,6 +71,16 @@ def test_negative_block_is_rejected():
         paged_attend(case["q"], *(case[a] for a in ARGS), 1.0, -1)
 
 
+def test_shapes_off_the_contract_are_rejected():
+    """The walk takes the paged forms' contract and its check (``paged.check_inputs``)."""
+    rng = np.random.default_rng(9)
+    case = attention_case(rng, 2, 3, 4, 2, 8, [3, 1], jnp.float32)
+    args = [case[a] for a in ARGS]
+    args[4] = args[4][:, :2]  # positions of 2 tokens for 3 queries
+    with pytest.raises(ValueError, match="positions"):
+        paged_attend(case["q"], *args, 1.0, 16)
+
+
 def test_the_loop_runs_to_the_longest_visible_context(monkeypatch):
     """The loop runs cdiv(longest visible context, block) times, whatever the table's width:
     a chunk's visible context stops at its last query's position, not at ``ctx_len``."""

@@ -72,6 +72,11 @@ class GDNSpec:
     def heads_per_key(self) -> int:
         return self.num_v_heads // self.num_k_heads
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """A layer's state [value heads, d_k, d_v] (``ModelConfig.ssm_state_shape``)."""
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
 
 class GDNStates(NamedTuple):
     """States a GDN call returns; ``conv_trace``/``ssm_trace`` are per step or per chunk.

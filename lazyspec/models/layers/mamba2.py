@@ -75,6 +75,11 @@ class Mamba2Dims:
     def projection_size(self) -> int:
         return self.intermediate_size + self.conv_dim + self.num_heads
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """A layer's state [heads, head_dim, state_size] (``ModelConfig.ssm_state_shape``)."""
+        return (self.num_heads, self.head_dim, self.state_size)
+
 
 @jax.tree_util.register_dataclass
 @dataclass
