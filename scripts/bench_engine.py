@@ -183,6 +183,22 @@ def build_model(preset: str, dtype: str, tp_size: int = 1):
     return model
 
 
+def engine_settings(args, backend: str, rows: int, context: int) -> dict:
+    """The Engine settings every row shares: the flags' backend, dtype, mesh, page size and
+    tuning, ``rows`` running requests of up to ``context`` tokens each."""
+    return dict(
+        kernel_backend=backend,
+        moe_runner_backend=args.moe_runner_backend,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        max_running_requests=rows,
+        context_length=context,
+        max_total_tokens=rows * context,
+        page_size=args.page_size,
+        kernel_tuning=getattr(args, "kernel_tuning", ""),
+    )
+
+
 def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps: int = 1):
     from lazyspec.engine.engine import Engine
 
@@ -190,20 +206,12 @@ def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps:
     start = time.perf_counter()
     engine = Engine(
         model=model,
-        kernel_backend=backend,
-        moe_runner_backend=args.moe_runner_backend,
-        dtype=args.dtype,
-        tp_size=args.tp_size,
-        max_running_requests=batch,
+        **engine_settings(args, backend, batch, args.context),
         mamba_track_interval=256,
         chunked_prefill_size=args.prompt_len,
-        context_length=args.context,
-        max_total_tokens=batch * args.context,
-        page_size=args.page_size,
         skip_warmup=True,
         decode_program_copies=getattr(args, "decode_program_copies", None),
         num_continuous_decode_steps=decode_steps,
-        kernel_tuning=getattr(args, "kernel_tuning", ""),
         **(nextn if spec else {}),
     )
     mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
@@ -723,17 +731,8 @@ def startup_line(model, args) -> None:
     from lazyspec.engine.engine import Engine
 
     start = time.perf_counter()
-    engine = Engine(
-        model=model,
-        kernel_backend=args.backends.split(",")[0],
-        moe_runner_backend=args.moe_runner_backend,
-        dtype=args.dtype,
-        tp_size=args.tp_size,
-        max_running_requests=args.batch,
-        context_length=args.context,
-        max_total_tokens=args.batch * args.context,
-        page_size=args.page_size,
-    )
+    backend = args.backends.split(",")[0]
+    engine = Engine(model=model, **engine_settings(args, backend, args.batch, args.context))
     seconds = time.perf_counter() - start
     status = engine.warmup_status() or {}
     print(f"engine with warm-up in {seconds:.1f} s: {status}", flush=True)
@@ -767,17 +766,9 @@ def prefill_table(model, args, device: str) -> None:
             chunk = args.prefill_chunk or min(length, 8192)
             engine = Engine(
                 model=model,
-                kernel_backend=backend,
-                moe_runner_backend=args.moe_runner_backend,
-                dtype=args.dtype,
-                tp_size=args.tp_size,
-                max_running_requests=1,
+                **engine_settings(args, backend, 1, length + 64),
                 chunked_prefill_size=chunk,
-                context_length=length + 64,
-                max_total_tokens=length + 64,
-                page_size=args.page_size,
                 skip_warmup=True,
-                kernel_tuning=getattr(args, "kernel_tuning", ""),
             )
             seconds = engine_prefill_seconds(engine, length)
             del engine
