@@ -9,12 +9,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazyspec.kernels.common import TRITON_PLATFORMS
+from lazyspec.kernels.common import TRITON_MIN_DOT, TRITON_PLATFORMS
 
 # The Triton forms run compiled on a GPU and in interpret mode elsewhere; the Mosaic (TPU)
 # forms run compiled on a TPU and in TPU interpret mode elsewhere.
 INTERPRET = jax.default_backend() not in TRITON_PLATFORMS
 TPU_INTERPRET = jax.default_backend() != "tpu"
+
+
+def dot_tile(size: int) -> int:
+    """A test's tile along a dot's dimension: ``size`` in interpret mode (which runs any
+    tile, so the tiny cases still span several tiles), at least Triton's 16-wide dot
+    minimum where the kernel runs compiled."""
+    return size if INTERPRET else max(size, TRITON_MIN_DOT)
+
 
 # Unit roundoff: half the spacing of the numbers near 1.
 UNIT_ROUNDOFF = {

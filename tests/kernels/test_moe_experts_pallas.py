@@ -22,7 +22,7 @@ from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
-from tests.kernels.kernel_checks import INTERPRET, assert_close, launch_names, tolerance
+from tests.kernels.kernel_checks import INTERPRET, assert_close, dot_tile, launch_names, tolerance
 
 pytestmark = pytest.mark.pallas
 
@@ -32,6 +32,13 @@ FP32_TOL = tolerance(jnp.float32, reduction_length=WIDTH + INNER)
 # within 2**-9 relative) where the kernel rounds only the intermediate; a few such roundings
 # of terms of either sign, relative to the output's largest element.
 BF16_TOL = tolerance(jnp.bfloat16, reduction_length=WIDTH + INNER, roundings=8)
+# tiles that split the tiny widths where the kernel is interpreted
+SMALL_TILES = {
+    "block_inner": dot_tile(8),
+    "block_out": 16,
+    "block_k": dot_tile(8),
+    "interpret": INTERPRET,
+}
 
 
 def routing(rng, num_tokens, top_k, num_experts, skewed):
@@ -92,9 +99,7 @@ def test_moe_experts_pallas_matches_grouped_experts(case):
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
     want = reference(x, weights, ids, up, down, gate)
-    got = me.moe_experts_pallas(
-        x, weights, ids, up, down, gate, block_inner=8, block_out=16, block_k=8, interpret=INTERPRET
-    )
+    got = me.moe_experts_pallas(x, weights, ids, up, down, gate, **SMALL_TILES)
     assert got.dtype == jnp.float32
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
 
@@ -138,7 +143,7 @@ def test_shared_expert_runs_as_one_more_expert_pallas(case):
     )
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
     want = reference(x, weights, ids, up, down, gate) + shared_reference(x, shared)
-    tiles = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    tiles = dict(SMALL_TILES)
     got = me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=shared, **tiles)
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "with shared")
     # the shared part is really there: without it the sum differs by about its size
@@ -155,7 +160,7 @@ def test_down_launch_takes_its_own_chunk_pallas():
     weights, ids = routing(rng, 3, 2, 8, False)
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
     x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
-    tiles = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    tiles = dict(SMALL_TILES)
     want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
     got = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER)
     assert_close(got, want, FP32_TOL, "down chunk")
@@ -217,7 +222,9 @@ def test_pairs_outside_the_stacks_are_dropped_pallas():
     x = jnp.asarray(rng.standard_normal((5, WIDTH)), jnp.float32)
     want = reference(x, weights, ids, up, down, gate)
     per = num_experts // num_shards
-    kernel = jax.jit(lambda *a: me.moe_experts_pallas(*a, block_rows=4, interpret=INTERPRET))
+    kernel = jax.jit(
+        lambda *a: me.moe_experts_pallas(*a, block_rows=dot_tile(4), interpret=INTERPRET)
+    )
     total = 0.0
     for shard in range(num_shards):
         block = slice(shard * per, (shard + 1) * per)
@@ -539,7 +546,7 @@ def test_token_rows_and_staged_rows_give_the_same_experts_pallas(gated):
     up, down, gate = expert_stacks(rng, num_experts, jnp.float32, gated)
     kernel = jax.jit(
         lambda *a, token_rows: me.moe_experts_pallas(
-            *a, block_rows=8, token_rows=token_rows, interpret=INTERPRET
+            *a, block_rows=dot_tile(8), token_rows=token_rows, interpret=INTERPRET
         ),
         static_argnames="token_rows",
     )
@@ -575,7 +582,7 @@ def test_token_rows_read_the_tokens_as_they_are_pallas():
             up,
             down,
             gate,
-            block_rows=8,
+            block_rows=dot_tile(8),
             token_rows=token_rows,
             interpret=INTERPRET,
         )
@@ -652,7 +659,7 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     if with_shared:
         s_up, s_down, s_gate = expert_stacks(rng, 1, jnp.float32, True)
         extra["shared"] = moe_plan.SharedExpert(s_up[0], s_down[0], s_gate[0], shared_weight)
-    tile_args = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    tile_args = dict(SMALL_TILES)
     want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **extra, **tile_args)
     extra["routing"] = routing
     got = me.moe_experts_pallas(x, None, None, up, down, gate, **extra, **tile_args)
@@ -675,7 +682,7 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens):
     logits = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
     routing = moe_routing.TokenRouting(logits, 4, True, jnp.asarray([True, True, False]))
     x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
-    tile_args = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    tile_args = dict(SMALL_TILES)
 
     def launches(route_in_up):
         run = functools.partial(
@@ -718,7 +725,7 @@ def test_down_product_in_the_up_launch_pallas(case):
     logits = jnp.asarray(rng.standard_normal((num_tokens, num_experts)), jnp.float32)
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, True)
     weights, ids = moe.route({}, spec, None, logits)
-    extra = {"block_inner": 8, "block_out": 16, "block_k": 8, "interpret": True}
+    extra = dict(SMALL_TILES)
     ref_weights, ref_ids = weights, ids
     if with_shared:
         s_up, s_down, s_gate = expert_stacks(rng, 1, dtype, gated)

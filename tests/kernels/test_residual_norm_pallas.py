@@ -100,7 +100,7 @@ def test_norm_without_delta_gives_the_projection_in_its_dtype_pallas(tokens):
 
 def test_residual_norm_pallas_rejects_mismatched_inputs():
     x, delta, weight, router = _case(np.random.default_rng(0), 2, 64, 16)
-    options = {"eps": 1e-6, "interpret": True}
+    options = {"eps": 1e-6, "interpret": INTERPRET}
     with pytest.raises(ValueError, match="one \\[N, d\\] shape and dtype"):
         residual_norm_pallas(x, delta[:1], weight, **options)
     with pytest.raises(ValueError, match="one \\[N, d\\] shape and dtype"):
