@@ -62,8 +62,9 @@ def expert_stacks(rng, num_experts, dtype, gated):
 
 def reference(x, weights, ids, up, down, gate):
     """``grouped_experts`` with the layers' own SwiGLU / relu^2 expert functions, its float32
-    dots in full precision (on GPUs XLA's default is TF32, up to 8e-4 off the kernel's IEEE
-    dots at these widths, where full precision agrees within 1.1e-7: BENCHMARKS.md)."""
+    dots in full precision (``conftest.py``; on GPUs XLA's default is TF32, up to 8e-4 off the
+    kernel's IEEE dots at these widths, where full precision agrees within 1.1e-7:
+    BENCHMARKS.md)."""
 
     def experts(xs, sizes):
         xs = xs.astype(up.dtype)
@@ -74,8 +75,7 @@ def reference(x, weights, ids, up, down, gate):
         h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * u
         return jax.lax.ragged_dot(h, down, sizes)
 
-    with jax.default_matmul_precision("highest"):
-        return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
+    return moe.grouped_experts(x, weights, ids, up.shape[0], experts)
 
 
 CASES = [  # seed, tokens, top_k, experts, skewed, gated, dtype
@@ -105,15 +105,14 @@ def test_moe_experts_pallas_matches_grouped_experts(case):
 
 
 def shared_reference(x, shared: moe_plan.SharedExpert):
-    """``weight[n] * shared_expert(x[n])`` in float32 at full precision."""
-    with jax.default_matmul_precision("highest"):
-        dot = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))  # noqa: E731
-        u = dot(x, shared.up)
-        if shared.gate is None:
-            h = jax.nn.relu(u) ** 2
-        else:
-            h = jax.nn.silu(dot(x, shared.gate)) * u
-        return shared.weight[:, None] * dot(h.astype(shared.up.dtype), shared.down)
+    """``weight[n] * shared_expert(x[n])`` in float32 at full precision (``conftest.py``)."""
+    dot = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))  # noqa: E731
+    u = dot(x, shared.up)
+    if shared.gate is None:
+        h = jax.nn.relu(u) ** 2
+    else:
+        h = jax.nn.silu(dot(x, shared.gate)) * u
+    return shared.weight[:, None] * dot(h.astype(shared.up.dtype), shared.down)
 
 
 # seed, tokens, top_k, experts, gated, dtype: token rows (<= 8 tokens) and staged rows
