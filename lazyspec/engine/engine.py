@@ -73,8 +73,7 @@ class Engine:
         else:
             self.sharding = sharding_plan(model.config, c.tp_size, c.nnodes)
         self.model = model
-        platform = self.sharding.mesh.devices.flat[0].platform
-        self.config = c = c.for_platform(platform)
+        self.config = c = c.for_platform(self.sharding.platform)
         cfg = model.config
         if self.config.spec_enabled and "mtp" not in model.params:
             raise ValueError(
@@ -205,7 +204,7 @@ class Engine:
 
     def _default_decode_copies(self) -> int:
         """Two copies of the decode program where programs run as CUDA graphs (``InTurn``)."""
-        return 2 if self.sharding.mesh.devices.flat[0].platform == "gpu" else 1
+        return 2 if self.sharding.platform == "gpu" else 1
 
     def warmup(
         self, progress: Callable[[int, int], None] | None = None, background: bool = False

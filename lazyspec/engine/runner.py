@@ -178,8 +178,7 @@ class Runner:
         # numpy, the jitted call moves it itself, 0.25 ms slower per batch-1 step on the
         # H200, but 0.1-0.25 ms faster on a CPU (BENCHMARKS); several processes need
         # global arrays
-        platform = sharding.mesh.devices.flat[0].platform
-        self.place_inputs = platform != "cpu" or jax.process_count() > 1
+        self.place_inputs = sharding.platform != "cpu" or jax.process_count() > 1
         plan = model.family.weight_plan(self.cfg, model.params)
         self.param_shardings = sharding.param_shardings(plan, model.params)
         self.params = jax.device_put(model.params, self.param_shardings)

@@ -124,6 +124,11 @@ class ShardingPlan:
         return self.mesh.shape[TP_AXIS]
 
     @property
+    def platform(self) -> str:
+        """The mesh's devices' platform ("cpu", "gpu", "tpu")."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
