@@ -750,6 +750,13 @@ def prefill_table(model, args, device: str) -> None:
     )
     from lazyspec.engine.engine import Engine
 
+    lengths = [int(n) for n in args.prefill_lens.split(",")]
+    peers = dict.fromkeys(lengths, float("nan"))
+    if args.peer:
+        try:
+            peers = transformers_prefill_seconds(PRESETS[args.preset], lengths)
+        except Exception as exc:  # the peer's failure is a result too
+            print(f"transformers peer: {type(exc).__name__}: {exc}")
     peak = matmul_peak()
     peak_line = f"bf16 matmul peak (8192^3, random data): {peak / 1e12:.0f} TFLOP/s"
     print(peak_line, flush=True)
@@ -762,7 +769,7 @@ def prefill_table(model, args, device: str) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in args.backends.split(","):
-        for length in (int(n) for n in args.prefill_lens.split(",")):
+        for length in lengths:
             chunk = args.prefill_chunk or min(length, 8192)
             engine = Engine(
                 model=model,
@@ -773,12 +780,7 @@ def prefill_table(model, args, device: str) -> None:
             seconds = engine_prefill_seconds(engine, length)
             del engine
             flops = prefill_flops(model.params, model.config, length)
-            peer = float("nan")
-            if args.peer:
-                try:
-                    peer = transformers_prefill_seconds(PRESETS[args.preset], length)
-                except Exception as exc:  # the peer's failure is a result too
-                    print(f"transformers peer, {length} tokens: {type(exc).__name__}: {exc}")
+            peer = peers[length]
             rate = flops.total / seconds
             lines.append(
                 f"| {args.preset} | {backend} | {length} | {chunk} | {seconds:.3f} | "

@@ -14,6 +14,7 @@ measured on random data in the same process.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,28 +72,42 @@ def matmul_peak(size: int = 8192, iters: int = 20, warmup: int = 3) -> float:
     return 2.0 * size**3 / seconds
 
 
+def _median_seconds(prepare: Callable[[], Callable[[], object]], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls, each of what ``prepare()`` returns (made fresh,
+    outside the timing, and blocking until its result is ready), after one call that is not
+    counted (it compiles)."""
+    samples = []
+    for attempt in range(repeats + 1):
+        call = prepare()
+        start = time.perf_counter()
+        call()
+        if attempt:
+            samples.append(time.perf_counter() - start)
+    return float(np.median(samples))
+
+
 def engine_prefill_seconds(engine: Any, prompt_len: int, repeats: int = 3) -> float:
     """Median seconds of ``engine.generate`` with one new token over a fresh random prompt
-    of ``prompt_len`` tokens (a new prompt each time, so the radix cache holds nothing of
+    of ``prompt_len`` tokens (the cache flushed first, so the radix tree holds nothing of
     it); the first call (compiles) is not counted."""
     rng = np.random.default_rng(prompt_len)
     vocab = engine.model.config.vocab_size
     params = {"max_new_tokens": 1, "ignore_eos": True}
-    samples = []
-    for attempt in range(repeats + 1):
-        prompt = [int(t) for t in rng.integers(1, vocab, size=prompt_len)]
-        start = time.perf_counter()
-        engine.generate(input_ids=prompt, sampling_params=params)
-        if attempt:
-            samples.append(time.perf_counter() - start)
+
+    def prepare() -> Callable[[], object]:
         engine.flush_cache()
-    return float(np.median(samples))
+        prompt = [int(t) for t in rng.integers(1, vocab, size=prompt_len)]
+        return lambda: engine.generate(input_ids=prompt, sampling_params=params)
+
+    return _median_seconds(prepare, repeats)
 
 
-def transformers_prefill_seconds(hf_config: dict, prompt_len: int, repeats: int = 3) -> float:
-    """Median seconds of transformers' forward over one ``prompt_len``-token prompt (random
-    bf16 weights on the GPU, the kernels transformers picks with what is installed: fla /
-    mamba_ssm when present), logits of the last position only."""
+def transformers_prefill_seconds(
+    hf_config: dict, prompt_lens: Sequence[int], repeats: int = 3
+) -> dict[int, float]:
+    """Median seconds of transformers' forward over one prompt of each length (random bf16
+    weights on the GPU, built once; the kernels transformers picks with what is installed:
+    fla / mamba_ssm when present), logits of the last position only."""
     import torch
     import transformers
 
@@ -101,17 +116,22 @@ def transformers_prefill_seconds(hf_config: dict, prompt_len: int, repeats: int 
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
-    rng = np.random.default_rng(prompt_len)
-    samples = []
-    for attempt in range(repeats + 1):
-        ids = torch.tensor(rng.integers(1, config.vocab_size, size=(1, prompt_len)), device="cuda")
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def forward(ids) -> None:
         with torch.no_grad():
             model(input_ids=ids, logits_to_keep=1)
         torch.cuda.synchronize()
-        if attempt:
-            samples.append(time.perf_counter() - start)
-    del model
+
+    seconds = {}
+    for length in prompt_lens:
+        rng = np.random.default_rng(length)
+
+        def prepare(length=length, rng=rng) -> Callable[[], object]:
+            ids = torch.tensor(rng.integers(1, config.vocab_size, size=(1, length)), device="cuda")
+            torch.cuda.synchronize()
+            return lambda: forward(ids)
+
+        seconds[length] = _median_seconds(prepare, repeats)
+    model = None  # the weights' memory back to torch, then to the device, before the engines
     torch.cuda.empty_cache()
-    return float(np.median(samples))
+    return seconds
