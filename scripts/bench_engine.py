@@ -12,6 +12,8 @@ numbers are about speed, not text (and the random MTP head's accept length is ~1
     python scripts/bench_engine.py --preset granite_h --profile /tmp/prof   # + breakdown
     python scripts/bench_engine.py --preset tiny --backends xla --batches 1,4   # CPU smoke
     python scripts/bench_engine.py --memory --preset medium --backends xla --batch 16 --spec
+    python scripts/bench_engine.py --preset qwen3_next_moe --prefill-lens 4096,32768 --peer
+    python scripts/bench_engine.py --preset qwen3_next_moe --startup --batch 64 --context 1024
 
 ``--profile DIR`` adds, per row, the device step of the re-run steps as it runs (median
 span from a step's first kernel's start to its last kernel's end, its kernels' busy time,
@@ -28,6 +30,10 @@ so lengthens the span.
 (``num_continuous_decode_steps``, no speculation; "K steps" in the spec column): their
 times (loop, alone, host calls, device span and breakdown) are per token step, a
 program's time over K, against the floor of one step.
+``--prefill-lens`` prints, instead of decode rows, prefill rows against the compute floor
+(``lazyspec.bench.prefill``: FLOPs counted over the bf16 matmul rate measured in the same
+run; transformers' forward as the peer with ``--peer``); ``--startup`` times the engine's
+construction with its warm-up.
 ``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
 at the batch's widest shape. On CPU only the xla backend is meaningful (Pallas runs
 interpreted there).
