@@ -65,7 +65,8 @@ HELP = {
     "dtype": "Weight and activation dtype.",
     "page_size": "Tokens per KV page. 16 halves the scheduler's host time per decode step "
     "(pages grow once per page) but matches prefixes in whole pages; no_buffer needs 1.",
-    "max_running_requests": "Cap on requests in the running batch (also capped by state slots).",
+    "max_running_requests": "Cap on requests in the running batch (also capped by state slots). "
+    "Default: 128 where the pools are sized from device memory, else 16.",
     "max_total_tokens": "KV cache capacity in tokens (rounded up to whole pages).",
     "max_mamba_cache_size": "Recurrent-state slots (running requests + cached checkpoints); "
     "default: sized from max-running-requests.",

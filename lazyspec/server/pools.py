@@ -30,6 +30,11 @@ DEFAULT_MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's: state bytes / KV bytes
 # list costs more host memory than a larger pool can serve (a 2-layer toy model on an
 # 80 GB card would otherwise get tens of millions of pages).
 MAX_PLANNED_KV_PAGES = 2**21
+# The running batch of a server whose pools are planned from memory, unless
+# --max-running-requests is given (the state slots may cap it lower: ``plan_memory``). The
+# fixed default of 16 queues requests past it: at concurrency 64 three in four waited for
+# a whole batch to finish before their prefill began. SGLang sizes its batch from memory too.
+PLANNED_RUNNING = 128
 
 
 @dataclass(frozen=True)
@@ -165,10 +170,11 @@ def apply_pool_plan(
     ratio: float = DEFAULT_MAMBA_FULL_MEMORY_RATIO,
 ) -> PoolPlan | None:
     """Size the pools of the ``EngineConfig`` keywords ``kwargs`` (mutated:
-    ``max_total_tokens`` and ``max_mamba_cache_size``) from the device's memory: with
-    ``fraction`` given, or on an accelerator with ``DEFAULT_MEM_FRACTION``; on the CPU
-    backend without ``fraction``, nothing changes (returns None). Both sizes given: nothing
-    to plan. Logs the plan."""
+    ``max_total_tokens``, ``max_mamba_cache_size`` and an unset ``max_running_requests``,
+    which becomes ``PLANNED_RUNNING``) from the device's memory: with ``fraction`` given,
+    or on an accelerator with ``DEFAULT_MEM_FRACTION``; on the CPU backend without
+    ``fraction``, nothing changes (returns None). Both sizes given: nothing to plan. Logs
+    the plan."""
     given_tokens = kwargs.get("max_total_tokens")
     given_slots = kwargs.get("max_mamba_cache_size")
     if given_tokens is not None and given_slots is not None:
@@ -187,6 +193,8 @@ def apply_pool_plan(
     from lazyspec.config import EngineConfig
     from lazyspec.models.registry import load_model_config
 
+    if kwargs.get("max_running_requests") is None:  # the request tables are sized for it
+        kwargs["max_running_requests"] = PLANNED_RUNNING
     config = EngineConfig(**kwargs)
     model_cfg = load_model_config(config.model_path)
     plan = plan_pools(
@@ -197,7 +205,7 @@ def apply_pool_plan(
     logger.info(
         "pools from %s memory %.2f GiB x mem_fraction_static %s = %.2f GiB: weights %.2f GiB, "
         "request tables %.1f MiB, KV %.2f GiB (%d tokens x %d B), state %.2f GiB (%d slots x "
-        "%d B), %.2f GiB left for temporaries",
+        "%d B), %.2f GiB left for temporaries; up to %d running requests",
         plan.platform,
         memory / 2**30,
         fraction,
@@ -211,6 +219,7 @@ def apply_pool_plan(
         plan.state_slots,
         plan.slot_bytes,
         (memory - plan.total_bytes) / 2**30,
+        kwargs["max_running_requests"],
     )
     if given_tokens is None and plan.kv_tokens == MAX_PLANNED_KV_PAGES * config.page_size:
         logger.info(

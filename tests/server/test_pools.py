@@ -97,3 +97,17 @@ def test_a_fraction_too_small_for_one_request_names_the_figures(model_dir, monke
     kwargs.update(SETTINGS)
     with pytest.raises(ValueError, match=r"--mem-fraction-static=0.5 of 0.00 GiB leaves"):
         pools.apply_pool_plan(kwargs, 0.5)
+
+
+def test_a_planned_server_runs_a_batch_sized_for_its_memory(model_dir, monkeypatch):
+    """Unless --max-running-requests is given, a server with pools planned from memory
+    runs up to PLANNED_RUNNING requests, its request tables sized for them."""
+    _fake_device(monkeypatch, "gpu", GIB)
+    plans = {}
+    for argv in ([], ["--max-running-requests", "4"]):
+        kwargs, sglang = _launch_kwargs(model_dir, argv)
+        kwargs.update({k: v for k, v in SETTINGS.items() if k != "max_running_requests"})
+        plans[len(argv)] = pools.apply_pool_plan(kwargs, sglang.mem_fraction_static)
+        assert kwargs["max_running_requests"] == (int(argv[1]) if argv else pools.PLANNED_RUNNING)
+    # a table row per request and the padding row's
+    assert plans[0].fixed_bytes * 5 == plans[2].fixed_bytes * (pools.PLANNED_RUNNING + 1)
