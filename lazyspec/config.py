@@ -12,6 +12,7 @@ from lazyspec.cache.host_tier import WRITE_POLICIES, WRITE_THROUGH
 from lazyspec.cache.radix_cache import EVICTION_POLICIES
 from lazyspec.kernels.tuning import parse_overrides
 from lazyspec.scheduler.grammar import GRAMMAR_BACKENDS
+from lazyspec.scheduler.layout import default_prefill_tokens
 from lazyspec.scheduler.strategy import EXTRA_BUFFER, NONE, STRATEGIES, Strategy
 from lazyspec.token_map import read_token_map
 
@@ -59,6 +60,9 @@ class EngineConfig:
     hicache_size: float = 0.0  # GB of host memory for the host pools; > 0 overrides the ratio
     hicache_write_policy: str = WRITE_THROUGH  # or write_back, write_through_selective
     chunked_prefill_size: int = 512
+    # prompt tokens (rows x tokens) one extend step prefills at most (SGLang's flag); None:
+    # ``default_prefill_tokens`` for the engine's platform. One chunk always fits.
+    max_prefill_tokens: int | None = None
     context_length: int | None = None
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
@@ -147,6 +151,7 @@ class EngineConfig:
             "max_mamba_cache_size",
             "context_length",
             "num_continuous_decode_steps",
+            "max_prefill_tokens",
         ):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
@@ -311,11 +316,15 @@ class EngineConfig:
 
     def for_platform(self, platform: str) -> EngineConfig:
         """This config with what it leaves to the platform chosen: an unset
-        ``num_continuous_decode_steps`` is ``default_decode_steps``."""
-        if self.num_continuous_decode_steps is not None:
-            return self
-        steps = default_decode_steps(platform, self.spec_enabled)
-        return replace(self, num_continuous_decode_steps=steps)
+        ``num_continuous_decode_steps`` is ``default_decode_steps``, an unset
+        ``max_prefill_tokens`` ``default_prefill_tokens``."""
+        steps = self.num_continuous_decode_steps or default_decode_steps(
+            platform, self.spec_enabled
+        )
+        tokens = self.max_prefill_tokens or default_prefill_tokens(
+            platform, self.chunked_prefill_size
+        )
+        return replace(self, num_continuous_decode_steps=steps, max_prefill_tokens=tokens)
 
     def with_overrides(self, **kwargs) -> EngineConfig:
         return replace(self, **kwargs)

@@ -101,8 +101,7 @@ def program_keys(
     per copy of the decode program; the programs of batches with grammar rows (``grammar``:
     None, ``SPLIT`` or ``FUSED``); the table-chunk, count-seed and mask-update programs;
     with a host tier, its store and load programs."""
-    rows_buckets, lengths = layout.extend_buckets
-    keys = [ProgramKey(EXTEND, rows, length) for rows in rows_buckets for length in lengths]
+    keys = [ProgramKey(EXTEND, rows, length) for rows, length in layout.extend_shapes]
     keys += [
         ProgramKey(DECODE, rows, positions, greedy, copy)
         for rows, positions in layout.decode_shapes

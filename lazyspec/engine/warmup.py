@@ -55,14 +55,13 @@ def first_request_keys(layout: Layout, keys: Iterable[ProgramKey]) -> frozenset[
     """The programs a first request needs: the table-chunk, count-seed and mask-update
     programs, the smallest extend bucket, and every decode program of a batch of one (each
     form and copy; a grammar row's split pair is left to compile on)."""
-    rows, lengths = layout.extend_buckets
     num_verify = layout.decode_num_verify(1)
     one = (layout.decode_rows(layout.decode_buckets[0], num_verify), num_verify)
     return frozenset(
         key
         for key in keys
         if key.kind in (TABLE, SEED, MASK)
-        or (key.kind == EXTEND and (key.rows, key.tokens) == (rows[0], lengths[0]))
+        or (key.kind == EXTEND and (key.rows, key.tokens) == layout.extend_shapes[0])
         or (key.kind == DECODE and (key.rows, key.tokens) == one)
     )
 

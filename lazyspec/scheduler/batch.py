@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from lazyspec.scheduler.layout import TABLE_UPDATES_PER_STEP, Layout
+from lazyspec.scheduler.layout import TABLE_UPDATES_PER_STEP, Layout, bucket
 from lazyspec.scheduler.policy import RowRecord
 from lazyspec.scheduler.request import (
     MAX_LOGIT_BIAS,
@@ -90,14 +90,6 @@ class DecodeBatch:
     # in their place), whose skipping by ``lax.cond`` would make a GPU's dispatch wait
     # (static: one program per value)
     greedy: bool = False
-
-
-def bucket(n: int, options: tuple[int, ...]) -> int:
-    """The smallest option >= n."""
-    for option in options:
-        if option >= n:
-            return option
-    raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -340,9 +332,8 @@ def build_extend(
     """The extend batch of ``records`` (one prefill chunk each, from ``record.start``)
     carrying ``updates`` (at most ``TABLE_UPDATES_PER_STEP``); bucket shapes picked from
     the layout unless given (warm-up builds empty ones)."""
-    rows_bucket, len_bucket = layout.extend_buckets
-    num_rows = num_rows or bucket(len(records), rows_bucket)
-    length = length or bucket(max(r.num_new for r in records), len_bucket)
+    length = length or layout.extend_length(max(r.num_new for r in records))
+    num_rows = num_rows or bucket(len(records), layout.extend_rows(length))
     reqs = [r.req for r in records]
     batch = ExtendBatch(
         req_row=np.full(num_rows, layout.sentinel_row, np.int32),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lazyspec.scheduler.request import NO_SLOT
@@ -29,7 +30,11 @@ from lazyspec.scheduler.strategy import Strategy
 logger = logging.getLogger(__name__)
 
 NULL_SLOT = NO_SLOT
-MAX_EXTEND_ROWS = 4  # requests prefilled together in one extend step
+# requests one extend step prefills at its longest chunk when the engine's prefill token
+# budget (``max_prefill_tokens``) is left unset on CPU (``default_prefill_tokens``)
+MAX_EXTEND_ROWS = 4
+# the prefill token budget of an extend step on an accelerator when it is left unset
+ACCELERATOR_PREFILL_TOKENS = 8192
 DEFAULT_MAX_RUNNING = 16
 # default pool: room for extra_buffer's 3 pinned slots per request plus as many cached
 # checkpoints again (independent of the strategy, so shapes are shared)
@@ -65,7 +70,8 @@ class Layout:
     chunk_size: int  # chunked-prefill scan chunk
     chunked_prefill: int  # most prompt tokens one request prefills per step
     track_interval: int
-    extend_buckets: tuple[tuple[int, ...], tuple[int, ...]]  # (rows, tokens) per extend
+    extend_lengths: tuple[int, ...]  # tokens a row of an extend step (buckets)
+    prefill_tokens: int  # rows x tokens of an extend step at most (one row always fits)
     decode_buckets: tuple[int, ...]  # rows per decode step
     # decode batches of more than this many requests take one token per request (no
     # speculation); None: every decode step takes num_verify
@@ -166,9 +172,32 @@ class Layout:
         """Updates in each chunk applied before a step (past the step's own bucket)."""
         return self.context_len
 
+    def extend_rows(self, length: int) -> tuple[int, ...]:
+        """The row buckets of extend steps whose rows are ``length`` tokens long: powers
+        of two up to as many rows as the prefill token budget holds (one at least, no more
+        than the running requests)."""
+        return powers_of_two_up_to(min(self.max_running, max(1, self.prefill_tokens // length)))
+
     @property
-    def max_extend_rows(self) -> int:
-        return self.extend_buckets[0][-1]
+    def extend_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(rows, tokens) of every extend program, shorter rows first."""
+        return tuple((r, n) for n in self.extend_lengths for r in self.extend_rows(n))
+
+    def extend_length(self, num_new: int) -> int:
+        """The length bucket of an extend step whose longest chunk is ``num_new`` tokens."""
+        return bucket(num_new, self.extend_lengths)
+
+    def extend_count(self, chunks: Iterable[int]) -> int:
+        """How many of ``chunks`` (prefill chunks' tokens, in queue order) one extend step
+        takes: the first, then each next one while the step's rows still fit the prefill
+        token budget at its longest chunk's length."""
+        count = longest = 0
+        for num_new in chunks:
+            longest = max(longest, num_new)
+            if count and count + 1 > self.extend_rows(self.extend_length(longest))[-1]:
+                break
+            count += 1
+        return count
 
     @property
     def kv_tokens(self) -> int:
@@ -204,6 +233,25 @@ class Layout:
             "context_length": self.context_len,  # KV rows per request, headroom included
             "max_request_len": self.max_request_len,  # /v1/models' max_model_len
         }
+
+
+def default_prefill_tokens(platform: str, chunked_prefill: int) -> int:
+    """Prompt tokens (rows x tokens) one extend step takes at most when
+    ``max_prefill_tokens`` is unset. On CPU ``MAX_EXTEND_ROWS`` chunks of the longest
+    length. On an accelerator ``ACCELERATOR_PREFILL_TOKENS`` (SGLang's chunk on large
+    GPUs), or one chunk if that is longer: a burst of short prompts prefills in a few
+    steps (64 prompts of 290 tokens in 4 steps of 16 rows, not 16 steps of 4)."""
+    if platform == "cpu":
+        return MAX_EXTEND_ROWS * chunked_prefill
+    return max(ACCELERATOR_PREFILL_TOKENS, chunked_prefill)
+
+
+def bucket(n: int, options: tuple[int, ...]) -> int:
+    """The smallest option >= n."""
+    for option in options:
+        if option >= n:
+            return option
+    raise ValueError(f"{n} exceeds the largest bucket {options[-1]}")
 
 
 def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
@@ -247,7 +295,10 @@ def plan_memory(engine_cfg, model_cfg) -> Layout:
         chunk_size=c.mamba_chunk_size,
         chunked_prefill=c.chunked_prefill_size,
         track_interval=c.mamba_track_interval,
-        extend_buckets=(powers_of_two_up_to(min(MAX_EXTEND_ROWS, max_running)), lengths),
+        extend_lengths=lengths,
+        # an engine resolves the budget for its platform (``EngineConfig.for_platform``)
+        prefill_tokens=c.max_prefill_tokens
+        or default_prefill_tokens("cpu", c.chunked_prefill_size),
         decode_buckets=powers_of_two_up_to(max_running),
         spec_max_batch=c.speculative_disable_by_batch_size,
         decode_steps=c.decode_steps,

@@ -214,7 +214,10 @@ class Scheduler:
             self.admit(self.waiting.popleft(), admission)
         prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
         if prefilling:
-            return self._plan_extend(prefilling[: self.layout.max_extend_rows])
+            chunks = (
+                min(len(r.fill_ids) - r.fill_len, self.layout.chunked_prefill) for r in prefilling
+            )
+            return self._plan_extend(prefilling[: self.layout.extend_count(chunks)])
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
         if decoding:
             decoding = self._make_room(decoding, list(inflight))

@@ -119,13 +119,6 @@ def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype, in which the KV cache is kept. (default: %(default)s)",
     )
     group.add_argument(
-        "--max-prefill-tokens",
-        type=size,
-        default=None,
-        help="Most prompt tokens a request prefills in one step: caps --chunked-prefill-size "
-        "(rounded down to whole --mamba-chunk-size chunks).",
-    )
-    group.add_argument(
         "--tokenizer-path",
         default=None,
         help="Tokenizer folder; must hold the model folder's tokenizer.json (the engine "

@@ -89,6 +89,9 @@ HELP = {
     "cache receives it), write_through_selective (once hit twice) or write_back (when the "
     "device evicts it).",
     "chunked_prefill_size": "Most prompt tokens one request prefills per step.",
+    "max_prefill_tokens": "Most prompt tokens (rows x tokens) one prefill step takes; caps "
+    "--chunked-prefill-size (rounded down to whole --mamba-chunk-size chunks). Default: 8192 "
+    "on an accelerator, 4 chunks on CPU.",
     "context_length": "KV rows per request; the longest request (prompt + max new tokens, "
     "max_request_len in the memory plan) is this less a few tokens of headroom; default: "
     "the model's, capped by max-total-tokens.",

@@ -199,6 +199,10 @@ def test_an_unset_flag_is_two_steps_on_a_gpu_without_speculation():
     assert spec.for_platform("gpu").num_continuous_decode_steps == 1
     chosen = EngineConfig(num_continuous_decode_steps=3)
     assert chosen.for_platform("gpu").num_continuous_decode_steps == 3
+    # the prefill step's token budget: SGLang's large-GPU chunk, or four chunks on CPU
+    assert unset.for_platform("gpu").max_prefill_tokens == 8192
+    assert unset.for_platform("cpu").max_prefill_tokens == 4 * unset.chunked_prefill_size
+    assert EngineConfig(max_prefill_tokens=100).for_platform("tpu").max_prefill_tokens == 100
 
 
 def test_serve_has_the_flag():

@@ -143,3 +143,32 @@ def _check_staggered_batch(prompts, want, engine: Engine, strategy: str) -> None
     engine.check_integrity()
     assert engine.slot_allocator.num_free == engine.layout.num_slots
     assert engine.kv_allocator.num_free_pages == engine.layout.num_pages
+
+
+def test_a_burst_prefills_in_steps_of_its_token_budget(expected, monkeypatch):
+    """Twelve prompts arriving at once prefill in as many rows as ``max_prefill_tokens``
+    holds (here all twelve first chunks in one step, the longer prompts' rest in a second)
+    and decode to the cache-free outputs."""
+    prompts, want = expected
+    engine = _engine(
+        "extra_buffer_lazy", True, 1, max_running_requests=12, max_prefill_tokens=12 * 128
+    )
+    shapes = []
+    schedule = engine.scheduler.schedule
+
+    def planned(*args):
+        plan = schedule(*args)
+        if plan is not None and plan.kind == "extend":
+            shapes.append(plan.batch.tokens.shape)
+        return plan
+
+    monkeypatch.setattr(engine.scheduler, "schedule", planned)
+    reqs = [
+        engine.add_request(
+            input_ids=p, sampling_params={"max_new_tokens": NUM_NEW[i % 4], "ignore_eos": True}
+        )
+        for i, p in enumerate(prompts)
+    ]
+    engine.run_until_done(reqs)
+    assert shapes == [(12, 128), (4, 64)]
+    assert [r.output_ids for r in reqs] == want

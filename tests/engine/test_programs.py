@@ -50,14 +50,13 @@ def test_keys_name_each_program_once():
     copy); one table chunk, count seed and mask update."""
     model_cfg = SimpleNamespace(max_position_embeddings=4096)
     layout = plan_memory(EngineConfig(**SETTINGS), model_cfg)
-    rows, lengths = layout.extend_buckets
     shapes = layout.decode_shapes
     for copies, grammar in ((1, None), (2, SPLIT), (2, FUSED)):
         keys = program_keys(layout, copies, grammar)
         assert len(set(keys)) == len(keys)
         split = len(shapes) if grammar == SPLIT else 0
         assert _kinds(keys) == {
-            EXTEND: len(rows) * len(lengths),
+            EXTEND: len(layout.extend_shapes),
             DECODE: len(shapes) * 2 * copies,
             **({FORWARD: split, FINISH: split} if split else {}),
             TABLE: 1,

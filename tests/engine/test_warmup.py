@@ -76,7 +76,6 @@ def test_the_first_request_programs_come_first():
     order, first = warm_order(layout, keys), first_request_keys(layout, keys)
     assert sorted(map(repr, order)) == sorted(map(repr, keys))
     assert set(order[: len(first)]) == first
-    rows, lengths = layout.extend_buckets
     assert collections.Counter(key.kind for key in first) == {
         TABLE: 1,
         SEED: 1,
@@ -84,7 +83,7 @@ def test_the_first_request_programs_come_first():
         EXTEND: 1,
         DECODE: 4,  # general and greedy, two copies
     }
-    assert {(k.rows, k.tokens) for k in first if k.kind == EXTEND} == {(rows[0], lengths[0])}
+    assert {(k.rows, k.tokens) for k in first if k.kind == EXTEND} == {layout.extend_shapes[0]}
     assert {k.rows for k in first if k.kind == DECODE} == {layout.decode_rows(1, 1)}
     rest = order[len(first) :]
     assert len(rest) > 4 and [k.rows for k in rest] == sorted(k.rows for k in rest)

@@ -48,7 +48,7 @@ def _scheduler(
         schedule_conservativeness=conservativeness,
     )
     layout = dataclasses.replace(
-        plan_memory(config, MODEL), extend_buckets=((1, 2, 4), (16, 32, 64))
+        plan_memory(config, MODEL), extend_lengths=(16, 32, 64), prefill_tokens=4 * 64
     )
     kv, slots = KVAllocator(num_pages, PAGE), SlotAllocator(layout.num_slots)
     ratio = NewTokenRatio(conservativeness)

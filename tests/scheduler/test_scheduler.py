@@ -54,7 +54,8 @@ class Pools:
         layout = dataclasses.replace(
             plan_memory(config, MODEL),
             max_running=max_running,
-            extend_buckets=(rows, (16, 32, 64)),
+            extend_lengths=(16, 32, 64),
+            prefill_tokens=rows[-1] * 64,
             decode_buckets=rows,
         )
         self.kv = KVAllocator(num_pages, PAGE)
@@ -415,3 +416,20 @@ def test_the_host_pools_follow_the_ratio_or_the_gigabytes():
     slots, pages = layout.host_pools(2.0, 1.1e-5, slot_bytes=100, token_bytes=10)
     assert (slots, pages) == (10, 1000)
     assert layout.host_pools(0.001, 0.0, 100, 10) == (1, 1)  # never an empty pool
+
+
+def test_an_extend_step_takes_chunks_up_to_its_token_budget():
+    """Rows per extend length are powers of two up to the budget's (one at least, no more
+    than the running requests); chunks join a step in queue order while they fit it."""
+    config = small_config(128, 48, 8, "extra_buffer", 1)
+    layout = dataclasses.replace(
+        plan_memory(config, MODEL), extend_lengths=(16, 32, 64), prefill_tokens=128
+    )
+    assert [layout.extend_rows(n) for n in (16, 32, 64)] == [(1, 2, 4, 8), (1, 2, 4), (1, 2)]
+    assert layout.extend_count([10] * 9) == 8  # the running requests cap it
+    assert layout.extend_count([30] * 5) == 4
+    assert layout.extend_count([10, 10, 10, 60, 10]) == 3  # a 64-token step holds two rows
+    assert layout.extend_count([60, 10, 10]) == 2
+    assert dataclasses.replace(layout, prefill_tokens=32).extend_count([64, 64]) == 1
+    # unset, the budget is the platform's: four longest chunks on CPU
+    assert plan_memory(config, MODEL).prefill_tokens == 4 * CHUNKED_PREFILL

@@ -66,6 +66,7 @@ def test_an_sglang_command_line_parses_and_ignored_flags_log_once(caplog):
     assert config.context_length == 32_000 and config.max_total_tokens == 2**20
     assert config.skip_warmup is True and config.tp_size == 1
     assert config.chunked_prefill_size == 512  # under --max-prefill-tokens: unchanged
+    assert config.max_prefill_tokens == 16_000  # the prefill step's token budget
     assert args.log_level == "warning"
     assert (sglang.mem_fraction_static, sglang.stream_interval) == (0.8, 2)
     assert sglang.watchdog_timeout == 300.0 and config.grammar_backend == "xgrammar"
@@ -114,6 +115,7 @@ def test_sizes_take_vllm_suffixes():
 def test_acting_flags_apply_or_say_why_not(tmp_path):
     _, kwargs, _ = _parse(["--model-path", "/m", "--max-prefill-tokens", "200"])
     assert kwargs["chunked_prefill_size"] == 192  # whole 64-token chunks
+    assert kwargs["max_prefill_tokens"] == 200
     _, kwargs, _ = _parse(["--model-path", "/m", "--dtype", "bfloat16", "--kv-cache-dtype", "bf16"])
     assert EngineConfig(**kwargs).dtype == "bfloat16"
     with pytest.raises(ValueError, match="--kv-cache-dtype=bfloat16 differs from --dtype=float32"):
