@@ -1,5 +1,5 @@
-"""Host time of one decode step: ``Scheduler.schedule()`` + ``Runner.launch()`` +
-``Scheduler.process()``.
+"""Host time of one decode (or, with ``--extend``, prefill) step: ``Scheduler.schedule()`` +
+``Runner.launch()`` + ``Scheduler.process()``.
 
 Runs a batch of decoding requests on the tiny random-weight model of ``bench_engine.py``
 (on CPU) with a long context and times, per decode step, the host calls of the overlapped
@@ -9,6 +9,11 @@ it) is not measured.
 
     python benchmarks/tools/bench_host_step.py --batch 64 --context 32768
     python benchmarks/tools/bench_host_step.py --batch 16 --context 1024 --steps 300 --page-size 16
+    python benchmarks/tools/bench_host_step.py --extend --batch 64 --prompt-len 290 --context 4096
+
+``--extend``: a burst of ``--batch`` prompts prefilled in 512-token chunks (at most
+``--max-prefill-tokens`` a step); the burst runs twice (the first compiles, the cache is
+flushed between) and the second's extend steps are timed.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=30, help="decode steps timed")
     p.add_argument("--page-size", type=int, default=1, help="the engine's --page-size")
+    p.add_argument("--extend", action="store_true", help="time a burst's prefill steps")
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=None, help="with --extend (default: the engine's)"
+    )
     args = p.parse_args(argv)
+    if args.extend:
+        extend_steps(args)
+        return
 
     from bench_engine import build_model
 
@@ -82,6 +94,56 @@ def main(argv=None) -> None:
         "median per decode step "
         f"schedule {schedule_ms:.3f} ms, launch {launch_ms:.3f} ms, "
         f"process {process_ms:.3f} ms, total {schedule_ms + launch_ms + process_ms:.3f} ms"
+    )
+
+
+def extend_steps(args) -> None:
+    from bench_engine import build_model
+
+    from lazyspec.engine.engine import Engine
+
+    engine = Engine(
+        model=build_model("tiny", "float32"),
+        kernel_backend="xla",
+        max_running_requests=args.batch,
+        chunked_prefill_size=512,
+        max_prefill_tokens=args.max_prefill_tokens,
+        context_length=args.context,
+        max_total_tokens=args.batch * (args.prompt_len + 64),
+        skip_warmup=True,
+        page_size=args.page_size,
+    )
+    rng = np.random.default_rng(0)
+    sched, runner = engine.scheduler, engine.runner
+    for _burst in range(2):
+        engine.flush_cache()
+        for _ in range(args.batch):
+            prompt = [int(t) for t in rng.integers(1, 500, size=args.prompt_len)]
+            engine.add_request(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+        times, shapes = [], []
+        while (
+            engine.scheduler.has_work
+        ):  # without overlap: each step's results are processed at once
+            t0 = time.perf_counter()
+            plan = sched.schedule()
+            if plan is None:
+                break
+            t1 = time.perf_counter()
+            outputs = runner.launch(plan.batch, plan.table_chunks)
+            t2 = time.perf_counter()
+            results = runner.fetch(outputs)
+            t3 = time.perf_counter()
+            sched.process(plan, results, inflight=())
+            if plan.kind == "extend":
+                times.append((t1 - t0, t2 - t1, time.perf_counter() - t3, t3 - t2))
+                shapes.append(plan.batch.tokens.shape)
+    schedule_ms, launch_ms, process_ms, fetch_ms = (1e3 * np.median(c) for c in zip(*times))
+    print(
+        f"{args.batch} prompts of {args.prompt_len} tokens, context {args.context}: "
+        f"{len(times)} extend steps {sorted(set(shapes))}; median per step schedule "
+        f"{schedule_ms:.3f} ms, launch {launch_ms:.3f} ms, process {process_ms:.3f} ms "
+        f"(host {schedule_ms + launch_ms + process_ms:.3f} ms; waiting on the device "
+        f"{fetch_ms:.3f} ms)"
     )
 
 
