@@ -48,6 +48,7 @@ from lazyspec.engine.draft_vocab import draft_argmax
 from lazyspec.engine.sampling import (
     TokenHistory,
     greedy_verify,
+    processed_logits,
     prompt_logprobs,
     sample_from,
     target_probs,
@@ -229,7 +230,8 @@ def extend_step(
     )
     allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_reqs), :1]  # [B, 1, W]
     with jax.named_scope("sampling"):
-        probs = target_probs(logits, batch.sampling, last_pos[:, None], history, allowed)[:, 0]
+        processed = processed_logits(logits, batch.sampling, last_pos[:, None], history, allowed)
+        probs = target_probs(processed, batch.sampling)[:, 0]
         token = sample_from(probs, batch.sampling.seed, last_pos, batch.sampling.temperature == 0)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
