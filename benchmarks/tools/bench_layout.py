@@ -56,22 +56,23 @@ ROWS = 16  # the row tile Triton's dots need; the tokens are its first rows
 CALLS = 24
 COPIES = 4
 # (name, block columns, block_k, rows layout, warps, stages)
-EXPERT_FORMS = (
-    ("strips (kernel's)", 64, 128, False, 4, 3),
+# the forms both sweeps time after their first (the expert kernel's own tiles)
+SHARED_FORMS = (
     ("strips", 64, 256, False, 4, 3),
     ("strips", 128, 128, False, 4, 3),
     ("rows", 64, 128, True, 4, 3),
     ("rows", 64, 256, True, 4, 3),
+)
+EXPERT_FORMS = (
+    ("strips (kernel's)", 64, 128, False, 4, 3),
+    *SHARED_FORMS,
     ("rows", 64, 512, True, 4, 2),  # 3 stages ask 288 KiB of shared memory: Hopper has 227
     ("rows", 32, 256, True, 4, 3),
     ("rows", 64, 256, True, 8, 3),
 )
 DENSE_FORMS = (
     ("strips", 64, 128, False, 4, 3),
-    ("strips", 64, 256, False, 4, 3),
-    ("strips", 128, 128, False, 4, 3),
-    ("rows", 64, 128, True, 4, 3),
-    ("rows", 64, 256, True, 4, 3),
+    *SHARED_FORMS,
     ("rows", 32, 512, True, 4, 3),
     ("rows", 64, 512, True, 4, 3),
     # narrow tiles: a product of few output columns (GDN out_proj, attention o_proj: 4096 ->

@@ -114,7 +114,7 @@ class Engine:
         tuning = default_tuning().with_overrides(parse_overrides(c.kernel_tuning))
         static = StepStatic(
             num_slots=layout.num_slots,
-            max_reqs=layout.max_running,
+            max_running=layout.max_running,
             num_kv_rows=layout.num_kv_rows,
             chunk_size=layout.chunk_size,
             num_verify=layout.num_verify,

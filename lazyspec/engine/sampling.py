@@ -207,17 +207,10 @@ def processed_logits(
     return grammar_masked(logits, allowed, params.constrained)
 
 
-def target_probs(
-    logits: jax.Array,
-    params: SamplingArrays,
-    positions,
-    history: TokenHistory | None = None,
-    allowed: jax.Array | None = None,
-) -> jax.Array:
-    """The sampling distribution per position: [B, T, V] logits at positions [B, T] -> probs
-    of the processed logits (greedy rows: one-hot at their argmax); ``history`` the
-    penalties' view, ``allowed`` the grammar bitmasks [B, T, W] (see ``grammar_masked``)."""
-    logits = processed_logits(logits, params, positions, history, allowed)
+def target_probs(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """The sampling distribution per position: ``processed_logits``' [B, T, V] float32
+    output -> probs under each row's temperature, top-k, top-p and min-p (greedy rows:
+    one-hot at their argmax)."""
     t = params.temperature[:, None]
     filtered = _filtered_logits(
         logits, t, params.top_p[:, None], params.top_k[:, None], params.min_p[:, None]
@@ -268,7 +261,8 @@ def verify_and_sample(
     distribution.
     """
     batch, num_pos, _ = logits.shape
-    probs = target_probs(logits, params, positions, history, allowed)  # [B, D, V]
+    processed = processed_logits(logits, params, positions, history, allowed)
+    probs = target_probs(processed, params)  # [B, D, V]
     num_drafts = num_pos - 1
     greedy = (params.temperature == 0)[:, None]
     if num_drafts > 0:

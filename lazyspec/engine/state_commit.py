@@ -80,7 +80,7 @@ def commit_verify(
     multiple of the interval the crossing state into the planned checkpoint slot. Returns
     (conv, ssm)."""
     interval = batch.track_interval
-    real = batch.req_row <= static.max_reqs
+    real = batch.req_row <= static.max_running
     t_cross = ((pre + accept_len) // interval) * interval - pre - 1
     sentinel_slot = static.sentinel_slot
     working = jnp.where(real, batch.working_slot, sentinel_slot)

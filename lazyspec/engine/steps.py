@@ -48,6 +48,7 @@ from lazyspec.engine.draft_vocab import draft_argmax
 from lazyspec.engine.sampling import (
     TokenHistory,
     greedy_verify,
+    processed_logits,
     prompt_logprobs,
     sample_from,
     target_probs,
@@ -69,6 +70,7 @@ from lazyspec.kernels.backend import Kernels, kernels_for
 from lazyspec.kernels.tuning import Tuning
 from lazyspec.models.interface import ForwardInputs, KVPools, PoolView, StepStates
 from lazyspec.scheduler.batch import CountSeed, DecodeBatch, ExtendBatch
+from lazyspec.scheduler.layout import IdSpaces
 from lazyspec.scheduler.request import TOP_LOGPROBS
 
 NO_DRAFT = -1  # pools.drafts: no draft for this position (verify rejects it)
@@ -81,27 +83,27 @@ class Pools:
     mtp_kv: KVPools | None
     conv: jax.Array  # [L_rec, num_slots + 1, conv_dim, K-1]
     ssm: jax.Array  # [L_rec, num_slots + 1, H, d_a, d_b]
-    seq_len: jax.Array  # [max_reqs + 1] int32, tokens covered by the working state
-    last_token: jax.Array  # [max_reqs + 1] int32, next input token
-    drafts: jax.Array  # [max_reqs + 1, max(1, S)] int32, draft tokens for the next verify
-    req_to_token: jax.Array  # [max_reqs + 1, context_len] int32, the host table's copy
+    seq_len: jax.Array  # [max_running + 1] int32, tokens covered by the working state
+    last_token: jax.Array  # [max_running + 1] int32, next input token
+    drafts: jax.Array  # [max_running + 1, max(1, S)] int32, draft tokens for the next verify
+    req_to_token: jax.Array  # [max_running + 1, context_len] int32, the host table's copy
     # the penalties' token history per request row: exact for a request with penalties
     # (seeded when it is admitted, ``seed_counts``); other rows' values are never used (a
     # greedy decode step writes none)
-    output_counts: jax.Array  # [max_reqs + 1, vocab] int32, times each token was output
-    in_prompt: jax.Array  # [max_reqs + 1, vocab] bool, the prompt holds the token
+    output_counts: jax.Array  # [max_running + 1, vocab] int32, times each token was output
+    in_prompt: jax.Array  # [max_running + 1, vocab] bool, the prompt holds the token
     # allowed-token bitmasks of the rows with a grammar, per verify position (xgrammar's
     # int32 words), written by the host before each step that reads them
-    vocab_mask: jax.Array  # [max_reqs + 1, D, ceil(V / 32)] int32
+    vocab_mask: jax.Array  # [max_running + 1, D, ceil(V / 32)] int32
 
 
 @dataclass(frozen=True)
-class StepStatic:
+class StepStatic(IdSpaces):
     """Static (compile-time) settings shared by all steps of one engine: the device subset of
     the engine's ``Layout`` (whose table names the ids and their sentinels)."""
 
     num_slots: int  # real slots 1..num_slots
-    max_reqs: int  # real request rows 1..max_reqs
+    max_running: int  # real request rows 1..max_running
     num_kv_rows: int  # KV rows per pool, the null page's included
     chunk_size: int
     num_verify: int  # D
@@ -111,18 +113,6 @@ class StepStatic:
     sharding: ShardingPlan | None = None  # the runner's; the kernels run per shard of it
     tuning: Tuning | None = None  # the kernels' (None: the device's table, ``kernels_for``)
     page_size: int = 1  # KV pool rows a page (the TPU attention fetches whole pages)
-
-    @property
-    def sentinel_slot(self) -> int:
-        return self.num_slots + 1
-
-    @property
-    def sentinel_row(self) -> int:
-        return self.max_reqs + 1
-
-    @property
-    def sentinel_kv_row(self) -> int:
-        return self.num_kv_rows
 
     @property
     def kernels(self) -> Kernels:
@@ -174,7 +164,7 @@ def _read_table(static: StepStatic, pools: Pools, batch: ExtendBatch | DecodeBat
     """The request table after the batch's updates, and each row's KV indices ``[B, C]``
     (padding rows read the null row 0: the null page)."""
     table = apply_table_updates(pools.req_to_token, batch.table_updates)
-    rows = jnp.where(batch.req_row <= static.max_reqs, batch.req_row, 0)
+    rows = jnp.where(batch.req_row <= static.max_running, batch.req_row, 0)
     return table, table[rows]
 
 
@@ -223,13 +213,14 @@ def extend_step(
     with jax.named_scope("lm_head"):
         logits = fam.compute_logits(params, cfg, hidden[rows, last][:, None])  # [B, 1, V]
     last_pos = batch.start_pos + last
-    read_row = jnp.where(batch.req_row <= static.max_reqs, batch.req_row, 0)
+    read_row = jnp.where(batch.req_row <= static.max_running, batch.req_row, 0)
     history = TokenHistory(
         output_counts=pools.output_counts[read_row][:, None], in_prompt=pools.in_prompt[read_row]
     )
-    allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_reqs), :1]  # [B, 1, W]
+    allowed = pools.vocab_mask[jnp.minimum(batch.req_row, static.max_running), :1]  # [B, 1, W]
     with jax.named_scope("sampling"):
-        probs = target_probs(logits, batch.sampling, last_pos[:, None], history, allowed)[:, 0]
+        processed = processed_logits(logits, batch.sampling, last_pos[:, None], history, allowed)
+        probs = target_probs(processed, batch.sampling)[:, 0]
         token = sample_from(probs, batch.sampling.seed, last_pos, batch.sampling.temperature == 0)
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
@@ -365,8 +356,8 @@ def _decode_rows(
     """The batch's rows; ``read``: (table, KV indices) of an earlier step of the same
     program, whose table updates are applied already."""
     num_pos = batch.num_verify
-    real = batch.req_row <= static.max_reqs
-    row = jnp.minimum(batch.req_row, static.max_reqs)
+    real = batch.req_row <= static.max_running
+    row = jnp.minimum(batch.req_row, static.max_running)
     table, kv_read_idx = _read_table(static, pools, batch) if read is None else read
     pre = pools.seq_len[row]
     drafts = pools.drafts[row][:, : num_pos - 1]

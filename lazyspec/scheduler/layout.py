@@ -57,8 +57,32 @@ MIN_DECODE_TOKENS = 2
 TRANSFER_SLOTS = 4
 
 
+class IdSpaces:
+    """The pools' entries and drop sentinels of the three id spaces (module docstring), for
+    a record of ``num_slots``, ``max_running`` and ``num_kv_rows``: ``Layout`` and the
+    steps' ``StepStatic``, its device subset."""
+
+    @property
+    def num_slot_rows(self) -> int:
+        """Entries of each state pool, the null slot's included."""
+        return self.num_slots + 1
+
+    @property
+    def num_req_rows(self) -> int:
+        """Entries of each per-request table, the null row's included."""
+        return self.max_running + 1
+
+    # each id space's drop sentinel is one past its pool: the pool's number of entries
+    sentinel_slot = num_slot_rows
+    sentinel_row = num_req_rows
+
+    @property
+    def sentinel_kv_row(self) -> int:
+        return self.num_kv_rows
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(IdSpaces):
     strategy: Strategy
     num_slots: int  # state slots (ids 1..num_slots)
     max_running: int  # running requests = request rows (ids 1..max_running)
@@ -81,34 +105,10 @@ class Layout:
     decode_steps: int = 1
     host_tier: bool = False  # the radix cache keeps a host tier (copy programs in the table)
 
-    # ---- sentinels -------------------------------------------------------------------
-
-    @property
-    def sentinel_slot(self) -> int:
-        return self.num_slots + 1
-
-    @property
-    def sentinel_row(self) -> int:
-        return self.max_running + 1
-
-    @property
-    def num_slot_rows(self) -> int:
-        """Entries of each state pool, the null slot's included."""
-        return self.num_slots + 1
-
-    @property
-    def num_req_rows(self) -> int:
-        """Entries of each per-request table, the null row's included."""
-        return self.max_running + 1
-
     @property
     def num_kv_rows(self) -> int:
         """KV rows in each pool, page 0 (the null page) included."""
         return (self.num_pages + 1) * self.page_size
-
-    @property
-    def sentinel_kv_row(self) -> int:
-        return self.num_kv_rows
 
     # ---- derived sizes ---------------------------------------------------------------
 

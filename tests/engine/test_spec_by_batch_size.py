@@ -21,7 +21,12 @@ import pytest
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
-from lazyspec.engine.sampling import sample_from, target_probs, verify_and_sample
+from lazyspec.engine.sampling import (
+    processed_logits,
+    sample_from,
+    target_probs,
+    verify_and_sample,
+)
 from lazyspec.engine.steps import NO_DRAFT
 from lazyspec.scheduler.batch import build_decode
 from lazyspec.scheduler.layout import plan_memory
@@ -133,7 +138,7 @@ def test_verify_rejects_no_draft_without_touching_the_distribution(temperature):
     params = sampling_arrays(batch, temperature)
     tokens, accept_len = verify_and_sample(logits, drafts, positions, params)
     assert np.asarray(accept_len).tolist() == [1] * batch
-    probs = target_probs(logits[:, :1], params, positions[:, :1])[:, 0]
+    probs = target_probs(processed_logits(logits[:, :1], params, positions[:, :1]), params)[:, 0]
     plain = np.asarray(sample_from(probs, params.seed, positions[:, 0], params.temperature == 0))
     assert np.asarray(tokens[:, 0]).tolist() == plain.tolist()
     assert plain[0] == VOCAB - 1
