@@ -228,6 +228,30 @@ def load_state(pool_ref, idx: tuple, evict_last: bool, live: jax.Array | None = 
     return pallas_triton.load(view, **options)
 
 
+def load_tile(pool_ref, tile: tuple, slot, tiles: UpdateTiles) -> jax.Array:
+    """Pool tile ``tile`` of row ``slot`` in float32, loaded as ``tiles`` say
+    (``load_state``; with ``skip_padding`` a padding row, slot 0, reads zeros)."""
+    live = slot != 0 if tiles.skip_padding else None
+    return load_state(pool_ref, tile, tiles.evict_last, live).astype(jnp.float32)
+
+
+def scan_tokens(step, h: jax.Array, mode: str, slot, tile: tuple, out_ref, state_ref) -> None:
+    """The update kernels' loop over the T tokens of a block from the state tile ``h``:
+    ``step(t, h) -> (h, out)``, each output into ``out_ref[t]``; verify writes each step's
+    state into ``state_ref[t]``, decode the final state back into pool tile ``tile``
+    (``state_ref`` is the aliased pool) unless the row is padding (slot 0)."""
+    for t in range(out_ref.shape[0]):
+        h, out = step(t, h)
+        out_ref[t] = out.astype(out_ref.dtype)
+        if mode == "verify":
+            state_ref[t] = h.astype(state_ref.dtype)
+    if mode == "decode":
+
+        @pl.when(slot != 0)
+        def _write_back():
+            state_ref[tile] = h.astype(state_ref.dtype)
+
+
 def pool_index(layer: int | None, slot, *tile) -> tuple:
     """The index of a state tile of row ``slot`` in the pool ref (of ``layer`` when given)."""
     # the layer as an int32 scalar: a Python int in a ref view (``.at``) does not lower
