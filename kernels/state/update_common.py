@@ -327,9 +327,17 @@ def xla_finish(
     layer: int | None,
 ) -> StateUpdateResult:
     if mode == "decode":
-        slots = pool.shape[0 if layer is None else 1]
-        target = jnp.where(slot != 0, slot, slots)  # out of range: dropped
-        index = target if layer is None else (layer, target)
-        new_pool = pool.at[index].set(final.astype(pool.dtype), mode="drop")
+        new_pool = xla_write_back(pool, slot, final, layer)
         return StateUpdateResult(outputs=outputs, pool=new_pool, step_states=None)
     return StateUpdateResult(outputs=outputs, pool=None, step_states=states.astype(pool.dtype))
+
+
+def xla_write_back(
+    pool: jax.Array, slot: jax.Array, final: jax.Array, layer: int | None
+) -> jax.Array:
+    """``pool`` (of ``layer`` when given) with row b's ``final[b]`` at ``slot[b]``, rounded
+    to the pool's dtype; rows at slot 0 (padding) write nothing. Pure."""
+    slots = pool.shape[0 if layer is None else 1]
+    target = jnp.where(slot != 0, slot, slots)  # out of range: dropped
+    index = target if layer is None else (layer, target)
+    return pool.at[index].set(final.astype(pool.dtype), mode="drop")
