@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.attention.paged import PagedPlan, gated, paged_attention
 from lazyspec.kernels.attention.prologue import (
     HeadPrep,
@@ -40,6 +41,14 @@ def attention_plan(tuning: Tuning = DEFAULT_TUNING) -> PagedPlan:
     )
 
 
+def _paged_inputs(q: jax.Array, operands: tuple, scale: float | None):
+    """(``PagedInputs``, scale) of a dispatch's positional operands (k_pool, v_pool,
+    token_table, ctx_len, positions, then the scale unless given as ``scale=``)."""
+    if scale is None:
+        *operands, scale = operands
+    return PagedInputs(q, *operands), scale
+
+
 def pallas_paged_attention(
     q: jax.Array,
     *operands: Any,
@@ -66,15 +75,13 @@ def pallas_paged_attention(
             num_warps=attention.num_warps, num_stages=attention.num_stages
         )
     launch = pallas_options(interpret, compiler_params)
-    operands = operands if scale is None else (*operands, scale)
-    return paged_attention(q, *operands, gate=gate, plan=plan, **launch)
+    inputs, scale = _paged_inputs(q, operands, scale)
+    return paged_attention(inputs, scale, gate=gate, plan=plan, **launch)
 
 
 def tpu_paged_attention(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    *tables: Any,
+    *operands: Any,
     scale: float | None = None,
     gate: jax.Array | None = None,
     kv_head: int | None = None,
@@ -82,27 +89,26 @@ def tpu_paged_attention(
     interpret: Any = False,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> jax.Array:
-    """``paged_attention``'s contract on a TPU (``tables``: token_table, ctx_len, positions,
-    then the scale unless given as ``scale=``, as the per-shard form passes it):
-    ``attention.ragged_tpu`` over pages of ``page_size`` rows with ``tuning.attention``'s TPU
-    tiles, or, where its page table would pass ``tpu_table_max_bytes`` of SMEM, the jnp walk
-    (``attention.walk``); gated after either."""
+    """``paged_attention``'s contract on a TPU (``operands``: k_pool, v_pool, token_table,
+    ctx_len, positions, then the scale unless given as ``scale=``, as the per-shard form
+    passes it): ``attention.ragged_tpu`` over pages of ``page_size`` rows with
+    ``tuning.attention``'s TPU tiles, or, where its page table would pass
+    ``tpu_table_max_bytes`` of SMEM, the jnp walk (``attention.walk``); gated after either."""
     from lazyspec.kernels.attention import ragged_tpu  # Mosaic imports only where used
 
-    if scale is None:
-        *tables, scale = tables
+    inputs, scale = _paged_inputs(q, operands, scale)
     attention = tuning.attention
-    batch, width = tables[0].shape
+    batch, width = inputs.token_table.shape
     if batch * (width // page_size) * 4 > attention.tpu_table_max_bytes:
         if kv_head is not None:  # every query head reads that one pool head
-            k_pool, v_pool = k_pool[:, kv_head : kv_head + 1], v_pool[:, kv_head : kv_head + 1]
-        out = paged_attend(q, k_pool, v_pool, *tables, scale, attention.xla_block_kv)
-        return gated(out, gate)
+            heads = slice(kv_head, kv_head + 1)
+            inputs = dataclasses.replace(
+                inputs, k_pool=inputs.k_pool[:, heads], v_pool=inputs.v_pool[:, heads]
+            )
+        return gated(paged_attend(inputs, scale, attention.xla_block_kv), gate)
     pages_per_block = max(1, attention.tpu_block_kv // page_size)
     tiles = ragged_tpu.RaggedTiles(page_size, pages_per_block, attention.tpu_block_rows)
-    out = ragged_tpu.ragged_paged_attention_tpu(
-        q, k_pool, v_pool, *tables, scale, tiles, kv_head, interpret
-    )
+    out = ragged_tpu.ragged_paged_attention_tpu(inputs, scale, tiles, kv_head, interpret)
     return gated(out, gate)
 
 

@@ -1,21 +1,22 @@
 """Attention of a padded batch over the flat KV pools, read through a token table: a Pallas
 kernel whose cost follows each row's context length, and the masked jnp form it replaces.
 
-Contract (both forms). q ``[B, T, Hq, D]``; pools ``[R, Hkv, D]`` (``Hq % Hkv == 0``: GQA,
-query head j reads kv head ``j // (Hq // Hkv)``; the kernel's plan with ``kv_head=i``
-instead has every query head read kv head i, for a shard holding part of one group of
-query heads next to the whole pools); ``token_table [B, C]`` names the pool row
-of each context position; ``ctx_len [B]``; ``positions [B, T]``. Query t of row b attends
-to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``, scores ``q . k * scale``
-and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype, with ``gate`` (pre-sigmoid:
-Qwen3-Next's output gate) times its sigmoid, rounded as ``layers.attention``'s output rounds
-it (``gated``). The gate is ``[B, T, Hg, Dg]`` with ``Hg >= Hq`` and ``Dg`` a multiple of
-D: query head i's gate is ``gate[b, t, i, Dg - D:]``, so ``[B, T, Hq, D]`` is the gate
-itself and ``q_proj``'s output as it is (each head's query then its gate, with or without
-more heads after the Hq) is read in place. A query with no visible
-position (padding) gets a finite output: the jnp form's is the mean of all C values (every
-score is ``MASK_VALUE``), the kernel's is zero. Table entries at ``c >= ctx_len[b]`` are
-never read by the kernel (the jnp form gathers them, so they must be valid rows there).
+Contract (both forms; the kernel takes its operands as ``inputs.PagedInputs``, the jnp form
+one by one, as ``backend.Kernels.paged_attention`` is called). q ``[B, T, Hq, D]``; pools
+``[R, Hkv, D]`` (``Hq % Hkv == 0``: GQA, query head j reads kv head ``j // (Hq // Hkv)``;
+the kernel's plan with ``kv_head=i`` instead has every query head read kv head i, for a
+shard holding part of one group of query heads next to the whole pools); ``token_table [B,
+C]`` names the pool row of each context position; ``ctx_len [B]``; ``positions [B, T]``.
+Query t of row b attends to the positions ``c < ctx_len[b]`` with ``c <= positions[b, t]``,
+scores ``q . k * scale`` and softmax in float32. Returns ``[B, T, Hq, D]`` in q's dtype,
+with ``gate`` (pre-sigmoid: Qwen3-Next's output gate) times its sigmoid, rounded as
+``layers.attention``'s output rounds it (``gated``). The gate is ``[B, T, Hg, Dg]`` with
+``Hg >= Hq`` and ``Dg`` a multiple of D: query head i's gate is ``gate[b, t, i, Dg - D:]``,
+so ``[B, T, Hq, D]`` is the gate itself and ``q_proj``'s output as it is (each head's query
+then its gate, with or without more heads after the Hq) is read in place. A query with no
+visible position (padding) gets a finite output: the jnp form's is the mean of all C values
+(every score is ``MASK_VALUE``), the kernel's is zero. Table entries at ``c >= ctx_len[b]``
+are never read by the kernel (the jnp form gathers them, so they must be valid rows there).
 
 Pallas layout: the G = Hq / Hkv query heads that share a kv head are stacked with the T
 tokens into ``T * G`` query rows (token-major, each with its token's position), cut into
@@ -53,36 +54,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.common import check_tile, load_rows, powers_of_two
 
 MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
-
-
-def check_inputs(
-    q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    token_table: jax.Array,
-    ctx_len: jax.Array,
-    positions: jax.Array,
-    kv_head: int | None = None,
-) -> None:
-    """ValueError unless the shapes fit the module contract (and ``kv_head`` names a pool
-    head when given)."""
-    batch, num_tokens, num_heads, head_dim = q.shape
-    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.shape[2] != head_dim:
-        raise ValueError(f"pools {k_pool.shape} / {v_pool.shape} must both be [R, Hkv, {head_dim}]")
-    if kv_head is not None and not 0 <= kv_head < k_pool.shape[1]:
-        raise ValueError(f"kv_head={kv_head} is not one of the pools' {k_pool.shape[1]} heads")
-    if kv_head is None and num_heads % k_pool.shape[1]:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {k_pool.shape[1]}")
-    if token_table.ndim != 2 or token_table.shape[0] != batch:
-        raise ValueError(f"token_table {token_table.shape} must be [{batch}, C]")
-    if ctx_len.shape != (batch,) or positions.shape != (batch, num_tokens):
-        raise ValueError(
-            f"ctx_len {ctx_len.shape} / positions {positions.shape} must be "
-            f"[{batch}] / [{batch}, {num_tokens}]"
-        )
 
 
 def paged_attention_reference(
@@ -97,7 +72,7 @@ def paged_attention_reference(
 ) -> jax.Array:
     """The masked jnp form (module contract): gather all C table rows, mask, softmax. Its
     cost follows C, not the lengths."""
-    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    PagedInputs(q, k_pool, v_pool, token_table, ctx_len, positions).check()
     check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -395,12 +370,7 @@ DEFAULT_PAGED_PLAN = PagedPlan()
 
 
 def paged_attention(
-    q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    token_table: jax.Array,
-    ctx_len: jax.Array,
-    positions: jax.Array,
+    inputs: PagedInputs,
     scale: float,
     *,
     gate: jax.Array | None = None,
@@ -411,7 +381,8 @@ def paged_attention(
     """The Pallas form (module docstring has the contract and layout), laid out as ``plan``
     says; pure."""
     kv_head = plan.kv_head
-    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
+    inputs.check(kv_head)
+    q, k_pool, ctx_len, positions = inputs.q, inputs.k_pool, inputs.ctx_len, inputs.positions
     check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_rows_total = k_pool.shape[0]
@@ -428,7 +399,7 @@ def paged_attention(
     rows = _query_rows(q, num_kv_heads)
     num_tiles = -(-rows.shape[2] // block_rows)
     groups = num_heads // num_kv_heads
-    table = token_table.astype(jnp.int32)
+    table = inputs.token_table.astype(jnp.int32)
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % block_kv)))  # whole blocks
     num_splits = plan.num_splits
     if num_splits is None:
@@ -459,7 +430,7 @@ def paged_attention(
         out_shape=out_shape,
         name="paged_attention",
         **options,
-    )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, v_pool)
+    )(ctx_len.astype(jnp.int32), table, positions.astype(jnp.int32), rows, k_pool, inputs.v_pool)
     lengths = (ctx_len, positions, block_rows, block_kv) if plan.active_splits else None
     return _merge_splits(partials, q, gate, plan.combine_block, lengths, options)
 

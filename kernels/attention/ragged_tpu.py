@@ -3,15 +3,16 @@ chunked prefill (a chunk attending to its cached prefix and causally within itse
 launch, pages of K / V fetched by DMA from HBM through the scalar-prefetched page table, an
 online softmax over blocks of pages whose count follows each tile's visible context.
 
-Contract: ``attention.paged``'s (q ``[B, T, Hq, D]``, pools ``[R, Hkv, D]``, ``token_table
-[B, C]``, ``ctx_len [B]``, ``positions [B, T]``; query t of row b sees ``c < ctx_len[b]``
-with ``c <= positions[b, t]``; a query that sees nothing gets zeros; ``kv_head=i``: every
-query head reads pool head i), plus the pool's paging: the pool's rows are pages of
-``page_size`` rows (row ``page * page_size + offset``, ``R`` a multiple of it) and a row's
-table names whole pages from position 0, ``token_table[b, c] = page * page_size + c %
-page_size`` below ``ctx_len[b]`` (``cache.allocators.KVAllocator`` hands out exactly such
-rows). Entries at or past ``ctx_len`` are never read: their pages are fetched as page 0, the
-null page. The gate is not applied here (the dispatch applies ``paged.gated``).
+Contract: ``attention.paged``'s (``inputs.PagedInputs``: q ``[B, T, Hq, D]``, pools ``[R,
+Hkv, D]``, ``token_table [B, C]``, ``ctx_len [B]``, ``positions [B, T]``; query t of row b
+sees ``c < ctx_len[b]`` with ``c <= positions[b, t]``; a query that sees nothing gets
+zeros; ``kv_head=i``: every query head reads pool head i), plus the pool's paging: the
+pool's rows are pages of ``page_size`` rows (row ``page * page_size + offset``, ``R`` a
+multiple of it) and a row's table names whole pages from position 0, ``token_table[b, c] =
+page * page_size + c % page_size`` below ``ctx_len[b]`` (``cache.allocators.KVAllocator``
+hands out exactly such rows). Entries at or past ``ctx_len`` are never read: their pages are
+fetched as page 0, the null page. The gate is not applied here (the dispatch applies
+``paged.gated``).
 
 Layout. The pools are viewed, without a copy, as ``[pages, page_size * Hkv, D]``, so a page
 of one pool is one contiguous DMA. The queries of a kv head's group (G = Hq / Hkv) are
@@ -38,7 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lazyspec.kernels.attention.paged import MASK_VALUE, check_inputs
+from lazyspec.kernels.attention.inputs import PagedInputs
+from lazyspec.kernels.attention.paged import MASK_VALUE
 from lazyspec.kernels.common import tpu_interpret
 
 
@@ -224,12 +226,7 @@ def _grid_spec(shape: _Shape, batch: int, head_dim: int, dtype) -> Any:
 
 
 def ragged_paged_attention_tpu(
-    q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    token_table: jax.Array,
-    ctx_len: jax.Array,
-    positions: jax.Array,
+    inputs: PagedInputs,
     scale: float,
     tiles: RaggedTiles,
     kv_head: int | None = None,
@@ -237,18 +234,20 @@ def ragged_paged_attention_tpu(
 ) -> jax.Array:
     """The module's attention, ``[B, T, Hq, D]`` in q's dtype (ungated). ``interpret``:
     as ``common.tpu_interpret``."""
-    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions, kv_head)
+    inputs.check(kv_head)
+    q, k_pool, token_table, ctx_len = inputs.q, inputs.k_pool, inputs.token_table, inputs.ctx_len
     shape = _plan(q, k_pool, token_table, scale, tiles, kv_head)
     batch, num_tokens, num_q_heads, head_dim = q.shape
     width = token_table.shape[1]
-    visible = jnp.clip(jnp.minimum(ctx_len[:, None], positions + 1), 0, width).astype(jnp.int32)
+    visible = jnp.minimum(ctx_len[:, None], inputs.positions + 1)
+    visible = jnp.clip(visible, 0, width).astype(jnp.int32)
     tile_len = visible.reshape(batch, shape.num_tiles, shape.tile_tokens).max(axis=2)
     limit = jnp.repeat(visible, shape.group, axis=1)[..., None]  # [B, T * G, 1], token-major
     split = (batch, num_tokens, shape.num_heads, shape.group, head_dim)
     rows = q.reshape(split).transpose(0, 2, 1, 3, 4)
     rows = rows.reshape(batch, shape.num_heads, num_tokens * shape.group, head_dim)
     page_rows = shape.page_size * shape.num_kv_heads
-    pools = [p.reshape(-1, page_rows, head_dim) for p in (k_pool, v_pool)]
+    pools = [p.reshape(-1, page_rows, head_dim) for p in (k_pool, inputs.v_pool)]
 
     def ragged_paged_attention(*refs):  # the kernel's name in profiles
         _ragged_kernel(*refs, shape=shape)

@@ -8,19 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lazyspec.kernels.attention.paged import MASK_VALUE, check_inputs
+from lazyspec.kernels.attention.inputs import PagedInputs
+from lazyspec.kernels.attention.paged import MASK_VALUE
 
 
-def paged_attend(
-    q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    token_table: jax.Array,
-    ctx_len: jax.Array,
-    positions: jax.Array,
-    scale: float,
-    block_kv: int,
-) -> jax.Array:
+def paged_attend(inputs: PagedInputs, scale: float, block_kv: int) -> jax.Array:
     """``attend`` over the pools read through ``token_table``, at a cost that follows the
     lengths: the table is walked in blocks of ``block_kv`` context positions with an online
     softmax (running maximum and sum), as many blocks as the batch's longest visible context
@@ -28,15 +20,16 @@ def paged_attend(
     program serves every length. ``block_kv`` 0 takes the whole table in one block (the cost
     follows C, as a gather of the whole table does).
 
-    q ``[B, T, Hq, D]``, pools ``[R, Hkv, D]``, ``token_table [B, C]`` (pool rows of context
-    positions; entries at or past ``ctx_len`` are never read: row 0 is read in their
-    place), ``ctx_len [B]``, ``positions [B, T]``. Query t of row b sees positions
+    ``inputs`` as ``PagedInputs`` has them (entries of the table at or past ``ctx_len`` are
+    never read: row 0 is read in their place). Query t of row b sees positions
     ``c < ctx_len[b]`` with ``c <= positions[b, t]``; scores and softmax in float32, the
     unnormalised probabilities rounded to q's dtype for the value product (as the Pallas
     kernel rounds them). Returns ``[B, T, Hq, D]`` in q's dtype; a query that sees no
     position (padding) gets zeros (the kernel's; ``attend`` gives the mean of the values).
     """
-    check_inputs(q, k_pool, v_pool, token_table, ctx_len, positions)
+    inputs.check()
+    q, k_pool, v_pool, token_table = inputs.q, inputs.k_pool, inputs.v_pool, inputs.token_table
+    ctx_len, positions = inputs.ctx_len, inputs.positions
     if block_kv < 0:
         raise ValueError(f"block_kv={block_kv} must be >= 0 (0: the whole table)")
     batch, num_tokens, num_heads, head_dim = q.shape

@@ -22,9 +22,10 @@ from lazyspec.kernels.state.update_common import (
     UpdateTiles,
     check_mode,
     check_pool,
-    load_state,
+    load_tile,
     pool_index,
     run_update,
+    scan_tokens,
     xla_finish,
     xla_rows,
 )
@@ -88,8 +89,7 @@ def _gdn_kernel(slot_ref, *refs, mode, tiles: UpdateTiles, layer, per_key, norm=
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     cols = pl.ds(pl.program_id(2) * tiles.block_value, tiles.block_value)
     tile = pool_index(layer, slot, heads, slice(None), cols)
-    live = slot != 0 if tiles.skip_padding else None
-    h = load_state(pool_ref, tile, tiles.evict_last, live).astype(jnp.float32)
+    h = load_tile(pool_ref, tile, slot, tiles)
     if len(refs) == 8:
         q_ref, k_ref, v_ref, g_ref, beta_ref = refs[:5]
 
@@ -104,20 +104,16 @@ def _gdn_kernel(slot_ref, *refs, mode, tiles: UpdateTiles, layer, per_key, norm=
 
     else:
         token = _conv_token_loader(refs[:8], heads, block_heads, per_key)
-    for t in range(out_ref.shape[0]):
+
+    def step(t, h):
         h, out = gdn_tile_step(h, *token(t))
         if norm is not None:  # [1, d]: the head's whole row
             z_ref, weight_ref = refs[8:10]
             eps, dtype = norm
             out = gated_rows(out, z_ref[t][None, :], weight_ref[...], eps=eps, dtype=dtype)
-        out_ref[t] = out.astype(out_ref.dtype)
-        if mode == "verify":
-            state_ref[t] = h.astype(state_ref.dtype)
-    if mode == "decode":
+        return h, out
 
-        @pl.when(slot != 0)
-        def _write_back():
-            state_ref[tile] = h.astype(state_ref.dtype)
+    scan_tokens(step, h, mode, slot, tile, out_ref, state_ref)
 
 
 def _conv_token_specs(tokens: GdnConvTokens, block_heads: int, block_value: int):

@@ -16,7 +16,7 @@ from lazyspec.kernels.state.update_common import (
     check_mode,
     check_pool,
 )
-from lazyspec.kernels.state.update_tpu_common import launch, pool_block, store_states
+from lazyspec.kernels.state.update_tpu_common import launch, pool_block, scan_block
 
 
 def _gdn_kernel(slot_ref, *refs, mode, block_heads):
@@ -26,20 +26,13 @@ def _gdn_kernel(slot_ref, *refs, mode, block_heads):
     slot = slot_ref[pl.program_id(0)]
     heads = pl.ds(pl.program_id(1) * block_heads, block_heads)
     h0 = pool_ref[...].astype(jnp.float32)
-    h = h0
     f32 = lambda ref, *idx: ref[idx].astype(jnp.float32)  # noqa: E731
-    num_tokens = q_ref.shape[0]
-    for t in range(num_tokens):
-        h, out = gdn_tile_step(
-            h,
-            f32(q_ref, t),
-            f32(k_ref, t),
-            f32(v_ref, t),
-            f32(g_ref, t, heads),
-            f32(beta_ref, t, heads),
-        )
-        out_ref[t] = out.astype(out_ref.dtype)
-        store_states(mode, slot, h, h0, state_ref, t, t == num_tokens - 1)
+
+    def step(t, h):
+        q, k, v = f32(q_ref, t), f32(k_ref, t), f32(v_ref, t)
+        return gdn_tile_step(h, q, k, v, f32(g_ref, t, heads), f32(beta_ref, t, heads))
+
+    scan_block(step, h0, mode, slot, out_ref, state_ref)
 
 
 def gdn_state_update_tpu(

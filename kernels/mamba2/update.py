@@ -20,9 +20,10 @@ from lazyspec.kernels.state.update_common import (
     UpdateTiles,
     check_mode,
     check_pool,
-    load_state,
+    load_tile,
     pool_index,
     run_update,
+    scan_tokens,
     xla_finish,
     xla_rows,
 )
@@ -70,24 +71,17 @@ def _mamba2_kernel(slot_ref, *refs, mode, tiles: UpdateTiles, heads_per_group, l
     heads = pl.ds(head_start, block_heads)
     rows = pl.ds(pl.program_id(2) * tiles.block_value, tiles.block_value)
     tile = pool_index(layer, slot, heads, rows, slice(None))
-    live = slot != 0 if tiles.skip_padding else None
-    h = load_state(pool_ref, tile, tiles.evict_last, live).astype(jnp.float32)
+    h = load_tile(pool_ref, tile, slot, tiles)
     a = a_ref[heads].astype(jnp.float32)
     d = d_ref[heads].astype(jnp.float32)
-    for t in range(x_ref.shape[0]):
+
+    def step(t, h):
         b = _heads_from_groups(b_ref, t, head_start, block_heads, heads_per_group)
         c = _heads_from_groups(c_ref, t, head_start, block_heads, heads_per_group)
-        h, y = mamba2_tile_step(
-            h, x_ref[t].astype(jnp.float32), b, c, dt_ref[t, heads].astype(jnp.float32), a, d
-        )
-        out_ref[t] = y.astype(out_ref.dtype)
-        if mode == "verify":
-            state_ref[t] = h.astype(state_ref.dtype)
-    if mode == "decode":
+        x, dt = x_ref[t].astype(jnp.float32), dt_ref[t, heads].astype(jnp.float32)
+        return mamba2_tile_step(h, x, b, c, dt, a, d)
 
-        @pl.when(slot != 0)
-        def _write_back():
-            state_ref[tile] = h.astype(state_ref.dtype)
+    scan_tokens(step, h, mode, slot, tile, out_ref, state_ref)
 
 
 def check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:

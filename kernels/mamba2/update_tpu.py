@@ -17,7 +17,7 @@ from lazyspec.kernels.state.update_common import (
     check_mode,
     check_pool,
 )
-from lazyspec.kernels.state.update_tpu_common import launch, pool_block, store_states
+from lazyspec.kernels.state.update_tpu_common import launch, pool_block, scan_block
 
 
 def _group_rows(bc_ref, t: int, head: jax.Array, heads_per_group: int) -> jax.Array:
@@ -41,18 +41,16 @@ def _mamba2_kernel(slot_ref, *refs, mode, block_heads, heads_per_group):
     heads = pl.ds(first_head, block_heads)
     head = first_head + jax.lax.broadcasted_iota(jnp.int32, (block_heads, 1), 0)
     h0 = pool_ref[...].astype(jnp.float32)
-    h = h0
     a = a_ref[0, heads].astype(jnp.float32)
     d = d_ref[0, heads].astype(jnp.float32)
-    num_tokens = x_ref.shape[0]
-    for t in range(num_tokens):
+
+    def step(t, h):
         b = _group_rows(b_ref, t, head, heads_per_group)
         c = _group_rows(c_ref, t, head, heads_per_group)
-        h, y = mamba2_tile_step(
-            h, x_ref[t].astype(jnp.float32), b, c, dt_ref[t, heads].astype(jnp.float32), a, d
-        )
-        out_ref[t] = y.astype(out_ref.dtype)
-        store_states(mode, slot, h, h0, state_ref, t, t == num_tokens - 1)
+        x, dt = x_ref[t].astype(jnp.float32), dt_ref[t, heads].astype(jnp.float32)
+        return mamba2_tile_step(h, x, b, c, dt, a, d)
+
+    scan_block(step, h0, mode, slot, out_ref, state_ref)
 
 
 def mamba2_state_update_tpu(

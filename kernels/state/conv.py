@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lazyspec.kernels.common import check_tile, whole
-from lazyspec.kernels.state.update_common import check_mode, pool_index
+from lazyspec.kernels.state.update_common import check_mode, pool_index, xla_write_back
 
 # ---------------------------------------------------------------- reference
 # One row, float32 math; the reference every faster form is checked against. Per row: window
@@ -332,8 +332,6 @@ def conv_update_xla(
     outputs, final, windows = jax.vmap(one_row)(layer_pool[slot], x, valid)
     outputs = outputs.astype(options.out_dtype or x.dtype)
     if mode == "decode":
-        target = jnp.where(slot != 0, slot, layer_pool.shape[0])  # out of range: dropped
-        index = target if layer is None else (layer, target)
-        new_pool = pool.at[index].set(final.astype(pool.dtype), mode="drop")
+        new_pool = xla_write_back(pool, slot, final, layer)
         return ConvUpdateResult(outputs=outputs, pool=new_pool, step_windows=None)
     return ConvUpdateResult(outputs=outputs, pool=None, step_windows=windows.astype(pool.dtype))

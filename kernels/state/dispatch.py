@@ -56,32 +56,24 @@ def mixer_of(tokens: GdnTokens | GdnConvTokens | Mamba2Tokens) -> str:
 
 
 def tpu_state_update(
-    mixer: str,
-    pool: jax.Array,
-    slot: jax.Array,
-    tokens: GdnTokens | Mamba2Tokens,
-    *,
-    mode: str,
-    layer: int | None = None,
-    interpret: Any = False,
-    tuning: Tuning = DEFAULT_TUNING,
+    mixer: str, *operands: Any, interpret: Any = False, tuning: Tuning = DEFAULT_TUNING, **call: Any
 ) -> StateUpdateResult:
-    """The scalar-prefetch kernels of ``gdn.update_tpu`` / ``mamba2.update_tpu`` with the
-    mixer's ``tpu_block_heads`` fitted to the heads (``common.tpu_head_tile``); where no
-    tile fits, the XLA scan (same contract). ``interpret``: as ``common.tpu_interpret``."""
+    """The scalar-prefetch kernels of ``gdn.update_tpu`` / ``mamba2.update_tpu`` on
+    ``operands`` (pool, slot, tokens; ``call``: mode, layer) with the mixer's
+    ``tpu_block_heads`` fitted to the heads (``common.tpu_head_tile``); where no tile fits,
+    the XLA scan (same contract). ``interpret``: as ``common.tpu_interpret``."""
     record = tuning.gdn if mixer == "gdn" else tuning.mamba2
+    tokens = operands[2]
     num_heads = (tokens.q if mixer == "gdn" else tokens.x).shape[2]
     block_heads = tpu_head_tile(num_heads, record.tpu_block_heads)
     if block_heads is None:
-        return _XLA_UPDATES[mixer](pool, slot, tokens, mode=mode, layer=layer)
+        return _XLA_UPDATES[mixer](*operands, **call)
     # Mosaic imports only where used
     if mixer == "gdn":
         from lazyspec.kernels.gdn.update_tpu import gdn_state_update_tpu as tpu_fn
     else:
         from lazyspec.kernels.mamba2.update_tpu import mamba2_state_update_tpu as tpu_fn
-    return tpu_fn(
-        pool, slot, tokens, mode=mode, block_heads=block_heads, layer=layer, interpret=interpret
-    )
+    return tpu_fn(*operands, block_heads=block_heads, interpret=interpret, **call)
 
 
 def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[UpdateTiles, int]:
@@ -110,10 +102,7 @@ def _update_tiles(mixer: str, tokens: Any, tuning: Tuning) -> tuple[UpdateTiles,
 
 def pallas_state_update(
     mixer: str,
-    pool: jax.Array,
-    slot: jax.Array,
-    tokens: GdnTokens | Mamba2Tokens,
-    *,
+    *operands: Any,
     mode: str,
     layer: int | None = None,
     interpret: bool = False,
@@ -121,13 +110,11 @@ def pallas_state_update(
     tuning: Tuning = DEFAULT_TUNING,
     **tiles: Any,
 ) -> StateUpdateResult:
-    """The Triton-layout kernel of ``mixer`` with ``tuning``'s tiles; ``tiles``
-    (``UpdateTiles`` fields) override them."""
-    tuned, num_warps = _update_tiles(mixer, tokens, tuning)
+    """The Triton-layout kernel of ``mixer`` on ``operands`` (pool, slot, tokens) with
+    ``tuning``'s tiles; ``tiles`` (``UpdateTiles`` fields) override them."""
+    tuned, num_warps = _update_tiles(mixer, operands[2], tuning)
     return _PALLAS_UPDATES[mixer](
-        pool,
-        slot,
-        tokens,
+        *operands,
         mode=mode,
         layer=layer,
         tiles=dataclasses.replace(tuned, **tiles),

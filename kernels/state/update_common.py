@@ -228,6 +228,30 @@ def load_state(pool_ref, idx: tuple, evict_last: bool, live: jax.Array | None = 
     return pallas_triton.load(view, **options)
 
 
+def load_tile(pool_ref, tile: tuple, slot, tiles: UpdateTiles) -> jax.Array:
+    """Pool tile ``tile`` of row ``slot`` in float32, loaded as ``tiles`` say
+    (``load_state``; with ``skip_padding`` a padding row, slot 0, reads zeros)."""
+    live = slot != 0 if tiles.skip_padding else None
+    return load_state(pool_ref, tile, tiles.evict_last, live).astype(jnp.float32)
+
+
+def scan_tokens(step, h: jax.Array, mode: str, slot, tile: tuple, out_ref, state_ref) -> None:
+    """The update kernels' loop over the T tokens of a block from the state tile ``h``:
+    ``step(t, h) -> (h, out)``, each output into ``out_ref[t]``; verify writes each step's
+    state into ``state_ref[t]``, decode the final state back into pool tile ``tile``
+    (``state_ref`` is the aliased pool) unless the row is padding (slot 0)."""
+    for t in range(out_ref.shape[0]):
+        h, out = step(t, h)
+        out_ref[t] = out.astype(out_ref.dtype)
+        if mode == "verify":
+            state_ref[t] = h.astype(state_ref.dtype)
+    if mode == "decode":
+
+        @pl.when(slot != 0)
+        def _write_back():
+            state_ref[tile] = h.astype(state_ref.dtype)
+
+
 def pool_index(layer: int | None, slot, *tile) -> tuple:
     """The index of a state tile of row ``slot`` in the pool ref (of ``layer`` when given)."""
     # the layer as an int32 scalar: a Python int in a ref view (``.at``) does not lower
@@ -303,9 +327,17 @@ def xla_finish(
     layer: int | None,
 ) -> StateUpdateResult:
     if mode == "decode":
-        slots = pool.shape[0 if layer is None else 1]
-        target = jnp.where(slot != 0, slot, slots)  # out of range: dropped
-        index = target if layer is None else (layer, target)
-        new_pool = pool.at[index].set(final.astype(pool.dtype), mode="drop")
+        new_pool = xla_write_back(pool, slot, final, layer)
         return StateUpdateResult(outputs=outputs, pool=new_pool, step_states=None)
     return StateUpdateResult(outputs=outputs, pool=None, step_states=states.astype(pool.dtype))
+
+
+def xla_write_back(
+    pool: jax.Array, slot: jax.Array, final: jax.Array, layer: int | None
+) -> jax.Array:
+    """``pool`` (of ``layer`` when given) with row b's ``final[b]`` at ``slot[b]``, rounded
+    to the pool's dtype; rows at slot 0 (padding) write nothing. Pure."""
+    slots = pool.shape[0 if layer is None else 1]
+    target = jnp.where(slot != 0, slot, slots)  # out of range: dropped
+    index = target if layer is None else (layer, target)
+    return pool.at[index].set(final.astype(pool.dtype), mode="drop")

@@ -44,6 +44,18 @@ def store_states(mode: str, slot, h, h0, state_ref, t: int, last: bool) -> None:
         state_ref[...] = jnp.where(slot != 0, h, h0).astype(state_ref.dtype)
 
 
+def scan_block(step, h0: jax.Array, mode: str, slot, out_ref, state_ref) -> None:
+    """The TPU kernels' loop over the T tokens of a block from the state ``h0`` (float32):
+    ``step(t, h) -> (h, out)``, each output into ``out_ref[t]``, the states stored as
+    ``store_states`` says."""
+    h = h0
+    num_tokens = out_ref.shape[0]
+    for t in range(num_tokens):
+        h, out = step(t, h)
+        out_ref[t] = out.astype(out_ref.dtype)
+        store_states(mode, slot, h, h0, state_ref, t, t == num_tokens - 1)
+
+
 def pool_block(layer: int | None, block: tuple, index_map):
     """The pool's BlockSpec: ``block`` at ``index_map``, behind a squeezed layer axis fixed
     at ``layer`` when the pool is stacked."""

@@ -279,6 +279,7 @@ def triton_calls(tp: int) -> dict[str, int]:
     model-sized shapes, each kernel in its Triton (not interpret) launch."""
     from lazyspec.engine import shard_kernels as sk
     from lazyspec.kernels.attention import paged as pa
+    from lazyspec.kernels.attention.inputs import PagedInputs
     from lazyspec.kernels.common import pallas_compiler_params
     from lazyspec.kernels.mamba2 import update as mamba2_update
     from lazyspec.kernels.state import scatter as ss
@@ -313,9 +314,12 @@ def triton_calls(tp: int) -> dict[str, int]:
         plan,
     )
 
-    def kernel_attention(*args, kv_head=None, **options):  # the kernel's default plan
+    def kernel_attention(*operands, kv_head=None, **options):  # the kernel's default plan
         layout = pa.PagedPlan(kv_head=kv_head)
-        return pa.paged_attention(*args, plan=layout, compiler_params=params, **options)
+        inputs = PagedInputs(*operands[:6])  # then the scale, unless given as a keyword
+        return pa.paged_attention(
+            inputs, *operands[6:], plan=layout, compiler_params=params, **options
+        )
 
     attention = sk._paged_attention(kernel_attention, plan)
     cases = {

@@ -19,6 +19,7 @@ import pytest
 from lazyspec.kernels import backend
 from lazyspec.kernels.attention import paged as pa
 from lazyspec.kernels.attention import ragged_tpu as rt
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.tuning import tuning_for
 from tests.kernels.kernel_checks import (
     TPU_INTERPRET,
@@ -109,9 +110,8 @@ def test_ragged_paged_attention_matches_the_reference(case):
     scale = head_dim**-0.5
     tiles = rt.RaggedTiles(page_size, pages, block_rows)
     tpu = TpuInterpret()
-    got = rt.ragged_paged_attention_tpu(
-        data["q"], *(data[a] for a in ARGS), scale, tiles, interpret=tpu.params
-    )
+    inputs = PagedInputs(data["q"], *(data[a] for a in ARGS))
+    got = rt.ragged_paged_attention_tpu(inputs, scale, tiles, interpret=tpu.params)
     assert got.dtype == dtype
     group = heads[0] // heads[1]
     tiles_a_row = num_tokens // rt.tokens_per_tile(num_tokens, group, block_rows)
@@ -131,7 +131,8 @@ def test_kv_head_reads_one_pool_head():
     got = attend(*operands, scale=0.1, kv_head=1, gate=None, interpret=TPU_INTERPRET)
     check(data, got, want, attention_tolerance(jnp.float32, [26], 128))
     tiles = rt.RaggedTiles(4, 2, 8)
-    got = rt.ragged_paged_attention_tpu(*operands, 0.1, tiles, kv_head=1, interpret=TPU_INTERPRET)
+    inputs = PagedInputs(*operands)
+    got = rt.ragged_paged_attention_tpu(inputs, 0.1, tiles, kv_head=1, interpret=TPU_INTERPRET)
     check(data, got, want, attention_tolerance(jnp.float32, [26], 128))
 
 
@@ -160,13 +161,13 @@ def test_rejects_tables_that_are_not_whole_pages():
     rng = np.random.default_rng(63)
     data = paged_case(rng, [5, 9], 1, (2, 2), 128, 4, jnp.float32)
     table = data["token_table"][:, :-1]  # a width that is not whole pages
-    args = (data["k_pool"], data["v_pool"], table, data["ctx_len"], data["positions"])
+    pools = (data["k_pool"], data["v_pool"])
+    inputs = PagedInputs(data["q"], *pools, table, data["ctx_len"], data["positions"])
     with pytest.raises(ValueError, match="whole pages of 4"):
-        rt.ragged_paged_attention_tpu(data["q"], *args, 1.0, rt.RaggedTiles(4, 1, 8))
+        rt.ragged_paged_attention_tpu(inputs, 1.0, rt.RaggedTiles(4, 1, 8))
+    inputs = PagedInputs(data["q"], *(data[a] for a in ARGS))
     with pytest.raises(ValueError, match="multiple of 8"):
-        rt.ragged_paged_attention_tpu(
-            data["q"], *(data[a] for a in ARGS), 1.0, rt.RaggedTiles(4, 1, 12)
-        )
+        rt.ragged_paged_attention_tpu(inputs, 1.0, rt.RaggedTiles(4, 1, 12))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 4, 64])
@@ -191,7 +192,7 @@ def test_lowers_to_mosaic_at_qwen3_next_shapes(num_tokens):
         )
 
         def attend(*args, tiles=tiles):
-            return rt.ragged_paged_attention_tpu(*args, 0.0625, tiles)
+            return rt.ragged_paged_attention_tpu(PagedInputs(*args), 0.0625, tiles)
 
         exported = jax.export.export(jax.jit(attend), platforms=["tpu"])(*args)
         assert exported.mlir_module().count("tpu_custom_call") == 1

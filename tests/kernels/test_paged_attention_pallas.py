@@ -9,6 +9,7 @@ import pytest
 
 from lazyspec.kernels import backend, common
 from lazyspec.kernels.attention import paged as pa
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.tuning import Tuning
 from tests.kernels.kernel_checks import INTERPRET, assert_close, tolerance
 
@@ -46,14 +47,19 @@ def attention_case(rng, batch, num_tokens, num_heads, num_kv_heads, head_dim, ct
     }
 
 
+def paged_inputs(case, table: str = "token_table", q=None) -> PagedInputs:
+    """The case's operands as the attention forms take them: ``table`` names which of its
+    tables, ``q`` (None: the case's) the queries."""
+    q = case["q"] if q is None else q
+    pools = (case["k_pool"], case["v_pool"])
+    return PagedInputs(q, *pools, case[table], case["ctx_len"], case["positions"])
+
+
 def run_both(case, **tiles):
     """(kernel on the poisoned table, jnp form on the clean one, mask of real queries)."""
     scale = case["q"].shape[-1] ** -0.5
-    args = ("k_pool", "v_pool", "token_table", "ctx_len", "positions")
     plan = pa.PagedPlan(**tiles)
-    got = pa.paged_attention(
-        case["q"], *(case[a] for a in args), scale, plan=plan, interpret=INTERPRET
-    )
+    got = pa.paged_attention(paged_inputs(case), scale, plan=plan, interpret=INTERPRET)
     want = pa.paged_attention_reference(
         case["q"],
         case["k_pool"],
@@ -109,8 +115,8 @@ def test_query_rows_are_read_unpadded_pallas():
     case = attention_case(rng, 3, 1, 16, 2, 64, [30, 0, 9], jnp.float32)  # one row empty
     args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
     jaxpr = jax.make_jaxpr(
-        lambda q, *rest: pa.paged_attention(
-            q, *rest, 0.125, plan=pa.PagedPlan(num_splits=2), interpret=INTERPRET
+        lambda *a: pa.paged_attention(
+            PagedInputs(*a), 0.125, plan=pa.PagedPlan(num_splits=2), interpret=INTERPRET
         )
     )(case["q"], *args).jaxpr
     launch = next(e for e in jaxpr.eqns if e.primitive.name == "pallas_call")
@@ -175,14 +181,12 @@ def test_kv_head_reads_one_pool_head_for_part_of_its_group_pallas():
     rng = np.random.default_rng(7)
     case = attention_case(rng, 2, 3, 8, 2, 64, [30, 9], jnp.float32)
     scale = 64**-0.5
-    args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
     clean = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
     want = np.asarray(pa.paged_attention_reference(case["q"], *clean, scale))
     real = np.asarray(case["positions"] >= 0)
     for kv_head, heads in ((0, slice(1, 2)), (1, slice(6, 8))):
         got = pa.paged_attention(
-            case["q"][:, :, heads],
-            *args,
+            paged_inputs(case, q=case["q"][:, :, heads]),
             scale,
             plan=pa.PagedPlan(kv_head=kv_head, block_kv=16),
             interpret=INTERPRET,
@@ -191,7 +195,10 @@ def test_kv_head_reads_one_pool_head_for_part_of_its_group_pallas():
         assert_close(np.asarray(got)[real], want[:, :, heads][real], FP32_TOL, f"kv {kv_head}")
     with pytest.raises(ValueError, match="kv_head=2"):
         pa.paged_attention(
-            case["q"][:, :, :1], *args, scale, plan=pa.PagedPlan(kv_head=2), interpret=INTERPRET
+            paged_inputs(case, q=case["q"][:, :, :1]),
+            scale,
+            plan=pa.PagedPlan(kv_head=2),
+            interpret=INTERPRET,
         )
 
 
@@ -294,8 +301,7 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
 
     def attend(active):
         return pa.paged_attention(
-            case["q"],
-            *args,
+            paged_inputs(case),
             0.1,
             gate=gate,
             plan=pa.PagedPlan(active_splits=active, **tiles),
@@ -383,7 +389,9 @@ def test_gated_output_equals_the_gated_reference_pallas():
     args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
     real = np.asarray(case["positions"] >= 0)
     for attend in (
-        lambda gate: pa.paged_attention(case["q"], *args, scale, gate=gate, interpret=INTERPRET),
+        lambda gate: pa.paged_attention(
+            paged_inputs(case, "clean_table"), scale, gate=gate, interpret=INTERPRET
+        ),
         lambda gate: pa.paged_attention_reference(case["q"], *args, scale, gate),
     ):
         got, plain = np.asarray(attend(gate), np.float32), attend(None)
@@ -409,8 +417,7 @@ def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active, combine_block
     real = np.asarray(case["positions"] >= 0)
     for attend in (
         lambda g: pa.paged_attention(
-            case["q"],
-            *args,
+            paged_inputs(case, "clean_table"),
             scale,
             gate=g,
             plan=pa.PagedPlan(active_splits=active, combine_block=combine_block),
@@ -420,9 +427,10 @@ def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active, combine_block
     ):
         got, want = (np.asarray(attend(g), np.float32) for g in (wide, gate))
         np.testing.assert_array_equal(got[real], want[real])
+    inputs = paged_inputs(case, "clean_table")
     for bad in (wide[..., :96], wide[:, :, :7], wide[:1]):  # D does not divide; too few
         with pytest.raises(ValueError, match="gate"):
-            pa.paged_attention(case["q"], *args, scale, gate=bad, interpret=INTERPRET)
+            pa.paged_attention(inputs, scale, gate=bad, interpret=INTERPRET)
 
 
 def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
@@ -451,7 +459,7 @@ def test_paged_attention_lowers_to_triton_at_model_shapes_pallas():
             for block in (None, 32):  # the combine a head's columns a program, or 32
                 attend = jax.jit(
                     lambda *a, active=active, block=block: pa.paged_attention(
-                        *a[:6],
+                        PagedInputs(*a[:6]),
                         0.0625,
                         gate=a[6],
                         plan=pa.PagedPlan(active_splits=active, combine_block=block),
@@ -474,6 +482,6 @@ def test_merge_stays_in_jnp_where_the_heads_of_a_kv_head_are_not_a_power_of_two_
         spec((4,), jnp.int32),
         spec((4, 1), jnp.int32),
     )
-    attend = jax.jit(lambda *a: pa.paged_attention(*a, 0.1, compiler_params=params))
+    attend = jax.jit(lambda *a: pa.paged_attention(PagedInputs(*a), 0.1, compiler_params=params))
     text = attend.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.attention.paged import paged_attention_reference
 from lazyspec.kernels.attention.tuning import TABLE
 from lazyspec.kernels.backend import XLA_KERNELS
@@ -21,7 +22,12 @@ from lazyspec.models.layers import attention
 from lazyspec.models.layers.attention import paged_attend
 from lazyspec.testing.tiny_models import tiny_model
 from tests.kernels.kernel_checks import assert_close
-from tests.kernels.test_paged_attention_pallas import BF16_TOL, FP32_TOL, attention_case
+from tests.kernels.test_paged_attention_pallas import (
+    BF16_TOL,
+    FP32_TOL,
+    attention_case,
+    paged_inputs,
+)
 from tests.models.test_attention_kernel import _random_caches
 from tests.models.test_pool_rows import WIDTH, _verify_inputs, first_tokens, step_eqns
 
@@ -32,7 +38,7 @@ def _check(case, block_kv: int, tol: float) -> np.ndarray:
     """``paged_attend`` on the poisoned table (NaN K/V past each row's context) against the
     reference on the clean one, on the real queries; padding queries give zeros."""
     scale = case["q"].shape[-1] ** -0.5
-    got = paged_attend(case["q"], *(case[a] for a in ARGS), scale, block_kv)
+    got = paged_attend(paged_inputs(case), scale, block_kv)
     clean = [case["clean_table"] if a == "token_table" else case[a] for a in ARGS]
     want = paged_attention_reference(case["q"], *clean, scale)
     real = np.asarray(case["positions"] >= 0)
@@ -68,17 +74,17 @@ def test_negative_block_is_rejected():
     rng = np.random.default_rng(8)
     case = attention_case(rng, 2, 1, 4, 2, 8, [3, 1], jnp.float32)
     with pytest.raises(ValueError, match="block_kv=-1"):
-        paged_attend(case["q"], *(case[a] for a in ARGS), 1.0, -1)
+        paged_attend(paged_inputs(case), 1.0, -1)
 
 
 def test_shapes_off_the_contract_are_rejected():
-    """The walk takes the paged forms' contract and its check (``paged.check_inputs``)."""
+    """The walk takes the paged forms' contract and its check (``PagedInputs.check``)."""
     rng = np.random.default_rng(9)
     case = attention_case(rng, 2, 3, 4, 2, 8, [3, 1], jnp.float32)
     args = [case[a] for a in ARGS]
     args[4] = args[4][:, :2]  # positions of 2 tokens for 3 queries
     with pytest.raises(ValueError, match="positions"):
-        paged_attend(case["q"], *args, 1.0, 16)
+        paged_attend(PagedInputs(case["q"], *args), 1.0, 16)
 
 
 def test_the_loop_runs_to_the_longest_visible_context(monkeypatch):
@@ -106,7 +112,7 @@ def test_the_loop_runs_to_the_longest_visible_context(monkeypatch):
             case["positions"] = jnp.minimum(case["positions"], cut)
         case["token_table"] = jnp.pad(case["token_table"], ((0, 0), (0, 200)))  # a wide table
         trips.clear()
-        jax.block_until_ready(paged_attend(case["q"], *(case[a] for a in ARGS), 1.0, 16))
+        jax.block_until_ready(paged_attend(paged_inputs(case), 1.0, 16))
         jax.effects_barrier()
         assert len(trips) == want, (lengths, len(trips), want)
         assert case["token_table"].shape[1] > 16 * want  # the table is wider than the loop

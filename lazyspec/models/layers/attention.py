@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.attention.paged import gated
 from lazyspec.kernels.attention.walk import paged_attend
 from lazyspec.kernels.backend import (
@@ -287,7 +288,7 @@ def attention_forward(
         out = paged_attention(q, k_pool, v_pool, *tables, spec.scale, gate=gate)
         return _output(params, out, None, out_parts), k_pool, v_pool
     block_kv = kernels.tuning.attention.xla_block_kv
-    out = paged_attend(q, k_pool, v_pool, *tables, spec.scale, block_kv)
+    out = paged_attend(PagedInputs(q, k_pool, v_pool, *tables), spec.scale, block_kv)
     return _output(params, out, gate, out_parts), k_pool, v_pool
 
 
