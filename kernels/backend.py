@@ -58,7 +58,8 @@ ConvUpdateFn = Callable[..., ConvUpdateResult]
 # (x, weights, expert_ids, up, down, gate=None, *, xla_form) -> float32 [N, d_out], as
 # ``moe_experts_pallas``; ``xla_form()`` computes the same by the XLA dispatch
 MoEExpertsFn = Callable[..., jax.Array]
-# (q, k_pool, v_pool, token_table, ctx_len, positions, scale) -> out, as ``attention.paged``
+# (inputs: PagedInputs, scale, *, gate=None) -> out, as ``attention.paged``'s forms;
+# ``kv_head=`` too, for the per-shard form over replicated pools
 PagedAttentionFn = Callable[..., jax.Array]
 # (x, delta, weight, router=None, *, eps, zero_centered, logits_dtype, xla_form) ->
 # ResidualNorm, as ``residual_norm_pallas``; ``xla_form()`` computes the same by XLA

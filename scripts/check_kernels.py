@@ -67,6 +67,7 @@ from lazyspec.bench.origin import code_line
 from lazyspec.bench.tuning_flag import add_tuning_argument, tuned, tuning_lines
 from lazyspec.kernels import backend, common
 from lazyspec.kernels.attention import paged as pa
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.backend import default_tuning
 from lazyspec.kernels.moe import routing as me
 from lazyspec.kernels.norm import dispatch as norm_dispatch
@@ -474,7 +475,8 @@ def check_gated_attention(rng, shapes, widths, tuning: Tuning) -> list[tuple[str
     of a wider array, as ``layers.attention`` hands q, k and v's one product."""
     num_heads, num_kv_heads, head_dim = widths[:3]
     scale = head_dim**-0.5
-    want_of = jax.jit(lambda *a: pa.paged_attention_reference(*a[:6], scale, a[6]))
+    gated_of = lambda f: jax.jit(lambda inputs, gate: f(inputs, scale, gate=gate))  # noqa: E731
+    want_of = gated_of(pa.paged_attention_reference)
     default = tuning.attention.active_splits
     rows = []
     for batch, tokens, context in shapes:
@@ -488,24 +490,22 @@ def check_gated_attention(rng, shapes, widths, tuning: Tuning) -> list[tuple[str
             ("paged_attention gate in place", default, shorter),
         ):
             positions = lengths[:, None] - tokens + np.arange(tokens)[None, :]
-            args = (
+            inputs = PagedInputs(
                 bf16(batch, tokens, num_heads, head_dim),
                 bf16(num_rows, num_kv_heads, head_dim),
                 bf16(num_rows, num_kv_heads, head_dim),
                 jnp.asarray(table, jnp.int32),
                 jnp.asarray(lengths),
                 jnp.asarray(positions, jnp.int32),
-                bf16(batch, tokens, num_heads, head_dim),
             )
-            got_args = args
+            gate = got_gate = bf16(batch, tokens, num_heads, head_dim)
             if name.endswith("in place"):  # each head's query then its gate, k and v after
                 wide = bf16(batch, tokens, num_heads + num_kv_heads, 2 * head_dim)
-                got_args = args[:6] + (wide.at[:, :, :num_heads, head_dim:].set(args[6]),)
+                got_gate = wide.at[:, :, :num_heads, head_dim:].set(gate)
             form = tuning.with_overrides({"attention.active_splits": active})
-            attend = backend.kernels_for("pallas", tuning=form).paged_attention
-            got_of = jax.jit(lambda *a, f=attend: f(*a[:6], scale, gate=a[6]))
-            got = np.asarray(got_of(*got_args), np.float32)
-            want = np.asarray(want_of(*args), np.float32)
+            got_of = gated_of(backend.kernels_for("pallas", tuning=form).paged_attention)
+            got = np.asarray(got_of(inputs, got_gate), np.float32)
+            want = np.asarray(want_of(inputs, gate), np.float32)
             found = relative_error(got, want)
             shape = f"{batch} x {tokens} tokens, context {context}"
             if lengths.min() < context:

@@ -41,30 +41,22 @@ def attention_plan(tuning: Tuning = DEFAULT_TUNING) -> PagedPlan:
     )
 
 
-def _paged_inputs(q: jax.Array, operands: tuple, scale: float | None):
-    """(``PagedInputs``, scale) of a dispatch's positional operands (k_pool, v_pool,
-    token_table, ctx_len, positions, then the scale unless given as ``scale=``)."""
-    if scale is None:
-        *operands, scale = operands
-    return PagedInputs(q, *operands), scale
-
-
 def pallas_paged_attention(
-    q: jax.Array,
-    *operands: Any,
-    scale: float | None = None,
+    inputs: PagedInputs,
+    scale: float,
+    *,
     gate: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
     tuning: Tuning = DEFAULT_TUNING,
     **plan: Any,
 ) -> jax.Array:
-    """``paged_attention`` of q and ``operands`` (k_pool, v_pool, token_table, ctx_len,
-    positions, then the scale unless given as ``scale=``, as the per-shard form passes it)
-    with ``attention_plan(tuning)`` (``plan``, ``PagedPlan`` fields, overrides it), the
+    """``paged_attention`` of ``inputs`` with ``attention_plan(tuning)`` (``plan``,
+    ``PagedPlan`` fields such as the per-shard form's ``kv_head``, overrides it), the
     combine's columns a program set up to ``small_step_max_tokens`` tokens; compiler
     params left as None take the tuning's warps and stages."""
     attention = tuning.attention
+    q = inputs.q
     num_tokens = q.shape[0] * q.shape[1]
     combine = small_step_tile(
         num_tokens, tuning.small_step_max_tokens, q.shape[-1], attention.combine_block
@@ -75,28 +67,25 @@ def pallas_paged_attention(
             num_warps=attention.num_warps, num_stages=attention.num_stages
         )
     launch = pallas_options(interpret, compiler_params)
-    inputs, scale = _paged_inputs(q, operands, scale)
     return paged_attention(inputs, scale, gate=gate, plan=plan, **launch)
 
 
 def tpu_paged_attention(
-    q: jax.Array,
-    *operands: Any,
-    scale: float | None = None,
+    inputs: PagedInputs,
+    scale: float,
+    *,
     gate: jax.Array | None = None,
     kv_head: int | None = None,
     page_size: int = 1,
     interpret: Any = False,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> jax.Array:
-    """``paged_attention``'s contract on a TPU (``operands``: k_pool, v_pool, token_table,
-    ctx_len, positions, then the scale unless given as ``scale=``, as the per-shard form
-    passes it): ``attention.ragged_tpu`` over pages of ``page_size`` rows with
-    ``tuning.attention``'s TPU tiles, or, where its page table would pass
-    ``tpu_table_max_bytes`` of SMEM, the jnp walk (``attention.walk``); gated after either."""
+    """``paged_attention``'s contract on a TPU: ``attention.ragged_tpu`` over pages of
+    ``page_size`` rows with ``tuning.attention``'s TPU tiles, or, where its page table
+    would pass ``tpu_table_max_bytes`` of SMEM, the jnp walk (``attention.walk``); gated
+    after either."""
     from lazyspec.kernels.attention import ragged_tpu  # Mosaic imports only where used
 
-    inputs, scale = _paged_inputs(q, operands, scale)
     attention = tuning.attention
     batch, width = inputs.token_table.shape
     if batch * (width // page_size) * 4 > attention.tpu_table_max_bytes:

@@ -1,8 +1,8 @@
 """Attention of a padded batch over the flat KV pools, read through a token table: a Pallas
 kernel whose cost follows each row's context length, and the masked jnp form it replaces.
 
-Contract (both forms; the kernel takes its operands as ``inputs.PagedInputs``, the jnp form
-one by one, as ``backend.Kernels.paged_attention`` is called). q ``[B, T, Hq, D]``; pools
+Contract (both forms, and ``backend.Kernels.paged_attention``: ``(inputs.PagedInputs,
+scale, *, gate=None)``, so each stands in for the other). q ``[B, T, Hq, D]``; pools
 ``[R, Hkv, D]`` (``Hq % Hkv == 0``: GQA, query head j reads kv head ``j // (Hq // Hkv)``;
 the kernel's plan with ``kv_head=i`` instead has every query head read kv head i, for a
 shard holding part of one group of query heads next to the whole pools); ``token_table [B,
@@ -61,18 +61,13 @@ MASK_VALUE = -1e30  # finite: a fully masked query stays NaN-free in both forms
 
 
 def paged_attention_reference(
-    q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    token_table: jax.Array,
-    ctx_len: jax.Array,
-    positions: jax.Array,
-    scale: float,
-    gate: jax.Array | None = None,
+    inputs: PagedInputs, scale: float, *, gate: jax.Array | None = None
 ) -> jax.Array:
     """The masked jnp form (module contract): gather all C table rows, mask, softmax. Its
     cost follows C, not the lengths."""
-    PagedInputs(q, k_pool, v_pool, token_table, ctx_len, positions).check()
+    inputs.check()
+    q, k_pool, v_pool, token_table = inputs.q, inputs.k_pool, inputs.v_pool, inputs.token_table
+    ctx_len, positions = inputs.ctx_len, inputs.positions
     check_gate(q, gate)
     batch, num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]

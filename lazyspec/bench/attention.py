@@ -37,6 +37,7 @@ from lazyspec.bench.kernel_timing import (  # noqa: E402
     time_calls,
 )
 from lazyspec.kernels.attention import paged as pa  # noqa: E402
+from lazyspec.kernels.attention.inputs import PagedInputs  # noqa: E402
 from lazyspec.kernels.backend import kernels_for  # noqa: E402
 
 
@@ -85,13 +86,14 @@ def attention_fns(shape: Shape) -> dict:
     scale = shape.head_dim**-0.5
     kernel = kernels_for("pallas").paged_attention
 
+    def paged(q, x, table):
+        return PagedInputs(q, x["k_pool"], x["v_pool"], x[table], x["ctx_len"], x["positions"])
+
     def pallas(q, x):
-        args = (x["k_pool"], x["v_pool"], x["wide_table"], x["ctx_len"], x["positions"])
-        return kernel(q, *args, scale)
+        return kernel(paged(q, x, "wide_table"), scale)
 
     def jnp_form(q, x, table="table"):
-        args = (x["k_pool"], x["v_pool"], x[table], x["ctx_len"], x["positions"])
-        return pa.paged_attention_reference(q, *args, scale)
+        return pa.paged_attention_reference(paged(q, x, table), scale)
 
     def cudnn(q, x):
         lead = (shape.batch, shape.context, shape.num_kv_heads, shape.head_dim)

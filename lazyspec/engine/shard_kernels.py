@@ -49,6 +49,7 @@ from lazyspec.engine.sharding import (
     TP_AXIS,
     ShardingPlan,
 )
+from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.backend import Kernels
 from lazyspec.kernels.moe.dispatch import moe_launch
 from lazyspec.kernels.moe.experts import moe_experts_pallas
@@ -198,23 +199,22 @@ def _conv_update(conv: Callable, plan: ShardingPlan) -> Callable:
 
 
 def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
-    """``attention`` (the ``paged_attention`` contract) on each device's query heads."""
+    """``attention`` (the ``paged_attention`` contract) on each device's query heads: the
+    specs are a ``PagedInputs`` of ``PartitionSpec``s, a prefix of the inputs' tree."""
 
-    def run(q, k_pool, v_pool, token_table, ctx_len, positions, scale, gate=None):
-        kv_spec = _spec(plan, KV_POOL_AXES, k_pool.shape)
-        q_spec = _at(2, plan.sharding(("q_heads",), (q.shape[2],)).spec[0])
-        num_kv_heads = k_pool.shape[1]
-        operands = (q, k_pool, v_pool, token_table, ctx_len, positions)
+    def run(inputs: PagedInputs, scale: float, *, gate: jax.Array | None = None) -> jax.Array:
+        kv_spec = _spec(plan, KV_POOL_AXES, inputs.k_pool.shape)
+        q_spec = _at(2, plan.sharding(("q_heads",), (inputs.q.shape[2],)).spec[0])
+        num_kv_heads = inputs.k_pool.shape[1]
         gates = () if gate is None else (gate,)  # sharded as q, head by head
         if _head_axis(kv_spec, 1) is not None:  # whole GQA groups per device
 
-            def body(q, k_pool, v_pool, token_table, ctx_len, positions, *gate):
-                args = (q, k_pool, v_pool, token_table, ctx_len, positions, scale)
-                return attention(*args, gate=gate[0] if gate else None)
+            def body(inputs, *gate):
+                return attention(inputs, scale, gate=gate[0] if gate else None)
 
         else:  # every device holds all kv heads; its query heads read one of them
 
-            def body(q, k_pool, v_pool, token_table, ctx_len, positions, *gate):
+            def body(inputs, *gate):
                 kv_head = jax.lax.axis_index(TP_AXIS) * num_kv_heads // plan.tp_size
                 branches = [
                     functools.partial(
@@ -222,11 +222,10 @@ def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
                     )
                     for head in range(num_kv_heads)
                 ]
-                args = (q, k_pool, v_pool, token_table, ctx_len, positions)
-                return jax.lax.switch(kv_head, branches, *args)
+                return jax.lax.switch(kv_head, branches, inputs)
 
-        in_specs = (q_spec, kv_spec, kv_spec, P(), P(), P()) + (q_spec,) * len(gates)
-        return _map(plan, body, in_specs, q_spec)(*operands, *gates)
+        specs = PagedInputs(q_spec, kv_spec, kv_spec, P(), P(), P())
+        return _map(plan, body, (specs,) + (q_spec,) * len(gates), q_spec)(inputs, *gates)
 
     return run
 

@@ -314,12 +314,9 @@ def triton_calls(tp: int) -> dict[str, int]:
         plan,
     )
 
-    def kernel_attention(*operands, kv_head=None, **options):  # the kernel's default plan
+    def kernel_attention(inputs, scale, *, kv_head=None, gate=None):  # the default plan
         layout = pa.PagedPlan(kv_head=kv_head)
-        inputs = PagedInputs(*operands[:6])  # then the scale, unless given as a keyword
-        return pa.paged_attention(
-            inputs, *operands[6:], plan=layout, compiler_params=params, **options
-        )
+        return pa.paged_attention(inputs, scale, gate=gate, plan=layout, compiler_params=params)
 
     attention = sk._paged_attention(kernel_attention, plan)
     cases = {
@@ -350,7 +347,7 @@ def triton_calls(tp: int) -> dict[str, int]:
     }
     for name, kv_heads in (("paged_attention", tp), ("paged_attention_replicated", 2)):
         cases[name] = (
-            lambda *a: attention(*a[:6], 0.0625, gate=a[6]),
+            lambda *a: attention(PagedInputs(*a[:6]), 0.0625, gate=a[6]),
             (
                 spec((rows, 1, 16, 256), bf16),
                 *(spec((1000, kv_heads, 256), bf16),) * 2,

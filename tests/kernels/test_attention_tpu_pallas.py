@@ -81,7 +81,9 @@ def reference(case, scale: float, kv_head: int | None = None, gate=None) -> np.n
     if kv_head is not None:  # every query head reads that pool head
         k_pool, v_pool = k_pool[:, kv_head : kv_head + 1], v_pool[:, kv_head : kv_head + 1]
     tables = (case["clean_table"], case["ctx_len"], case["positions"])
-    out = pa.paged_attention_reference(case["q"], k_pool, v_pool, *tables, scale, gate)
+    out = pa.paged_attention_reference(
+        PagedInputs(case["q"], k_pool, v_pool, *tables), scale, gate=gate
+    )
     return np.asarray(out, np.float32)
 
 
@@ -127,11 +129,10 @@ def test_kv_head_reads_one_pool_head():
     data = paged_case(rng, [12, 26], 2, (4, 2), 128, 4, jnp.float32)
     want = reference(data, 0.1, kv_head=1)
     attend = backend.kernels_for("pallas", "tpu", page_size=4).paged_attention
-    operands = (data["q"], *(data[a] for a in ARGS))
-    got = attend(*operands, scale=0.1, kv_head=1, gate=None, interpret=TPU_INTERPRET)
+    inputs = PagedInputs(data["q"], *(data[a] for a in ARGS))
+    got = attend(inputs, scale=0.1, kv_head=1, gate=None, interpret=TPU_INTERPRET)
     check(data, got, want, attention_tolerance(jnp.float32, [26], 128))
     tiles = rt.RaggedTiles(4, 2, 8)
-    inputs = PagedInputs(*operands)
     got = rt.ragged_paged_attention_tpu(inputs, 0.1, tiles, kv_head=1, interpret=TPU_INTERPRET)
     check(data, got, want, attention_tolerance(jnp.float32, [26], 128))
 
@@ -149,12 +150,12 @@ def test_tpu_record_runs_the_kernel_gated_or_the_walk_past_smem():
     for form, launches in ((tuning, 1), (walk, 0)):
         attend = backend.kernels_for("pallas", "tpu", tuning=form, page_size=8).paged_attention
 
-        def run(q, *args, gate=gate, attend=attend):
-            return attend(q, *args, 0.2, gate=gate, interpret=TPU_INTERPRET)
+        def run(inputs, gate=gate, attend=attend):
+            return attend(inputs, 0.2, gate=gate, interpret=TPU_INTERPRET)
 
-        operands = (data["q"], *(data[a] for a in ARGS))
-        assert len(launch_names(jax.make_jaxpr(run)(*operands).eqns)) == launches
-        check(data, run(*operands), want, attention_tolerance(jnp.float32, [30], 128))
+        inputs = PagedInputs(data["q"], *(data[a] for a in ARGS))
+        assert len(launch_names(jax.make_jaxpr(run)(inputs).eqns)) == launches
+        check(data, run(inputs), want, attention_tolerance(jnp.float32, [30], 128))
 
 
 def test_rejects_tables_that_are_not_whole_pages():

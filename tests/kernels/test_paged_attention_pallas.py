@@ -60,15 +60,7 @@ def run_both(case, **tiles):
     scale = case["q"].shape[-1] ** -0.5
     plan = pa.PagedPlan(**tiles)
     got = pa.paged_attention(paged_inputs(case), scale, plan=plan, interpret=INTERPRET)
-    want = pa.paged_attention_reference(
-        case["q"],
-        case["k_pool"],
-        case["v_pool"],
-        case["clean_table"],
-        case["ctx_len"],
-        case["positions"],
-        scale,
-    )
+    want = pa.paged_attention_reference(paged_inputs(case, "clean_table"), scale)
     real = np.asarray(case["positions"] >= 0)
     return got, want, real
 
@@ -181,8 +173,7 @@ def test_kv_head_reads_one_pool_head_for_part_of_its_group_pallas():
     rng = np.random.default_rng(7)
     case = attention_case(rng, 2, 3, 8, 2, 64, [30, 9], jnp.float32)
     scale = 64**-0.5
-    clean = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
-    want = np.asarray(pa.paged_attention_reference(case["q"], *clean, scale))
+    want = np.asarray(pa.paged_attention_reference(paged_inputs(case, "clean_table"), scale))
     real = np.asarray(case["positions"] >= 0)
     for kv_head, heads in ((0, slice(1, 2)), (1, slice(6, 8))):
         got = pa.paged_attention(
@@ -210,9 +201,7 @@ def test_tiles_are_validated_pallas():
             run_both(case, **tiles)
     with pytest.raises(ValueError, match="query heads"):
         pa.paged_attention_reference(
-            case["q"][:, :, :1].repeat(3, axis=2),
-            *(case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")),
-            1.0,
+            paged_inputs(case, q=case["q"][:, :, :1].repeat(3, axis=2)), 1.0
         )
 
 
@@ -226,9 +215,9 @@ def test_kernels_record_has_attention_where_pallas_runs_pallas():
     rng = np.random.default_rng(6)
     case = attention_case(rng, 2, 1, 4, 2, 64, [9, 4], jnp.float32)
     scale = 64**-0.5
-    args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
-    got = backend.kernels_for("pallas", "cpu").paged_attention(case["q"], *args, scale)
-    want = pa.paged_attention_reference(case["q"], *args, scale)
+    inputs = paged_inputs(case, "clean_table")
+    got = backend.kernels_for("pallas", "cpu").paged_attention(inputs, scale)
+    want = pa.paged_attention_reference(inputs, scale)
     assert_close(got, want, FP32_TOL, "dispatch")
 
 
@@ -297,7 +286,6 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
     gate = None
     if with_gate:
         gate = jnp.asarray(rng.standard_normal(case["q"].shape), jnp.float32)
-    args = [case[a] for a in ("k_pool", "v_pool", "token_table", "ctx_len", "positions")]
 
     def attend(active):
         return pa.paged_attention(
@@ -310,9 +298,7 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
 
     got, every = np.asarray(attend(True)), np.asarray(attend(False))
     np.testing.assert_array_equal(got, every)
-    want = pa.paged_attention_reference(
-        case["q"], *args[:2], case["clean_table"], *args[3:], 0.1, gate
-    )
+    want = pa.paged_attention_reference(paged_inputs(case, "clean_table"), 0.1, gate=gate)
     real = np.asarray(case["positions"] >= 0)
     assert_close(got[real], np.asarray(want)[real], FP32_TOL, "active splits")
 
@@ -352,7 +338,6 @@ def test_the_dispatch_merges_as_attention_active_splits_says_pallas():
     combine launch takes the lengths (two inputs more)."""
     rng = np.random.default_rng(12)
     case = attention_case(rng, 2, 1, 8, 2, 64, [30, 5], jnp.float32)
-    args = [case[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
 
     def attend_with(**overrides):
         tuning = Tuning().with_overrides(overrides)
@@ -361,7 +346,7 @@ def test_the_dispatch_merges_as_attention_active_splits_says_pallas():
     inputs = {}
     for switch in (False, True):
         attend = attend_with(**{"attention.active_splits": switch})
-        jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
+        jaxpr = jax.make_jaxpr(lambda x: attend(x, 0.125))(paged_inputs(case)).jaxpr
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
         inputs[switch] = len(launches[-1].invars)
     assert inputs[True] == inputs[False] + 2, inputs
@@ -371,10 +356,9 @@ def test_the_dispatch_merges_as_attention_active_splits_says_pallas():
     grids = {}
     for block, each in ((0, case), (16, case), (16, three)):
         attend = attend_with(**{"attention.combine_block": block})
-        args = [each[a] for a in ("q", "k_pool", "v_pool", "token_table", "ctx_len", "positions")]
-        jaxpr = jax.make_jaxpr(lambda *a: attend(*a, 0.125))(*args).jaxpr
+        jaxpr = jax.make_jaxpr(lambda x: attend(x, 0.125))(paged_inputs(each)).jaxpr
         launches = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-        grids[block, args[0].shape[0]] = launches[-1].params["grid_mapping"].grid
+        grids[block, each["q"].shape[0]] = launches[-1].params["grid_mapping"].grid
     assert Tuning().small_step_max_tokens == 2
     assert grids == {(0, 2): (2, 2, 1, 1), (16, 2): (2, 2, 1, 4), (16, 3): (3, 2, 1, 1)}, grids
 
@@ -386,13 +370,11 @@ def test_gated_output_equals_the_gated_reference_pallas():
     case = attention_case(rng, 2, 2, 8, 2, 64, [40, 7], jnp.bfloat16)
     gate = jnp.asarray(rng.standard_normal(case["q"].shape) * 2, jnp.bfloat16)
     scale = 64**-0.5
-    args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
+    inputs = paged_inputs(case, "clean_table")
     real = np.asarray(case["positions"] >= 0)
     for attend in (
-        lambda gate: pa.paged_attention(
-            paged_inputs(case, "clean_table"), scale, gate=gate, interpret=INTERPRET
-        ),
-        lambda gate: pa.paged_attention_reference(case["q"], *args, scale, gate),
+        lambda gate: pa.paged_attention(inputs, scale, gate=gate, interpret=INTERPRET),
+        lambda gate: pa.paged_attention_reference(inputs, scale, gate=gate),
     ):
         got, plain = np.asarray(attend(gate), np.float32), attend(None)
         want = np.asarray(pa.gated(plain, gate), np.float32)
@@ -413,21 +395,20 @@ def test_gate_is_read_in_place_out_of_a_wider_array_pallas(active, combine_block
     wide = jnp.asarray(rng.standard_normal((2, 2, 10, 128)) * 2, jnp.bfloat16)
     wide = wide.at[:, :, :8, 64:].set(gate)
     scale = 64**-0.5
-    args = [case[a] for a in ("k_pool", "v_pool", "clean_table", "ctx_len", "positions")]
+    inputs = paged_inputs(case, "clean_table")
     real = np.asarray(case["positions"] >= 0)
     for attend in (
         lambda g: pa.paged_attention(
-            paged_inputs(case, "clean_table"),
+            inputs,
             scale,
             gate=g,
             plan=pa.PagedPlan(active_splits=active, combine_block=combine_block),
             interpret=INTERPRET,
         ),
-        lambda g: pa.paged_attention_reference(case["q"], *args, scale, g),
+        lambda g: pa.paged_attention_reference(inputs, scale, gate=g),
     ):
         got, want = (np.asarray(attend(g), np.float32) for g in (wide, gate))
         np.testing.assert_array_equal(got[real], want[real])
-    inputs = paged_inputs(case, "clean_table")
     for bad in (wide[..., :96], wide[:, :, :7], wide[:1]):  # D does not divide; too few
         with pytest.raises(ValueError, match="gate"):
             pa.paged_attention(inputs, scale, gate=bad, interpret=INTERPRET)

@@ -47,10 +47,11 @@ def test_forward_calls_the_paged_attention_it_is_given(family):
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
     calls = []
 
-    def attention(q, k_pool, v_pool, token_table, ctx_len, positions, scale, gate=None):
-        calls.append((k_pool.shape, token_table is inputs.kv_read_idx, gate is not None))
-        args = (q, k_pool, v_pool, token_table, ctx_len, positions, scale)
-        return paged_attention_reference(*args, gate)
+    def attention(paged, scale, *, gate=None):
+        calls.append(
+            (paged.k_pool.shape, paged.token_table is inputs.kv_read_idx, gate is not None)
+        )
+        return paged_attention_reference(paged, scale, gate=gate)
 
     kernels = dataclasses.replace(XLA_KERNELS, paged_attention=attention)
     model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)

@@ -39,8 +39,7 @@ def _check(case, block_kv: int, tol: float) -> np.ndarray:
     reference on the clean one, on the real queries; padding queries give zeros."""
     scale = case["q"].shape[-1] ** -0.5
     got = paged_attend(paged_inputs(case), scale, block_kv)
-    clean = [case["clean_table"] if a == "token_table" else case[a] for a in ARGS]
-    want = paged_attention_reference(case["q"], *clean, scale)
+    want = paged_attention_reference(paged_inputs(case, "clean_table"), scale)
     real = np.asarray(case["positions"] >= 0)
     assert real.any() and not real.all()  # real and padding queries both checked
     assert got.shape == case["q"].shape and got.dtype == case["q"].dtype

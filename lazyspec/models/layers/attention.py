@@ -284,11 +284,11 @@ def attention_forward(
         if paged_attention is not None and gate is not None:
             gate = gate.reshape(q.shape)
     tables = (inputs.kv_read_idx, inputs.ctx_len, inputs.positions)
+    paged = PagedInputs(q, k_pool, v_pool, *tables)
     if paged_attention is not None:  # the kernel applies the gate as it writes its output
-        out = paged_attention(q, k_pool, v_pool, *tables, spec.scale, gate=gate)
+        out = paged_attention(paged, spec.scale, gate=gate)
         return _output(params, out, None, out_parts), k_pool, v_pool
-    block_kv = kernels.tuning.attention.xla_block_kv
-    out = paged_attend(PagedInputs(q, k_pool, v_pool, *tables), spec.scale, block_kv)
+    out = paged_attend(paged, spec.scale, kernels.tuning.attention.xla_block_kv)
     return _output(params, out, gate, out_parts), k_pool, v_pool
 
 
