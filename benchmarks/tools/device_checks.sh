@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one device call, in order of importance: the kernel tests compiled
 # (`pytest -k pallas`), the README server's start-up cold and warm, then (COMPARE=1) one
-# before/after bench_engine row against a checkout in .old (compare_trees.sh). Serving
+# before/after bench_engine row against a checkout in .old (compare_trees.sh); STARTUP=0
+# skips the start-up check. Serving
 # needs fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry
 # their wheels in .whl (pip download --only-binary=:all: --python-version 312 ...).
 # Logs go to $OUT (pallas.log, startup.log).
@@ -19,9 +20,11 @@ timeout "${PALLAS_S:-240}" python3 -m pytest tests/kernels -k pallas -q -rf -n 8
 echo "pallas rc=$? in $(( $(date +%s) - start )) s"
 grep -E "passed|failed" "$out/pallas.log" | tail -2
 grep -E "^FAILED" "$out/pallas.log" | cut -c1-230 | head -40
-timeout 170 python3 scripts/bench_startup.py --runs 1 -- --speculative-algorithm NEXTN \
-  > "$out/startup.log" 2>&1
-echo "startup rc=$?"; tail -3 "$out/startup.log"
+if [ "${STARTUP:-1}" = 1 ]; then
+  timeout 170 python3 scripts/bench_startup.py --runs 1 -- --speculative-algorithm NEXTN \
+    > "$out/startup.log" 2>&1
+  echo "startup rc=$?"; tail -3 "$out/startup.log"
+fi
 if [ "${COMPARE:-0}" = 1 ]; then
   timeout 150 bash benchmarks/tools/compare_trees.sh .old . 1 -- --preset qwen3_next_moe \
     --batches 16 --decode-steps 1 2>&1 | tail -8

@@ -4,7 +4,7 @@
 # with the defaults and once with the earlier ones as the peer (16 running requests,
 # four 512-token rows a prefill step). Each server compiles its whole table first
 # (/server_info's warmup.done); the second of two runs counts, as in BENCHMARKS.md.
-# Logs and JSON summaries go to $OUT. Usage: bash benchmarks/tools/device_serving.sh
+# Logs and JSON summaries go to $OUT. Usage: [CASES="now before"] bash benchmarks/tools/device_serving.sh
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -33,5 +33,9 @@ sys.exit(not info["warmup"]["done"])' "http://127.0.0.1:$port" 2>/dev/null; do
   grep -iE "TTFT|ITL|throughput|req/s" "$out/serving-$name-2.txt" | head -8
   kill -INT $pid; wait $pid
 }
-serve_and_bench now
-serve_and_bench before --max-running-requests 16 --max-prefill-tokens 2048
+for case in ${CASES:-now before}; do
+  case $case in
+    now) serve_and_bench now ;;
+    before) serve_and_bench before --max-running-requests 16 --max-prefill-tokens 2048 ;;
+  esac
+done
