@@ -613,7 +613,9 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     padding tokens token 0's experts with their own weights, the shared expert last; one
     tile per expert (``expert_picks`` refuses two), every other row weighing 0; and the
     kernel with it sums as with the router's own picks, with the routing in a launch of its
-    own or in the up launch, bit for bit the same."""
+    own or in the up launch, bit for bit the same. The shared gate computed in the program
+    gives the same picks, its weights within bf16's tolerance (the logit is rounded to bf16
+    after a sum in the program's order)."""
     monkeypatch.setattr(moe_routing, "RANK_MAX_ELEMENTS", 16384 if top_k_form == "rank" else 0)
     seed, num_tokens, top_k, num_experts, norm, with_shared, real = case
     assert num_tokens * num_experts**2 <= moe_routing.RANK_MAX_ELEMENTS or top_k_form == "rounds"
@@ -637,7 +639,10 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
         unused = jnp.zeros(num_tokens)
         also = moe_routing.route_tokens(by_gate, unused, block_rows, interpret=INTERPRET, x=tokens)
         for got, want in zip(jax.tree.leaves(also), jax.tree.leaves(tiles)):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+            if jnp.issubdtype(want.dtype, jnp.integer):  # the picks: the same
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            else:  # both round the gate's logit to bf16, its sum in their own orders
+                assert_close(got, want, tolerance(jnp.bfloat16, gate_width), "shared weights")
     spec = moe.MoESpec(WIDTH, num_experts, top_k, INNER, INNER, norm)
     weights, ids = moe.route({}, spec, None, logits)
     ids = moe.padding_follows_token_zero(ids, real)
@@ -757,7 +762,8 @@ def test_down_product_in_the_up_launch_pallas(case):
         jaxpr = jax.make_jaxpr(lambda x, o=options: run(x, weights, ids, up, down, gate, **o))
         (call,) = [e for e in jaxpr(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
         tokens = 1 << (num_tokens - 1).bit_length()
-        assert call.params["grid_mapping"].grid == (INNER // 8, tokens * pairs)
+        blocks = INNER // SMALL_TILES["block_inner"]
+        assert call.params["grid_mapping"].grid == (blocks, tokens * pairs)
     jaxpr = jax.make_jaxpr(lambda x: run(x, weights, ids, up, down, gate, down_in_up=True))(x)
     names = launch_names(jaxpr.jaxpr.eqns)
     assert names == ["moe_experts_up"], names

@@ -19,7 +19,13 @@ from lazyspec.kernels.mamba2 import update as mamba2_update
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import update_common as su
 from lazyspec.kernels.tuning import Tuning
-from tests.kernels.kernel_checks import INTERPRET, assert_close, draw_slots, tolerance
+from tests.kernels.kernel_checks import (
+    INTERPRET,
+    TPU_INTERPRET,
+    assert_close,
+    draw_slots,
+    tolerance,
+)
 
 pytestmark = pytest.mark.pallas
 
@@ -214,9 +220,9 @@ def test_interpret_mode_leaves_unwritten_outputs_nan_pallas():
         out_ref[0] = x_ref[0]
 
     x = jnp.asarray(np.random.default_rng(22).standard_normal((2, 4)), jnp.float32)
-    out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=INTERPRET
-    )(x)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(
+        x
+    )
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(x[0]))
     assert np.isnan(np.asarray(out[1])).all()
 
@@ -414,7 +420,7 @@ def test_layer_of_a_stacked_pool_pallas(platform):
     """``layer=l`` on the stacked pool of all layers equals the update on layer l's own pool
     (outputs, step states; decode writes layer l only, every other layer bit-identical),
     through the dispatch: the Triton-layout kernels ("gpu") and the TPU ones (the layer
-    picked in the index maps), both in interpret mode, and XLA."""
+    picked in the index maps), each compiled where it runs, else in interpret mode, and XLA."""
     rng = np.random.default_rng(17)
     cases = [
         gdn_case(rng, 3, 2, 2, 8, 16, 5, jnp.float32),  # one group: a TPU-legal tile
@@ -432,7 +438,7 @@ def test_layer_of_a_stacked_pool_pallas(platform):
                     mode=mode,
                     layer=1,
                     kernel_backend=name,
-                    interpret=INTERPRET,
+                    interpret=TPU_INTERPRET if platform == "tpu" else INTERPRET,
                     platform=platform,
                 )
                 assert_close(got.outputs, want.outputs, FP32_TOL, f"{name} {mode} outputs")
@@ -638,8 +644,9 @@ def test_gdn_conv_tokens_check_their_shapes_pallas():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dtype):
     """With an ``OutputNorm`` the update's outputs are the gated norm of its outputs
-    (``gated_norm_pallas`` over the same z source, Qwen3-Next's layout) bit for bit, in the
-    norm's dtype, with the same states; one launch where the two made two."""
+    (``gated_norm_pallas`` over the same z source, Qwen3-Next's layout) in the norm's dtype,
+    within its tolerance over the head width, with the same states bit for bit; one launch
+    where the two made two."""
     from lazyspec.kernels.norm.gated import GateLayout, gated_norm_pallas
 
     seed, batch, tokens, num_k, num_v, width, _ = case
@@ -679,9 +686,8 @@ def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dty
             interpret=INTERPRET,
         ).reshape(plain.outputs.shape)
         assert normed.outputs.dtype == dtype
-        np.testing.assert_array_equal(
-            np.asarray(normed.outputs, np.float32), np.asarray(want, np.float32)
-        )
+        # the same math; compiled, Triton may order the norm's sum of squares its own way
+        assert_close(normed.outputs, want, tolerance(dtype, width), f"{mode} normed outputs")
         for name in ("pool", "step_states"):
             if getattr(plain, name) is not None:
                 np.testing.assert_array_equal(getattr(normed, name), getattr(plain, name))
