@@ -22,6 +22,7 @@ serve_and_bench() {  # name, extra serve flags...
 info = json.load(u.urlopen(sys.argv[1] + "/server_info", timeout=5))
 sys.exit(not info["warmup"]["done"])' "http://127.0.0.1:$port" 2>/dev/null; do
     sleep 2
+    if ! kill -0 $pid 2>/dev/null; then echo "$name: the server exited"; tail -5 "$out/serve-$name.log"; return; fi
     if (( $(date +%s) - start > ${WARM_S:-200} )); then echo "$name: not warm"; break; fi
   done
   echo "$name: warm after $(( $(date +%s) - start )) s"
