@@ -17,11 +17,15 @@ serve_and_bench() {  # name, extra serve flags...
   local name=$1; shift
   python3 scripts/serve.py --speculative-algorithm NEXTN --port $port \
     --compilation-cache-dir "$out/jax-cache" "$@" > "$out/serve-$name.log" 2>&1 &
-  local pid=$! start; start=$(date +%s)
+  local pid=$! start ready=""; start=$(date +%s)
   until python3 -c 'import json, sys, urllib.request as u
 info = json.load(u.urlopen(sys.argv[1] + "/server_info", timeout=5))
 sys.exit(not info["warmup"]["done"])' "http://127.0.0.1:$port" 2>/dev/null; do
-    sleep 2
+    if [ -z "$ready" ] && python3 -c 'import sys, urllib.request as u
+u.urlopen(sys.argv[1] + "/health", timeout=5)' "http://127.0.0.1:$port" 2>/dev/null; then
+      ready=$(( $(date +%s) - start )); echo "$name: /health 200 after $ready s (cold cache)"
+    fi
+    sleep 1
     if ! kill -0 $pid 2>/dev/null; then echo "$name: the server exited"; tail -5 "$out/serve-$name.log"; return; fi
     if (( $(date +%s) - start > ${WARM_S:-200} )); then echo "$name: not warm"; break; fi
   done
