@@ -19,7 +19,15 @@ from lazyspec.kernels.mamba2 import update as mamba2_update
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import update_common as su
 from lazyspec.kernels.tuning import Tuning
-from tests.kernels.kernel_checks import INTERPRET, assert_close, draw_slots, tolerance
+from tests.kernels.kernel_checks import (
+    INTERPRET,
+    assert_close,
+    draw_slots,
+    launch_compiled,
+    launch_names,
+    pallas_or_dispatch,
+    tolerance,
+)
 
 pytestmark = pytest.mark.pallas
 
@@ -120,13 +128,24 @@ def mamba2_reference_run(pool, slot, inputs: su.Mamba2Tokens):
     return reference(pool, slot, mamba2_reference.mamba2_scan, tokens, (inputs.a, inputs.d))
 
 
+def dispatched_update(pool, slot, inputs, *, mode: str, tiles, interpret) -> su.StateUpdateResult:
+    """``state_dispatch.state_update`` on the Pallas backend, called as the Pallas forms are
+    (``tiles``' sizes as its tile arguments)."""
+    return state_dispatch.state_update(
+        pool, slot, inputs, mode=mode, kernel_backend="pallas", interpret=interpret,
+        block_heads=tiles.block_heads, block_value=tiles.block_value,
+    )  # fmt: skip
+
+
 def check_both_forms(forms, case: tuple, mode: str, tiles, expected: tuple, dtype) -> None:
-    """The Pallas update of ``forms`` (pallas, xla) in ``tiles`` and its jitted XLA form on
-    ``case`` (pool, slot, inputs) both give ``expected`` (outputs, pool, step states), the
-    outputs within ``dtype``'s tolerance."""
-    pallas, xla = forms
+    """The Pallas update of ``forms`` (pallas, xla, the Pallas form's ``*_triton_error``) in
+    ``tiles`` and its jitted XLA form on ``case`` (pool, slot, inputs) both give
+    ``expected`` (outputs, pool, step states), the outputs within ``dtype``'s tolerance.
+    Compiled, shapes Triton cannot lower are refused and the dispatch runs the XLA form."""
+    pallas, xla, triton_error = forms
     pool, slot, inputs = case
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    pallas = pallas_or_dispatch(triton_error(pool.shape[1:], tiles), pallas, dispatched_update)
     got = pallas(pool, slot, inputs, mode=mode, tiles=tiles, interpret=INTERPRET)
     check_result(got, pool, slot, mode, *expected, out_tol)
     got = jax.jit(xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
@@ -148,7 +167,11 @@ def test_gdn_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
     outs, expected_pool, states = gdn_reference_run(pool, slot, inputs)
-    forms = gdn_update.gdn_state_update_pallas, gdn_update.gdn_state_update_xla
+    forms = (
+        gdn_update.gdn_state_update_pallas,
+        gdn_update.gdn_state_update_xla,
+        gdn_update.gdn_triton_error,
+    )
     tiles = su.UpdateTiles(block_heads=bh, block_value=bv)
     check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
 
@@ -167,9 +190,48 @@ def test_mamba2_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
     outs, expected_pool, states = mamba2_reference_run(pool, slot, inputs)
-    forms = mamba2_update.mamba2_state_update_pallas, mamba2_update.mamba2_state_update_xla
+    forms = (
+        mamba2_update.mamba2_state_update_pallas,
+        mamba2_update.mamba2_state_update_xla,
+        mamba2_update.mamba2_triton_error,
+    )
     tiles = su.UpdateTiles(block_heads=bh, block_value=bp)
     check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
+
+
+def test_update_triton_errors_name_the_dims_that_are_not_powers_of_two_pallas(monkeypatch):
+    """``gdn_triton_error`` / ``mamba2_triton_error`` pass power-of-two tiles and whole dims
+    and name every one that is not (a None tile is the whole axis); the kernels refuse such
+    shapes compiled, before tracing; the dispatch, compiled, launches the kernel at
+    power-of-two tiles and takes the XLA form (no launch) at the others."""
+    gdn_error, mamba2_error = gdn_update.gdn_triton_error, mamba2_update.mamba2_triton_error
+    assert gdn_error((6, 8, 16), su.UpdateTiles(2, 8)) is None
+    assert "block_heads=3, d_k=12 are not" in gdn_error((6, 12, 16), su.UpdateTiles(3, 8))
+    assert "block_value=24 is not" in gdn_error((6, 8, 24), su.UpdateTiles(2, None))
+    assert mamba2_error((6, 8, 16), su.UpdateTiles(1, None)) is None
+    assert "block_value=6, N=12 are not" in mamba2_error((4, 12, 12), su.UpdateTiles(2, 6))
+    with pytest.raises(ValueError, match="block_heads=4"):
+        gdn_error((6, 8, 16), su.UpdateTiles(4, 8))
+    rng = np.random.default_rng(26)
+    cases = (
+        (gdn_case(rng, 3, 2, 6, 8, 8, 5, jnp.float32), gdn_update.gdn_state_update_pallas),
+        (
+            mamba2_case(rng, 3, 2, 6, 6, 8, 16, 5, jnp.float32),
+            mamba2_update.mamba2_state_update_pallas,
+        ),
+    )
+    for (pool, slot, inputs), kernel in cases:
+        with pytest.raises(ValueError, match=f"{kernel.__name__}.*block_heads=3 is not"):
+            kernel(pool, slot, inputs, mode="decode", tiles=su.UpdateTiles(3), interpret=False)
+    launch_compiled(monkeypatch, state_dispatch)
+    for (pool, slot, inputs), _ in cases:
+        for block_heads, launches in ((2, 1), (3, 0), (6, 0)):
+            run = functools.partial(
+                state_dispatch.state_update, mode="verify", kernel_backend="pallas",
+                block_heads=block_heads,
+            )  # fmt: skip
+            jaxpr = jax.make_jaxpr(run)(pool, slot, inputs)
+            assert len(launch_names(jaxpr.eqns)) == launches, block_heads
 
 
 def test_tile_steps_match_recurrence_steps_pallas():
@@ -510,7 +572,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas():
             lowers(gdn_update_fn, (3, 9, 32, 128, 128), inputs, mode=mode, tiles=tiles, layer=2)
         tiles = su.UpdateTiles(block_value=32, evict_last=True, skip_padding=True)
         lowers(mamba2_update_fn, (3, 9, 128, 64, 128), mamba, mode=mode, tiles=tiles, layer=1)
-    with pytest.raises(ValueError, match="power of 2"):
+    with pytest.raises(ValueError, match="block_value=48 is not"):  # refused before Triton
         lower_for_cuda(
             lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
                 p, s, t, mode="decode", tiles=su.UpdateTiles(block_value=48), compiler_params=params
