@@ -91,6 +91,16 @@ def launch_compiled(monkeypatch, dispatch_module) -> None:
     monkeypatch.setattr(dispatch_module, "pallas_options", lambda *a, **k: dict(compiled))
 
 
+def normal(rng, *shape) -> np.ndarray:
+    """Fresh float32 standard normals of ``shape``."""
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def launch_names(eqns) -> list[str]:
     """The kernel names of the ``pallas_call`` equations among ``eqns``."""
     return [
