@@ -131,6 +131,28 @@ def powers_of_two(*sizes: int) -> bool:
     return all(n & (n - 1) == 0 for n in sizes)
 
 
+def triton_shape_error(kernel: str, **block_dims: int) -> str | None:
+    """None where every one of a Triton-layout kernel's ``block_dims`` (the dimensions of
+    the arrays its body loads, computes and stores) is a power of two, as the Pallas Triton
+    lowering needs; else the message naming those that are not. Pure: the dispatches ask it
+    to choose their XLA form, the kernels to refuse such a compiled launch before tracing."""
+    odd = [f"{name}={size}" for name, size in block_dims.items() if not powers_of_two(size)]
+    if not odd:
+        return None
+    return (
+        f"{kernel} cannot run compiled through Triton: its block dims must be powers of two "
+        f"and {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not (run it interpreted, "
+        "or the XLA form)"
+    )
+
+
+def refuse_triton_shapes(interpret: Any, error: str | None) -> None:
+    """ValueError with ``error`` (a ``triton_shape_error``) for a compiled launch: the
+    Triton-layout kernels compile only through Triton, which would fail deep in its lowering."""
+    if error is not None and not interpret:
+        raise ValueError(error)
+
+
 def load_rows(view, first, num_rows: int) -> jax.Array:
     """``view[...]``, a tile of ``view.shape[0]`` rows starting at row ``first`` (a multiple
     of that count) of an array of ``num_rows`` rows, read with the rows past the array as

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import check_tile, whole
+from lazyspec.kernels.common import check_tile, refuse_triton_shapes, triton_shape_error, whole
 from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
 from lazyspec.kernels.norm.gated import gated_rows
 from lazyspec.kernels.state.update_common import (
@@ -182,6 +182,21 @@ def _check_output_norm(tokens: GdnConvTokens, block_heads: int, block_value: int
         raise ValueError(f"the output norm's weight {norm.weight.shape} must be [{width}]")
 
 
+def gdn_triton_error(state_shape: tuple[int, ...], tiles: UpdateTiles) -> str | None:
+    """Why ``gdn_state_update_pallas`` cannot run compiled through Triton on states of
+    ``state_shape`` (H, d_k, d_v) in ``tiles`` (``common.triton_shape_error``), or None: it
+    computes on ``[block_heads, d_k, block_value]`` state tiles with ``[block_heads, d_k]``
+    keys (d_k whole; the head width of ``GdnConvTokens`` and of their output norm).
+    ValueError where a tile does not divide its axis."""
+    num_heads, key_dim, value_dim = state_shape
+    return triton_shape_error(
+        "gdn_state_update_pallas",
+        block_heads=check_tile("block_heads", num_heads, tiles.block_heads),
+        d_k=key_dim,
+        block_value=check_tile("block_value", value_dim, tiles.block_value),
+    )
+
+
 def gdn_state_update_pallas(
     pool: jax.Array,
     slot: jax.Array,
@@ -194,7 +209,8 @@ def gdn_state_update_pallas(
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """Pallas GDN update (module docstring has the contract), split and loaded as
-    ``tiles`` say. Decode mutates ``pool`` only through the returned (aliased) array."""
+    ``tiles`` say. Decode mutates ``pool`` only through the returned (aliased) array.
+    Compiled, shapes Triton cannot lower are a ValueError (``gdn_triton_error``)."""
     check_mode(mode)
     if isinstance(tokens, GdnConvTokens):
         batch, num_tokens, _ = tokens.conv_out.shape
@@ -206,6 +222,7 @@ def gdn_state_update_pallas(
     check_pool(pool, slot, (num_heads, key_dim, value_dim), layer)
     bh = check_tile("block_heads", num_heads, tiles.block_heads)
     bv = check_tile("block_value", value_dim, tiles.block_value)
+    refuse_triton_shapes(interpret, gdn_triton_error((num_heads, key_dim, value_dim), tiles))
     launched = tiles.for_launch(mode, bh, bv)
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
     per_key = norm = None

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import check_tile, whole
+from lazyspec.kernels.common import check_tile, refuse_triton_shapes, triton_shape_error, whole
 from lazyspec.kernels.mamba2.reference import mamba2_scan
 from lazyspec.kernels.state.update_common import (
     DEFAULT_UPDATE_TILES,
@@ -96,6 +96,21 @@ def check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
     return per_group
 
 
+def mamba2_triton_error(state_shape: tuple[int, ...], tiles: UpdateTiles) -> str | None:
+    """Why ``mamba2_state_update_pallas`` cannot run compiled through Triton on states of
+    ``state_shape`` (H, P, N) in ``tiles`` (``common.triton_shape_error``), or None: it
+    computes on ``[block_heads, block_value, N]`` state tiles with ``[block_heads, N]`` rows
+    of B and C (N whole; a tile's groups, ``block_heads`` over the heads a group, divide
+    it). ValueError where a tile does not divide its axis."""
+    num_heads, head_dim, state_dim = state_shape
+    return triton_shape_error(
+        "mamba2_state_update_pallas",
+        block_heads=check_tile("block_heads", num_heads, tiles.block_heads),
+        block_value=check_tile("block_value", head_dim, tiles.block_value),
+        N=state_dim,
+    )
+
+
 def mamba2_state_update_pallas(
     pool: jax.Array,
     slot: jax.Array,
@@ -108,13 +123,15 @@ def mamba2_state_update_pallas(
     compiler_params: Any = None,
 ) -> StateUpdateResult:
     """Pallas Mamba2 update (module docstring has the contract); value tiles split P;
-    ``tiles`` as ``gdn_state_update_pallas``'s."""
+    ``tiles`` as ``gdn_state_update_pallas``'s. Compiled, shapes Triton cannot lower are a
+    ValueError (``mamba2_triton_error``)."""
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
     check_pool(pool, slot, (num_heads, head_dim, state_dim), layer)
     bh = check_tile("block_heads", num_heads, tiles.block_heads)
     bp = check_tile("block_value", head_dim, tiles.block_value)
+    refuse_triton_shapes(interpret, mamba2_triton_error((num_heads, head_dim, state_dim), tiles))
     launched = tiles.for_launch(mode, bh, bp)
     per_group = check_groups(num_heads, num_groups, bh)
     values = pl.BlockSpec((None, num_tokens, bh, bp), lambda b, i, j: (b, 0, i, j))

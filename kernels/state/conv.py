@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import check_tile, whole
+from lazyspec.kernels.common import check_tile, refuse_triton_shapes, triton_shape_error, whole
 from lazyspec.kernels.state.update_common import check_mode, pool_index, xla_write_back
 
 # ---------------------------------------------------------------- reference
@@ -233,6 +233,13 @@ def _conv_kernel(*refs, mode, block_channels, silu, layer):
                 window_ref[pool_index(layer, slot, chans, j)] = columns[j].astype(window_ref.dtype)
 
 
+def conv_triton_error(block_channels: int) -> str | None:
+    """Why ``conv_update_pallas`` cannot run compiled through Triton in tiles of
+    ``block_channels`` (``common.triton_shape_error``), or None: every array its body moves
+    is a ``[block_channels]`` column, so that is its one block dim (T and K-1 only index)."""
+    return triton_shape_error("conv_update_pallas", block_channels=block_channels)
+
+
 def conv_update_pallas(
     pool: jax.Array,
     slot: jax.Array,
@@ -249,11 +256,13 @@ def conv_update_pallas(
     """Pallas conv update (module docstring has the contract). Decode mutates ``pool`` only
     through the returned (aliased) array. With ``options.channel_groups`` each channel tile
     is read where it sits in x (``block_channels`` must divide every part and the group
-    stride); outputs and windows are in conv order."""
+    stride); outputs and windows are in conv order. Compiled (``interpret`` false), a
+    ``block_channels`` that is not a power of two is a ValueError (``conv_triton_error``)."""
     channels, width = _check_inputs(pool, slot, x, weight, bias, num_new, options)
     mode, channel_groups = options.mode, options.channel_groups
     batch, num_tokens, _ = x.shape
     bc = check_tile("block_channels", channels, block_channels)
+    refuse_triton_shapes(interpret, conv_triton_error(bc))
     if bias is None:
         bias = jnp.zeros((channels,), jnp.float32)  # y + 0.0 == y: same result as no bias
     if num_new is None:

@@ -1,7 +1,10 @@
 """The state-pool kernels by backend: the GDN and Mamba2 T-step updates (``gdn.update``,
 ``mamba2.update``), the conv update, the scatter of verify steps' states and the
 pool-to-pool copy, each with its tiles from a ``Tuning``. The contracts are those of the
-functions called (``state.update_common``, ``state.conv``, ``state.scatter``)."""
+functions called (``state.update_common``, ``state.conv``, ``state.scatter``). A compiled
+Pallas launch (Triton) is made only where every block dim the kernel creates is a power of
+two (each kernel's ``*_triton_error``); elsewhere the launcher runs the XLA form, as the
+attention and norm dispatches do. Interpret mode runs any shape."""
 
 from __future__ import annotations
 
@@ -19,16 +22,26 @@ from lazyspec.kernels.common import (
     small_step_tile,
     tpu_head_tile,
 )
-from lazyspec.kernels.gdn.update import gdn_state_update_pallas, gdn_state_update_xla
-from lazyspec.kernels.mamba2.update import mamba2_state_update_pallas, mamba2_state_update_xla
+from lazyspec.kernels.gdn.update import (
+    gdn_state_update_pallas,
+    gdn_state_update_xla,
+    gdn_triton_error,
+)
+from lazyspec.kernels.mamba2.update import (
+    mamba2_state_update_pallas,
+    mamba2_state_update_xla,
+    mamba2_triton_error,
+)
 from lazyspec.kernels.state.conv import (
     ConvOptions,
     ConvUpdateResult,
+    conv_triton_error,
     conv_update_pallas,
     conv_update_xla,
 )
 from lazyspec.kernels.state.scatter import (
     PoolBlocks,
+    pool_tiles_triton_error,
     state_copy_pallas,
     state_copy_xla,
     state_scatter_pallas,
@@ -45,6 +58,7 @@ from lazyspec.kernels.tuning import DEFAULT_TUNING, Tuning
 
 _XLA_UPDATES = {"gdn": gdn_state_update_xla, "mamba2": mamba2_state_update_xla}
 _PALLAS_UPDATES = {"gdn": gdn_state_update_pallas, "mamba2": mamba2_state_update_pallas}
+_TRITON_ERRORS = {"gdn": gdn_triton_error, "mamba2": mamba2_triton_error}
 
 
 def mixer_of(tokens: GdnTokens | GdnConvTokens | Mamba2Tokens) -> str:
@@ -111,15 +125,19 @@ def pallas_state_update(
     **tiles: Any,
 ) -> StateUpdateResult:
     """The Triton-layout kernel of ``mixer`` on ``operands`` (pool, slot, tokens) with
-    ``tuning``'s tiles; ``tiles`` (``UpdateTiles`` fields) override them."""
+    ``tuning``'s tiles; ``tiles`` (``UpdateTiles`` fields) override them. Compiled where
+    the mixer's ``*_triton_error`` finds a dim Triton cannot lower: the XLA form (same
+    contract); ``GdnConvTokens``, which have none, are then the kernel's ValueError."""
     tuned, num_warps = _update_tiles(mixer, operands[2], tuning)
-    return _PALLAS_UPDATES[mixer](
-        *operands,
-        mode=mode,
-        layer=layer,
-        tiles=dataclasses.replace(tuned, **tiles),
-        **pallas_options(interpret, compiler_params, num_warps),
-    )
+    chosen = dataclasses.replace(tuned, **tiles)
+    launch = pallas_options(interpret, compiler_params, num_warps)
+    if (
+        not launch["interpret"]
+        and not isinstance(operands[2], GdnConvTokens)
+        and _TRITON_ERRORS[mixer](operands[0].shape[-3:], chosen) is not None
+    ):
+        return _XLA_UPDATES[mixer](*operands, mode=mode, layer=layer)
+    return _PALLAS_UPDATES[mixer](*operands, mode=mode, layer=layer, tiles=chosen, **launch)
 
 
 def state_update(
@@ -173,7 +191,8 @@ def pallas_conv_update(
     """The Triton-layout conv update of ``operands`` (pool, slot, x, weight[, bias];
     ``options``: ``mode``, ``silu``, ``num_new``, ``layer``, ``out_dtype``,
     ``channel_groups``); ``block_channels`` left as None takes ``tuning``'s, fitted to the
-    channels (with ``channel_groups``, to its parts and group stride)."""
+    channels (with ``channel_groups``, to its parts and group stride). Compiled with a
+    ``block_channels`` Triton cannot lower (``conv_triton_error``): the XLA form."""
     num_new, conv_options = _conv_options(options)
     channel_groups = conv_options.channel_groups
     if block_channels is None:
@@ -182,6 +201,8 @@ def pallas_conv_update(
             fit = math.gcd(*channel_groups.parts, channel_groups.check(fit))
         block_channels = fitted_tile(fit, tuning.state.conv_block_channels)
     launch = pallas_options(interpret, compiler_params)
+    if not launch["interpret"] and conv_triton_error(block_channels) is not None:
+        return conv_update_xla(*operands, num_new=num_new, options=conv_options)
     return conv_update_pallas(
         *operands, num_new=num_new, options=conv_options, block_channels=block_channels, **launch
     )
@@ -224,9 +245,13 @@ def pallas_state_scatter(
     **tiles: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas scatter of ``operands`` (ssm_pool, conv_pool, ssm_steps, conv_steps,
-    dst_slot, step); tiles not given take ``tuning``'s."""
+    dst_slot, step); tiles not given take ``tuning``'s. Compiled in tiles Triton cannot
+    lower (``pool_tiles_triton_error``): the XLA form."""
     blocks = _scatter_blocks(operands[0], operands[1], tiles, tuning)
     launch = pallas_options(interpret, compiler_params)
+    error = pool_tiles_triton_error("state_scatter_pallas", *operands[:2], blocks)
+    if error is not None and not launch["interpret"]:
+        return state_scatter_xla(*operands, layer=layer)
     return state_scatter_pallas(*operands, layer=layer, blocks=blocks, **launch)
 
 
@@ -249,12 +274,18 @@ def pallas_state_copy(
     **tiles: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas pool-to-pool copy of ``operands`` (ssm_pool, conv_pool, src_slot,
-    dst_slot); tiles not given take ``tuning``'s."""
+    dst_slot); tiles not given take ``tuning``'s. Compiled in tiles Triton cannot lower
+    (``pool_tiles_triton_error``): the XLA form."""
+    blocks = _scatter_blocks(operands[0], operands[1], tiles, tuning)
+    launch = pallas_options(interpret, compiler_params)
+    error = pool_tiles_triton_error("state_copy_pallas", *operands[:2], blocks)
+    if error is not None and not launch["interpret"]:
+        return state_copy_xla(*operands)
     return state_copy_pallas(
         *operands,
-        blocks=_scatter_blocks(operands[0], operands[1], tiles, tuning),
+        blocks=blocks,
         tiles_per_program=tuning.state.copy_tiles_per_program,
-        **pallas_options(interpret, compiler_params),
+        **launch,
     )
 
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import check_tile, whole
+from lazyspec.kernels.common import check_tile, refuse_triton_shapes, triton_shape_error, whole
 
 
 def _layer_view(
@@ -153,6 +153,24 @@ class PoolTiles:
         return pl.ds((tile - self.num_state_tiles) * self.block_channels, self.block_channels)
 
 
+def pool_tiles_triton_error(
+    kernel: str, ssm_pool: Any, conv_pool: Any, blocks: PoolBlocks
+) -> str | None:
+    """Why ``kernel`` (the scatter or the copy, which share their tiles) cannot run compiled
+    through Triton on pools of these shapes (arrays or ``ShapeDtypeStruct``s) in tiles of
+    ``blocks`` (``common.triton_shape_error``), or None: it moves ``[block_heads,
+    block_rows, d_b]`` state tiles (d_b the state's whole last axis) and ``[block_channels]``
+    conv columns. ValueError where a tile does not divide its axis (``PoolTiles.of``)."""
+    tiles = PoolTiles.of(ssm_pool, conv_pool, blocks)
+    return triton_shape_error(
+        kernel,
+        block_heads=tiles.block_heads,
+        block_rows=tiles.block_rows,
+        d_b=ssm_pool.shape[-1],
+        block_channels=tiles.block_channels,
+    )
+
+
 def _pools_call(kernel, grid, operands: tuple, interpret: bool, compiler_params: Any):
     """``pallas_call`` of a kernel that writes the two pools, the last two operands, in
     place (aliased to its outputs); every operand whole."""
@@ -223,11 +241,13 @@ def state_scatter_pallas(
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas masked copy (module docstring has the contract), in tiles of ``blocks``.
     Returns the updated (ssm_pool, conv_pool), aliased to the inputs; donate them under
-    jit."""
+    jit. Compiled, tiles Triton cannot lower are a ValueError (``pool_tiles_triton_error``)."""
     first_layer, ssm_steps, conv_steps = _checked_view(
         ssm_pool, conv_pool, ssm_steps, conv_steps, dst_slot, step, layer
     )
     tiles = PoolTiles.of(ssm_pool, conv_pool, blocks)
+    error = pool_tiles_triton_error("state_scatter_pallas", ssm_pool, conv_pool, blocks)
+    refuse_triton_shapes(interpret, error)
     grid = (ssm_steps.shape[0], dst_slot.shape[0], tiles.num_tiles)
 
     def kernel(*refs):
@@ -300,11 +320,15 @@ def state_copy_pallas(
     ``tiles_per_program``: each program copies that many consecutive tiles of its row (the
     grid's last axis shrinks as much): a step where no row copies still launches one
     program per (layer, row, tile group), each returning at once, and those launches grow
-    with the batch."""
+    with the batch. Compiled, tiles Triton cannot lower are a ValueError
+    (``pool_tiles_triton_error``)."""
     _check_copy(ssm_pool, conv_pool, src_slot, dst_slot)
     tiles = PoolTiles.of(ssm_pool, conv_pool, blocks)
     if tiles_per_program <= 0:
         raise ValueError(f"tiles_per_program={tiles_per_program} must be positive")
+    refuse_triton_shapes(
+        interpret, pool_tiles_triton_error("state_copy_pallas", ssm_pool, conv_pool, blocks)
+    )
     groups = -(-tiles.num_tiles // tiles_per_program)
     grid = (ssm_pool.shape[0], dst_slot.shape[0], groups)
 

@@ -4,12 +4,16 @@ tolerance rule, and the comparisons."""
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from lazyspec.kernels.common import TRITON_MIN_DOT, TRITON_PLATFORMS
+from lazyspec.kernels.common import TRITON_MIN_DOT, TRITON_PLATFORMS, pallas_compiler_params
 
 # The Triton forms run compiled on a GPU and in interpret mode elsewhere; the Mosaic (TPU)
 # forms run compiled on a TPU and in TPU interpret mode elsewhere.
@@ -59,6 +63,42 @@ def assert_close(actual, expected, tol: float, what: str) -> None:
     assert np.isfinite(actual).all(), f"{what}: {np.sum(~np.isfinite(actual))} non-finite"
     scale = float(np.abs(expected).max())
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def pallas_or_dispatch(
+    triton_error: str | None, direct: Callable[..., Any], dispatched: Callable[..., Any]
+) -> Callable[..., Any]:
+    """The Pallas form a test runs: ``direct`` (a kernel's entry point) where it runs, in
+    interpret mode or compiled at shapes Triton lowers (``triton_error``, the kernel's
+    ``*_triton_error``, None); else a function of the same arguments that checks ``direct``
+    refuses them with that error and returns ``dispatched``'s result (the dispatch, which
+    takes the XLA form there)."""
+    if INTERPRET or triton_error is None:
+        return direct
+
+    def refused_then_dispatched(*args, **kwargs):
+        with pytest.raises(ValueError, match=re.escape(triton_error)):
+            direct(*args, **kwargs)
+        return dispatched(*args, **kwargs)
+
+    return refused_then_dispatched
+
+
+def launch_compiled(monkeypatch, dispatch_module) -> None:
+    """Makes ``dispatch_module``'s launches compiled Triton ones, as on a GPU, for a test
+    that traces (never runs) what its dispatch chooses there."""
+    compiled = {"interpret": False, "compiler_params": pallas_compiler_params("gpu")}
+    monkeypatch.setattr(dispatch_module, "pallas_options", lambda *a, **k: dict(compiled))
+
+
+def normal(rng, *shape) -> np.ndarray:
+    """Fresh float32 standard normals of ``shape``."""
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def launch_names(eqns) -> list[str]:

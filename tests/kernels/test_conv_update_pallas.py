@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,15 @@ import pytest
 from lazyspec.kernels import common
 from lazyspec.kernels.state import conv as cu
 from lazyspec.kernels.state import dispatch as state_dispatch
-from tests.kernels.kernel_checks import INTERPRET, assert_close, draw_slots, tolerance
+from tests.kernels.kernel_checks import (
+    INTERPRET,
+    assert_close,
+    draw_slots,
+    launch_compiled,
+    launch_names,
+    pallas_or_dispatch,
+    tolerance,
+)
 
 pytestmark = pytest.mark.pallas
 
@@ -80,16 +89,24 @@ def test_conv_pallas_and_xla_match_scan(case):
     )
     expected = reference(pool, slot, x, weight, bias)
     out_tol = FP32_TOL if x_dtype == jnp.float32 else BF16_OUT_TOL
-    got = cu.conv_update_pallas(
-        pool,
-        slot,
-        x,
-        weight,
-        bias,
-        options=cu.ConvOptions(mode=mode),
-        block_channels=block,
-        interpret=INTERPRET,
+    # compiled, a tile Triton cannot lower is refused and the dispatch runs the XLA form
+    pallas = pallas_or_dispatch(
+        cu.conv_triton_error(block or channels),
+        functools.partial(
+            cu.conv_update_pallas,
+            options=cu.ConvOptions(mode=mode),
+            block_channels=block,
+            interpret=INTERPRET,
+        ),
+        functools.partial(
+            state_dispatch.conv_update,
+            mode=mode,
+            kernel_backend="pallas",
+            block_channels=block or channels,
+            interpret=INTERPRET,
+        ),
     )
+    got = pallas(pool, slot, x, weight, bias)
     check_result(got, pool, slot, mode, *expected, out_tol)
     got = jax.jit(cu.conv_update_xla, static_argnames="options")(
         pool, slot, x, weight, bias, options=cu.ConvOptions(mode)
@@ -115,6 +132,27 @@ def test_conv_tile_step_matches_conv_step_pallas():
         want_window, want_y = cu.conv_step(window, x, weight, bias, silu)
         assert_close(y, want_y, 1e-6, "conv tile output")
         np.testing.assert_array_equal(np.stack(columns, axis=1), np.asarray(want_window))
+
+
+def test_conv_triton_error_names_a_tile_that_is_not_a_power_of_two_pallas(monkeypatch):
+    """``conv_triton_error`` passes power-of-two channel tiles and names any other; the
+    kernel refuses such a tile compiled, before tracing; the dispatch, compiled, launches
+    the kernel at a power-of-two tile and takes the XLA form (no launch) at the other."""
+    assert cu.conv_triton_error(1) is None and cu.conv_triton_error(256) is None
+    error = cu.conv_triton_error(6)
+    assert "block_channels=6 is not" in error and "power" in error
+    rng = np.random.default_rng(9)
+    args = conv_case(rng, 3, 2, 12, 4, 5, jnp.float32, jnp.float32, True)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        cu.conv_update_pallas(
+            *args, options=cu.ConvOptions("decode"), block_channels=6, interpret=False
+        )
+    launch_compiled(monkeypatch, state_dispatch)
+    for block, launches in ((4, 1), (6, 0), (12, 0)):
+        run = functools.partial(
+            state_dispatch.conv_update, mode="verify", kernel_backend="pallas", block_channels=block
+        )
+        assert len(launch_names(jax.make_jaxpr(run)(*args).eqns)) == launches, block
 
 
 def test_conv_bad_arguments_and_dispatch_pallas():

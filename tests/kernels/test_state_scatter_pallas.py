@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,12 @@ from lazyspec.kernels import common
 from lazyspec.kernels.state import dispatch as state_dispatch
 from lazyspec.kernels.state import scatter as ss
 from lazyspec.kernels.tuning import Tuning
-from tests.kernels.kernel_checks import INTERPRET
+from tests.kernels.kernel_checks import (
+    INTERPRET,
+    launch_compiled,
+    launch_names,
+    pallas_or_dispatch,
+)
 
 pytestmark = pytest.mark.pallas
 
@@ -76,14 +83,19 @@ def test_state_scatter_pallas_and_xla_match_numpy(case):
     rng = np.random.default_rng(seed)
     pools, steps, dst, step = scatter_case(rng, *shape, conv_dtype)
     expected = expected_pools(pools, steps, dst, step)
-    got = ss.state_scatter_pallas(
-        *pools,
-        *steps,
-        dst,
-        step,
-        blocks=ss.PoolBlocks(block_heads=bh, block_rows=br, block_channels=bc),
-        interpret=INTERPRET,
+    blocks = ss.PoolBlocks(block_heads=bh, block_rows=br, block_channels=bc)
+    # compiled, tiles Triton cannot lower are refused and the dispatch runs the XLA form
+    pallas = pallas_or_dispatch(
+        ss.pool_tiles_triton_error("state_scatter_pallas", *pools, blocks),
+        functools.partial(ss.state_scatter_pallas, blocks=blocks, interpret=INTERPRET),
+        functools.partial(
+            state_dispatch.state_scatter,
+            kernel_backend="pallas",
+            interpret=INTERPRET,
+            **dataclasses.asdict(blocks),
+        ),
     )
+    got = pallas(*pools, *steps, dst, step)
     check(got, pools, expected, dst, step)
     got = jax.jit(ss.state_scatter_xla)(*pools, *steps, dst, step)
     check(got, pools, expected, dst, step)
@@ -134,6 +146,42 @@ def test_state_scatter_one_layer_pallas(layer):
         ss.state_scatter_xla(*pools, steps[0][0], steps[1][0], dst, step, layer=3)
     with pytest.raises(ValueError, match="does not match"):  # all-layer scratch, one layer
         ss.state_scatter_xla(*pools, *steps, dst, step, layer=0)
+
+
+def test_pool_tiles_triton_error_names_the_dims_that_are_not_powers_of_two_pallas(monkeypatch):
+    """``pool_tiles_triton_error`` passes power-of-two tiles of a state whose last axis is a
+    power of two and names every dim that is not (the whole axis a None tile stands for
+    included); the scatter and the copy refuse such tiles compiled, before tracing; the
+    dispatches, compiled, launch at power-of-two tiles and take the XLA form (no launch)
+    at the others."""
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    ssm, conv = spec(2, 5, 6, 8, 16), spec(2, 5, 12, 3)
+    error = functools.partial(ss.pool_tiles_triton_error, "scatter", ssm, conv)
+    assert error(ss.PoolBlocks(2, 4, 4)) is None and error(ss.PoolBlocks(1, 8, 4)) is None
+    assert "block_heads=3, block_channels=12 are not" in error(ss.PoolBlocks(3, 8, None))
+    wide = ss.pool_tiles_triton_error("copy", spec(2, 5, 6, 8, 12), conv, ss.PoolBlocks(1, 8, 4))
+    assert "copy" in wide and "d_b=12 is not" in wide
+    with pytest.raises(ValueError, match="block_rows=3"):
+        error(ss.PoolBlocks(1, 3, 4))
+    rng = np.random.default_rng(10)
+    pools, steps, dst, step = scatter_case(rng, 2, 6, 4, 4, 2, 3, 4, 8, 8, 4, jnp.float32)
+    src = jnp.asarray([0, 6, 5, 0], jnp.int32)
+    blocks = ss.PoolBlocks(block_heads=3)
+    refused = re.escape(ss.pool_tiles_triton_error("state_scatter_pallas", *pools, blocks))
+    with pytest.raises(ValueError, match=refused):
+        ss.state_scatter_pallas(*pools, *steps, dst, step, blocks=blocks, interpret=False)
+    with pytest.raises(ValueError, match="state_copy_pallas.*block_heads=3 is not"):
+        ss.state_copy_pallas(*pools, src, dst, blocks=blocks, interpret=False)
+    launch_compiled(monkeypatch, state_dispatch)
+    for block_heads, launches in ((1, 1), (3, 0)):
+        tiles = {"kernel_backend": "pallas", "block_heads": block_heads}
+        runs = (
+            functools.partial(state_dispatch.state_scatter, **tiles),
+            functools.partial(state_dispatch.state_copy, **tiles),
+        )
+        for run, args in zip(runs, ((*pools, *steps, dst, step), (*pools, src, dst))):
+            jaxpr = jax.make_jaxpr(run)(*args)
+            assert len(launch_names(jaxpr.eqns)) == launches, block_heads
 
 
 def test_state_scatter_bad_arguments_pallas():
@@ -211,16 +259,23 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
     assert 0 in untouched and len(written) >= 2
     originals = [np.asarray(p.astype(jnp.float32)) for p in pools]
 
-    def pallas(s, c, src, dst, tiles_per_program=1):
+    blocks = ss.PoolBlocks(block_heads=bh, block_rows=br, block_channels=bc)
+
+    def direct(s, c, src, dst, tiles_per_program=1):
         return ss.state_copy_pallas(
-            s,
-            c,
-            src,
-            dst,
-            blocks=ss.PoolBlocks(block_heads=bh, block_rows=br, block_channels=bc),
-            tiles_per_program=tiles_per_program,
+            s, c, src, dst, blocks=blocks, tiles_per_program=tiles_per_program,
             interpret=INTERPRET,
-        )
+        )  # fmt: skip
+
+    def dispatched(s, c, src, dst, tiles_per_program=1):  # the tuning's tiles a program
+        return state_dispatch.state_copy(
+            s, c, src, dst, kernel_backend="pallas", interpret=INTERPRET,
+            **dataclasses.asdict(blocks),
+        )  # fmt: skip
+
+    # compiled, tiles Triton cannot lower are refused and the dispatch runs the XLA form
+    error = ss.pool_tiles_triton_error("state_copy_pallas", *pools, blocks)
+    pallas = pallas_or_dispatch(error, direct, dispatched)
 
     # tile groups of one tile, of four (the last one short) and of more than a row has
     grouped = [
@@ -241,7 +296,7 @@ def test_state_copy_pallas_and_xla_match_numpy(case):
     with pytest.raises(ValueError, match="src_slot"):
         ss.state_copy_xla(*pools, src[:2], dst)
     with pytest.raises(ValueError, match="tiles_per_program=0"):
-        pallas(*pools, src, dst, tiles_per_program=0)
+        direct(*pools, src, dst, tiles_per_program=0)
 
 
 def test_state_copy_lowers_to_triton_at_model_shapes_pallas():

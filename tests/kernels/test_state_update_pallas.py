@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,6 +23,10 @@ from tests.kernels.kernel_checks import (
     TPU_INTERPRET,
     assert_close,
     draw_slots,
+    launch_compiled,
+    launch_names,
+    normal,
+    pallas_or_dispatch,
     tolerance,
 )
 
@@ -33,10 +36,6 @@ FP32_TOL = tolerance(jnp.float32, reduction_length=128)  # key / state dims x st
 # bf16 inputs are upcast exactly, so the float32 state matches to FP32_TOL; bf16 outputs are
 # the float32 result rounded once: half a bf16 ulp, at most 2**-8 of the value, apart.
 BF16_OUT_TOL = tolerance(jnp.bfloat16, reduction_length=128)
-
-
-def normal(rng, *shape) -> np.ndarray:
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -126,13 +125,24 @@ def mamba2_reference_run(pool, slot, inputs: su.Mamba2Tokens):
     return reference(pool, slot, mamba2_reference.mamba2_scan, tokens, (inputs.a, inputs.d))
 
 
+def dispatched_update(pool, slot, inputs, *, mode: str, tiles, interpret) -> su.StateUpdateResult:
+    """``state_dispatch.state_update`` on the Pallas backend, called as the Pallas forms are
+    (``tiles``' sizes as its tile arguments)."""
+    return state_dispatch.state_update(
+        pool, slot, inputs, mode=mode, kernel_backend="pallas", interpret=interpret,
+        block_heads=tiles.block_heads, block_value=tiles.block_value,
+    )  # fmt: skip
+
+
 def check_both_forms(forms, case: tuple, mode: str, tiles, expected: tuple, dtype) -> None:
-    """The Pallas update of ``forms`` (pallas, xla) in ``tiles`` and its jitted XLA form on
-    ``case`` (pool, slot, inputs) both give ``expected`` (outputs, pool, step states), the
-    outputs within ``dtype``'s tolerance."""
-    pallas, xla = forms
+    """The Pallas update of ``forms`` (pallas, xla, the Pallas form's ``*_triton_error``) in
+    ``tiles`` and its jitted XLA form on ``case`` (pool, slot, inputs) both give
+    ``expected`` (outputs, pool, step states), the outputs within ``dtype``'s tolerance.
+    Compiled, shapes Triton cannot lower are refused and the dispatch runs the XLA form."""
+    pallas, xla, triton_error = forms
     pool, slot, inputs = case
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
+    pallas = pallas_or_dispatch(triton_error(pool.shape[1:], tiles), pallas, dispatched_update)
     got = pallas(pool, slot, inputs, mode=mode, tiles=tiles, interpret=INTERPRET)
     check_result(got, pool, slot, mode, *expected, out_tol)
     got = jax.jit(xla, static_argnames="mode")(pool, slot, inputs, mode=mode)
@@ -154,7 +164,11 @@ def test_gdn_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
     outs, expected_pool, states = gdn_reference_run(pool, slot, inputs)
-    forms = gdn_update.gdn_state_update_pallas, gdn_update.gdn_state_update_xla
+    forms = (
+        gdn_update.gdn_state_update_pallas,
+        gdn_update.gdn_state_update_xla,
+        gdn_update.gdn_triton_error,
+    )
     tiles = su.UpdateTiles(block_heads=bh, block_value=bv)
     check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
 
@@ -173,9 +187,48 @@ def test_mamba2_pallas_and_xla_match_scan(case):
     rng = np.random.default_rng(seed)
     pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
     outs, expected_pool, states = mamba2_reference_run(pool, slot, inputs)
-    forms = mamba2_update.mamba2_state_update_pallas, mamba2_update.mamba2_state_update_xla
+    forms = (
+        mamba2_update.mamba2_state_update_pallas,
+        mamba2_update.mamba2_state_update_xla,
+        mamba2_update.mamba2_triton_error,
+    )
     tiles = su.UpdateTiles(block_heads=bh, block_value=bp)
     check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
+
+
+def test_update_triton_errors_name_the_dims_that_are_not_powers_of_two_pallas(monkeypatch):
+    """``gdn_triton_error`` / ``mamba2_triton_error`` pass power-of-two tiles and whole dims
+    and name every one that is not (a None tile is the whole axis); the kernels refuse such
+    shapes compiled, before tracing; the dispatch, compiled, launches the kernel at
+    power-of-two tiles and takes the XLA form (no launch) at the others."""
+    gdn_error, mamba2_error = gdn_update.gdn_triton_error, mamba2_update.mamba2_triton_error
+    assert gdn_error((6, 8, 16), su.UpdateTiles(2, 8)) is None
+    assert "block_heads=3, d_k=12 are not" in gdn_error((6, 12, 16), su.UpdateTiles(3, 8))
+    assert "block_value=24 is not" in gdn_error((6, 8, 24), su.UpdateTiles(2, None))
+    assert mamba2_error((6, 8, 16), su.UpdateTiles(1, None)) is None
+    assert "block_value=6, N=12 are not" in mamba2_error((4, 12, 12), su.UpdateTiles(2, 6))
+    with pytest.raises(ValueError, match="block_heads=4"):
+        gdn_error((6, 8, 16), su.UpdateTiles(4, 8))
+    rng = np.random.default_rng(26)
+    cases = (
+        (gdn_case(rng, 3, 2, 6, 8, 8, 5, jnp.float32), gdn_update.gdn_state_update_pallas),
+        (
+            mamba2_case(rng, 3, 2, 6, 6, 8, 16, 5, jnp.float32),
+            mamba2_update.mamba2_state_update_pallas,
+        ),
+    )
+    for (pool, slot, inputs), kernel in cases:
+        with pytest.raises(ValueError, match=f"{kernel.__name__}.*block_heads=3 is not"):
+            kernel(pool, slot, inputs, mode="decode", tiles=su.UpdateTiles(3), interpret=False)
+    launch_compiled(monkeypatch, state_dispatch)
+    for (pool, slot, inputs), _ in cases:
+        for block_heads, launches in ((2, 1), (3, 0), (6, 0)):
+            run = functools.partial(
+                state_dispatch.state_update, mode="verify", kernel_backend="pallas",
+                block_heads=block_heads,
+            )  # fmt: skip
+            jaxpr = jax.make_jaxpr(run)(pool, slot, inputs)
+            assert len(launch_names(jaxpr.eqns)) == launches, block_heads
 
 
 def test_tile_steps_match_recurrence_steps_pallas():
@@ -458,325 +511,3 @@ def test_layer_of_a_stacked_pool_pallas(platform):
             state_dispatch.state_update(
                 pool, slot, inputs, mode="verify", layer=0, kernel_backend="xla"
             )
-
-
-def lower_for_cuda(fn, *args) -> str:
-    """Lower ``fn`` for an NVIDIA GPU on this machine (Triton IR is built, not compiled)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def test_state_updates_lower_to_triton_at_model_shapes_pallas():
-    """Qwen3-Next GDN (32 heads, 128 x 128) and Nemotron-H Mamba2 (128 heads, 64 x 128, 8
-    groups) lower through Pallas-Triton with the benchmark's tiles; a non-power-of-two tile
-    is rejected, which shows the lowering checks really ran."""
-    spec = jax.ShapeDtypeStruct
-    params = common.pallas_compiler_params("gpu")
-    batch, tokens, slot = 4, 4, spec((4,), jnp.int32)
-    gdn = su.GdnTokens(
-        *(spec((batch, tokens, 32, 128), jnp.bfloat16),) * 3,
-        *(spec((batch, tokens, 32), jnp.float32),) * 2,
-    )
-    mamba = su.Mamba2Tokens(
-        spec((batch, tokens, 128, 64), jnp.bfloat16),
-        *(spec((batch, tokens, 8, 128), jnp.bfloat16),) * 2,
-        spec((batch, tokens, 128), jnp.float32),
-        *(spec((128,), jnp.float32),) * 2,
-    )
-    conv = su.GdnConvTokens(  # 16 key heads, 32 value heads, as the decode step has them
-        spec((batch, tokens, 64 * 128), jnp.float32),
-        *(spec((batch, tokens, 32), jnp.bfloat16),) * 2,
-        *(spec((32,), jnp.bfloat16),) * 2,
-        slot,
-        num_k_heads=16,
-    )
-    grouped = su.GdnConvTokens.grouped(  # Qwen3-Next's in_proj_ba read in place
-        conv.conv_out, spec((batch, tokens, 64), jnp.bfloat16), conv.a_log, conv.dt_bias, slot, 16
-    )
-    gdn_update_fn = gdn_update.gdn_state_update_pallas
-    mamba2_update_fn = mamba2_update.mamba2_state_update_pallas
-
-    def lowers(update, pool_shape, inputs, **options) -> None:
-        text = lower_for_cuda(
-            lambda p, s, t: update(p, s, t, compiler_params=params, **options),
-            spec(pool_shape, jnp.float32),
-            slot,
-            inputs,
-        )
-        assert "triton" in text.lower()
-
-    for mode in su.MODES:
-        for inputs in (gdn, conv, grouped):
-            tiles = su.UpdateTiles(block_value=32)
-            lowers(gdn_update_fn, (9, 32, 128, 128), inputs, mode=mode, tiles=tiles)
-        tiles = su.UpdateTiles(block_value=32, evict_last=True)
-        lowers(mamba2_update_fn, (9, 128, 64, 128), mamba, mode=mode, tiles=tiles)
-    for mode in su.MODES:  # a layer of the stacked pool, as the engine's decode step passes it
-        for inputs in (gdn, grouped):  # (and padding rows skipping their state)
-            tiles = su.UpdateTiles(block_value=64, skip_padding=True)
-            lowers(gdn_update_fn, (3, 9, 32, 128, 128), inputs, mode=mode, tiles=tiles, layer=2)
-        tiles = su.UpdateTiles(block_value=32, evict_last=True, skip_padding=True)
-        lowers(mamba2_update_fn, (3, 9, 128, 64, 128), mamba, mode=mode, tiles=tiles, layer=1)
-    with pytest.raises(ValueError, match="power of 2"):
-        lower_for_cuda(
-            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
-                p, s, t, mode="decode", tiles=su.UpdateTiles(block_value=48), compiler_params=params
-            ),
-            spec((9, 128, 96, 128), jnp.float32),
-            slot,
-            dataclasses.replace(mamba, x=spec((batch, tokens, 128, 96), jnp.bfloat16)),
-        )
-
-
-@pytest.mark.parametrize("num_heads", [128, 48])
-def test_mamba2_update_lowers_to_triton_at_granite_shapes_pallas(num_heads):
-    """Granite 4.0-H's Mamba2 (a 64 x 128 state per head, all heads sharing one group of B and
-    C) lowers through Pallas-Triton with the default tiles, as the engine's decode step calls
-    it (a layer of the stacked pool)."""
-    spec = jax.ShapeDtypeStruct
-    params = common.pallas_compiler_params("gpu")
-    batch, tokens, head_dim, state_dim = 4, 4, 64, 128
-    tiles = {"block_value": Tuning().mamba2.block_value, "evict_last": Tuning().mamba2.evict_last}
-    mamba = su.Mamba2Tokens(
-        spec((batch, tokens, num_heads, head_dim), jnp.bfloat16),
-        *(spec((batch, tokens, 1, state_dim), jnp.bfloat16),) * 2,
-        spec((batch, tokens, num_heads), jnp.float32),
-        *(spec((num_heads,), jnp.float32),) * 2,
-    )
-    for mode in su.MODES:
-        text = lower_for_cuda(
-            lambda p, s, t: mamba2_update.mamba2_state_update_pallas(
-                p,
-                s,
-                t,
-                mode=mode,
-                tiles=su.UpdateTiles(
-                    block_value=common.fitted_tile(head_dim, tiles["block_value"]),
-                    evict_last=tiles["evict_last"],
-                ),
-                layer=1,
-                compiler_params=params,
-            ),
-            spec((3, 9, num_heads, head_dim, state_dim), jnp.float32),
-            spec((batch,), jnp.int32),
-            mamba,
-        )
-        assert "triton" in text.lower()
-
-
-# seed, batch, tokens, key heads, value heads, head width, block_heads
-CONV_TOKEN_CASES = [
-    (61, 2, 1, 2, 4, 8, 1),
-    (62, 3, 2, 2, 4, 16, 2),
-    (63, 2, 3, 1, 1, 8, 1),
-    (64, 2, 2, 2, 8, 8, 2),  # two tiles in each key head's group
-]
-
-
-@pytest.mark.parametrize("case", CONV_TOKEN_CASES, ids=lambda c: f"conv{c[0]}")
-def test_gdn_conv_tokens_match_the_layers_tokens_pallas(case):
-    """``GdnConvTokens`` (the conv output, raw gates) give the kernel's outputs and states
-    of the ``GdnTokens`` the GDN layer builds in jnp from the same arrays (q, k normed and
-    repeated over the value heads, the gates, identity steps past ``num_new``), in both
-    modes; and the layer hands them to a kernel that takes them."""
-    from lazyspec.models.layers import gdn
-    from lazyspec.models.layers.state_kernels import gdn_tokens
-
-    seed, batch, tokens, num_k, num_v, width, block_heads = case
-    rng = np.random.default_rng(seed)
-    spec = gdn.GDNSpec(4 * width, num_k, num_v, width, width, 4, 1e-6)
-    conv_out = jnp.asarray(normal(rng, batch, tokens, (2 * num_k + num_v) * width))
-    a, b = (jnp.asarray(normal(rng, batch, tokens, num_v), jnp.bfloat16) for _ in range(2))
-    params = {name: jnp.asarray(normal(rng, num_v), jnp.bfloat16) for name in ("A_log", "dt_bias")}
-    num_new = jnp.asarray(np.arange(batch) % (tokens + 1), jnp.int32)  # 0 new tokens too
-    want_tokens = gdn_tokens(*gdn._heads(spec, conv_out), *gdn._gates(params, a, b), num_new)
-    finish = (params["A_log"], params["dt_bias"], num_new, num_k)
-    conv = su.GdnConvTokens(conv_out, a, b, *finish)
-    # Qwen3-Next's in_proj_ba: per key head, the b of its value heads then their a
-    ba = su.GdnConvTokens.group_gates(b, a, num_k)
-    grouped = su.GdnConvTokens.grouped(conv_out, ba, *finish)
-    pool = jnp.asarray(normal(rng, batch + 2, num_v, width, width))
-    slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
-    for mode in su.MODES:
-        run = lambda t: gdn_update.gdn_state_update_pallas(  # noqa: E731
-            pool,
-            slot,
-            t,
-            mode=mode,
-            tiles=su.UpdateTiles(block_heads=block_heads),
-            interpret=INTERPRET,
-        )
-        want = run(want_tokens)
-        for form, got in (("split gates", run(conv)), ("grouped gates", run(grouped))):
-            for name in ("outputs", "pool", "step_states"):
-                if getattr(want, name) is not None:
-                    message = f"{form} {mode} {name}"
-                    assert_close(getattr(got, name), getattr(want, name), 1e-6, message)
-    assert backend.kernels_for("pallas", "gpu").gdn_state_update.takes_conv_tokens
-    assert not backend.kernels_for("pallas", "tpu").gdn_state_update.takes_conv_tokens
-
-
-def test_gdn_conv_tokens_check_their_shapes_pallas():
-    pool, slot = jnp.zeros((3, 4, 8, 8)), jnp.asarray([1, 2], jnp.int32)
-    gates = (jnp.zeros((2, 1, 4)),) * 2 + (jnp.zeros(4),) * 2 + (jnp.ones(2, jnp.int32),)
-    uneven = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8 + 4)), *gates, num_k_heads=2)
-    with pytest.raises(ValueError, match="heads of one width"):
-        gdn_update.gdn_state_update_pallas(pool, slot, uneven, mode="decode", interpret=INTERPRET)
-    tokens = su.GdnConvTokens(jnp.zeros((2, 1, 8 * 8)), *gates, num_k_heads=2)
-    with pytest.raises(ValueError, match="block_heads=4 must divide 2"):
-        gdn_update.gdn_state_update_pallas(
-            pool,
-            slot,
-            tokens,
-            mode="decode",
-            tiles=su.UpdateTiles(block_heads=4),
-            interpret=INTERPRET,
-        )
-    with pytest.raises(ValueError, match="only in the Triton-layout"):
-        state_dispatch.state_update(pool, slot, tokens, mode="decode", kernel_backend="xla")
-    split_width = su.GdnConvTokens.grouped(tokens.conv_out, *gates[1:], num_k_heads=2)
-    with pytest.raises(ValueError, match=r"a \(2, 1, 4\) must be \(2, 1, 8\)"):
-        gdn_update.gdn_state_update_pallas(
-            pool, slot, split_width, mode="decode", interpret=INTERPRET
-        )
-
-
-@pytest.mark.parametrize("case", CONV_TOKEN_CASES[:3], ids=lambda c: f"conv{c[0]}")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_output_norm_in_the_update_equals_the_gated_norm_launch_pallas(case, dtype):
-    """With an ``OutputNorm`` the update's outputs are the gated norm of its outputs
-    (``gated_norm_pallas`` over the same z source, Qwen3-Next's layout) in the norm's dtype,
-    within its tolerance over the head width, with the same states bit for bit; one launch
-    where the two made two."""
-    from lazyspec.kernels.norm.gated import GateLayout, gated_norm_pallas
-
-    seed, batch, tokens, num_k, num_v, width, _ = case
-    rng = np.random.default_rng(seed)
-    per_key = num_v // num_k
-    conv_out = jnp.asarray(normal(rng, batch, tokens, (2 * num_k + num_v) * width))
-    a, b = (jnp.asarray(normal(rng, batch, tokens, num_v), jnp.bfloat16) for _ in range(2))
-    gates = [jnp.asarray(normal(rng, num_v), jnp.bfloat16) for _ in range(2)]
-    num_new = jnp.asarray(np.arange(batch) % (tokens + 1), jnp.int32)
-    conv = su.GdnConvTokens(conv_out, a, b, *gates, num_new, num_k)
-    layout = GateLayout(2 * width + 2 * per_key * width, 2 * width + per_key * width, per_key)
-    z_source = jnp.asarray(normal(rng, batch, tokens, num_k * layout.group_width), dtype)
-    weight = jnp.asarray(1.0 + 0.1 * normal(rng, width), dtype)
-    norm = su.OutputNorm(z_source, weight, layout, 1e-6, dtype)
-    pool = jnp.asarray(normal(rng, batch + 2, num_v, width, width))
-    slot = jnp.asarray(np.arange(batch) + 1, jnp.int32)
-    for mode in su.MODES:
-
-        def run(tokens, mode=mode):
-            return gdn_update.gdn_state_update_pallas(
-                pool,
-                slot,
-                tokens,
-                mode=mode,
-                tiles=su.UpdateTiles(block_value=width),
-                interpret=INTERPRET,
-            )
-
-        plain, normed = run(conv), run(dataclasses.replace(conv, norm=norm))
-        want = gated_norm_pallas(
-            plain.outputs.reshape(-1, num_v, width),
-            z_source.reshape(batch * tokens, -1),
-            layout,
-            weight,
-            eps=1e-6,
-            dtype=dtype,
-            interpret=INTERPRET,
-        ).reshape(plain.outputs.shape)
-        assert normed.outputs.dtype == dtype
-        # the same math; compiled, Triton may order the norm's sum of squares its own way
-        assert_close(normed.outputs, want, tolerance(dtype, width), f"{mode} normed outputs")
-        for name in ("pool", "step_states"):
-            if getattr(plain, name) is not None:
-                np.testing.assert_array_equal(getattr(normed, name), getattr(plain, name))
-    jaxpr = jax.make_jaxpr(lambda t: run(t).outputs)(dataclasses.replace(conv, norm=norm)).jaxpr
-    assert [e.primitive.name for e in jaxpr.eqns].count("pallas_call") == 1
-
-
-def test_output_norm_needs_a_program_a_head_pallas():
-    """The norm reads a head's whole row: a value tile narrower than the head, several heads
-    a tile, or a layout that does not fit the z source are refused."""
-    from lazyspec.kernels.norm.gated import GateLayout
-
-    width, num_k, num_v = 8, 2, 4
-    conv = su.GdnConvTokens(
-        jnp.zeros((2, 1, (2 * num_k + num_v) * width)),
-        *(jnp.zeros((2, 1, num_v)),) * 2,
-        *(jnp.zeros(num_v),) * 2,
-        jnp.ones(2, jnp.int32),
-        num_k,
-    )
-    layout = GateLayout(8 * width, 6 * width, 2)
-    norm = su.OutputNorm(jnp.zeros((2, 1, 16 * width)), jnp.ones(width), layout, 1e-6, jnp.float32)
-    pool, slot = jnp.zeros((3, num_v, width, width)), jnp.asarray([1, 2], jnp.int32)
-    tokens = dataclasses.replace(conv, norm=norm)
-    for tiles in (su.UpdateTiles(block_value=4), su.UpdateTiles(block_heads=2, block_value=8)):
-        with pytest.raises(ValueError, match="a program a head"):
-            gdn_update.gdn_state_update_pallas(
-                pool, slot, tokens, mode="decode", tiles=tiles, interpret=INTERPRET
-            )
-    short = dataclasses.replace(norm, z_source=jnp.zeros((2, 1, 15 * width)))
-    with pytest.raises(ValueError, match="does not place 4 gates"):
-        gdn_update.gdn_state_update_pallas(
-            pool, slot, dataclasses.replace(conv, norm=short), mode="decode", interpret=INTERPRET
-        )
-    # the dispatch gives a normed launch a whole head a program
-    got = backend.kernels_for("pallas", "cpu").gdn_state_update(
-        pool, slot, tokens, mode="decode", interpret=INTERPRET
-    )
-    assert got.outputs.dtype == jnp.float32 and got.outputs.shape == (2, 1, num_v, width)
-
-
-def test_output_norm_lowers_to_triton_at_model_shapes_pallas():
-    """Qwen3-Next's decode step (16 key heads, 32 value heads of 128, the gates grouped,
-    z in ``in_proj_qkvz``'s output) lowers with the norm in the update through
-    Pallas-Triton at a whole head a program (the dispatch's tiles), in both modes; only
-    GPU-layout kernels take the norm, and only up to the switch's token count."""
-    from lazyspec.kernels.norm.gated import GateLayout
-
-    spec = jax.ShapeDtypeStruct
-    batch, tokens, slot = 2, 1, spec((2,), jnp.int32)
-    conv = su.GdnConvTokens.grouped(
-        spec((batch, tokens, 64 * 128), jnp.float32),
-        spec((batch, tokens, 64), jnp.bfloat16),
-        *(spec((32,), jnp.bfloat16),) * 2,
-        slot,
-        16,
-    )
-    layout = GateLayout(2 * 128 + 4 * 128, 2 * 128 + 2 * 128, 2)  # 2 value heads a key head
-    norm = su.OutputNorm(
-        spec((batch, tokens, 16 * layout.group_width), jnp.bfloat16),
-        spec((128,), jnp.bfloat16),
-        layout,
-        1e-6,
-        jnp.bfloat16,
-    )
-    params = common.pallas_compiler_params("gpu", Tuning().gdn.norm_in_update_warps)
-    for mode in su.MODES:
-        text = lower_for_cuda(
-            lambda p, s, t, mode=mode: (
-                gdn_update.gdn_state_update_pallas(
-                    p,
-                    s,
-                    t,
-                    mode=mode,
-                    tiles=su.UpdateTiles(block_value=128),
-                    compiler_params=params,
-                ).outputs
-            ),
-            spec((9, 32, 128, 128), jnp.float32),
-            slot,
-            dataclasses.replace(conv, norm=norm),
-        )
-        assert text.lower().count("triton") >= 1 and "bf16" in text
-
-    def update(platform: str, max_tokens: int):
-        tuning = Tuning().with_overrides({"gdn.norm_in_update_max_tokens": max_tokens})
-        return backend.kernels_for("pallas", platform, tuning=tuning).gdn_state_update
-
-    gpu = update("gpu", 16)
-    assert backend.norms_gdn_output(gpu, 16) and not backend.norms_gdn_output(gpu, 17)
-    assert not backend.norms_gdn_output(update("tpu", 16), 1)
-    assert not backend.norms_gdn_output(update("gpu", 0), 1)
