@@ -28,6 +28,7 @@ from lazyspec.kernels.attention.dispatch import (
 )
 from lazyspec.kernels.common import KernelBackend, platform_of, resolve_backend
 from lazyspec.kernels.device_kinds import device_kind_key
+from lazyspec.kernels.gdn.update import conv_tokens_fit, never_conv_tokens
 from lazyspec.kernels.moe.dispatch import pallas_moe_experts, tpu_moe_experts
 from lazyspec.kernels.norm.dispatch import (
     pallas_gated_norm,
@@ -199,7 +200,8 @@ def kernels_for(
     # the Triton-layout GDN update takes the conv output as it is (``GdnConvTokens``) and
     # applies the output's gated norm up to the tuned tokens; the TPU layout takes neither
     norm_tokens = 0 if tpu else tuning.gdn.norm_in_update_max_tokens
-    gdn_update = bind(update, "gdn", takes_conv_tokens=not tpu, output_norm_max_tokens=norm_tokens)
+    fits = never_conv_tokens if tpu else conv_tokens_fit
+    gdn_update = bind(update, "gdn", takes_conv_tokens=fits, output_norm_max_tokens=norm_tokens)
     qkv_in_place = tuning.attention.qkv_in_place
     return Kernels(
         "pallas",

@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import check_tile, refuse_triton_shapes, triton_shape_error, whole
+from lazyspec.kernels.common import (
+    check_tile,
+    powers_of_two,
+    refuse_triton_shapes,
+    triton_shape_error,
+    whole,
+)
 from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
 from lazyspec.kernels.norm.gated import gated_rows
 from lazyspec.kernels.state.update_common import (
@@ -195,6 +201,19 @@ def gdn_triton_error(state_shape: tuple[int, ...], tiles: UpdateTiles) -> str | 
         d_k=key_dim,
         block_value=check_tile("block_value", value_dim, tiles.block_value),
     )
+
+
+def conv_tokens_fit(key_dim: int, value_dim: int) -> bool:
+    """Whether the Triton-layout kernel takes ``GdnConvTokens`` of heads ``key_dim`` keys by
+    ``value_dim`` values wide, compiled as in interpret mode: one head width (the tokens
+    hold q, k and v heads of one width) that Triton can lower (a power of two: the tokens'
+    tiles and the output norm's span whole heads). Elsewhere the layer hands ``GdnTokens``."""
+    return key_dim == value_dim and powers_of_two(key_dim)
+
+
+def never_conv_tokens(key_dim: int, value_dim: int) -> bool:
+    """The TPU layout's answer: it takes no ``GdnConvTokens``."""
+    return False
 
 
 def gdn_state_update_pallas(

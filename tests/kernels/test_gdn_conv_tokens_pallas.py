@@ -69,8 +69,10 @@ def test_gdn_conv_tokens_match_the_layers_tokens_pallas(case):
                 if getattr(want, name) is not None:
                     message = f"{form} {mode} {name}"
                     assert_close(getattr(got, name), getattr(want, name), 1e-6, message)
-    assert backend.kernels_for("pallas", "gpu").gdn_state_update.takes_conv_tokens
-    assert not backend.kernels_for("pallas", "tpu").gdn_state_update.takes_conv_tokens
+    fits = backend.kernels_for("pallas", "gpu").gdn_state_update.takes_conv_tokens
+    assert fits(128, 128) and fits(8, 8)
+    assert not fits(128, 64) and not fits(96, 96)  # two widths; not a Triton block dim
+    assert not backend.kernels_for("pallas", "tpu").gdn_state_update.takes_conv_tokens(128, 128)
 
 
 def test_gdn_conv_tokens_check_their_shapes_pallas():

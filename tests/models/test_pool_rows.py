@@ -260,6 +260,39 @@ def test_decode_from_pools_writes_in_place_pallas(family, backend):
         np.testing.assert_array_equal(new[:, others], old[:, others])
 
 
+def test_gdn_layers_hand_conv_tokens_where_the_kernel_takes_them_pallas():
+    """A GDN layer decoding from the pools asks its update's ``takes_conv_tokens`` (the
+    kernel's own rule: ``gdn.update.conv_tokens_fit``) with its head widths, and hands
+    ``GdnConvTokens`` only where the answer is yes, ``GdnTokens`` otherwise; both decode the
+    same. A head width Triton cannot lower (not a power of two) is a no."""
+    model = tiny_model("qwen3_next")
+    cfg, spec = model.config, model.config.arch.gdn
+    kv, pools = random_kv_and_pools(np.random.default_rng(14), cfg, 2)
+    inputs = first_tokens(_verify_inputs(np.random.default_rng(15), cfg.vocab_size, [1, 1]))
+    rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 1], jnp.int32))
+    pallas = kernels_for("pallas")
+    outputs = {}
+    for answer in (True, False):
+        asked, handed = [], []
+
+        def update(pool, slot, tokens, handed=handed, **options):
+            handed.append(type(tokens).__name__)
+            return pallas.gdn_state_update(pool, slot, tokens, **options)
+
+        update.takes_conv_tokens = lambda k, v: asked.append((k, v)) or answer  # noqa: B023
+        kernels = dataclasses.replace(pallas, gdn_state_update=update)
+        out = model.family.forward(
+            model.params, cfg, inputs, kv, rec, mode="decode", kernels=kernels
+        )
+        outputs[answer] = np.asarray(out[0])
+        num_gdn = len(cfg.recurrent_layer_ids)
+        assert asked == [(spec.head_k_dim, spec.head_v_dim)] * num_gdn
+        assert handed == ["GdnConvTokens" if answer else "GdnTokens"] * num_gdn
+    np.testing.assert_allclose(outputs[True], outputs[False], rtol=1e-5, atol=4e-6)
+    fits = pallas.gdn_state_update.takes_conv_tokens
+    assert fits(spec.head_k_dim, spec.head_k_dim) and not fits(96, 96)
+
+
 def random_kv_and_pools(rng, cfg, rows: int):
     """KV pools for ``rows`` rows of CONTEXT positions and recurrent pools of SLOTS + 1 slots,
     random (scale 0.1)."""

@@ -264,7 +264,8 @@ def _mix_steps_kernel(update, conv_update, params, spec, projected, conv0, ssm0,
         conv_out, conv_pool = conv_write(
             conv_update, conv0, conv_in, params["conv1d"], None, num_new, groups
         )
-        if getattr(update, "takes_conv_tokens", False) and spec.head_k_dim == spec.head_v_dim:
+        fits = getattr(update, "takes_conv_tokens", None)
+        if fits is not None and fits(spec.head_k_dim, spec.head_v_dim):
             # the kernel finishes the heads and gates itself (``GdnConvTokens``), reading
             # the fused gate projection as it is where there is one
             finish = (params["A_log"], params["dt_bias"], num_new, spec.num_k_heads)
