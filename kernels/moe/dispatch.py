@@ -1,14 +1,17 @@
-"""The routed experts by token count: ``moe_experts_pallas`` (GPUs, interpret mode) or the
-TPU layout ``moe.experts_tpu`` where the tuning's limits let them run, else the caller's
-XLA form (the layers' sort-based dispatch with the same contract)."""
+"""The routed experts by token count: ``moe_experts_pallas`` (GPUs, interpret mode), in
+launches of at most the tuning's ``kernel_max_tokens`` tokens, or the TPU layout
+``moe.experts_tpu`` up to its limit; else (widths Triton takes no tile of, a TPU call
+past its limit) the caller's XLA form (the layers' sort-based dispatch, same contract)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from lazyspec.kernels.common import (
     TRITON_MIN_DOT,
@@ -32,8 +35,9 @@ def moe_launch(
 ) -> dict[str, Any] | None:
     """The keyword arguments ``moe_experts_pallas`` runs ``num_tokens`` tokens with (tiles not
     given take ``tuning.moe``'s, fitted to the widths; ``route_in_up`` / ``down_in_up`` given
-    override the folds), or None where the caller's XLA form runs instead: more than
-    ``kernel_max_tokens`` tokens or, compiled for Triton, widths whose fitted tiles fall
+    override the folds), or None where one launch does not run them: more than
+    ``kernel_max_tokens`` tokens (``experts_in_pieces`` cuts them) or, compiled for Triton,
+    widths whose fitted tiles fall
     below ``TRITON_MIN_DOT`` (interpret mode runs any tile, so the tiny test models still
     exercise the kernel). Depends on the widths only, not on the number of experts."""
     moe = tuning.moe
@@ -75,15 +79,67 @@ def pallas_moe_experts(
     routing: TokenRouting | None = None,
     **tiles: Any,
 ) -> jax.Array:
-    """``moe_experts_pallas`` of ``operands`` (x, weights, expert_ids, up, down[, gate]) where
-    ``moe_launch`` gives its arguments, else ``xla_form()``. ``shared``: a shared expert run
-    in the same launches (``xla_form`` then adds it too). ``routing``: the router's logits,
+    """``moe_experts_pallas`` of ``operands`` (x, weights, expert_ids, up, down[, gate]) in
+    pieces of at most ``kernel_max_tokens`` tokens (``experts_in_pieces``), else, where
+    Triton takes no tile of the widths, ``xla_form()``. ``shared``: a shared expert run in
+    the same launches (``xla_form`` then adds it too). ``routing``: the router's logits,
     from which the kernel picks a few tokens' experts."""
-    x, up, down = operands[0], operands[3], operands[4]
-    launch = moe_launch(x.shape[0], up, down, interpret, tuning, **tiles)
-    if launch is None:
+    if not takes_widths(operands, interpret, tuning, **tiles):
         return xla_form()
-    return moe_experts_pallas(*operands, shared=shared, routing=routing, **launch)
+    return experts_in_pieces(operands, shared, routing, interpret, tuning, **tiles)
+
+
+def takes_widths(
+    operands: tuple[jax.Array | None, ...],
+    interpret: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
+) -> bool:
+    """Whether ``experts_in_pieces`` runs ``operands`` (x, weights, expert_ids, up, down,
+    ...): ``moe_launch`` gives its pieces a launch (it refuses only widths)."""
+    x, up, down = operands[0], operands[3], operands[4]
+    return (
+        moe_launch(piece_tokens(x.shape[0], tuning), up, down, interpret, tuning, **tiles)
+        is not None
+    )
+
+
+def experts_in_pieces(
+    operands: tuple[jax.Array | None, ...],
+    shared: SharedExpert | None = None,
+    routing: TokenRouting | None = None,
+    interpret: bool = False,
+    tuning: Tuning = DEFAULT_TUNING,
+    **tiles: Any,
+) -> jax.Array:
+    """``moe_experts_pallas`` of ``operands`` run on consecutive pieces of at most
+    ``tuning.moe.kernel_max_tokens`` tokens (``piece_tokens``), each with ``moe_launch``'s
+    arguments for its size, the outputs concatenated: a token's output depends on its own
+    row alone. Cut in pieces, each takes the given weights and expert ids, not
+    ``routing`` (which would send a piece's padding to its own first token's experts, not
+    the call's). For widths ``takes_widths`` allows. A prefill step holds more tokens than
+    the kernel's tuned sizes, and the sort-based XLA form would stage every pair's expert
+    weights there (out of memory at Qwen3-Next's 512 experts from 1,024 tokens)."""
+    x, up, down = operands[0], operands[3], operands[4]
+    num_tokens = x.shape[0]
+    piece = piece_tokens(num_tokens, tuning)
+    if piece == num_tokens:
+        launch = moe_launch(piece, up, down, interpret, tuning, **tiles)
+        return moe_experts_pallas(*operands, shared=shared, routing=routing, **launch)
+    outs = []
+    for start in range(0, num_tokens, piece):
+        rows = slice(start, min(start + piece, num_tokens))
+        launch = moe_launch(rows.stop - start, up, down, interpret, tuning, **tiles)
+        args = tuple(None if a is None else a[rows] for a in operands[:3]) + operands[3:]
+        own = shared and dataclasses.replace(shared, weight=shared.weight[rows])
+        outs.append(moe_experts_pallas(*args, shared=own, **launch))
+    return jnp.concatenate(outs)
+
+
+def piece_tokens(num_tokens: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Tokens of each launch of ``experts_in_pieces`` over ``num_tokens`` tokens (the last
+    may be fewer)."""
+    return max(1, min(num_tokens, tuning.moe.kernel_max_tokens))
 
 
 # the MoE layers hand this function their shared expert and router logits

@@ -13,10 +13,11 @@ from lazyspec.kernels.device_kinds import device_table
 
 @dataclass(frozen=True)
 class MoETuning:
-    """``kernel_max_tokens``: up to this many tokens the routed experts run in the kernel,
-    more in the sort-based XLA dispatch (at 256 / 1024 / 2048 tokens of 512 experts the
-    kernel took 0.66 / 0.85 / 1.1 ms on an H200, the XLA dispatch 8.6 ms at 256 and out of
-    memory from 1024). Tiles of the separate up and down launches: ``block_rows`` (the
+    """``kernel_max_tokens``: the most tokens one launch of the kernel takes; a call of more
+    runs in pieces of at most that many (``dispatch.experts_in_pieces``; on a TPU the XLA
+    dispatch runs instead). At 256 / 1024 / 2048 tokens of 512 experts the kernel took
+    0.66 / 0.85 / 1.1 ms on an H200, the sort-based XLA dispatch 8.6 ms at 256 and out of
+    memory from 1024. Tiles of the separate up and down launches: ``block_rows`` (the
     smallest row tile Triton's dots take), ``block_inner`` (64 columns the fastest from 2
     tokens), ``block_out`` (halved below ``wide_out_tokens`` tokens: 0.5-1.2 us faster a
     launch at 1-4 tokens), ``block_k``, warps and stages.

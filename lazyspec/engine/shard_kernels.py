@@ -51,8 +51,7 @@ from lazyspec.engine.sharding import (
 )
 from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.backend import Kernels
-from lazyspec.kernels.moe.dispatch import moe_launch
-from lazyspec.kernels.moe.experts import moe_experts_pallas
+from lazyspec.kernels.moe.dispatch import experts_in_pieces, takes_widths
 from lazyspec.kernels.state.conv import ConvUpdateResult, every_token_new
 from lazyspec.kernels.state.update_common import GdnTokens, Mamba2Tokens, StateUpdateResult
 from lazyspec.kernels.tuning import Tuning
@@ -231,20 +230,20 @@ def _paged_attention(attention: Callable, plan: ShardingPlan) -> Callable:
 
 
 def _moe_experts(moe: Callable, plan: ShardingPlan, tuning: Tuning) -> Callable:
-    """``moe`` (``MoEExpertsFn``) with each device running its own experts on every token
-    (``moe_launch`` chooses kernel or XLA form as for the whole call; the XLA form runs on
-    the global arrays)."""
+    """``moe`` (``MoEExpertsFn``) with each device running its own experts on every token,
+    in the kernel's pieces (``experts_in_pieces``) where its widths take a launch (else
+    ``moe`` chooses, on the global arrays)."""
 
     def run(x, weights, expert_ids, up, down, gate=None, *, xla_form):
         stack_spec = _spec(plan, EXPERT_AXES, up.shape)
-        launch = moe_launch(x.shape[0], up, down, tuning=tuning)
-        if launch is None or _head_axis(stack_spec, 0) is None:
+        operands = (x, weights, expert_ids, up, down)
+        if not takes_widths(operands, tuning=tuning) or _head_axis(stack_spec, 0) is None:
             return moe(x, weights, expert_ids, up, down, gate, xla_form=xla_form)
         stacks = (up, down) if gate is None else (up, down, gate)
 
         def body(x, weights, expert_ids, *stacks):
             first = jax.lax.axis_index(TP_AXIS) * stacks[0].shape[0]
-            local = moe_experts_pallas(x, weights, expert_ids - first, *stacks, **launch)
+            local = experts_in_pieces((x, weights, expert_ids - first, *stacks), tuning=tuning)
             return jax.lax.psum(local, TP_AXIS)
 
         in_specs = (P(), P(), P()) + (stack_spec,) * len(stacks)

@@ -73,11 +73,13 @@ def test_pallas_kernels_per_shard_give_the_outputs_of_tp_1(reports, family):
 def test_state_updates_per_shard_write_the_pool_in_place_as_whole(reports):
     """Decode mode (the pool aliased and written, as a decode step without speculation
     does) per shard equals the whole-array call, outputs and pool, for both mixers; so does
-    the state copy (its checkpoint), both pools."""
+    the state copy (its checkpoint), both pools; and the routed experts in the kernel's
+    pieces of tokens (past its token limit), within float32 sums in another order."""
     for tp in TP_SIZES[1:]:
         diffs = reports[tp]["decode_update_diffs"]
-        assert set(diffs) == {"gdn", "mamba2", "state_copy"}, tp
-        assert max(diffs.values()) <= 1e-6, (tp, diffs)
+        assert set(diffs) == {"gdn", "mamba2", "state_copy", "moe_pieces"}, tp
+        assert diffs["moe_pieces"] <= 1e-5, (tp, diffs)
+        assert max(v for k, v in diffs.items() if k != "moe_pieces") <= 1e-6, (tp, diffs)
 
 
 def test_kernels_per_shard_lower_to_triton(reports):

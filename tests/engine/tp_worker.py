@@ -215,6 +215,7 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
     from lazyspec.engine.shard_kernels import per_shard
     from lazyspec.kernels.backend import kernels_for
     from lazyspec.kernels.state.update_common import GdnTokens, Mamba2Tokens
+    from lazyspec.kernels.tuning import Tuning
 
     rng = np.random.default_rng(tp)
     whole = kernels_for("pallas", "cpu")
@@ -268,6 +269,19 @@ def decode_update_diffs(tp: int) -> dict[str, float]:
     for new, old in zip(want, pools):
         assert float(jnp.max(jnp.abs(new - old))) > 0  # slot 4 was written
     diffs["state_copy"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, want))
+    # the routed experts past the kernel's token limit: in pieces, per shard as whole
+    small = Tuning().with_overrides({"moe.kernel_max_tokens": 12})
+    whole = kernels_for("pallas", "cpu", tuning=small)
+    moe = per_shard(whole, sharding_plan(tiny("qwen3_next").config, tp)).moe_experts
+    stacks = (normal(8, 32, 16) * 0.3, normal(8, 16, 32) * 0.3, normal(8, 32, 16) * 0.3)
+    ids = jnp.asarray(np.argsort(rng.random((29, 8)), axis=1)[:, :2], jnp.int32)
+    routed = (normal(29, 32), jnp.abs(normal(29, 2)), ids, *stacks)
+    no_xla = lambda: None  # noqa: E731 (never called: both run the kernel)
+    want = jax.jit(lambda *a: whole.moe_experts(*a, xla_form=no_xla))(*routed)
+    per_device = jax.make_jaxpr(lambda *a: moe(*a, xla_form=no_xla))(*routed)
+    assert "shard_map" in str(per_device)  # the experts split over the devices
+    got = jax.jit(lambda *a: moe(*a, xla_form=no_xla))(*routed)
+    diffs["moe_pieces"] = float(jnp.max(jnp.abs(got - want)))
     return diffs
 
 

@@ -256,28 +256,43 @@ def test_unrouted_experts_may_hold_nan_pallas():
     assert_close(got, want, FP32_TOL, "routed experts beside NaN experts")
 
 
-def test_dispatch_chooses_kernel_by_token_count_pallas():
-    """The Pallas record's ``moe_experts`` runs the kernel up to the tuning's
-    ``kernel_max_tokens`` tokens and the caller's XLA form above; the XLA record has no MoE
-    kernel. A small limit here keeps the interpreted kernel quick."""
+def test_dispatch_runs_the_kernel_in_pieces_of_its_token_limit_pallas():
+    """The Pallas record's ``moe_experts`` runs the kernel, never the caller's XLA form, on
+    any token count: past the tuning's ``kernel_max_tokens`` in pieces of at most that many
+    tokens (here 12, 12 and 5: staged rows, then token rows), each of a piece's launches
+    once; the sums are each token's own, the reference's, with and without the shared
+    expert. Cut in pieces it takes the router's weights and ids as given. The XLA record
+    has no MoE kernel. A small limit keeps the interpreted kernel quick."""
     assert backend.XLA_KERNELS.moe_experts is None
     assert Tuning().moe.kernel_max_tokens >= 1024  # verify and prefill sizes take the kernel
-    limit = 48
+    limit, num_tokens, num_experts = 12, 29, 8
     tuning = Tuning().with_overrides({"moe.kernel_max_tokens": limit})
     kernel = backend.kernels_for("pallas", "cpu", tuning=tuning).moe_experts
     rng = np.random.default_rng(14)
-    up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
-    weights, ids = routing(rng, limit + 1, 2, 8, False)
-    x = jnp.asarray(rng.standard_normal((limit + 1, WIDTH)), jnp.float32)
-    sentinel = jnp.full((limit + 1, WIDTH), 7.0)
-    assert kernel(x, weights, ids, up, down, gate, xla_form=lambda: sentinel) is sentinel
+    up, down, gate = expert_stacks(rng, num_experts, jnp.float32, True)
+    weights, ids = routing(rng, num_tokens, 2, num_experts, False)
+    x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32)
+    s_up, s_down, s_gate = expert_stacks(rng, 1, jnp.float32, True)
+    shared = moe_plan.SharedExpert(
+        s_up[0], s_down[0], s_gate[0], jnp.asarray(rng.random(num_tokens))
+    )
+    logits = jnp.asarray(rng.standard_normal((num_tokens, num_experts)), jnp.float32)
+    ignored = moe_routing.TokenRouting(logits, 2, True)  # picks other than weights / ids
 
     def no_xla():
-        raise AssertionError("the kernel's shape ran the XLA form")
+        raise AssertionError("the kernel's dispatch ran the XLA form")
 
-    got = kernel(x[:limit], weights[:limit], ids[:limit], up, down, gate, xla_form=no_xla)
-    want = reference(x[:limit], weights[:limit], ids[:limit], up, down, gate)
-    assert_close(got, want, FP32_TOL, "dispatched routed experts")
+    want = reference(x, weights, ids, up, down, gate)
+    for extra, add in (({}, 0.0), ({"shared": shared}, shared_reference(x, shared))):
+        got = kernel(x, weights, ids, up, down, gate, xla_form=no_xla, routing=ignored, **extra)
+        assert_close(got, want + add, FP32_TOL, f"routed experts in pieces {sorted(extra)}")
+
+    def launches(n: int) -> list[str]:
+        run = lambda *a: kernel(*a, up, down, gate, xla_form=no_xla)  # noqa: E731
+        return launch_names(jax.make_jaxpr(run)(x[:n], weights[:n], ids[:n]).eqns)
+
+    one = launches(limit)
+    assert one and launches(num_tokens) == one * 2 + launches(num_tokens - 2 * limit)
 
 
 @pytest.mark.parametrize("fused", (0, 2))
