@@ -2,7 +2,8 @@
 # The GPU checks of one device call, in order of importance: the kernel tests compiled
 # (`pytest -k pallas`), the README server's start-up cold and warm, then (COMPARE=1) one
 # before/after bench_engine row against a checkout in .old (compare_trees.sh); STARTUP=0
-# skips the start-up check. Serving
+# skips the start-up check; PREFILL=1 times the preset's prefill rows at a few prefill
+# chunks (PREFILL_CHUNKS). Serving
 # needs fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry
 # their wheels in .whl (pip download --only-binary=:all: --python-version 312 ...).
 # Logs go to $OUT (pallas.log, startup.log).
@@ -24,6 +25,13 @@ if [ "${STARTUP:-1}" = 1 ]; then
   timeout 170 python3 scripts/bench_startup.py --runs 1 -- --speculative-algorithm NEXTN \
     > "$out/startup.log" 2>&1
   echo "startup rc=$?"; tail -3 "$out/startup.log"
+fi
+if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurement
+  for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
+    timeout 150 python3 scripts/bench_engine.py --preset qwen3_next_moe \
+      --prefill-lens 4096,32768 --prefill-chunk "$chunk" > "$out/prefill-$chunk.log" 2>&1
+    echo "prefill chunk $chunk rc=$?"; tail -4 "$out/prefill-$chunk.log"
+  done
 fi
 if [ "${COMPARE:-0}" = 1 ]; then
   timeout 150 bash benchmarks/tools/compare_trees.sh .old . 1 -- --preset qwen3_next_moe \
