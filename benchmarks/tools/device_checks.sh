@@ -5,7 +5,7 @@
 # skips the start-up check; PREFILL=1 times the preset's prefill rows at a few prefill
 # chunks (PREFILL_CHUNKS). Serving
 # needs fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry
-# their wheels in .whl (pip download --only-binary=:all: --python-version 312 ...).
+# their wheels in .whl (benchmarks/tools/serving_wheels.sh).
 # Logs go to $OUT (pallas.log, startup.log).
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
