@@ -37,9 +37,9 @@ def moe_launch(
     given take ``tuning.moe``'s, fitted to the widths; ``route_in_up`` / ``down_in_up`` given
     override the folds), or None where one launch does not run them: more than
     ``kernel_max_tokens`` tokens (``experts_in_pieces`` cuts them) or, compiled for Triton,
-    widths whose fitted tiles fall
-    below ``TRITON_MIN_DOT`` (interpret mode runs any tile, so the tiny test models still
-    exercise the kernel). Depends on the widths only, not on the number of experts."""
+    widths whose fitted tiles fall below ``TRITON_MIN_DOT`` (interpret mode runs any tile,
+    so the tiny test models still exercise the kernel). Depends on the widths only, not on
+    the number of experts."""
     moe = tuning.moe
     if num_tokens > moe.kernel_max_tokens:
         return None
