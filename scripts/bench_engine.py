@@ -774,6 +774,7 @@ def prefill_table(model, args, device: str) -> None:
         "(weights + attention + recurrent) | TFLOP/s | % of peak | transformers s | x peer |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    profiles = []
     for backend in args.backends.split(","):
         for length in lengths:
             chunk = args.prefill_chunk or min(length, 8192)
@@ -784,6 +785,9 @@ def prefill_table(model, args, device: str) -> None:
                 skip_warmup=True,
             )
             seconds = engine_prefill_seconds(engine, length)
+            if args.profile:
+                out_dir = Path(args.profile) / f"prefill-{backend}-{length}-{chunk}"
+                profiles.append((length, chunk, _profile_prefill(engine, length, out_dir)))
             del engine
             flops = prefill_flops(model.params, model.config, length)
             peer = peers[length]
@@ -796,7 +800,46 @@ def prefill_table(model, args, device: str) -> None:
                 f"{peer / seconds:.2f} |"
             )
             print(lines[-1], flush=True)
+    for length, chunk, (breakdown, top) in profiles:
+        lines += ["", f"Prefill of {length} tokens in chunks of {chunk}: device ms by category"]
+        lines += markdown_table(list(breakdown), [[f"{ms:.1f}" for ms in breakdown.values()]])
+        lines += ["", "Its longest ops (ms in all, runs):", ""]
+        lines += markdown_table(
+            ["op", "category", "ms", "runs"],
+            [[r["op"], r["category"], f"{1e3 * r['s']:.1f}", r["count"]] for r in top],
+        )
     emit_table(lines, args.out)
+
+
+def _profile_prefill(engine, length: int, out_dir: Path, top: int = 20):
+    """One prefill of ``length`` tokens (a fresh prompt, one new token) under the JAX
+    profiler: device milliseconds of its extend steps by category
+    (``lazyspec.bench.floor.device_ops``, the scopes from the widest extend program's HLO)
+    and its ``top`` longest ops. Every op goes to ``out_dir / "ops.json"``."""
+    import json
+    import shutil
+
+    import jax
+
+    from lazyspec.bench.floor import device_ops
+
+    runner = engine.runner
+    recorder = _WidestDecode(runner._extend)
+    runner._extend = recorder
+    prompt = np.random.default_rng(length + 1).integers(1, engine.model.config.vocab_size, length)
+    engine.flush_cache()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+        engine.generate(input_ids=[int(t) for t in prompt], sampling_params={"max_new_tokens": 1})
+    static = (runner.family, runner.cfg, runner.static, runner.sharding)
+    hlo = runner.programs.extend.lower(*static, *recorder.args).compile().as_text()
+    ops = device_ops(out_dir, hlo, "extend")
+    breakdown: dict[str, float] = {}
+    for r in ops:
+        breakdown[r["category"]] = breakdown.get(r["category"], 0.0) + 1e3 * r["s"]
+    breakdown["all"] = sum(breakdown.values())
+    (out_dir / "ops.json").write_text(json.dumps(ops, indent=1))
+    return breakdown, ops[:top]
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> list[str]:

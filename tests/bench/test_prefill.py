@@ -44,3 +44,27 @@ def test_prefill_flops_counts_each_product_once(tied):
     assert got.attention == 1 * 4 * 4 * 8 * tokens * (tokens + 1) / 2  # causal pairs
     assert got.recurrent == 2 * 4 * 2 * 4 * 8 * tokens
     assert got.total == got.weights + got.attention + got.recurrent
+
+
+def test_prefill_rows_with_a_profile_print_the_device_time_by_category(
+    tmp_path, monkeypatch, load_script
+):
+    import lazyspec.bench.prefill as prefill
+
+    bench = load_script("bench_engine")
+    monkeypatch.setattr(prefill, "matmul_peak", lambda: 1e12)  # 8192-cubed is minutes on CPU
+    out = tmp_path / "table.md"
+    bench.main(
+        ["--preset", "tiny", "--backends", "xla", "--prefill-lens", "128", "--prefill-chunk",
+         "64", "--profile", str(tmp_path / "profile"), "--out", str(out)]
+    )  # fmt: skip
+    lines = out.read_text().splitlines()
+    row = next(line for line in lines if line.startswith("| tiny | xla | 128 | 64 |"))
+    assert float(row.split("|")[5]) > 0  # engine seconds
+    header = lines.index("Prefill of 128 tokens in chunks of 64: device ms by category")
+    names = [c.strip() for c in lines[header + 1].strip("|").split("|")]
+    values = [float(c) for c in lines[header + 3].strip("|").split("|")]
+    by_category = dict(zip(names, values))
+    assert by_category["all"] > 0 and by_category.get("attention", 0) > 0
+    assert by_category.get("recurrent", 0) > 0  # the tiny Qwen3-Next's GDN layers
+    assert (tmp_path / "profile" / "prefill-xla-128-64" / "ops.json").exists()
