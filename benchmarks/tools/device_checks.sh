@@ -28,7 +28,7 @@ if [ "${STARTUP:-1}" = 1 ]; then
 fi
 if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurement
   for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
-    timeout 150 python3 scripts/bench_engine.py --preset qwen3_next_moe \
+    timeout "${PREFILL_S:-150}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
       --prefill-lens 4096,32768 --prefill-chunk "$chunk" --profile "$out/prof" \
       > "$out/prefill-$chunk.log" 2>&1
     echo "prefill chunk $chunk rc=$?"; grep -E "^\| qwen3_next_moe" "$out/prefill-$chunk.log" | tail -2
