@@ -32,8 +32,9 @@ times (loop, alone, host calls, device span and breakdown) are per token step, a
 program's time over K, against the floor of one step.
 ``--prefill-lens`` prints, instead of decode rows, prefill rows against the compute floor
 (``lazyspec.bench.prefill``: FLOPs counted over the bf16 matmul rate measured in the same
-run; transformers' forward as the peer with ``--peer``); ``--startup`` times the engine's
-construction with its warm-up.
+run; transformers' forward as the peer with ``--peer``; with ``--profile``, one more
+prefill a row under the profiler: its device ms by scope and its longest ops, command
+buffers off as above); ``--startup`` times the engine's construction with its warm-up.
 ``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
 at the batch's widest shape. On CPU only the xla backend is meaningful (Pallas runs
 interpreted there).

@@ -3,8 +3,8 @@
 # (`pytest -k pallas`), the README server's start-up cold and warm, then (COMPARE=1) one
 # before/after bench_engine row against a checkout in .old (compare_trees.sh); STARTUP=0
 # skips the start-up check; PREFILL=1 times the preset's prefill rows at a few prefill
-# chunks (PREFILL_CHUNKS), each with its profile's device time by category. Serving
-# needs fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry
+# chunks (PREFILL_CHUNKS, PREFILL_S seconds each), each with its profile's device time by
+# category (command buffers off, so that kernels map to their scopes). Serving needs fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry
 # their wheels in .whl (benchmarks/tools/serving_wheels.sh).
 # Logs go to $OUT (pallas.log, startup.log).
 set -uo pipefail
@@ -28,7 +28,8 @@ if [ "${STARTUP:-1}" = 1 ]; then
 fi
 if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurement
   for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
-    timeout "${PREFILL_S:-150}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+      timeout "${PREFILL_S:-150}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
       --prefill-lens 4096,32768 --prefill-chunk "$chunk" --profile "$out/prof" \
       > "$out/prefill-$chunk.log" 2>&1
     echo "prefill chunk $chunk rc=$?"; grep -E "^\| qwen3_next_moe" "$out/prefill-$chunk.log" | tail -2
