@@ -4,8 +4,9 @@
 # before/after bench_engine row against a checkout in .old (compare_trees.sh); STARTUP=0
 # skips the start-up check; PREFILL=1 times the preset's prefill rows at a few prefill
 # chunks (PREFILL_CHUNKS, PREFILL_S seconds each), each with its profile's device time by
-# category (command buffers off, so that kernels map to their scopes). Serving needs fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry
-# their wheels in .whl (benchmarks/tools/serving_wheels.sh).
+# category (command buffers off, so that kernels map to their scopes). Serving needs
+# fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry their
+# wheels in .whl (benchmarks/tools/serving_wheels.sh).
 # Logs go to $OUT (pallas.log, startup.log).
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
