@@ -156,6 +156,11 @@ class Scheduler:
             return None
         return Admission(fill_ids, match, num_slots, num_pages)
 
+    def _next_chunk(self, fill_len: int, done: int) -> int:
+        """Tokens the next prefill chunk of a request takes: what is left of its ``fill_len``
+        after ``done``, at most a chunk."""
+        return min(fill_len - done, self.layout.chunked_prefill)
+
     def _estimated_new_tokens(self, req: Req) -> int:
         remaining = req.sampling.max_new_tokens - len(req.output_ids)
         return self.token_ratio.estimate(remaining)
@@ -202,21 +207,29 @@ class Scheduler:
     def schedule(self, inflight: Iterable[RowRecord] = ()) -> StepPlan | None:
         """The next step's plan, or None. Mutates: admits, plans slots and pages; may
         retract or fail requests when a decode step cannot get its pages. ``inflight``:
-        the records of the launched step not yet processed (empty without overlap)."""
+        the records of the launched step not yet processed (empty without overlap).
+
+        Waiting requests are admitted while the next extend step can take their first
+        chunk (SGLang's prefill adder): a burst is admitted a step at a time, the later
+        admissions overlapping the earlier steps' device time."""
         if self.schedule_policy == "lpm":
             self._order_by_prefix()
-        while self.waiting:
+        prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
+        chunks = [self._next_chunk(len(r.fill_ids), r.fill_len) for r in prefilling]
+        while self.waiting and self.layout.extend_count(chunks) == len(chunks):
             if not self._prepare(self.waiting[0]):
                 continue  # it failed and left the queue; the next one is the head now
             admission = self.can_admit(self.waiting[0])
             if admission is None:
                 break
-            self.admit(self.waiting.popleft(), admission)
-        prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
+            chunk = self._next_chunk(len(admission.fill_ids), admission.match.prefix_len)
+            if self.layout.extend_count([*chunks, chunk]) == len(chunks):
+                break  # the next extend step is full: admitted once it can take a chunk
+            req = self.waiting.popleft()
+            self.admit(req, admission)
+            prefilling.append(req)
+            chunks.append(self._next_chunk(len(req.fill_ids), req.fill_len))
         if prefilling:
-            chunks = (
-                min(len(r.fill_ids) - r.fill_len, self.layout.chunked_prefill) for r in prefilling
-            )
             return self._plan_extend(prefilling[: self.layout.extend_count(chunks)])
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
         if decoding:

@@ -48,6 +48,7 @@ class Pools:
         num_pages: int = 128,
         max_running: int = 2,
         num_verify: int = 1,
+        prefill_tokens: int | None = None,
     ) -> None:
         config = small_config(num_pages, num_slots, max_running, strategy, num_verify)
         rows = tuple(n for n in (1, 2, 4) if n <= max(max_running, 1))
@@ -55,7 +56,7 @@ class Pools:
             plan_memory(config, MODEL),
             max_running=max_running,
             extend_lengths=(16, 32, 64),
-            prefill_tokens=rows[-1] * 64,
+            prefill_tokens=prefill_tokens or rows[-1] * 64,
             decode_buckets=rows,
         )
         self.kv = KVAllocator(num_pages, PAGE)
@@ -170,6 +171,26 @@ def test_admission_limited_by_kv_pages():
     first, second, _ = _one_of_two_admitted(pools)
     assert pools.kv.num_free_pages == 20 - 12
     _served_in_turn(pools, first, second)
+
+
+def test_admission_stops_where_the_next_extend_step_is_full():
+    """A burst is admitted a prefill step at a time, as SGLang's prefill adder admits: the
+    requests the next extend step cannot take stay queued (nothing allocated for them),
+    so that step launches without the others' admission work before it."""
+    pools = Pools(num_slots=48, num_pages=256, max_running=4, prefill_tokens=128)
+    reqs = [_req(str(i), 40, seed=i) for i in range(4)]  # a step holds two 64-token rows
+    for req in reqs:
+        pools.sched.add(req)
+    plan = pools.step()
+    assert [r.req for r in plan.records] == reqs[:2]
+    assert pools.sched.running == reqs[:2] and list(pools.sched.waiting) == reqs[2:]
+    free_pages = pools.kv.num_free_pages
+    plan = pools.step()  # the first two decode once the others have prefilled
+    assert plan.kind == "extend" and [r.req for r in plan.records] == reqs[2:]
+    assert pools.sched.running == reqs and not pools.sched.waiting
+    assert pools.kv.num_free_pages < free_pages  # their pages taken only now
+    _run_until_finished(pools, reqs)
+    pools.check_idle()
 
 
 def test_request_that_can_never_fit_is_aborted():
