@@ -174,9 +174,13 @@ class Layout(IdSpaces):
 
     def extend_rows(self, length: int) -> tuple[int, ...]:
         """The row buckets of extend steps whose rows are ``length`` tokens long: powers
-        of two up to as many rows as the prefill token budget holds (one at least, no more
-        than the running requests)."""
-        return powers_of_two_up_to(min(self.max_running, max(1, self.prefill_tokens // length)))
+        of two up to ``_most_rows(length)``."""
+        return powers_of_two_up_to(self._most_rows(length))
+
+    def _most_rows(self, length: int) -> int:
+        """As many rows of ``length`` tokens as the prefill token budget holds (one at
+        least, no more than the running requests)."""
+        return min(self.max_running, max(1, self.prefill_tokens // length))
 
     @property
     def extend_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -194,10 +198,16 @@ class Layout(IdSpaces):
         count = longest = 0
         for num_new in chunks:
             longest = max(longest, num_new)
-            if count and count + 1 > self.extend_rows(self.extend_length(longest))[-1]:
+            if not self.extend_takes(count, longest):
                 break
             count += 1
         return count
+
+    def extend_takes(self, count: int, longest: int) -> bool:
+        """Whether an extend step of ``count`` chunks takes one more, its longest chunk then
+        ``longest`` tokens: always a first, then while its rows fit the prefill token budget
+        at that length."""
+        return not count or count < self._most_rows(self.extend_length(longest))
 
     @property
     def kv_tokens(self) -> int:

@@ -131,9 +131,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def can_admit(self, req: Req) -> Admission | None:
+    def can_admit(self, req: Req, running_tokens: int | None = None) -> Admission | None:
         """What admitting ``req`` takes, or None if it does not fit now (evictable cache
         entries counted). A query: only the match's LRU touch and statistics change.
+        ``running_tokens``: the running requests' estimated tokens to come, where the
+        caller keeps their sum (``schedule`` does, over a burst's admissions).
 
         Pages are taken for the prompt and the run-past headroom; beyond them, while other
         requests run, the pool must keep the tokens every running request and ``req`` are
@@ -151,7 +153,9 @@ class Scheduler:
         num_pages = self.cache.pages_needed(req, len(fill_ids), match.prefix_len) + load_pages
         reserved = 0
         if self.running:
-            reserved = sum(self._estimated_new_tokens(r) for r in (*self.running, req))
+            if running_tokens is None:
+                running_tokens = sum(self._estimated_new_tokens(r) for r in self.running)
+            reserved = running_tokens + self._estimated_new_tokens(req)
         if not self.cache.fits(match, num_slots, num_pages, reserved):
             return None
         return Admission(fill_ids, match, num_slots, num_pages)
@@ -216,21 +220,27 @@ class Scheduler:
             self._order_by_prefix()
         prefilling = [r for r in self.running if r.phase is Phase.PREFILL]
         chunks = [self._next_chunk(len(r.fill_ids), r.fill_len) for r in prefilling]
-        while self.waiting and self.layout.extend_count(chunks) == len(chunks):
+        taken = self.layout.extend_count(chunks)  # by the next extend step
+        longest = max(chunks[:taken], default=0)
+        running_tokens = sum(self._estimated_new_tokens(r) for r in self.running)
+        while self.waiting and taken == len(prefilling):
             if not self._prepare(self.waiting[0]):
                 continue  # it failed and left the queue; the next one is the head now
-            admission = self.can_admit(self.waiting[0])
+            admission = self.can_admit(self.waiting[0], running_tokens)
             if admission is None:
                 break
             chunk = self._next_chunk(len(admission.fill_ids), admission.match.prefix_len)
-            if self.layout.extend_count([*chunks, chunk]) == len(chunks):
-                break  # the next extend step is full: admitted once it can take a chunk
+            if not self.layout.extend_takes(taken, max(longest, chunk)):
+                break  # the next extend step is full: admitted once one can take it
             req = self.waiting.popleft()
             self.admit(req, admission)
+            running_tokens += self._estimated_new_tokens(req)
             prefilling.append(req)
-            chunks.append(self._next_chunk(len(req.fill_ids), req.fill_len))
+            chunk = self._next_chunk(len(req.fill_ids), req.fill_len)
+            if self.layout.extend_takes(taken, max(longest, chunk)):
+                taken, longest = taken + 1, max(longest, chunk)
         if prefilling:
-            return self._plan_extend(prefilling[: self.layout.extend_count(chunks)])
+            return self._plan_extend(prefilling[:taken])
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
         if decoding:
             decoding = self._make_room(decoding, list(inflight))
