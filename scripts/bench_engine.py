@@ -257,8 +257,21 @@ class _WidestDecode:
 
 def _compiled_decode(runner, params, pools, batch):
     """The runner's decode step compiled for these (concrete or abstract) arguments."""
+    return _compiled(runner, runner.programs.decode, params, pools, batch)
+
+
+def _compiled(runner, program, params, pools, batch):
+    """The runner's ``program`` (one of ``runner.programs``) compiled for these arguments."""
     static = (runner.family, runner.cfg, runner.static, runner.sharding)
-    return runner.programs.decode.lower(*static, params, pools, batch).compile()
+    return program.lower(*static, params, pools, batch).compile()
+
+
+def _ms_by_category(ops: list[dict[str, Any]], calls: int = 1) -> dict[str, float]:
+    """Device milliseconds a call by breakdown category of ``device_ops``' rows."""
+    out: dict[str, float] = {}
+    for r in ops:
+        out[r["category"]] = out.get(r["category"], 0.0) + 1e3 * r["s"] / calls
+    return out
 
 
 def served_engine(model, backend: str, args, batch: int, spec: bool):
@@ -342,9 +355,7 @@ def _profile(engine, batch, out_dir: Path, calls: int = 10) -> dict[str, Any]:
             out, runner.pools = step(runner.params, runner.pools, batch)
         jax.block_until_ready(out)
     ops = device_ops(out_dir, hlo, "decode_step")
-    breakdown_ms: dict[str, float] = {}
-    for r in ops:
-        breakdown_ms[r["category"]] = breakdown_ms.get(r["category"], 0.0) + 1e3 * r["s"] / calls
+    breakdown_ms = _ms_by_category(ops, calls)
     per_step = [
         {
             "op": r["op"],
@@ -832,12 +843,9 @@ def _profile_prefill(engine, length: int, out_dir: Path, top: int = 20):
     shutil.rmtree(out_dir, ignore_errors=True)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         engine.generate(input_ids=[int(t) for t in prompt], sampling_params={"max_new_tokens": 1})
-    static = (runner.family, runner.cfg, runner.static, runner.sharding)
-    hlo = runner.programs.extend.lower(*static, *recorder.args).compile().as_text()
+    hlo = _compiled(runner, runner.programs.extend, *recorder.args).as_text()
     ops = device_ops(out_dir, hlo, "extend")
-    breakdown: dict[str, float] = {}
-    for r in ops:
-        breakdown[r["category"]] = breakdown.get(r["category"], 0.0) + 1e3 * r["s"]
+    breakdown = _ms_by_category(ops)
     breakdown["all"] = sum(breakdown.values())
     (out_dir / "ops.json").write_text(json.dumps(ops, indent=1))
     return breakdown, ops[:top]
