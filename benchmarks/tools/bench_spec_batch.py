@@ -24,7 +24,7 @@ from pathlib import Path
 from lazyspec.bench.prompts import held_out_prompts
 from lazyspec.engine.engine import Engine
 from lazyspec.models import load_model
-from lazyspec.scheduler.scheduler import mean_accept_length
+from lazyspec.scheduler.batch import mean_accept_length
 from lazyspec.server.launch import DEFAULT_MODEL
 
 

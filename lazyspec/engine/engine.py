@@ -24,12 +24,13 @@ from lazyspec.engine.programs import FUSED, SPLIT
 from lazyspec.engine.results import EngineStats, request_result
 from lazyspec.engine.runner import PackedOutputs, Runner
 from lazyspec.engine.steps import StepStatic
+from lazyspec.scheduler.batch import mean_accept_length
 from lazyspec.scheduler.cache import RequestCache
 from lazyspec.scheduler.grammar import GrammarBackend, grammar_of, make_backend
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.scheduler.policy import RowRecord, SlotPolicy
 from lazyspec.scheduler.request import TOP_LOGPROBS, Req, SamplingParams
-from lazyspec.scheduler.scheduler import Scheduler, mean_accept_length
+from lazyspec.scheduler.scheduler import Scheduler
 from lazyspec.scheduler.token_ratio import NewTokenRatio
 from lazyspec.token_map import draft_token_ids, read_token_map
 

@@ -13,7 +13,7 @@ moved to the device packed into one int32 array and unpacked there.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -410,3 +410,28 @@ def build_decode(
         if record.target_slot != NO_SLOT:
             batch.track_slot[b] = record.target_slot
     return batch
+
+
+@dataclass
+class StepPlan:
+    kind: str  # "extend" | "decode"
+    records: list[RowRecord]
+    batch: ExtendBatch | DecodeBatch
+    # request-table updates past the batch's own bucket, [3, layout.table_chunk_len] each,
+    # applied on the device before the step (usually none)
+    table_chunks: list[np.ndarray] = field(default_factory=list)
+    # the token histories of the rows admitted since the last plan (requests with
+    # penalties), written into the token-count pools before the step
+    count_seeds: list[CountSeed] = field(default_factory=list)
+    prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
+    # the requests with a grammar whose rows the step samples: their allowed-token bitmasks
+    # (``Scheduler.grammar_masks``) are written on the device before the step samples
+    grammar_reqs: list[Req] = field(default_factory=list)
+
+
+def mean_accept_length(accept_counts: np.ndarray) -> float | None:
+    """Mean tokens a verify step committed, from ``accept_counts`` (``[k]`` = verify steps
+    that committed k tokens; ``Scheduler.accept_counts`` or a difference of two readings);
+    None before any."""
+    steps = int(accept_counts.sum())
+    return float(np.dot(np.arange(len(accept_counts)), accept_counts) / steps) if steps else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,8 @@ import numpy as np
 from lazyspec.cache.radix_cache import MatchResult
 from lazyspec.scheduler.batch import (
     CountSeed,
-    DecodeBatch,
-    ExtendBatch,
     SamplingMemo,
+    StepPlan,
     build_decode,
     build_extend,
     count_seeds,
@@ -52,31 +51,6 @@ logger = logging.getLogger(__name__)
 # lpm sorts a waiting queue up to this long (one tree walk per request per step); a longer
 # one is taken in arrival order (SGLang's cut-off)
 LPM_MAX_WAITING = 128
-
-
-@dataclass
-class StepPlan:
-    kind: str  # "extend" | "decode"
-    records: list[RowRecord]
-    batch: ExtendBatch | DecodeBatch
-    # request-table updates past the batch's own bucket, [3, layout.table_chunk_len] each,
-    # applied on the device before the step (usually none)
-    table_chunks: list[np.ndarray] = field(default_factory=list)
-    # the token histories of the rows admitted since the last plan (requests with
-    # penalties), written into the token-count pools before the step
-    count_seeds: list[CountSeed] = field(default_factory=list)
-    prompt_logprobs: bool = False  # a row wants prompt logprobs: read them back
-    # the requests with a grammar whose rows the step samples: their allowed-token bitmasks
-    # (``Scheduler.grammar_masks``) are written on the device before the step samples
-    grammar_reqs: list[Req] = field(default_factory=list)
-
-
-def mean_accept_length(accept_counts: np.ndarray) -> float | None:
-    """Mean tokens a verify step committed, from ``accept_counts`` (``[k]`` = verify steps
-    that committed k tokens; ``Scheduler.accept_counts`` or a difference of two readings);
-    None before any."""
-    steps = int(accept_counts.sum())
-    return float(np.dot(np.arange(len(accept_counts)), accept_counts) / steps) if steps else None
 
 
 @dataclass(frozen=True)
