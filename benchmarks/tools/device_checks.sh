@@ -4,7 +4,8 @@
 # before/after bench_engine row against a checkout in .old (compare_trees.sh); STARTUP=0
 # skips the start-up check; PREFILL=1 times the preset's prefill rows at a few prefill
 # chunks (PREFILL_CHUNKS, PREFILL_S seconds each), each with its profile's device time by
-# category (command buffers off, so that kernels map to their scopes). Serving needs
+# category (command buffers off, so that kernels map to their scopes); MEMORY=1 prints the
+# README server's programs' memory analysis (program_memory.py, MEMORY_MOST programs). Serving needs
 # fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry their
 # wheels in .whl (benchmarks/tools/serving_wheels.sh).
 # Logs go to $OUT (pallas.log, startup.log).
@@ -35,6 +36,11 @@ if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurem
       > "$out/prefill-$chunk.log" 2>&1
     echo "prefill chunk $chunk rc=$?"; grep -E "^\| qwen3_next_moe" "$out/prefill-$chunk.log" | tail -2
   done
+fi
+if [ "${MEMORY:-0}" = 1 ]; then  # what each served program holds beside the pools
+  timeout "${MEMORY_S:-300}" python3 benchmarks/tools/program_memory.py \
+    --most "${MEMORY_MOST:-16}" -- --speculative-algorithm NEXTN > "$out/memory.log" 2>&1
+  echo "memory rc=$?"; grep -E "^device|^\|" "$out/memory.log"
 fi
 if [ "${COMPARE:-0}" = 1 ]; then
   timeout 150 bash benchmarks/tools/compare_trees.sh .old . 1 -- --preset qwen3_next_moe \
