@@ -19,9 +19,7 @@ import time
 
 import jax
 
-from lazyspec.config import EngineConfig
-from lazyspec.server.flags import apply_sglang_flags
-from lazyspec.server.launch import build_parser, engine_kwargs, resolve_model_path
+from lazyspec.server.launch import build_parser, resolve_engine_kwargs
 from lazyspec.server.pools import apply_pool_plan
 
 GIB = 2**30
@@ -45,12 +43,7 @@ def served_engine(serve_args: list[str]):
     """An engine of ``serve.py``'s flags, its pools planned as the server plans them."""
     from lazyspec.engine.engine import Engine
 
-    args = build_parser().parse_args(serve_args)
-    kwargs = engine_kwargs(args)
-    kwargs["model_path"] = resolve_model_path(args.model_path)
-    sglang = apply_sglang_flags(args, kwargs)
-    config = EngineConfig(**kwargs)
-    kwargs.update(mamba_scheduler_strategy=config.mamba_scheduler_strategy)
+    kwargs, sglang, _ = resolve_engine_kwargs(build_parser().parse_args(serve_args))
     apply_pool_plan(kwargs, sglang.mem_fraction_static, sglang.mamba_full_memory_ratio)
     kwargs["skip_warmup"] = True
     return Engine(**kwargs)

@@ -304,6 +304,21 @@ def resolve_model_path(given: str | None, default: Path = DEFAULT_MODEL) -> str:
     )
 
 
+def resolve_engine_kwargs(
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], SglangFlags, EngineConfig]:
+    """The engine keywords of the parsed command line, as the server builds its engine from
+    them (the model path resolved, SGLang's flags applied), with the SGLang flags' values
+    and the resolved config; ValueError naming a bad value. The keywords carry the resolved
+    checkpoint strategy: building the engine from them does not resolve (nor log) again."""
+    kwargs = engine_kwargs(args)
+    kwargs["model_path"] = resolve_model_path(args.model_path)
+    sglang = apply_sglang_flags(args, kwargs)
+    config = EngineConfig(**kwargs)
+    kwargs.update(mamba_scheduler_strategy=config.mamba_scheduler_strategy)
+    return kwargs, sglang, config
+
+
 def main(argv: list[str] | None = None) -> None:
     """Listen at once (503 while starting), build the engine in a thread, then serve; on
     SIGTERM / SIGINT drain gracefully and exit 0."""
@@ -312,15 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    kwargs = engine_kwargs(args)
     try:
-        kwargs["model_path"] = resolve_model_path(args.model_path)
-        sglang = apply_sglang_flags(args, kwargs)
-        config = EngineConfig(**kwargs)
+        kwargs, sglang, config = resolve_engine_kwargs(args)
     except ValueError as exc:
         parser.error(str(exc))
-    # the resolved config: building the engine from it does not resolve (nor log) again
-    kwargs.update(mamba_scheduler_strategy=config.mamba_scheduler_strategy)
     import uvicorn
 
     from lazyspec.server.lifecycle import (
