@@ -267,9 +267,14 @@ def _compiled(runner, program, params, pools, batch):
 
 
 def _ms_by_category(ops: list[dict[str, Any]], calls: int = 1) -> dict[str, float]:
-    """Device milliseconds a call by breakdown category of ``device_ops``' rows."""
+    """Device milliseconds a call by breakdown category of ``device_ops``' rows, in the
+    categories' own order (``floor.CATEGORIES``, then "draft" and "other"), whatever order
+    the ops came in: tables of several runs read column for column."""
+    from lazyspec.bench.floor import CATEGORIES
+
+    order = [c for c in CATEGORIES if c != "draft_extend"] + ["draft", "other"]
     out: dict[str, float] = {}
-    for r in ops:
+    for r in sorted(ops, key=lambda r: order.index(r["category"])):
         out[r["category"]] = out.get(r["category"], 0.0) + 1e3 * r["s"] / calls
     return out
 
