@@ -267,14 +267,13 @@ def _compiled(runner, program, params, pools, batch):
 
 
 def _ms_by_category(ops: list[dict[str, Any]], calls: int = 1) -> dict[str, float]:
-    """Device milliseconds a call by breakdown category of ``device_ops``' rows, in the
-    categories' own order (``floor.CATEGORIES``, then "draft" and "other"), whatever order
-    the ops came in: tables of several runs read column for column."""
-    from lazyspec.bench.floor import CATEGORIES
+    """Device milliseconds a call by breakdown category of ``device_ops``' rows, in
+    ``floor.BREAKDOWN_ORDER`` whatever order the ops came in: tables of several runs read
+    column for column."""
+    from lazyspec.bench.floor import BREAKDOWN_ORDER
 
-    order = [c for c in CATEGORIES if c != "draft_extend"] + ["draft", "other"]
     out: dict[str, float] = {}
-    for r in sorted(ops, key=lambda r: order.index(r["category"])):
+    for r in sorted(ops, key=lambda r: BREAKDOWN_ORDER.index(r["category"])):
         out[r["category"]] = out.get(r["category"], 0.0) + 1e3 * r["s"] / calls
     return out
 
@@ -727,7 +726,9 @@ def main(argv=None) -> None:
     )
     if args.profile:
         rows = [r for r in rows if "breakdown_ms" in r]
-        cats = sorted({c for r in rows for c in r["breakdown_ms"]})
+        from lazyspec.bench.floor import BREAKDOWN_ORDER
+
+        cats = [c for c in BREAKDOWN_ORDER if any(c in r["breakdown_ms"] for r in rows)]
         lines.append("")
         lines += markdown_table(
             [

@@ -40,6 +40,8 @@ CATEGORIES = (
     "sampling",
     "state_commit",
 )
+# the categories ``category`` returns, in the order a breakdown's columns are printed
+BREAKDOWN_ORDER = (*(c for c in CATEGORIES if c != "draft_extend"), "draft", "other")
 
 
 def expected_routed_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
