@@ -306,7 +306,8 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
 def test_the_combine_reads_only_the_active_splits_pallas():
     """With ``lengths`` the combine loops over the splits that read a block of the token's
     tile and no further: splits past them filled with NaN leave its output finite and equal
-    to the merge of the splits before them; the every-split merge reads them (NaN)."""
+    to the merge of the splits before them (to float32's accumulation tolerance: the merge
+    may sum in another order); the every-split merge reads them (NaN)."""
     rng = np.random.default_rng(11)
     batch, kv_heads, groups, num_tokens, head_dim, rows = 2, 2, 4, 1, 32, 16
     num_splits, block_kv = 6, 16
@@ -328,7 +329,8 @@ def test_the_combine_reads_only_the_active_splits_pallas():
     for b, n in enumerate(active):
         merged = pa._combine(*(p[:n, b : b + 1] for p in parts))[:, :, :groups]
         want = np.asarray(merged).reshape(1, 1, kv_heads * groups, head_dim)  # h * G + g
-        np.testing.assert_array_equal(got[b : b + 1], want)
+        tol = tolerance(jnp.float32, reduction_length=n)  # the same n splits, own order
+        assert_close(got[b : b + 1], want, tol, f"row {b}: the merge of its {n} splits")
     every = pa._combine_pallas(*parts, None, **shape, interpret=INTERPRET)
     assert np.isnan(np.asarray(every)).any()
 
