@@ -66,15 +66,29 @@ def first_request_keys(layout: Layout, keys: Iterable[ProgramKey]) -> frozenset[
     )
 
 
+def compiled_before(key: ProgramKey) -> ProgramKey | None:
+    """The program whose compilation ``key``'s waits for, if any: a split step's finish
+    lowers its forward (compile that once); a second copy of a decode program is the first
+    copy's HLO, read from the persistent cache once the first copy's compilation wrote it
+    (where the cache is on; compiled again where it is off)."""
+    if key.kind == FINISH:
+        return dataclasses.replace(key, kind=FORWARD)
+    if key.copy:
+        return dataclasses.replace(key, copy=0)
+    return None
+
+
 def warm_order(layout: Layout, keys: Sequence[ProgramKey]) -> tuple[ProgramKey, ...]:
     """``keys`` in the order they are compiled: the first request's programs, then by batch
-    rows (fewer first: a lightly loaded server meets them first), then step kind, tokens,
-    form and copy. A split step's forward comes before its finish (which lowers after it)."""
+    rows (fewer first: a lightly loaded server meets them first), then step kind, tokens and
+    form; the second copies of the decode programs last in each of the two groups (each a
+    cache read once its first copy is compiled, ``compiled_before``). A split step's forward
+    comes before its finish (which lowers after it)."""
     first = first_request_keys(layout, keys)
 
     def rank(key: ProgramKey) -> tuple:
         kind = _KIND_RANK.get(key.kind, -1)
-        return (key not in first, key.rows, kind, key.tokens, not key.greedy, key.copy)
+        return (key not in first, key.copy, key.rows, kind, key.tokens, not key.greedy)
 
     return tuple(sorted(keys, key=rank))
 
@@ -173,10 +187,9 @@ class TableCompiler:
         return self
 
     def _compile(self, key: ProgramKey) -> None:
-        if key.kind == FINISH:  # its arguments lower the forward: compile that once
-            forward = dataclasses.replace(key, kind=FORWARD)
-            if forward in self._futures:
-                self._futures[forward].result()
+        before = compiled_before(key)
+        if before in self._futures:
+            self._futures[before].result()
         self._programs[key].compile()
 
     def _on_done(self, future: concurrent.futures.Future) -> None:

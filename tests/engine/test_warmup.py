@@ -86,7 +86,11 @@ def test_the_first_request_programs_come_first():
     assert {(k.rows, k.tokens) for k in first if k.kind == EXTEND} == {layout.extend_shapes[0]}
     assert {k.rows for k in first if k.kind == DECODE} == {layout.decode_rows(1, 1)}
     rest = order[len(first) :]
-    assert len(rest) > 4 and [k.rows for k in rest] == sorted(k.rows for k in rest)
+    singles = [k for k in rest if not k.copy]
+    assert len(singles) > 4 and [k.rows for k in singles] == sorted(k.rows for k in singles)
+    copies = rest[len(singles) :]  # each second copy after every first-copy program
+    assert copies and all(k.copy for k in copies), rest
+    assert [k.copy for k in order[: len(first)]] == sorted(k.copy for k in first)
     for at, key in enumerate(order):
         if key.kind == FINISH:
             assert order.index(key.__class__(FORWARD, key.rows, key.tokens)) < at
@@ -121,7 +125,8 @@ def test_a_warm_restart_reads_every_program_from_the_cache(tmp_path):
     """With the server's cache settings (every program kept, however small and fast to
     compile), an engine built again after the in-memory caches are dropped reads every
     program of its table from the persistent cache: as many hits as the first engine had
-    misses, and no XLA compilation."""
+    misses, and no XLA compilation. With two copies of the decode program, the first
+    engine already reads each second copy from the cache (it waits for the first)."""
     from jax.experimental.compilation_cache import compilation_cache
 
     model = _model(layer_norm_epsilon=3e-5)
@@ -130,16 +135,19 @@ def test_a_warm_restart_reads_every_program_from_the_cache(tmp_path):
     try:
         enable_compilation_cache(str(tmp_path))
         jax.clear_caches()  # programs of the same shapes that earlier tests compiled
-        cold = Engine(model=model, **SETTINGS).warmup_status()
+        engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
+        cold, keys = engine.warmup_status(), engine.runner.program_keys
         jax.clear_caches()
-        warm = Engine(model=model, **SETTINGS).warmup_status()
+        warm = Engine(model=model, decode_program_copies=2, **SETTINGS).warmup_status()
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
     num_programs = cold["num_programs"]
+    num_copies = sum(key.copy for key in keys)
     assert cold["done"] and warm["done"] and warm["num_programs"] == num_programs > 4
-    assert cold["persistent_cache_misses"] == cold["num_xla_compiles"] == num_programs
-    assert cold["persistent_cache_hits"] == 0
+    assert num_copies > 1 and cold["num_xla_compiles"] == num_programs - num_copies
+    assert cold["persistent_cache_misses"] == num_programs - num_copies
+    assert cold["persistent_cache_hits"] == num_copies
     assert warm["persistent_cache_hits"] == num_programs
     assert warm["persistent_cache_misses"] == warm["num_xla_compiles"] == 0
