@@ -25,8 +25,13 @@ NO_STEP = -1  # state_scatter: this row writes nothing
 
 
 def gather_state(pools: Pools, slots: jax.Array) -> StateRows:
-    """The rows of the state pools at ``slots`` (every layer)."""
-    return StateRows(conv=pools.conv[:, slots], ssm=pools.ssm[:, slots])
+    """The rows of the state pools at ``slots`` (every layer). One row is read as a gather
+    of two (the row twice): XLA turns a one-index gather into a dynamic slice and fuses it
+    into each consumer, among them the commit's in-place writes of the same pool, which must
+    then work on a copy of the whole pool (two copies of the state pool a one-row step)."""
+    num_rows = slots.shape[0]
+    read = jnp.concatenate([slots, slots]) if num_rows == 1 else slots
+    return StateRows(conv=pools.conv[:, read][:, :num_rows], ssm=pools.ssm[:, read][:, :num_rows])
 
 
 def scatter_state(pools_conv, pools_ssm, slots, conv, ssm):
