@@ -66,14 +66,14 @@ def first_request_keys(layout: Layout, keys: Iterable[ProgramKey]) -> frozenset[
     )
 
 
-def compiled_before(key: ProgramKey) -> ProgramKey | None:
+def compiled_before(key: ProgramKey, cache_used: bool) -> ProgramKey | None:
     """The program whose compilation ``key``'s waits for, if any: a split step's finish
-    lowers its forward (compile that once); a second copy of a decode program is the first
-    copy's HLO, read from the persistent cache once the first copy's compilation wrote it
-    (where the cache is on; compiled again where it is off)."""
+    lowers its forward (compile that once); with the persistent cache on (``cache_used``),
+    a second copy of a decode program, the first copy's HLO, is read from the cache once
+    the first copy's compilation wrote it (without the cache it compiles at once)."""
     if key.kind == FINISH:
         return dataclasses.replace(key, kind=FORWARD)
-    if key.copy:
+    if key.copy and cache_used:
         return dataclasses.replace(key, copy=0)
     return None
 
@@ -172,12 +172,13 @@ class TableCompiler:
         self._num_done = self._num_cancelled = 0
         self._finished = threading.Event()  # set once every program is done, counts read
         self._started = self._ready_s = self._done_s = None
+        self._cache_used = False  # whether the persistent compilation cache is on (start)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self) -> TableCompiler:
         """Submit every program, in order; returns at once."""
         self._started = time.perf_counter()
-        _settle_cache_use()
+        self._cache_used = _settle_cache_use()
         self._listener.start()
         self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, THREAD_NAME)
         for key in self.order:
@@ -187,7 +188,7 @@ class TableCompiler:
         return self
 
     def _compile(self, key: ProgramKey) -> None:
-        before = compiled_before(key)
+        before = compiled_before(key, self._cache_used)
         if before in self._futures:
             self._futures[before].result()
         self._programs[key].compile()
@@ -282,11 +283,12 @@ class TableCompiler:
         }
 
 
-def _settle_cache_use() -> None:
-    """Have JAX set up its persistent compilation cache now, in this thread. It does so at
-    its first compilation, and threads that compile first together race (jax 0.10): one may
-    find the cache not yet decided on (``is_cache_used``) or not yet built (``_get_cache``)
-    and compile without it, neither reading nor writing its entry."""
+def _settle_cache_use() -> bool:
+    """Have JAX set up its persistent compilation cache now, in this thread; whether it is
+    used. JAX does so at its first compilation, and threads that compile first together
+    race (jax 0.10): one may find the cache not yet decided on (``is_cache_used``) or not
+    yet built (``_get_cache``) and compile without it, neither reading nor writing its
+    entry."""
     try:
         import jax.extend.backend
         from jax._src import compilation_cache
@@ -294,8 +296,10 @@ def _settle_cache_use() -> None:
         backend = jax.extend.backend.get_backend()
         if compilation_cache.is_cache_used(backend):
             compilation_cache._get_cache(backend)
+            return True
     except (ImportError, AttributeError):  # another jax: its first compilations decide
         logger.debug("could not set up the compilation cache ahead", exc_info=True)
+    return False
 
 
 def compile_table(
