@@ -2,12 +2,12 @@
 # The GPU checks of one device call, in order of importance: the kernel tests compiled
 # (`pytest -k pallas`), the README server's start-up cold and warm (to /health 200), then
 # (COMPARE=1) one before/after bench_engine row against a checkout in .old
-# (compare_trees.sh); STARTUP=0 skips the start-up check; PREFILL=1 times the preset's prefill rows at a few prefill
-# chunks (PREFILL_CHUNKS, PREFILL_S seconds each), each with its profile's device time by
-# category (command buffers off, so that kernels map to their scopes); MEMORY=1 prints the
-# README server's programs' memory analysis (program_memory.py, MEMORY_MOST programs). Serving needs
-# fastapi, uvicorn, llguidance and jsonschema: where the machine lacks them, carry their
-# wheels in .whl (benchmarks/tools/serving_wheels.sh).
+# (compare_trees.sh); STARTUP=0 skips the start-up check; PREFILL=1 times the preset's
+# prefill rows at a few prefill chunks (PREFILL_CHUNKS, PREFILL_S seconds each), each with
+# its profile's device time by category (command buffers off, so that kernels map to their
+# scopes); MEMORY=1 prints the README server's programs' memory analysis (program_memory.py,
+# MEMORY_MOST programs). Serving needs fastapi, uvicorn, llguidance and jsonschema: where
+# the machine lacks them, carry their wheels in .whl (benchmarks/tools/serving_wheels.sh).
 # Logs go to $OUT (pallas.log, startup.log).
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
