@@ -34,7 +34,8 @@ program's time over K, against the floor of one step.
 (``lazyspec.bench.prefill``: FLOPs counted over the bf16 matmul rate measured in the same
 run; transformers' forward as the peer with ``--peer``; with ``--profile``, one more
 prefill a row under the profiler: its device ms by scope and its longest ops, command
-buffers off as above); ``--startup`` times the engine's construction with its warm-up.
+buffers off as above); ``--startup`` times the engine's construction, to ready and to its
+whole program table compiled.
 ``--memory`` reports, instead of timings, XLA's memory analysis of the compiled decode step
 at the batch's widest shape. On CPU only the xla backend is meaningful (Pallas runs
 interpreted there).
@@ -633,8 +634,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--startup",
         action="store_true",
-        help="time the engine's construction with its warm-up (the whole program table "
-        "compiled; --batch rows, --context tokens) instead of decode rows",
+        help="time the engine's construction to ready and to its whole program table "
+        "compiled (--batch rows, --context tokens) instead of decode rows",
     )
     p.add_argument("--profile", default=None, help="folder for profiles: adds a breakdown")
     p.add_argument(
@@ -749,17 +750,24 @@ def main(argv=None) -> None:
 
 
 def startup_line(model, args) -> None:
-    """Seconds to build an engine of ``--batch`` rows and ``--context`` tokens with its
-    warm-up (every program compiled; the persistent cache as JAX is configured), and what
-    the warm-up reports."""
+    """Seconds to build an engine of ``--batch`` rows and ``--context`` tokens (NEXTN with
+    ``--spec``), ready (the programs a first request needs compiled, the rest compiling in
+    the background) and with its whole program table compiled (the persistent cache as JAX
+    is configured), and what the warm-up reports."""
     from lazyspec.engine.engine import Engine
 
     start = time.perf_counter()
     backend = args.backends.split(",")[0]
-    engine = Engine(model=model, **engine_settings(args, backend, args.batch, args.context))
+    settings = engine_settings(args, backend, args.batch, args.context)
+    if args.spec or args.spec_only:  # the NEXTN engine's table
+        settings.update(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
+    engine = Engine(model=model, background_warmup=True, **settings)
+    ready = time.perf_counter() - start
+    while not (engine.warmup_status() or {"done": True})["done"]:
+        time.sleep(0.1)
     seconds = time.perf_counter() - start
     status = engine.warmup_status() or {}
-    print(f"engine with warm-up in {seconds:.1f} s: {status}", flush=True)
+    print(f"engine ready in {ready:.1f} s, whole table in {seconds:.1f} s: {status}", flush=True)
 
 
 def prefill_table(model, args, device: str) -> None:

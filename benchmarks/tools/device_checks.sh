@@ -2,13 +2,14 @@
 # The GPU checks of one device call, in order of importance: the kernel tests compiled
 # (`pytest -k pallas`), the README server's start-up cold and warm (to /health 200), then
 # (COMPARE=1) one before/after bench_engine row against a checkout in .old
-# (compare_trees.sh); STARTUP=0 skips the start-up check; PREFILL=1 times the preset's
-# prefill rows at a few prefill chunks (PREFILL_CHUNKS, PREFILL_S seconds each), each with
-# its profile's device time by category (command buffers off, so that kernels map to their
-# scopes); MEMORY=1 prints the README server's programs' memory analysis (program_memory.py,
-# MEMORY_MOST programs). Serving needs fastapi, uvicorn, llguidance and jsonschema: where
-# the machine lacks them, carry their wheels in .whl (benchmarks/tools/serving_wheels.sh).
-# Logs go to $OUT (pallas.log, startup.log).
+# (compare_trees.sh); STARTUP=0 skips the start-up check; ENGINE_STARTUP=1 times
+# bench_engine's qwen3_next_moe engine to ready and to its whole table; PREFILL=1 times
+# the preset's prefill rows at a few prefill chunks (PREFILL_CHUNKS, PREFILL_S seconds
+# each), each with its profile's device time by category (command buffers off, so that
+# kernels map to their scopes); MEMORY=1 prints the README server's programs' memory
+# analysis (program_memory.py, MEMORY_MOST programs). Serving needs fastapi, uvicorn,
+# llguidance and jsonschema: where the machine lacks them, carry their wheels in .whl
+# (benchmarks/tools/serving_wheels.sh). Logs go to $OUT.
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -28,6 +29,11 @@ if [ "${STARTUP:-1}" = 1 ]; then
   timeout 170 python3 scripts/bench_startup.py --runs 1 --ready-only -- \
     --speculative-algorithm NEXTN > "$out/startup.log" 2>&1
   echo "startup rc=$?"; tail -3 "$out/startup.log"
+fi
+if [ "${ENGINE_STARTUP:-0}" = 1 ]; then  # the 2.5 B preset's engine: to ready, to its table
+  timeout "${ENGINE_STARTUP_S:-300}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
+    --startup --batch 64 --context 1024 ${ENGINE_STARTUP_FLAGS:-} > "$out/engine-startup.log" 2>&1
+  echo "engine startup rc=$?"; grep -E "^engine ready" "$out/engine-startup.log" | cut -c1-600
 fi
 if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurement
   for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
