@@ -11,13 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import (
-    check_tile,
-    powers_of_two,
-    refuse_triton_shapes,
-    triton_shape_error,
-    whole,
-)
+from lazyspec.kernels.common import check_tile, powers_of_two, triton_shape_error, whole
 from lazyspec.kernels.gdn.reference import gdn_scan, l2_normalize
 from lazyspec.kernels.norm.gated import gated_rows
 from lazyspec.kernels.state.update_common import (
@@ -28,12 +22,12 @@ from lazyspec.kernels.state.update_common import (
     UpdateTiles,
     check_mode,
     check_pool,
+    launch_tiles,
     load_tile,
     pool_index,
     run_update,
     scan_tokens,
-    xla_finish,
-    xla_rows,
+    xla_update,
 )
 
 
@@ -238,11 +232,11 @@ def gdn_state_update_pallas(
     else:
         batch, num_tokens, num_heads, key_dim = tokens.q.shape
         value_dim = tokens.v.shape[-1]
-    check_pool(pool, slot, (num_heads, key_dim, value_dim), layer)
-    bh = check_tile("block_heads", num_heads, tiles.block_heads)
-    bv = check_tile("block_value", value_dim, tiles.block_value)
-    refuse_triton_shapes(interpret, gdn_triton_error((num_heads, key_dim, value_dim), tiles))
-    launched = tiles.for_launch(mode, bh, bv)
+    state_shape = (num_heads, key_dim, value_dim)
+    launched = launch_tiles(
+        pool, slot, state_shape, layer, mode, tiles, gdn_triton_error, interpret, value_axis=2
+    )
+    bh, bv = launched.block_heads, launched.block_value
     values = pl.BlockSpec((None, num_tokens, bh, bv), lambda b, i, j: (b, 0, i, j))
     per_key = norm = None
     if isinstance(tokens, GdnConvTokens):
@@ -288,6 +282,7 @@ def gdn_state_update_xla(
     scatter."""
     check_mode(mode)
     check_pool(pool, slot, (tokens.q.shape[2], tokens.q.shape[3], tokens.v.shape[3]), layer)
-    f32 = [x.astype(jnp.float32) for x in (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)]
-    outs, final, states = jax.vmap(gdn_scan)(xla_rows(pool, slot, layer), *f32)
-    return xla_finish(pool, slot, mode, outs.astype(tokens.v.dtype), final, states, layer)
+    inputs = (tokens.q, tokens.k, tokens.v, tokens.g, tokens.beta)
+    return xla_update(
+        jax.vmap(gdn_scan), pool, slot, inputs, mode=mode, layer=layer, out_dtype=tokens.v.dtype
+    )

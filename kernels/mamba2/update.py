@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lazyspec.kernels.common import check_tile, refuse_triton_shapes, triton_shape_error, whole
+from lazyspec.kernels.common import check_tile, triton_shape_error, whole
 from lazyspec.kernels.mamba2.reference import mamba2_scan
 from lazyspec.kernels.state.update_common import (
     DEFAULT_UPDATE_TILES,
@@ -20,12 +20,12 @@ from lazyspec.kernels.state.update_common import (
     UpdateTiles,
     check_mode,
     check_pool,
+    launch_tiles,
     load_tile,
     pool_index,
     run_update,
     scan_tokens,
-    xla_finish,
-    xla_rows,
+    xla_update,
 )
 
 
@@ -128,11 +128,11 @@ def mamba2_state_update_pallas(
     check_mode(mode)
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
-    check_pool(pool, slot, (num_heads, head_dim, state_dim), layer)
-    bh = check_tile("block_heads", num_heads, tiles.block_heads)
-    bp = check_tile("block_value", head_dim, tiles.block_value)
-    refuse_triton_shapes(interpret, mamba2_triton_error((num_heads, head_dim, state_dim), tiles))
-    launched = tiles.for_launch(mode, bh, bp)
+    state_shape = (num_heads, head_dim, state_dim)
+    launched = launch_tiles(
+        pool, slot, state_shape, layer, mode, tiles, mamba2_triton_error, interpret, value_axis=1
+    )
+    bh, bp = launched.block_heads, launched.block_value
     per_group = check_groups(num_heads, num_groups, bh)
     values = pl.BlockSpec((None, num_tokens, bh, bp), lambda b, i, j: (b, 0, i, j))
     groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, j: (b, 0, 0, 0))
@@ -165,9 +165,6 @@ def mamba2_state_update_xla(
     check_mode(mode)
     check_pool(pool, slot, (tokens.x.shape[2], tokens.x.shape[3], tokens.b.shape[3]), layer)
     check_groups(tokens.x.shape[2], tokens.b.shape[2], 1)
-    f32 = [
-        t.astype(jnp.float32) for t in (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d)
-    ]
     scan = jax.vmap(mamba2_scan, in_axes=(0, 0, 0, 0, 0, None, None))
-    outs, final, states = scan(xla_rows(pool, slot, layer), *f32)
-    return xla_finish(pool, slot, mode, outs.astype(tokens.x.dtype), final, states, layer)
+    inputs = (tokens.x, tokens.b, tokens.c, tokens.dt, tokens.a, tokens.d)
+    return xla_update(scan, pool, slot, inputs, mode=mode, layer=layer, out_dtype=tokens.x.dtype)

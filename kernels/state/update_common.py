@@ -1,6 +1,6 @@
 """What the GDN and Mamba2 recurrent state updates share (``gdn.update``, ``mamba2.update``,
 their TPU layouts ``*.update_tpu``): the contract, the token records, the checks, the
-Triton-layout pool access and launch, and the XLA forms' finishing scatter.
+Triton-layout pool access and launch, and the XLA forms' gather, scan and scatter.
 
 Contract (both mixers, both forms). A batch of B rows with T new tokens each reads its
 initial state from ``pool[slot[b]]`` (pool ``[num_slots + 1, H, d_a, d_b]``, one layer) and
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 
-from lazyspec.kernels.common import whole
+from lazyspec.kernels.common import check_tile, refuse_triton_shapes, whole
 from lazyspec.kernels.norm.gated import GateLayout
 
 MODES = ("decode", "verify")
@@ -214,6 +215,30 @@ def check_pool(
         raise ValueError(f"slot must be a 1-D integer array, got {slot.shape} {slot.dtype}")
 
 
+def launch_tiles(
+    pool: jax.Array,
+    slot: jax.Array,
+    state_shape: tuple[int, int, int],
+    layer: int | None,
+    mode: str,
+    tiles: UpdateTiles,
+    triton_error: Callable[[tuple[int, ...], UpdateTiles], str | None],
+    interpret: bool,
+    *,
+    value_axis: int,
+) -> UpdateTiles:
+    """The checks of a Triton-layout update's launch, then ``tiles`` as it runs them
+    (``UpdateTiles.for_launch``): the pool against ``state_shape`` (``check_pool``), the
+    tiles against the heads and the value axis ``state_shape[value_axis]`` (``check_tile``)
+    and, compiled, the shapes Triton cannot lower (``triton_error(state_shape, tiles)``), each
+    a ValueError."""
+    check_pool(pool, slot, state_shape, layer)
+    block_heads = check_tile("block_heads", state_shape[0], tiles.block_heads)
+    block_value = check_tile("block_value", state_shape[value_axis], tiles.block_value)
+    refuse_triton_shapes(interpret, triton_error(state_shape, tiles))
+    return tiles.for_launch(mode, block_heads, block_value)
+
+
 def load_state(pool_ref, idx: tuple, evict_last: bool, live: jax.Array | None = None) -> jax.Array:
     """The state tile ``pool_ref[idx]``. ``evict_last`` asks the cache to keep its lines, so
     that decode's write-back of the same tile finds them in L2 (Mamba2 on an H200: 3-8
@@ -312,20 +337,25 @@ def run_update(
 # ---------------------------------------------------------------- XLA forms
 
 
-def xla_rows(pool: jax.Array, slot: jax.Array, layer: int | None) -> jax.Array:
-    """Row b's state ``pool[slot[b]]`` (of ``layer`` when given) in float32."""
-    return (pool if layer is None else pool[layer])[slot].astype(jnp.float32)
-
-
-def xla_finish(
+def xla_update(
+    scan,
     pool: jax.Array,
     slot: jax.Array,
+    inputs: tuple[jax.Array, ...],
+    *,
     mode: str,
-    outputs: jax.Array,
-    final: jax.Array,
-    states: jax.Array,
     layer: int | None,
+    out_dtype: Any,
 ) -> StateUpdateResult:
+    """An XLA form's update: ``scan(states, *inputs)`` (a mixer's scan vmapped over the rows:
+    (outputs, final states, step states)) from row b's state ``pool[slot[b]]`` (of ``layer``
+    when given), the states and ``inputs`` in float32; the outputs in ``out_dtype``. Decode
+    writes the final states back (``xla_write_back``), verify returns the step states in
+    the pool's dtype. Pure."""
+    f32 = [x.astype(jnp.float32) for x in inputs]
+    rows = (pool if layer is None else pool[layer])[slot].astype(jnp.float32)
+    outputs, final, states = scan(rows, *f32)
+    outputs = outputs.astype(out_dtype)
     if mode == "decode":
         new_pool = xla_write_back(pool, slot, final, layer)
         return StateUpdateResult(outputs=outputs, pool=new_pool, step_states=None)

@@ -81,7 +81,7 @@ def test_state_updates_lower_to_triton_at_model_shapes_pallas(monkeypatch):
     )
     with pytest.raises(ValueError, match="block_value=48 is not"):
         lower_for_cuda(*odd_tile)
-    monkeypatch.setattr(mamba2_update, "refuse_triton_shapes", lambda *args: None)
+    monkeypatch.setattr(su, "refuse_triton_shapes", lambda *args: None)
     with pytest.raises(ValueError, match="power of 2"):
         lower_for_cuda(*odd_tile)
 
