@@ -134,13 +134,32 @@ def dispatched_update(pool, slot, inputs, *, mode: str, tiles, interpret) -> su.
     )  # fmt: skip
 
 
-def check_both_forms(forms, case: tuple, mode: str, tiles, expected: tuple, dtype) -> None:
-    """The Pallas update of ``forms`` (pallas, xla, the Pallas form's ``*_triton_error``) in
-    ``tiles`` and its jitted XLA form on ``case`` (pool, slot, inputs) both give
-    ``expected`` (outputs, pool, step states), the outputs within ``dtype``'s tolerance.
-    Compiled, shapes Triton cannot lower are refused and the dispatch runs the XLA form."""
-    pallas, xla, triton_error = forms
+# mixer -> (its Pallas form, its XLA form, the Pallas form's ``*_triton_error``, the
+# reference run of a case)
+FORMS = {
+    "gdn": (
+        gdn_update.gdn_state_update_pallas,
+        gdn_update.gdn_state_update_xla,
+        gdn_update.gdn_triton_error,
+        gdn_reference_run,
+    ),
+    "mamba2": (
+        mamba2_update.mamba2_state_update_pallas,
+        mamba2_update.mamba2_state_update_xla,
+        mamba2_update.mamba2_triton_error,
+        mamba2_reference_run,
+    ),
+}
+
+
+def check_both_forms(mixer: str, case: tuple, mode: str, tiles, dtype) -> None:
+    """The Pallas update of ``mixer`` (``FORMS``) in ``tiles`` and its jitted XLA form on
+    ``case`` (pool, slot, inputs) both give the reference run's outputs, pool and step
+    states, the outputs within ``dtype``'s tolerance. Compiled, shapes Triton cannot lower
+    are refused and the dispatch runs the XLA form."""
+    pallas, xla, triton_error, reference_run = FORMS[mixer]
     pool, slot, inputs = case
+    expected = reference_run(pool, slot, inputs)
     out_tol = FP32_TOL if dtype == jnp.float32 else BF16_OUT_TOL
     pallas = pallas_or_dispatch(triton_error(pool.shape[1:], tiles), pallas, dispatched_update)
     got = pallas(pool, slot, inputs, mode=mode, tiles=tiles, interpret=INTERPRET)
@@ -162,15 +181,8 @@ GDN_CASES = [  # seed, batch, tokens, heads, key_dim, value_dim, slots, bh, bv, 
 def test_gdn_pallas_and_xla_match_scan(case):
     seed, batch, tokens, heads, dk, dv, slots, bh, bv, mode, dtype = case
     rng = np.random.default_rng(seed)
-    pool, slot, inputs = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
-    outs, expected_pool, states = gdn_reference_run(pool, slot, inputs)
-    forms = (
-        gdn_update.gdn_state_update_pallas,
-        gdn_update.gdn_state_update_xla,
-        gdn_update.gdn_triton_error,
-    )
-    tiles = su.UpdateTiles(block_heads=bh, block_value=bv)
-    check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
+    case = gdn_case(rng, batch, tokens, heads, dk, dv, slots, dtype)
+    check_both_forms("gdn", case, mode, su.UpdateTiles(block_heads=bh, block_value=bv), dtype)
 
 
 MAMBA2_CASES = [  # seed, batch, tokens, heads, groups, P, N, slots, bh, bp, mode, dtype
@@ -185,15 +197,8 @@ MAMBA2_CASES = [  # seed, batch, tokens, heads, groups, P, N, slots, bh, bp, mod
 def test_mamba2_pallas_and_xla_match_scan(case):
     seed, batch, tokens, heads, groups, p, n, slots, bh, bp, mode, dtype = case
     rng = np.random.default_rng(seed)
-    pool, slot, inputs = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
-    outs, expected_pool, states = mamba2_reference_run(pool, slot, inputs)
-    forms = (
-        mamba2_update.mamba2_state_update_pallas,
-        mamba2_update.mamba2_state_update_xla,
-        mamba2_update.mamba2_triton_error,
-    )
-    tiles = su.UpdateTiles(block_heads=bh, block_value=bp)
-    check_both_forms(forms, (pool, slot, inputs), mode, tiles, (outs, expected_pool, states), dtype)
+    case = mamba2_case(rng, batch, tokens, heads, groups, p, n, slots, dtype)
+    check_both_forms("mamba2", case, mode, su.UpdateTiles(block_heads=bh, block_value=bp), dtype)
 
 
 def test_update_triton_errors_name_the_dims_that_are_not_powers_of_two_pallas(monkeypatch):
