@@ -235,13 +235,10 @@ def extend_step(
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
-        mtp_hidden, mtp_kv = _draft_extend(
-            fam, cfg, static, params, mtp_kv, hidden, next_tokens, inputs
+        live = real & batch.is_last_chunk
+        new_drafts, drafts, mtp_kv = _next_drafts(
+            fam, cfg, static, params, pools, hidden, next_tokens, inputs, last, live, done_row
         )
-        new_drafts, mtp_kv = _draft_chain(
-            fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, last, real & batch.is_last_chunk
-        )
-        drafts = drafts.at[done_row].set(new_drafts, mode="drop")
     new_pools = dataclasses.replace(
         pools,
         kv=kv,
@@ -274,14 +271,35 @@ def extend_step(
     return outputs, new_pools
 
 
-def _draft_extend(fam, cfg, static: StepStatic, params, mtp_kv, hidden, next_tokens, inputs):
-    """The MTP head over a step's positions: ``hidden`` the target's hidden states
-    ``[B, T, H]``, ``next_tokens`` each position's successor, ``inputs`` the step's (its KV
-    writes). Returns (MTP hidden ``[B, T, H]``, mtp_kv)."""
+def _next_drafts(
+    fam,
+    cfg,
+    static: StepStatic,
+    params,
+    pools: Pools,
+    hidden,
+    next_tokens,
+    inputs,
+    pick,
+    live,
+    dest,
+):
+    """The MTP head over a step's positions (``hidden`` the target's hidden states
+    ``[B, T, H]``, ``next_tokens`` each position's successor, ``inputs`` the step's: its KV
+    writes), then the next drafts of the rows ``live`` from their positions ``pick``
+    (``_draft_chain``), written into the drafts pool at request rows ``dest`` (the drop
+    sentinel: nowhere). ``pick`` None: no chain runs and those rows' drafts are
+    ``NO_DRAFT``. Returns (drafts ``[B, S]``, or ``[B, 0]`` without a chain; the drafts
+    pool; mtp_kv)."""
     with jax.named_scope("draft_extend"):
-        return fam.mtp_forward(
-            params, cfg, hidden, next_tokens, inputs, mtp_kv, kernels=static.kernels
+        mtp_hidden, mtp_kv = fam.mtp_forward(
+            params, cfg, hidden, next_tokens, inputs, pools.mtp_kv, kernels=static.kernels
         )
+    if pick is None:
+        no_chain = jnp.zeros((live.shape[0], 0), jnp.int32)
+        return no_chain, pools.drafts.at[dest].set(NO_DRAFT, mode="drop"), mtp_kv
+    chain, mtp_kv = _draft_chain(fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, pick, live)
+    return chain, pools.drafts.at[dest].set(chain, mode="drop"), mtp_kv
 
 
 def _draft_chain(fam, cfg, static: StepStatic, params, mtp_kv, mtp_hidden, inputs, pick, real):
@@ -532,19 +550,13 @@ def _decode_finish(
     chain = jnp.zeros((num_rows, 0), jnp.int32)
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
-        mtp_hidden, mtp_kv = _draft_extend(
-            fam, cfg, static, params, mtp_kv, hidden, next_tokens, inputs
+        # with speculation off for this batch (``Layout.spec_max_batch``) the draft head's KV
+        # still follows every token (only its K / V projections are live), so drafting
+        # resumes where a later step speculates; that step's drafts are NO_DRAFT
+        pick = None if num_pos == 1 else accept_len - 1
+        chain, new_drafts, mtp_kv = _next_drafts(
+            fam, cfg, static, params, pools, hidden, next_tokens, inputs, pick, real, dest
         )
-        if num_pos == 1:
-            # speculation off for this batch (``Layout.spec_max_batch``): the draft head's
-            # KV still follows every token (only its K / V projections are live), so
-            # drafting resumes where a later step speculates; that step's drafts are NO_DRAFT
-            new_drafts = pools.drafts.at[dest].set(NO_DRAFT, mode="drop")
-        else:
-            chain, mtp_kv = _draft_chain(
-                fam, cfg, static, params, mtp_kv, mtp_hidden, inputs, accept_len - 1, real
-            )
-            new_drafts = pools.drafts.at[dest].set(chain, mode="drop")
     new_pools = dataclasses.replace(
         pools,
         mtp_kv=mtp_kv,
