@@ -85,6 +85,8 @@ def _mamba2_kernel(slot_ref, *refs, mode, tiles: UpdateTiles, heads_per_group, l
 
 
 def check_groups(num_heads: int, num_groups: int, block_heads: int) -> int:
+    """The heads a group of B and C, ``num_heads // num_groups``; ValueError unless the groups
+    divide the heads and ``block_heads`` divides that count or is a multiple of it."""
     if num_groups <= 0 or num_heads % num_groups:
         raise ValueError(f"num_groups={num_groups} must divide num_heads={num_heads}")
     per_group = num_heads // num_groups

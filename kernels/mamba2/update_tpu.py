@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lazyspec.kernels.common import check_tpu_tile
-from lazyspec.kernels.mamba2.update import mamba2_tile_step
+from lazyspec.kernels.mamba2.update import check_groups, mamba2_tile_step
 from lazyspec.kernels.state.update_common import (
     Mamba2Tokens,
     StateUpdateResult,
@@ -70,9 +70,7 @@ def mamba2_state_update_tpu(
     batch, num_tokens, num_heads, head_dim = tokens.x.shape
     num_groups, state_dim = tokens.b.shape[2:]
     check_pool(pool, slot, (num_heads, head_dim, state_dim), layer)
-    if num_groups <= 0 or num_heads % num_groups:
-        raise ValueError(f"num_groups={num_groups} must divide num_heads={num_heads}")
-    per_group = num_heads // num_groups
+    per_group = check_groups(num_heads, num_groups, 1)  # heads pick their group in-kernel
     bh = check_tpu_tile("block_heads", num_heads, min(block_heads, num_heads), 8)
     values = pl.BlockSpec((None, num_tokens, bh, head_dim), lambda b, i, s: (b, 0, i, 0))
     groups = pl.BlockSpec((None, num_tokens, num_groups, state_dim), lambda b, i, s: (b, 0, 0, 0))
