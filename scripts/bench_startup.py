@@ -29,11 +29,13 @@ import httpx
 from lazyspec.testing.serve_process import launch_serve
 
 
-def poll(process: subprocess.Popen, start: float, timeout: float, ask) -> object:
-    """``ask()``'s first answer that is not None, polled every 0.1 s while the server runs."""
+def poll(process: subprocess.Popen, start: float, timeout: float, ask, errors) -> object:
+    """``ask()``'s first answer that is not None, polled every 0.1 s while the server runs
+    (``errors``: the file of its stderr)."""
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"serve.py exited: {process.stderr.read().decode()[-2000:]}")
+            errors.seek(0)
+            raise RuntimeError(f"serve.py exited: {errors.read().decode()[-2000:]}")
         try:
             answer = ask()
             if answer is not None:
@@ -53,36 +55,44 @@ def measure_startup(
     With ``ready_only`` it is stopped at /health 200 (the warm-up report as it stands then):
     a warm restart is ready once the programs a first request needs are in the cache."""
     start = time.perf_counter()
+    # stderr to a file, not a pipe: a pipe nobody reads stops the server once it is full
+    errors = tempfile.TemporaryFile()
     process, url = launch_serve(
         ["--compilation-cache-dir", str(cache_dir), "--log-level", "warning", *serve_args],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=errors,
     )
 
+    # one client for every poll: a new one each 0.1 s builds an SSL context each time, CPU
+    # the server's start-up competes with on a small machine
+    client = httpx.Client(timeout=30)
+
     def healthy() -> bool | None:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200 or None
+        return client.get(f"{url}/health", timeout=5).status_code == 200 or None
 
     def compiled() -> dict | None:
-        warmup = httpx.get(f"{url}/server_info", timeout=30).json().get("warmup")
+        warmup = client.get(f"{url}/server_info").json().get("warmup")
         if warmup is None:
             return {}  # no warm-up (--skip-warmup)
         return warmup if warmup["done"] else None
 
     try:
-        poll(process, start, timeout, healthy)
+        poll(process, start, timeout, healthy, errors)
         ready_s = time.perf_counter() - start
         if ready_only:
-            warmup = httpx.get(f"{url}/server_info", timeout=30).json().get("warmup") or {}
+            warmup = client.get(f"{url}/server_info").json().get("warmup") or {}
             return {"ready_s": ready_s, **warmup}
-        warmup = poll(process, start, timeout, compiled)
+        warmup = poll(process, start, timeout, compiled, errors)
         return {"ready_s": ready_s, "all_s": time.perf_counter() - start, **warmup}
     finally:
+        client.close()
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        errors.close()
 
 
 def describe(state: str, run: int, got: dict) -> str:
