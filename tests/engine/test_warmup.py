@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -24,11 +25,14 @@ from lazyspec.engine.programs import (
     SEED,
     SPLIT,
     TABLE,
+    ProgramKey,
     program_keys,
 )
 from lazyspec.engine.warmup import (
     BACKEND_COMPILE,
     THREAD_NAME,
+    LoweringGate,
+    TableCompiler,
     compile_table,
     first_request_keys,
     warm_order,
@@ -94,6 +98,60 @@ def test_the_first_request_programs_come_first():
     for at, key in enumerate(order):
         if key.kind == FINISH:
             assert order.index(key.__class__(FORWARD, key.rows, key.tokens)) < at
+
+
+def test_the_gate_lets_one_thread_in_the_lowest_rank_first():
+    """Threads waiting at the lowering gate enter one at a time, by rank, whatever the
+    order they came in."""
+    gate, entered, inside = LoweringGate(), [], []
+
+    def enter(rank: int) -> None:
+        with gate.turn(rank):
+            inside.append(rank)
+            entered.append((rank, len(inside)))
+            time.sleep(0.01)
+            inside.remove(rank)
+
+    with gate.turn(-1):  # held while the others queue
+        threads = [threading.Thread(target=enter, args=(rank,)) for rank in (5, 2, 9, 1)]
+        for thread in threads:
+            thread.start()
+        while len(gate._waiting) < len(threads):  # every one queued behind the holder
+            time.sleep(0.001)
+    for thread in threads:
+        thread.join()
+    assert entered == [(1, 1), (2, 1), (5, 1), (9, 1)]
+
+
+class _FakeProgram:
+    """A program whose lowering and compilation take a while and count who else is at it."""
+
+    def __init__(self, key, counts: dict, lock: threading.Lock) -> None:
+        self.key, self.counts, self.lock = key, counts, lock
+
+    def _busy(self, what: str, seconds: float) -> None:
+        with self.lock:
+            self.counts[what] += 1
+            self.counts[f"most {what}"] = max(self.counts[f"most {what}"], self.counts[what])
+        time.sleep(seconds)
+        with self.lock:
+            self.counts[what] -= 1
+
+    def lower(self):
+        self._busy("lowering", 0.01)
+        return SimpleNamespace(compile=lambda: self._busy("compiling", 0.1))
+
+
+def test_the_table_lowers_one_program_at_a_time_and_compiles_side_by_side():
+    """Four compile threads: never two lowerings at once (they hold the GIL), several
+    compilations at once (they release it)."""
+    keys = [ProgramKey(EXTEND, rows, 64) for rows in range(1, 13)]
+    counts, lock = collections.Counter(), threading.Lock()
+    programs = [_FakeProgram(key, counts, lock) for key in keys]
+    compiler = TableCompiler(programs, keys, frozenset(keys[:2]), num_threads=4).start()
+    compiler.join()
+    assert compiler.status()["num_programs_compiled"] == len(keys)
+    assert counts["most lowering"] == 1 and counts["most compiling"] > 1, counts
 
 
 def test_a_request_during_warmup_waits_for_its_programs():
