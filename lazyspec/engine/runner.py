@@ -227,7 +227,9 @@ class Runner:
     def _await_program(self, kind: str, packed: PackedLayout | None = None) -> None:
         """Block until the program that runs a ``kind`` step (of a batch laid out as
         ``packed``) is compiled, if the table is still compiling; a program of no key of
-        the table is left to compile as it is called."""
+        the table is left to compile as it is called. A decode program's second copy not
+        yet compiled is not waited for: the first copy is called in its turn (at the cost
+        of its command buffers' update)."""
         compiling = self.compiling
         if compiling is None:
             return
@@ -236,7 +238,11 @@ class Runner:
         else:
             key = self._batch_keys.get((kind, packed))
             if key is not None and kind == DECODE:
-                key = dataclasses.replace(key, copy=self._decode.turn)
+                turn = dataclasses.replace(key, copy=self._decode.turn)
+                if compiling.compiled(turn):
+                    key = turn
+                else:  # a second copy still compiling: the first runs in its turn
+                    self._decode.turn = 0
         if key is not None:
             compiling.wait(key)
         if compiling.done:

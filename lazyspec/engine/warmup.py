@@ -57,8 +57,9 @@ _KIND_RANK = {kind: rank for rank, kind in enumerate((EXTEND, DECODE, FORWARD, F
 
 def first_request_keys(layout: Layout, keys: Iterable[ProgramKey]) -> frozenset[ProgramKey]:
     """The programs a first request needs: the table-chunk, count-seed and mask-update
-    programs, the smallest extend bucket, and every decode program of a batch of one (each
-    form and copy; a grammar row's split pair is left to compile on)."""
+    programs, the smallest extend bucket, and the decode programs of a batch of one (each
+    form; their second copies, and a grammar row's split pair, are left to compile on: the
+    runner calls the first copy until its second is compiled)."""
     num_verify = layout.decode_num_verify(1)
     one = (layout.decode_rows(layout.decode_buckets[0], num_verify), num_verify)
     return frozenset(
@@ -66,7 +67,7 @@ def first_request_keys(layout: Layout, keys: Iterable[ProgramKey]) -> frozenset[
         for key in keys
         if key.kind in (TABLE, SEED, MASK)
         or (key.kind == EXTEND and (key.rows, key.tokens) == layout.extend_shapes[0])
-        or (key.kind == DECODE and (key.rows, key.tokens) == one)
+        or (key.kind == DECODE and (key.rows, key.tokens) == one and not key.copy)
     )
 
 
@@ -83,16 +84,18 @@ def compiled_before(key: ProgramKey, cache_used: bool) -> ProgramKey | None:
 
 
 def warm_order(layout: Layout, keys: Sequence[ProgramKey]) -> tuple[ProgramKey, ...]:
-    """``keys`` in the order they are compiled: the first request's programs, then by batch
-    rows (fewer first: a lightly loaded server meets them first), then step kind, tokens and
-    form; the second copies of the decode programs last in each of the two groups (each a
-    cache read once its first copy is compiled, ``compiled_before``). A split step's forward
-    comes before its finish (which lowers after it)."""
+    """``keys`` in the order they are compiled: the first request's programs and their
+    second copies, then by batch rows (fewer first: a lightly loaded server meets them
+    first), then step kind, tokens and form; the second copies of the decode programs last
+    in each of the two groups (each a cache read once its first copy is compiled,
+    ``compiled_before``). A split step's forward comes before its finish (which lowers
+    after it)."""
     first = first_request_keys(layout, keys)
 
     def rank(key: ProgramKey) -> tuple:
         kind = _KIND_RANK.get(key.kind, -1)
-        return (key not in first, key.copy, key.rows, kind, key.tokens, not key.greedy)
+        group = dataclasses.replace(key, copy=0) not in first
+        return (group, key.copy, key.rows, kind, key.tokens, not key.greedy)
 
     return tuple(sorted(keys, key=rank))
 

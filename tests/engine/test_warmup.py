@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -73,8 +74,9 @@ def _compiles_by_thread() -> Iterator[list[tuple[str, str]]]:
 
 def test_the_first_request_programs_come_first():
     """The first request's programs (table chunk, count seed, mask update, the smallest
-    extend bucket, every decode program of a batch of one) lead the order; then fewer rows
-    first, and each split forward before its finish."""
+    extend bucket, the first copies of the decode programs of a batch of one) lead the
+    order, then those decode programs' second copies; then fewer rows first, each second
+    copy after every first-copy program, and each split forward before its finish."""
     layout = plan_memory(EngineConfig(**SETTINGS), SimpleNamespace(max_position_embeddings=4096))
     keys = program_keys(layout, 2, SPLIT)
     order, first = warm_order(layout, keys), first_request_keys(layout, keys)
@@ -85,16 +87,21 @@ def test_the_first_request_programs_come_first():
         SEED: 1,
         MASK: 1,
         EXTEND: 1,
-        DECODE: 4,  # general and greedy, two copies
+        DECODE: 2,  # general and greedy, the first copies
     }
     assert {(k.rows, k.tokens) for k in first if k.kind == EXTEND} == {layout.extend_shapes[0]}
     assert {k.rows for k in first if k.kind == DECODE} == {layout.decode_rows(1, 1)}
-    rest = order[len(first) :]
+    assert not any(k.copy for k in first)
+    second = order[len(first) : len(first) + 2]
+    assert {dataclasses.replace(k, copy=0) for k in second} == {
+        k for k in first if k.kind == DECODE
+    }
+    assert all(k.copy for k in second)
+    rest = order[len(first) + 2 :]
     singles = [k for k in rest if not k.copy]
     assert len(singles) > 4 and [k.rows for k in singles] == sorted(k.rows for k in singles)
     copies = rest[len(singles) :]  # each second copy after every first-copy program
     assert copies and all(k.copy for k in copies), rest
-    assert [k.copy for k in order[: len(first)]] == sorted(k.copy for k in first)
     for at, key in enumerate(order):
         if key.kind == FINISH:
             assert order.index(key.__class__(FORWARD, key.rows, key.tokens)) < at
@@ -176,6 +183,53 @@ def test_a_request_during_warmup_waits_for_its_programs():
     assert len(table) == len(runner.program_keys), table  # each program once
     warmed = Engine(model=model, **SETTINGS)  # the same programs, compiled: none compiles
     want = warmed.generate(input_ids=prompts, sampling_params=params)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+
+
+class _Held:
+    """A program whose lowering waits for ``release``."""
+
+    def __init__(self, program, release: threading.Event) -> None:
+        self.key, self.program, self.release = program.key, program, release
+
+    def lower(self):
+        self.release.wait()
+        return self.program.lower()
+
+
+def test_a_decode_step_runs_the_first_copy_while_the_second_compiles(monkeypatch):
+    """Ready without the decode programs' second copies: while they cannot compile, a
+    request is served by the first copies alone, compiling nothing in the serving thread,
+    with the tokens of an engine warmed in full."""
+    model = _model(layer_norm_epsilon=4e-5)
+    engine = Engine(model=model, skip_warmup=True, decode_program_copies=2, **SETTINGS)
+    prompts, params = [[5, 6, 7]], {"max_new_tokens": 6, "ignore_eos": True}
+    release, got = threading.Event(), []
+    table = tuple(
+        _Held(program, release) if program.key.copy else program
+        for program in engine.runner.program_table()
+    )
+    monkeypatch.setattr(engine.runner, "program_table", lambda: table)
+
+    def serve() -> None:
+        got.extend(engine.generate(input_ids=prompts, sampling_params=params))
+
+    with _compiles_by_thread() as seen:
+        compiler = compile_table(engine.runner, background=True, num_threads=1)
+        try:
+            assert any(key.copy for key in compiler.order)
+            serving = threading.Thread(target=serve, daemon=True)
+            serving.start()
+            serving.join(timeout=120)
+            assert not serving.is_alive(), "a decode step waited for a second copy"
+        finally:
+            release.set()
+            compiler.join()
+    in_serving = [name for thread, name in seen if not thread.startswith(THREAD_NAME)]
+    assert not [name for name in in_serving if "step" in name], in_serving
+    want = Engine(model=model, decode_program_copies=2, **SETTINGS).generate(
+        input_ids=prompts, sampling_params=params
+    )
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
 
 
