@@ -207,10 +207,14 @@ def engine_settings(args, backend: str, rows: int, context: int) -> dict:
     )
 
 
+def nextn_settings(args) -> dict:
+    """The Engine settings of a NEXTN row: ``--spec-steps`` draft steps."""
+    return dict(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
+
+
 def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps: int = 1):
     from lazyspec.engine.engine import Engine
 
-    nextn = dict(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
     start = time.perf_counter()
     engine = Engine(
         model=model,
@@ -220,7 +224,7 @@ def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps:
         skip_warmup=True,
         decode_program_copies=getattr(args, "decode_program_copies", None),
         num_continuous_decode_steps=decode_steps,
-        **(nextn if spec else {}),
+        **(nextn_settings(args) if spec else {}),
     )
     mib = {k: v / 2**20 for k, v in engine.runner.bytes_per_device().items() if k != "tp_size"}
     print(
@@ -760,7 +764,7 @@ def startup_line(model, args) -> None:
     backend = args.backends.split(",")[0]
     settings = engine_settings(args, backend, args.batch, args.context)
     if args.spec or args.spec_only:  # the NEXTN engine's table
-        settings.update(speculative_algorithm="NEXTN", speculative_num_steps=args.spec_steps)
+        settings.update(nextn_settings(args))
     engine = Engine(model=model, background_warmup=True, **settings)
     ready = time.perf_counter() - start
     while not (engine.warmup_status() or {"done": True})["done"]:

@@ -5,10 +5,10 @@ pool, in order of likely use (``warm_order``): an XLA compilation releases the G
 and lowering do not, so the threads lower one program at a time, the earliest in that order
 first (``LoweringGate``), and compile side by side. The programs a first request needs
 (``first_request_keys``) come first, so an engine can serve once they are compiled while
-the rest compile on. A launch of a
-program still compiling waits for it (``TableCompiler.wait``, called by the runner) rather
-than compiling a second copy: a program compiled ahead and a later call of its jitted
-function share JAX's caches, so that call compiles nothing.
+the rest compile on. A launch of a program still compiling waits for it
+(``TableCompiler.wait``, called by the runner) rather than compiling a second copy: a
+program compiled ahead and a later call of its jitted function share JAX's caches, so that
+call compiles nothing.
 
 ``CompileCounts`` reads JAX's monitoring events while the table compiles: XLA compilations
 and their seconds, and the persistent compilation cache's hits and misses.
