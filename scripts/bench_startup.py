@@ -2,7 +2,8 @@
 first ``/health`` 200 (the programs a first request needs compiled) and to its whole program
 table compiled, with a cold and then a warm JAX compilation cache; with each run, what
 ``/server_info``'s ``warmup`` reports: programs, XLA compilations, compile seconds (summed
-over the compile threads) and the persistent cache's hits and misses.
+over the compile threads), the persistent cache's hits and misses and the programs loaded
+as stored (``lazyspec/engine/executables.py``).
 
     python scripts/bench_startup.py --runs 2                      # cold, cold, warm, warm
     python scripts/bench_startup.py --cache-dir /tmp/c --warm-only --runs 2
@@ -105,7 +106,8 @@ def describe(state: str, run: int, got: dict) -> str:
         f"; {got['num_programs']} programs ({got['num_programs_first']} before ready), "
         f"{got['num_xla_compiles']} XLA compilations, {got['compile_seconds']:.1f} s of "
         f"compiling on {got['compile_threads']} threads, persistent cache "
-        f"{got['persistent_cache_hits']} hits / {got['persistent_cache_misses']} misses"
+        f"{got['persistent_cache_hits']} hits / {got['persistent_cache_misses']} misses, "
+        f"{got['num_programs_loaded']} loaded as stored"
     )
 
 

@@ -270,11 +270,12 @@ def reference_rows(commands: int, calls: int, kinds: tuple[str, ...] = ("fusion"
 
 def decode_rows(model, args, batch: int) -> list[dict]:
     """The engine's widest decode step at ``batch`` requests, idle and chained, called as one
-    program and as two copies in turn (``runner.InTurn``); each call hands the step its words
-    through ``Runner._input``, as the engine's launch does."""
+    program and as two copies in turn (``runner.StepCalls``, the executables warm-up bound
+    to the engine's); each call hands the step its words through ``Runner._input``, as the
+    engine's launch does."""
     import bench_engine as be
 
-    from lazyspec.engine.runner import InTurn
+    from lazyspec.engine.runner import StepCalls
 
     engine_args = types.SimpleNamespace(
         moe_runner_backend="auto",
@@ -289,7 +290,7 @@ def decode_rows(model, args, batch: int) -> list[dict]:
     rows = []
     for backend in args.backends.split(","):
         engine, recorder = be.served_engine(model, backend, engine_args, batch, spec=False)
-        runner, packed, programs = engine.runner, recorder.batch, recorder.jitted.programs
+        runner, packed, decode = engine.runner, recorder.batch, recorder.jitted
         if args.program_layout:
             hlo = be._compiled_decode(runner, runner.params, runner.pools, packed).as_text()
             thunks = _latest_thunk_sequence(args.dump_dir)
@@ -305,7 +306,8 @@ def decode_rows(model, args, batch: int) -> list[dict]:
                 flush=True,
             )
         for copies in (1, 2):
-            step = InTurn(programs[:copies])
+            step = StepCalls(decode.jitted[:copies])
+            step.compiled = {layout: bound[:copies] for layout, bound in decode.compiled.items()}
 
             def call(runner=runner, packed=packed, step=step):
                 # the words as the engine's launch hands them (placed first off a CPU)

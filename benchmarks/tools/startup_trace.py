@@ -1,8 +1,9 @@
 """Where the README server's start-up goes, phase by phase: the engine ``scripts/serve.py``
 builds from the same flags (its pool plan, then ``Engine`` without warm-up), then each
-program a first request needs (``warmup.first_request_keys``, in warm-up order) traced and
-lowered, compiled (a persistent-cache hit when the cache holds it) and run once
-(``Runner.warm``), one at a time, each phase's seconds printed. Run it twice on one cache
+program a first request needs (``warmup.first_request_keys``, in warm-up order) loaded as
+stored (``engine/executables.py``), or else traced and lowered, compiled (a persistent-cache
+hit when the cache holds it) and stored, then run once (``Runner.warm``), one at a time,
+each phase's seconds printed. Run it twice on one cache
 directory for the cold and the warm figures:
 
     python benchmarks/tools/startup_trace.py --cache-dir /tmp/c -- --speculative-algorithm NEXTN
@@ -44,7 +45,8 @@ def main() -> None:
         mark,
     )
     from lazyspec.engine.engine import Engine
-    from lazyspec.engine.warmup import first_request_keys, warm_order
+    from lazyspec.engine.executables import store_for_jax_cache
+    from lazyspec.engine.warmup import CompileListener, first_request_keys, warm_order
 
     engine = Engine(**{**kwargs, "skip_warmup": True})
     mark = say("engine built (weights placed, pools allocated)", mark)
@@ -53,13 +55,25 @@ def main() -> None:
     first = first_request_keys(runner.layout, keys)
     table = {program.key: program for program in runner.program_table()}
     print(f"{len(keys)} programs, {len(first)} for a first request", flush=True)
+    store = store_for_jax_cache(list(runner.sharding.mesh.devices.flat))
+    listener = CompileListener()  # which programs XLA compiled
+    listener.start()
     for key in warm_order(runner.layout, keys):
         if key not in first:
             continue
-        lowered = table[key].lower()
-        mark = say(f"lowered  {key}", mark)
-        lowered.compile()
-        mark = say(f"compiled {key}", mark)
+        compiled = None if store is None else store.load(table[key])
+        if compiled is not None:
+            mark = say(f"loaded   {key}", mark)
+        else:
+            lowered = table[key].lower()
+            mark = say(f"lowered  {key}", mark)
+            before = listener.thread_xla_compiles()
+            compiled = lowered.compile()
+            mark = say(f"compiled {key}", mark)
+            fresh = listener.thread_xla_compiles() > before
+            if store is not None and store.save(table[key], compiled, fresh):
+                mark = say(f"stored   {key}", mark)
+        runner.bind(key, compiled)
         runner.warm(key)
         mark = say(f"ran      {key}", mark)
     say("ready (every first-request program compiled and run once)", start)

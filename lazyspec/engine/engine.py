@@ -204,7 +204,7 @@ class Engine:
         return FUSED if self.config.disable_overlap_schedule else SPLIT
 
     def _default_decode_copies(self) -> int:
-        """Two copies of the decode program where programs run as CUDA graphs (``InTurn``)."""
+        """Two copies of the decode program where programs run as CUDA graphs (``StepCalls``)."""
         return 2 if self.sharding.platform == "gpu" else 1
 
     def warmup(

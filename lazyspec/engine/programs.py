@@ -90,7 +90,7 @@ class ProgramKey:
     rows: int = 0  # batch rows (the bucket; a decode bucket's as ``Layout.decode_rows``)
     tokens: int = 0  # extend: tokens a row; decode, forward, finish: positions a row
     greedy: bool = False  # the argmax-only form (``DecodeBatch.greedy``)
-    copy: int = 0  # which copy of the decode program (``runner.InTurn``)
+    copy: int = 0  # which copy of the decode program (``runner.StepCalls``)
 
 
 def program_keys(
@@ -281,14 +281,15 @@ def _seed_packed(output_counts, in_prompt, packed: PackedBatch):
 @dataclass(frozen=True)
 class Program:
     """One entry of a runner's program table: its key, the jitted function that runs it and
-    the arguments it is compiled for, static ones first, the others abstract where they are
-    device arrays (shapes, dtypes and shardings are all a compilation reads). The arguments
-    are made as it is lowered: a split step's finish takes its forward's carry, whose
-    shardings the forward's compilation picks."""
+    the arguments it is compiled for, static ones first (its compiled executable takes the
+    others), those abstract where they are device arrays (shapes, dtypes and shardings are
+    all a compilation reads). The arguments are made as it is lowered: a split step's
+    finish takes its forward's carry, whose shardings the forward's compilation picks
+    (``arguments(carry=False)`` leaves it out)."""
 
     key: ProgramKey
     jitted: Any
-    arguments: Callable[[], tuple]
+    arguments: Callable[..., tuple]  # (carry=True) -> the arguments
 
     def lower(self) -> jax.stages.Lowered:
         return self.jitted.lower(*self.arguments())
@@ -298,3 +299,8 @@ class Program:
         shapes and shardings runs it without compiling again (and compiling after such a
         call compiles nothing)."""
         return self.lower().compile()
+
+    def signature(self) -> tuple:
+        """What decides the program besides the code, made without compiling anything: its
+        arguments, a finish's carry left out (its forward's arguments decide it)."""
+        return self.arguments(carry=False)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -61,21 +62,37 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FIXED = (TABLE, SEED, MASK, STORE, LOAD)
 
 
-class InTurn:
-    """Calls its programs in turn, one per call. A GPU program runs as command buffers (CUDA
-    graphs) that XLA updates whenever a buffer the program touches has moved since its last
-    call, which costs more host time than the launch itself. A decode step's words (which
-    its outputs overwrite) are allocated while the last step's are still held, so their
-    address alternates from step to step: two copies of the program called in turn each see
-    the addresses of their own last call."""
+class StepCalls:
+    """The calls of one batch step kind. Each program of the table is called as its
+    compiled executable once the table's compilation binds it (``bind``: from the
+    executable store, ``executables``, or compiled ahead), by its batch's packed layout and
+    copy; a batch of no key of the table, or one before its program is bound, calls the
+    jitted function.
 
-    def __init__(self, programs: list):
-        self.programs, self.turn = programs, 0
+    The copies of a program (``decode_program_copies``) are called in turn, one per call. A
+    GPU program runs as command buffers (CUDA graphs) that XLA updates whenever a buffer
+    the program touches has moved since its last call, which costs more host time than the
+    launch itself. A decode step's words (which its outputs overwrite) are allocated while
+    the last step's are still held, so their address alternates from step to step: two
+    copies of the program called in turn each see the addresses of their own last call."""
 
-    def __call__(self, *args):
-        program = self.programs[self.turn]
-        self.turn = (self.turn + 1) % len(self.programs)
-        return program(*args)
+    def __init__(self, jitted: list[Callable]) -> None:
+        self.jitted, self.turn = jitted, 0
+        self.compiled: dict[PackedLayout, list] = {}  # each copy's executable, by layout
+
+    def bind(self, layout: PackedLayout, copy: int, compiled: Callable) -> None:
+        self.compiled.setdefault(layout, [None] * len(self.jitted))[copy] = compiled
+
+    def program(self, layout: PackedLayout) -> Callable:
+        """What the next call of a batch laid out as ``layout`` runs (it takes its turn)."""
+        copy = self.turn
+        self.turn = (copy + 1) % len(self.jitted)
+        bound = self.compiled.get(layout)
+        compiled = None if bound is None else bound[copy]
+        return self.jitted[copy] if compiled is None else compiled
+
+    def __call__(self, params, pools, packed: PackedBatch, *rest):
+        return self.program(packed.layout)(params, pools, packed, *rest)
 
 
 @dataclasses.dataclass
@@ -168,7 +185,7 @@ class Runner:
         processes (in ``follow``) make the same call. ``draft_token_ids`` (a speculative
         token map, ``token_map.draft_token_ids``): the draft head's reduced lm_head is
         gathered once and kept in the params (``draft_vocab.DRAFT_VOCAB``).
-        ``decode_copies``: copies of the decode program called in turn (``InTurn``);
+        ``decode_copies``: copies of the decode program called in turn (``StepCalls``);
         ``grammar``: how batches with grammar rows are served (``programs.program_keys``)."""
         self.broadcast = broadcast
         self.family = model.family
@@ -201,19 +218,26 @@ class Runner:
         self.layout, self.decode_copies = layout, decode_copies
         self.program_keys = program_keys(layout, decode_copies, grammar)
         self.programs = programs = programs_for(self.sharding, self.pool_shardings)
-        static = (self.family, self.cfg, self.static, self.sharding)
-        self._extend = functools.partial(programs.extend, *static)
-        decodes = [programs.decode, programs.decode_copy][:decode_copies]
-        self._decode = InTurn([functools.partial(decode, *static) for decode in decodes])
-        self._forward = functools.partial(programs.decode_forward, *static)
-        self._finish = functools.partial(programs.decode_finish, *static)
-        # each batch program's key by its step kind and its batch's packed layout (a decode
-        # key's copy is the one ``InTurn`` calls next)
-        self._batch_keys = {
-            (key.kind, pack_batch(program_input(layout, key)).layout): key
+
+        def calls(*jitted) -> StepCalls:
+            static = (self.family, self.cfg, self.static, self.sharding)
+            return StepCalls([functools.partial(step, *static) for step in jitted])
+
+        self._extend = calls(programs.extend)
+        self._decode = calls(*[programs.decode, programs.decode_copy][:decode_copies])
+        self._forward, self._finish = calls(programs.decode_forward), calls(programs.decode_finish)
+        self._steps = {EXTEND: self._extend, DECODE: self._decode}
+        self._steps.update({FORWARD: self._forward, FINISH: self._finish})
+        self._fixed = {kind: programs.jitted(ProgramKey(kind)) for kind in FIXED}
+        self._bound: set[ProgramKey] = set()  # the keys bound to an executable (``bind``)
+        # each batch program's packed layout by its key, and its key by its step kind and
+        # layout (a decode key's copy is the one ``StepCalls`` calls next)
+        self._layouts = {
+            key: pack_batch(program_input(layout, key)).layout
             for key in self.program_keys
-            if key.kind in (EXTEND, DECODE, FORWARD, FINISH) and key.copy == 0
+            if key.kind in self._steps and key.copy == 0
         }
+        self._batch_keys = {(key.kind, packed): key for key, packed in self._layouts.items()}
         self._output_layouts = {
             packed: decode_output_layout(key.rows, key.tokens, self.static.spec)
             for (kind, packed), key in self._batch_keys.items()
@@ -247,6 +271,16 @@ class Runner:
             compiling.wait(key)
         if compiling.done:
             self.compiling = None
+
+    def bind(self, key: ProgramKey, compiled: Callable) -> None:
+        """Call ``key``'s program as ``compiled``, its executable (taking the arguments of
+        its jitted function but the static ones), from now on; safe from any thread."""
+        if key.kind in FIXED:
+            self._fixed[key.kind] = compiled
+        else:
+            layout = self._layouts[dataclasses.replace(key, copy=0)]
+            self._steps[key.kind].bind(layout, key.copy, compiled)
+        self._bound.add(key)
 
     def _unlisted_output_layout(self, layout: PackedLayout) -> PackedLayout:
         """The output layout of a decode batch laid out as ``layout`` but of no key of the
@@ -374,7 +408,7 @@ class Runner:
 
     def _apply_table(self, updates: np.ndarray) -> None:
         self._await_program(TABLE)
-        table = self.programs.table(self.pools.req_to_token, self._input(updates))
+        table = self._fixed[TABLE](self.pools.req_to_token, self._input(updates))
         self.pools = dataclasses.replace(self.pools, req_to_token=table)
 
     def seed_counts(self, seed: CountSeed) -> None:
@@ -388,7 +422,7 @@ class Runner:
     def _apply_seed(self, packed: PackedBatch) -> None:
         self._await_program(SEED)
         words = self._input(packed.words)
-        counts, in_prompt = self.programs.seed(
+        counts, in_prompt = self._fixed[SEED](
             self.pools.output_counts, self.pools.in_prompt, dataclasses.replace(packed, words=words)
         )
         self.pools = dataclasses.replace(self.pools, output_counts=counts, in_prompt=in_prompt)
@@ -443,7 +477,7 @@ class Runner:
     def _apply_masks(self, rows: np.ndarray, masks: np.ndarray) -> None:
         self._await_program(MASK)
         place = self.sharding.replicated
-        vocab_mask = self.programs.mask(
+        vocab_mask = self._fixed[MASK](
             self.pools.vocab_mask, jax.device_put(rows, place), jax.device_put(masks, place)
         )
         self.pools = dataclasses.replace(self.pools, vocab_mask=vocab_mask)
@@ -453,14 +487,14 @@ class Runner:
         program's key with slot 0 / row 0, which read zeros); returns the block without
         waiting (in host memory where the device has one: ``tier_programs``)."""
         self._await_program(STORE)
-        return self.programs.store(self.pools, self._input(slots), self._input(rows))
+        return self._fixed[STORE](self.pools, self._input(slots), self._input(rows))
 
     def load_block(self, slots: np.ndarray, rows: np.ndarray, block: TierBlock) -> None:
         """Dispatch the scatter of ``block`` (host arrays) into state ``slots`` and KV
         ``rows`` (padded with the drop sentinels, which write nothing)."""
         self._await_program(LOAD)
         placed = jax.device_put(block, block_shardings(self.pool_shardings))
-        self.pools = self.programs.load(self.pools, self._input(slots), self._input(rows), placed)
+        self.pools = self._fixed[LOAD](self.pools, self._input(slots), self._input(rows), placed)
 
     def read_table(self) -> np.ndarray:
         """A writable host copy of the device request table (waits for the launched steps)."""
@@ -473,11 +507,11 @@ class Runner:
             return unpack_outputs(np.asarray(outputs.words), outputs.layout)
         return {k: np.asarray(v) for k, v in jax.device_get(outputs).items()}
 
-    @staticmethod
-    def num_compiled() -> int:
-        """Programs the jitted steps hold, for every runner of this process (runners of equal
-        configs and settings share theirs)."""
-        return num_compiled()
+    def num_compiled(self) -> int:
+        """Programs compiled: the keys bound to an executable (``bind``) and the executables
+        the jitted steps hold, for every runner of this process (runners of equal configs and
+        settings share theirs)."""
+        return len(self._bound) + num_compiled()
 
     # ------------------------------------------------------------------ the program table
 
@@ -524,9 +558,10 @@ class Runner:
             for key in self.program_keys
         )
 
-    def _program_args(self, key: ProgramKey, params: Any, pools: Pools) -> tuple:
+    def _program_args(self, key: ProgramKey, params: Any, pools: Pools, carry: bool = True):
         """The arguments ``key``'s program is called with (``params`` and ``pools``
-        abstract, as other arrays on the device)."""
+        abstract, as other arrays on the device); a finish's carry (its forward's compiled
+        outputs) only with ``carry``."""
         if key.kind == TABLE:
             updates = table_updates(self.layout, None, key.tokens)
             return pools.req_to_token, self._input_spec(updates)
@@ -552,9 +587,9 @@ class Runner:
         if key.kind == SEED:
             return pools.output_counts, pools.in_prompt, packed
         args = (self.family, self.cfg, self.static, self.sharding, params, pools, packed)
-        if key.kind == FINISH:
-            carry, _ = self.programs.decode_forward.lower(*args).compile().out_info
-            args += (carry,)
+        if key.kind == FINISH and carry:
+            outputs, _ = self.programs.decode_forward.lower(*args).compile().out_info
+            args += (outputs,)
         return args
 
     def _tier_padding(self, key: ProgramKey) -> tuple[np.ndarray, np.ndarray]:

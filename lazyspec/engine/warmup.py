@@ -5,10 +5,11 @@ pool, in order of likely use (``warm_order``): an XLA compilation releases the G
 and lowering do not, so the threads lower one program at a time, the earliest in that order
 first (``LoweringGate``), and compile side by side. The programs a first request needs
 (``first_request_keys``) come first, so an engine can serve once they are compiled while
-the rest compile on. A launch of a program still compiling waits for it
-(``TableCompiler.wait``, called by the runner) rather than compiling a second copy: a
-program compiled ahead and a later call of its jitted function share JAX's caches, so that
-call compiles nothing.
+the rest compile on. Each executable is bound to the runner as it is compiled
+(``Runner.bind``), which calls it from then on; a launch of a program still compiling waits
+for it (``TableCompiler.wait``, called by the runner) rather than compiling a second copy.
+Where JAX's persistent cache is on, each program is first looked up in the executable store
+beside it (``executables.py``): a warm start loads the table without tracing it.
 
 ``CompileCounts`` reads JAX's monitoring events while the table compiles: XLA compilations
 and their seconds, and the persistent compilation cache's hits and misses.
@@ -25,8 +26,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from lazyspec.engine.executables import ExecutableStore, store_for_jax_cache
 from lazyspec.engine.programs import (
     DECODE,
     EXTEND,
@@ -122,18 +124,28 @@ class CompileListener:
     def __init__(self) -> None:
         self.counts = CompileCounts()
         self._lock = threading.Lock()
+        self._local = threading.local()  # each thread's XLA compilations
 
     def _on_duration(self, event: str, seconds: float, **_: object) -> None:
         if event == BACKEND_COMPILE:
             with self._lock:
                 self.counts.num_backend_compiles += 1
                 self.counts.compile_seconds += seconds
+            self._local.compiles = self.thread_xla_compiles() + 1
 
     def _on_event(self, event: str, **_: object) -> None:
         field = {CACHE_HITS: "cache_hits", CACHE_MISSES: "cache_misses"}.get(event)
         if field is not None:
             with self._lock:
                 setattr(self.counts, field, getattr(self.counts, field) + 1)
+        if event == CACHE_HITS:  # a backend compilation that read the cache
+            self._local.compiles = self.thread_xla_compiles() - 1
+
+    def thread_xla_compiles(self) -> int:
+        """Programs XLA compiled in the calling thread (JAX records a compilation's events in
+        the thread that compiles): not read from the persistent cache, nor found compiled
+        in this process."""
+        return getattr(self._local, "compiles", 0)
 
     def start(self) -> None:
         import jax
@@ -192,10 +204,15 @@ class TableCompiler:
         first: frozenset[ProgramKey],
         num_threads: int | None = None,
         max_threads: int = 8,
+        bind: Callable[[ProgramKey, Any], None] | None = None,
+        store: ExecutableStore | None = None,
     ) -> None:
         """``order``: the keys of ``programs`` as they are submitted; ``first``: the keys
         that make the engine ready. ``num_threads``: default the CPU count, at most
-        ``max_threads`` (tracing holds the GIL, so more than a few gain little)."""
+        ``max_threads`` (tracing holds the GIL, so more than a few gain little). ``bind``
+        is handed each program's executable as it is compiled (``Runner.bind``), before the
+        program counts as compiled; ``store``: where executables are loaded from instead of
+        compiled, and written once compiled (``executables``)."""
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         by_key = {program.key: program for program in programs}
         assert len(order) == len(by_key) and set(order) == set(by_key), "not the table's keys"
@@ -213,6 +230,8 @@ class TableCompiler:
         self._started = self._ready_s = self._done_s = None
         self._cache_used = False  # whether the persistent compilation cache is on (start)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._bind, self._store = bind, store
+        self._num_loaded = 0  # executables read from the store
 
     def start(self) -> TableCompiler:
         """Submit every program, in order; returns at once."""
@@ -230,9 +249,21 @@ class TableCompiler:
         before = compiled_before(key, self._cache_used)
         if before in self._futures:
             self._futures[before].result()
-        with self._gate.turn(self._rank[key]):
-            lowered = self._programs[key].lower()
-        lowered.compile()
+        program = self._programs[key]
+        compiled = None if self._store is None else self._store.load(program)
+        if compiled is not None:
+            with self._lock:
+                self._num_loaded += 1
+        else:
+            with self._gate.turn(self._rank[key]):
+                lowered = program.lower()
+            before = self._listener.thread_xla_compiles()
+            compiled = lowered.compile()
+            if self._store is not None:
+                fresh = self._listener.thread_xla_compiles() > before
+                self._store.save(program, compiled, fresh)
+        if self._bind is not None:
+            self._bind(key, compiled)
 
     def _on_done(self, future: concurrent.futures.Future) -> None:
         if not future.cancelled() and future.exception() is not None:
@@ -252,7 +283,7 @@ class TableCompiler:
         logger.info(
             "program table: %d programs compiled (%d cancelled) in %.1f s (ready after %.1f "
             "s), %d XLA compilations, %.1f s of compiling; persistent cache: %d hits, %d "
-            "misses",
+            "misses; %d programs loaded as stored",
             status["num_programs_compiled"],
             status["num_programs_cancelled"],
             status["all_seconds"],
@@ -261,6 +292,7 @@ class TableCompiler:
             status["compile_seconds"],
             status["persistent_cache_hits"],
             status["persistent_cache_misses"],
+            status["num_programs_loaded"],
         )
         self._finished.set()
 
@@ -321,6 +353,7 @@ class TableCompiler:
             "compile_seconds": round(counts.compile_seconds, 3),
             "persistent_cache_hits": counts.cache_hits,
             "persistent_cache_misses": counts.cache_misses,
+            "num_programs_loaded": self._num_loaded,
         }
 
 
@@ -358,7 +391,10 @@ def compile_table(
     keys = runner.program_keys
     first = first_request_keys(runner.layout, keys)
     order = warm_order(runner.layout, keys)
-    compiler = TableCompiler(runner.program_table(), order, first, num_threads).start()
+    store = store_for_jax_cache(list(runner.sharding.mesh.devices.flat))
+    table = runner.program_table()
+    compiler = TableCompiler(table, order, first, num_threads, bind=runner.bind, store=store)
+    compiler.start()
     runner.compiling = compiler
     waited = [key for key in order if key in first or not background]
     try:

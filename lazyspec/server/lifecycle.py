@@ -5,10 +5,12 @@
 * ``EngineStartup`` builds the engine in a thread once uvicorn listens, then installs the app
   as soon as the programs a first request needs are compiled; the rest of the program table
   compiles on in the background (``Engine.warmup``), and ``/server_info``'s ``warmup``
-  reports it with the persistent compilation cache's hits and misses.
+  reports it with the persistent compilation cache's hits and misses and the programs
+  loaded as stored (``engine/executables.py``).
 * ``WarmupBar`` shows warm-up compilation as a tqdm bar and stops it when asked.
-* ``enable_compilation_cache`` turns on JAX's persistent compilation cache, so a restart
-  reads the bucket programs from disk instead of compiling them again.
+* ``enable_compilation_cache`` turns on JAX's persistent compilation cache, and with it the
+  store of compiled programs beside it, so a restart loads the programs from disk instead
+  of compiling them again.
 * ``GracefulServer`` is uvicorn's server with lazyspec's signal handling: the first SIGTERM /
   SIGINT drains the app (``_Frontend.drain``: stop admitting, let live requests finish for up
   to the grace period, abort the rest with an error event), a second one aborts at once.
@@ -259,13 +261,15 @@ class EngineStartup:
         if status is not None:
             logger.info(
                 "ready with %d of %d programs compiled (%d XLA compilations, %.1f s of "
-                "compiling; persistent cache: %d hits, %d misses); the rest compile on",
+                "compiling; persistent cache: %d hits, %d misses; %d loaded as stored); the "
+                "rest compile on",
                 status["num_programs_compiled"],
                 status["num_programs"],
                 status["num_xla_compiles"],
                 status["compile_seconds"],
                 status["persistent_cache_hits"],
                 status["persistent_cache_misses"],
+                status["num_programs_loaded"],
             )
 
     def finish(self) -> None:

@@ -38,9 +38,9 @@ def _kinds(keys) -> collections.Counter:
     return collections.Counter(key.kind for key in keys)
 
 
-def _compiled(runner: Runner) -> int:
-    """Executables the runner's jitted programs hold (``Runner.num_compiled`` counts every
-    runner's, and jitted functions of one step share theirs)."""
+def _jit_compiled(runner: Runner) -> int:
+    """Executables the runner's jitted programs hold (compiled by a call of one; every
+    runner's, as jitted functions of one step share theirs)."""
     return sum(jitted._cache_size() for jitted in runner.programs.all())
 
 
@@ -78,17 +78,16 @@ def test_keys_name_each_program_once():
 
 
 def test_warmup_compiles_the_table_exactly():
-    """Warm-up compiles one executable per key of the table, each on the jitted function
-    the table names (two copies of the decode program, the split pair of a grammar batch);
-    compiling every entry ahead of a call then compiles nothing: the table's arguments are
-    the ones serving calls with."""
+    """Warm-up compiles one executable per key of the table (two copies of the decode
+    program, the split pair of a grammar batch) and binds it, so the runner calls it: no
+    jitted function is called, so none compiles; compiling every entry ahead of a call then
+    compiles nothing: the table's arguments are the ones serving calls with."""
     jax.clear_caches()  # no program of an earlier test stands in
     model = SimpleNamespace(**{**vars(tiny_model()), "tokenizer": char_tokenizer()})
     engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
     table = engine.runner.program_table()
-    assert _compiled(engine.runner) == len(table) == len(engine.runner.program_keys)
-    wanted = collections.Counter(program.jitted for program in table)
-    assert {jitted: jitted._cache_size() for jitted in wanted} == wanted
+    assert engine.runner.num_compiled() == len(table) == len(engine.runner.program_keys)
+    assert _jit_compiled(engine.runner) == 0
     with backend_compiles() as seen:
         for program in table:
             program.compile()
@@ -103,20 +102,22 @@ def test_two_tunings_compile_two_programs():
     jax.clear_caches()
     model = tiny_model()
     served = Engine(model=model, **SETTINGS)
-    compiled = _compiled(served.runner)
+    compiled = served.runner.num_compiled()
     assert compiled == len(served.runner.program_keys)
     params = {"max_new_tokens": 6, "ignore_eos": True}
     with backend_compiles() as seen:
         served.generate(input_ids=[[5, 6, 7], list(range(3, 90))], sampling_params=params)
-    assert _compiled(served.runner) == compiled and not seen
+    assert served.runner.num_compiled() == compiled and not seen
     pair_grid = not default_tuning().moe.pair_grid
     other = Engine(
         model=model, skip_warmup=True, kernel_tuning=f"moe.pair_grid={pair_grid}", **SETTINGS
     )
     assert other.runner.static.tuning != served.runner.static.tuning
     key = other.runner.program_keys[0]
-    other.runner.warm(key)
+    with backend_compiles() as seen:
+        other.runner.warm(key)
     assert other.runner.programs is served.runner.programs  # one set of pool shardings
-    assert _compiled(served.runner) == compiled + 1
-    Engine(model=model, skip_warmup=True, **SETTINGS).runner.warm(key)
-    assert _compiled(served.runner) == compiled + 1
+    assert len(seen) == 1 and _jit_compiled(served.runner) == 1
+    with backend_compiles() as seen:
+        Engine(model=model, skip_warmup=True, **SETTINGS).runner.warm(key)
+    assert not seen  # the served engine's program, compiled once

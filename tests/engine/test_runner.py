@@ -20,7 +20,6 @@ from lazyspec.engine.packing import (
     unpack_batch,
     unpack_outputs,
 )
-from lazyspec.engine.runner import Runner
 from lazyspec.scheduler.batch import build_decode, build_extend
 from lazyspec.scheduler.layout import plan_memory
 from lazyspec.testing.tiny_models import NEMOTRON_HF, TINY_CHUNKS, build_tiny_model, tiny_model
@@ -44,12 +43,12 @@ def _serve(model: SimpleNamespace, num_new: int = 2) -> tuple[Engine, list[int]]
 def test_equal_configs_share_compiled_steps():
     first, second = _model(), _model()
     assert first.config is not second.config and first.config == second.config
-    _serve(first)
-    compiled = Runner.num_compiled()
+    engine, _ = _serve(first)
+    compiled = engine.runner.num_compiled()  # every runner's jitted programs
     _serve(second)
-    assert Runner.num_compiled() == compiled
+    assert engine.runner.num_compiled() == compiled
     _serve(_model(layer_norm_epsilon=1e-6))  # a different config: its own programs
-    assert Runner.num_compiled() > compiled
+    assert engine.runner.num_compiled() > compiled
 
 
 def test_packed_batch_round_trips():
@@ -119,13 +118,18 @@ def test_two_decode_programs_called_in_turn():
     those of one program. On a CPU the default is one program."""
     model = _model(layer_norm_epsilon=1e-4)  # a config of its own: no program compiled yet
     engine = _tiny_engine(model, decode_program_copies=2, skip_warmup=False)
-    compiled, calls = Runner.num_compiled(), []
-    programs = engine.runner._decode.programs
-    for i, program in enumerate(programs):
-        programs[i] = lambda *args, i=i, program=program: (calls.append(i), program(*args))[1]
+    runner, calls = engine.runner, []
+    compiled, decode = runner.num_compiled(), runner._decode
+    program = decode.program
+
+    def spy(layout):
+        calls.append(decode.turn)
+        return program(layout)
+
+    decode.program = spy
     params = {"max_new_tokens": 6, "ignore_eos": True}
     got = engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"]
-    assert Runner.num_compiled() == compiled
+    assert runner.num_compiled() == compiled
     assert len(calls) >= 4 and all(a != b for a, b in zip(calls, calls[1:])), calls
     one, want = _serve(model, num_new=6)
     assert one.runner.decode_copies == 1 and got == want

@@ -1,13 +1,14 @@
 """Start-up compilation (``engine/warmup.py``): the table compiled in a thread pool, the
 programs a first request needs first; a request that arrives while the rest compile waits
 for its programs and gets the same tokens, and no program compiles in the serving thread or
-twice; a warm restart on the persistent compilation cache compiles nothing."""
+twice; a warm restart loads every program stored, compiling nothing."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import jax
 
 from lazyspec.config import EngineConfig
 from lazyspec.engine.engine import Engine
+from lazyspec.engine.executables import STORE_DIR
 from lazyspec.engine.programs import (
     DECODE,
     EXTEND,
@@ -233,33 +235,65 @@ def test_a_decode_step_runs_the_first_copy_while_the_second_compiles(monkeypatch
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
 
 
-def test_a_warm_restart_reads_every_program_from_the_cache(tmp_path):
-    """With the server's cache settings (every program kept, however small and fast to
-    compile), an engine built again after the in-memory caches are dropped reads every
-    program of its table from the persistent cache: as many hits as the first engine had
-    misses, and no XLA compilation. With two copies of the decode program, the first
-    engine already reads each second copy from the cache (it waits for the first)."""
+@contextlib.contextmanager
+def _server_cache(path) -> Iterator[None]:
+    """The server's cache settings (every program kept, however small and fast to compile)
+    in ``path`` inside the block, JAX's own outside it."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    model = _model(layer_norm_epsilon=3e-5)
     saved = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
     compilation_cache.reset_cache()  # the cache is set up at the first compilation after
     try:
-        enable_compilation_cache(str(tmp_path))
-        jax.clear_caches()  # programs of the same shapes that earlier tests compiled
-        engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
-        cold, keys = engine.warmup_status(), engine.runner.program_keys
-        jax.clear_caches()
-        warm = Engine(model=model, decode_program_copies=2, **SETTINGS).warmup_status()
+        enable_compilation_cache(str(path))
+        yield
     finally:
         for name, value in saved.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
+
+
+def test_a_warm_restart_loads_every_program_stored(tmp_path):
+    """With the server's cache settings, each program XLA compiles is stored as an
+    executable, and a second copy of a decode program is its first copy's, loaded again.
+    An engine built again after the in-memory caches are dropped loads every program of
+    its table: nothing traced, lowered or compiled, and it serves the tokens of an engine
+    without caches, compiling nothing. With the store gone, every program is found
+    compiled in memory, then (the in-memory caches dropped) read from the persistent cache;
+    on a CPU none of those is stored (``stores_cache_hits``)."""
+    model = _model(layer_norm_epsilon=3e-5)
+    request = dict(
+        input_ids=[[5, 6, 7], list(range(3, 40))],
+        sampling_params={"max_new_tokens": 5, "ignore_eos": True},
+    )
+    with _server_cache(tmp_path):
+        jax.clear_caches()  # programs of the same shapes that earlier tests compiled
+        engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
+        cold, keys = engine.warmup_status(), engine.runner.program_keys
+        jax.clear_caches()
+        with _compiles_by_thread() as compiled:
+            engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
+            got = [out["output_ids"] for out in engine.generate(**request)]
+        names = {f"jit({jitted.__name__})" for jitted in engine.runner.programs.all()}
+        compiled = [(thread, name) for thread, name in compiled if name in names]
+        warm = engine.warmup_status()
+        stored = sorted(path.name for path in (tmp_path / STORE_DIR).iterdir())
+        shutil.rmtree(tmp_path / STORE_DIR)
+        again = Engine(model=model, decode_program_copies=2, **SETTINGS).warmup_status()
+        jax.clear_caches()
+        cached = Engine(model=model, decode_program_copies=2, **SETTINGS).warmup_status()
+        assert not (tmp_path / STORE_DIR).exists() or not any((tmp_path / STORE_DIR).iterdir())
+    plain = Engine(model=model, skip_warmup=True, **SETTINGS)
+    want = [out["output_ids"] for out in plain.generate(**request)]
     num_programs = cold["num_programs"]
     num_copies = sum(key.copy for key in keys)
+    assert num_copies > 1 and len(stored) == num_programs - num_copies
     assert cold["done"] and warm["done"] and warm["num_programs"] == num_programs > 4
-    assert num_copies > 1 and cold["num_xla_compiles"] == num_programs - num_copies
-    assert cold["persistent_cache_misses"] == num_programs - num_copies
-    assert cold["persistent_cache_hits"] == num_copies
-    assert warm["persistent_cache_hits"] == num_programs
-    assert warm["persistent_cache_misses"] == warm["num_xla_compiles"] == 0
+    assert cold["num_xla_compiles"] == cold["persistent_cache_misses"] == len(stored)
+    assert cold["num_programs_loaded"] == num_copies and cold["persistent_cache_hits"] == 0
+    assert warm["num_programs_loaded"] == num_programs
+    assert warm["num_xla_compiles"] == warm["persistent_cache_hits"] == 0
+    assert not compiled, compiled
+    assert got == want
+    assert again["num_xla_compiles"] == again["num_programs_loaded"] == 0  # found in memory
+    assert cached["persistent_cache_hits"] == num_programs
+    assert cached["num_xla_compiles"] == cached["num_programs_loaded"] == 0
