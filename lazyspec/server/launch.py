@@ -266,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compilation-cache-dir",
         default=None,
         metavar="DIR",
-        help="JAX persistent compilation cache: a restart reads the compiled batch shapes "
-        "from here instead of compiling them again; 'none' turns it off. "
+        help="JAX persistent compilation cache, and the compiled programs stored beside it: "
+        "a restart loads them from here instead of compiling them again; 'none' turns both "
+        "off. "
         "(default: $XDG_CACHE_HOME/lazyspec/jax or ~/.cache/lazyspec/jax)",
     )
     server.add_argument(
