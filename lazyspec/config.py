@@ -93,6 +93,8 @@ class EngineConfig:
     skip_warmup: bool = False
     # copies of each decode program, called in turn (1 or 2; None: 2 on GPU, else 1)
     decode_program_copies: int | None = None
+    # threads compiling the program table at start-up (None: the CPU count, at most 8)
+    compile_threads: int | None = None
     # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
     schedule_conservativeness: float = 1.0
     # admission order of waiting requests (SGLang's): arrival (fcfs) or longest cached
@@ -144,6 +146,8 @@ class EngineConfig:
             raise ValueError(
                 f"schedule_conservativeness={conservativeness!r} must be a positive number"
             )
+        if self.compile_threads is not None and self.compile_threads < 1:
+            raise ValueError(f"compile_threads={self.compile_threads!r} must be at least 1")
         if self.decode_program_copies not in (None, 1, 2):
             raise ValueError(f"decode_program_copies={self.decode_program_copies!r} must be 1 or 2")
         for name in (

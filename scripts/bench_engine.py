@@ -636,6 +636,12 @@ def main(argv=None) -> None:
         help="EngineConfig.decode_program_copies (default: the engine's, 2 on GPU)",
     )
     p.add_argument(
+        "--compile-threads",
+        type=int,
+        default=None,
+        help="with --startup: EngineConfig.compile_threads (default: the engine's)",
+    )
+    p.add_argument(
         "--startup",
         action="store_true",
         help="time the engine's construction to ready and to its whole program table "
@@ -763,6 +769,7 @@ def startup_line(model, args) -> None:
     start = time.perf_counter()
     backend = args.backends.split(",")[0]
     settings = engine_settings(args, backend, args.batch, args.context)
+    settings["compile_threads"] = args.compile_threads
     if args.spec or args.spec_only:  # the NEXTN engine's table
         settings.update(nextn_settings(args))
     engine = Engine(model=model, background_warmup=True, **settings)

@@ -222,7 +222,9 @@ class Engine:
         if self.broadcast is not None:  # the other processes compile as they follow
             warm_in_turn(self.runner, progress)
             return
-        self._compiler = compile_table(self.runner, progress, background)
+        self._compiler = compile_table(
+            self.runner, progress, background, self.config.compile_threads
+        )
 
     def warmup_status(self) -> dict | None:
         """The program table's compilation, its counts and the persistent compilation

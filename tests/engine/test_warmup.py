@@ -267,7 +267,7 @@ def test_a_warm_restart_loads_every_program_stored(tmp_path):
     )
     with _server_cache(tmp_path):
         jax.clear_caches()  # programs of the same shapes that earlier tests compiled
-        engine = Engine(model=model, decode_program_copies=2, **SETTINGS)
+        engine = Engine(model=model, decode_program_copies=2, compile_threads=3, **SETTINGS)
         cold, keys = engine.warmup_status(), engine.runner.program_keys
         jax.clear_caches()
         with _compiles_by_thread() as compiled:
@@ -288,6 +288,7 @@ def test_a_warm_restart_loads_every_program_stored(tmp_path):
     num_copies = sum(key.copy for key in keys)
     assert num_copies > 1 and len(stored) == num_programs - num_copies
     assert cold["done"] and warm["done"] and warm["num_programs"] == num_programs > 4
+    assert cold["compile_threads"] == 3  # EngineConfig.compile_threads
     assert cold["num_xla_compiles"] == cold["persistent_cache_misses"] == len(stored)
     assert cold["num_programs_loaded"] == num_copies and cold["persistent_cache_hits"] == 0
     assert warm["num_programs_loaded"] == num_programs

@@ -128,6 +128,9 @@ def test_acting_flags_apply_or_say_why_not(tmp_path):
         _parse(["--model-path", "/m", "--stream-interval", "0"])
     with pytest.raises(ValueError, match="--mem-fraction-static=1.5"):
         _parse(["--model-path", "/m", "--mem-fraction-static", "1.5"])
+    _, kwargs, _ = _parse(["--model-path", "/m", "--compile-threads", "0"])
+    with pytest.raises(ValueError, match="compile_threads=0 must be at least 1"):
+        EngineConfig(**kwargs)
     model, other = tmp_path / "model", tmp_path / "other"
     for folder, text in ((model, "a"), (other, "b")):
         folder.mkdir()
