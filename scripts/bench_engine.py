@@ -774,11 +774,13 @@ def startup_line(model, args) -> None:
         settings.update(nextn_settings(args))
     engine = Engine(model=model, background_warmup=True, **settings)
     ready = time.perf_counter() - start
+    threads = (engine.warmup_status() or {}).get("compile_threads")
+    print(f"engine ready in {ready:.1f} s ({threads} compile threads)", flush=True)
     while not (engine.warmup_status() or {"done": True})["done"]:
         time.sleep(0.1)
     seconds = time.perf_counter() - start
     status = engine.warmup_status() or {}
-    print(f"engine ready in {ready:.1f} s, whole table in {seconds:.1f} s: {status}", flush=True)
+    print(f"whole table in {seconds:.1f} s: {status}", flush=True)
 
 
 def prefill_table(model, args, device: str) -> None:

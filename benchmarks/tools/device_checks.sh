@@ -3,7 +3,8 @@
 # (`pytest -k pallas`), the README server's start-up cold and warm (to /health 200), then
 # (COMPARE=1) one before/after bench_engine row against a checkout in .old
 # (compare_trees.sh); STARTUP=0 skips the start-up check; ENGINE_STARTUP=1 times
-# bench_engine's qwen3_next_moe engine to ready and to its whole table; PREFILL=1 times
+# bench_engine's qwen3_next_moe engine to ready and to its whole table (once per count of
+# ENGINE_STARTUP_THREADS compile threads; ENGINE_STARTUP_S seconds each); PREFILL=1 times
 # the preset's prefill rows at a few prefill chunks (PREFILL_CHUNKS, PREFILL_S seconds
 # each), each with its profile's device time by category (command buffers off, so that
 # kernels map to their scopes); MEMORY=1 prints the README server's programs' memory
@@ -31,9 +32,13 @@ if [ "${STARTUP:-1}" = 1 ]; then
   echo "startup rc=$?"; tail -3 "$out/startup.log"
 fi
 if [ "${ENGINE_STARTUP:-0}" = 1 ]; then  # the 2.5 B preset's engine: to ready, to its table
-  timeout "${ENGINE_STARTUP_S:-300}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
-    --startup --batch 64 --context 1024 ${ENGINE_STARTUP_FLAGS:-} > "$out/engine-startup.log" 2>&1
-  echo "engine startup rc=$?"; grep -E "^engine ready" "$out/engine-startup.log" | cut -c1-600
+  for threads in ${ENGINE_STARTUP_THREADS:-default}; do  # compile threads, e.g. "1 2 4 8"
+    flags="${ENGINE_STARTUP_FLAGS:-}"; [ "$threads" = default ] || flags+=" --compile-threads $threads"
+    timeout "${ENGINE_STARTUP_S:-300}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
+      --startup --batch 64 --context 1024 $flags > "$out/engine-startup-$threads.log" 2>&1
+    echo "engine startup ($threads threads) rc=$?"
+    grep -E "^(engine ready|whole table)" "$out/engine-startup-$threads.log" | cut -c1-400
+  done
 fi
 if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurement
   for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
