@@ -20,6 +20,7 @@ private as the compilation cache itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -36,6 +37,9 @@ import jax
 logger = logging.getLogger(__name__)
 
 STORE_DIR = "lazyspec-programs"
+# the store's size at the most: past it, the least recently used files go (a load touches
+# its file); each change of the source starts a new set of files
+MAX_BYTES = 4 * 2**30
 # bumped when what a file holds changes
 FORMAT = 1
 # environment variables that change what a program compiles to
@@ -54,9 +58,10 @@ def store_for_jax_cache(devices: list) -> ExecutableStore | None:
 class ExecutableStore:
     """Programs' compiled executables in ``directory``, one file per fingerprint."""
 
-    def __init__(self, directory: Path, devices: list) -> None:
+    def __init__(self, directory: Path, devices: list, max_bytes: int = MAX_BYTES) -> None:
         self.directory = Path(directory)
         self.devices = {device.id: device for device in devices}
+        self.max_bytes = max_bytes
         # whether an executable XLA did not compile in this call (JAX read it from its
         # persistent cache, now or for an earlier call in this process) is stored too:
         # XLA:CPU's does not serialize whole (its kernels are missing when it is loaded
@@ -86,7 +91,9 @@ class ExecutableStore:
             if fmt != FORMAT:
                 return None
             devices = [self.devices[i] for i in device_ids]
-            return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+            compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+            os.utime(path)  # recently used
+            return compiled
         except Exception:  # a file of another build, truncated, or of other devices
             logger.warning("a stored program did not load (%s); compiling it", path.name)
             logger.debug("loading %s", path, exc_info=True)
@@ -106,12 +113,32 @@ class ExecutableStore:
             blob = pickle.dumps((FORMAT, device_ids, payload, in_tree, out_tree))
             self.directory.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as file:
-                file.write(blob)
+                try:
+                    file.write(blob)
+                except BaseException:
+                    os.unlink(file.name)
+                    raise
             os.replace(file.name, path)
-            return True
         except Exception:  # a backend that does not serialize, a full disk: compile next time
             logger.warning("could not store a compiled program (%s)", program.key, exc_info=True)
             return False
+        self.prune()
+        return True
+
+    def prune(self) -> None:
+        """Delete the least recently used files until the store holds ``max_bytes`` at
+        most (safe beside other processes: a file deleted under a load is a miss)."""
+        files = []
+        for path in self.directory.iterdir():
+            with contextlib.suppress(OSError):  # deleted by another process meanwhile
+                stat = path.stat()
+                files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
 
 
 def describe(key: Any, arguments: tuple) -> str:

@@ -6,6 +6,8 @@ that does not load is a miss, not an error."""
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -92,3 +94,21 @@ def test_a_cpu_program_the_persistent_cache_held_is_not_stored(store):
     assert not store.save(program, program.compile(), fresh=False)
     assert store.load(program) is None
     assert store.save(program, program.compile())
+
+
+def test_the_store_keeps_its_most_recently_used_files_within_its_size(tmp_path):
+    """Past ``max_bytes`` a save deletes the least recently used files; a load counts as a
+    use."""
+    first, second, third = _program(8), _program(16), _program(32)
+    probe = ExecutableStore(tmp_path / "probe", jax.devices())
+    assert probe.save(first, first.compile())
+    size = probe.path(first).stat().st_size
+    store = ExecutableStore(tmp_path / "programs", jax.devices(), max_bytes=int(2.5 * size))
+    for age, program in ((300, first), (200, second)):
+        assert store.save(program, program.compile())
+        past = time.time() - age
+        os.utime(store.path(program), (past, past))
+    assert store.load(first) is not None  # now the most recently used
+    assert store.save(third, third.compile())
+    assert store.load(second) is None and not store.path(second).exists()
+    assert store.load(first) is not None and store.load(third) is not None
