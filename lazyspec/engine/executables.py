@@ -62,6 +62,7 @@ class ExecutableStore:
         self.directory = Path(directory)
         self.devices = {device.id: device for device in devices}
         self.max_bytes = max_bytes
+        self.environment = environment()  # as the store is made (one engine's warm-up)
         # whether an executable XLA did not compile in this call (JAX read it from its
         # persistent cache, now or for an earlier call in this process) is stored too:
         # XLA:CPU's does not serialize whole (its kernels are missing when it is loaded
@@ -75,7 +76,7 @@ class ExecutableStore:
         text = describe(dataclasses.replace(program.key, copy=0), program.signature())
         if " at 0x" in text:
             return None
-        digest = hashlib.sha256(environment().encode())
+        digest = hashlib.sha256(self.environment.encode())
         digest.update(text.encode())
         return self.directory / f"{digest.hexdigest()}.exe"
 
@@ -158,23 +159,13 @@ def describe(key: Any, arguments: tuple) -> str:
     return "\n".join(parts)
 
 
-@functools.cache
 def environment() -> str:
     """What decides every program beside its arguments, as text: the source of ``lazyspec``
     and its kernels, the Python, JAX and jaxlib versions, the backend and its devices, the
-    environment's XLA and JAX variables and JAX's configuration."""
+    environment's XLA and JAX variables and JAX's configuration (as they are now)."""
     import jax.extend.backend
     import jaxlib
 
-    import lazyspec
-    import lazyspec.kernels
-
-    source = hashlib.sha256()
-    files = set()
-    for package in (lazyspec, lazyspec.kernels):
-        files.update(path.resolve() for path in Path(package.__file__).parent.rglob("*.py"))
-    for path in sorted(files):
-        source.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     backend = jax.extend.backend.get_backend()
     devices = [(d.id, d.device_kind, d.process_index) for d in jax.devices()]
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))
@@ -184,7 +175,7 @@ def environment() -> str:
             str,
             (
                 FORMAT,
-                source.hexdigest(),
+                source_digest(),
                 sys.version,
                 jax.__version__,
                 jaxlib.__version__,
@@ -196,3 +187,19 @@ def environment() -> str:
             ),
         )
     )
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of every Python file of ``lazyspec`` and its kernels, read once a process
+    (the code it runs)."""
+    import lazyspec
+    import lazyspec.kernels
+
+    digest = hashlib.sha256()
+    files = set()
+    for package in (lazyspec, lazyspec.kernels):
+        files.update(path.resolve() for path in Path(package.__file__).parent.rglob("*.py"))
+    for path in sorted(files):
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazyspec.engine.executables import ExecutableStore, environment
+from lazyspec.engine.executables import ExecutableStore
 from lazyspec.engine.programs import TABLE, Program, ProgramKey
 
 
@@ -63,11 +63,12 @@ def test_what_decides_a_program_decides_its_file(store, monkeypatch):
     others = [_program(length=16), _program(factor=2.0), _program(dtype=jnp.bfloat16)]
     assert len({path, *(store.path(other) for other in others)}) == 4
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    environment.cache_clear()
-    try:
-        assert store.path(_program()) != path
-    finally:
-        environment.cache_clear()
+    other = ExecutableStore(store.directory, jax.devices())
+    assert other.environment != store.environment
+    assert other.path(_program()) != path
+    with jax.default_matmul_precision("highest"):  # JAX's configuration, as it is now
+        precise = ExecutableStore(store.directory, jax.devices())
+    assert precise.path(_program()) not in (path, other.path(_program()))
 
 
 def test_a_file_that_does_not_load_is_a_miss(store, caplog):
