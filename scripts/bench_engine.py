@@ -238,12 +238,12 @@ def make_engine(model, backend: str, args, batch: int, spec: bool, decode_steps:
 
 
 class _WidestDecode:
-    """Stands in for the runner's jitted decode step: calls it and keeps, of its widest call
-    (most rows), the batch (to re-run the step alone) and the abstract arguments (to lower it
-    again). The abstract arguments are taken only when the widest call changes, so the served
-    steps carry no extra host work. The step is handed its batch's words and writes its
-    outputs over them, so the batch is kept with its words on the host: each re-run moves
-    them to the device afresh, as the engine does each step."""
+    """Stands in for the runner's decode step (its ``StepCalls``): calls it and keeps, of its
+    widest call (most rows), the batch (to re-run the step alone) and the abstract arguments
+    (to lower it again). The abstract arguments are taken only when the widest call changes,
+    so the served steps carry no extra host work. The step is handed its batch's words and
+    writes its outputs over them, so the batch is kept with its words on the host: each
+    re-run moves them to the device afresh, as the engine does each step."""
 
     def __init__(self, jitted):
         self.jitted, self.batch, self.args, self.rows = jitted, None, None, -1
@@ -296,7 +296,20 @@ def served_engine(model, backend: str, args, batch: int, spec: bool):
         for _ in range(batch)
     ]
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    bind_decode(engine.runner, recorder.rows)
     return engine, recorder
+
+
+def bind_decode(runner, rows: int) -> int:
+    """Bind the decode programs of ``rows`` rows to the runner (``Runner.bind``) as warm-up
+    binds a served engine's table, so that the timed steps call what serving calls (the
+    engines here skip warm-up: compiling every program would take minutes); how many."""
+    from lazyspec.engine.programs import DECODE
+
+    programs = [p for p in runner.program_table() if p.key.kind == DECODE and p.key.rows == rows]
+    for program in programs:
+        runner.bind(program.key, program.compile())
+    return len(programs)
 
 
 def decode_memory(model, backend: str, args) -> dict:
@@ -434,7 +447,9 @@ def run(
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     engine.flush_cache()
-    print(f"  warm-up (compiles) {time.perf_counter() - start:.1f} s", flush=True)
+    bound = bind_decode(engine.runner, recorder.rows)
+    seconds = time.perf_counter() - start
+    print(f"  warm-up (compiles) {seconds:.1f} s, {bound} decode programs bound", flush=True)
     reqs = [engine.add_request(input_ids=p, sampling_params=params) for p in prompts]
     times = {"extend": [], "decode": []}
     host = _time_host_calls(engine, recorder)
@@ -450,7 +465,7 @@ def run(
         if kind == "decode":
             host_steps.append({k: sum(v[before[k] :]) for k, v in host.items()})
     wall = time.perf_counter() - start
-    engine.runner._decode = recorder  # the re-runs below call the jitted step itself
+    engine.runner._decode = recorder  # the re-runs below call the step's programs
     out_tokens = sum(len(r.output_ids) for r in reqs)
     decode_time = sum(times["decode"])
     per = decode_steps  # token steps per decode program

@@ -40,6 +40,7 @@ def test_tiny_preset_at_tp_2_decodes_two_rows(tmp_path):
         pytest.fail(f"bench_engine at tp 2 with two rows hung past {TIMEOUT_S} s")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "2 rows, page size 16)" in done.stdout
+    assert "2 decode programs bound" in done.stdout  # the timed steps call what serving does
     assert out.read_text().startswith("device: cpu (cpu), jax ")  # the card of the figures
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 3, out.read_text()  # the step row, its host calls, its profile
