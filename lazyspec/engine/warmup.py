@@ -257,10 +257,10 @@ class TableCompiler:
         else:
             with self._gate.turn(self._rank[key]):
                 lowered = program.lower()
-            before = self._listener.thread_xla_compiles()
+            compiles = self._listener.thread_xla_compiles()
             compiled = lowered.compile()
             if self._store is not None:
-                fresh = self._listener.thread_xla_compiles() > before
+                fresh = self._listener.thread_xla_compiles() > compiles
                 self._store.save(program, compiled, fresh)
         if self._bind is not None:
             self._bind(key, compiled)
