@@ -14,8 +14,9 @@ CPU only what XLA compiled then, not what a cache held: ``stores_cache_hits``).
 
 The store lies beside JAX's persistent cache (``STORE_DIR`` in
 ``jax_compilation_cache_dir``) and is used only where that cache is on and one process
-drives the devices. Loading an executable runs code it holds: keep the directory as
-private as the compilation cache itself.
+drives the devices. The source is read from disk: code replaced while a process runs (a
+monkeypatch) is not seen, so keep the cache off where that is done. Loading an executable
+runs code it holds: keep the directory as private as the compilation cache itself.
 """
 
 from __future__ import annotations
