@@ -51,7 +51,7 @@ def store_for_jax_cache(devices: list) -> ExecutableStore | None:
     """The store beside JAX's persistent compilation cache, for programs on ``devices``;
     None where that cache is off or several processes drive the devices."""
     directory = jax.config.jax_compilation_cache_dir
-    if not directory or jax.process_count() > 1:
+    if not (directory and jax.config.jax_enable_compilation_cache) or jax.process_count() > 1:
         return None
     return ExecutableStore(Path(directory) / STORE_DIR, devices)
 
