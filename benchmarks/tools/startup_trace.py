@@ -2,8 +2,8 @@
 builds from the same flags (its pool plan, then ``Engine`` without warm-up), then each
 program a first request needs (``warmup.first_request_keys``, in warm-up order) loaded as
 stored (``engine/executables.py``), or else traced and lowered, compiled (a persistent-cache
-hit when the cache holds it) and stored, then run once (``Runner.warm``), one at a time,
-each phase's seconds printed. Run it twice on one cache
+hit when the cache holds it) and stored (timed with the compiling), then run once
+(``Runner.warm``), one at a time, each phase's seconds printed. Run it twice on one cache
 directory for the cold and the warm figures:
 
     python benchmarks/tools/startup_trace.py --cache-dir /tmp/c -- --speculative-algorithm NEXTN
@@ -46,7 +46,12 @@ def main() -> None:
     )
     from lazyspec.engine.engine import Engine
     from lazyspec.engine.executables import store_for_jax_cache
-    from lazyspec.engine.warmup import CompileListener, first_request_keys, warm_order
+    from lazyspec.engine.warmup import (
+        CompileListener,
+        compile_and_store,
+        first_request_keys,
+        warm_order,
+    )
 
     engine = Engine(**{**kwargs, "skip_warmup": True})
     mark = say("engine built (weights placed, pools allocated)", mark)
@@ -67,12 +72,8 @@ def main() -> None:
         else:
             lowered = table[key].lower()
             mark = say(f"lowered  {key}", mark)
-            before = listener.thread_xla_compiles()
-            compiled = lowered.compile()
+            compiled = compile_and_store(table[key], lowered, store, listener)
             mark = say(f"compiled {key}", mark)
-            fresh = listener.thread_xla_compiles() > before
-            if store is not None and store.save(table[key], compiled, fresh):
-                mark = say(f"stored   {key}", mark)
         runner.bind(key, compiled)
         runner.warm(key)
         mark = say(f"ran      {key}", mark)

@@ -164,6 +164,22 @@ class CompileListener:
             return dataclasses.replace(self.counts)
 
 
+def compile_and_store(
+    program: Program,
+    lowered: Any,
+    store: ExecutableStore | None,
+    listener: CompileListener,
+) -> Any:
+    """``program``'s ``lowered`` form compiled and, with a ``store``, written to it as the
+    store keeps what a cache held or not (``ExecutableStore.save``): ``listener`` (started)
+    tells whether XLA compiled it in this call."""
+    compiles = listener.thread_xla_compiles()
+    compiled = lowered.compile()
+    if store is not None:
+        store.save(program, compiled, listener.thread_xla_compiles() > compiles)
+    return compiled
+
+
 class LoweringGate:
     """Lets one thread at a time trace and lower a program, of those waiting the one of the
     lowest rank. Lowering holds the GIL: side by side, lowerings only slow each other, and
@@ -257,11 +273,7 @@ class TableCompiler:
         else:
             with self._gate.turn(self._rank[key]):
                 lowered = program.lower()
-            compiles = self._listener.thread_xla_compiles()
-            compiled = lowered.compile()
-            if self._store is not None:
-                fresh = self._listener.thread_xla_compiles() > compiles
-                self._store.save(program, compiled, fresh)
+            compiled = compile_and_store(program, lowered, self._store, self._listener)
         if self._bind is not None:
             self._bind(key, compiled)
 
