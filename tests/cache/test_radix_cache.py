@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -17,17 +19,17 @@ class Setup:
     def __init__(
         self, page_size: int, num_pages: int = 64, num_slots: int = 16, disable: bool = False
     ) -> None:
-        self.ps = page_size
+        self.page_size = page_size
         self.kv = KVAllocator(num_pages, page_size)
         self.slots = SlotAllocator(num_slots)
         self.tree = RadixCache(page_size, self.kv, self.slots, disable=disable)
         self.rng = np.random.default_rng(1234 + page_size)
 
     def tokens(self, num_pages: int) -> list[int]:
-        return self.rng.integers(0, 50_000, size=num_pages * self.ps).tolist()
+        return self.rng.integers(0, 50_000, size=num_pages * self.page_size).tolist()
 
     def fresh_kv(self, num_tokens: int) -> np.ndarray:
-        return self.kv.pages_to_token_indices(self.kv.alloc_pages(num_tokens // self.ps))
+        return self.kv.pages_to_token_indices(self.kv.alloc_pages(num_tokens // self.page_size))
 
     def insert(self, key: list[int], kv: np.ndarray | None = None):
         """Insert ``key`` with fresh KV (unless given) and a fresh slot; frees an untaken slot."""
@@ -41,27 +43,31 @@ class Setup:
         check_all(self.kv, self.slots, self.tree, [], [])
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_insert_then_match_returns_the_inserted_kv_and_state(page_size: int) -> None:
-    s = Setup(page_size)
+@pytest.fixture(params=PAGE_SIZES)
+def s(request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """A ``Setup`` at each of ``PAGE_SIZES``, whose allocators and tree are checked
+    (``Setup.check``) once the test is done with them."""
+    setup = Setup(request.param)
+    yield setup
+    setup.check()
+
+
+def test_insert_then_match_returns_the_inserted_kv_and_state(s: Setup) -> None:
     key = s.tokens(3)
     kv = s.fresh_kv(len(key))
     slot = s.slots.alloc(1)[0]
     result = s.tree.insert(key, kv, slot)
     assert result.state_taken and result.num_new_tokens == len(key)
     assert result.node.state_slot == slot
-    query = key + s.tokens(2)[: page_size + 1]  # a longer query with an unaligned tail
+    query = key + s.tokens(2)[: s.page_size + 1]  # a longer query with an unaligned tail
     match = s.tree.match_prefix(query)
     assert match.prefix_len == len(key) == len(match.kv_indices) == match.kv_match_len
     assert match.kv_indices.dtype == np.int32 and np.array_equal(match.kv_indices, kv)
     assert match.state_slot == slot and match.node is result.node
     assert s.tree.num_cached_tokens == len(key) and s.tree.num_cached_slots == 1
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_split_makes_a_tombstone_parent_and_match_skips_it(page_size: int) -> None:
-    s = Setup(page_size)
+def test_split_makes_a_tombstone_parent_and_match_skips_it(s: Setup) -> None:
     shared, tail_a, tail_b = s.tokens(1), s.tokens(2), s.tokens(1)
     first, _ = s.insert(shared + tail_a)
     second, slot_b = s.insert(shared + tail_b)
@@ -73,12 +79,9 @@ def test_split_makes_a_tombstone_parent_and_match_skips_it(page_size: int) -> No
     assert match.prefix_len == 0 and match.node is s.tree.root and match.state_slot == 0
     assert match.kv_match_len == len(shared)  # the KV is there, the state is not
     assert s.tree.match_prefix(shared + tail_b).state_slot == slot_b
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_inserting_at_a_tombstone_revives_it(page_size: int) -> None:
-    s = Setup(page_size)
+def test_inserting_at_a_tombstone_revives_it(s: Setup) -> None:
     shared = s.tokens(1)
     first, _ = s.insert(shared + s.tokens(2))
     s.insert(shared + s.tokens(1))
@@ -89,24 +92,18 @@ def test_inserting_at_a_tombstone_revives_it(page_size: int) -> None:
     assert tombstone.state_slot == slot and np.array_equal(tombstone.value, kv_before)
     match = s.tree.match_prefix(shared + s.tokens(1))
     assert match.state_slot == slot and match.prefix_len == len(shared)
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_insert_ending_inside_an_edge_splits_and_takes_the_state(page_size: int) -> None:
-    s = Setup(page_size)
+def test_insert_ending_inside_an_edge_splits_and_takes_the_state(s: Setup) -> None:
     key = s.tokens(3)
     first, slot_long = s.insert(key)
-    short, slot_short = s.insert(key[: 2 * page_size])
+    short, slot_short = s.insert(key[: 2 * s.page_size])
     assert short.state_taken and short.node.state_slot == slot_short
     assert first.node.parent is short.node and first.node.state_slot == slot_long
-    assert s.tree.match_prefix(key[: 2 * page_size] + s.tokens(1)).state_slot == slot_short
-    s.check()
+    assert s.tree.match_prefix(key[: 2 * s.page_size] + s.tokens(1)).state_slot == slot_short
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_insert_at_an_existing_state_does_not_take_the_slot(page_size: int) -> None:
-    s = Setup(page_size)
+def test_insert_at_an_existing_state_does_not_take_the_slot(s: Setup) -> None:
     key = s.tokens(2)
     first, slot = s.insert(key)
     free_pages = s.kv.num_free_pages
@@ -116,48 +113,39 @@ def test_insert_at_an_existing_state_does_not_take_the_slot(page_size: int) -> N
     assert first.node.state_slot == slot
     assert s.kv.num_free_pages == free_pages  # the duplicate pages went straight back
     s.slots.free([other_slot])
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_deepest_state_match_truncates_the_kv(page_size: int) -> None:
-    s = Setup(page_size)
+def test_deepest_state_match_truncates_the_kv(s: Setup) -> None:
     prefix, rest = s.tokens(1), s.tokens(3)
     near, slot_near = s.insert(prefix)
     s.insert(prefix + rest)
-    s.insert(prefix + rest[: 2 * page_size] + s.tokens(1))  # tombstone at 3 pages
-    match = s.tree.match_prefix(prefix + rest[: 2 * page_size] + s.tokens(1))
+    s.insert(prefix + rest[: 2 * s.page_size] + s.tokens(1))  # tombstone at 3 pages
+    match = s.tree.match_prefix(prefix + rest[: 2 * s.page_size] + s.tokens(1))
     assert match.node is near.node and match.state_slot == slot_near
     assert match.prefix_len == len(prefix) and np.array_equal(match.kv_indices, near.node.value)
-    assert match.kv_match_len == 3 * page_size
-    s.check()
+    assert match.kv_match_len == 3 * s.page_size
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_duplicate_kv_is_freed_and_shared_kv_kept(page_size: int) -> None:
-    s = Setup(page_size)
+def test_duplicate_kv_is_freed_and_shared_kv_kept(s: Setup) -> None:
     key = s.tokens(4)
-    s.insert(key[: 2 * page_size])
+    s.insert(key[: 2 * s.page_size])
     matched = s.tree.match_prefix(key)
-    own_tail = s.fresh_kv(2 * page_size)
-    dup_head = s.fresh_kv(2 * page_size)
+    own_tail = s.fresh_kv(2 * s.page_size)
+    dup_head = s.fresh_kv(2 * s.page_size)
     # one request reused the cached KV, another recomputed the whole prefix itself
     reuse, _ = s.insert(key, np.concatenate([matched.kv_indices, own_tail]))
-    assert reuse.num_new_tokens == 2 * page_size
+    assert reuse.num_new_tokens == 2 * s.page_size
     assert s.kv.is_allocated(s.kv.token_indices_to_pages(own_tail)).all()
     assert s.kv.is_allocated(s.kv.token_indices_to_pages(matched.kv_indices)).all()
-    recompute_kv = np.concatenate([dup_head, s.fresh_kv(2 * page_size)])
+    recompute_kv = np.concatenate([dup_head, s.fresh_kv(2 * s.page_size)])
     recompute, _ = s.insert(key, recompute_kv)
     assert recompute.num_new_tokens == 0 and not recompute.state_taken
     assert not s.kv.is_allocated(s.kv.token_indices_to_pages(recompute_kv)).any()
     full = s.tree.match_prefix(key)
     assert np.array_equal(full.kv_indices, np.concatenate([matched.kv_indices, own_tail]))
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_locks_block_eviction_until_released(page_size: int) -> None:
-    s = Setup(page_size)
+def test_locks_block_eviction_until_released(s: Setup) -> None:
     base = s.tokens(1)
     parent, _ = s.insert(base)
     child, child_slot = s.insert(base + s.tokens(2))
@@ -167,36 +155,32 @@ def test_locks_block_eviction_until_released(page_size: int) -> None:
     s.tree.inc_lock(node)
     assert (child.node.kv_lock, child.node.state_lock) == (1, 1)
     assert (parent.node.kv_lock, parent.node.state_lock) == (1, 0)
-    assert s.tree.num_evictable_kv_tokens == page_size and s.tree.num_evictable_slots == 2
-    assert s.tree.evict_kv(10**6) == page_size  # only the other branch
+    assert s.tree.num_evictable_kv_tokens == s.page_size and s.tree.num_evictable_slots == 2
+    assert s.tree.evict_kv(10**6) == s.page_size  # only the other branch
     assert s.tree.evict_state(10**6) == 1  # the unlocked parent state -> tombstone
-    assert parent.node.state_slot is None and s.tree.num_cached_tokens == 3 * page_size
+    assert parent.node.state_slot is None and s.tree.num_cached_tokens == 3 * s.page_size
     assert s.tree.match_prefix(base + child.node.key.tolist()).state_slot == child_slot
     s.check()
     s.tree.dec_lock(node)
     assert child.node.kv_lock == parent.node.kv_lock == 0
-    assert s.tree.num_evictable_kv_tokens == 3 * page_size
-    assert s.tree.evict_kv(1) == 3 * page_size  # the leaf, then its tombstone parent
+    assert s.tree.num_evictable_kv_tokens == 3 * s.page_size
+    assert s.tree.evict_kv(1) == 3 * s.page_size  # the leaf, then its tombstone parent
     assert s.tree.num_cached_tokens == 0 and s.kv.num_free_pages == s.kv.num_pages
     with pytest.raises(ValueError, match="not locked"):
         s.tree.dec_lock(node)
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_split_of_a_locked_edge_keeps_lock_counts(page_size: int) -> None:
-    s = Setup(page_size)
+def test_split_of_a_locked_edge_keeps_lock_counts(s: Setup) -> None:
     key = s.tokens(3)
     leaf, _ = s.insert(key)
     s.tree.inc_lock(leaf.node)
-    s.insert(key[:page_size] + s.tokens(1))  # splits the locked edge
+    s.insert(key[: s.page_size] + s.tokens(1))  # splits the locked edge
     upper = leaf.node.parent
     assert upper.kv_lock == 1 and upper.state_lock == 0 and upper.state_slot is None
-    assert s.tree.num_evictable_kv_tokens == page_size  # just the new sibling
+    assert s.tree.num_evictable_kv_tokens == s.page_size  # just the new sibling
     s.check()
     s.tree.dec_lock(leaf.node)
-    assert upper.kv_lock == 0 and s.tree.num_evictable_kv_tokens == 4 * page_size
-    s.check()
+    assert upper.kv_lock == 0 and s.tree.num_evictable_kv_tokens == 4 * s.page_size
 
 
 def test_lock_of_a_tombstone_is_rejected() -> None:
@@ -208,27 +192,22 @@ def test_lock_of_a_tombstone_is_rejected() -> None:
         s.tree.inc_lock(first.node.parent)
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_evict_state_tombstones_internal_nodes_and_deletes_leaves(page_size: int) -> None:
-    s = Setup(page_size)
+def test_evict_state_tombstones_internal_nodes_and_deletes_leaves(s: Setup) -> None:
     shared = s.tokens(1)
     internal, internal_slot = s.insert(shared)
     s.insert(shared + s.tokens(1))
     assert s.tree.evict_state(1) == 1  # the oldest state: the internal node
-    assert internal.node.state_slot is None and s.tree.num_cached_tokens == 2 * page_size
+    assert internal.node.state_slot is None and s.tree.num_cached_tokens == 2 * s.page_size
     assert not s.slots.is_allocated([internal_slot])[0]
     s.check()
     lone, _ = s.insert(s.tokens(2))
     assert s.tree.evict_state(1) == 1  # the leaf under the tombstone: deleted, tombstone too
-    assert s.tree.num_cached_tokens == 2 * page_size and s.tree.num_cached_slots == 1
+    assert s.tree.num_cached_tokens == 2 * s.page_size and s.tree.num_cached_slots == 1
     assert s.tree.match_prefix(lone.node.key.tolist()).node is lone.node
     assert s.tree.match_prefix(shared).kv_match_len == 0  # the tombstone went with its leaf
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_match_touches_only_the_returned_node_in_the_state_lru(page_size: int) -> None:
-    s = Setup(page_size)
+def test_match_touches_only_the_returned_node_in_the_state_lru(s: Setup) -> None:
     base = s.tokens(1)
     upper, _ = s.insert(base)
     lower, _ = s.insert(base + s.tokens(1))
@@ -238,39 +217,32 @@ def test_match_touches_only_the_returned_node_in_the_state_lru(page_size: int) -
     assert s.tree.evict_state(1) == 1
     assert upper.node.state_slot is None and other.node.state_slot is not None
     # the KV LRU did refresh the whole path: evict_kv takes `other` first
-    assert s.tree.evict_kv(1) == page_size
+    assert s.tree.evict_kv(1) == s.page_size
     assert s.tree.match_prefix(other.node.key.tolist()).prefix_len == 0
     assert s.tree.match_prefix(base + lower.node.key.tolist()).node is lower.node
-    s.check()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_evict_kv_takes_the_least_recently_used_leaf(page_size: int) -> None:
-    s = Setup(page_size)
+def test_evict_kv_takes_the_least_recently_used_leaf(s: Setup) -> None:
     first, _ = s.insert(s.tokens(2))
     second, _ = s.insert(s.tokens(1))
     s.tree.match_prefix(first.node.key.tolist())
-    assert s.tree.evict_kv(page_size) == page_size
+    assert s.tree.evict_kv(s.page_size) == s.page_size
     assert s.tree.match_prefix(second.node.key.tolist()).prefix_len == 0
-    assert s.tree.match_prefix(first.node.key.tolist()).prefix_len == 2 * page_size
-    s.check()
+    assert s.tree.match_prefix(first.node.key.tolist()).prefix_len == 2 * s.page_size
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_match_is_page_granular(page_size: int) -> None:
-    s = Setup(page_size)
+def test_match_is_page_granular(s: Setup) -> None:
     key = s.tokens(3)
-    s.insert(key[:page_size])
+    s.insert(key[: s.page_size])
     s.insert(key)
     changed = list(key)
-    changed[3 * page_size - 1] += 1  # differ in the last token of the last page
+    changed[3 * s.page_size - 1] += 1  # differ in the last token of the last page
     num_nodes = len(list(s.tree.iter_nodes()))
     match = s.tree.match_prefix(changed)
-    assert match.prefix_len == page_size and match.kv_match_len == 2 * page_size
+    assert match.prefix_len == s.page_size and match.kv_match_len == 2 * s.page_size
     assert len(list(s.tree.iter_nodes())) == num_nodes  # a match ending mid-edge splits nothing
-    assert s.tree.match_prefix(key[: 3 * page_size - 1]).prefix_len == page_size
-    assert s.tree.match_prefix(key).prefix_len == 3 * page_size
-    s.check()
+    assert s.tree.match_prefix(key[: 3 * s.page_size - 1]).prefix_len == s.page_size
+    assert s.tree.match_prefix(key).prefix_len == 3 * s.page_size
 
 
 def test_stats_count_queried_and_matched_tokens() -> None:
@@ -284,22 +256,19 @@ def test_stats_count_queried_and_matched_tokens() -> None:
     assert stats.hit_rate == pytest.approx(8 / 15)
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_flush_frees_everything_and_refuses_while_locked(page_size: int) -> None:
-    s = Setup(page_size)
+def test_flush_frees_everything_and_refuses_while_locked(s: Setup) -> None:
     shared = s.tokens(1)
     s.insert(shared + s.tokens(2))
     held, _ = s.insert(shared + s.tokens(1))
     s.tree.inc_lock(held.node)
     with pytest.raises(ValueError, match="locked"):
         s.tree.flush()
-    assert s.tree.num_cached_tokens == 4 * page_size
+    assert s.tree.num_cached_tokens == 4 * s.page_size
     s.tree.dec_lock(held.node)
     s.tree.flush()
     assert s.tree.num_cached_tokens == 0 and s.tree.num_cached_slots == 0
     assert s.kv.num_free_pages == s.kv.num_pages and s.slots.num_free == s.slots.num_slots
     assert s.tree.match_prefix(shared).prefix_len == 0
-    s.check()
 
 
 def test_disabled_cache_matches_nothing_and_frees_inserted_kv() -> None:
@@ -365,9 +334,7 @@ def test_check_integrity_detects_broken_invariants() -> None:
         s.tree.check_integrity()
 
 
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_lock_cost_is_what_inc_lock_takes_from_the_evictable_counts(page_size: int) -> None:
-    s = Setup(page_size)
+def test_lock_cost_is_what_inc_lock_takes_from_the_evictable_counts(s: Setup) -> None:
     base = s.tokens(1)
     parent, _ = s.insert(base)
     child, _ = s.insert(base + s.tokens(2))
@@ -382,4 +349,3 @@ def test_lock_cost_is_what_inc_lock_takes_from_the_evictable_counts(page_size: i
         assert cost == (before[0] - after[0], before[1] - after[1])
     # the first lock of the child took its state and its whole path; the second took nothing
     assert s.tree.lock_cost(child.node) == (0, 0)
-    s.check()
