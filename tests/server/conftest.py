@@ -187,6 +187,21 @@ def assert_all_free(info: dict) -> None:
     assert info["cached_kv_tokens"] == 0, info
 
 
+def post(live: LiveServer, path: str, body: dict) -> httpx.Response:
+    """``body`` posted as JSON to ``path`` of ``live``, with two minutes to answer."""
+    return httpx.post(f"{live.url}{path}", json=body, timeout=120)
+
+
+def v1_body(path: str, text: str, **fields: Any) -> dict:
+    """A request to the served model for the /v1 endpoint ``path``: ``text`` as the prompt
+    of /v1/completions or as the one user message of /v1/chat/completions, and ``fields``."""
+    if path == "/v1/completions":
+        return {"model": SERVED_NAME, "prompt": text, **fields}
+    if path == "/v1/chat/completions":
+        return {"model": SERVED_NAME, "messages": [{"role": "user", "content": text}], **fields}
+    raise ValueError(path)
+
+
 def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     """``n`` random non-special token ids."""
     return [int(t) for t in rng.integers(len(SPECIAL_TOKENS), vocab, size=n)]

@@ -11,14 +11,10 @@ import httpx
 import numpy as np
 
 from lazyspec.server.protocol import copy_seed
-from tests.server.conftest import EOS_ID, SERVED_NAME, random_ids
+from tests.server.conftest import EOS_ID, SERVED_NAME, post, random_ids, v1_body
 
 PROMPT_LEN = 150  # past two 64-token checkpoints of the server's engine
 SAMPLED = {"temperature": 1.0, "ignore_eos": True}
-
-
-def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
 
 
 def _prompt(server, seed: int) -> list[int]:
@@ -28,7 +24,7 @@ def _prompt(server, seed: int) -> list[int]:
 def test_generate_n_copies_match_the_first_ones_prefix(server):
     ids = _prompt(server, 30)
     params = {"max_new_tokens": 6, "n": 3, "seed": 11, **SAMPLED}
-    results = _post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()
+    results = post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()
     assert isinstance(results, list) and len(results) == 3
     cached = [r["meta_info"]["cached_tokens"] for r in results]
     assert cached == [0, 128, 128], cached  # the first prefills; the copies match its 128
@@ -37,15 +33,15 @@ def test_generate_n_copies_match_the_first_ones_prefix(server):
     # copy j is the request seeded copy_seed(11, j): deterministic, whatever the batch
     for j, output in enumerate(outputs):
         alone = {"max_new_tokens": 6, "seed": copy_seed(11, j), **SAMPLED}
-        single = _post(server, "/generate", {"input_ids": ids, "sampling_params": alone}).json()
+        single = post(server, "/generate", {"input_ids": ids, "sampling_params": alone}).json()
         assert tuple(single["output_ids"]) == output, j
 
 
 def test_completions_n_gives_indexed_choices_and_counts_the_prompt_once(server):
     ids = _prompt(server, 31)
     body = {"model": SERVED_NAME, "prompt": [ids, ids[:40]], "max_tokens": 5, "n": 2, "seed": 3}
-    first = _post(server, "/v1/completions", {**body, **SAMPLED}).json()
-    again = _post(server, "/v1/completions", {**body, **SAMPLED}).json()
+    first = post(server, "/v1/completions", {**body, **SAMPLED}).json()
+    again = post(server, "/v1/completions", {**body, **SAMPLED}).json()
     choices = first["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert all(c["finish_reason"] == "length" for c in choices)
@@ -57,15 +53,10 @@ def test_completions_n_gives_indexed_choices_and_counts_the_prompt_once(server):
 
 
 def test_chat_n_streams_every_choice(server):
-    body = {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": "draft tokens are verified in one pass"}],
-        "max_tokens": 6,
-        "n": 3,
-        "seed": 8,
-        **SAMPLED,
-    }
-    whole = _post(server, "/v1/chat/completions", body).json()
+    path = "/v1/chat/completions"
+    body = v1_body(path, "draft tokens are verified in one pass", max_tokens=6, n=3, seed=8)
+    body.update(SAMPLED)
+    whole = post(server, path, body).json()
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
     texts, roles, finishes = ["", "", ""], set(), {}
     with httpx.stream(
@@ -90,23 +81,23 @@ def test_best_of_and_n_out_of_range_are_400(server):
         ({"n": 0}, "n=0 must be in [1, 128]"),
         ({"n": 129}, "n=129 must be in [1, 128]"),
     ]:
-        response = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
+        response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
         assert response.status_code == 400 and words in response.json()["error"]["message"]
-    ok = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2})
+    ok = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
 def test_penalties_change_greedy_output_over_http(server):
     ids = _prompt(server, 32)
     base = {"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    plain = _post(server, "/v1/completions", base).json()["choices"][0]["text"]
+    plain = post(server, "/v1/completions", base).json()["choices"][0]["text"]
     penalized = {**base, "frequency_penalty": 2.0, "presence_penalty": 1.0}
-    response = _post(server, "/v1/completions", penalized)
+    response = post(server, "/v1/completions", penalized)
     assert response.status_code == 200
     assert response.json()["choices"][0]["text"] != plain
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     generate = {"input_ids": ids, "sampling_params": {**params, "repetition_penalty": 1.5}}
-    assert _post(server, "/generate", generate).status_code == 200
+    assert post(server, "/generate", generate).status_code == 200
 
 
 def _oracle_logprobs(server, ids: list[int]) -> np.ndarray:
@@ -122,7 +113,7 @@ def test_generate_prompt_logprobs_from_logprob_start_len(server):
     matched only below that (64), and the logprobs equal a cache-free recompute."""
     ids = _prompt(server, 33)
     params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
-    _post(server, "/generate", {"input_ids": ids, "sampling_params": params})
+    post(server, "/generate", {"input_ids": ids, "sampling_params": params})
     body = {
         "input_ids": ids,
         "sampling_params": params,
@@ -130,7 +121,7 @@ def test_generate_prompt_logprobs_from_logprob_start_len(server):
         "logprob_start_len": 100,
         "top_logprobs_num": 2,
     }
-    meta = _post(server, "/generate", body).json()["meta_info"]
+    meta = post(server, "/generate", body).json()["meta_info"]
     assert meta["cached_tokens"] == 64
     pairs = meta["input_token_logprobs"]
     assert [t for _, t, _ in pairs] == ids[100:]
@@ -140,14 +131,14 @@ def test_generate_prompt_logprobs_from_logprob_start_len(server):
     tops = meta["input_top_logprobs"]
     assert [top[0][1] for top in tops] == [int(np.argmax(oracle[j - 1])) for j in range(100, 150)]
     too_far = {**body, "logprob_start_len": PROMPT_LEN}
-    response = _post(server, "/generate", too_far)
+    response = post(server, "/generate", too_far)
     assert response.status_code == 400 and "logprob_start_len=150" in response.text
 
 
 def test_completions_echo_with_logprobs_scores_the_prompt(server):
     ids = _prompt(server, 34)[:20]
     body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
-    logprobs = _post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    logprobs = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == 23
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     oracle = _oracle_logprobs(server, ids)
@@ -177,7 +168,7 @@ def test_echo_offsets_index_the_text_with_a_bos(server):
     eos = "<|endoftext|>"
     ids = [EOS_ID, *server.tokenizer.encode("the state of a slot").ids]
     body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
-    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    choice = post(server, "/v1/completions", body).json()["choices"][0]
     logprobs = choice["logprobs"]
     assert eos not in logprobs["tokens"] and eos not in choice["text"], logprobs["tokens"]
     assert len(logprobs["tokens"]) == len(ids) - 1 + 3
@@ -201,10 +192,10 @@ def test_every_bit_of_a_64_bit_seed_counts(server):
     body = {"prompt": "the state of", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
     texts = {}
     for seed in (1, 2**32 + 1, 2**40 + 1, 2**63 + 1, -1):
-        out = _post(server, "/v1/completions", {**body, "seed": seed}).json()
+        out = post(server, "/v1/completions", {**body, "seed": seed}).json()
         texts[seed] = out["choices"][0]["text"]
     assert len(set(texts.values())) == len(texts), texts
-    again = _post(server, "/v1/completions", {**body, "seed": 2**40 + 1}).json()
+    again = post(server, "/v1/completions", {**body, "seed": 2**40 + 1}).json()
     assert again["choices"][0]["text"] == texts[2**40 + 1]
     from lazyspec.scheduler.batch import seed_bits
 

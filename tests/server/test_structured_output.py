@@ -14,7 +14,14 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.server.conftest import SERVED_NAME, serve_folder, stop_server, wait_idle
+from tests.server.conftest import (
+    SERVED_NAME,
+    post,
+    serve_folder,
+    stop_server,
+    v1_body,
+    wait_idle,
+)
 
 SCHEMA = {
     "type": "object",
@@ -48,41 +55,33 @@ def grammar_server(backend_server):
     return backend_server
 
 
-def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
-
-
 def test_generate_json_schema_and_regex_outputs_parse(grammar_server):
     for text in (["the state of", "draft tokens are"], "a slot"):  # the same batch shapes
         plain = {"text": text, "sampling_params": {"max_new_tokens": 8}}
-        assert _post(grammar_server, "/generate", plain).status_code == 200
+        assert post(grammar_server, "/generate", plain).status_code == 200
     compiled = grammar_server.info()["num_compiled_programs"]
     body = {
         "text": ["the state of", "draft tokens are"],
         "sampling_params": {"max_new_tokens": 40, "json_schema": json.dumps(SCHEMA)},
     }
-    response = _post(grammar_server, "/generate", body)
+    response = post(grammar_server, "/generate", body)
     assert response.status_code == 200, response.text
     for out in response.json():
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
     body = {"text": "a slot", "sampling_params": {"max_new_tokens": 24, "regex": REGEX}}
-    response = _post(grammar_server, "/generate", body)
+    response = post(grammar_server, "/generate", body)
     assert response.status_code == 200, response.text
     assert re.fullmatch(REGEX, response.json()["text"]), response.json()
     assert grammar_server.info()["num_compiled_programs"] == compiled  # the mask update is warm
 
 
 def test_chat_response_format_json_schema(grammar_server):
-    body = {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": "give me a checkpoint"}],
-        "max_tokens": 40,
-        "temperature": 0.8,
-        "seed": 7,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
-    }
-    response = _post(grammar_server, "/v1/chat/completions", body)
+    path = "/v1/chat/completions"
+    body = v1_body(path, "give me a checkpoint", max_tokens=40, temperature=0.8, seed=7)
+    schema_format = {"name": "c", "schema": SCHEMA}
+    body["response_format"] = {"type": "json_schema", "json_schema": schema_format}
+    response = post(grammar_server, path, body)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
@@ -97,13 +96,13 @@ def test_completion_response_format_json_object(grammar_server):
         "temperature": 0,
         "response_format": {"type": "json_object"},
     }
-    response = _post(grammar_server, "/v1/completions", body)
+    response = post(grammar_server, "/v1/completions", body)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert isinstance(json.loads(choice["text"]), dict)
     # cut by max_tokens: "length", and the text is only the start of an object
-    response = _post(grammar_server, "/v1/completions", {**body, "max_tokens": 1})
+    response = post(grammar_server, "/v1/completions", {**body, "max_tokens": 1})
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["text"] == "{", choice
     with pytest.raises(json.JSONDecodeError):
@@ -131,11 +130,11 @@ def test_malformed_grammars_are_400(grammar_server, path, body, words):
         body = {"text": "the state", **body}
     else:
         body = {"model": SERVED_NAME, "prompt": "the state", "max_tokens": 4, **body}
-    response = _post(grammar_server, path, body)
+    response = post(grammar_server, path, body)
     assert response.status_code == 400, response.text
     assert words in response.json()["error"]["message"], response.json()
     # the engine thread is alive: a plain request still runs
-    ok = _post(
+    ok = post(
         grammar_server, "/generate", {"text": "the", "sampling_params": {"max_new_tokens": 2}}
     )
     assert ok.status_code == 200, ok.text
@@ -159,11 +158,7 @@ def _stream_text(server, path: str, body: dict) -> tuple[str, str | None]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_sglang_grammar_fields_constrain_v1_outputs(grammar_server, path, stream):
     """SGLang's extra_body regex, ebnf and json_schema (a string) on both /v1 endpoints."""
-    head = {"model": SERVED_NAME, "max_tokens": 40, "temperature": 0.9, "seed": 3}
-    if path == "/v1/completions":
-        head["prompt"] = "a slot"
-    else:
-        head["messages"] = [{"role": "user", "content": "a slot"}]
+    head = v1_body(path, "a slot", max_tokens=40, temperature=0.9, seed=3)
     cases = [
         ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
         ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
@@ -174,7 +169,7 @@ def test_sglang_grammar_fields_constrain_v1_outputs(grammar_server, path, stream
         if stream:
             text, finish = _stream_text(grammar_server, path, body)
         else:
-            response = _post(grammar_server, path, body)
+            response = post(grammar_server, path, body)
             assert response.status_code == 200, response.text
             choice = response.json()["choices"][0]
             text = choice.get("text", choice.get("message", {}).get("content"))
@@ -187,43 +182,40 @@ def test_sglang_grammar_fields_constrain_v1_outputs(grammar_server, path, stream
 def test_unknown_and_unsupported_fields_are_400_by_name(server, path):
     if path == "/generate":
         base = {"text": "the state", "sampling_params": {"max_new_tokens": 2}}
-    elif path == "/v1/completions":
-        base = {"model": SERVED_NAME, "prompt": "the state", "max_tokens": 2}
     else:
-        base = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]}
-        base["max_tokens"] = 2
-    response = _post(server, path, {**base, "regexp": "a+"})  # a typo of SGLang's regex
+        base = v1_body(path, "the state" if path == "/v1/completions" else "hi", max_tokens=2)
+    response = post(server, path, {**base, "regexp": "a+"})  # a typo of SGLang's regex
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("regexp", "unknown_field"), error
     assert "'regexp'" in error["message"]
-    response = _post(server, path, {**base, "lora_path": "adapter"})
+    response = post(server, path, {**base, "lora_path": "adapter"})
     error = response.json()["error"]
     assert (error["param"], error["code"]) == ("lora_path", "unsupported_field"), error
     # metadata and defaults of what is not supported pass
-    ok = _post(server, path, {**base, "user": "u1", "lora_path": None, "session_id": None})
+    ok = post(server, path, {**base, "user": "u1", "lora_path": None, "session_id": None})
     assert ok.status_code == 200, ok.text
     both = {**base, "regex": "a+", "response_format": {"type": "json_object"}}
     if path != "/generate":
-        assert _post(server, path, both).json()["error"]["param"] == "regex"
+        assert post(server, path, both).json()["error"]["param"] == "regex"
 
 
 def test_no_stop_trim_and_skip_special_tokens(server):
     """SGLang's text options: the matched stop string kept; special tokens shown."""
     body = {"model": SERVED_NAME, "prompt": "the state of", "max_tokens": 24, "temperature": 0}
     body["ignore_eos"] = True
-    whole = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["text"]
     assert len(whole) > 6, whole
     stop = whole[3:6]
-    trimmed = _post(server, "/v1/completions", {**body, "stop": stop}).json()["choices"][0]
-    kept = _post(server, "/v1/completions", {**body, "stop": stop, "no_stop_trim": True})
+    trimmed = post(server, "/v1/completions", {**body, "stop": stop}).json()["choices"][0]
+    kept = post(server, "/v1/completions", {**body, "stop": stop, "no_stop_trim": True})
     kept = kept.json()["choices"][0]
     cut = whole.index(stop)
     assert trimmed["text"] == whole[:cut] and kept["text"] == whole[: cut + len(stop)], kept
     eos = "<|endoftext|>"
     forced = {**body, "logit_bias": {"2": 100}, "max_tokens": 2}  # id 2 is <|endoftext|>
-    hidden = _post(server, "/v1/completions", forced).json()["choices"][0]["text"]
-    shown = _post(server, "/v1/completions", {**forced, "skip_special_tokens": False}).json()
+    hidden = post(server, "/v1/completions", forced).json()["choices"][0]["text"]
+    shown = post(server, "/v1/completions", {**forced, "skip_special_tokens": False}).json()
     assert eos not in hidden and shown["choices"][0]["text"] == eos * 2, (hidden, shown)
 
 
@@ -232,16 +224,12 @@ def test_min_p_and_stop_regex_on_v1_and_in_streams(server, path):
     """SGLang's min_p and stop_regex through extra_body: min_p = 1 keeps only the most
     likely token, so a hot seeded sample is the greedy text; a stop_regex cuts the text
     where its first match starts (streamed or not), or keeps the match with no_stop_trim."""
-    head = {"model": SERVED_NAME, "max_tokens": 24, "ignore_eos": True}
-    if path == "/v1/completions":
-        head["prompt"] = "the state of"
-    else:
-        head["messages"] = [{"role": "user", "content": "the state of"}]
+    head = v1_body(path, "the state of", max_tokens=24, ignore_eos=True)
 
     def text_of(body: dict) -> tuple[str, str | None]:
         if body.get("stream"):
             return _stream_text(server, path, body)
-        response = _post(server, path, body)
+        response = post(server, path, body)
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         return choice.get("text", choice.get("message", {}).get("content")), choice["finish_reason"]
@@ -264,12 +252,12 @@ def test_min_p_and_stop_regex_on_v1_and_in_streams(server, path):
 def test_min_p_and_stop_regex_on_generate(server):
     params = {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0}
     body = {"text": "draft tokens are", "sampling_params": params}
-    greedy = _post(server, "/generate", body).json()["text"]
+    greedy = post(server, "/generate", body).json()["text"]
     hot = {**params, "temperature": 1.5, "seed": 5, "min_p": 1}
-    assert _post(server, "/generate", {**body, "sampling_params": hot}).json()["text"] == greedy
+    assert post(server, "/generate", {**body, "sampling_params": hot}).json()["text"] == greedy
     pattern = re.escape(greedy[3:5]) + "+"
     found = re.search(pattern, greedy)
     stop = {**params, "stop_regex": pattern}
-    out = _post(server, "/generate", {**body, "sampling_params": stop}).json()
+    out = post(server, "/generate", {**body, "sampling_params": stop}).json()
     assert out["text"] == greedy[: found.start()], (out, greedy)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
