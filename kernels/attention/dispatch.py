@@ -21,7 +21,6 @@ from lazyspec.kernels.attention.prologue import (
 )
 from lazyspec.kernels.attention.walk import paged_attend
 from lazyspec.kernels.common import (
-    pallas_compiler_params,
     pallas_options,
     powers_of_two,
     small_step_tile,
@@ -62,11 +61,7 @@ def pallas_paged_attention(
         num_tokens, tuning.small_step_max_tokens, q.shape[-1], attention.combine_block
     )
     plan = dataclasses.replace(attention_plan(tuning), **{"combine_block": combine, **plan})
-    if compiler_params is None:
-        compiler_params = pallas_compiler_params(
-            num_warps=attention.num_warps, num_stages=attention.num_stages
-        )
-    launch = pallas_options(interpret, compiler_params)
+    launch = pallas_options(interpret, compiler_params, attention.num_warps, attention.num_stages)
     return paged_attention(inputs, scale, gate=gate, plan=plan, **launch)
 
 
