@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from lazyspec.kernels.common import (
     TRITON_MIN_DOT,
     fitted_tile,
-    pallas_compiler_params,
     pallas_options,
 )
 from lazyspec.kernels.moe.experts import moe_experts_pallas
@@ -57,8 +56,7 @@ def moe_launch(
     tiles.setdefault("block_inner", fitted_tile(inner, block_inner))
     tiles.setdefault("block_out", fitted_tile(out_width, block_out))
     tiles.setdefault("block_k", fitted_tile(math.gcd(up.shape[1], inner), block_k))
-    params = pallas_compiler_params(num_warps=warps, num_stages=stages)
-    options = pallas_options(interpret, params)
+    options = pallas_options(interpret, None, warps, stages)
     if not options["interpret"] and min(tiles.values()) < TRITON_MIN_DOT:
         return None  # widths with no power-of-two tile Triton's dots take
     return {
