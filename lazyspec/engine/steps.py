@@ -225,33 +225,17 @@ def extend_step(
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
     row = jnp.where(real, batch.req_row, sentinel_row)
-    seq_len = pools.seq_len.at[row].set(batch.start_pos + batch.num_new, mode="drop")
     done_row = jnp.where(real & batch.is_last_chunk, batch.req_row, sentinel_row)
-    last_token = pools.last_token.at[done_row].set(token, mode="drop")
-    output_counts = _count_outputs(pools.output_counts, done_row, token[:, None])
-    drafts, mtp_kv = pools.drafts, pools.mtp_kv
-    new_drafts = jnp.zeros((num_rows, 0), jnp.int32)
+    drafting = None
     if static.spec:
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
-        live = real & batch.is_last_chunk
-        new_drafts, drafts, mtp_kv = _next_drafts(
-            fam, cfg, static, params, pools, hidden, next_tokens, inputs, last, live, done_row
-        )
-    new_pools = dataclasses.replace(
-        pools,
-        kv=kv,
-        mtp_kv=mtp_kv,
-        conv=conv,
-        ssm=ssm,
-        seq_len=seq_len,
-        last_token=last_token,
-        drafts=drafts,
-        req_to_token=table,
-        output_counts=output_counts,
-        vocab_mask=pools.vocab_mask,
-    )
+        drafting = (next_tokens, last, real & batch.is_last_chunk)
+    seq_len = batch.start_pos + batch.num_new
+    results = _RowResults(row, seq_len, done_row, token, token[:, None], drafting)
+    pools = dataclasses.replace(pools, kv=kv, conv=conv, ssm=ssm, req_to_token=table)
+    new_drafts, new_pools = _record_rows(fam, cfg, static, params, pools, hidden, inputs, results)
     with jax.named_scope("sampling"):
         top_values, top_ids = top_logprobs(logits[:, 0])
     with jax.named_scope("prompt_logprobs"):
@@ -269,6 +253,43 @@ def extend_step(
         "drafts": new_drafts,  # the next verify's drafts (grammar rows' masks need them)
     }
     return outputs, new_pools
+
+
+@dataclass
+class _RowResults:
+    """What a step leaves in its request rows' pools (``_record_rows``); rows at the drop
+    sentinel write nothing."""
+
+    len_row: jax.Array  # [B] the rows whose seq_len is written
+    seq_len: jax.Array  # [B] tokens each row covers after the step
+    token_row: jax.Array  # [B] the rows whose last token, output counts and drafts are written
+    last_token: jax.Array  # [B] each row's next input token
+    counted: jax.Array | None  # [B, T] tokens output (-1: none); None: the counts stay as they are
+    # with speculation, ``_next_drafts``' (next_tokens, pick, live); None: no drafting
+    drafting: tuple | None
+
+
+def _record_rows(
+    fam, cfg, static: StepStatic, params, pools: Pools, hidden, inputs, results: _RowResults
+) -> tuple[jax.Array, Pools]:
+    """The step's ``results`` written into its request rows, the one place both steps write
+    them: seq_len, last token, output counts and, drafting, the MTP head's KV and next
+    drafts (``_next_drafts`` over the step's ``hidden`` and ``inputs``). Returns (the next
+    drafts ``[B, S]``, ``[B, 0]`` without a chain; the pools, the others as given)."""
+    seq_len = pools.seq_len.at[results.len_row].set(results.seq_len, mode="drop")
+    token_row = results.token_row
+    last_token = pools.last_token.at[token_row].set(results.last_token, mode="drop")
+    counts = pools.output_counts
+    if results.counted is not None:
+        counts = _count_outputs(counts, token_row, results.counted)
+    pools = dataclasses.replace(pools, seq_len=seq_len, last_token=last_token, output_counts=counts)
+    if results.drafting is None:
+        return jnp.zeros((token_row.shape[0], 0), jnp.int32), pools
+    next_tokens, pick, live = results.drafting
+    chain, drafts, mtp_kv = _next_drafts(
+        fam, cfg, static, params, pools, hidden, next_tokens, inputs, pick, live, token_row
+    )
+    return chain, dataclasses.replace(pools, drafts=drafts, mtp_kv=mtp_kv)
 
 
 def _next_drafts(
@@ -537,36 +558,20 @@ def _decode_finish(
             conv, ssm = pools.conv, pools.ssm
         else:
             conv, ssm = commit_verify(static, pools, steps, batch, accept_len, pre, crossed)
-    sentinel_row = static.sentinel_row
-    dest = jnp.where(real, batch.req_row, sentinel_row)
-    rows = jnp.arange(num_rows)
-    bonus = out_tokens[rows, accept_len - 1]
-    seq_len = pools.seq_len.at[dest].set(post, mode="drop")
-    last_token = pools.last_token.at[dest].set(bonus, mode="drop")
-    output_counts = pools.output_counts  # a greedy batch's rows have no penalty to read them
-    if not batch.greedy:
-        output_counts = _count_outputs(output_counts, dest, out_tokens)
-    new_drafts, mtp_kv = pools.drafts, pools.mtp_kv
-    chain = jnp.zeros((num_rows, 0), jnp.int32)
+    dest = jnp.where(real, batch.req_row, static.sentinel_row)
+    bonus = out_tokens[jnp.arange(num_rows), accept_len - 1]
+    drafting = None
     if static.spec:
         next_tokens = jnp.where(out_tokens >= 0, out_tokens, 0)
         # with speculation off for this batch (``Layout.spec_max_batch``) the draft head's KV
         # still follows every token (only its K / V projections are live), so drafting
         # resumes where a later step speculates; that step's drafts are NO_DRAFT
-        pick = None if num_pos == 1 else accept_len - 1
-        chain, new_drafts, mtp_kv = _next_drafts(
-            fam, cfg, static, params, pools, hidden, next_tokens, inputs, pick, real, dest
-        )
-    new_pools = dataclasses.replace(
-        pools,
-        mtp_kv=mtp_kv,
-        conv=conv,
-        ssm=ssm,
-        seq_len=seq_len,
-        last_token=last_token,
-        drafts=new_drafts,
-        output_counts=output_counts,
-    )
+        drafting = (next_tokens, None if num_pos == 1 else accept_len - 1, real)
+    # a greedy batch's rows have no penalty to read their output counts
+    counted = None if batch.greedy else out_tokens
+    results = _RowResults(dest, post, dest, bonus, counted, drafting)
+    pools = dataclasses.replace(pools, conv=conv, ssm=ssm)
+    chain, new_pools = _record_rows(fam, cfg, static, params, pools, hidden, inputs, results)
     with jax.named_scope("sampling"):
         if batch.greedy:  # no row asked for them
             top_values = jnp.zeros((num_rows, num_pos, TOP_LOGPROBS), jnp.float32)
