@@ -90,7 +90,7 @@ class ProgramKey:
     rows: int = 0  # batch rows (the bucket; a decode bucket's as ``Layout.decode_rows``)
     tokens: int = 0  # extend: tokens a row; decode, forward, finish: positions a row
     greedy: bool = False  # the argmax-only form (``DecodeBatch.greedy``)
-    copy: int = 0  # which copy of the decode program (``runner.StepCalls``)
+    copy: int = 0  # which copy of the decode program (``step_calls.StepCalls``)
 
 
 def program_keys(
