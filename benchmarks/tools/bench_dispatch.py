@@ -270,12 +270,12 @@ def reference_rows(commands: int, calls: int, kinds: tuple[str, ...] = ("fusion"
 
 def decode_rows(model, args, batch: int) -> list[dict]:
     """The engine's widest decode step at ``batch`` requests, idle and chained, called as one
-    program and as two copies in turn (``runner.StepCalls``, the executables warm-up bound
+    program and as two copies in turn (``step_calls.StepCalls``, the executables warm-up bound
     to the engine's); each call hands the step its words through ``Runner._input``, as the
     engine's launch does."""
     import bench_engine as be
 
-    from lazyspec.engine.runner import StepCalls
+    from lazyspec.engine.step_calls import StepCalls
 
     engine_args = types.SimpleNamespace(
         moe_runner_backend="auto",
