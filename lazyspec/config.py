@@ -93,7 +93,8 @@ class EngineConfig:
     skip_warmup: bool = False
     # copies of each decode program, called in turn (1 or 2; None: 2 on GPU, else 1)
     decode_program_copies: int | None = None
-    # threads compiling the program table at start-up (None: the CPU count, at most 8)
+    # threads compiling the program table at start-up (None: the platform's default,
+    # ``warmup.table_threads``: two on a GPU, else the CPU count, at most 8)
     compile_threads: int | None = None
     # admission's estimate of future KV use (SGLang's flag): higher admits fewer requests
     schedule_conservativeness: float = 1.0

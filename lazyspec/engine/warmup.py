@@ -53,6 +53,16 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HITS = "/jax/compilation_cache/cache_hits"
 CACHE_MISSES = "/jax/compilation_cache/cache_misses"
 THREAD_NAME = "lazyspec-compile"
+# Threads compiling a program table where ``EngineConfig.compile_threads`` is unset, by
+# platform; elsewhere the CPU count, at most ``MAX_TABLE_THREADS``. On a GPU, compilations
+# side by side slow each other far more than they overlap: the 2.5 B preset's table on an
+# H100 spent ~8 s a program with eight threads (433 s for 52 programs, 189 s of wall time,
+# GEMM autotuning off) against ~1.5 s a program one at a time (81 s for 59). Two threads
+# let one program trace and lower (one at a time: ``LoweringGate``) while another compiles.
+# (benchmarks/log/2026-12-07-executable-store.md; the sweep over 1, 2, 4 and 8 threads is
+# ``ENGINE_STARTUP_THREADS`` in benchmarks/tools/device_checks.sh.)
+TABLE_THREADS = {"gpu": 2}
+MAX_TABLE_THREADS = 8
 # the step kinds in the order a batch of one size needs them
 _KIND_RANK = {kind: rank for rank, kind in enumerate((EXTEND, DECODE, FORWARD, FINISH))}
 
@@ -210,6 +220,15 @@ class LoweringGate:
                 self._cond.notify_all()
 
 
+def table_threads(platform: str | None) -> int:
+    """Threads compiling a program table on ``platform`` by default: its ``TABLE_THREADS``
+    entry, else this process's CPU count, at most ``MAX_TABLE_THREADS``."""
+    if platform in TABLE_THREADS:
+        return TABLE_THREADS[platform]
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return min(MAX_TABLE_THREADS, len(cpus) if cpus else os.cpu_count() or 1)
+
+
 class TableCompiler:
     """Compiles a program table in a thread pool, in ``order``; safe from any thread."""
 
@@ -219,25 +238,22 @@ class TableCompiler:
         order: Sequence[ProgramKey],
         first: frozenset[ProgramKey],
         num_threads: int | None = None,
-        max_threads: int = 8,
         bind: Callable[[ProgramKey, Any], None] | None = None,
         store: ExecutableStore | None = None,
     ) -> None:
         """``order``: the keys of ``programs`` as they are submitted; ``first``: the keys
-        that make the engine ready. ``num_threads``: default the CPU count, at most
-        ``max_threads`` (tracing holds the GIL, so more than a few gain little). ``bind``
+        that make the engine ready. ``num_threads``: default ``table_threads(None)`` (tracing
+        holds the GIL, so more than a few gain little). ``bind``
         is handed each program's executable as it is compiled (``Runner.bind``), before the
         program counts as compiled; ``store``: where executables are loaded from instead of
         compiled, and written once compiled (``executables``)."""
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         by_key = {program.key: program for program in programs}
         assert len(order) == len(by_key) and set(order) == set(by_key), "not the table's keys"
         self.order, self.first = tuple(order), first
         self._programs = by_key
         self._rank = {key: rank for rank, key in enumerate(self.order)}
         self._gate = LoweringGate()
-        num_cpus = len(cpus) if cpus else os.cpu_count() or 1
-        self.num_threads = num_threads or min(max_threads, num_cpus)
+        self.num_threads = num_threads or table_threads(None)
         self._futures: dict[ProgramKey, concurrent.futures.Future] = {}
         self._listener = CompileListener()
         self._lock = threading.Lock()
@@ -405,6 +421,7 @@ def compile_table(
     order = warm_order(runner.layout, keys)
     store = store_for_jax_cache(list(runner.sharding.mesh.devices.flat))
     table = runner.program_table()
+    num_threads = num_threads or table_threads(runner.sharding.platform)
     compiler = TableCompiler(table, order, first, num_threads, bind=runner.bind, store=store)
     compiler.start()
     runner.compiling = compiler

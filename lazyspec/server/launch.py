@@ -145,8 +145,8 @@ HELP = {
     "address alternates from step to step, and each of two copies sees the addresses of its "
     "own last call (BENCHMARKS.md, "
     "'The decode step's outputs in one buffer'). Costs one more compile per decode shape.",
-    "compile_threads": "Threads compiling the program table at start-up (default: the CPU "
-    "count, at most 8); they trace one program at a time and compile side by side.",
+    "compile_threads": "Threads compiling the program table at start-up (default: 2 on a GPU, "
+    "else the CPU count, at most 8); they trace one program at a time and compile side by side.",
     "schedule_conservativeness": "Admission's estimate of the new tokens running requests "
     "still produce, as a factor (higher admits fewer; a decode step short of KV retracts "
     "the requests with the least progress).",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import shutil
 import threading
 import time
@@ -15,8 +16,10 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import jax
+import pytest
 
 from lazyspec.config import EngineConfig
+from lazyspec.engine import warmup
 from lazyspec.engine.engine import Engine
 from lazyspec.engine.executables import STORE_DIR
 from lazyspec.engine.programs import (
@@ -38,6 +41,7 @@ from lazyspec.engine.warmup import (
     TableCompiler,
     compile_table,
     first_request_keys,
+    table_threads,
     warm_order,
 )
 from lazyspec.scheduler.layout import plan_memory
@@ -161,6 +165,31 @@ def test_the_table_lowers_one_program_at_a_time_and_compiles_side_by_side():
     compiler.join()
     assert compiler.status()["num_programs_compiled"] == len(keys)
     assert counts["most lowering"] == 1 and counts["most compiling"] > 1, counts
+
+
+def test_an_unset_thread_count_is_the_platforms(monkeypatch):
+    """``compile_table`` without a thread count takes the runner's platform's
+    ``TABLE_THREADS`` entry (two on a GPU); a platform without one, the CPU count at most
+    ``MAX_TABLE_THREADS``."""
+    assert table_threads("gpu") == 2
+    assert table_threads("cpu") == min(warmup.MAX_TABLE_THREADS, len(os.sched_getaffinity(0)))
+    engine = Engine(model=_model(), skip_warmup=True, **SETTINGS)
+    assert engine.runner.sharding.platform == "cpu"
+    monkeypatch.setitem(warmup.TABLE_THREADS, "cpu", 5)
+    made = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        made.append(args[3])  # TableCompiler(programs, order, first, num_threads, ...)
+        raise Recorded
+
+    monkeypatch.setattr(warmup, "TableCompiler", record)
+    for asked, want in ((None, 5), (3, 3)):
+        with pytest.raises(Recorded):
+            compile_table(engine.runner, num_threads=asked)
+        assert made.pop() == want
 
 
 def test_a_request_during_warmup_waits_for_its_programs():
