@@ -8,7 +8,11 @@
 # the preset's prefill rows at a few prefill chunks (PREFILL_CHUNKS, PREFILL_S seconds
 # each), each with its profile's device time by category (command buffers off, so that
 # kernels map to their scopes); MEMORY=1 prints the README server's programs' memory
-# analysis (program_memory.py, MEMORY_MOST programs). Serving needs fastapi, uvicorn,
+# analysis (program_memory.py, MEMORY_MOST programs); SERVING=1 runs device_serving.sh's
+# TTFT at concurrency 64 (SERVING_CASES, default "now"); SPEC=1 times NEXTN against plain
+# decode by batch size twice (bench_spec_batch.py, NEXTN also with SPEC_LIMIT as
+# speculative_disable_by_batch_size); PREFILL_TUNINGS runs each prefill chunk once per
+# kernel-tuning override (e.g. "default gdn.chunk_inverse=true"). Serving needs fastapi, uvicorn,
 # llguidance and jsonschema: where the machine lacks them, carry their wheels in .whl
 # (benchmarks/tools/serving_wheels.sh). Logs go to $OUT.
 set -uo pipefail
@@ -42,11 +46,25 @@ if [ "${ENGINE_STARTUP:-0}" = 1 ]; then  # the 2.5 B preset's engine: to ready, 
 fi
 if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurement
   for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
-      timeout "${PREFILL_S:-150}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
-      --prefill-lens 4096,32768 --prefill-chunk "$chunk" --profile "$out/prof" \
-      > "$out/prefill-$chunk.log" 2>&1
-    echo "prefill chunk $chunk rc=$?"; grep -E "^\| qwen3_next_moe" "$out/prefill-$chunk.log" | tail -2
+    for tuning in ${PREFILL_TUNINGS:-default}; do
+      extra=(); [ "$tuning" = default ] || extra=(--kernel-tuning "$tuning")
+      log="$out/prefill-$chunk-${tuning//[^a-z0-9_.=]/_}.log"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+        timeout "${PREFILL_S:-150}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
+        --prefill-lens 4096,32768 --prefill-chunk "$chunk" --profile "$out/prof-$chunk-$tuning" \
+        "${extra[@]}" > "$log" 2>&1
+      echo "prefill chunk $chunk, $tuning rc=$?"; grep -E "^\| qwen3_next_moe" "$log" | tail -2
+    done
+  done
+fi
+if [ "${SERVING:-0}" = 1 ]; then  # TTFT at concurrency 64 on the README server
+  CASES="${SERVING_CASES:-now}" timeout "${SERVING_S:-240}" bash benchmarks/tools/device_serving.sh
+fi
+if [ "${SPEC:-0}" = 1 ]; then  # where NEXTN stops winning, twice (a run is ~0.1 s a row)
+  for run in 1 2; do
+    timeout "${SPEC_S:-120}" python3 benchmarks/tools/bench_spec_batch.py --batches 1,4,8,16,64 \
+      --limit "${SPEC_LIMIT:-8}" --out "$out/spec-batch-$run.json" > "$out/spec-batch-$run.log" 2>&1
+    echo "spec by batch, run $run rc=$?"; grep -E "^\|" "$out/spec-batch-$run.log"
   done
 fi
 if [ "${MEMORY:-0}" = 1 ]; then  # what each served program holds beside the pools
