@@ -16,24 +16,18 @@ import numpy as np
 from lazyspec.engine.engine import Engine
 from lazyspec.scheduler.request import NO_SLOT
 from lazyspec.testing.state_oracle import TreeStateOracle, _prefix
-from lazyspec.testing.tiny_models import tiny_model
+from lazyspec.testing.tiny_models import small_engine, tiny_model
 
 INTERVAL = 16
 
 
 def _engine(model=None, **kw) -> Engine:
-    return Engine(
-        model=model or tiny_model(),
-        mamba_scheduler_strategy=kw.pop("strategy", "extra_buffer_lazy"),
-        mamba_track_interval=INTERVAL,
-        mamba_chunk_size=16,
-        chunked_prefill_size=64,
-        max_running_requests=kw.pop("max_running_requests", 4),
-        max_total_tokens=4096,
-        context_length=256,
-        skip_warmup=True,
-        **kw,
-    )
+    """``small_engine`` (its checkpoint interval ``INTERVAL``), lazy by default."""
+    strategy = kw.pop("strategy", "extra_buffer_lazy")
+    overlap = not kw.pop("disable_overlap_schedule", False)
+    engine = small_engine(model or tiny_model(), strategy, overlap, **kw)
+    assert engine.config.mamba_track_interval == INTERVAL
+    return engine
 
 
 def _prompt(seed: int, n: int = 40) -> list[int]:
