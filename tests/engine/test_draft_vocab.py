@@ -160,16 +160,13 @@ def test_id_outside_the_vocabulary_is_refused(tmp_path):
 TP2_RUN = """
 import json, sys
 import numpy as np
-from lazyspec.engine.engine import Engine
-from lazyspec.testing.tiny_models import reference_greedy, tiny_model
+from lazyspec.testing.tiny_models import reference_greedy, small_engine, tiny_model
 
 model = tiny_model("qwen3_next")
 prompts = json.loads(sys.argv[2])
-engine = Engine(
-    model=model, speculative_algorithm="NEXTN", speculative_num_steps=3, tp_size=2,
-    speculative_token_map=sys.argv[1], mamba_track_interval=16, mamba_chunk_size=16,
-    chunked_prefill_size=64, max_running_requests=2, max_total_tokens=4096,
-    context_length=256, skip_warmup=True,
+engine = small_engine(
+    model, "auto", spec=True, tp_size=2, speculative_token_map=sys.argv[1],
+    max_running_requests=2,
 )
 drafts, fetch = [], engine.runner.fetch
 engine.runner.fetch = lambda out: drafts.append(fetch(out)) or drafts[-1]
