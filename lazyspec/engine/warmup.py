@@ -54,7 +54,7 @@ CACHE_HITS = "/jax/compilation_cache/cache_hits"
 CACHE_MISSES = "/jax/compilation_cache/cache_misses"
 THREAD_NAME = "lazyspec-compile"
 # Threads compiling a program table where ``EngineConfig.compile_threads`` is unset, by
-# platform; elsewhere the CPU count, at most ``MAX_TABLE_THREADS``. On a GPU, compilations
+# platform; elsewhere the CPU count, at most eight (``table_threads``). On a GPU, compilations
 # side by side slow each other far more than they overlap: the 2.5 B preset's table on an
 # H100 spent ~8 s a program with eight threads (433 s for 52 programs, 189 s of wall time,
 # GEMM autotuning off) against ~1.5 s a program one at a time (81 s for 59). Two threads
@@ -62,7 +62,6 @@ THREAD_NAME = "lazyspec-compile"
 # (benchmarks/log/2026-12-07-executable-store.md; the sweep over 1, 2, 4 and 8 threads is
 # ``ENGINE_STARTUP_THREADS`` in benchmarks/tools/device_checks.sh.)
 TABLE_THREADS = {"gpu": 2}
-MAX_TABLE_THREADS = 8
 # the step kinds in the order a batch of one size needs them
 _KIND_RANK = {kind: rank for rank, kind in enumerate((EXTEND, DECODE, FORWARD, FINISH))}
 
@@ -220,13 +219,13 @@ class LoweringGate:
                 self._cond.notify_all()
 
 
-def table_threads(platform: str | None) -> int:
+def table_threads(platform: str | None, most: int = 8) -> int:
     """Threads compiling a program table on ``platform`` by default: its ``TABLE_THREADS``
-    entry, else this process's CPU count, at most ``MAX_TABLE_THREADS``."""
+    entry, else this process's CPU count, at most ``most``."""
     if platform in TABLE_THREADS:
         return TABLE_THREADS[platform]
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    return min(MAX_TABLE_THREADS, len(cpus) if cpus else os.cpu_count() or 1)
+    return min(most, len(cpus) if cpus else os.cpu_count() or 1)
 
 
 class TableCompiler:

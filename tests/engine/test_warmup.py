@@ -170,9 +170,9 @@ def test_the_table_lowers_one_program_at_a_time_and_compiles_side_by_side():
 def test_an_unset_thread_count_is_the_platforms(monkeypatch):
     """``compile_table`` without a thread count takes the runner's platform's
     ``TABLE_THREADS`` entry (two on a GPU); a platform without one, the CPU count at most
-    ``MAX_TABLE_THREADS``."""
+    eight."""
     assert table_threads("gpu") == 2
-    assert table_threads("cpu") == min(warmup.MAX_TABLE_THREADS, len(os.sched_getaffinity(0)))
+    assert table_threads("cpu") == min(8, len(os.sched_getaffinity(0)))
     engine = Engine(model=_model(), skip_warmup=True, **SETTINGS)
     assert engine.runner.sharding.platform == "cpu"
     monkeypatch.setitem(warmup.TABLE_THREADS, "cpu", 5)
