@@ -242,10 +242,10 @@ class TableCompiler:
     ) -> None:
         """``order``: the keys of ``programs`` as they are submitted; ``first``: the keys
         that make the engine ready. ``num_threads``: default ``table_threads(None)`` (tracing
-        holds the GIL, so more than a few gain little). ``bind``
-        is handed each program's executable as it is compiled (``Runner.bind``), before the
-        program counts as compiled; ``store``: where executables are loaded from instead of
-        compiled, and written once compiled (``executables``)."""
+        holds the GIL, so more than a few gain little). ``bind`` is handed each program's
+        executable as it is compiled (``Runner.bind``), before the program counts as
+        compiled; ``store``: where executables are loaded from instead of compiled, and
+        written once compiled (``executables``)."""
         by_key = {program.key: program for program in programs}
         assert len(order) == len(by_key) and set(order) == set(by_key), "not the table's keys"
         self.order, self.first = tuple(order), first
