@@ -225,13 +225,14 @@ def extend_step(
         logprob = token_logprobs(logits, token[:, None])[:, 0]
     sentinel_row = static.sentinel_row
     row = jnp.where(real, batch.req_row, sentinel_row)
-    done_row = jnp.where(real & batch.is_last_chunk, batch.req_row, sentinel_row)
+    done = real & batch.is_last_chunk  # rows whose prompt this step finishes
+    done_row = jnp.where(done, batch.req_row, sentinel_row)
     drafting = None
     if static.spec:
         next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, :1]], axis=1)
         tail = jnp.where(batch.is_last_chunk, token, batch.next_token)
         next_tokens = jnp.where(t_idx == last[:, None], tail[:, None], next_tokens)
-        drafting = (next_tokens, last, real & batch.is_last_chunk)
+        drafting = (next_tokens, last, done)
     seq_len = batch.start_pos + batch.num_new
     results = _RowResults(row, seq_len, done_row, token, token[:, None], drafting)
     pools = dataclasses.replace(pools, kv=kv, conv=conv, ssm=ssm, req_to_token=table)
