@@ -3,6 +3,7 @@ tolerance rule, and the comparisons."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -89,6 +90,29 @@ def launch_compiled(monkeypatch, dispatch_module) -> None:
     that traces (never runs) what its dispatch chooses there."""
     compiled = {"interpret": False, "compiler_params": pallas_compiler_params("gpu")}
     monkeypatch.setattr(dispatch_module, "pallas_options", lambda *a, **k: dict(compiled))
+
+
+def as_one_program(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` traced and compiled as one program on each call, as the engine's steps run the
+    kernels: its ``jax.Array`` arguments (at any depth of a pytree) are the program's
+    inputs, every other value (numpy arrays, numbers, tiles, tunings) is fixed in it. Run op
+    by op instead, each small op of a kernel's wrapper and of its interpreted body compiles
+    on its own, which costs a few times the one program's compilation on the CPU."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        dynamic = [isinstance(leaf, jax.Array) for leaf in leaves]
+
+        def program(arrays):
+            given = iter(arrays)
+            full = [next(given) if is_array else leaf for leaf, is_array in zip(leaves, dynamic)]
+            inner_args, inner_kwargs = jax.tree.unflatten(tree, full)
+            return fn(*inner_args, **inner_kwargs)
+
+        return jax.jit(program)([leaf for leaf, is_array in zip(leaves, dynamic) if is_array])
+
+    return call
 
 
 def normal(rng, *shape) -> np.ndarray:

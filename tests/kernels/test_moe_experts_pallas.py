@@ -22,7 +22,14 @@ from lazyspec.models.layers import moe, relu2_moe
 from lazyspec.models.layers.linear import linear
 from lazyspec.models.plan import init_plan
 from lazyspec.testing.routing import expert_picks, picks_differ, router_picks
-from tests.kernels.kernel_checks import INTERPRET, assert_close, dot_tile, launch_names, tolerance
+from tests.kernels.kernel_checks import (
+    INTERPRET,
+    as_one_program,
+    assert_close,
+    dot_tile,
+    launch_names,
+    tolerance,
+)
 
 pytestmark = pytest.mark.pallas
 
@@ -39,6 +46,12 @@ SMALL_TILES = {
     "block_k": dot_tile(8),
     "interpret": INTERPRET,
 }
+# The kernel and the groupings as the engine's steps run them, each call one program
+# (``as_one_program``); tests that read a call's jaxpr trace the functions themselves.
+moe_experts_pallas = as_one_program(me.moe_experts_pallas)
+group_pairs = as_one_program(moe_grouping.group_pairs)
+group_tokens = as_one_program(moe_grouping.group_tokens)
+route_tokens = as_one_program(moe_routing.route_tokens)
 
 
 def routing(rng, num_tokens, top_k, num_experts, skewed):
@@ -60,6 +73,7 @@ def expert_stacks(rng, num_experts, dtype, gated):
     return up, down, normal(num_experts, WIDTH, INNER) if gated else None
 
 
+@as_one_program
 def reference(x, weights, ids, up, down, gate):
     """``grouped_experts`` with the layers' own SwiGLU / relu^2 expert functions, its float32
     dots in full precision (``conftest.py``; on GPUs XLA's default is TF32, up to 8e-4 off the
@@ -99,11 +113,12 @@ def test_moe_experts_pallas_matches_grouped_experts(case):
     up, down, gate = expert_stacks(rng, num_experts, dtype, gated)
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
     want = reference(x, weights, ids, up, down, gate)
-    got = me.moe_experts_pallas(x, weights, ids, up, down, gate, **SMALL_TILES)
+    got = moe_experts_pallas(x, weights, ids, up, down, gate, **SMALL_TILES)
     assert got.dtype == jnp.float32
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "routed experts")
 
 
+@as_one_program
 def shared_reference(x, shared: moe_plan.SharedExpert):
     """``weight[n] * shared_expert(x[n])`` in float32 at full precision (``conftest.py``)."""
     dot = lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))  # noqa: E731
@@ -143,10 +158,10 @@ def test_shared_expert_runs_as_one_more_expert_pallas(case):
     x = jnp.asarray(rng.standard_normal((num_tokens, WIDTH)), jnp.float32).astype(dtype)
     want = reference(x, weights, ids, up, down, gate) + shared_reference(x, shared)
     tiles = dict(SMALL_TILES)
-    got = me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=shared, **tiles)
+    got = moe_experts_pallas(x, weights, ids, up, down, gate, shared=shared, **tiles)
     assert_close(got, want, FP32_TOL if dtype == jnp.float32 else BF16_TOL, "with shared")
     # the shared part is really there: without it the sum differs by about its size
-    alone = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
+    alone = moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
     gap = float(jnp.max(jnp.abs(got - alone - shared_reference(x, shared))))
     assert gap <= BF16_TOL * float(jnp.max(jnp.abs(want))), gap
 
@@ -160,11 +175,11 @@ def test_down_launch_takes_its_own_chunk_pallas():
     up, down, gate = expert_stacks(rng, 8, jnp.float32, True)
     x = jnp.asarray(rng.standard_normal((3, WIDTH)), jnp.float32)
     tiles = dict(SMALL_TILES)
-    want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
-    got = me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER)
+    want = moe_experts_pallas(x, weights, ids, up, down, gate, **tiles)
+    got = moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER)
     assert_close(got, want, FP32_TOL, "down chunk")
     with pytest.raises(ValueError, match="block_k"):
-        me.moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER - 1)
+        moe_experts_pallas(x, weights, ids, up, down, gate, **tiles, block_k_down=INNER - 1)
 
 
 def test_shared_expert_of_other_widths_is_refused_pallas():
@@ -176,10 +191,10 @@ def test_shared_expert_of_other_widths_is_refused_pallas():
         up=jnp.zeros((WIDTH, 2 * INNER)), down=down[0], gate=gate[0], weight=jnp.ones(2)
     )
     with pytest.raises(ValueError, match="shared up"):
-        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=wide, interpret=INTERPRET)
+        moe_experts_pallas(x, weights, ids, up, down, gate, shared=wide, interpret=INTERPRET)
     ungated = moe_plan.SharedExpert(up=up[0], down=down[0], gate=None, weight=jnp.ones(2))
     with pytest.raises(ValueError, match="has a gate exactly when"):
-        me.moe_experts_pallas(x, weights, ids, up, down, gate, shared=ungated, interpret=INTERPRET)
+        moe_experts_pallas(x, weights, ids, up, down, gate, shared=ungated, interpret=INTERPRET)
 
 
 def test_grouping_gives_only_routed_experts_their_tiles_pallas():
@@ -190,7 +205,7 @@ def test_grouping_gives_only_routed_experts_their_tiles_pallas():
     block_rows = 4
     for num_tokens, top_k, num_experts, skewed in ((5, 3, 16, False), (9, 2, 8, True)):
         weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
-        tiles = moe_grouping.group_pairs(weights, ids, num_experts, block_rows)
+        tiles = group_pairs(weights, ids, num_experts, block_rows)
         counts = np.bincount(np.asarray(ids).ravel(), minlength=num_experts)
         want = np.repeat(np.arange(num_experts), -(-counts // block_rows))
         bound = moe_grouping.max_tiles(num_tokens * top_k, num_experts, block_rows)
@@ -231,7 +246,7 @@ def test_pairs_outside_the_stacks_are_dropped_pallas():
         mine = (local >= 0) & (local < per)
         assert bool(mine.any()) and not bool(mine.all())
         got = kernel(x, weights, local, up[block], down[block], gate[block])
-        tiles = moe_grouping.group_pairs(weights, local, per, 4)
+        tiles = group_pairs(weights, local, per, 4)
         counts = np.bincount(np.asarray(local)[np.asarray(mine)], minlength=per)
         used = int((np.asarray(tiles.tile_expert) != moe_grouping.UNUSED_TILE).sum())
         assert used == int((-(-counts // 4)).sum())  # tiles for this shard's pairs only
@@ -250,7 +265,7 @@ def test_unrouted_experts_may_hold_nan_pallas():
     assert len(unrouted) >= 2
     want = reference(jnp.ones((3, WIDTH)), weights, ids, up, down, gate)
     up, down, gate = (a.at[unrouted].set(jnp.nan) for a in (up, down, gate))
-    got = me.moe_experts_pallas(
+    got = moe_experts_pallas(
         jnp.ones((3, WIDTH)), weights, ids, up, down, gate, interpret=INTERPRET
     )
     assert_close(got, want, FP32_TOL, "routed experts beside NaN experts")
@@ -268,6 +283,7 @@ def test_dispatch_runs_the_kernel_in_pieces_of_its_token_limit_pallas():
     limit, num_tokens, num_experts = 12, 29, 8
     tuning = Tuning().with_overrides({"moe.kernel_max_tokens": limit})
     kernel = backend.kernels_for("pallas", "cpu", tuning=tuning).moe_experts
+    run_kernel = as_one_program(kernel)
     rng = np.random.default_rng(14)
     up, down, gate = expert_stacks(rng, num_experts, jnp.float32, True)
     weights, ids = routing(rng, num_tokens, 2, num_experts, False)
@@ -284,7 +300,7 @@ def test_dispatch_runs_the_kernel_in_pieces_of_its_token_limit_pallas():
 
     want = reference(x, weights, ids, up, down, gate)
     for extra, add in (({}, 0.0), ({"shared": shared}, shared_reference(x, shared))):
-        got = kernel(x, weights, ids, up, down, gate, xla_form=no_xla, routing=ignored, **extra)
+        got = run_kernel(x, weights, ids, up, down, gate, xla_form=no_xla, routing=ignored, **extra)
         assert_close(got, want + add, FP32_TOL, f"routed experts in pieces {sorted(extra)}")
 
     def launches(n: int) -> list[str]:
@@ -353,6 +369,7 @@ def test_moe_layers_with_kernel_match_xla_pallas():
     """Both MoE layers (SwiGLU with shared expert; relu^2 with latent projections and grouped
     routing) give the same output through the kernel as through grouped_experts."""
     kernel = backend.kernels_for("pallas", "cpu").moe_experts
+    sparse_moe, relu2_sparse_moe = map(as_one_program, (moe.sparse_moe, relu2_moe.sparse_moe))
     x = jnp.asarray(np.random.default_rng(15).standard_normal((2, 3, WIDTH)), jnp.float32)
     # a shared expert of another width runs as its own MLP; of the routed experts' width in
     # the kernel's launches (``fused_shared_expert``)
@@ -366,15 +383,15 @@ def test_moe_layers_with_kernel_match_xla_pallas():
         many = jnp.ones(moe.FUSE_SHARED_MAX_TOKENS + 1)
         assert moe.fused_shared_expert(params, kernel, many) is None
         assert_close(
-            moe.sparse_moe(params, spec, x, kernel), moe.sparse_moe(params, spec, x), 1e-5, "swiglu"
+            sparse_moe(params, spec, x, kernel), sparse_moe(params, spec, x), 1e-5, "swiglu"
         )
     spec = relu2_moe.MoESpec(8, 2, INNER, 24, 16, 2, 1, True, 2.5)
     params = init_plan(
         relu2_moe.moe_plan("mixer", WIDTH, spec, False), jax.random.key(1), jnp.float32, 0.3
     )
     assert_close(
-        relu2_moe.sparse_moe(params, spec, x, kernel),
-        relu2_moe.sparse_moe(params, spec, x),
+        relu2_sparse_moe(params, spec, x, kernel),
+        relu2_sparse_moe(params, spec, x),
         1e-5,
         "relu2 latent",
     )
@@ -506,7 +523,7 @@ def test_both_grouping_forms_give_the_same_tiles_pallas():
             mine = int(jnp.sum(local >= 0))
             assert 0 < mine <= local.size and (shift == 0) == (mine == local.size)
             forms = [
-                moe_grouping.group_pairs(weights, local, num_experts - shift, 4, compare=c)
+                group_pairs(weights, local, num_experts - shift, 4, compare=c)
                 for c in (True, False)
             ]
             for got, want in zip(jax.tree.leaves(forms[0]), jax.tree.leaves(forms[1])):
@@ -527,9 +544,7 @@ def test_token_rows_grouping_gives_each_routed_expert_one_tile_pallas():
         weights, ids = routing(rng, num_tokens, top_k, num_experts, skewed)
         local = np.asarray(ids) - shift
         mine = (local >= 0) & (local < num_experts - shift)
-        tiles = moe_grouping.group_tokens(
-            weights, jnp.asarray(local), num_experts - shift, block_rows
-        )
+        tiles = group_tokens(weights, jnp.asarray(local), num_experts - shift, block_rows)
         tile_expert = np.asarray(tiles.tile_expert)
         assert tile_expert.shape == (num_tokens * top_k,)
         used = tile_expert[tile_expert != moe_grouping.UNUSED_TILE]
@@ -648,11 +663,11 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
     shared_weight = jax.nn.sigmoid(gate_logit) if with_shared else None
     block_rows = 16
     routing = moe_routing.TokenRouting(logits, top_k, norm, real)
-    tiles = moe_routing.route_tokens(routing, shared_weight, block_rows, interpret=INTERPRET)
+    tiles = route_tokens(routing, shared_weight, block_rows, interpret=INTERPRET)
     if with_shared:  # the gate's logit and sigmoid computed in the program: the same tables
         by_gate = dataclasses.replace(routing, shared_gate=shared_gate)
         unused = jnp.zeros(num_tokens)
-        also = moe_routing.route_tokens(by_gate, unused, block_rows, interpret=INTERPRET, x=tokens)
+        also = route_tokens(by_gate, unused, block_rows, interpret=INTERPRET, x=tokens)
         for got, want in zip(jax.tree.leaves(also), jax.tree.leaves(tiles)):
             if jnp.issubdtype(want.dtype, jnp.integer):  # the picks: the same
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -679,11 +694,11 @@ def test_route_tokens_picks_the_routers_experts_pallas(case, top_k_form, monkeyp
         s_up, s_down, s_gate = expert_stacks(rng, 1, jnp.float32, True)
         extra["shared"] = moe_plan.SharedExpert(s_up[0], s_down[0], s_gate[0], shared_weight)
     tile_args = dict(SMALL_TILES)
-    want = me.moe_experts_pallas(x, weights, ids, up, down, gate, **extra, **tile_args)
+    want = moe_experts_pallas(x, weights, ids, up, down, gate, **extra, **tile_args)
     extra["routing"] = routing
-    got = me.moe_experts_pallas(x, None, None, up, down, gate, **extra, **tile_args)
+    got = moe_experts_pallas(x, None, None, up, down, gate, **extra, **tile_args)
     assert_close(got, want, FP32_TOL, "routed by logits")
-    in_up = me.moe_experts_pallas(
+    in_up = moe_experts_pallas(
         x, None, None, up, down, gate, **extra, **tile_args, route_in_up=True
     )
     np.testing.assert_array_equal(np.asarray(in_up), np.asarray(got))
@@ -709,7 +724,7 @@ def test_routing_in_the_up_launch_saves_a_launch_pallas(max_tokens):
         )
         jaxpr = jax.make_jaxpr(lambda x: run(x, None, None, up, down, gate))(x).jaxpr
         names = launch_names(jaxpr.eqns)
-        return names, run(x, None, None, up, down, gate)
+        return names, as_one_program(run)(x, None, None, up, down, gate)
 
     names, separate = launches(False)
     assert names == ["moe_route", "moe_experts_up", "moe_experts_down"], names
@@ -764,15 +779,16 @@ def test_down_product_in_the_up_launch_pallas(case):
     if by_logits:
         extra.update(routing=moe_routing.TokenRouting(logits, top_k, True), route_in_up=True)
     run = functools.partial(me.moe_experts_pallas, **extra)
+    one = as_one_program(run)
     tol = FP32_TOL if dtype == jnp.float32 else BF16_TOL
-    fused = run(x, weights, ids, up, down, gate, down_in_up=True)
+    fused = one(x, weights, ids, up, down, gate, down_in_up=True)
     assert_close(fused, want, tol, "down product in the up launch")
-    two = run(x, weights, ids, up, down, gate)
+    two = one(x, weights, ids, up, down, gate)
     np.testing.assert_allclose(np.asarray(fused), np.asarray(two), rtol=0, atol=1e-5)
     if by_logits:  # a program per token's pair: the same partials, fewer of them
         pairs = top_k + with_shared
         options = {"down_in_up": True, "pair_grid": True}
-        by_pair = run(x, weights, ids, up, down, gate, **options)
+        by_pair = one(x, weights, ids, up, down, gate, **options)
         np.testing.assert_allclose(np.asarray(by_pair), np.asarray(fused), rtol=0, atol=1e-6)
         jaxpr = jax.make_jaxpr(lambda x, o=options: run(x, weights, ids, up, down, gate, **o))
         (call,) = [e for e in jaxpr(x).jaxpr.eqns if e.primitive.name == "pallas_call"]
@@ -789,18 +805,18 @@ def test_route_tokens_checks_its_inputs_pallas():
     up, down, gate = expert_stacks(np.random.default_rng(36), 8, jnp.float32, True)
     wrong = moe_routing.TokenRouting(jnp.zeros((2, 7)), 2, True)
     with pytest.raises(ValueError, match="routing logits"):
-        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=INTERPRET)
+        moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=INTERPRET)
     wrong = moe_routing.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH + 1))
     with pytest.raises(ValueError, match="routing shared_gate"):
-        me.moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=INTERPRET)
+        moe_experts_pallas(x, None, None, up, down, gate, routing=wrong, interpret=INTERPRET)
     by_gate = moe_routing.TokenRouting(jnp.zeros((2, 8)), 2, True, shared_gate=jnp.zeros(WIDTH))
     with pytest.raises(ValueError, match="for the shared gate"):
-        moe_routing.route_tokens(by_gate, jnp.zeros(2), 16, interpret=INTERPRET)  # no x
+        route_tokens(by_gate, jnp.zeros(2), 16, interpret=INTERPRET)  # no x
     with pytest.raises(ValueError, match="top_k"):
-        moe_routing.route_tokens(
+        route_tokens(
             moe_routing.TokenRouting(jnp.zeros((2, 8)), 9, True), None, 16, interpret=INTERPRET
         )
     with pytest.raises(ValueError, match="at most block_rows"):
-        moe_routing.route_tokens(
+        route_tokens(
             moe_routing.TokenRouting(jnp.zeros((9, 8)), 2, True), None, 8, interpret=INTERPRET
         )

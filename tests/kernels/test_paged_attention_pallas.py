@@ -11,7 +11,7 @@ from lazyspec.kernels import backend, common
 from lazyspec.kernels.attention import paged as pa
 from lazyspec.kernels.attention.inputs import PagedInputs
 from lazyspec.kernels.tuning import Tuning
-from tests.kernels.kernel_checks import INTERPRET, assert_close, tolerance
+from tests.kernels.kernel_checks import INTERPRET, as_one_program, assert_close, tolerance
 
 pytestmark = pytest.mark.pallas
 
@@ -55,12 +55,19 @@ def paged_inputs(case, table: str = "token_table", q=None) -> PagedInputs:
     return PagedInputs(q, *pools, case[table], case["ctx_len"], case["positions"])
 
 
+# The kernel and the jnp form as the engine's steps run them, each call one program
+# (``as_one_program``); the tests that read a call's jaxpr, and those that compare a gated
+# output bit for bit with an op-by-op gating, call the forms themselves.
+paged_attention = as_one_program(pa.paged_attention)
+paged_attention_reference = as_one_program(pa.paged_attention_reference)
+
+
 def run_both(case, **tiles):
     """(kernel on the poisoned table, jnp form on the clean one, mask of real queries)."""
     scale = case["q"].shape[-1] ** -0.5
     plan = pa.PagedPlan(**tiles)
-    got = pa.paged_attention(paged_inputs(case), scale, plan=plan, interpret=INTERPRET)
-    want = pa.paged_attention_reference(paged_inputs(case, "clean_table"), scale)
+    got = paged_attention(paged_inputs(case), scale, plan=plan, interpret=INTERPRET)
+    want = paged_attention_reference(paged_inputs(case, "clean_table"), scale)
     real = np.asarray(case["positions"] >= 0)
     return got, want, real
 
@@ -173,10 +180,10 @@ def test_kv_head_reads_one_pool_head_for_part_of_its_group_pallas():
     rng = np.random.default_rng(7)
     case = attention_case(rng, 2, 3, 8, 2, 64, [30, 9], jnp.float32)
     scale = 64**-0.5
-    want = np.asarray(pa.paged_attention_reference(paged_inputs(case, "clean_table"), scale))
+    want = np.asarray(paged_attention_reference(paged_inputs(case, "clean_table"), scale))
     real = np.asarray(case["positions"] >= 0)
     for kv_head, heads in ((0, slice(1, 2)), (1, slice(6, 8))):
-        got = pa.paged_attention(
+        got = paged_attention(
             paged_inputs(case, q=case["q"][:, :, heads]),
             scale,
             plan=pa.PagedPlan(kv_head=kv_head, block_kv=16),
@@ -216,8 +223,8 @@ def test_kernels_record_has_attention_where_pallas_runs_pallas():
     case = attention_case(rng, 2, 1, 4, 2, 64, [9, 4], jnp.float32)
     scale = 64**-0.5
     inputs = paged_inputs(case, "clean_table")
-    got = backend.kernels_for("pallas", "cpu").paged_attention(inputs, scale)
-    want = pa.paged_attention_reference(inputs, scale)
+    got = as_one_program(backend.kernels_for("pallas", "cpu").paged_attention)(inputs, scale)
+    want = paged_attention_reference(inputs, scale)
     assert_close(got, want, FP32_TOL, "dispatch")
 
 
@@ -288,7 +295,7 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
         gate = jnp.asarray(rng.standard_normal(case["q"].shape), jnp.float32)
 
     def attend(active):
-        return pa.paged_attention(
+        return paged_attention(
             paged_inputs(case),
             0.1,
             gate=gate,
@@ -298,7 +305,7 @@ def test_merging_only_the_active_splits_gives_the_same_output_pallas(case_args, 
 
     got, every = np.asarray(attend(True)), np.asarray(attend(False))
     np.testing.assert_array_equal(got, every)
-    want = pa.paged_attention_reference(paged_inputs(case, "clean_table"), 0.1, gate=gate)
+    want = paged_attention_reference(paged_inputs(case, "clean_table"), 0.1, gate=gate)
     real = np.asarray(case["positions"] >= 0)
     assert_close(got[real], np.asarray(want)[real], FP32_TOL, "active splits")
 

@@ -20,7 +20,7 @@ from lazyspec.models.interface import ForwardInputs, PoolRows, PoolView, StateRo
 from lazyspec.models.layers.norms import residual_rms_norm
 from lazyspec.models.model import empty_caches
 from lazyspec.testing.tiny_models import tiny_model
-from tests.kernels.kernel_checks import launch_names
+from tests.kernels.kernel_checks import as_one_program, launch_names
 
 WIDTH, CONTEXT, SLOTS = 4, 8, 6
 
@@ -102,7 +102,9 @@ def test_forward_calls_the_state_update_it_is_given(family):
     kernels = dataclasses.replace(XLA_KERNELS, gdn_state_update=update, mamba2_state_update=update)
     rec = PoolView(conv_pool=pools.conv, ssm_pool=pools.ssm, slot=jnp.asarray([3, 1], jnp.int32))
     inputs = _verify_inputs(rng, cfg.vocab_size, [WIDTH, 2])
-    model.family.forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
+    # one program, as a step runs it: op by op, each of its small ops compiles on its own
+    forward = as_one_program(model.family.forward)
+    forward(model.params, cfg, inputs, kv, rec, mode="verify", kernels=kernels)
     num_rec = len(cfg.recurrent_layer_ids)
     assert calls == [("verify", layer, SLOTS + 1) for layer in range(num_rec)]
 
