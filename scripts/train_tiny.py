@@ -104,7 +104,7 @@ class TrainResult:
 
 def _backend_choices(args: argparse.Namespace):
     """(compute dtype, GDN form): "auto" = bf16 + chunked on accelerators, fp32 + scan on
-    CPU (see ``training.py`` on jaxlib's CPU triangular-solve deadlock)."""
+    CPU."""
     import jax
     import jax.numpy as jnp
 

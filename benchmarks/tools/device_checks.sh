@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one device call, in order of importance: the kernel tests compiled
-# (`pytest -k pallas`), the README server's start-up cold and warm (to /health 200), then
+# with the GDN chunked form's (`pytest -k "pallas or gdn_chunked"`), the README server's
+# start-up cold and warm (to /health 200), then
 # (COMPARE=1) one before/after bench_engine row against a checkout in .old
 # (compare_trees.sh); STARTUP=0 skips the start-up check; ENGINE_STARTUP=1 times
 # bench_engine's qwen3_next_moe engine to ready and to its whole table (once per count of
@@ -24,7 +25,7 @@ if [ -d .whl ]; then
 fi
 ln -sfn ../kernels lazyspec/kernels  # lazyspec.kernels without an install
 start=$(date +%s)
-timeout "${PALLAS_S:-240}" python3 -m pytest tests/kernels -k pallas -q -rf -n 8 \
+timeout "${PALLAS_S:-240}" python3 -m pytest tests/kernels -k "pallas or gdn_chunked" -q -rf -n 8 \
   -p no:cacheprovider --durations=10 > "$out/pallas.log" 2>&1
 echo "pallas rc=$? in $(( $(date +%s) - start )) s"
 grep -E "passed|failed" "$out/pallas.log" | tail -2

@@ -4,9 +4,7 @@ The forward runs whole sequences ``[B, T]`` from empty states with no cache mach
 chunked GDN form (``layers/gdn.py``, form ``"chunked"``) and dense causal attention. It
 computes the same function as ``qwen3_next.reference_forward`` (the token-by-token oracle),
 only faster, and is differentiable end to end. ``gdn_form="scan"`` runs the token-by-token
-GDN instead: on jaxlib 0.10's CPU backend two concurrent batched triangular solves (the
-chunked form issues two per layer) can deadlock the 2-thread intra-op pool (LAPACK batches
-are fanned out to the same pool and waited on), so CPU training runs use the scan.
+GDN instead (CPU training runs' default, ``scripts/train_tiny.py``).
 
 The MTP loss trains the head exactly as the engine runs it (``qwen3_next.mtp_forward``):
 the head's input at position t combines the target's hidden stream at t (before the final

@@ -5,8 +5,9 @@ its profile (the device step's span).
 It is also the regression run of a hang: every tensor-parallel step of more than one
 request row at these shapes used to stop forever inside jaxlib's CPU triangular solve (the
 chunked GDN prefill), which splits its batch over the thread pool both devices' programs
-run on (``kernels/gdn/chunked.solve_unit_lower``). A subprocess with a timeout, so a hang
-fails the test.
+run on (the chunked form now inverts its systems with batched products instead:
+``kernels/gdn/chunked.invert_unit_lower``). A subprocess with a timeout, so a hang fails
+the test.
 """
 
 from __future__ import annotations
