@@ -62,14 +62,22 @@ def prefill_flops(params: Any, cfg: Any, num_tokens: int) -> PrefillFlops:
     return PrefillFlops(weights=weights, attention=attention, recurrent=recurrent)
 
 
-def matmul_peak(size: int = 8192, iters: int = 20, warmup: int = 3) -> float:
+def matmul_peak(size: int = 8192, iters: int = 50, warmup_s: float = 1.0) -> float:
     """FLOP/s of a jitted ``size``-cubed bf16 product (float32 accumulation) on random
-    data: the compute floor's rate, measured where the prefill runs."""
+    data: the compute floor's rate, measured where the prefill runs. The median of
+    ``iters`` products after ``warmup_s`` seconds of them, long enough for a GPU's clocks
+    to settle under load: after three warm-up products (a few ms), H100 readings ranged
+    from 494 to 693 TFLOP/s between processes (benchmarks/log/2026-12-08-h100-kernel-
+    tests-and-gdn-inverse.md)."""
     keys = jax.random.split(jax.random.key(0), 2)
     a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys)
     product = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    seconds = time_calls(lambda: product(a, b).block_until_ready(), iters, warmup)
-    return 2.0 * size**3 / seconds
+    run = lambda: product(a, b).block_until_ready()  # noqa: E731
+    run()  # compiles
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        run()
+    return 2.0 * size**3 / time_calls(run, iters, warmup=0)
 
 
 def _median_seconds(prepare: Callable[[], Callable[[], object]], repeats: int) -> float:
