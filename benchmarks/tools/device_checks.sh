@@ -49,10 +49,11 @@ if [ "${PREFILL:-0}" = 1 ]; then  # the accelerator's prefill chunk, by measurem
   for chunk in ${PREFILL_CHUNKS:-512 2048 8192}; do
     for tuning in ${PREFILL_TUNINGS:-default}; do
       extra=(); [ "$tuning" = default ] || extra=(--kernel-tuning "$tuning")
-      log="$out/prefill-$chunk-${tuning//[^a-z0-9_.=]/_}.log"
+      name="${tuning//[^a-z0-9_.]/_}"  # letters, digits, . and _: what comes back from $OUT
+      log="$out/prefill-$chunk-$name.log"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
         timeout "${PREFILL_S:-150}" python3 scripts/bench_engine.py --preset qwen3_next_moe \
-        --prefill-lens 4096,32768 --prefill-chunk "$chunk" --profile "$out/prof-$chunk-$tuning" \
+        --prefill-lens 4096,32768 --prefill-chunk "$chunk" --profile "$out/prof-$chunk-$name" \
         "${extra[@]}" > "$log" 2>&1
       echo "prefill chunk $chunk, $tuning rc=$?"; grep -E "^\| qwen3_next_moe" "$log" | tail -2
     done
